@@ -1,0 +1,30 @@
+# Every target creates/reuses the local virtual environment .venv; nothing is installed by hand.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test test-fast demo bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+demo: $(STAMP)
+	$(PY) -m trainers.demo
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

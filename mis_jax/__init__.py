@@ -1,0 +1,25 @@
+"""mis_jax: rollout correction (TIS/MIS, rejection sampling, veto, decoupled PPO) in pure JAX.
+
+Pure, jittable functions over packed sequences; see README.md and SPEC §1–10.
+"""
+
+from mis_jax._advantages import ESTIMATORS, compute_advantages, sequence_to_tokens
+from mis_jax._config import (DENOMINATORS, KL_TYPES, LEVELS, LOSS_AGG_MODES, TIS_MODES, ConfigError,
+                             LossConfig, MISConfig, resolve_correction_fn)
+from mis_jax._flags import add_loss_flags, loss_config_from_args
+from mis_jax._losses import (Denominators, aggregate, kl_penalty, loss_denominators, policy_loss,
+                             ppo_token_loss, prepare_step)
+from mis_jax._packing import PackedBatch, Packing, plan_packing, split_microbatches
+from mis_jax._segments import LOG_BOUND, Segments
+from mis_jax._weights import compute_mis_weights, vanilla_tis_weights
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ConfigError", "DENOMINATORS", "Denominators", "ESTIMATORS", "KL_TYPES", "LEVELS",
+    "LOG_BOUND", "LOSS_AGG_MODES", "LossConfig", "MISConfig", "PackedBatch", "Packing",
+    "Segments", "TIS_MODES", "add_loss_flags", "aggregate", "compute_advantages",
+    "compute_mis_weights", "kl_penalty", "loss_config_from_args", "loss_denominators",
+    "plan_packing", "policy_loss", "ppo_token_loss", "prepare_step", "resolve_correction_fn",
+    "sequence_to_tokens", "split_microbatches", "vanilla_tis_weights",
+]

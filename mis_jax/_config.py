@@ -1,0 +1,308 @@
+"""Frozen, validated configuration: the MIS YAML file (SPEC §9) and the loss knobs.
+
+Everything here runs in Python, once, before anything is traced. Errors name the file
+(when there is one), the key and the allowed values, and suggest the closest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib
+import math
+import os
+from typing import Any, Callable, Mapping
+
+import yaml
+
+LEVELS = ("token", "sequence", "geometric")
+TIS_MODES = ("truncate", "clip", "mask", "none")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+DENOMINATORS = ("kept", "original")
+KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+
+
+class ConfigError(ValueError):
+  """A configuration value is invalid. The message names the source, key and value."""
+
+
+def _where(source: str | None, key: str) -> str:
+  return f"{source}: key '{key}'" if source else f"key '{key}'"
+
+
+def _closest(key: str, valid) -> str:
+  match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+  return f" Did you mean '{match[0]}'?" if match else ""
+
+
+def _as_float(value: Any, key: str, source: str | None, *, allow_none: bool) -> float | None:
+  """Accepts ints, floats and numeric strings (YAML 1.1 reads ``1e-4`` as a string)."""
+  if value is None:
+    if allow_none:
+      return None
+    raise ConfigError(f"{_where(source, key)} must be a number, got null")
+  if isinstance(value, bool):
+    raise ConfigError(f"{_where(source, key)} must be a number, got the boolean {value!r}")
+  if isinstance(value, str):
+    try:
+      value = float(value.strip())
+    except ValueError:
+      raise ConfigError(f"{_where(source, key)} must be a number, got the string {value!r}") from None
+  if not isinstance(value, (int, float)):
+    raise ConfigError(f"{_where(source, key)} must be a number, got {type(value).__name__} {value!r}")
+  value = float(value)
+  if not math.isfinite(value):
+    raise ConfigError(f"{_where(source, key)} must be finite, got {value!r}")
+  return value
+
+
+def _as_bool(value: Any, key: str, source: str | None) -> bool:
+  if isinstance(value, bool):
+    return value
+  raise ConfigError(f"{_where(source, key)} must be true or false, got {type(value).__name__} {value!r}")
+
+
+def _as_choice(value: Any, key: str, source: str | None, allowed: tuple[str, ...]) -> str:
+  if not isinstance(value, str) or value not in allowed:
+    raise ConfigError(
+        f"{_where(source, key)} has invalid value {value!r}; allowed values: {', '.join(allowed)}")
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class MISConfig:
+  """Masked/truncated importance sampling and rejection sampling settings (SPEC §2–5).
+
+  The keys are those of the reference page's ``mis.yaml``. Bounds left ``None`` take the
+  defaults of SPEC §3–4 (``tis_lower_bound = 1/tis_upper_bound``, RS bounds = TIS bounds);
+  the resolved values are available as ``lower``, ``rs_lower`` and ``rs_upper``.
+  """
+
+  use_tis: bool = True
+  use_rs: bool = False
+  tis_level: str = "token"
+  rs_level: str | None = None
+  tis_mode: str = "truncate"
+  tis_lower_bound: float | None = None
+  tis_upper_bound: float = 2.0
+  rs_lower_bound: float | None = None
+  rs_upper_bound: float | None = None
+  rs_veto_threshold: float | None = None
+  tis_batch_normalize: bool = False
+  # Where the values came from (a YAML path), for error messages only.
+  source: str | None = dataclasses.field(default=None, compare=False, repr=False)
+
+  def __post_init__(self):
+    src = self.source
+    set_ = lambda k, v: object.__setattr__(self, k, v)
+    set_("use_tis", _as_bool(self.use_tis, "use_tis", src))
+    set_("use_rs", _as_bool(self.use_rs, "use_rs", src))
+    set_("tis_batch_normalize", _as_bool(self.tis_batch_normalize, "tis_batch_normalize", src))
+    set_("tis_level", _as_choice(self.tis_level, "tis_level", src, LEVELS))
+    if self.rs_level is not None:
+      set_("rs_level", _as_choice(self.rs_level, "rs_level", src, LEVELS))
+    set_("tis_mode", _as_choice(self.tis_mode, "tis_mode", src, TIS_MODES))
+    for key in ("tis_lower_bound", "rs_lower_bound", "rs_upper_bound", "rs_veto_threshold"):
+      set_(key, _as_float(getattr(self, key), key, src, allow_none=True))
+    set_("tis_upper_bound", _as_float(self.tis_upper_bound, "tis_upper_bound", src, allow_none=False))
+
+    if self.tis_upper_bound <= 0:
+      raise ConfigError(f"{_where(src, 'tis_upper_bound')} must be > 0, got {self.tis_upper_bound}")
+    if not 0 <= self.lower < self.tis_upper_bound:
+      raise ConfigError(
+          f"{_where(src, 'tis_lower_bound')} must satisfy 0 <= tis_lower_bound < tis_upper_bound "
+          f"({self.tis_upper_bound}), got {self.lower}")
+    if self.rs_upper <= 0:
+      raise ConfigError(f"{_where(src, 'rs_upper_bound')} must be > 0, got {self.rs_upper}")
+    if not 0 <= self.rs_lower <= self.rs_upper:
+      raise ConfigError(
+          f"{_where(src, 'rs_lower_bound')} must satisfy 0 <= rs_lower_bound <= rs_upper_bound "
+          f"({self.rs_upper}), got {self.rs_lower}")
+    if self.rs_veto_threshold is not None and not 0 < self.rs_veto_threshold < 1:
+      raise ConfigError(
+          f"{_where(src, 'rs_veto_threshold')} must be in (0, 1) (typical 1e-4 … 1e-6), "
+          f"got {self.rs_veto_threshold}")
+
+  # Resolved bounds (SPEC §3–4 defaults).
+  @property
+  def lower(self) -> float:
+    return 1.0 / self.tis_upper_bound if self.tis_lower_bound is None else self.tis_lower_bound
+
+  @property
+  def rs_level_resolved(self) -> str:
+    return self.tis_level if self.rs_level is None else self.rs_level
+
+  @property
+  def rs_lower(self) -> float:
+    return self.lower if self.rs_lower_bound is None else self.rs_lower_bound
+
+  @property
+  def rs_upper(self) -> float:
+    return self.tis_upper_bound if self.rs_upper_bound is None else self.rs_upper_bound
+
+  @classmethod
+  def keys(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name != "source")
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any], *, source: str | None = None) -> "MISConfig":
+    if values is None:
+      values = {}
+    if not isinstance(values, Mapping):
+      where = f"{source}: " if source else ""
+      raise ConfigError(f"{where}the MIS config must be a mapping of keys, got {type(values).__name__}")
+    valid = cls.keys()
+    for key in values:
+      if key not in valid:
+        raise ConfigError(
+            f"{_where(source, str(key))} is not a MIS config key.{_closest(str(key), valid)} "
+            f"Valid keys: {', '.join(valid)}")
+    return cls(**dict(values), source=source)
+
+  @classmethod
+  def from_yaml(cls, path: str | os.PathLike) -> "MISConfig":
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+      raise ConfigError(f"MIS config file not found: {path}")
+    with open(path) as f:
+      try:
+        values = yaml.safe_load(f)
+      except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    return cls.from_dict(values, source=path)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {k: getattr(self, k) for k in self.keys()}
+
+
+def resolve_correction_fn(spec: Callable | str | None) -> Callable | None:
+  """A user correction function, given as an object or an import path.
+
+  Accepts ``package.module.function`` or ``package.module:function``. The function must have
+  the signature of :func:`mis_jax.compute_mis_weights`.
+  """
+  if spec is None or callable(spec):
+    return spec
+  if not isinstance(spec, str) or not spec.strip():
+    raise ConfigError(f"correction_fn must be a callable or an import path string, got {spec!r}")
+  if ":" in spec:
+    module_name, _, attr = spec.partition(":")
+  else:
+    module_name, _, attr = spec.rpartition(".")
+  if not module_name or not attr:
+    raise ConfigError(
+        f"correction function path {spec!r} must look like 'package.module.function' "
+        "or 'package.module:function'")
+  try:
+    module = importlib.import_module(module_name)
+  except ImportError as e:
+    raise ConfigError(f"correction function path {spec!r}: cannot import module '{module_name}': {e}") from None
+  fn = getattr(module, attr, None)
+  if fn is None:
+    raise ConfigError(f"correction function path {spec!r}: module '{module_name}' has no attribute '{attr}'")
+  if not callable(fn):
+    raise ConfigError(f"correction function path {spec!r}: '{attr}' is not callable")
+  return fn
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """Policy-loss settings (SPEC §6–7). Hashable, so it can be a static jit argument.
+
+  ``use_tis`` left ``None`` takes its value from the MIS config (a file that sets
+  ``use_tis: true`` turns correction on without the flag); an explicit value that contradicts
+  the file is an error.
+  """
+
+  use_tis: bool | None = None
+  use_rollout_logprobs: bool = False
+  get_mismatch_metrics: bool = False
+  eps_clip: float = 0.2
+  eps_clip_high: float | None = None
+  eps_clip_c: float | None = None
+  loss_agg_mode: str = "seq-mean-token-mean"
+  denominator: str = "kept"
+  tis_clip: float = 2.0
+  tis_clip_low: float = 0.0
+  mis: MISConfig | None = None
+  correction_fn: Callable | str | None = None
+  entropy_coef: float = 0.0
+  kl_coef: float = 0.0
+  kl_type: str = "k3"
+
+  def __post_init__(self):
+    set_ = lambda k, v: object.__setattr__(self, k, v)
+    if self.mis is not None and not isinstance(self.mis, MISConfig):
+      if isinstance(self.mis, Mapping):
+        set_("mis", MISConfig.from_dict(self.mis))
+      else:
+        raise ConfigError(f"key 'mis' must be a MISConfig, a mapping or None, got {type(self.mis).__name__}")
+    file_tis = self.mis.use_tis if self.mis is not None else None
+    if self.use_tis is None:
+      set_("use_tis", bool(file_tis))
+    else:
+      set_("use_tis", _as_bool(self.use_tis, "use_tis", None))
+      if file_tis is not None and file_tis != self.use_tis:
+        where = self.mis.source or "the MIS config"
+        raise ConfigError(
+            f"use_tis={self.use_tis} (flag/argument) contradicts use_tis: {str(file_tis).lower()} "
+            f"in {where}; make them agree")
+    for key in ("use_rollout_logprobs", "get_mismatch_metrics"):
+      set_(key, _as_bool(getattr(self, key), key, None))
+    for key in ("eps_clip", "tis_clip", "tis_clip_low", "entropy_coef", "kl_coef"):
+      set_(key, _as_float(getattr(self, key), key, None, allow_none=False))
+    for key in ("eps_clip_high", "eps_clip_c"):
+      set_(key, _as_float(getattr(self, key), key, None, allow_none=True))
+    set_("loss_agg_mode", _as_choice(self.loss_agg_mode, "loss_agg_mode", None, LOSS_AGG_MODES))
+    set_("denominator", _as_choice(self.denominator, "denominator", None, DENOMINATORS))
+    set_("kl_type", _as_choice(self.kl_type, "kl_type", None, KL_TYPES))
+    if self.eps_clip <= 0 or self.eps_clip >= 1:
+      raise ConfigError(f"key 'eps_clip' must be in (0, 1), got {self.eps_clip}")
+    if self.eps_clip_high is not None and self.eps_clip_high <= 0:
+      raise ConfigError(f"key 'eps_clip_high' must be > 0, got {self.eps_clip_high}")
+    if self.eps_clip_c is not None and self.eps_clip_c <= 1:
+      raise ConfigError(f"key 'eps_clip_c' (dual clip) must be > 1, got {self.eps_clip_c}")
+    if self.tis_clip <= 0:
+      raise ConfigError(f"key 'tis_clip' must be > 0, got {self.tis_clip}")
+    if not 0 <= self.tis_clip_low < self.tis_clip:
+      raise ConfigError(
+          f"key 'tis_clip_low' must satisfy 0 <= tis_clip_low < tis_clip ({self.tis_clip}), "
+          f"got {self.tis_clip_low}")
+    if self.entropy_coef < 0 or self.kl_coef < 0:
+      raise ConfigError("keys 'entropy_coef' and 'kl_coef' must be >= 0")
+    if self.correction_fn is not None and not self.use_tis:
+      raise ConfigError("key 'correction_fn' is set but use_tis is false: the correction would never run")
+    # Resolve import paths now so a bad path fails before tracing.
+    resolve_correction_fn(self.correction_fn)
+
+  @property
+  def clip_high(self) -> float:
+    return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+  @property
+  def algorithm(self) -> str:
+    """The SPEC §6 table row selected by the two flags."""
+    return {
+        (False, False): "ppo",
+        (True, False): "bypass_ppo",
+        (False, True): "decoupled_ppo",
+        (True, True): "reinforce_is",
+    }[(self.use_rollout_logprobs, self.use_tis)]
+
+  @property
+  def needs_old_logprobs(self) -> bool:
+    """Whether the trainer must recompute old log-probs (SPEC §6 table, last column)."""
+    return not self.use_rollout_logprobs
+
+  @property
+  def correction(self) -> str | None:
+    """Which correction runs: None, 'vanilla', 'mis' or 'custom'."""
+    if not self.use_tis:
+      return None
+    if self.correction_fn is not None:
+      return "custom"
+    return "mis" if self.mis is not None else "vanilla"
+
+  @classmethod
+  def keys(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))

@@ -1,0 +1,81 @@
+"""Command-line flags of SPEC §9 and their resolution into a :class:`LossConfig`.
+
+Flags left unset stay ``None`` so an explicit flag can be told from a default. A MIS config
+file that sets ``use_tis: true`` turns correction on without ``--use-tis``; ``--use-tis``
+with a file that says ``use_tis: false`` is an error naming both.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Mapping
+
+from mis_jax._config import (DENOMINATORS, KL_TYPES, LOSS_AGG_MODES, ConfigError, LossConfig,
+                             MISConfig)
+
+# flag dest -> LossConfig key, for the value-carrying loss knobs.
+_KNOBS = {
+    "eps_clip": float, "eps_clip_high": float, "eps_clip_c": float, "tis_clip": float,
+    "tis_clip_low": float, "loss_agg_mode": str, "denominator": str, "entropy_coef": float,
+    "kl_coef": float, "kl_type": str,
+}
+_CHOICES = {"loss_agg_mode": LOSS_AGG_MODES, "denominator": DENOMINATORS, "kl_type": KL_TYPES}
+
+
+def add_loss_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+  """Adds the rollout-correction flags of SPEC §9 to ``parser``."""
+  g = parser.add_argument_group("rollout correction (SPEC §9)")
+  g.add_argument("--use-tis", action="store_true", default=None,
+                 help="apply importance sampling / rejection sampling to the loss")
+  g.add_argument("--use-rollout-logprobs", action="store_true", default=None,
+                 help="use the rollout engine's log-probs as the PPO anchor; skip the recompute")
+  g.add_argument("--get-mismatch-metrics", action="store_true", default=None,
+                 help="compute mismatch metrics without changing the loss")
+  g.add_argument("--custom-config-path", default=None, metavar="YAML",
+                 help="MIS config file (keys of the reference mis.yaml)")
+  g.add_argument("--custom-tis-function-path", default=None, metavar="MODULE.FUNCTION",
+                 help="correction function with the signature of mis_jax.compute_mis_weights")
+  for key, typ in _KNOBS.items():
+    g.add_argument("--" + key.replace("_", "-"), type=typ, default=None, choices=_CHOICES.get(key))
+  return parser
+
+
+def loss_config_from_args(args: argparse.Namespace | Mapping[str, Any],
+                          base: Mapping[str, Any] | None = None) -> LossConfig:
+  """Builds a :class:`LossConfig` from parsed flags over optional base values (e.g. a YAML).
+
+  Explicit flags override ``base``; the MIS file is loaded and validated here, before tracing.
+  """
+  values = dict(vars(args) if isinstance(args, argparse.Namespace) else args)
+  out: dict[str, Any] = dict(base or {})
+  unknown = set(out) - set(LossConfig.keys()) - {"custom_config_path", "custom_tis_function_path"}
+  if unknown:
+    raise ConfigError(f"unknown loss keys: {', '.join(sorted(unknown))}; valid keys: "
+                      f"{', '.join(LossConfig.keys())}")
+  for key in list(_KNOBS) + ["use_rollout_logprobs", "get_mismatch_metrics"]:
+    if values.get(key) is not None:
+      out[key] = values[key]
+  config_path = values.get("custom_config_path") or out.pop("custom_config_path", None)
+  out.pop("custom_config_path", None)
+  fn_path = values.get("custom_tis_function_path") or out.pop("custom_tis_function_path", None)
+  out.pop("custom_tis_function_path", None)
+  mis = out.get("mis")
+  if config_path:
+    mis = MISConfig.from_yaml(config_path)
+  elif isinstance(mis, Mapping):
+    mis = MISConfig.from_dict(mis)
+  out["mis"] = mis
+  if fn_path:
+    out["correction_fn"] = fn_path
+
+  flag_tis = values.get("use_tis")
+  if flag_tis is not None:
+    if mis is not None and mis.use_tis != flag_tis:
+      raise ConfigError(
+          f"--use-tis contradicts use_tis: {str(mis.use_tis).lower()} in "
+          f"{mis.source or 'the MIS config'}; remove the flag or change the file")
+    out["use_tis"] = flag_tis
+  elif mis is not None:
+    # The file decides (a file with use_tis: true turns correction on without the flag).
+    out["use_tis"] = None
+  return LossConfig(**out)

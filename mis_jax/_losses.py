@@ -1,0 +1,308 @@
+"""Policy losses of the SPEC §6 table, aggregation and global denominators (SPEC §6–8).
+
+``policy_loss`` is differentiable in ``logprobs`` only (everything else is stop-gradient) and
+jittable with the :class:`LossConfig` static. Global denominators computed once per step
+(:func:`loss_denominators`) make k micro-batch losses sum to the full-batch loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from mis_jax import _validation
+from mis_jax._config import LossConfig, resolve_correction_fn
+from mis_jax._packing import PackedBatch
+from mis_jax._segments import LOG_BOUND, AxisName, Segments, psum, safe_exp
+from mis_jax._weights import mis_core, mismatch_metrics, vanilla_core
+
+
+@dataclasses.dataclass(frozen=True)
+class Denominators:
+  """Global loss denominators of one optimisation step (SPEC §7).
+
+  Attributes:
+    seg_tokens: ``[num_segments]`` float32, ``Σ_{t∈s} D_t`` for every segment.
+    num_tokens: ``Σ_t D_t`` over the whole step.
+    num_seqs: ``N``, the number of segments with ``Σ_{t∈s} D_t > 0``.
+  """
+
+  seg_tokens: jax.Array
+  num_tokens: jax.Array
+  num_seqs: jax.Array
+
+
+jax.tree_util.register_dataclass(Denominators, data_fields=["seg_tokens", "num_tokens", "num_seqs"],
+                                 meta_fields=[])
+
+
+def _denominators_from_mask(denominator_mask, segs: Segments) -> Denominators:
+  d = denominator_mask.astype(jnp.float32)
+  seg_tokens = segs.sum(d)
+  return Denominators(seg_tokens=seg_tokens, num_tokens=segs.total(d),
+                      num_seqs=jnp.sum((seg_tokens > 0).astype(jnp.float32)))
+
+
+# --- per-token losses ------------------------------------------------------------------
+
+def ppo_token_loss(logprobs, anchor_logprobs, advantages, *, eps_clip: float, eps_clip_high: float,
+                   eps_clip_c: float | None = None):
+  """Clipped PPO per-token loss and clip indicator (SPEC §6).
+
+  ``ratio = exp(clip(lp - anchor, ±20))``;
+  ``ℓ = max(-ratio·A, -clip(ratio, 1 - eps_clip, 1 + eps_clip_high)·A)``; with dual clip
+  ``c``, where ``A < 0``: ``ℓ = min(ℓ, -c·A)``.
+
+  Returns:
+    ``(loss, clipped)``: per-token loss and a float indicator of the clipped branch winning.
+  """
+  ratio = safe_exp(logprobs - anchor_logprobs)
+  unclipped = -advantages * ratio
+  clipped = -advantages * jnp.clip(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high)
+  loss = jnp.maximum(unclipped, clipped)
+  clipfrac = (clipped > unclipped).astype(jnp.float32)
+  if eps_clip_c is not None:
+    loss = jnp.where(advantages < 0, jnp.minimum(loss, -eps_clip_c * advantages), loss)
+  return loss, clipfrac
+
+
+def kl_penalty(logprobs, ref_logprobs, kl_type: str):
+  """Per-token KL estimators to a reference policy (SPEC §6): k1, k2, k3, low_var_kl."""
+  d = logprobs - ref_logprobs
+  if kl_type == "k1":
+    return d
+  if kl_type == "k2":
+    return 0.5 * d * d
+  if kl_type == "k3":
+    return safe_exp(-d) + d - 1.0
+  if kl_type == "low_var_kl":
+    dc = jnp.clip(d, -LOG_BOUND, LOG_BOUND)
+    return jnp.clip(jnp.exp(-dc) + dc - 1.0, -10.0, 10.0)
+  raise ValueError(f"unknown kl_type {kl_type!r}")
+
+
+def aggregate(token_values, kept, segs: Segments, mode: str, dens: Denominators):
+  """Aggregates a per-token loss over the kept mask with global denominators (SPEC §7).
+
+  Sums run over this device's (micro-)batch only and are completed with one ``psum`` at the
+  end, so the result is linear in the per-token contributions: micro-batch losses add up to
+  the full-batch loss and gradients flow correctly through ``shard_map``.
+  """
+  x = jnp.where(kept, token_values, 0.0)
+  if mode == "token-mean":
+    local = jnp.sum(x) / jnp.maximum(dens.num_tokens, 1.0)
+  else:
+    seg_local = jax.ops.segment_sum(jnp.where(segs.valid, x, 0.0), segs.ids,
+                                    num_segments=segs.num_segments)
+    if mode == "seq-mean-token-mean":
+      seg_local = seg_local / jnp.maximum(dens.seg_tokens, 1.0)
+    local = jnp.sum(seg_local) / jnp.maximum(dens.num_seqs, 1.0)
+  return psum(local, segs.axis_name)
+
+
+# --- validation ------------------------------------------------------------------------
+
+def _check_batch(logprobs, batch: PackedBatch, cfg: LossConfig, entropy, denominators) -> dict:
+  if not isinstance(batch, PackedBatch):
+    raise TypeError(f"batch must be a mis_jax.PackedBatch, got {type(batch).__name__}")
+  if not isinstance(cfg, LossConfig):
+    raise TypeError(f"loss_cfg must be a mis_jax.LossConfig, got {type(cfg).__name__}")
+  algo = cfg.algorithm
+  if cfg.needs_old_logprobs and batch.old_logprobs is None:
+    raise ValueError(f"algorithm {algo!r} (use_rollout_logprobs=False) needs batch.old_logprobs")
+  if algo != "ppo" and batch.rollout_logprobs is None:
+    raise ValueError(f"algorithm {algo!r} needs batch.rollout_logprobs")
+  if cfg.get_mismatch_metrics and batch.rollout_logprobs is None:
+    raise ValueError("get_mismatch_metrics=True needs batch.rollout_logprobs")
+  if cfg.kl_coef > 0 and batch.ref_logprobs is None:
+    raise ValueError(f"kl_coef={cfg.kl_coef} > 0 needs batch.ref_logprobs")
+  if cfg.entropy_coef > 0 and entropy is None:
+    raise ValueError(f"entropy_coef={cfg.entropy_coef} > 0 needs the per-token entropy argument")
+  if (batch.is_weights is None) != (batch.kept_mask is None):
+    raise ValueError("batch.is_weights and batch.kept_mask must be given together")
+  if batch.is_weights is not None and algo == "reinforce_is":
+    raise ValueError("precomputed is_weights cannot be used with use_rollout_logprobs=True and "
+                     "use_tis=True: there the weights depend on the current log-probs")
+  if batch.is_weights is not None and not cfg.use_tis:
+    raise ValueError("batch.is_weights is set but use_tis is false")
+  if denominators is not None and not isinstance(denominators, Denominators):
+    raise TypeError(f"denominators must be mis_jax.Denominators, got {type(denominators).__name__}")
+  fields = {f: getattr(batch, f) for f in ("segment_ids", "loss_mask", "advantages", "rollout_logprobs",
+                                           "old_logprobs", "ref_logprobs", "is_weights", "kept_mask")}
+  fields["logprobs"] = logprobs
+  fields["entropy"] = entropy
+  arrays = _validation.check_token_arrays(
+      fields, float_keys=("logprobs", "advantages", "rollout_logprobs", "old_logprobs",
+                          "ref_logprobs", "is_weights", "entropy"))
+  _validation.check_segments(batch.segment_ids, batch.num_segments)
+  if denominators is not None and tuple(jnp.shape(denominators.seg_tokens)) != (batch.num_segments,):
+    raise ValueError(f"denominators.seg_tokens has shape {jnp.shape(denominators.seg_tokens)}, "
+                     f"expected ({batch.num_segments},)")
+  return arrays
+
+
+# --- the correction stage --------------------------------------------------------------
+
+def _run_correction(train_lp, q, mask, segs: Segments, cfg: LossConfig, segment_ids_shape,
+                    batch_norm_factor):
+  """Runs the configured correction; returns ``(weights, kept, metrics)`` flat."""
+  mode = cfg.loss_agg_mode
+  if cfg.correction == "vanilla":
+    return vanilla_core(train_lp, q, mask, segs, mode, cfg.tis_clip, cfg.tis_clip_low)
+  if cfg.correction == "mis":
+    return mis_core(train_lp, q, mask, segs, cfg.mis, mode, batch_norm_factor)
+  # A user correction function with the signature of compute_mis_weights.
+  fn = resolve_correction_fn(cfg.correction_fn)
+  shape = segment_ids_shape
+  w, kept, metrics = fn(train_lp.reshape(shape), q.reshape(shape), mask.reshape(shape),
+                        segs.ids.reshape(shape), cfg.mis, num_segments=segs.num_segments,
+                        axis_name=segs.axis_name)
+  w = jax.lax.stop_gradient(jnp.reshape(w, (-1,)).astype(jnp.float32))
+  kept = _validation.flat_mask(kept, mask)
+  return jnp.where(mask, w, 0.0), kept, dict(metrics)
+
+
+def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisName = None):
+  """Once-per-step work for micro-batching: IS weights, kept mask and global denominators.
+
+  For standard/bypass PPO the kept mask is the loss mask. For decoupled PPO the correction
+  depends only on ``o`` and ``q``, so it runs here once over the whole step and its weights
+  and kept mask are attached to the returned batch (so batch normalisation is over the step).
+  For REINFORCE with rollout IS the weights depend on the current log-probs and are computed
+  inside :func:`policy_loss`; denominators are returned only when they do not depend on them
+  (``denominator: original``), else None (SPEC §7).
+
+  Returns:
+    ``(batch, denominators, metrics)``: the batch with ``is_weights``/``kept_mask`` set where
+    computed, :class:`Denominators` (or None) and the correction metrics computed here.
+  """
+  if not isinstance(loss_cfg, LossConfig):
+    raise TypeError(f"loss_cfg must be a mis_jax.LossConfig, got {type(loss_cfg).__name__}")
+  arrays = _validation.check_token_arrays(
+      {"segment_ids": batch.segment_ids, "loss_mask": batch.loss_mask,
+       "rollout_logprobs": batch.rollout_logprobs, "old_logprobs": batch.old_logprobs},
+      float_keys=("rollout_logprobs", "old_logprobs"))
+  _validation.check_segments(batch.segment_ids, batch.num_segments)
+  segs = Segments(batch.segment_ids, batch.num_segments, axis_name)
+  mask = _validation.flat_mask(arrays["loss_mask"], segs.valid)
+  shape = jnp.shape(batch.segment_ids)
+  metrics = {}
+  kept = mask
+  if loss_cfg.algorithm == "decoupled_ppo":
+    if batch.old_logprobs is None or batch.rollout_logprobs is None:
+      raise ValueError("decoupled PPO needs batch.old_logprobs and batch.rollout_logprobs")
+    o = _validation.flat_float(batch.old_logprobs)
+    q = _validation.flat_float(batch.rollout_logprobs)
+    w, kept, metrics = _run_correction(o, q, mask, segs, loss_cfg, shape, None)
+    batch = batch.replace(is_weights=w.reshape(shape), kept_mask=kept.reshape(shape))
+  elif loss_cfg.algorithm == "reinforce_is" and loss_cfg.denominator == "kept":
+    return batch, None, metrics
+  dmask = kept if loss_cfg.denominator == "kept" else mask
+  return batch, _denominators_from_mask(dmask, segs), metrics
+
+
+def loss_denominators(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisName = None):
+  """Global :class:`Denominators` of a full step's batch (see :func:`prepare_step`)."""
+  return prepare_step(batch, loss_cfg, axis_name=axis_name)[1]
+
+
+# --- the loss --------------------------------------------------------------------------
+
+def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None,
+                axis_name: AxisName = None, *, denominators: Denominators | None = None,
+                batch_norm_factor=None):
+  """Policy loss of the algorithm selected by ``use_rollout_logprobs`` × ``use_tis`` (SPEC §6).
+
+  | use_rollout_logprobs | use_tis | algorithm        | per-token loss                          |
+  | False                | False   | standard PPO     | ``ppo(exp(lp - o))``                    |
+  | True                 | False   | bypass PPO       | ``ppo(exp(lp - q))``                    |
+  | False                | True    | decoupled PPO    | ``w · ppo(exp(lp - o))``, w from o - q  |
+  | True                 | True    | REINFORCE + IS   | ``-w · A · lp``, w from sg(lp) - q      |
+
+  The per-token loss is aggregated over the kept mask ``m'`` by ``loss_agg_mode`` with the
+  ``denominator`` of SPEC §7; ``loss = pg_loss - entropy_coef·entropy_loss + kl_coef·kl_loss``
+  where the extra terms are aggregated the same way and never weighted by IS.
+
+  Args:
+    logprobs: ``lp``, current per-token log-probs (carries the gradient; any float dtype).
+    batch: the :class:`PackedBatch`.
+    loss_cfg: a :class:`LossConfig` (static under jit).
+    entropy: optional per-token entropy for the entropy bonus and ``entropy_loss`` metric.
+    axis_name: mesh axis name(s) inside ``shard_map``; all sums become global.
+    denominators: global :class:`Denominators` for micro-batching (default: this batch's).
+    batch_norm_factor: a step-wide batch-normalisation mean for the ``mis`` correction when
+      it must run per micro-batch (REINFORCE with rollout IS).
+
+  Returns:
+    ``(loss, metrics)``: a float32 scalar and a dict of float32 scalars (SPEC §8 names).
+  """
+  arrays = _check_batch(logprobs, batch, loss_cfg, entropy, denominators)
+  cfg = loss_cfg
+  mode = cfg.loss_agg_mode
+  shape = jnp.shape(batch.segment_ids)
+  segs = Segments(batch.segment_ids, batch.num_segments, axis_name)
+  mask = _validation.flat_mask(arrays["loss_mask"], segs.valid)
+  sg = jax.lax.stop_gradient
+
+  def flat(name):
+    x = arrays.get(name)
+    return None if x is None else jnp.where(mask, sg(_validation.flat_float(x)), 0.0)
+
+  # Masked positions may hold NaN/inf: select (never multiply) before any arithmetic so
+  # neither values nor gradients leak.
+  lp = jnp.where(mask, _validation.flat_float(logprobs), 0.0)
+  adv, q, o, ref = flat("advantages"), flat("rollout_logprobs"), flat("old_logprobs"), flat("ref_logprobs")
+  metrics = {}
+
+  # Correction stage.
+  weights, kept = jnp.ones_like(lp), mask
+  if cfg.use_tis:
+    if batch.is_weights is not None:
+      weights = flat("is_weights")
+      kept = _validation.flat_mask(arrays["kept_mask"], mask)
+    else:
+      train_lp = o if cfg.algorithm == "decoupled_ppo" else sg(lp)
+      weights, kept, corr_metrics = _run_correction(train_lp, q, mask, segs, cfg, shape,
+                                                    batch_norm_factor)
+      metrics.update(corr_metrics)
+
+  # Mismatch monitoring whenever rollout log-probs are present (SPEC §8.1).
+  if q is not None:
+    metrics.update(mismatch_metrics(o if o is not None else sg(lp), q, mask, segs, mode))
+
+  # Per-token policy loss.
+  if cfg.algorithm == "reinforce_is":
+    anchor = q
+    pg_tok = -weights * adv * lp
+    clipfrac = jnp.zeros_like(lp)
+  else:
+    anchor = q if cfg.algorithm == "bypass_ppo" else o
+    pg_tok, clipfrac = ppo_token_loss(lp, anchor, adv, eps_clip=cfg.eps_clip,
+                                      eps_clip_high=cfg.clip_high, eps_clip_c=cfg.eps_clip_c)
+    if cfg.algorithm == "decoupled_ppo":
+      pg_tok = weights * pg_tok
+      metrics["ois"] = segs.reduce(safe_exp(sg(lp) - o), mask, mode)
+
+  if denominators is None:
+    denominators = _denominators_from_mask(kept if cfg.denominator == "kept" else mask, segs)
+  agg = lambda x: aggregate(x, kept, segs, mode, denominators)
+
+  pg_loss = agg(pg_tok)
+  loss = pg_loss
+  if entropy is not None:
+    ent = jnp.where(mask, _validation.flat_float(entropy), 0.0)
+    entropy_loss = agg(ent)
+    loss = loss - cfg.entropy_coef * entropy_loss
+    metrics["entropy_loss"] = sg(entropy_loss)
+  if ref is not None:
+    kl_loss = agg(jnp.where(mask, kl_penalty(lp, ref, cfg.kl_type), 0.0))
+    loss = loss + cfg.kl_coef * kl_loss
+    metrics["kl_loss"] = sg(kl_loss)
+
+  metrics["loss"] = sg(loss)
+  metrics["pg_loss"] = sg(pg_loss)
+  metrics["pg_clipfrac"] = segs.reduce(clipfrac, kept, mode)
+  metrics["ppo_kl"] = segs.reduce(anchor - sg(lp), kept, mode)
+  return loss, metrics

@@ -1,0 +1,119 @@
+"""Segment reductions over packed sequences, global across devices (SPEC §1, §8, §10).
+
+Every per-token array is flattened to ``[T]``. Per-segment sums use ``jax.ops.segment_sum``
+over ``segment_ids`` (padding id ``-1`` is dropped), are completed across mesh axes with
+``psum`` (so a segment may span devices: sequence parallelism) and are broadcast back to
+tokens by indexing. Every public reduction returns the same value on every device.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+AxisName = str | Sequence[str] | None
+
+# Safety bound on log values before exp (SPEC notation B).
+LOG_BOUND = 20.0
+
+
+def psum(x, axis_name: AxisName):
+  return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+
+def pmax(x, axis_name: AxisName):
+  return x if axis_name is None else jax.lax.pmax(x, axis_name)
+
+
+def pmin(x, axis_name: AxisName):
+  return x if axis_name is None else jax.lax.pmin(x, axis_name)
+
+
+def safe_exp(log_x):
+  """``exp(clip(log_x, -B, B))``: never inf, never overflows float32."""
+  return jnp.exp(jnp.clip(log_x, -LOG_BOUND, LOG_BOUND))
+
+
+class Segments:
+  """Segment bookkeeping of one packed (possibly sharded) batch.
+
+  Args:
+    segment_ids: int array, any shape; ``-1`` marks padding.
+    num_segments: static upper bound on segment ids.
+    axis_name: mesh axis name(s) over which the batch is sharded, or None.
+  """
+
+  def __init__(self, segment_ids: jax.Array, num_segments: int, axis_name: AxisName = None):
+    self.ids = jnp.reshape(segment_ids, (-1,)).astype(jnp.int32)
+    self.num_segments = int(num_segments)
+    self.axis_name = axis_name
+    self.valid = self.ids >= 0
+    # Index for gathering per-segment values back to tokens; padding reads segment 0 and
+    # is masked by every caller.
+    self.gather_ids = jnp.where(self.valid, self.ids, 0)
+
+  # --- per-segment sums, global --------------------------------------------------------
+  def sum(self, x: jax.Array) -> jax.Array:
+    """``[S]`` global per-segment sums of a per-token array (padding excluded)."""
+    x = jnp.where(self.valid, x, jnp.zeros((), x.dtype))
+    seg = jax.ops.segment_sum(x, self.ids, num_segments=self.num_segments)
+    return psum(seg, self.axis_name)
+
+  def max(self, x: jax.Array, fill) -> jax.Array:
+    """``[S]`` global per-segment maxima; ``fill`` where a segment has no element."""
+    x = jnp.where(self.valid, x, fill)
+    seg = jax.ops.segment_max(x, self.ids, num_segments=self.num_segments)
+    seg = jnp.maximum(seg, fill)  # empty segments give the dtype's lowest value
+    return pmax(seg, self.axis_name)
+
+  def broadcast(self, seg_values: jax.Array) -> jax.Array:
+    """Per-segment ``[S]`` values back to tokens (0 at padding)."""
+    out = seg_values[self.gather_ids]
+    return jnp.where(self.valid, out, jnp.zeros((), out.dtype))
+
+  # --- global token-level reductions ---------------------------------------------------
+  def total(self, x: jax.Array) -> jax.Array:
+    """Global sum over non-padding tokens."""
+    return psum(jnp.sum(jnp.where(self.valid, x, jnp.zeros((), x.dtype))), self.axis_name)
+
+  def masked_min(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+    """True global minimum of ``x`` over ``mask`` (0 if the mask is empty)."""
+    big = jnp.asarray(jnp.finfo(jnp.float32).max, jnp.float32)
+    local = jnp.min(jnp.where(mask, x, big))
+    glob = pmin(local, self.axis_name)
+    return jnp.where(self.count(mask) > 0, glob, 0.0)
+
+  def masked_max(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+    """True global maximum of ``x`` over ``mask`` (0 if the mask is empty)."""
+    small = jnp.asarray(jnp.finfo(jnp.float32).min, jnp.float32)
+    local = jnp.max(jnp.where(mask, x, small))
+    glob = pmax(local, self.axis_name)
+    return jnp.where(self.count(mask) > 0, glob, 0.0)
+
+  def count(self, mask: jax.Array) -> jax.Array:
+    return self.total(mask.astype(jnp.float32))
+
+  # --- mask-aware means (SPEC §8 reduction R_mask) -------------------------------------
+  def seq_mean_per_segment(self, x: jax.Array, mask: jax.Array):
+    """Per-segment masked mean ``[S]`` and per-segment mask count ``[S]``."""
+    maskf = mask.astype(jnp.float32)
+    num = self.sum(jnp.where(mask, x, 0.0))
+    den = self.sum(maskf)
+    return num / jnp.maximum(den, 1.0), den
+
+  def reduce(self, x: jax.Array, mask: jax.Array, mode: str) -> jax.Array:
+    """``R_mask(x)`` of SPEC §8 (0 when the mask is empty).
+
+    ``token-mean``: ``Σ x·mask / Σ mask``. Seq-mean modes: the mean, over segments with a
+    non-empty mask, of each segment's masked mean.
+    """
+    if mode == "token-mean":
+      num = self.total(jnp.where(mask, x, 0.0))
+      den = self.count(mask)
+      return num / jnp.maximum(den, 1.0)
+    seg_mean, seg_count = self.seq_mean_per_segment(x, mask)
+    present = seg_count > 0
+    n = jnp.sum(present.astype(jnp.float32))
+    return jnp.sum(jnp.where(present, seg_mean, 0.0)) / jnp.maximum(n, 1.0)
