@@ -1,0 +1,78 @@
+"""Random packed batches and their list-of-sequences twins for oracle comparisons."""
+
+import numpy as np
+
+import mis_jax
+
+
+def random_seqs(rng, n_seqs=7, max_len=9, *, mismatch=0.3, catastrophic=0.05, nan_masked=True,
+                with_ref=False, with_entropy=False, lp_noise=0.1):
+  """Sequences with prompt (masked) tokens, an all-masked sequence, an empty one, rare
+  catastrophic log-ratios and NaN in masked positions."""
+  seqs = []
+  for i in range(n_seqs):
+    n = int(rng.integers(1, max_len + 1))
+    if i == n_seqs - 1:
+      n = 0  # an empty slot
+    m = rng.random(n) < 0.8
+    if n and rng.random() < 0.5:
+      m[: int(rng.integers(0, n))] = False  # prompt tokens
+    if i == 1:
+      m[:] = False  # a sequence with no trained token
+    q = rng.normal(-1.5, 0.7, n)
+    r = rng.normal(0.0, mismatch, n)
+    r[rng.random(n) < catastrophic] = -12.0
+    o = q + r
+    lp = o + rng.normal(0.0, lp_noise, n)
+    adv = np.full(n, rng.normal())
+    s = dict(o=o, q=q, m=m, lp=lp, adv=adv)
+    if with_ref:
+      s["ref"] = o + rng.normal(0.0, 0.2, n)
+    if with_entropy:
+      s["ent"] = rng.random(n) * 2
+    if nan_masked:
+      for k in s:
+        if k != "m":
+          s[k] = np.where(m, s[k], np.nan)
+    seqs.append({k: (v if k == "m" else v.astype(np.float32).astype(np.float64)) for k, v in s.items()})
+  return seqs
+
+
+def pack(seqs, row_len=16, num_rows=None, num_segments=None, row_multiple=1):
+  """Packs sequences into a PackedBatch (+ lp, entropy arrays); NaN at padding too."""
+  packing = mis_jax.plan_packing([len(s["m"]) for s in seqs], row_len, num_rows=num_rows,
+                                 row_multiple=row_multiple)
+  get = lambda k, pad=np.nan: packing.pack([s[k].astype(np.float32) for s in seqs], pad, np.float32)
+  batch = mis_jax.PackedBatch(
+      segment_ids=packing.segment_ids,
+      loss_mask=packing.pack([s["m"] for s in seqs], False, bool),
+      advantages=get("adv"), rollout_logprobs=get("q"), old_logprobs=get("o"),
+      ref_logprobs=get("ref") if "ref" in seqs[0] else None,
+      num_segments=num_segments or len(seqs))
+  extra = {"lp": get("lp")}
+  if "ent" in seqs[0]:
+    extra["ent"] = get("ent")
+  return batch, extra, packing
+
+
+def pad_one_per_row(seqs, row_len=None):
+  """The padded layout: one sequence per row."""
+  row_len = row_len or max(max(len(s["m"]) for s in seqs), 1)
+  packing = mis_jax.Packing(row_len=row_len, num_rows=len(seqs), rows=np.arange(len(seqs)),
+                            offsets=np.zeros(len(seqs), np.int64),
+                            lengths=np.array([len(s["m"]) for s in seqs]))
+  get = lambda k: packing.pack([s[k].astype(np.float32) for s in seqs], np.nan, np.float32)
+  batch = mis_jax.PackedBatch(
+      segment_ids=packing.segment_ids, loss_mask=packing.pack([s["m"] for s in seqs], False, bool),
+      advantages=get("adv"), rollout_logprobs=get("q"), old_logprobs=get("o"),
+      ref_logprobs=get("ref") if "ref" in seqs[0] else None, num_segments=len(seqs))
+  extra = {"lp": get("lp")}
+  if "ent" in seqs[0]:
+    extra["ent"] = get("ent")
+  return batch, extra
+
+
+def assert_metrics_close(got, want, rtol=2e-5, atol=2e-6):
+  assert set(got) == set(want), f"key sets differ: extra {set(got) - set(want)}, missing {set(want) - set(got)}"
+  for k in want:
+    np.testing.assert_allclose(float(got[k]), want[k], rtol=rtol, atol=atol, err_msg=k)

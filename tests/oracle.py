@@ -1,0 +1,262 @@
+"""An independent NumPy oracle of SPEC §2–8: plain Python loops over a list of sequences.
+
+Nothing here imports mis_jax. Every sequence is a dict of 1-D float64 arrays
+(``o``, ``q``, ``m``, ``adv``, ``lp``, optional ``ref``, ``ent``). Configs are plain dicts.
+"""
+
+import math
+
+import numpy as np
+
+B = 20.0
+
+
+def sexp(x):
+  return np.exp(np.clip(x, -B, B))
+
+
+def reduce(values, masks, mode):
+  """R_mask of SPEC §8 over lists of per-sequence arrays."""
+  if mode == "token-mean":
+    num = sum(float(np.sum(np.where(m, x, 0.0))) for x, m in zip(values, masks))
+    den = sum(float(np.sum(m)) for m in masks)
+    return num / max(den, 1.0)
+  means = [float(np.mean(x[m])) for x, m in zip(values, masks) if m.any()]
+  return sum(means) / len(means) if means else 0.0
+
+
+def level_log(r, m, level):
+  if level == "token":
+    return r.copy()
+  s = float(np.sum(r[m]))
+  if level == "sequence":
+    return np.full_like(r, s)
+  return np.full_like(r, s / max(int(m.sum()), 1))
+
+
+def mismatch(seqs, mode):
+  out = {}
+  per = {k: [] for k in ["mis_training_log_ppl", "mis_training_ppl", "mis_rollout_log_ppl",
+                         "mis_rollout_ppl", "mis_kl", "mis_k3_kl", "mis_log_ppl_diff",
+                         "mis_log_ppl_abs_diff", "mis_ppl_ratio", "mis_chi2_token",
+                         "mis_chi2_seq", "train_rollout_logprob_abs_diff"]}
+  masks = []
+  for s in seqs:
+    m = s["m"]
+    masks.append(m)
+    n = len(m)
+    o = np.where(m, s["o"], 0.0)
+    q = np.where(m, s["q"], 0.0)
+    r = o - q
+    mo = float(np.mean(o[m])) if m.any() else 0.0
+    mq = float(np.mean(q[m])) if m.any() else 0.0
+    full = lambda v: np.full(n, v)
+    per["mis_training_log_ppl"].append(full(-mo))
+    per["mis_training_ppl"].append(full(math.exp(-mo)))
+    per["mis_rollout_log_ppl"].append(full(-mq))
+    per["mis_rollout_ppl"].append(full(math.exp(-mq)))
+    per["mis_kl"].append(q - o)
+    rc = np.clip(r, -B, B)
+    per["mis_k3_kl"].append(np.exp(rc) - rc - 1)
+    per["mis_log_ppl_diff"].append(full(mq - mo))
+    per["mis_log_ppl_abs_diff"].append(full(abs(mq - mo)))
+    per["mis_ppl_ratio"].append(full(math.exp(mq - mo)))
+    chi = float(np.mean(np.exp(rc[m]) ** 2)) - 1 if m.any() else -1.0
+    per["mis_chi2_token"].append(full(chi))
+    per["mis_chi2_seq"].append(full(math.exp(2 * float(np.clip(np.sum(r[m]), -B, B))) - 1))
+    per["train_rollout_logprob_abs_diff"].append(np.abs(r))
+  for k, v in per.items():
+    out[k] = reduce(v, masks, mode)
+  return out
+
+
+def mis(seqs, cfg, mode, train_key="o"):
+  """The mis correction. Returns (weights list, kept list, metrics) with the §8.2 metrics."""
+  U = cfg.get("tis_upper_bound", 2.0)
+  Lo = cfg.get("tis_lower_bound")
+  Lo = 1.0 / U if Lo is None else Lo
+  level = cfg.get("tis_level", "token")
+  rs_level = cfg.get("rs_level") or level
+  rs_lo = cfg.get("rs_lower_bound")
+  rs_lo = Lo if rs_lo is None else rs_lo
+  rs_hi = cfg.get("rs_upper_bound")
+  rs_hi = U if rs_hi is None else rs_hi
+  tis_mode = cfg.get("tis_mode", "truncate")
+  veto = cfg.get("rs_veto_threshold")
+  metrics = {}
+  masks = [s["m"] for s in seqs]
+  W, K, RAW, RS, CAT, KEEP_IS = [], [], [], [], [], []
+  vetoed_seqs = 0
+  live_seqs = 0
+  for s in seqs:
+    m = s["m"]
+    r = np.where(m, s[train_key] - s["q"], 0.0)
+    w_raw = sexp(level_log(r, m, level))
+    keep_is = np.ones(len(m), bool)
+    if tis_mode == "truncate":
+      w = np.minimum(w_raw, U)
+    elif tis_mode == "clip":
+      w = np.clip(w_raw, Lo, U)
+    elif tis_mode == "mask":
+      w = w_raw.copy()
+      keep_is = (w_raw >= Lo) & (w_raw <= U)
+    else:
+      w = np.ones_like(w_raw)
+    keep_rs = np.ones(len(m), bool)
+    if cfg.get("use_rs", False):
+      w_rs = sexp(level_log(r, m, rs_level))
+      RS.append(w_rs)
+      keep_rs = (w_rs >= rs_lo) & (w_rs <= rs_hi)
+    vet = False
+    if veto is not None:
+      cat = m & (r < math.log(veto))
+      CAT.append(cat)
+      vet = bool(cat.any())
+    if m.any():
+      live_seqs += 1
+      vetoed_seqs += int(vet)
+    kept = m & keep_is & keep_rs & (not vet)
+    W.append(np.where(m, w, 0.0))
+    K.append(kept)
+    RAW.append(w_raw)
+    KEEP_IS.append(keep_is)
+  metrics["mis_tis_weight_before_bound"] = reduce(RAW, masks, mode)
+  pred = lambda f, vals: reduce([f(v).astype(float) for v in vals], masks, mode)
+  if tis_mode == "truncate":
+    metrics["mis_tis_truncate_fraction"] = pred(lambda v: v > U, RAW)
+  elif tis_mode in ("clip", "mask"):
+    metrics[f"mis_tis_{tis_mode}_fraction_low"] = pred(lambda v: v < Lo, RAW)
+    metrics[f"mis_tis_{tis_mode}_fraction_high"] = pred(lambda v: v > U, RAW)
+  metrics["mis_tis_weight_after_bound"] = reduce(W, [m & k for m, k in zip(masks, KEEP_IS)], mode)
+  if cfg.get("use_rs", False):
+    metrics["mis_rs_mask_fraction_low"] = pred(lambda v: v < rs_lo, RS)
+    metrics["mis_rs_mask_fraction_high"] = pred(lambda v: v > rs_hi, RS)
+  if veto is not None:
+    metrics["mis_rs_catastrophic_token_fraction"] = pred(lambda v: v, CAT)
+    metrics["mis_rs_catastrophic_seq_fraction"] = vetoed_seqs / max(live_seqs, 1)
+  metrics["mis_is_ratio_mean_after_tis_rs"] = reduce(W, K, mode)
+  factor = 1.0
+  if cfg.get("tis_batch_normalize", False):
+    if level == "token":
+      num = sum(float(np.sum(w[k])) for w, k in zip(W, K))
+      den = sum(float(np.sum(k)) for k in K)
+      mu = num / max(den, 1.0)
+    else:
+      seq_w = [float(w[k][0]) for w, k in zip(W, K) if k.any()]
+      mu = sum(seq_w) / len(seq_w) if seq_w else 0.0
+    if mu > 1e-8:
+      factor = mu
+  W = [w / factor for w in W]
+  metrics["mis_batch_norm_factor"] = factor
+  metrics["mis_is_ratio_mean_final"] = reduce(W, K, mode)
+  kept_vals = np.concatenate([w[k] for w, k in zip(W, K)] + [np.zeros(0)])
+  metrics["mis_is_ratio_min_final"] = float(kept_vals.min()) if kept_vals.size else 0.0
+  metrics["mis_is_ratio_max_final"] = float(kept_vals.max()) if kept_vals.size else 0.0
+  n_kept = float(kept_vals.size)
+  metrics["mis_ess_ratio"] = (float(kept_vals.sum()) ** 2 / (n_kept * float(np.sum(kept_vals ** 2)))
+                              if n_kept else 0.0)
+  metrics["mis_kept_token_fraction"] = n_kept / max(sum(float(m.sum()) for m in masks), 1.0)
+  metrics["mis_kept_seq_fraction"] = sum(int(k.any()) for k in K) / max(live_seqs, 1)
+  return W, K, metrics
+
+
+def vanilla(seqs, clip_hi, clip_lo, mode, train_key="o"):
+  W, ratios, masks = [], [], []
+  for s in seqs:
+    m = s["m"]
+    ratio = sexp(np.where(m, s[train_key] - s["q"], 0.0))
+    W.append(np.where(m, np.clip(ratio, clip_lo, clip_hi), 0.0))
+    ratios.append(ratio)
+    masks.append(m)
+  metrics = {
+      "tis": reduce(ratios, masks, mode),
+      "tis_clipfrac": reduce([(np.clip(x, clip_lo, clip_hi) != x).astype(float) for x in ratios], masks, mode),
+      "tis_abs": reduce([np.abs(x - 1) for x in ratios], masks, mode),
+  }
+  return W, [m.copy() for m in masks], metrics
+
+
+def kl_term(lp, ref, kl_type):
+  d = lp - ref
+  if kl_type == "k1":
+    return d
+  if kl_type == "k2":
+    return d * d / 2
+  if kl_type == "k3":
+    return np.exp(np.clip(-d, -B, B)) + d - 1
+  dc = np.clip(d, -B, B)
+  return np.clip(np.exp(-dc) + dc - 1, -10, 10)
+
+
+def aggregate(vals, kept, dmasks, mode):
+  """SPEC §7 aggregation with D given per sequence."""
+  if mode == "token-mean":
+    return sum(float(np.sum(v[k])) for v, k in zip(vals, kept)) / max(sum(float(d.sum()) for d in dmasks), 1.0)
+  total, n = 0.0, 0
+  for v, k, d in zip(vals, kept, dmasks):
+    if d.sum() == 0:
+      continue
+    n += 1
+    s = float(np.sum(v[k]))
+    total += s / max(float(d.sum()), 1.0) if mode == "seq-mean-token-mean" else s
+  return total / max(n, 1)
+
+
+def policy_loss(seqs, lc):
+  """Loss and metrics of SPEC §6–8 for a dict loss config ``lc``."""
+  mode = lc.get("loss_agg_mode", "seq-mean-token-mean")
+  use_tis, use_roll = lc.get("use_tis", False), lc.get("use_rollout_logprobs", False)
+  eps, eps_hi = lc.get("eps_clip", 0.2), lc.get("eps_clip_high") or lc.get("eps_clip", 0.2)
+  c = lc.get("eps_clip_c")
+  metrics = {}
+  masks = [s["m"] for s in seqs]
+  seqs = [dict(s, lp_sg=s["lp"]) for s in seqs]
+  W = [np.ones(len(s["m"])) for s in seqs]
+  K = [m.copy() for m in masks]
+  algo = {(False, False): "ppo", (True, False): "bypass", (False, True): "decoupled",
+          (True, True): "reinforce"}[(use_roll, use_tis)]
+  if use_tis:
+    train_key = "o" if algo == "decoupled" else "lp_sg"
+    if lc.get("mis") is not None:
+      W, K, m2 = mis(seqs, lc["mis"], mode, train_key)
+    else:
+      W, K, m2 = vanilla(seqs, lc.get("tis_clip", 2.0), lc.get("tis_clip_low", 0.0), mode, train_key)
+    metrics.update(m2)
+  if "q" in seqs[0]:
+    metrics.update(mismatch([dict(s, o=s["o"] if "o" in s else s["lp"]) for s in seqs], mode))
+  pg, clip, anch = [], [], []
+  for s, w, m in zip(seqs, W, masks):
+    lp = np.where(m, s["lp"], 0.0)
+    A = np.where(m, s["adv"], 0.0)
+    if algo == "reinforce":
+      anchor = np.where(m, s["q"], 0.0)
+      pg.append(-w * A * lp)
+      clip.append(np.zeros(len(m)))
+    else:
+      anchor = np.where(m, s["q"] if algo == "bypass" else s["o"], 0.0)
+      ratio = sexp(lp - anchor)
+      l1 = -A * ratio
+      l2 = -A * np.clip(ratio, 1 - eps, 1 + eps_hi)
+      l = np.maximum(l1, l2)
+      clip.append((l2 > l1).astype(float))
+      if c is not None:
+        l = np.where(A < 0, np.minimum(l, -c * A), l)
+      pg.append(w * l if algo == "decoupled" else l)
+    anch.append(anchor - lp)
+  if algo == "decoupled":
+    metrics["ois"] = reduce([sexp(np.where(m, s["lp"] - s["o"], 0.0)) for s, m in zip(seqs, masks)], masks, mode)
+  dmasks = K if lc.get("denominator", "kept") == "kept" else masks
+  pg_loss = aggregate(pg, K, dmasks, mode)
+  loss = pg_loss
+  if "ent" in seqs[0]:
+    ent_loss = aggregate([np.where(m, s["ent"], 0.0) for s, m in zip(seqs, masks)], K, dmasks, mode)
+    loss -= lc.get("entropy_coef", 0.0) * ent_loss
+    metrics["entropy_loss"] = ent_loss
+  if "ref" in seqs[0]:
+    kl = [np.where(m, kl_term(np.where(m, s["lp"], 0.0), np.where(m, s["ref"], 0.0), lc.get("kl_type", "k3")), 0.0)
+          for s, m in zip(seqs, masks)]
+    kl_loss = aggregate(kl, K, dmasks, mode)
+    loss += lc.get("kl_coef", 0.0) * kl_loss
+    metrics["kl_loss"] = kl_loss
+  metrics.update(loss=loss, pg_loss=pg_loss, pg_clipfrac=reduce(clip, K, mode), ppo_kl=reduce(anch, K, mode))
+  return loss, metrics, W, K
