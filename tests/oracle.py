@@ -210,7 +210,7 @@ def policy_loss(seqs, lc):
   c = lc.get("eps_clip_c")
   metrics = {}
   masks = [s["m"] for s in seqs]
-  seqs = [dict(s, lp_sg=s["lp"]) for s in seqs]
+  seqs = [dict(s, lp_sg=s.get("lp_sg", s["lp"])) for s in seqs]
   W = [np.ones(len(s["m"])) for s in seqs]
   K = [m.copy() for m in masks]
   algo = {(False, False): "ppo", (True, False): "bypass", (False, True): "decoupled",
