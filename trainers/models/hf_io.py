@@ -69,6 +69,7 @@ def _atomic_write(dest: str, write) -> None:
   os.close(fd)
   try:
     write(tmp)
+    os.chmod(tmp, 0o644)  # mkstemp makes 0600; a server running as another user must read it
     os.replace(tmp, dest)
   except BaseException:
     os.unlink(tmp)

@@ -1,0 +1,240 @@
+"""Jitted batched autoregressive sampling with a KV cache, SGLang's sampling semantics.
+
+Per row and step, with logits `z` (float32 even when the model computes in bfloat16):
+
+    logp = log_softmax(z / T)                      # the reported log-prob (SPEC §11)
+    keep = top-k ∧ top-p ∧ min-p filter of softmax(z / T)
+    token ~ Categorical(softmax(logp restricted to keep))
+
+The reported log-prob is `logp[token]`, *not* renormalised over the kept set, exactly as
+SGLang's `output_token_logprobs`. Temperature 0 is greedy and, as in SGLang, is run as
+`T = 1, top_k = 1`, so its log-probs are those of `log_softmax(z)`.
+
+Shapes are static: the batch is padded to a power of two, prompts and `max_new_tokens` to
+powers of two (at least 16), stop-id lists to powers of two (at least 4), so a stream of
+requests compiles a handful of programs once. Prefill is one forward over the right-padded
+prompts; decoding is one `jax.lax.while_loop` that exits when every row has finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from trainers.models.qwen import Qwen
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """SGLang's sampling parameters that this engine implements (names and defaults as SGLang)."""
+
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = -1  # -1: no top-k filter
+  min_p: float = 0.0
+  max_new_tokens: int = 128
+  stop_token_ids: tuple[int, ...] = ()
+  ignore_eos: bool = False
+  n: int = 1
+  seed: int | None = None
+
+  def __post_init__(self):
+    if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
+      raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+    if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+    if not (isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 1)):
+      raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k!r}")
+    if not (isinstance(self.min_p, (int, float)) and 0 <= self.min_p <= 1):
+      raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+    if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 0):
+      raise ValueError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
+    if not (isinstance(self.n, int) and self.n >= 1):
+      raise ValueError(f"n must be an int >= 1, got {self.n!r}")
+    if not all(isinstance(t, int) for t in self.stop_token_ids):
+      raise ValueError(f"stop_token_ids must be ints, got {self.stop_token_ids!r}")
+    if self.seed is not None and not isinstance(self.seed, int):
+      raise ValueError(f"seed must be an int, got {self.seed!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+  """One sample. `finish_reason`: `("stop", matched_token_id)` or `("length", max_new_tokens)`."""
+
+  prompt_index: int
+  sample_index: int
+  prompt_tokens: int
+  output_ids: list[int]
+  logprobs: list[float]
+  finish_reason: tuple[str, int]
+
+
+def _bucket(n: int, minimum: int) -> int:
+  return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
+def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p):
+  """One row: `logits [V]` float32 → (token, log_softmax(logits / T)[token])."""
+  vocab = logits.shape[-1]
+  logp = jax.nn.log_softmax(logits / temperature)
+  sorted_logp = jnp.sort(logp)[::-1]
+  sorted_p = jnp.exp(sorted_logp)
+  rank = jnp.arange(vocab)
+  # Each rule keeps a prefix of the descending order (the top token always survives), so
+  # the kept set is {logp >= cutoff}; ties at the cutoff are kept.
+  kept = ((jnp.cumsum(sorted_p) - sorted_p < top_p)
+          & (rank < jnp.where(top_k > 0, top_k, vocab))
+          & (sorted_p >= min_p * sorted_p[0]))
+  cutoff = sorted_logp[jnp.sum(kept) - 1]
+  token = jax.random.categorical(key, jnp.where(logp >= cutoff, logp, -jnp.inf))
+  return token, logp[token]
+
+
+def _generate(graphdef, params, prompt_ids, prompt_lens, row_seeds, temperature, top_p, top_k,
+              min_p, max_new, stop_ids, *, num_steps: int):
+  """Rows `[B]`; `prompt_ids [B, P]` right-padded; `row_seeds [B, 3]` = (seed, prompt, sample).
+
+  Returns `output_ids [B, num_steps]`, `logprobs [B, num_steps]`, `lengths [B]`, `stopped [B]`.
+  """
+  model = nnx.merge(graphdef, params)
+  batch, prompt_len = prompt_ids.shape
+  cache = model.init_cache(batch, prompt_len + num_steps)
+  positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
+  logits, cache = model.decode(prompt_ids, positions, cache)
+  # Rows are right-padded; pad keys land in slots >= prompt_len, which a query at position p
+  # never sees before a generated token overwrites slot p.
+  logits = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+  keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.fold_in(jax.random.key(s[0]), s[1]), s[2])
+                  )(row_seeds)
+  sample = jax.vmap(_filter_and_sample)
+
+  def cond(state):
+    step, _, _, _, _, _, done, _ = state
+    return (step < num_steps) & ~jnp.all(done)
+
+  def body(state):
+    step, logits, cache, out_ids, out_lp, lengths, done, stopped = state
+    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+    token, lp = sample(logits, step_keys, temperature, top_p, top_k, min_p)
+    active = ~done
+    out_ids = out_ids.at[:, step].set(jnp.where(active, token, 0))
+    out_lp = out_lp.at[:, step].set(jnp.where(active, lp, 0.0))
+    lengths = lengths + active.astype(jnp.int32)
+    hit = active & jnp.any(token[:, None] == stop_ids, axis=-1)
+    stopped = stopped | hit
+    done = done | hit | (lengths >= max_new)
+    next_logits, cache = model.decode(token[:, None].astype(jnp.int32),
+                                      (prompt_lens + step)[:, None], cache)
+    return step + 1, next_logits[:, 0], cache, out_ids, out_lp, lengths, done, stopped
+
+  init = (jnp.int32(0), logits, cache, jnp.zeros((batch, num_steps), jnp.int32),
+          jnp.zeros((batch, num_steps), jnp.float32), jnp.zeros((batch,), jnp.int32),
+          max_new <= 0, jnp.zeros((batch,), bool))
+  _, _, _, out_ids, out_lp, lengths, _, stopped = jax.lax.while_loop(cond, body, init)
+  return out_ids, out_lp, lengths, stopped
+
+
+class Sampler:
+  """Batched sampling from a `Qwen` model; weights can be swapped without recompiling.
+
+  Args:
+    model: the policy (its `dtype` is the inference precision: bfloat16 like a real engine,
+      or float32).
+    eos_token_ids: ids that end a sample unless `ignore_eos`; default the config's.
+    max_batch_size: rows (prompts × n) per compiled call; larger requests run in chunks.
+    seed: seeds the generator that draws a seed for requests that bring none.
+  """
+
+  def __init__(self, model: Qwen, *, eos_token_ids: Sequence[int] | None = None,
+               max_batch_size: int = 64, seed: int = 0):
+    self.config = model.config
+    self.graphdef, self.params = nnx.split(model)
+    self.eos_token_ids = tuple(self.config.eos_token_id if eos_token_ids is None else eos_token_ids)
+    self.max_batch_size = _bucket(max_batch_size, 1)
+    self._rng = np.random.default_rng(seed)
+    self._generate = jax.jit(functools.partial(_generate, self.graphdef),
+                             static_argnames=("num_steps",))
+
+  def set_params(self, params: nnx.State) -> None:
+    """Swaps the weights (same structure, shapes and dtypes: nothing recompiles)."""
+    old = jax.tree.map(lambda x: (x.shape, x.dtype), self.params)
+    new = jax.tree.map(lambda x: (x.shape, x.dtype), params)
+    if old != new:
+      raise ValueError("new parameters differ in structure, shape or dtype")
+    self.params = params
+
+  @property
+  def num_compiled(self) -> int:
+    """Number of programs compiled so far (one per distinct bucket)."""
+    return self._generate._cache_size()
+
+  def generate(self, prompts: Sequence[Sequence[int]],
+               params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
+    """Samples `params.n` completions per prompt; returns them prompt-major.
+
+    Sample `j` of prompt `i` with seed `s` draws from key `fold_in(fold_in(key(s), i), j)`
+    (then `fold_in(·, step)`), so a seeded request is reproducible whatever else is batched
+    with it. Without a seed, one is drawn from this sampler's generator.
+    """
+    if isinstance(params, SamplingParams):
+      params = [params] * len(prompts)
+    if len(params) != len(prompts):
+      raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+    vocab, context = self.config.vocab_size, self.config.max_position_embeddings
+    rows = []
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+      prompt = [int(t) for t in prompt]
+      if not prompt:
+        raise ValueError(f"prompt {i} is empty")
+      if min(prompt) < 0 or max(prompt) >= vocab:
+        raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+      if len(prompt) + p.max_new_tokens > context:
+        raise ValueError(f"prompt {i}: {len(prompt)} prompt tokens + max_new_tokens "
+                         f"{p.max_new_tokens} exceed the context length {context}")
+      seed = p.seed if p.seed is not None else int(self._rng.integers(0, 2**32))
+      stop = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
+      rows += [(i, j, prompt, p, seed % 2**32, stop) for j in range(p.n)]
+    out = []
+    for start in range(0, len(rows), self.max_batch_size):
+      out += self._run(rows[start:start + self.max_batch_size])
+    return out
+
+  def _run(self, rows) -> list[Completion]:
+    batch = _bucket(len(rows), 1)
+    prompt_len = _bucket(max(len(r[2]) for r in rows), 16)
+    num_steps = _bucket(max(r[3].max_new_tokens for r in rows), 16)
+    num_stop = _bucket(max(len(r[5]) for r in rows), 4)
+    ids = np.zeros((batch, prompt_len), np.int32)
+    lens = np.ones((batch,), np.int32)
+    seeds = np.zeros((batch, 3), np.uint32)
+    temp = np.ones((batch,), np.float32)
+    top_p = np.ones((batch,), np.float32)
+    min_p = np.zeros((batch,), np.float32)
+    top_k = np.full((batch,), -1, np.int32)
+    max_new = np.zeros((batch,), np.int32)  # padding rows are done before the first step
+    stop = np.full((batch, num_stop), -1, np.int32)
+    for b, (i, j, prompt, p, seed, stop_ids) in enumerate(rows):
+      ids[b, :len(prompt)] = prompt
+      lens[b] = len(prompt)
+      seeds[b] = (seed, i, j)
+      greedy = p.temperature == 0
+      temp[b] = 1.0 if greedy else p.temperature
+      top_k[b] = 1 if greedy else p.top_k
+      top_p[b], min_p[b], max_new[b] = p.top_p, p.min_p, p.max_new_tokens
+      stop[b, :len(stop_ids)] = stop_ids
+    out_ids, out_lp, lengths, stopped = jax.device_get(self._generate(
+        self.params, ids, lens, seeds, temp, top_p, top_k, min_p, max_new, stop,
+        num_steps=num_steps))
+    completions = []
+    for b, (i, j, prompt, p, _, _) in enumerate(rows):
+      n = int(lengths[b])
+      finish = ("stop", int(out_ids[b, n - 1])) if stopped[b] else ("length", p.max_new_tokens)
+      completions.append(Completion(i, j, len(prompt), out_ids[b, :n].tolist(),
+                                    out_lp[b, :n].tolist(), finish))
+    return completions
