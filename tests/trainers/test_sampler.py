@@ -1,0 +1,158 @@
+"""KV-cache sampler: log-probs equal the teacher-forced full forward (SGLang's definition,
+`log_softmax(logits / T)`, not renormalised), filters hold, seeds reproduce, stop and length
+finish reasons, static shapes (no recompilation inside a bucket), bfloat16 precision knob."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from trainers.models import Qwen, load_hf_checkpoint
+from trainers.sampler import Sampler, SamplingParams
+
+from conftest import TINY, sequence_logits, sequence_logprobs
+
+PROMPTS = [[1, 5, 9, 14], [1, 30], [1, 7, 7, 7, 7, 7, 7, 12, 40]]
+
+
+@pytest.fixture(scope="module")
+def sampler(tiny_model):
+  return Sampler(tiny_model, max_batch_size=8)
+
+
+def _check_against_oracle(model, prompts, outs, temperature, atol):
+  for c in outs:
+    want = sequence_logprobs(model, prompts[c.prompt_index], c.output_ids, temperature=temperature)
+    np.testing.assert_allclose(c.logprobs, want, atol=atol, rtol=0)
+
+
+def test_logprobs_equal_teacher_forced(sampler, tiny_model):
+  params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_new_tokens=12, n=2, seed=7,
+                          ignore_eos=True)
+  outs = sampler.generate(PROMPTS, params)
+  assert [(c.prompt_index, c.sample_index) for c in outs] == [(i, j) for i in range(3) for j in range(2)]
+  for c in outs:
+    assert c.prompt_tokens == len(PROMPTS[c.prompt_index])
+    assert len(c.output_ids) == len(c.logprobs) == 12 and c.finish_reason == ("length", 12)
+  assert outs[0].output_ids != outs[1].output_ids  # n samples draw from distinct keys
+  _check_against_oracle(tiny_model, PROMPTS, outs, 0.8, atol=5e-5)
+
+
+def test_greedy_is_argmax_with_temperature_one_logprobs(sampler, tiny_model):
+  outs = [sampler.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=10,
+                                                       seed=s, ignore_eos=True))[0] for s in (1, 2)]
+  assert outs[0].output_ids == outs[1].output_ids
+  seq = PROMPTS[0] + outs[0].output_ids
+  logits = sequence_logits(tiny_model, seq)
+  assert outs[0].output_ids == logits[len(PROMPTS[0]) - 1:-1].argmax(-1).tolist()
+  _check_against_oracle(tiny_model, PROMPTS, outs[:1], 1.0, atol=5e-5)
+
+
+def test_seed_reproduces_and_other_rows_do_not_matter(sampler):
+  """Sample j of prompt i draws from fold_in(key(seed), i, j): rows added after it (and a
+  larger padded batch bucket) leave it unchanged."""
+  p = SamplingParams(temperature=1.0, max_new_tokens=8, seed=123, ignore_eos=True)
+  batch = sampler.generate(PROMPTS, p)
+  assert [c.output_ids for c in sampler.generate(PROMPTS, p)] == [c.output_ids for c in batch]
+  bigger = sampler.generate(PROMPTS + [[1, 2], [3, 4, 5]], p)
+  assert [c.output_ids for c in bigger[:3]] == [c.output_ids for c in batch]
+  other = sampler.generate(PROMPTS, dataclasses.replace(p, seed=124))
+  assert [c.output_ids for c in batch] != [c.output_ids for c in other]
+
+
+def test_top_k_and_top_p_restrict_the_support(sampler, tiny_model):
+  for params in (SamplingParams(temperature=1.5, top_k=3, max_new_tokens=16, n=4, seed=0, ignore_eos=True),
+                 SamplingParams(temperature=1.5, top_p=0.5, max_new_tokens=16, n=4, seed=0, ignore_eos=True)):
+    for c in sampler.generate(PROMPTS[:1], params):
+      logits = sequence_logits(tiny_model, PROMPTS[0] + c.output_ids)[len(PROMPTS[0]) - 1:-1] / 1.5
+      probs = np.exp(logits - logits.max(-1, keepdims=True))
+      probs /= probs.sum(-1, keepdims=True)
+      for p_row, tok in zip(probs, c.output_ids):
+        order = np.argsort(-p_row)
+        rank = int(np.where(order == tok)[0][0])
+        if params.top_k > 0:
+          assert rank < params.top_k
+        else:
+          assert p_row[order[:rank]].sum() < params.top_p + 1e-6  # mass strictly before it
+
+
+def test_stop_token_ends_and_is_kept(sampler):
+  greedy = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+  ref = sampler.generate(PROMPTS[:1], greedy)[0].output_ids
+  stop = ref[3]
+  out = sampler.generate(PROMPTS[:1], dataclasses.replace(greedy, stop_token_ids=(stop,)))[0]
+  cut = ref.index(stop) + 1
+  assert out.output_ids == ref[:cut] and out.finish_reason == ("stop", stop)
+  # The config's eos (id 2) stops unless ignore_eos.
+  eos = sampler.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=16))[0]
+  assert (eos.finish_reason[0] == "stop") == (2 in ref)
+
+
+def test_max_new_tokens_zero_and_one(sampler):
+  zero, one = (sampler.generate(PROMPTS[:1], SamplingParams(max_new_tokens=n, seed=0))[0] for n in (0, 1))
+  assert zero.output_ids == [] and zero.finish_reason == ("length", 0)
+  assert len(one.output_ids) == 1
+
+
+def test_no_recompilation_within_a_bucket(sampler):
+  sampler.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5, seed=0))
+  before = sampler.num_compiled
+  for prompt, params in (([1] * 15, SamplingParams(max_new_tokens=16, temperature=0.3, seed=1)),
+                         ([4, 5], SamplingParams(max_new_tokens=2, top_p=0.5, top_k=4, seed=2,
+                                                 stop_token_ids=(3, 4)))):
+    sampler.generate([prompt], params)
+  assert sampler.num_compiled == before
+
+
+def test_weight_swap_changes_samples_without_recompiling(sampler):
+  params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+  before = sampler.generate(PROMPTS[:1], params)[0].output_ids
+  compiled, original = sampler.num_compiled, sampler.params
+  try:
+    sampler.set_params(nnx.state(Qwen(TINY, rngs=nnx.Rngs(9))))
+    assert sampler.generate(PROMPTS[:1], params)[0].output_ids != before
+    assert sampler.num_compiled == compiled
+    with pytest.raises(ValueError, match="structure, shape or dtype"):
+      sampler.set_params(nnx.state(Qwen(dataclasses.replace(TINY, vocab_size=80), rngs=nnx.Rngs(0))))
+  finally:
+    sampler.set_params(original)
+
+
+def test_bfloat16_sampler_measurably_differs_from_float32_trainer(tiny_checkpoint):
+  f32 = load_hf_checkpoint(tiny_checkpoint)
+  bf16 = Sampler(load_hf_checkpoint(tiny_checkpoint, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
+  outs = bf16.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=16, seed=0, ignore_eos=True))
+  diff = np.concatenate([np.asarray(c.logprobs) - sequence_logprobs(f32, PROMPTS[c.prompt_index], c.output_ids)
+                         for c in outs])
+  assert 1e-4 < np.abs(diff).mean() < 0.05  # real but small: the mismatch MIS corrects
+
+
+def test_invalid_requests_raise(sampler):
+  with pytest.raises(ValueError, match="empty"):
+    sampler.generate([[]], SamplingParams())
+  with pytest.raises(ValueError, match="outside"):
+    sampler.generate([[64]], SamplingParams())
+  with pytest.raises(ValueError, match="context length"):
+    sampler.generate([[1, 2]], SamplingParams(max_new_tokens=TINY.max_position_embeddings))
+  for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=0), dict(min_p=1.5), dict(n=0),
+              dict(max_new_tokens=-1)):
+    with pytest.raises(ValueError, match=next(iter(bad))):
+      SamplingParams(**bad)
+
+
+@settings(max_examples=12, deadline=None)
+@given(temperature=st.sampled_from([0.0, 0.5, 1.0, 2.0]), top_p=st.sampled_from([1.0, 0.9, 0.3]),
+       top_k=st.sampled_from([-1, 1, 5]), min_p=st.sampled_from([0.0, 0.1]),
+       seed=st.integers(0, 2**32 - 1), prompt=st.lists(st.integers(0, 63), min_size=1, max_size=16))
+def test_property_logprobs_are_unrenormalised_teacher_forced(sampler, tiny_model, temperature, top_p,
+                                                            top_k, min_p, seed, prompt):
+  params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                          max_new_tokens=6, seed=seed, ignore_eos=True)
+  (c,) = sampler.generate([prompt], params)
+  assert len(c.output_ids) == 6
+  want = sequence_logprobs(tiny_model, prompt, c.output_ids, temperature=temperature or 1.0)
+  np.testing.assert_allclose(c.logprobs, want, atol=5e-5, rtol=0)
