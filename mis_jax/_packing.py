@@ -96,12 +96,12 @@ class Packing:
   @property
   def segment_ids(self) -> np.ndarray:
     """int32 ``[num_rows, row_len]``: the sequence index of every token, -1 for padding."""
-    return self.pack([np.full(n, i, np.int32) for i, n in enumerate(self.lengths)], -1)
+    return self.pack([np.full(n, i, np.int32) for i, n in enumerate(self.lengths)], -1, np.int32)
 
   @property
   def positions(self) -> np.ndarray:
     """int32 positions restarting at 0 in each segment (0 at padding)."""
-    return self.pack([np.arange(n, dtype=np.int32) for n in self.lengths], 0)
+    return self.pack([np.arange(n, dtype=np.int32) for n in self.lengths], 0, np.int32)
 
   def pack(self, sequences: Sequence, pad_value=0, dtype=None) -> np.ndarray:
     """Places per-sequence 1-D arrays into the packed layout."""
