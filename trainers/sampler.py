@@ -87,8 +87,9 @@ def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p):
   sorted_p = jnp.exp(sorted_logp)
   rank = jnp.arange(vocab)
   # Each rule keeps a prefix of the descending order (the top token always survives), so
-  # the kept set is {logp >= cutoff}; ties at the cutoff are kept.
-  kept = ((jnp.cumsum(sorted_p) - sorted_p < top_p)
+  # the kept set is {logp >= cutoff}; ties at the cutoff are kept. `<=` as SGLang, so that
+  # top_p = 1 keeps the whole vocabulary even where the cumulative sum rounds to 1 early.
+  kept = ((jnp.cumsum(sorted_p) - sorted_p <= top_p)
           & (rank < jnp.where(top_k > 0, top_k, vocab))
           & (sorted_p >= min_p * sorted_p[0]))
   cutoff = sorted_logp[jnp.sum(kept) - 1]

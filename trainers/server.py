@@ -141,6 +141,8 @@ def parse_generate(body, config: ModelConfig, tokenizer=None) -> GenerateRequest
       continue
     raise BadRequest(f"Unknown field in /generate request: {key!r}")
   ids = body.get("input_ids")
+  if ids is not None and body.get("text") is not None:
+    raise BadRequest("send either text or input_ids, not both")
   if ids is None and body.get("text") is not None:
     if tokenizer is None:
       raise BadRequest("'text' needs a tokenizer and this checkpoint has none; send 'input_ids'")

@@ -157,6 +157,7 @@ BAD_REQUESTS = {
     "top_k 0": ({"input_ids": PROMPT, "sampling_params": {"top_k": 0}}, "top_k"),
     "negative temperature": ({"input_ids": PROMPT, "sampling_params": {"temperature": -1}}, "temperature"),
     "text without tokenizer": ({"text": "hello"}, "tokenizer"),
+    "text and input_ids": ({"text": "hello", "input_ids": PROMPT}, "not both"),
     "stream": ({"input_ids": PROMPT, "stream": True}, "stream"),
     "unknown top-level field": ({"input_ids": PROMPT, "return_logprobs": True}, "return_logprobs"),
 }
