@@ -7,8 +7,8 @@ Per row and step, with logits `z` (float32 even when the model computes in bfloa
     token ~ Categorical(softmax(logp restricted to keep))
 
 The reported log-prob is `logp[token]`, *not* renormalised over the kept set, exactly as
-SGLang's `output_token_logprobs`. Temperature 0 is greedy and, as in SGLang, is run as
-`T = 1, top_k = 1`, so its log-probs are those of `log_softmax(z)`.
+SGLang's `output_token_logprobs`. Temperature 0 (below 1e-6) is greedy and, as in SGLang, is
+run as `T = 1, top_k = 1`, so its log-probs are those of `log_softmax(z)`.
 
 Shapes are static: the batch is padded to a power of two, prompts and `max_new_tokens` to
 powers of two (at least 16), stop-id lists to powers of two (at least 4), so a stream of
@@ -73,6 +73,9 @@ class Completion:
   output_ids: list[int]
   logprobs: list[float]
   finish_reason: tuple[str, int]
+
+
+_GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: smaller temperatures are greedy
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -224,7 +227,7 @@ class Sampler:
       ids[b, :len(prompt)] = prompt
       lens[b] = len(prompt)
       seeds[b] = (seed, i, j)
-      greedy = p.temperature == 0
+      greedy = p.temperature < _GREEDY_BELOW
       temp[b] = 1.0 if greedy else p.temperature
       top_k[b] = 1 if greedy else p.top_k
       top_p[b], min_p[b], max_new[b] = p.top_p, p.min_p, p.max_new_tokens

@@ -35,7 +35,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import jax.numpy as jnp
 from flax import nnx
 
-from trainers.models import ModelConfig, Qwen, load_hf_checkpoint, read_hf_tensors, state_from_hf_tensors
+from trainers.models import ModelConfig, load_hf_checkpoint, read_hf_tensors, state_from_hf_tensors
 from trainers.sampler import Completion, Sampler, SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -45,7 +45,7 @@ _LOOPBACK = ("127.0.0.1", "localhost")
 _HONOURED = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids", "n",
              "ignore_eos", "sampling_seed"}
 # Output-formatting keys: the stop token is always kept in output_ids (as `no_stop_trim`), and
-# there is no detokeniser state for the other two to change.
+# `text` (only with a tokenizer.json) is decoded with special tokens kept.
 _IGNORED = {"no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens", "stream_interval"}
 # Accepted only at their no-op value; anything else asks for a feature not implemented here.
 _NOOP_VALUES = {"stop": (None,), "stop_regex": (None,), "min_new_tokens": (0, None),
@@ -109,11 +109,13 @@ def parse_sampling_params(d, *, where: str = "sampling_params") -> SamplingParam
   for key in ("temperature", "top_p", "min_p"):
     if key in d and (isinstance(d[key], bool) or not isinstance(d[key], (int, float))):
       raise BadRequest(f"{where}.{key} must be a number, got {d[key]!r}")
+  if not isinstance(d.get("ignore_eos", False), bool):
+    raise BadRequest(f"{where}.ignore_eos must be a boolean, got {d['ignore_eos']!r}")
   try:
     return SamplingParams(
         temperature=float(d.get("temperature", 1.0)), top_p=float(d.get("top_p", 1.0)),
         top_k=top_k, min_p=float(d.get("min_p", 0.0)), max_new_tokens=max_new,
-        stop_token_ids=tuple(stop_ids), ignore_eos=bool(d.get("ignore_eos", False)), n=n, seed=seed)
+        stop_token_ids=tuple(stop_ids), ignore_eos=d.get("ignore_eos", False), n=n, seed=seed)
   except ValueError as e:
     raise BadRequest(f"{where}: {e}") from None
 

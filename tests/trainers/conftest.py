@@ -3,7 +3,6 @@ teacher-forced log-prob oracle."""
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

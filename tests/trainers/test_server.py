@@ -159,6 +159,9 @@ BAD_REQUESTS = {
     "text without tokenizer": ({"text": "hello"}, "tokenizer"),
     "text and input_ids": ({"text": "hello", "input_ids": PROMPT}, "not both"),
     "stream": ({"input_ids": PROMPT, "stream": True}, "stream"),
+    "ignore_eos not a bool": ({"input_ids": PROMPT, "sampling_params": {"ignore_eos": "yes"}}, "ignore_eos"),
+    "stop_token_ids not ints": ({"input_ids": PROMPT, "sampling_params": {"stop_token_ids": ["2"]}},
+                                "stop_token_ids"),
     "unknown top-level field": ({"input_ids": PROMPT, "return_logprobs": True}, "return_logprobs"),
 }
 
