@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 
@@ -15,8 +16,14 @@ def _init_model(argv: list[str]) -> int:
   parser.add_argument("--out", required=True, help="output directory")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+  parser.add_argument("--initializer-range", type=float, default=None,
+                      help="std of the random weights (default: the preset's, HF's 0.02); "
+                      "larger values give a peakier, less uniform random policy")
   args = parser.parse_args(argv)
-  cfg = init_checkpoint(args.out, preset=args.preset, seed=args.seed, dtype=args.dtype)
+  config = PRESETS[args.preset]
+  if args.initializer_range is not None:
+    config = dataclasses.replace(config, initializer_range=args.initializer_range)
+  cfg = init_checkpoint(args.out, config=config, seed=args.seed, dtype=args.dtype)
   print(f"wrote {cfg.model_type} checkpoint ({args.preset}, {args.dtype}) to {args.out}")
   return 0
 
