@@ -23,3 +23,7 @@ __all__ = [
     "plan_packing", "policy_loss", "ppo_token_loss", "prepare_step", "resolve_correction_fn",
     "sequence_to_tokens", "split_microbatches", "vanilla_tis_weights",
 ]
+
+from mis_jax._sharding import batch_partition_spec, shard_batch, sharded_policy_loss  # noqa: E402
+
+__all__ += ["batch_partition_spec", "shard_batch", "sharded_policy_loss"]

@@ -1,0 +1,83 @@
+"""A ready-made ``shard_map`` around :func:`policy_loss` (SPEC §10).
+
+The packed batch is sharded along rows over the data axis (whole rows, so whole segments per
+device when segments don't span rows: data parallelism) and optionally along columns over a
+sequence axis (a segment split across devices: sequence/context parallelism). Inside, every
+reduction is completed with ``psum``/``pmin``/``pmax`` over both axes, so the result and its
+gradient equal the single-device ones.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from mis_jax._config import LossConfig
+from mis_jax._losses import _check_batch, policy_loss
+from mis_jax._packing import PackedBatch
+
+
+def batch_partition_spec(data_axis="data", seq_axis: str | None = None) -> P:
+  """PartitionSpec of every per-token ``[rows, row_len]`` array."""
+  return P(data_axis, seq_axis) if seq_axis is not None else P(data_axis)
+
+
+def shard_batch(mesh: Mesh, tree, *, data_axis="data", seq_axis: str | None = None):
+  """``device_put`` every array leaf of ``tree`` (e.g. a PackedBatch) with the batch sharding."""
+  sharding = NamedSharding(mesh, batch_partition_spec(data_axis, seq_axis))
+  return jax.tree_util.tree_map(lambda x: jax.device_put(x, sharding), tree)
+
+
+def sharded_policy_loss(mesh: Mesh, loss_cfg: LossConfig, *, data_axis="data",
+                        seq_axis: str | None = None) -> Callable:
+  """Builds ``f(logprobs, batch, entropy=None) -> (loss, metrics)`` under ``jax.shard_map``.
+
+  Per-token arrays must be ``[rows, row_len]`` with rows divisible by the data-axis size and
+  ``row_len`` divisible by the sequence-axis size. Outputs are replicated scalars. The
+  returned function is differentiable in ``logprobs`` (and so in the parameters of a model
+  that produced them) and can be jitted; ``loss_cfg`` is closed over (static).
+
+  Args:
+    mesh: a mesh holding ``data_axis`` (and ``seq_axis`` if given).
+    loss_cfg: the :class:`LossConfig`.
+    data_axis: mesh axis name (or tuple of names) the rows are sharded over.
+    seq_axis: optional mesh axis name the columns (positions) are sharded over.
+  """
+  if not isinstance(loss_cfg, LossConfig):
+    raise TypeError(f"loss_cfg must be a mis_jax.LossConfig, got {type(loss_cfg).__name__}")
+  names = tuple(data_axis) if isinstance(data_axis, (tuple, list)) else (data_axis,)
+  if seq_axis is not None:
+    names += (seq_axis,)
+  for name in names:
+    if name not in mesh.axis_names:
+      raise ValueError(f"mesh has axes {mesh.axis_names}; no axis named {name!r}")
+  axis_name = names if len(names) > 1 else names[0]
+  spec = batch_partition_spec(data_axis if not isinstance(data_axis, list) else tuple(data_axis), seq_axis)
+
+  def loss_fn(logprobs, batch: PackedBatch, entropy=None):
+    _check_batch(logprobs, batch, loss_cfg, entropy, None)  # concrete checks, before tracing
+    if len(batch.shape) != 2:
+      raise ValueError(f"sharded_policy_loss needs [rows, row_len] arrays, got shape {batch.shape}")
+    rows, cols = batch.shape
+    n_data = _axis_size(mesh, data_axis)
+    n_seq = 1 if seq_axis is None else mesh.shape[seq_axis]
+    if rows % n_data or cols % n_seq:
+      raise ValueError(f"batch shape {batch.shape} must divide into the mesh: rows by {n_data} "
+                       f"({data_axis}), row_len by {n_seq} ({seq_axis})")
+    bspec = jax.tree_util.tree_map(lambda _: spec, batch)
+    inner = lambda lp, b, ent: policy_loss(lp, b, loss_cfg, entropy=ent, axis_name=axis_name)
+    espec = None if entropy is None else spec
+    mapped = jax.shard_map(inner, mesh=mesh, in_specs=(spec, bspec, espec), out_specs=P())
+    return mapped(logprobs, batch, entropy)
+
+  return loss_fn
+
+
+def _axis_size(mesh: Mesh, axis) -> int:
+  names = axis if isinstance(axis, (tuple, list)) else (axis,)
+  size = 1
+  for name in names:
+    size *= mesh.shape[name]
+  return size
