@@ -211,9 +211,13 @@ def test_pause_waits_and_abort_ends_waiting_requests(server):
     t.join(30)
     out = result["value"].json()
     assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
-    t, result = _in_thread(lambda: server.post("/generate", json=body))
+    t, result = _in_thread(lambda: server.post("/generate", json={**body, "rid": "by-rid"}))
     time.sleep(0.3)
     assert t.is_alive()  # abort mode also leaves the server paused
+    assert server.post("/abort_request", json={"rid": "by-rid"}).status_code == 200
+    t.join(30)
+    assert result["value"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    t, result = _in_thread(lambda: server.post("/generate", json=body))
   finally:
     assert server.post("/continue_generation", json={}).status_code == 200
   t.join(60)
