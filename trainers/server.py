@@ -21,13 +21,17 @@ Run: `mis-jax serve --model-path DIR --port 30000` or `python -m trainers.server
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import math
 import os
+import re
+import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import uuid
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -517,6 +521,69 @@ def main(argv: list[str] | None = None) -> int:
   finally:
     server.server_close()
   return 0
+
+
+class EmbeddedServer:
+  """`mis-jax serve` in a subprocess, for a trainer (or a test) that has no SGLang server.
+
+  Use as a context manager, or call `close()`: `with EmbeddedServer(dir) as server: server.url`.
+  The port defaults to 0 (a free one, read back from the server's first line, no race).
+  """
+
+  def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0, port: int = 0,
+               max_batch_size: int = 64, timeout: float = 300.0, extra_args: tuple[str, ...] = ()):
+    self.process = subprocess.Popen(
+        [sys.executable, "-m", "trainers.cli", "serve", "--model-path", str(model_path), "--dtype", dtype,
+         "--seed", str(seed), "--port", str(port), "--max-batch-size", str(max_batch_size),
+         *extra_args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    self.log: collections.deque[str] = collections.deque(maxlen=200)  # the server's last lines
+    self._url: list[str] = []
+    threading.Thread(target=self._drain, daemon=True).start()  # a full pipe would block it
+    deadline = time.monotonic() + timeout
+    try:
+      while not self._healthy():
+        if self.process.poll() is not None:
+          raise RuntimeError(f"mis-jax serve exited with {self.process.returncode}:\n"
+                             + "".join(self.log))
+        if time.monotonic() > deadline:
+          raise TimeoutError(f"mis-jax serve not healthy after {timeout} s:\n" + "".join(self.log))
+        time.sleep(0.2)
+    except BaseException:
+      self.close()
+      raise
+    self.url = self._url[0]
+
+  def _drain(self):
+    for line in self.process.stdout:
+      match = re.search(r" on (http://\S+)$", line.rstrip())
+      if match and not self._url:
+        self._url.append(match.group(1))
+      self.log.append(line)
+
+  def _healthy(self) -> bool:
+    if not self._url:
+      return False
+    try:
+      with urllib.request.urlopen(self._url[0] + "/health", timeout=5) as r:
+        return r.status == 200
+    except OSError:
+      return False
+
+  def close(self) -> None:
+    if self.process.poll() is None:
+      self.process.terminate()
+      try:
+        self.process.wait(timeout=30)
+      except subprocess.TimeoutExpired:
+        self.process.kill()
+        self.process.wait()
+
+  def __enter__(self) -> "EmbeddedServer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
 
 
 if __name__ == "__main__":

@@ -1,13 +1,11 @@
-"""`mis-jax serve` over real HTTP: one server subprocess per module on a free 127.0.0.1 port,
-driven like an SGLang server (SPEC §11): response shapes, seeds, log-probs against the model's
-own teacher-forced log-probs, weight updates, pause/continue, and every bad request."""
+"""`mis-jax serve` over real HTTP: one server subprocess per module on a free 127.0.0.1 port
+(`--port 0`, read back from its first line), driven like an SGLang server (SPEC §11): response
+shapes, seeds, log-probs against the model's own teacher-forced log-probs, weight updates,
+pause/continue/abort, and every bad request."""
 
 import dataclasses
 import json
 import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -18,7 +16,7 @@ import pytest
 from trainers import cli
 from trainers.models import PRESETS, init_checkpoint, load_hf_checkpoint
 from trainers.sampler import SamplingParams
-from trainers.server import parse_sampling_params
+from trainers.server import EmbeddedServer, parse_sampling_params
 
 from conftest import TINY, sequence_logprobs
 
@@ -26,38 +24,14 @@ PROMPT = [1, 5, 9, 14, 3]
 BF16_ATOL = 0.1  # bf16 engine vs float32 teacher forcing (per token; the mean is far smaller)
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_checkpoint):
-  port = _free_port()
-  proc = subprocess.Popen(
-      [sys.executable, "-m", "trainers.cli", "serve", "--model-path", tiny_checkpoint,
-       "--port", str(port), "--dtype", "bfloat16", "--seed", "0", "--max-batch-size", "8"],
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-      cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
-  client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120)
-  deadline = time.time() + 120
-  while True:
-    if proc.poll() is not None:
-      pytest.fail(f"server exited with {proc.returncode}:\n{proc.stdout.read()}")
-    try:
-      if client.get("/health").status_code == 200:
-        break
-    except httpx.TransportError:
-      pass
-    if time.time() > deadline:
-      proc.kill()
-      pytest.fail("server did not become healthy in 120 s")
-    time.sleep(0.2)
-  yield client
-  client.close()
-  proc.terminate()
-  proc.wait(timeout=30)
+  with EmbeddedServer(tiny_checkpoint, dtype="bfloat16", seed=0, max_batch_size=8, timeout=120) as srv:
+    assert srv.url.startswith("http://127.0.0.1:")
+    with httpx.Client(base_url=srv.url, timeout=120) as client:
+      yield client
+    assert srv.process.poll() is None  # no request crashed it
+  assert srv.process.returncode is not None
 
 
 @pytest.fixture(scope="module")
@@ -274,3 +248,8 @@ def test_cli_init_model_and_train_placeholder(tmp_path, capsys):
   assert sorted(os.listdir(tmp_path / "m")) == ["config.json", "model.safetensors"]
   assert cli.main(["train"]) == 2 and "not implemented" in capsys.readouterr().err
   assert set(PRESETS) >= {"tiny-qwen2", "tiny-qwen3"}
+
+
+def test_embedded_server_reports_a_failed_start(tmp_path):
+  with pytest.raises(RuntimeError, match="config.json"):
+    EmbeddedServer(str(tmp_path / "no-checkpoint"), timeout=60)
