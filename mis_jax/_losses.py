@@ -16,7 +16,7 @@ from mis_jax import _validation
 from mis_jax._config import LossConfig, resolve_correction_fn
 from mis_jax._packing import PackedBatch
 from mis_jax._segments import LOG_BOUND, AxisName, Segments, psum, safe_exp
-from mis_jax._weights import mis_core, mismatch_metrics, vanilla_core
+from mis_jax._weights import mis_core, mismatch_items, vanilla_core
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,22 +84,26 @@ def kl_penalty(logprobs, ref_logprobs, kl_type: str):
 
 
 def aggregate(token_values, kept, segs: Segments, mode: str, dens: Denominators):
-  """Aggregates a per-token loss over the kept mask with global denominators (SPEC §7).
+  """Aggregates per-token losses over the kept mask with global denominators (SPEC §7).
 
-  Sums run over this device's (micro-)batch only and are completed with one ``psum`` at the
-  end, so the result is linear in the per-token contributions: micro-batch losses add up to
-  the full-batch loss and gradients flow correctly through ``shard_map``.
+  ``token_values`` is ``[T]`` (returns a scalar) or stacked ``[T, K]`` (returns ``[K]``, one
+  scatter for all K terms). Sums run over this device's (micro-)batch only and are completed
+  with one ``psum`` at the end, so the result is linear in the per-token contributions:
+  micro-batch losses add up to the full-batch loss and gradients flow correctly through
+  ``shard_map``.
   """
-  x = jnp.where(kept, token_values, 0.0)
+  stacked = token_values.ndim == 2
+  x = token_values if stacked else token_values[:, None]
+  x = jnp.where((kept & segs.valid)[:, None], x, 0.0)
   if mode == "token-mean":
-    local = jnp.sum(x) / jnp.maximum(dens.num_tokens, 1.0)
+    local = jnp.sum(x, axis=0) / jnp.maximum(dens.num_tokens, 1.0)
   else:
-    seg_local = jax.ops.segment_sum(jnp.where(segs.valid, x, 0.0), segs.ids,
-                                    num_segments=segs.num_segments)
+    seg_local = jax.ops.segment_sum(x, segs.ids, num_segments=segs.num_segments)
     if mode == "seq-mean-token-mean":
-      seg_local = seg_local / jnp.maximum(dens.seg_tokens, 1.0)
-    local = jnp.sum(seg_local) / jnp.maximum(dens.num_seqs, 1.0)
-  return psum(local, segs.axis_name)
+      seg_local = seg_local / jnp.maximum(dens.seg_tokens, 1.0)[:, None]
+    local = jnp.sum(seg_local, axis=0) / jnp.maximum(dens.num_seqs, 1.0)
+  out = psum(local, segs.axis_name)
+  return out if stacked else out[0]
 
 
 # --- validation ------------------------------------------------------------------------
@@ -147,12 +151,11 @@ def _check_batch(logprobs, batch: PackedBatch, cfg: LossConfig, entropy, denomin
 
 def _run_correction(train_lp, q, mask, segs: Segments, cfg: LossConfig, segment_ids_shape,
                     batch_norm_factor):
-  """Runs the configured correction; returns ``(weights, kept, metrics)`` flat."""
-  mode = cfg.loss_agg_mode
+  """Runs the configured correction; returns flat ``(weights, kept, items, scalars)``."""
   if cfg.correction == "vanilla":
-    return vanilla_core(train_lp, q, mask, segs, mode, cfg.tis_clip, cfg.tis_clip_low)
+    return (*vanilla_core(train_lp, q, mask, cfg.tis_clip, cfg.tis_clip_low), {})
   if cfg.correction == "mis":
-    return mis_core(train_lp, q, mask, segs, cfg.mis, mode, batch_norm_factor)
+    return mis_core(train_lp, q, mask, segs, cfg.mis, batch_norm_factor)
   # A user correction function with the signature of compute_mis_weights.
   fn = resolve_correction_fn(cfg.correction_fn)
   shape = segment_ids_shape
@@ -161,7 +164,7 @@ def _run_correction(train_lp, q, mask, segs: Segments, cfg: LossConfig, segment_
                         axis_name=segs.axis_name)
   w = jax.lax.stop_gradient(jnp.reshape(w, (-1,)).astype(jnp.float32))
   kept = _validation.flat_mask(kept, mask)
-  return jnp.where(mask, w, 0.0), kept, dict(metrics)
+  return jnp.where(mask, w, 0.0), kept, [], dict(metrics)
 
 
 def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisName = None):
@@ -195,7 +198,8 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
       raise ValueError("decoupled PPO needs batch.old_logprobs and batch.rollout_logprobs")
     o = _validation.flat_float(batch.old_logprobs)
     q = _validation.flat_float(batch.rollout_logprobs)
-    w, kept, metrics = _run_correction(o, q, mask, segs, loss_cfg, shape, None)
+    w, kept, items, metrics = _run_correction(o, q, mask, segs, loss_cfg, shape, None)
+    metrics = {**segs.reduce_many(items, loss_cfg.loss_agg_mode), **metrics}
     batch = batch.replace(is_weights=w.reshape(shape), kept_mask=kept.reshape(shape))
   elif loss_cfg.algorithm == "reinforce_is" and loss_cfg.denominator == "kept":
     return batch, None, metrics
@@ -254,7 +258,7 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
   # neither values nor gradients leak.
   lp = jnp.where(mask, _validation.flat_float(logprobs), 0.0)
   adv, q, o, ref = flat("advantages"), flat("rollout_logprobs"), flat("old_logprobs"), flat("ref_logprobs")
-  metrics = {}
+  items, scalars = [], {}
 
   # Correction stage.
   weights, kept = jnp.ones_like(lp), mask
@@ -264,13 +268,11 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
       kept = _validation.flat_mask(arrays["kept_mask"], mask)
     else:
       train_lp = o if cfg.algorithm == "decoupled_ppo" else sg(lp)
-      weights, kept, corr_metrics = _run_correction(train_lp, q, mask, segs, cfg, shape,
-                                                    batch_norm_factor)
-      metrics.update(corr_metrics)
+      weights, kept, items, scalars = _run_correction(train_lp, q, mask, segs, cfg, shape, batch_norm_factor)
 
   # Mismatch monitoring whenever rollout log-probs are present (SPEC §8.1).
   if q is not None:
-    metrics.update(mismatch_metrics(o if o is not None else sg(lp), q, mask, segs, mode))
+    items = mismatch_items(o if o is not None else sg(lp), q, mask, segs) + items
 
   # Per-token policy loss.
   if cfg.algorithm == "reinforce_is":
@@ -283,26 +285,26 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
                                       eps_clip_high=cfg.clip_high, eps_clip_c=cfg.eps_clip_c)
     if cfg.algorithm == "decoupled_ppo":
       pg_tok = weights * pg_tok
-      metrics["ois"] = segs.reduce(safe_exp(sg(lp) - o), mask, mode)
+      items.append(("ois", safe_exp(sg(lp) - o), mask))
+  items += [("pg_clipfrac", clipfrac, kept), ("ppo_kl", anchor - sg(lp), kept)]
 
+  # The loss terms, aggregated together (one stacked reduction).
   if denominators is None:
     denominators = _denominators_from_mask(kept if cfg.denominator == "kept" else mask, segs)
-  agg = lambda x: aggregate(x, kept, segs, mode, denominators)
-
-  pg_loss = agg(pg_tok)
-  loss = pg_loss
+  terms = {"pg_loss": pg_tok}
   if entropy is not None:
-    ent = jnp.where(mask, _validation.flat_float(entropy), 0.0)
-    entropy_loss = agg(ent)
-    loss = loss - cfg.entropy_coef * entropy_loss
-    metrics["entropy_loss"] = sg(entropy_loss)
+    terms["entropy_loss"] = jnp.where(mask, _validation.flat_float(entropy), 0.0)
   if ref is not None:
-    kl_loss = agg(jnp.where(mask, kl_penalty(lp, ref, cfg.kl_type), 0.0))
-    loss = loss + cfg.kl_coef * kl_loss
-    metrics["kl_loss"] = sg(kl_loss)
+    terms["kl_loss"] = jnp.where(mask, kl_penalty(lp, ref, cfg.kl_type), 0.0)
+  agg = aggregate(jnp.stack(list(terms.values()), axis=-1), kept, segs, cfg.loss_agg_mode, denominators)
+  values = dict(zip(terms, (agg[i] for i in range(len(terms)))))
+  loss = values["pg_loss"]
+  if entropy is not None:
+    loss = loss - cfg.entropy_coef * values["entropy_loss"]
+  if ref is not None:
+    loss = loss + cfg.kl_coef * values["kl_loss"]
 
+  metrics = {**segs.reduce_many(items, mode), **scalars}
+  metrics.update({k: sg(v) for k, v in values.items()})
   metrics["loss"] = sg(loss)
-  metrics["pg_loss"] = sg(pg_loss)
-  metrics["pg_clipfrac"] = segs.reduce(clipfrac, kept, mode)
-  metrics["ppo_kl"] = segs.reduce(anchor - sg(lp), kept, mode)
   return loss, metrics

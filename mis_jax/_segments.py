@@ -56,27 +56,28 @@ class Segments:
 
   # --- per-segment sums, global --------------------------------------------------------
   def sum(self, x: jax.Array) -> jax.Array:
-    """``[S]`` global per-segment sums of a per-token array (padding excluded)."""
-    x = jnp.where(self.valid, x, jnp.zeros((), x.dtype))
+    """Global per-segment sums of a per-token ``[T]`` (or stacked ``[T, K]``) array.
+
+    Returns ``[S]`` (or ``[S, K]``); padding is excluded. Stack several per-token quantities
+    into one ``[T, K]`` call where possible: one scatter of K columns costs little more than
+    one of a single column.
+    """
+    valid = self.valid if x.ndim == 1 else self.valid[:, None]
+    x = jnp.where(valid, x, jnp.zeros((), x.dtype))
     seg = jax.ops.segment_sum(x, self.ids, num_segments=self.num_segments)
     return psum(seg, self.axis_name)
 
-  def max(self, x: jax.Array, fill) -> jax.Array:
-    """``[S]`` global per-segment maxima; ``fill`` where a segment has no element."""
-    x = jnp.where(self.valid, x, fill)
-    seg = jax.ops.segment_max(x, self.ids, num_segments=self.num_segments)
-    seg = jnp.maximum(seg, fill)  # empty segments give the dtype's lowest value
-    return pmax(seg, self.axis_name)
-
   def broadcast(self, seg_values: jax.Array) -> jax.Array:
-    """Per-segment ``[S]`` values back to tokens (0 at padding)."""
+    """Per-segment ``[S]`` (or ``[S, K]``) values back to tokens (0 at padding)."""
     out = seg_values[self.gather_ids]
-    return jnp.where(self.valid, out, jnp.zeros((), out.dtype))
+    valid = self.valid if out.ndim == 1 else self.valid[:, None]
+    return jnp.where(valid, out, jnp.zeros((), out.dtype))
 
   # --- global token-level reductions ---------------------------------------------------
   def total(self, x: jax.Array) -> jax.Array:
-    """Global sum over non-padding tokens."""
-    return psum(jnp.sum(jnp.where(self.valid, x, jnp.zeros((), x.dtype))), self.axis_name)
+    """Global sum over non-padding tokens of ``[T]`` (a scalar) or ``[T, K]`` (``[K]``)."""
+    valid = self.valid if x.ndim == 1 else self.valid[:, None]
+    return psum(jnp.sum(jnp.where(valid, x, jnp.zeros((), x.dtype)), axis=0), self.axis_name)
 
   def masked_min(self, x: jax.Array, mask: jax.Array) -> jax.Array:
     """True global minimum of ``x`` over ``mask`` (0 if the mask is empty)."""
@@ -96,24 +97,38 @@ class Segments:
     return self.total(mask.astype(jnp.float32))
 
   # --- mask-aware means (SPEC §8 reduction R_mask) -------------------------------------
-  def seq_mean_per_segment(self, x: jax.Array, mask: jax.Array):
-    """Per-segment masked mean ``[S]`` and per-segment mask count ``[S]``."""
-    maskf = mask.astype(jnp.float32)
-    num = self.sum(jnp.where(mask, x, 0.0))
-    den = self.sum(maskf)
-    return num / jnp.maximum(den, 1.0), den
-
   def reduce(self, x: jax.Array, mask: jax.Array, mode: str) -> jax.Array:
     """``R_mask(x)`` of SPEC §8 (0 when the mask is empty).
 
     ``token-mean``: ``Σ x·mask / Σ mask``. Seq-mean modes: the mean, over segments with a
     non-empty mask, of each segment's masked mean.
     """
-    if mode == "token-mean":
-      num = self.total(jnp.where(mask, x, 0.0))
-      den = self.count(mask)
-      return num / jnp.maximum(den, 1.0)
-    seg_mean, seg_count = self.seq_mean_per_segment(x, mask)
-    present = seg_count > 0
-    n = jnp.sum(present.astype(jnp.float32))
-    return jnp.sum(jnp.where(present, seg_mean, 0.0)) / jnp.maximum(n, 1.0)
+    return self.reduce_many([("x", x, mask)], mode)["x"]
+
+  def reduce_many(self, items, mode: str) -> dict:
+    """Many ``R_mask(x)`` at once: ``items`` is a list of ``(name, x, mask)``.
+
+    Items sharing one mask object are stacked into a single ``[T, K + 1]`` reduction (the
+    last column counts the mask), so a whole metric table costs a few scatters, not dozens.
+    Returns ``{name: scalar}`` in the order given.
+    """
+    groups: dict[int, tuple] = {}
+    for name, x, mask in items:
+      groups.setdefault(id(mask), (mask, []))[1].append((name, x))
+    out = {}
+    for mask, entries in groups.values():
+      cols = [jnp.where(mask, jnp.asarray(x, jnp.float32), 0.0) for _, x in entries]
+      stacked = jnp.stack(cols + [mask.astype(jnp.float32)], axis=-1)
+      if mode == "token-mean":
+        sums = psum(jnp.sum(jnp.where(self.valid[:, None], stacked, 0.0), axis=0), self.axis_name)
+        values = sums[:-1] / jnp.maximum(sums[-1], 1.0)
+      else:
+        seg = self.sum(stacked)
+        count = seg[:, -1:]
+        means = seg[:, :-1] / jnp.maximum(count, 1.0)
+        present = count > 0
+        n = jnp.sum(present.astype(jnp.float32))
+        values = jnp.sum(jnp.where(present, means, 0.0), axis=0) / jnp.maximum(n, 1.0)
+      for i, (name, _) in enumerate(entries):
+        out[name] = values[i]
+    return {name: out[name] for name, _, _ in items}

@@ -18,150 +18,153 @@ from mis_jax._segments import AxisName, Segments, safe_exp
 _EPS_NORM = 1e-8
 
 
-def level_log_ratio(r: jax.Array, mask: jax.Array, segs: Segments, level: str) -> jax.Array:
+def level_log_ratio(r: jax.Array, seq_sum, seq_count, segs: Segments, level: str) -> jax.Array:
   """Per-token level log-value ``L_t`` (SPEC §2), before the ±B clip.
 
-  ``r`` must already be zero where ``mask`` is false.
+  ``r`` is zero where the mask is false; ``seq_sum``/``seq_count`` are the per-segment
+  ``Σ m r`` and ``Σ m`` (only needed for sequence and geometric levels).
   """
   if level == "token":
     return r
-  seq_sum = segs.sum(r)
   if level == "sequence":
     return segs.broadcast(seq_sum)
   if level == "geometric":
-    n = segs.sum(mask.astype(jnp.float32))
-    return segs.broadcast(seq_sum / jnp.maximum(n, 1.0))
+    return segs.broadcast(seq_sum / jnp.maximum(seq_count, 1.0))
   raise ValueError(f"unknown level {level!r}")
 
 
-def mismatch_metrics(train_logprobs, rollout_logprobs, mask, segs: Segments, mode: str) -> dict:
-  """SPEC §8.1 mismatch-monitoring metrics over the original mask (flat float32 inputs)."""
+def mismatch_items(train_logprobs, rollout_logprobs, mask, segs: Segments) -> list:
+  """SPEC §8.1 mismatch-monitoring metrics as ``(name, per-token value, mask)`` items.
+
+  Per-sequence quantities are broadcast to their tokens; reduce with
+  :meth:`Segments.reduce_many`. Inputs are flat float32; ``mask`` is the original mask.
+  """
   o = jnp.where(mask, train_logprobs, 0.0)
   q = jnp.where(mask, rollout_logprobs, 0.0)
   r = o - q
-  mean_o, _ = segs.seq_mean_per_segment(o, mask)
-  mean_q, _ = segs.seq_mean_per_segment(q, mask)
-  mean_o_t, mean_q_t = segs.broadcast(mean_o), segs.broadcast(mean_q)
   r_clip = jnp.clip(r, -20.0, 20.0)
-  chi2_token = segs.broadcast(segs.seq_mean_per_segment(jnp.exp(r_clip) ** 2, mask)[0]) - 1.0
-  chi2_seq = segs.broadcast(jnp.exp(2.0 * jnp.clip(segs.sum(r), -20.0, 20.0))) - 1.0
-  diff = mean_q_t - mean_o_t
-  per_token = {
-      "mis_training_log_ppl": -mean_o_t,
-      "mis_training_ppl": safe_exp(-mean_o_t),
-      "mis_rollout_log_ppl": -mean_q_t,
-      "mis_rollout_ppl": safe_exp(-mean_q_t),
-      "mis_kl": q - o,
-      "mis_k3_kl": jnp.exp(r_clip) - r_clip - 1.0,
-      "mis_log_ppl_diff": diff,
-      "mis_log_ppl_abs_diff": jnp.abs(diff),
-      "mis_ppl_ratio": safe_exp(diff),
-      "mis_chi2_token": chi2_token,
-      "mis_chi2_seq": chi2_seq,
-      "train_rollout_logprob_abs_diff": jnp.abs(r),
-  }
-  return {k: segs.reduce(v, mask, mode) for k, v in per_token.items()}
+  maskf = mask.astype(jnp.float32)
+  # One stacked segment sum for every per-sequence statistic.
+  seg = segs.sum(jnp.stack([o, q, jnp.where(mask, jnp.exp(2.0 * r_clip), 0.0), r, maskf], axis=-1))
+  n = jnp.maximum(seg[:, 4], 1.0)
+  per_seq = segs.broadcast(jnp.stack([seg[:, 0] / n, seg[:, 1] / n, seg[:, 2] / n - 1.0,
+                                      jnp.exp(2.0 * jnp.clip(seg[:, 3], -20.0, 20.0)) - 1.0], axis=-1))
+  mean_o, mean_q, chi2_token, chi2_seq = (per_seq[:, i] for i in range(4))
+  diff = mean_q - mean_o
+  return [(name, value, mask) for name, value in (
+      ("mis_training_log_ppl", -mean_o),
+      ("mis_training_ppl", safe_exp(-mean_o)),
+      ("mis_rollout_log_ppl", -mean_q),
+      ("mis_rollout_ppl", safe_exp(-mean_q)),
+      ("mis_kl", q - o),
+      ("mis_k3_kl", jnp.exp(r_clip) - r_clip - 1.0),
+      ("mis_log_ppl_diff", diff),
+      ("mis_log_ppl_abs_diff", jnp.abs(diff)),
+      ("mis_ppl_ratio", safe_exp(diff)),
+      ("mis_chi2_token", chi2_token),
+      ("mis_chi2_seq", chi2_seq),
+      ("train_rollout_logprob_abs_diff", jnp.abs(r)),
+  )]
 
 
-def _fraction(segs: Segments, pred, mask, mode):
-  return segs.reduce(pred.astype(jnp.float32), mask, mode)
-
-
-def mis_core(o, q, mask, segs: Segments, cfg: MISConfig, mode: str,
-             batch_norm_factor=None):
-  """SPEC §2–5 on flat arrays: returns ``(weights, kept_mask, correction_metrics)``.
+def mis_core(o, q, mask, segs: Segments, cfg: MISConfig, batch_norm_factor=None):
+  """SPEC §2–5 on flat arrays: returns ``(weights, kept_mask, items, scalars)``.
 
   ``o``, ``q`` float32 ``[T]``; ``mask`` bool ``[T]`` (trained and non-padding). Weights are
-  stop-gradient, zero outside ``mask``; ``kept_mask`` is ``m'`` of SPEC §4.
+  stop-gradient, zero outside ``mask``; ``kept_mask`` is ``m'`` of SPEC §4. ``items`` are
+  the mask-reduced §8.2 metrics as ``(name, per-token value, mask)`` (see
+  :meth:`Segments.reduce_many`); ``scalars`` the metrics that are already scalars.
   """
   o = jax.lax.stop_gradient(o)
   q = jax.lax.stop_gradient(q)
-  metrics = {}
+  items, scalars = [], {}
   r = jnp.where(mask, o - q, 0.0)
+  maskf = mask.astype(jnp.float32)
   upper, lower = cfg.tis_upper_bound, cfg.lower
+  veto = cfg.rs_veto_threshold is not None
+  catastrophic = mask & (r < math.log(cfg.rs_veto_threshold)) if veto else None
+
+  # Per-segment Σ m r, Σ m and catastrophic counts in one stacked segment sum.
+  cols = [r, maskf] + ([catastrophic.astype(jnp.float32)] if veto else [])
+  seg = segs.sum(jnp.stack(cols, axis=-1))
+  seq_sum, seq_count = seg[:, 0], seg[:, 1]
+  level_log = lambda level: level_log_ratio(r, seq_sum, seq_count, segs, level)
 
   # §3: IS weights.
-  log_tis = level_log_ratio(r, mask, segs, cfg.tis_level)
-  w_raw = safe_exp(log_tis)
-  keep_is = jnp.ones_like(mask)
-  metrics["mis_tis_weight_before_bound"] = segs.reduce(w_raw, mask, mode)
+  w_raw = safe_exp(level_log(cfg.tis_level))
+  keep_is = None
+  items.append(("mis_tis_weight_before_bound", w_raw, mask))
   if cfg.tis_mode == "truncate":
     w = jnp.minimum(w_raw, upper)
-    metrics["mis_tis_truncate_fraction"] = _fraction(segs, w_raw > upper, mask, mode)
+    items.append(("mis_tis_truncate_fraction", w_raw > upper, mask))
   elif cfg.tis_mode == "clip":
     w = jnp.clip(w_raw, lower, upper)
-    metrics["mis_tis_clip_fraction_low"] = _fraction(segs, w_raw < lower, mask, mode)
-    metrics["mis_tis_clip_fraction_high"] = _fraction(segs, w_raw > upper, mask, mode)
+    items.append(("mis_tis_clip_fraction_low", w_raw < lower, mask))
+    items.append(("mis_tis_clip_fraction_high", w_raw > upper, mask))
   elif cfg.tis_mode == "mask":
     w = w_raw
     keep_is = (w_raw >= lower) & (w_raw <= upper)
-    metrics["mis_tis_mask_fraction_low"] = _fraction(segs, w_raw < lower, mask, mode)
-    metrics["mis_tis_mask_fraction_high"] = _fraction(segs, w_raw > upper, mask, mode)
+    items.append(("mis_tis_mask_fraction_low", w_raw < lower, mask))
+    items.append(("mis_tis_mask_fraction_high", w_raw > upper, mask))
   else:  # "none": pure rejection, no reweighting.
     w = jnp.ones_like(w_raw)
-  metrics["mis_tis_weight_after_bound"] = segs.reduce(w, mask & keep_is, mode)
+  is_kept = mask if keep_is is None else mask & keep_is
+  items.append(("mis_tis_weight_after_bound", w, is_kept))
 
   # §4: rejection sampling on raw (pre-bound) weights at rs_level.
-  keep_rs = jnp.ones_like(mask)
+  kept = is_kept
   if cfg.use_rs:
     rs_level = cfg.rs_level_resolved
-    w_rs_raw = w_raw if rs_level == cfg.tis_level else safe_exp(level_log_ratio(r, mask, segs, rs_level))
-    keep_rs = (w_rs_raw >= cfg.rs_lower) & (w_rs_raw <= cfg.rs_upper)
-    metrics["mis_rs_mask_fraction_low"] = _fraction(segs, w_rs_raw < cfg.rs_lower, mask, mode)
-    metrics["mis_rs_mask_fraction_high"] = _fraction(segs, w_rs_raw > cfg.rs_upper, mask, mode)
+    w_rs_raw = w_raw if rs_level == cfg.tis_level else safe_exp(level_log(rs_level))
+    kept = kept & (w_rs_raw >= cfg.rs_lower) & (w_rs_raw <= cfg.rs_upper)
+    items.append(("mis_rs_mask_fraction_low", w_rs_raw < cfg.rs_lower, mask))
+    items.append(("mis_rs_mask_fraction_high", w_rs_raw > cfg.rs_upper, mask))
 
   # §4: veto on the raw, unclipped token log-ratio; a catastrophic token rejects its segment.
-  vetoed = jnp.zeros_like(mask)
-  if cfg.rs_veto_threshold is not None:
-    catastrophic = mask & (r < math.log(cfg.rs_veto_threshold))
-    seg_vetoed = segs.sum(catastrophic.astype(jnp.float32)) > 0
-    vetoed = segs.broadcast(seg_vetoed)
-    live = segs.sum(mask.astype(jnp.float32)) > 0
-    metrics["mis_rs_catastrophic_token_fraction"] = _fraction(segs, catastrophic, mask, mode)
-    metrics["mis_rs_catastrophic_seq_fraction"] = (
-        jnp.sum((seg_vetoed & live).astype(jnp.float32))
-        / jnp.maximum(jnp.sum(live.astype(jnp.float32)), 1.0))
+  live = seq_count > 0
+  if veto:
+    seg_vetoed = seg[:, 2] > 0
+    kept = kept & ~segs.broadcast(seg_vetoed)
+    items.append(("mis_rs_catastrophic_token_fraction", catastrophic, mask))
+    scalars["mis_rs_catastrophic_seq_fraction"] = (
+        jnp.sum((seg_vetoed & live).astype(jnp.float32)) / jnp.maximum(jnp.sum(live.astype(jnp.float32)), 1.0))
 
-  kept = mask & keep_is & keep_rs & ~vetoed
   w = jnp.where(mask, w, 0.0)
-  metrics["mis_is_ratio_mean_after_tis_rs"] = segs.reduce(w, kept, mode)
+  items.append(("mis_is_ratio_mean_after_tis_rs", w, kept))
 
-  # §5: batch normalisation over the kept mask, globally.
+  # §5: batch normalisation over the kept mask, globally. Per-segment Σ w m' and Σ m' serve
+  # both the sequence-level mean and the kept-sequence fraction.
+  keptf = kept.astype(jnp.float32)
+  seg_kept = segs.sum(jnp.stack([jnp.where(kept, w, 0.0), keptf], axis=-1))
   if batch_norm_factor is not None:
     mu = jnp.asarray(batch_norm_factor, jnp.float32)
+  elif cfg.tis_batch_normalize and cfg.tis_level == "token":
+    mu = segs.total(jnp.where(kept, w, 0.0)) / jnp.maximum(segs.total(keptf), 1.0)
   elif cfg.tis_batch_normalize:
-    # token: Σ w m' / Σ m'. sequence/geometric: mean over segments with a kept token of the
-    # segment's common weight, which is exactly the seq-mean reduction of w over m'.
-    mu = segs.reduce(w, kept, "token-mean" if cfg.tis_level == "token" else "seq-mean-token-mean")
+    # Mean over segments with a kept token of the segment's common weight.
+    has = seg_kept[:, 1] > 0
+    common = seg_kept[:, 0] / jnp.maximum(seg_kept[:, 1], 1.0)
+    mu = jnp.sum(jnp.where(has, common, 0.0)) / jnp.maximum(jnp.sum(has.astype(jnp.float32)), 1.0)
   else:
     mu = jnp.ones((), jnp.float32)
   factor = jnp.where(mu > _EPS_NORM, mu, 1.0)
   w = w / factor
-  metrics["mis_batch_norm_factor"] = factor
+  scalars["mis_batch_norm_factor"] = factor
 
-  metrics.update(final_weight_metrics(w, kept, mask, segs, mode))
-  return jax.lax.stop_gradient(w), kept, metrics
-
-
-def final_weight_metrics(w, kept, mask, segs: Segments, mode: str) -> dict:
-  """Statistics of the weights that multiply the loss, over the kept mask (SPEC §8.2)."""
-  keptf = kept.astype(jnp.float32)
-  sum_w = segs.total(jnp.where(kept, w, 0.0))
-  sum_w2 = segs.total(jnp.where(kept, w * w, 0.0))
-  n_kept = segs.total(keptf)
-  n_trained = segs.count(mask)
+  # Statistics of the weights that multiply the loss, over the kept mask (SPEC §8.2).
+  items.append(("mis_is_ratio_mean_final", w, kept))
+  totals = segs.total(jnp.stack([jnp.where(kept, w, 0.0), jnp.where(kept, w * w, 0.0), keptf, maskf], axis=-1))
+  sum_w, sum_w2, n_kept, n_trained = (totals[i] for i in range(4))
   ess_den = n_kept * sum_w2
-  seg_kept = segs.sum(keptf) > 0
-  seg_live = segs.sum(mask.astype(jnp.float32)) > 0
-  n_live = jnp.sum(seg_live.astype(jnp.float32))
-  return {
-      "mis_is_ratio_mean_final": segs.reduce(w, kept, mode),
+  n_live = jnp.sum(live.astype(jnp.float32))
+  scalars.update({
       "mis_is_ratio_min_final": segs.masked_min(w, kept),
       "mis_is_ratio_max_final": segs.masked_max(w, kept),
       "mis_ess_ratio": jnp.where(ess_den > 0, sum_w * sum_w / jnp.where(ess_den > 0, ess_den, 1.0), 0.0),
       "mis_kept_token_fraction": n_kept / jnp.maximum(n_trained, 1.0),
-      "mis_kept_seq_fraction": jnp.sum(seg_kept.astype(jnp.float32)) / jnp.maximum(n_live, 1.0),
-  }
+      "mis_kept_seq_fraction": jnp.sum((seg_kept[:, 1] > 0).astype(jnp.float32)) / jnp.maximum(n_live, 1.0),
+  })
+  return jax.lax.stop_gradient(w), kept, items, scalars
 
 
 def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids, cfg: MISConfig, *,
@@ -209,27 +212,27 @@ def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids
   shape = jnp.shape(loss_mask)
   segs = Segments(segment_ids, num_segments, axis_name)
   o, q, mask = _validation.flat_inputs(arrays, segs)
-  metrics = mismatch_metrics(o, q, mask, segs, metric_reduction)
+  items, scalars = mismatch_items(o, q, mask, segs), {}
   if not cfg.use_tis:
     weights, kept = mask.astype(jnp.float32), mask
   else:
-    weights, kept, correction = mis_core(o, q, mask, segs, cfg, metric_reduction, batch_norm_factor)
-    metrics.update(correction)
+    weights, kept, mis_items, scalars = mis_core(o, q, mask, segs, cfg, batch_norm_factor)
+    items += mis_items
+  metrics = {**segs.reduce_many(items, metric_reduction), **scalars}
   kept = kept.astype(jnp.asarray(loss_mask).dtype)
   return weights.reshape(shape), kept.reshape(shape), metrics
 
 
-def vanilla_core(o, q, mask, segs: Segments, mode: str, tis_clip: float, tis_clip_low: float):
-  """Built-in vanilla TIS on flat arrays: ``w = clip(exp(r), tis_clip_low, tis_clip)``."""
+def vanilla_core(o, q, mask, tis_clip: float, tis_clip_low: float):
+  """Built-in vanilla TIS on flat arrays: ``w = clip(exp(r), tis_clip_low, tis_clip)``.
+
+  Returns ``(weights, kept_mask, items)``; the mask is unchanged.
+  """
   r = jnp.where(mask, jax.lax.stop_gradient(o) - jax.lax.stop_gradient(q), 0.0)
   ratio = safe_exp(r)
   w = jnp.clip(ratio, tis_clip_low, tis_clip)
-  metrics = {
-      "tis": segs.reduce(ratio, mask, mode),
-      "tis_clipfrac": segs.reduce((w != ratio).astype(jnp.float32), mask, mode),
-      "tis_abs": segs.reduce(jnp.abs(ratio - 1.0), mask, mode),
-  }
-  return jax.lax.stop_gradient(jnp.where(mask, w, 0.0)), mask, metrics
+  items = [("tis", ratio, mask), ("tis_clipfrac", w != ratio, mask), ("tis_abs", jnp.abs(ratio - 1.0), mask)]
+  return jax.lax.stop_gradient(jnp.where(mask, w, 0.0)), mask, items
 
 
 def vanilla_tis_weights(train_logprobs, rollout_logprobs, loss_mask, *, tis_clip: float = 2.0,
@@ -263,5 +266,5 @@ def vanilla_tis_weights(train_logprobs, rollout_logprobs, loss_mask, *, tis_clip
   shape = jnp.shape(loss_mask)
   segs = Segments(segment_ids, num_segments, axis_name)
   o, q, mask = _validation.flat_inputs(arrays, segs)
-  w, _, metrics = vanilla_core(o, q, mask, segs, metric_reduction, tis_clip, tis_clip_low)
-  return w.reshape(shape), metrics
+  w, _, items = vanilla_core(o, q, mask, tis_clip, tis_clip_low)
+  return w.reshape(shape), segs.reduce_many(items, metric_reduction)

@@ -1,0 +1,229 @@
+"""`make bench`: the loss path side by side, in one run, on this machine.
+
+Compares, on the same data:
+  - ours: jitted ``compute_mis_weights`` (weights + metrics pass) and ``policy_loss``
+    forward+backward (decoupled PPO with the reference ``configs/mis.yaml``) over packed rows;
+  - ours, padded layout (one sequence per row, padded to the longest);
+  - a per-sequence reference in PyTorch eager that loops over a list of tensors the way
+    list-of-tensors implementations (miles' ``mis.py``) do, forward+backward;
+  - the machine's streaming roofline: a jitted reduction that reads the same input bytes once.
+Reports tokens/s, ratios and compiled peak (temp) memory; prints a table and writes JSON.
+
+    python -m benchmarks.run [--quick] [--json benchmarks/results/loss_path.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import mis_jax
+
+MIS = mis_jax.MISConfig(use_tis=True, use_rs=True, tis_lower_bound=0.5, tis_upper_bound=2.0,
+                        rs_veto_threshold=1e-4, tis_batch_normalize=True)  # = configs/mis.yaml
+LOSS_CFG = mis_jax.LossConfig(use_tis=True, mis=MIS)
+
+
+def make_data(rng, num_seqs, max_len, row_len):
+  lengths = rng.integers(max(1, max_len // 8), max_len + 1, num_seqs)
+  seqs = []
+  for n in lengths:
+    q = -np.abs(rng.normal(0.5, 0.7, n)).astype(np.float32)
+    r = rng.normal(0, 0.1, n).astype(np.float32)
+    r[rng.random(n) < 1e-4] = -12.0
+    o = q + r
+    seqs.append(dict(m=np.arange(n) >= min(4, n - 1), q=q, o=o, lp=o + rng.normal(0, 0.05, n).astype(np.float32),
+                     adv=np.full(n, rng.normal(), np.float32)))
+  packing = mis_jax.plan_packing(lengths, row_len)
+  return seqs, packing
+
+
+def to_batch(seqs, packing):
+  get = lambda k: packing.pack([s[k] for s in seqs], 0.0, np.float32)
+  batch = mis_jax.PackedBatch(segment_ids=packing.segment_ids, loss_mask=packing.pack([s["m"] for s in seqs], False, bool),
+                              advantages=get("adv"), rollout_logprobs=get("q"), old_logprobs=get("o"),
+                              num_segments=len(seqs))
+  return jax.device_put(batch), jax.device_put(get("lp"))
+
+
+def padded_packing(seqs):
+  n = len(seqs)
+  lengths = np.array([len(s["m"]) for s in seqs])
+  return mis_jax.Packing(row_len=int(lengths.max()), num_rows=n, rows=np.arange(n), offsets=np.zeros(n, np.int64),
+                         lengths=lengths)
+
+
+def timeit(fn, *args, repeats=5):
+  jax.block_until_ready(fn(*args))  # compile + warm up
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def temp_bytes(fn, *args):
+  analysis = fn.lower(*args).compile().memory_analysis()
+  return int(getattr(analysis, "temp_size_in_bytes", 0)) if analysis is not None else -1
+
+
+_weights = jax.jit(lambda b: mis_jax.compute_mis_weights(b.old_logprobs, b.rollout_logprobs, b.loss_mask, b.segment_ids,
+                                                         MIS, num_segments=b.num_segments))
+_loss_grad = jax.jit(jax.value_and_grad(lambda lp, b: mis_jax.policy_loss(lp, b, LOSS_CFG), has_aux=True))
+
+
+@jax.jit
+def _stream(b, lp):
+  """Reads every input byte once: the streaming roofline of this machine for these inputs."""
+  return (jnp.sum(b.old_logprobs) + jnp.sum(b.rollout_logprobs) + jnp.sum(b.advantages) + jnp.sum(lp)
+          + jnp.sum(b.segment_ids) .astype(jnp.float32) + jnp.sum(b.loss_mask.astype(jnp.float32)))
+
+
+def input_bytes(b, lp):
+  return sum(int(np.asarray(x).nbytes) for x in (b.old_logprobs, b.rollout_logprobs, b.advantages, lp, b.segment_ids,
+                                                  b.loss_mask))
+
+
+def torch_reference(seqs, repeats=1):
+  """Per-sequence PyTorch eager loop over a list of tensors (miles-style), forward+backward."""
+  import torch
+  torch.set_num_threads(os.cpu_count() or 1)
+  tensors = [{k: torch.from_numpy(np.asarray(v)) for k, v in s.items()} for s in seqs]
+  U, Lo, C, B = 2.0, 0.5, 1e-4, 20.0
+
+  def step():
+    lps = [t["lp"].clone().requires_grad_(True) for t in tensors]
+    weights, masks = [], []
+    for t in tensors:
+      m = t["m"].float()
+      r = (t["o"] - t["q"]) * m
+      w_raw = torch.exp(torch.clamp(r, -B, B))
+      w = torch.clamp(w_raw, 0, U) * m
+      keep = ((w_raw >= Lo) & (w_raw <= U)).float() * m
+      veto = ((r < np.log(C)) & t["m"]).any()
+      masks.append(keep * (0.0 if veto else 1.0))
+      weights.append(w)
+    num = sum((w * km).sum() for w, km in zip(weights, masks))
+    mu = num / torch.clamp(sum(km.sum() for km in masks), min=1)
+    total, n = 0.0, 0
+    for t, lp, w, km in zip(tensors, lps, weights, masks):
+      ratio = torch.exp(torch.clamp(lp - t["o"], -B, B))
+      pg = torch.maximum(-t["adv"] * ratio, -t["adv"] * torch.clamp(ratio, 0.8, 1.2)) * (w / mu)
+      if km.sum() > 0:
+        total = total + (pg * km).sum() / km.sum()
+        n += 1
+    loss = total / max(n, 1)
+    loss.backward()
+    return float(loss)
+
+  step()
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    step()
+    times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def bench_shape(rng, num_seqs, max_len, row_len, *, reference=True, padded=True):
+  seqs, packing = make_data(rng, num_seqs, max_len, row_len)
+  batch, lp = to_batch(seqs, packing)
+  tokens = int(sum(len(s["m"]) for s in seqs))
+  row = {"num_seqs": num_seqs, "max_len": max_len, "tokens": tokens, "packed_shape": list(batch.shape)}
+  row["weights_s"] = timeit(_weights, batch)
+  row["loss_fwd_bwd_s"] = timeit(_loss_grad, lp, batch)
+  row["stream_s"] = timeit(_stream, batch, lp)
+  row["input_bytes"] = input_bytes(batch, lp)
+  row["stream_GBps"] = row["input_bytes"] / row["stream_s"] / 1e9
+  row["weights_roofline_fraction"] = row["stream_s"] / row["weights_s"]
+  row["loss_roofline_fraction"] = row["stream_s"] / row["loss_fwd_bwd_s"]
+  row["tokens_per_s"] = tokens / row["loss_fwd_bwd_s"]
+  row["loss_temp_MB"] = temp_bytes(_loss_grad, lp, batch) / 1e6
+  if padded:
+    pbatch, plp = to_batch(seqs, padded_packing(seqs))
+    row["padded_shape"] = list(pbatch.shape)
+    row["padded_loss_fwd_bwd_s"] = timeit(_loss_grad, plp, pbatch)
+    row["padded_loss_temp_MB"] = temp_bytes(_loss_grad, plp, pbatch) / 1e6
+    row["padded_over_packed"] = row["padded_loss_fwd_bwd_s"] / row["loss_fwd_bwd_s"]
+  if reference:
+    row["reference_s"] = torch_reference(seqs)
+    row["speedup_vs_reference"] = row["reference_s"] / row["loss_fwd_bwd_s"]
+  return row
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--quick", action="store_true", help="small shapes, a minute or so")
+  parser.add_argument("--json", default="benchmarks/results/loss_path.json")
+  parser.add_argument("--skip-logprobs", action="store_true")
+  args = parser.parse_args(argv)
+  rng = np.random.default_rng(0)
+  scale = 8 if args.quick else 1
+  out = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
+                     "backend": jax.default_backend(), "devices": jax.device_count()}}
+
+  out["named_shapes"] = [bench_shape(rng, 512 // scale, 1024, 4096), bench_shape(rng, 4096 // scale, 256, 4096)]
+  sweep = []
+  for total in ([2 ** 16, 2 ** 18] if args.quick else [2 ** 16, 2 ** 18, 2 ** 20, 2 ** 22]):
+    sweep.append(bench_shape(rng, max(total // 512, 1), 1024, 4096, reference=False, padded=False))
+  out["token_sweep"] = sweep
+  seg_sweep = []
+  fixed = 2 ** 16 if args.quick else 2 ** 20
+  for max_len in (2048, 512, 128, 32):
+    seg_sweep.append(bench_shape(rng, int(fixed / (max_len * 9 / 16)), max_len, 4096, reference=False, padded=False))
+  out["segment_sweep"] = seg_sweep
+  if not args.skip_logprobs:
+    try:
+      from benchmarks import logprobs
+      out["logprobs"] = logprobs.run(quick=args.quick)
+    except ImportError as e:  # the chunked log-probs benchmark is optional in this run
+      out["logprobs"] = {"skipped": str(e)}
+
+  print_table(out)
+  os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+  with open(args.json, "w") as f:
+    json.dump(out, f, indent=1)
+  print(f"\nwrote {args.json}")
+  return out
+
+
+def print_table(out):
+  print(f"\nmachine: {out['machine']}")
+  print("\nNamed shapes (decoupled PPO + reference MIS config, forward+backward):")
+  hdr = ["seqs", "max_len", "tokens", "ours ms", "tok/s", "padded ms", "pad/packed", "torch loop ms", "speedup",
+         "weights ms", "roofline %", "temp MB"]
+  print(" | ".join(hdr))
+  for r in out["named_shapes"]:
+    print(" | ".join([str(r["num_seqs"]), str(r["max_len"]), str(r["tokens"]), f"{1e3 * r['loss_fwd_bwd_s']:.2f}",
+                      f"{r['tokens_per_s']:.3g}", f"{1e3 * r['padded_loss_fwd_bwd_s']:.2f}",
+                      f"{r['padded_over_packed']:.2f}x", f"{1e3 * r['reference_s']:.0f}",
+                      f"{r['speedup_vs_reference']:.0f}x", f"{1e3 * r['weights_s']:.2f}",
+                      f"{100 * r['weights_roofline_fraction']:.1f}", f"{r['loss_temp_MB']:.1f}"]))
+  for name, title in (("token_sweep", "Token sweep (time vs total tokens)"),
+                      ("segment_sweep", "Segment sweep (fixed tokens, more and shorter sequences)")):
+    print(f"\n{title}:")
+    print("seqs | tokens | ours ms | ns/token | weights ms | roofline % | stream GB/s")
+    for r in out[name]:
+      print(f"{r['num_seqs']} | {r['tokens']} | {1e3 * r['loss_fwd_bwd_s']:.2f} | "
+            f"{1e9 * r['loss_fwd_bwd_s'] / r['tokens']:.1f} | {1e3 * r['weights_s']:.2f} | "
+            f"{100 * r['weights_roofline_fraction']:.1f} | {r['stream_GBps']:.1f}")
+  seg = out["segment_sweep"]
+  per_tok = [r["loss_fwd_bwd_s"] / r["tokens"] for r in seg]
+  print(f"\nsegment-count growth at fixed tokens: {max(per_tok) / min(per_tok):.2f}x "
+        f"({seg[0]['num_seqs']} -> {seg[-1]['num_seqs']} sequences)")
+  sw = out["token_sweep"]
+  print(f"token growth: {sw[0]['tokens']} -> {sw[-1]['tokens']} tokens ({sw[-1]['tokens'] / sw[0]['tokens']:.0f}x), "
+        f"time {sw[-1]['loss_fwd_bwd_s'] / sw[0]['loss_fwd_bwd_s']:.1f}x")
+
+
+if __name__ == "__main__":
+  main()
