@@ -20,8 +20,8 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
-demo: $(STAMP)
-	$(PY) -m trainers.demo
+demo: $(STAMP)  ## the trainer on the embedded server (toy task); a fresh run dir each time
+	$(PY) -m trainers.cli train --config configs/demo.yaml --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run

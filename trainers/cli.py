@@ -1,4 +1,4 @@
-"""`mis-jax` command line: `serve`, `init-model` (and, later, `train`)."""
+"""`mis-jax` command line: `train`, `serve`, `init-model`."""
 
 from __future__ import annotations
 
@@ -34,15 +34,14 @@ def _serve(argv: list[str]) -> int:
 
 
 def _train(argv: list[str]) -> int:
-  # TODO(trainer issue): the `train` subcommand is added by the trainer's issue.
-  print("mis-jax train: not implemented yet", file=sys.stderr)
-  return 2
+  from trainers import train
+  return train.main(argv)
 
 
 _COMMANDS = {
     "serve": (_serve, "serve an HF checkpoint over SGLang's native HTTP API"),
     "init-model": (_init_model, "write a tiny random HF checkpoint (tests, demo)"),
-    "train": (_train, "RL training with rollout correction (not implemented yet)"),
+    "train": (_train, "RL training with rollout correction on SGLang rollouts"),
 }
 
 

@@ -1,0 +1,238 @@
+"""Where the trainer talks to the SGLang server(s): generation and weight sync (SPEC §11).
+
+Only the configured URLs are ever contacted. Transient faults (connection errors, timeouts,
+HTTP 5xx) are retried a bounded number of times with exponential backoff; HTTP 4xx is not
+retried and the server's message is shown. Every sample is validated before the trainer sees
+it: malformed samples are rejected and counted, aborted ones dropped and counted, and never
+trained on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+
+import httpx
+
+
+class ServerError(RuntimeError):
+  """The server could not be used (unreachable, failing, or rejecting requests)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  """One validated completion of one prompt."""
+
+  prompt_index: int
+  prompt_ids: tuple[int, ...]
+  response_ids: tuple[int, ...]
+  rollout_logprobs: tuple[float, ...]
+  finish_reason: str
+  text: str
+  weight_version: str | None
+
+
+@dataclasses.dataclass
+class RolloutResult:
+  samples: list[Sample]
+  num_requested: int
+  num_aborted: int = 0
+  num_rejected: int = 0
+  rejection_reasons: list[str] = dataclasses.field(default_factory=list)
+
+
+def validate_sample(item: Any) -> tuple[str | None, dict | None]:
+  """Checks one SGLang ``/generate`` result; returns ``(error, parsed)`` (one of them None)."""
+  if not isinstance(item, dict):
+    return f"sample is {type(item).__name__}, not an object", None
+  ids, meta = item.get("output_ids"), item.get("meta_info")
+  if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    return "missing or non-integer output_ids", None
+  if not isinstance(meta, dict):
+    return "missing meta_info", None
+  finish = meta.get("finish_reason")
+  kind = finish.get("type") if isinstance(finish, dict) else None
+  if kind not in ("stop", "length", "abort"):
+    return f"unknown finish_reason {finish!r}", None
+  if kind == "abort":
+    return None, {"aborted": True}
+  lps = meta.get("output_token_logprobs")
+  if not isinstance(lps, list):
+    return "missing meta_info.output_token_logprobs", None
+  if len(lps) != len(ids):
+    return f"length mismatch: {len(ids)} output_ids but {len(lps)} output_token_logprobs", None
+  values = []
+  for i, (entry, tok) in enumerate(zip(lps, ids)):
+    if not isinstance(entry, (list, tuple)) or len(entry) < 2:
+      return f"output_token_logprobs[{i}] is not [logprob, token_id, ...]", None
+    lp, entry_tok = entry[0], entry[1]
+    if entry_tok != tok:
+      return f"output_token_logprobs[{i}] is for token {entry_tok}, output_ids has {tok}", None
+    if lp is None or isinstance(lp, bool) or not isinstance(lp, (int, float)) or not math.isfinite(lp) or lp > 1e-4:
+      return f"invalid log-prob {lp!r} at response token {i}", None
+    values.append(float(lp))
+  if not ids:
+    return "empty response", None
+  return None, {"aborted": False, "ids": tuple(ids), "logprobs": tuple(values), "finish": kind,
+                "text": item.get("text") if isinstance(item.get("text"), str) else "",
+                "weight_version": meta.get("weight_version")}
+
+
+class SGLangClient:
+  """HTTP client for one or more SGLang servers (or a router), over the native API.
+
+  Args:
+    urls: base URLs (``http://host:port``); requests round-robin over them.
+    timeout_s: per-request timeout.
+    max_retries: retries of a transient failure (connection error, timeout, 5xx).
+    backoff_s: first backoff; doubles every retry.
+    max_concurrency: requests in flight at once (a bounded thread pool and connection pool).
+    prompts_per_request: prompts batched into one ``/generate`` call.
+  """
+
+  def __init__(self, urls: Sequence[str], *, timeout_s: float = 120.0, max_retries: int = 3,
+               backoff_s: float = 0.5, max_concurrency: int = 4, prompts_per_request: int = 8):
+    if not urls:
+      raise ValueError("at least one SGLang URL is needed")
+    self.urls = [u.rstrip("/") for u in urls]
+    for u in self.urls:
+      if not u.startswith(("http://", "https://")):
+        raise ValueError(f"SGLang URL {u!r} must start with http:// or https://")
+    self.max_retries, self.backoff_s = max_retries, backoff_s
+    self.prompts_per_request = prompts_per_request
+    self._http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=max_concurrency,
+                                                                     max_keepalive_connections=max_concurrency))
+    self._pool = ThreadPoolExecutor(max_workers=max_concurrency)
+    self._next = itertools.cycle(range(len(self.urls)))
+
+  def close(self):
+    self._pool.shutdown(wait=True)
+    self._http.close()
+
+  # --- plumbing ------------------------------------------------------------------------
+  def _request(self, method: str, url: str, path: str, body=None):
+    delay, last = self.backoff_s, None
+    for attempt in range(self.max_retries + 1):
+      try:
+        resp = self._http.request(method, url + path, json=body)
+      except httpx.TransportError as e:  # connection refused/reset, timeouts
+        last = f"{type(e).__name__}: {e}"
+      else:
+        if resp.status_code < 400:
+          try:
+            return resp.json() if resp.content else None
+          except ValueError:
+            return resp.text
+        if resp.status_code < 500:
+          raise ServerError(f"{url}{path} rejected the request (HTTP {resp.status_code}): {_message(resp)}")
+        last = f"HTTP {resp.status_code}: {_message(resp)}"
+      if attempt < self.max_retries:
+        time.sleep(delay)
+        delay *= 2
+    raise ServerError(f"{url}{path} failed after {self.max_retries + 1} attempts: {last}")
+
+  # --- health --------------------------------------------------------------------------
+  def wait_until_healthy(self, *, attempts: int = 30, backoff_s: float = 0.5, max_backoff_s: float = 5.0):
+    """Polls ``/health`` on every URL with bounded retries and backoff."""
+    for url in self.urls:
+      delay, last = backoff_s, None
+      for _ in range(attempts):
+        try:
+          if self._http.get(url + "/health").status_code == 200:
+            break
+          last = "not healthy yet"
+        except httpx.TransportError as e:
+          last = f"{type(e).__name__}: {e}"
+        time.sleep(delay)
+        delay = min(delay * 2, max_backoff_s)
+      else:
+        raise ServerError(f"SGLang server at {url} is unreachable after {attempts} attempts ({last})")
+
+  def model_info(self, url: str | None = None) -> dict:
+    return self._request("GET", url or self.urls[0], "/model_info")
+
+  # --- generation ----------------------------------------------------------------------
+  def generate(self, prompts: Sequence[Sequence[int]], sampling_params: dict, *, n: int = 1,
+               seed: int | None = None) -> RolloutResult:
+    """``n`` samples for every prompt; results come back prompt-major (SPEC §11)."""
+    chunks = [list(range(i, min(i + self.prompts_per_request, len(prompts))))
+              for i in range(0, len(prompts), self.prompts_per_request)]
+
+    def call(chunk_index_and_idx):
+      ci, idx = chunk_index_and_idx
+      params = dict(sampling_params, n=n)
+      if seed is not None:
+        params["sampling_seed"] = (seed * 1_000_003 + ci) % (2 ** 31)
+      body = {"input_ids": [list(prompts[i]) for i in idx], "sampling_params": params, "return_logprob": True}
+      return idx, self._request("POST", self.urls[next(self._next)], "/generate", body)
+
+    result = RolloutResult(samples=[], num_requested=len(prompts) * n)
+    for idx, out in self._pool.map(call, enumerate(chunks)):
+      if not isinstance(out, list) or len(out) != len(idx) * n:
+        got = len(out) if isinstance(out, list) else type(out).__name__
+        result.num_rejected += len(idx) * n
+        result.rejection_reasons.append(f"expected {len(idx) * n} results, got {got}")
+        continue
+      for j, item in enumerate(out):
+        p = idx[j // n]
+        error, parsed = validate_sample(item)
+        if error is not None:
+          result.num_rejected += 1
+          result.rejection_reasons.append(error)
+        elif parsed["aborted"]:
+          result.num_aborted += 1
+        else:
+          result.samples.append(Sample(prompt_index=p, prompt_ids=tuple(prompts[p]), response_ids=parsed["ids"],
+                                       rollout_logprobs=parsed["logprobs"], finish_reason=parsed["finish"],
+                                       text=parsed["text"], weight_version=parsed["weight_version"]))
+    return result
+
+  # --- weight sync ---------------------------------------------------------------------
+  def update_weights_from_disk(self, model_path: str, weight_version: str, *, attempts: int = 3):
+    """SPEC §11 sequence on every server: pause (abort), flush, update, verify, continue.
+
+    Retries the update a bounded number of times; raises :class:`ServerError` if the server
+    keeps answering ``success: false`` or its ``weight_version`` does not change, so training
+    never goes on against unknown weights.
+    """
+    for url in self.urls:
+      self._request("POST", url, "/pause_generation", {"mode": "abort"})
+      try:
+        self._request("POST", url, "/flush_cache", {})
+        last = None
+        for _ in range(attempts):
+          try:  # SGLang answers a failed update with success: false (HTTP 400): retry it
+            reply = self._request("POST", url, "/update_weights_from_disk",
+                                  {"model_path": model_path, "weight_version": weight_version})
+          except ServerError as e:
+            last = str(e)
+            continue
+          if isinstance(reply, dict) and reply.get("success"):
+            info = self.model_info(url)
+            if str(info.get("weight_version")) == weight_version:
+              break
+            last = f"weight_version is {info.get('weight_version')!r} after the update, expected {weight_version!r}"
+          else:
+            last = reply.get("message") if isinstance(reply, dict) else repr(reply)
+        else:
+          raise ServerError(f"weight sync to {url} failed after {attempts} attempts: {last}")
+      finally:
+        self._request("POST", url, "/continue_generation", {})
+
+
+def _message(resp: httpx.Response) -> str:
+  try:
+    body = resp.json()
+  except ValueError:
+    return resp.text[:500]
+  if isinstance(body, dict):
+    err = body.get("error")
+    if isinstance(err, dict) and "message" in err:
+      return str(err["message"])
+    if "message" in body:
+      return str(body["message"])
+  return str(body)[:500]
