@@ -168,8 +168,9 @@ def _check_args(hidden, lm_head, targets, temperature, chunk_size, return_entrop
                        "tokens and pass any valid id (under jit they are clipped)")
   if isinstance(temperature, jax.core.Tracer):
     raise TypeError("temperature must be a static Python float, got a traced value")
-  if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.number)) and not (
-      isinstance(temperature, (np.ndarray, jax.Array)) and np.ndim(temperature) == 0):
+  is_number = isinstance(temperature, (int, float, np.number)) or (
+      isinstance(temperature, (np.ndarray, jax.Array)) and np.ndim(temperature) == 0)
+  if isinstance(temperature, bool) or not is_number:
     raise TypeError(f"temperature must be a Python float, got {type(temperature).__name__}")
   temperature = float(temperature)
   if not (math.isfinite(temperature) and temperature > 0):
@@ -201,10 +202,11 @@ def token_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, chunk_
     ``∂L/∂h_t = (∂L/∂z_t / τ) · Wᵀ``,   ``∂L/∂W = Σ_t h_tᵀ (∂L/∂z_t / τ)``,
 
   for any cotangents ``g^lp`` of the log-probs and ``g^H`` of the entropy together. ``∂L/∂W``
-  accumulates in float32 across chunks. Peak memory beyond inputs, outputs and gradients is
-  about ``3 · chunk_size · V`` float32 (the logits block and its gradient) plus the float32
-  ``∂L/∂W`` accumulator, independent of the number of tokens; the cost is one extra
-  ``[T, D] × [D, V]`` matmul (4 instead of 3 for forward + backward).
+  accumulates in float32 across chunks. Temporary memory is about ``2 · chunk_size · V``
+  float32 values (the logits block and its gradient; one block in the forward pass), plus a
+  ``D · V`` float32 accumulator when ``lm_head`` is not float32, whatever the number of tokens
+  (compiled, T=8192, D=1024, V=151936, chunk 1024: 1.25 GB against 19.9 GB for full logits).
+  The price is one extra ``[T, D] × [D, V]`` matmul: 4 instead of 3 for forward + backward.
 
   Everything is computed in float32: bf16 ``hidden`` and ``lm_head`` enter the matmuls as bf16
   with float32 accumulation (no upcast copy of ``W``); in the backward pass ``∂L/∂z`` is rounded
