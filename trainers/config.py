@@ -41,6 +41,7 @@ class RolloutSection:
   timeout_s: float = 120.0
   max_retries: int = 3
   backoff_s: float = 0.5
+  health_attempts: int = 30           # /health polls (with backoff) before giving up at start
   max_rejected_fraction: float = 0.25  # more rejected samples in a step stops the run
 
 

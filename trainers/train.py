@@ -12,6 +12,7 @@ checkpoint every ``checkpoint.every`` steps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -72,7 +73,7 @@ class Trainer:
     self.cfg, self.loss_cfg = cfg, loss_cfg
     self.run_dir = os.path.abspath(cfg.run_dir)
     os.makedirs(self.run_dir, exist_ok=True)
-    r, t = cfg.rollout, cfg.train
+    r = cfg.rollout
     self.temperature = r.temperature if r.temperature > 0 else 1.0  # greedy: SGLang reports T=1
     if r.top_p < 1 or r.top_k > 0:
       warnings.warn("top_p < 1 or top_k > 0: the server's log-probs are not renormalised for the "
@@ -84,12 +85,7 @@ class Trainer:
     self.graphdef, params = nnx.split(self.policy)
     self.params = params
     self.ref_params = jax.tree_util.tree_map(jnp.copy, params) if loss_cfg.kl_coef > 0 else None
-    schedule = (optax.warmup_cosine_decay_schedule(0.0, t.learning_rate, max(t.warmup_steps, 1), t.steps)
-                if t.schedule == "cosine" else
-                optax.join_schedules([optax.linear_schedule(0.0, t.learning_rate, t.warmup_steps),
-                                      optax.constant_schedule(t.learning_rate)], [t.warmup_steps]))
-    self.optimizer = optax.chain(optax.clip_by_global_norm(t.max_grad_norm),
-                                 optax.adamw(schedule, weight_decay=t.weight_decay))
+    self._build_functions()
     self.opt_state = self.optimizer.init(params)
     self.step = 0
     self.num_old_logprob_passes = 0  # bypass and REINFORCE-IS never recompute (tested)
@@ -98,35 +94,12 @@ class Trainer:
     self.checkpoints = checkpointing.Checkpointer(os.path.join(self.run_dir, "checkpoints"),
                                                   max_to_keep=cfg.checkpoint.max_to_keep)
     self.num_segments = r.prompts_per_step * r.n
-    self._build_functions()
 
   # --- model functions (jitted once; shapes are bucketed) --------------------------------
   def _build_functions(self):
-    graphdef, loss_cfg, temperature = self.graphdef, self.loss_cfg, self.temperature
-
-    def logprobs_and_entropy(params, input_ids, positions, segment_ids, targets):
-      logits = nnx.merge(graphdef, params)(input_ids, positions, segment_ids) / temperature
-      logp = jax.nn.log_softmax(logits)
-      lp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-      entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
-      return lp, entropy
-
-    self._logprobs = jax.jit(lambda p, x, pos, seg, y: logprobs_and_entropy(p, x, pos, seg, y)[0])
-
-    def grad_fn(params, input_ids, positions, targets, batch, dens):
-      def loss(p):
-        lp, ent = logprobs_and_entropy(p, input_ids, positions, batch.segment_ids, targets)
-        return mis_jax.policy_loss(lp, batch, loss_cfg, entropy=ent, denominators=dens)
-      (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params)
-      return grads, metrics
-
-    self._grad = jax.jit(grad_fn)
-
-    def apply_fn(params, opt_state, grads):
-      updates, opt_state = self.optimizer.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
-
-    self._apply = jax.jit(apply_fn)
+    fns = _compiled_functions(self.graphdef, self.loss_cfg, self.temperature, self.cfg.train)
+    self.optimizer = fns["optimizer"]
+    self._logprobs, self._grad, self._apply = fns["logprobs"], fns["grad"], fns["apply"]
 
   # --- one step ------------------------------------------------------------------------
   def rollout(self) -> tuple[list, RolloutResult]:
@@ -251,7 +224,7 @@ class Trainer:
     elif self.checkpoints.latest_step() is not None:
       raise TrainingError(f"{self.run_dir} already holds checkpoints (latest step "
                           f"{self.checkpoints.latest_step()}): pass --resume, or choose another run_dir")
-    self.client.wait_until_healthy()
+    self.client.wait_until_healthy(attempts=self.cfg.rollout.health_attempts, backoff_s=self.cfg.rollout.backoff_s)
     self.sync_weights()  # the server now holds exactly the trainer's weights (version = step)
     history = []
     metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
@@ -297,6 +270,40 @@ class Trainer:
       if writer is not None:
         writer.close()
     return history
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_functions(graphdef, loss_cfg: mis_jax.LossConfig, temperature: float, train_cfg) -> dict:
+  """The jitted model functions and the optimiser, shared by trainers with the same setup (so a
+  resumed or repeated run in one process does not compile again)."""
+  t = train_cfg
+  schedule = (optax.warmup_cosine_decay_schedule(0.0, t.learning_rate, max(t.warmup_steps, 1), t.steps)
+              if t.schedule == "cosine" else
+              optax.join_schedules([optax.linear_schedule(0.0, t.learning_rate, t.warmup_steps),
+                                    optax.constant_schedule(t.learning_rate)], [t.warmup_steps]))
+  optimizer = optax.chain(optax.clip_by_global_norm(t.max_grad_norm),
+                          optax.adamw(schedule, weight_decay=t.weight_decay))
+
+  def logprobs_and_entropy(params, input_ids, positions, segment_ids, targets):
+    logits = nnx.merge(graphdef, params)(input_ids, positions, segment_ids) / temperature
+    logp = jax.nn.log_softmax(logits)
+    lp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    return lp, entropy
+
+  def grad_fn(params, input_ids, positions, targets, batch, dens):
+    def loss(p):
+      lp, ent = logprobs_and_entropy(p, input_ids, positions, batch.segment_ids, targets)
+      return mis_jax.policy_loss(lp, batch, loss_cfg, entropy=ent, denominators=dens)
+    (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return grads, metrics
+
+  def apply_fn(params, opt_state, grads):
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, optax.global_norm(grads)
+
+  return {"optimizer": optimizer, "grad": jax.jit(grad_fn), "apply": jax.jit(apply_fn),
+          "logprobs": jax.jit(lambda p, x, pos, seg, y: logprobs_and_entropy(p, x, pos, seg, y)[0])}
 
 
 def _combine(mb_metrics: list[dict]) -> dict:

@@ -1,0 +1,105 @@
+"""A deliberately faulty SGLang-protocol server for the trainer's fault tests.
+
+It speaks the native routes the trainer uses with random (but well-formed) completions, and
+injects one fault on request: 5xx or 4xx on /generate, malformed samples, failed weight
+syncs, or death after a number of generations. It records every request it receives.
+"""
+
+import json
+import random
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class FakeSGLang:
+
+  def __init__(self, *, fault: str | None = None, after: int = 0, vocab=(3, 13)):
+    self.fault, self.after, self.vocab = fault, after, vocab
+    self.requests: list[tuple[str, str]] = []
+    self.generate_calls = 0
+    self.weight_version = "init"
+    handler = self._handler()
+    self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+    self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+    self.thread.start()
+
+  def close(self):
+    self.httpd.shutdown()
+    self.httpd.server_close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def _sample(self, rng, n_tokens, i):
+    ids = [rng.randrange(*self.vocab) for _ in range(n_tokens)]
+    lps = [[-rng.random() * 3, t, None] for t in ids]
+    f = self.fault
+    if f == "malformed_missing" and i % 2 == 0:
+      return {"text": "", "output_ids": ids, "meta_info": {"finish_reason": {"type": "length", "length": n_tokens}}}
+    if f == "malformed_length" and i % 2 == 0:
+      lps = lps[:-1]
+    if f == "malformed_null" and i % 2 == 0:
+      lps[0][0] = None
+    if f == "some_aborted" and i % 4 == 0:
+      return {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "x"},
+                                                          "output_token_logprobs": []}}
+    return {"text": "", "output_ids": ids,
+            "meta_info": {"id": str(i), "finish_reason": {"type": "length", "length": n_tokens},
+                          "prompt_tokens": 5, "completion_tokens": n_tokens, "cached_tokens": 0,
+                          "output_token_logprobs": lps, "weight_version": self.weight_version}}
+
+  def _handler(self):
+    fake = self
+
+    class Handler(BaseHTTPRequestHandler):
+      def log_message(self, *args):
+        pass
+
+      def _reply(self, status, body):
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+      def do_GET(self):
+        fake.requests.append(("GET", self.path))
+        if self.path == "/health":
+          return self._reply(200, {})
+        if self.path == "/model_info":
+          return self._reply(200, {"model_path": "fake", "is_generation": True,
+                                   "weight_version": fake.weight_version})
+        self._reply(404, {"error": {"message": "not found"}})
+
+      def do_POST(self):
+        fake.requests.append(("POST", self.path))
+        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if self.path == "/generate":
+          fake.generate_calls += 1
+          if fake.fault == "die_after" and fake.generate_calls > fake.after:
+            return self._reply(503, {"error": {"message": "server is shutting down"}})
+          if fake.fault == "generate_500":
+            return self._reply(500, {"error": {"message": "internal error"}})
+          if fake.fault == "generate_400":
+            return self._reply(400, {"error": {"message": "Unknown sampling_params key 'bogus'"}})
+          sp = body["sampling_params"]
+          rng = random.Random(sp.get("sampling_seed", 0))
+          out = [fake._sample(rng, sp["max_new_tokens"], i)
+                 for i in range(len(body["input_ids"]) * sp.get("n", 1))]
+          return self._reply(200, out)
+        if self.path == "/update_weights_from_disk":
+          if fake.fault == "sync_fail":
+            return self._reply(400, {"success": False, "message": "shapes mismatch"})
+          if fake.fault != "sync_version_stuck":
+            fake.weight_version = body.get("weight_version", fake.weight_version)
+          return self._reply(200, {"success": True, "message": "ok", "num_paused_requests": 0})
+        if self.path in ("/pause_generation", "/continue_generation", "/flush_cache"):
+          return self._reply(200, {})
+        self._reply(404, {"error": {"message": "not found"}})
+
+    return Handler
