@@ -4,7 +4,8 @@ Pure, jittable functions over packed sequences; see README.md and SPEC §1–10.
 """
 
 from mis_jax._advantages import ESTIMATORS, compute_advantages, sequence_to_tokens
-from mis_jax._config import (DENOMINATORS, KL_TYPES, LEVELS, LOSS_AGG_MODES, TIS_MODES, ConfigError,
+from mis_jax._config import (AGGREGATIONS, DENOMINATORS, DIVERGENCES, KL_TYPES, LEVELS, LOSS_AGG_MODES,
+                             TIS_MODES, ConfigError, RSCriterion,
                              LossConfig, MISConfig, resolve_correction_fn)
 from mis_jax._flags import add_loss_flags, loss_config_from_args
 from mis_jax._losses import (Denominators, aggregate, kl_penalty, loss_denominators, policy_loss,
@@ -16,7 +17,7 @@ from mis_jax._weights import compute_mis_weights, vanilla_tis_weights
 __version__ = "0.1.0"
 
 __all__ = [
-    "ConfigError", "DENOMINATORS", "Denominators", "ESTIMATORS", "KL_TYPES", "LEVELS",
+    "AGGREGATIONS", "ConfigError", "DENOMINATORS", "DIVERGENCES", "RSCriterion", "Denominators", "ESTIMATORS", "KL_TYPES", "LEVELS",
     "LOG_BOUND", "LOSS_AGG_MODES", "LossConfig", "MISConfig", "PackedBatch", "Packing",
     "Segments", "TIS_MODES", "add_loss_flags", "aggregate", "compute_advantages",
     "compute_mis_weights", "kl_penalty", "loss_config_from_args", "loss_denominators",

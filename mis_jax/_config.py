@@ -16,6 +16,8 @@ from typing import Any, Callable, Mapping
 import yaml
 
 LEVELS = ("token", "sequence", "geometric")
+DIVERGENCES = ("k1", "k2", "k3")
+AGGREGATIONS = ("token", "seq_sum", "seq_mean", "seq_max")
 TIS_MODES = ("truncate", "clip", "mask", "none")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 DENOMINATORS = ("kept", "original")
@@ -70,6 +72,54 @@ def _as_choice(value: Any, key: str, source: str | None, allowed: tuple[str, ...
 
 
 @dataclasses.dataclass(frozen=True)
+class RSCriterion:
+  """A divergence-based rejection criterion (extension, after verl's rollout-correction RS).
+
+  Per trained token, with ``r = log π_train - log π_rollout``: ``k1 = -r``, ``k2 = r²/2``,
+  ``k3 = exp(r) - 1 - r`` (``r`` clipped to ±20). ``agg`` reduces it per token (``token``) or
+  per sequence over trained tokens (``seq_sum``, ``seq_mean``, ``seq_max``; the sequence is
+  kept or rejected whole). A token is kept iff ``lower <= value <= upper`` where ``value`` is
+  the aggregated divergence for k2/k3 and, for k1, the aggregated **log-ratio**
+  ``-agg(k1)`` — bounds are stated on ``log(π_train/π_rollout)``, so ``lower`` always means
+  "the trainer finds the sample too unlikely" (``seq_max`` of k1 with ``lower = log C`` is the
+  veto). Either bound may be None; at least one is required.
+  """
+
+  metric: str
+  agg: str = "token"
+  lower: float | None = None
+  upper: float | None = None
+
+  @property
+  def name(self) -> str:
+    return f"{self.metric}_{self.agg}"
+
+  @classmethod
+  def from_value(cls, value, where: str) -> "RSCriterion":
+    if isinstance(value, RSCriterion):
+      return value
+    if not isinstance(value, Mapping):
+      raise ConfigError(f"{where} must be a mapping with keys metric, agg, lower, upper; got {value!r}")
+    valid = ("metric", "agg", "lower", "upper")
+    for key in value:
+      if key not in valid:
+        raise ConfigError(f"{where}: unknown key '{key}'.{_closest(str(key), valid)} Valid keys: {', '.join(valid)}")
+    if "metric" not in value:
+      raise ConfigError(f"{where} needs 'metric' (one of {', '.join(DIVERGENCES)})")
+    metric = _as_choice(value["metric"], "metric", where, DIVERGENCES)
+    agg = _as_choice(value.get("agg", "token"), "agg", where, AGGREGATIONS)
+    lower = _as_float(value.get("lower"), "lower", where, allow_none=True)
+    upper = _as_float(value.get("upper"), "upper", where, allow_none=True)
+    if lower is None and upper is None:
+      raise ConfigError(f"{where} needs a 'lower' or an 'upper' bound")
+    if lower is not None and upper is not None and lower > upper:
+      raise ConfigError(f"{where}: lower ({lower}) > upper ({upper})")
+    if metric != "k1" and upper is not None and upper < 0:
+      raise ConfigError(f"{where}: {metric} is >= 0, so upper must be >= 0, got {upper}")
+    return cls(metric=metric, agg=agg, lower=lower, upper=upper)
+
+
+@dataclasses.dataclass(frozen=True)
 class MISConfig:
   """Masked/truncated importance sampling and rejection sampling settings (SPEC §2–5).
 
@@ -89,6 +139,8 @@ class MISConfig:
   rs_upper_bound: float | None = None
   rs_veto_threshold: float | None = None
   tis_batch_normalize: bool = False
+  # Extension: divergence-based rejection criteria, combined with AND (see RSCriterion).
+  rs_criteria: tuple = ()
   # Where the values came from (a YAML path), for error messages only.
   source: str | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -102,6 +154,14 @@ class MISConfig:
     if self.rs_level is not None:
       set_("rs_level", _as_choice(self.rs_level, "rs_level", src, LEVELS))
     set_("tis_mode", _as_choice(self.tis_mode, "tis_mode", src, TIS_MODES))
+    criteria = self.rs_criteria if self.rs_criteria is not None else ()
+    if isinstance(criteria, Mapping) or not isinstance(criteria, (list, tuple)):
+      raise ConfigError(f"{_where(src, 'rs_criteria')} must be a list of criteria, got {criteria!r}")
+    set_("rs_criteria", tuple(RSCriterion.from_value(c, f"{_where(src, f'rs_criteria[{i}]')}")
+                              for i, c in enumerate(criteria)))
+    names = [c.name for c in self.rs_criteria]
+    if len(set(names)) != len(names):
+      raise ConfigError(f"{_where(src, 'rs_criteria')} lists a metric/agg pair twice: {names}")
     for key in ("tis_lower_bound", "rs_lower_bound", "rs_upper_bound", "rs_veto_threshold"):
       set_(key, _as_float(getattr(self, key), key, src, allow_none=True))
     set_("tis_upper_bound", _as_float(self.tis_upper_bound, "tis_upper_bound", src, allow_none=False))
@@ -172,7 +232,9 @@ class MISConfig:
     return cls.from_dict(values, source=path)
 
   def to_dict(self) -> dict[str, Any]:
-    return {k: getattr(self, k) for k in self.keys()}
+    out = {k: getattr(self, k) for k in self.keys()}
+    out["rs_criteria"] = [dataclasses.asdict(c) for c in self.rs_criteria]
+    return out
 
 
 def resolve_correction_fn(spec: Callable | str | None) -> Callable | None:

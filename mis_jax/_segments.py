@@ -67,6 +67,13 @@ class Segments:
     seg = jax.ops.segment_sum(x, self.ids, num_segments=self.num_segments)
     return psum(seg, self.axis_name)
 
+  def max(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+    """``[S]`` global per-segment maxima of ``x`` over ``mask`` (float32 lowest where empty)."""
+    lowest = jnp.asarray(jnp.finfo(jnp.float32).min, jnp.float32)
+    x = jnp.where(mask & self.valid, x.astype(jnp.float32), lowest)
+    seg = jax.ops.segment_max(x, self.ids, num_segments=self.num_segments)
+    return pmax(jnp.maximum(seg, lowest), self.axis_name)
+
   def broadcast(self, seg_values: jax.Array) -> jax.Array:
     """Per-segment ``[S]`` (or ``[S, K]``) values back to tokens (0 at padding)."""
     out = seg_values[self.gather_ids]

@@ -33,6 +33,27 @@ def level_log_ratio(r: jax.Array, seq_sum, seq_count, segs: Segments, level: str
   raise ValueError(f"unknown level {level!r}")
 
 
+def criterion_value(r, mask, seq_count, segs: Segments, crit) -> jax.Array:
+  """Per-token value of a divergence criterion (see :class:`mis_jax.RSCriterion`): the
+  aggregated divergence for k2/k3, the aggregated log-ratio ``-agg(k1)`` for k1."""
+  if crit.metric == "k1":
+    d = -r
+  elif crit.metric == "k2":
+    d = 0.5 * r * r
+  else:
+    rc = jnp.clip(r, -20.0, 20.0)
+    d = jnp.exp(rc) - 1.0 - rc
+  d = jnp.where(mask, d, 0.0)
+  if crit.agg == "token":
+    v = d
+  elif crit.agg == "seq_max":
+    v = segs.broadcast(segs.max(d, mask))
+  else:
+    seq = segs.sum(d)
+    v = segs.broadcast(seq if crit.agg == "seq_sum" else seq / jnp.maximum(seq_count, 1.0))
+  return -v if crit.metric == "k1" else v
+
+
 def mismatch_items(train_logprobs, rollout_logprobs, mask, segs: Segments) -> list:
   """SPEC §8.1 mismatch-monitoring metrics as ``(name, per-token value, mask)`` items.
 
@@ -119,6 +140,20 @@ def mis_core(o, q, mask, segs: Segments, cfg: MISConfig, batch_norm_factor=None)
     kept = kept & (w_rs_raw >= cfg.rs_lower) & (w_rs_raw <= cfg.rs_upper)
     items.append(("mis_rs_mask_fraction_low", w_rs_raw < cfg.rs_lower, mask))
     items.append(("mis_rs_mask_fraction_high", w_rs_raw > cfg.rs_upper, mask))
+
+  # Extension: divergence-based rejection criteria (AND-combined).
+  for crit in cfg.rs_criteria:
+    value = criterion_value(r, mask, seq_count, segs, crit)
+    keep = jnp.ones_like(mask)
+    if crit.lower is not None:
+      keep = keep & (value >= crit.lower)
+    if crit.upper is not None:
+      keep = keep & (value <= crit.upper)
+    kept = kept & keep
+    prefix = f"mis_rs_{crit.name}"
+    items.append((f"{prefix}_masked_fraction", ~keep, mask))
+    items.append((f"{prefix}_mean", value, mask))
+    scalars[f"{prefix}_max"] = segs.masked_max(value, mask)
 
   # §4: veto on the raw, unclipped token log-ratio; a catastrophic token rejects its segment.
   live = seq_count > 0

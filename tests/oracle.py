@@ -88,6 +88,7 @@ def mis(seqs, cfg, mode, train_key="o"):
   W, K, RAW, RS, CAT, KEEP_IS = [], [], [], [], [], []
   vetoed_seqs = 0
   live_seqs = 0
+  CRIT = {}
   for s in seqs:
     m = s["m"]
     r = np.where(m, s[train_key] - s["q"], 0.0)
@@ -107,6 +108,29 @@ def mis(seqs, cfg, mode, train_key="o"):
       w_rs = sexp(level_log(r, m, rs_level))
       RS.append(w_rs)
       keep_rs = (w_rs >= rs_lo) & (w_rs <= rs_hi)
+    for c in cfg.get("rs_criteria", []):
+      rr = np.where(m, r, 0.0)
+      d = {"k1": -rr, "k2": rr * rr / 2, "k3": np.exp(np.clip(rr, -B, B)) - 1 - np.clip(rr, -B, B)}[c["metric"]]
+      d = np.where(m, d, 0.0)
+      if c["agg"] == "token":
+        v = d
+      elif not m.any():
+        v = np.zeros(len(m))
+      elif c["agg"] == "seq_sum":
+        v = np.full(len(m), d[m].sum())
+      elif c["agg"] == "seq_mean":
+        v = np.full(len(m), d[m].mean())
+      else:
+        v = np.full(len(m), d[m].max())
+      if c["metric"] == "k1":
+        v = -v
+      keep = np.ones(len(m), bool)
+      if c.get("lower") is not None:
+        keep &= v >= c["lower"]
+      if c.get("upper") is not None:
+        keep &= v <= c["upper"]
+      keep_rs = keep_rs & keep
+      CRIT.setdefault(c["metric"] + "_" + c["agg"], []).append((v, keep))
     vet = False
     if veto is not None:
       cat = m & (r < math.log(veto))
@@ -131,6 +155,11 @@ def mis(seqs, cfg, mode, train_key="o"):
   if cfg.get("use_rs", False):
     metrics["mis_rs_mask_fraction_low"] = pred(lambda v: v < rs_lo, RS)
     metrics["mis_rs_mask_fraction_high"] = pred(lambda v: v > rs_hi, RS)
+  for name, vals in CRIT.items():
+    metrics[f"mis_rs_{name}_masked_fraction"] = reduce([(~k).astype(float) for _, k in vals], masks, mode)
+    metrics[f"mis_rs_{name}_mean"] = reduce([v for v, _ in vals], masks, mode)
+    live = [v[m] for (v, _), m in zip(vals, masks) if m.any()]
+    metrics[f"mis_rs_{name}_max"] = float(np.concatenate(live).max()) if live else 0.0
   if veto is not None:
     metrics["mis_rs_catastrophic_token_fraction"] = pred(lambda v: v, CAT)
     metrics["mis_rs_catastrophic_seq_fraction"] = vetoed_seqs / max(live_seqs, 1)

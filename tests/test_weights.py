@@ -183,3 +183,55 @@ def test_weights_carry_no_gradient():
   g = jax.grad(lambda o: jnp.sum(mis_jax.compute_mis_weights(o, q, BATCH.loss_mask, BATCH.segment_ids, cfg,
                                                              num_segments=BATCH.num_segments)[0]))(o)
   assert not np.asarray(g).any()
+
+
+CRITERIA = [
+    {"metric": "k1", "agg": "token", "lower": -0.5, "upper": 0.6},
+    {"metric": "k1", "agg": "seq_max", "lower": float(np.log(1e-4))},       # = the veto
+    {"metric": "k1", "agg": "seq_mean", "lower": -0.3, "upper": 0.3},
+    {"metric": "k2", "agg": "seq_sum", "upper": 1.0},
+    {"metric": "k2", "agg": "token", "upper": 0.1},
+    {"metric": "k3", "agg": "seq_mean", "upper": 0.05},
+    {"metric": "k3", "agg": "seq_max", "upper": 0.5},
+    {"metric": "k3", "agg": "token", "lower": 0.001, "upper": 0.3},
+]
+
+
+@pytest.mark.parametrize("crit", CRITERIA, ids=lambda c: f"{c['metric']}-{c['agg']}")
+@pytest.mark.parametrize("mode", ["seq-mean-token-mean", "token-mean"])
+def test_divergence_criteria_match_oracle(crit, mode):
+  cfg = mis_jax.MISConfig(tis_mode="none", rs_criteria=[crit])
+  metrics = _check_against_oracle(cfg, mode)
+  name = f"mis_rs_{crit['metric']}_{crit['agg']}"
+  assert {f"{name}_masked_fraction", f"{name}_mean", f"{name}_max"} <= set(metrics)
+  assert 0.0 < float(metrics[f"{name}_masked_fraction"]) < 1.0, "the criterion should bite on this data"
+
+
+def test_criteria_combine_with_and_and_with_rs_and_veto():
+  cfg = mis_jax.MISConfig(tis_mode="clip", use_rs=True, rs_veto_threshold=1e-4, rs_criteria=CRITERIA[3:6])
+  _check_against_oracle(cfg, "seq-mean-token-mean")
+  _, kept, _ = _run(cfg)
+  singles = [np.asarray(_run(mis_jax.MISConfig(tis_mode="clip", rs_criteria=[c]))[1]) for c in CRITERIA[3:6]]
+  base = np.asarray(_run(mis_jax.MISConfig(tis_mode="clip", use_rs=True, rs_veto_threshold=1e-4))[1])
+  np.testing.assert_array_equal(np.asarray(kept), base & singles[0] & singles[1] & singles[2])
+
+
+def test_k1_seq_max_lower_bound_is_the_veto():
+  veto = _run(mis_jax.MISConfig(tis_mode="none", rs_veto_threshold=1e-4))[1]
+  crit = _run(mis_jax.MISConfig(tis_mode="none", rs_criteria=[CRITERIA[1]]))[1]
+  np.testing.assert_array_equal(np.asarray(veto), np.asarray(crit))
+
+
+@pytest.mark.parametrize("bad,pattern", [
+    ([{"metric": "k4", "upper": 1}], r"rs_criteria\[0\].*'k4'.*k1, k2, k3"),
+    ([{"metric": "k3", "agg": "seq_median", "upper": 1}], r"'seq_median'.*token, seq_sum, seq_mean, seq_max"),
+    ([{"metric": "k3"}], r"needs a 'lower' or an 'upper' bound"),
+    ([{"metric": "k3", "uper": 1}], r"unknown key 'uper'.*Did you mean 'upper'"),
+    ([{"metric": "k2", "upper": -1}], r"upper must be >= 0"),
+    ([{"metric": "k1", "lower": 1, "upper": 0}], r"lower \(1.0\) > upper \(0.0\)"),
+    ({"metric": "k1"}, r"must be a list of criteria"),
+    ([{"metric": "k3", "upper": 1}, {"metric": "k3", "upper": 2}], r"lists a metric/agg pair twice"),
+])
+def test_invalid_criteria(bad, pattern):
+  with pytest.raises(mis_jax.ConfigError, match=pattern):
+    mis_jax.MISConfig(rs_criteria=bad)
