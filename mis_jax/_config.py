@@ -368,3 +368,37 @@ class LossConfig:
   @classmethod
   def keys(cls) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls))
+
+  @classmethod
+  def from_dict(cls, values: Mapping[str, Any], *, source: str | None = None) -> "LossConfig":
+    """From a mapping of LossConfig keys; ``mis`` may be a mapping of MIS keys and
+    ``custom_config_path`` a MIS YAML file (the two are exclusive)."""
+    where = f"{source}: " if source else ""
+    if not isinstance(values, Mapping):
+      raise ConfigError(f"{where}a loss config must be a mapping, got {type(values).__name__}")
+    values = dict(values)
+    valid = cls.keys() + ("custom_config_path",)
+    for key in values:
+      if key not in valid:
+        raise ConfigError(f"{where}unknown loss key '{key}'.{_closest(str(key), valid)} Valid keys: {', '.join(valid)}")
+    path = values.pop("custom_config_path", None)
+    if path is not None and values.get("mis") is not None:
+      raise ConfigError(f"{where}give either 'mis' or 'custom_config_path', not both")
+    if path is not None:
+      values["mis"] = MISConfig.from_yaml(path)
+    elif isinstance(values.get("mis"), Mapping):
+      values["mis"] = MISConfig.from_dict(values["mis"], source=f"{source}: mis" if source else "mis")
+    return cls(**values)
+
+  @classmethod
+  def from_yaml(cls, path: str | os.PathLike) -> "LossConfig":
+    """A preset file (``configs/presets/*.yaml``): LossConfig keys plus an optional ``mis:``."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+      raise ConfigError(f"loss config file not found: {path}")
+    with open(path) as f:
+      try:
+        values = yaml.safe_load(f) or {}
+      except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML: {e}") from None
+    return cls.from_dict(values, source=path)

@@ -8,7 +8,10 @@ with a file that says ``use_tis: false`` is an error naming both.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Mapping
+
+import yaml
 
 from mis_jax._config import (DENOMINATORS, KL_TYPES, LOSS_AGG_MODES, ConfigError, LossConfig,
                              MISConfig)
@@ -35,6 +38,8 @@ def add_loss_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                  help="MIS config file (keys of the reference mis.yaml)")
   g.add_argument("--custom-tis-function-path", default=None, metavar="MODULE.FUNCTION",
                  help="correction function with the signature of mis_jax.compute_mis_weights")
+  g.add_argument("--preset", default=None, metavar="YAML",
+                 help="a loss preset (configs/presets/*.yaml); explicit flags and keys override it")
   for key, typ in _KNOBS.items():
     g.add_argument("--" + key.replace("_", "-"), type=typ, default=None, choices=_CHOICES.get(key))
   return parser
@@ -48,6 +53,16 @@ def loss_config_from_args(args: argparse.Namespace | Mapping[str, Any],
   """
   values = dict(vars(args) if isinstance(args, argparse.Namespace) else args)
   out: dict[str, Any] = dict(base or {})
+  preset = values.get("preset") or out.pop("preset", None)
+  out.pop("preset", None)
+  if preset:
+    # A preset file (configs/presets/*.yaml) under the base values: explicit keys win.
+    if not os.path.isfile(preset):
+      raise ConfigError(f"loss preset not found: {preset}")
+    with open(preset) as f:
+      preset_values = yaml.safe_load(f) or {}
+    LossConfig.from_dict(preset_values, source=preset)  # validates the file, naming it
+    out = {**preset_values, **out}
   unknown = set(out) - set(LossConfig.keys()) - {"custom_config_path", "custom_tis_function_path"}
   if unknown:
     raise ConfigError(f"unknown loss keys: {', '.join(sorted(unknown))}; valid keys: "

@@ -1,6 +1,7 @@
 """Config loading, validation, flags and every bad-input error (SPEC §9)."""
 
 import argparse
+import os
 
 import jax
 import jax.numpy as jnp
@@ -187,3 +188,34 @@ def test_non_array_input():
   with pytest.raises(TypeError, match=r"'loss_mask' must be an array, got str"):
     mis_jax.compute_mis_weights(BATCH.old_logprobs, BATCH.rollout_logprobs, "mask", BATCH.segment_ids,
                                 mis_jax.MISConfig(), num_segments=5)
+
+
+PRESETS = sorted(os.listdir("configs/presets"))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_loads_validates_and_runs(name):
+  path = os.path.join("configs/presets", name)
+  first = open(path).readline()
+  assert first.startswith("# ") and len(first) > 20, "each preset starts with a one-line comment"
+  cfg = mis_jax.LossConfig.from_yaml(path)
+  assert cfg == parse(["--preset", path])
+  batch = BATCH.replace(old_logprobs=np.nan_to_num(BATCH.old_logprobs), rollout_logprobs=np.nan_to_num(BATCH.rollout_logprobs))
+  loss, metrics = mis_jax.policy_loss(EXTRA["lp"], batch, cfg)
+  assert np.isfinite(float(loss)) and all(np.isfinite(float(v)) for v in metrics.values())
+  expected = {"bypass": "bypass_ppo", "reinforce": "reinforce_is"}
+  assert cfg.algorithm == next((v for k, v in expected.items() if name.startswith(k)), "decoupled_ppo")
+
+
+def test_preset_with_overrides_and_bad_presets(tmp_path):
+  cfg = parse(["--preset", "configs/presets/icepop.yaml", "--denominator", "original"])
+  assert cfg.mis.tis_mode == "mask" and cfg.denominator == "original"
+  bad = tmp_path / "bad.yaml"
+  bad.write_text("use_tis: true\nmis: {tis_mode: masked}\n")
+  with pytest.raises(mis_jax.ConfigError, match=r"bad.yaml: mis: key 'tis_mode'.*'masked'"):
+    parse(["--preset", str(bad)])
+  bad.write_text("use_tiss: true\n")
+  with pytest.raises(mis_jax.ConfigError, match=r"unknown loss key 'use_tiss'.*Did you mean 'use_tis'"):
+    mis_jax.LossConfig.from_yaml(str(bad))
+  with pytest.raises(mis_jax.ConfigError, match="loss preset not found"):
+    parse(["--preset", "nope.yaml"])
