@@ -64,6 +64,8 @@ class StepBatch:
   targets: np.ndarray
   rewards: np.ndarray
   response_lengths: np.ndarray
+  groups: np.ndarray
+  packing: mis_jax.Packing
 
 
 class Trainer:
@@ -94,6 +96,10 @@ class Trainer:
     self.checkpoints = checkpointing.Checkpointer(os.path.join(self.run_dir, "checkpoints"),
                                                   max_to_keep=cfg.checkpoint.max_to_keep)
     self.num_segments = r.prompts_per_step * r.n
+    if cfg.train.exclude_rejected_from_baseline and (loss_cfg.algorithm != "decoupled_ppo" or loss_cfg.mis is None):
+      raise mis_jax.ConfigError("train.exclude_rejected_from_baseline needs decoupled PPO with a MIS config "
+                                "(use_tis: true, use_rollout_logprobs: false, a mis section): the rejection "
+                                "must be known before the step")
 
   # --- model functions (jitted once; shapes are bucketed) --------------------------------
   def _build_functions(self):
@@ -124,8 +130,7 @@ class Trainer:
     rewards = np.array([self.task.reward(prompts[s.prompt_index], s.response_ids, s.text) for s in samples],
                        np.float32)
     groups = np.array([s.prompt_index for s in samples], np.int32)
-    adv = np.asarray(mis_jax.compute_advantages(rewards, groups, num_groups=r.prompts_per_step,
-                                                estimator=t.advantage_estimator))
+    adv = self.advantages(rewards, groups)
     # Sequence = prompt + response; the model sees seq[:-1] and predicts seq[1:]; response token
     # j sits at input position len(prompt) - 1 + j.
     inputs, targets, masks, q, advs = [], [], [], [], []
@@ -151,7 +156,26 @@ class Trainer:
         num_segments=self.num_segments)
     return StepBatch(batch=batch, input_ids=packing.pack(inputs, 0, np.int32), positions=packing.positions,
                      targets=packing.pack(targets, 0, np.int32), rewards=rewards,
-                     response_lengths=np.array([len(s.response_ids) for s in samples]))
+                     response_lengths=np.array([len(s.response_ids) for s in samples]), groups=groups,
+                     packing=packing)
+
+  def advantages(self, rewards, groups, in_baseline=None) -> np.ndarray:
+    return np.asarray(mis_jax.compute_advantages(rewards, groups, num_groups=self.cfg.rollout.prompts_per_step,
+                                                 estimator=self.cfg.train.advantage_estimator,
+                                                 in_baseline=in_baseline))
+
+  def exclude_rejected_from_baseline(self, sb: StepBatch, batch: mis_jax.PackedBatch):
+    """SPEC §6.1 option: sequences the correction rejects whole leave their group's baseline.
+
+    Their own advantage no longer matters (they carry no kept token); the others' baseline
+    stops leaking the rejected rewards (verl PR #6452)."""
+    _, kept, _ = mis_jax.compute_mis_weights(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask,
+                                             batch.segment_ids, self.loss_cfg.mis, num_segments=self.num_segments)
+    per_seq = sb.packing.unpack(np.asarray(kept))
+    in_baseline = np.array([k.any() for k in per_seq])
+    adv = self.advantages(sb.rewards, sb.groups, in_baseline)
+    token_adv = sb.packing.pack([np.full(n, a, np.float32) for n, a in zip(sb.packing.lengths, adv)], 0.0, np.float32)
+    return batch.replace(advantages=token_adv), int((~in_baseline).sum())
 
   def model_logprobs(self, params, sb: StepBatch) -> np.ndarray:
     """Teacher-forced log-probs of the whole batch, one micro-batch at a time."""
@@ -169,6 +193,9 @@ class Trainer:
       self.num_old_logprob_passes += 1
     if self.ref_params is not None:
       batch = batch.replace(ref_logprobs=self.model_logprobs(self.ref_params, sb))
+    excluded = None
+    if self.cfg.train.exclude_rejected_from_baseline:
+      batch, excluded = self.exclude_rejected_from_baseline(sb, batch)
     k = self.cfg.train.micro_batches
     metrics: dict[str, Any] = {}
     for _ in range(self.cfg.train.ppo_epochs):
@@ -185,6 +212,8 @@ class Trainer:
         metrics = _combine(mb_metrics)
         metrics.update({k: float(v) for k, v in step_metrics.items()})
         metrics["grad_norm"] = float(grad_norm)
+    if excluded is not None:
+      metrics["num_excluded_from_baseline"] = excluded
     if not all(np.isfinite(v) for v in metrics.values()):
       bad = [k for k, v in metrics.items() if not np.isfinite(v)]
       raise TrainingError(f"step {self.step}: non-finite metrics {bad}; stopping before using these weights")

@@ -155,6 +155,58 @@ def test_server_dying_mid_run_keeps_the_last_checkpoint(tmp_path):
     _trainer(tmp_path, "http://127.0.0.1:9", train={"steps": 3}).run(progress=False)
 
 
+def test_rejected_sequences_leave_the_baseline(tmp_path):
+  """With a strict Seq-MIS band some sequences are rejected whole; with the option on, the kept
+  sequences' advantages are computed from the kept rewards only (checked against a loop)."""
+  mis = mis_jax.MISConfig(tis_level="sequence", tis_mode="mask", tis_lower_bound=0.9, tis_upper_bound=1.1)
+  with FakeSGLang() as fake:  # random log-probs: large mismatch, many rejections
+    trainer = train_lib.Trainer(make_cfg(tmp_path, train={"steps": 1, "exclude_rejected_from_baseline": True}),
+                                mis_jax.LossConfig(use_tis=True, mis=mis), urls=[fake.url])
+    trainer.client.wait_until_healthy(attempts=2)
+    prompts, result = trainer.rollout()
+    sb = trainer.build_batch(prompts, result)
+    batch = sb.batch.replace(old_logprobs=trainer.model_logprobs(trainer.params, sb))
+    new_batch, excluded = trainer.exclude_rejected_from_baseline(sb, batch)
+    trainer.client.close()
+  kept = [k.any() for k in sb.packing.unpack(np.asarray(
+      mis_jax.compute_mis_weights(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, batch.segment_ids,
+                                  mis, num_segments=trainer.num_segments)[1]))]
+  assert 0 < excluded == len(kept) - sum(kept)
+  adv = [a[0] for a in sb.packing.unpack(np.asarray(new_batch.advantages))]
+  for i, (g, ok) in enumerate(zip(sb.groups, kept)):
+    if not ok:
+      continue
+    members = [sb.rewards[j] for j in range(len(kept)) if sb.groups[j] == g and kept[j]]
+    mean = np.mean(members)
+    want = (sb.rewards[i] - mean) / (np.std(members, ddof=1) + 1e-6) if len(members) > 1 else sb.rewards[i] - mean
+    np.testing.assert_allclose(adv[i], want, rtol=1e-5, atol=1e-6)
+  with pytest.raises(mis_jax.ConfigError, match="exclude_rejected_from_baseline needs decoupled PPO"):
+    train_lib.Trainer(make_cfg(tmp_path, name="x", train={"exclude_rejected_from_baseline": True}),
+                      mis_jax.LossConfig(use_rollout_logprobs=True), urls=["http://127.0.0.1:9"])
+
+
+def test_jsonl_task_with_reward_function_path(tmp_path):
+  from trainers.tasks import JsonlTask
+  data = tmp_path / "data.jsonl"
+  data.write_text("\n".join(json.dumps({"prompt_ids": [1, 3 + i], "answer": 3 + i}) for i in range(5)) + "\n")
+  task = JsonlTask(str(data), "test_train:first_token_reward")
+  step0 = task.prompts(seed=0, step=0, count=3)
+  assert [p.ids for p in step0] == [p.ids for p in task.prompts(seed=0, step=0, count=3)]
+  seen = [p.ids for s in range(5) for p in task.prompts(seed=0, step=s, count=3)]
+  assert len(set(seen[:5])) == 5  # an epoch visits every record once
+  assert task.reward(step0[0], [step0[0].record["answer"], 2], "") == 1.0
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"prompt_ids": []}\n')
+  with pytest.raises(ValueError, match=r"bad.jsonl:1: 'prompt_ids' must be a non-empty list of ints"):
+    JsonlTask(str(bad), "test_train:first_token_reward")
+  with pytest.raises(mis_jax.ConfigError, match="cannot import module 'nope'"):
+    JsonlTask(str(data), "nope:fn")
+
+
+def first_token_reward(record, response_ids, text):
+  return float(bool(response_ids) and response_ids[0] == record["answer"])
+
+
 def test_config_errors(tmp_path):
   with pytest.raises(mis_jax.ConfigError, match=r"unknown key 'rollout.temprature'.*Did you mean 'temperature'"):
     TrainConfig.from_dict({"rollout": {"temprature": 1.0}})
