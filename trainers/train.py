@@ -247,7 +247,7 @@ class Trainer:
 
   # --- the loop --------------------------------------------------------------------------
   def run(self, *, resume: bool = False, progress: bool = True, log=print) -> list[dict]:
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
     if resume and self.restore_latest():
       log(f"resumed from checkpoint at step {self.step} ({self.checkpoints.directory})")
     elif self.checkpoints.latest_step() is not None:
