@@ -7,8 +7,9 @@ outputs + temporaries − aliased), not process RSS, so it is measured without r
 and a variant that would not fit is still sized. Both variants compute log-probs *and* entropy;
 "fwd+bwd" is ``value_and_grad`` of ``-mean(lp) - 0.01 mean(H)`` w.r.t. hidden and lm_head.
 
-Timing (warm-up, then the median of ``repeats`` runs, ``block_until_ready``) skips any variant
-whose compiled peak exceeds ``max_run_gb`` and says so. On CPU the default timing is reduced
+Timing (warm-up, then the median of ``repeats`` runs, naive and chunked alternating so that
+load drift hits both, ``block_until_ready``) skips any variant whose compiled peak exceeds
+``max_run_gb`` and says so. On CPU the default timing is reduced
 (one T=8192 chunked fwd+bwd is four 2.5-TFLOP matmuls, and bf16 matmuls are emulated): float32
 only, at ``time_tokens=2048`` (two chunks); ``--time-tokens 8192`` times the full size. The
 memory tables are always at full size. Both reductions are stated in the output.
@@ -97,14 +98,17 @@ def _memory(compiled) -> dict:
           "temp_bytes": int(m.temp_size_in_bytes), "peak_bytes": int(peak)}
 
 
-def _median_seconds(compiled, args, repeats):
-  jax.block_until_ready(compiled(*args))  # warm-up
-  times = []
+def _median_seconds(compiled: dict, args, repeats) -> dict:
+  """Median wall time per executable; runs alternate so load drift hits every variant alike."""
+  for c in compiled.values():
+    jax.block_until_ready(c(*args))  # warm-up
+  times = {name: [] for name in compiled}
   for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
+    for name, c in compiled.items():
+      start = time.perf_counter()
+      jax.block_until_ready(c(*args))
+      times[name].append(time.perf_counter() - start)
+  return {name: float(np.median(t)) for name, t in times.items()}
 
 
 def _gb(n):
@@ -164,15 +168,19 @@ def run(quick: bool = False, *, time_tokens: int | None = None, time_dtypes=None
   for dtype_name in time_dtypes:
     args = _inputs(time_tokens, d, v, DTYPES[dtype_name])
     for kind in ("fwd", "fwd+bwd"):
+      rows, runnable = {}, {}
       for name in impls:
         compiled = compile_(name, kind, args)
-        mem = _memory(compiled)
-        row = dict(impl=name, dtype=dtype_name, kind=kind, tokens=time_tokens,
-                   peak_bytes=mem["peak_bytes"], seconds=None)
-        if mem["peak_bytes"] > max_run_gb * 1e9:
-          row["skipped"] = f"needs {mem['peak_bytes'] / 1e9:.1f} GB > {max_run_gb} GB"
+        peak = _memory(compiled)["peak_bytes"]
+        rows[name] = dict(impl=name, dtype=dtype_name, kind=kind, tokens=time_tokens,
+                          peak_bytes=peak, seconds=None)
+        if peak > max_run_gb * 1e9:
+          rows[name]["skipped"] = f"needs {peak / 1e9:.1f} GB > {max_run_gb} GB"
         else:
-          row["seconds"] = _median_seconds(compiled, args, repeats)
+          runnable[name] = compiled
+      for name, seconds in _median_seconds(runnable, args, repeats).items():
+        rows[name]["seconds"] = seconds
+      for name, row in rows.items():
         timing.append(row)
         secs = f"{row['seconds']:9.3f}" if row["seconds"] is not None else f"{'skipped':>9}"
         say(f"{name:8} {dtype_name:9} {kind:8} {secs} {_gb(row['peak_bytes'])}"
