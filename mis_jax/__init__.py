@@ -8,6 +8,7 @@ from mis_jax._config import (AGGREGATIONS, DENOMINATORS, DIVERGENCES, KL_TYPES, 
                              TIS_MODES, ConfigError, RSCriterion,
                              LossConfig, MISConfig, resolve_correction_fn)
 from mis_jax._flags import add_loss_flags, loss_config_from_args
+from mis_jax._logprobs import LM_HEAD_LAYOUTS, token_logprobs
 from mis_jax._losses import (Denominators, aggregate, kl_penalty, loss_denominators, policy_loss,
                              ppo_token_loss, prepare_step)
 from mis_jax._packing import PackedBatch, Packing, plan_packing, split_microbatches
@@ -22,7 +23,7 @@ __all__ = [
     "Segments", "TIS_MODES", "add_loss_flags", "aggregate", "compute_advantages",
     "compute_mis_weights", "kl_penalty", "loss_config_from_args", "loss_denominators",
     "plan_packing", "policy_loss", "ppo_token_loss", "prepare_step", "resolve_correction_fn",
-    "sequence_to_tokens", "split_microbatches", "vanilla_tis_weights",
+    "sequence_to_tokens", "split_microbatches", "vanilla_tis_weights", "LM_HEAD_LAYOUTS", "token_logprobs",
 ]
 
 from mis_jax._sharding import batch_partition_spec, shard_batch, sharded_policy_loss  # noqa: E402
