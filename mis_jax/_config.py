@@ -28,6 +28,17 @@ class ConfigError(ValueError):
   """A configuration value is invalid. The message names the source, key and value."""
 
 
+def load_yaml(path: str, what: str):
+  """Parses a YAML file; a missing file or invalid YAML is a ConfigError naming the path."""
+  if not os.path.isfile(path):
+    raise ConfigError(f"{what} not found: {path}")
+  with open(path) as f:
+    try:
+      return yaml.safe_load(f)
+    except yaml.YAMLError as e:
+      raise ConfigError(f"{path}: invalid YAML: {e}") from None
+
+
 def _where(source: str | None, key: str) -> str:
   return f"{source}: key '{key}'" if source else f"key '{key}'"
 
@@ -222,14 +233,7 @@ class MISConfig:
   @classmethod
   def from_yaml(cls, path: str | os.PathLike) -> "MISConfig":
     path = os.fspath(path)
-    if not os.path.isfile(path):
-      raise ConfigError(f"MIS config file not found: {path}")
-    with open(path) as f:
-      try:
-        values = yaml.safe_load(f)
-      except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from None
-    return cls.from_dict(values, source=path)
+    return cls.from_dict(load_yaml(path, "MIS config file"), source=path)
 
   def to_dict(self) -> dict[str, Any]:
     out = {k: getattr(self, k) for k in self.keys()}
@@ -394,11 +398,4 @@ class LossConfig:
   def from_yaml(cls, path: str | os.PathLike) -> "LossConfig":
     """A preset file (``configs/presets/*.yaml``): LossConfig keys plus an optional ``mis:``."""
     path = os.fspath(path)
-    if not os.path.isfile(path):
-      raise ConfigError(f"loss config file not found: {path}")
-    with open(path) as f:
-      try:
-        values = yaml.safe_load(f) or {}
-      except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: invalid YAML: {e}") from None
-    return cls.from_dict(values, source=path)
+    return cls.from_dict(load_yaml(path, "loss config file") or {}, source=path)

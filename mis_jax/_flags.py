@@ -8,13 +8,10 @@ with a file that says ``use_tis: false`` is an error naming both.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any, Mapping
 
-import yaml
-
 from mis_jax._config import (DENOMINATORS, KL_TYPES, LOSS_AGG_MODES, ConfigError, LossConfig,
-                             MISConfig)
+                             MISConfig, load_yaml)
 
 # flag dest -> LossConfig key, for the value-carrying loss knobs.
 _KNOBS = {
@@ -57,10 +54,7 @@ def loss_config_from_args(args: argparse.Namespace | Mapping[str, Any],
   out.pop("preset", None)
   if preset:
     # A preset file (configs/presets/*.yaml) under the base values: explicit keys win.
-    if not os.path.isfile(preset):
-      raise ConfigError(f"loss preset not found: {preset}")
-    with open(preset) as f:
-      preset_values = yaml.safe_load(f) or {}
+    preset_values = load_yaml(preset, "loss preset") or {}
     LossConfig.from_dict(preset_values, source=preset)  # validates the file, naming it
     out = {**preset_values, **out}
   unknown = set(out) - set(LossConfig.keys()) - {"custom_config_path", "custom_tis_function_path"}

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
 from typing import Any
 
 import yaml
 
 import mis_jax
+from mis_jax._config import load_yaml
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,13 +111,7 @@ class TrainConfig:
 
   @classmethod
   def from_yaml(cls, path: str) -> "TrainConfig":
-    if not os.path.isfile(path):
-      raise mis_jax.ConfigError(f"trainer config not found: {path}")
-    with open(path) as f:
-      try:
-        return cls.from_dict(yaml.safe_load(f) or {}, source=path)
-      except yaml.YAMLError as e:
-        raise mis_jax.ConfigError(f"{path}: invalid YAML: {e}") from None
+    return cls.from_dict(load_yaml(path, "trainer config") or {}, source=path)
 
   def replace(self, **changes) -> "TrainConfig":
     return dataclasses.replace(self, **changes)

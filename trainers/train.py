@@ -366,8 +366,7 @@ def main(argv=None) -> int:
   import argparse
   import sys
 
-  import yaml
-
+  from mis_jax._config import load_yaml
   from trainers import config as config_lib
   from trainers.server import EmbeddedServer
 
@@ -385,10 +384,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
 
   try:
-    if not os.path.isfile(args.config):
-      raise mis_jax.ConfigError(f"trainer config not found: {args.config}")
-    with open(args.config) as f:
-      raw = yaml.safe_load(f) or {}
+    raw = load_yaml(args.config, "trainer config") or {}
     for assignment in args.set:
       config_lib.set_override(raw, assignment)
     if args.run_dir:
