@@ -73,6 +73,10 @@ class Trainer:
 
   def __init__(self, cfg: TrainConfig, loss_cfg: mis_jax.LossConfig, *, urls: list[str]):
     self.cfg, self.loss_cfg = cfg, loss_cfg
+    if cfg.train.exclude_rejected_from_baseline and (loss_cfg.algorithm != "decoupled_ppo" or loss_cfg.mis is None):
+      raise mis_jax.ConfigError("train.exclude_rejected_from_baseline needs decoupled PPO with a MIS config "
+                                "(use_tis: true, use_rollout_logprobs: false, a mis section): the rejection "
+                                "must be known before the step")
     self.run_dir = os.path.abspath(cfg.run_dir)
     os.makedirs(self.run_dir, exist_ok=True)
     r = cfg.rollout
@@ -96,10 +100,6 @@ class Trainer:
     self.checkpoints = checkpointing.Checkpointer(os.path.join(self.run_dir, "checkpoints"),
                                                   max_to_keep=cfg.checkpoint.max_to_keep)
     self.num_segments = r.prompts_per_step * r.n
-    if cfg.train.exclude_rejected_from_baseline and (loss_cfg.algorithm != "decoupled_ppo" or loss_cfg.mis is None):
-      raise mis_jax.ConfigError("train.exclude_rejected_from_baseline needs decoupled PPO with a MIS config "
-                                "(use_tis: true, use_rollout_logprobs: false, a mis section): the rejection "
-                                "must be known before the step")
 
   # --- model functions (jitted once; shapes are bucketed) --------------------------------
   def _build_functions(self):
@@ -407,6 +407,9 @@ def main(argv=None) -> int:
         print(f"embedded SGLang-protocol server on {server.url} ({cfg.rollout.server_dtype})")
         trainer = Trainer(cfg, loss_cfg, urls=[server.url])
         history = trainer.run(resume=args.resume, progress=not args.no_progress)
+  except mis_jax.ConfigError as e:
+    print(f"mis-jax train: {e}", file=sys.stderr)
+    return 2
   except (TrainingError, ServerError) as e:
     print(f"mis-jax train: stopped: {e}", file=sys.stderr)
     return 1
