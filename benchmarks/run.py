@@ -5,7 +5,8 @@ Compares, on the same data:
     forward+backward (decoupled PPO with the reference ``configs/mis.yaml``) over packed rows;
   - ours, padded layout (one sequence per row, padded to the longest);
   - a per-sequence reference in PyTorch eager that loops over a list of tensors the way
-    list-of-tensors implementations (miles' ``mis.py``) do, forward+backward;
+    list-of-tensors implementations (miles' ``mis.py``) do — the same weights, masks and
+    metrics — forward+backward;
   - the machine's streaming roofline: a jitted reduction that reads the same input bytes once.
 Reports tokens/s, ratios and compiled peak (temp) memory; prints a table and writes JSON.
 
@@ -94,36 +95,69 @@ def input_bytes(b, lp):
 
 
 def torch_reference(seqs, repeats=1):
-  """Per-sequence PyTorch eager loop over a list of tensors (miles-style), forward+backward."""
+  """Per-sequence PyTorch eager loop over a list of tensors, the way list-of-tensors
+  implementations (miles' ``mis.py``) do it: per sequence, the mismatch metrics, the reference
+  config's weights, RS mask, veto and their metrics; batch normalisation; per-sequence PPO
+  loss; ``sum_of_sample_mean`` reductions; backward."""
   import torch
   torch.set_num_threads(os.cpu_count() or 1)
   tensors = [{k: torch.from_numpy(np.asarray(v)) for k, v in s.items()} for s in seqs]
   U, Lo, C, B = 2.0, 0.5, 1e-4, 20.0
 
+  def mmean(x, m):
+    return (x * m).sum() / torch.clamp(m.sum(), min=1)
+
   def step():
     lps = [t["lp"].clone().requires_grad_(True) for t in tensors]
+    metrics: dict[str, list] = {}
+    add = lambda k, v: metrics.setdefault(k, []).append(v.detach())
     weights, masks = [], []
     for t in tensors:
       m = t["m"].float()
-      r = (t["o"] - t["q"]) * m
-      w_raw = torch.exp(torch.clamp(r, -B, B))
+      o, q = t["o"], t["q"]
+      r = (o - q) * m
+      mo, mq = mmean(o, m), mmean(q, m)
+      add("training_log_ppl", -mo); add("training_ppl", torch.exp(-mo))
+      add("rollout_log_ppl", -mq); add("rollout_ppl", torch.exp(-mq))
+      add("kl", mmean(q - o, m)); rc = torch.clamp(r, -B, B); add("k3_kl", mmean(torch.exp(rc) - rc - 1, m))
+      add("log_ppl_diff", mq - mo); add("log_ppl_abs_diff", (mq - mo).abs()); add("ppl_ratio", torch.exp(mq - mo))
+      add("chi2_token", mmean(torch.exp(rc) ** 2, m) - 1)
+      add("chi2_seq", torch.exp(2 * torch.clamp(r.sum(), -B, B)) - 1)
+      add("abs_diff", mmean((o - q).abs(), m))
+      w_raw = torch.exp(rc)
+      add("tis_weight_before_bound", mmean(w_raw, m))
+      add("tis_truncate_fraction", mmean((w_raw > U).float(), m))
       w = torch.clamp(w_raw, 0, U) * m
+      add("tis_weight_after_bound", mmean(w, m))
       keep = ((w_raw >= Lo) & (w_raw <= U)).float() * m
-      veto = ((r < np.log(C)) & t["m"]).any()
-      masks.append(keep * (0.0 if veto else 1.0))
+      add("rs_mask_fraction_low", mmean((w_raw < Lo).float(), m))
+      add("rs_mask_fraction_high", mmean((w_raw > U).float(), m))
+      cat = (r < np.log(C)) & t["m"]
+      add("rs_catastrophic_token_fraction", mmean(cat.float(), m))
+      add("rs_catastrophic_seq_fraction", cat.any().float())
+      kept = keep * (0.0 if bool(cat.any()) else 1.0)
+      add("is_ratio_mean_after_tis_rs", mmean(w, kept))
+      masks.append(kept)
       weights.append(w)
     num = sum((w * km).sum() for w, km in zip(weights, masks))
     mu = num / torch.clamp(sum(km.sum() for km in masks), min=1)
     total, n = 0.0, 0
     for t, lp, w, km in zip(tensors, lps, weights, masks):
+      w = w / mu
+      add("is_ratio_mean_final", mmean(w, km))
+      if km.sum() > 0:
+        add("is_ratio_min_final", w[km.bool()].min()); add("is_ratio_max_final", w[km.bool()].max())
       ratio = torch.exp(torch.clamp(lp - t["o"], -B, B))
-      pg = torch.maximum(-t["adv"] * ratio, -t["adv"] * torch.clamp(ratio, 0.8, 1.2)) * (w / mu)
+      pg1, pg2 = -t["adv"] * ratio, -t["adv"] * torch.clamp(ratio, 0.8, 1.2)
+      pg = torch.maximum(pg1, pg2) * w
+      add("pg_clipfrac", mmean((pg2 > pg1).float(), km)); add("ppo_kl", mmean(t["o"] - lp, km))
       if km.sum() > 0:
         total = total + (pg * km).sum() / km.sum()
         n += 1
     loss = total / max(n, 1)
     loss.backward()
-    return float(loss)
+    reduced = {k: torch.stack(v).mean().item() for k, v in metrics.items()}
+    return float(loss.detach()), reduced
 
   step()
   times = []

@@ -8,7 +8,7 @@ tokens by indexing. Every public reduction returns the same value on every devic
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,14 @@ def pmin(x, axis_name: AxisName):
 def safe_exp(log_x):
   """``exp(clip(log_x, -B, B))``: never inf, never overflows float32."""
   return jnp.exp(jnp.clip(log_x, -LOG_BOUND, LOG_BOUND))
+
+
+class PerSegment(NamedTuple):
+  """A metric already reduced per segment: ``means[s]`` is the segment's masked mean and
+  ``counts[s]`` the size of its mask. :meth:`Segments.reduce_many` reduces it with no scatter."""
+
+  means: jax.Array
+  counts: jax.Array
 
 
 class Segments:
@@ -120,9 +128,12 @@ class Segments:
     Returns ``{name: scalar}`` in the order given.
     """
     groups: dict[int, tuple] = {}
-    for name, x, mask in items:
-      groups.setdefault(id(mask), (mask, []))[1].append((name, x))
     out = {}
+    for name, x, mask in items:
+      if isinstance(x, PerSegment):
+        out[name] = self._reduce_per_segment(x, mode)
+      else:
+        groups.setdefault(id(mask), (mask, []))[1].append((name, x))
     for mask, entries in groups.values():
       cols = [jnp.where(mask, jnp.asarray(x, jnp.float32), 0.0) for _, x in entries]
       stacked = jnp.stack(cols + [mask.astype(jnp.float32)], axis=-1)
@@ -139,3 +150,11 @@ class Segments:
       for i, (name, _) in enumerate(entries):
         out[name] = values[i]
     return {name: out[name] for name, _, _ in items}
+
+  @staticmethod
+  def _reduce_per_segment(x: PerSegment, mode: str) -> jax.Array:
+    present = x.counts > 0
+    if mode == "token-mean":  # Σ_s mean_s n_s / Σ_s n_s = Σ x·mask / Σ mask
+      return jnp.sum(jnp.where(present, x.means * x.counts, 0.0)) / jnp.maximum(jnp.sum(x.counts), 1.0)
+    n = jnp.sum(present.astype(jnp.float32))
+    return jnp.sum(jnp.where(present, x.means, 0.0)) / jnp.maximum(n, 1.0)

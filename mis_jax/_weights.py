@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from mis_jax import _validation
 from mis_jax._config import MISConfig
-from mis_jax._segments import AxisName, Segments, safe_exp
+from mis_jax._segments import AxisName, PerSegment, Segments, safe_exp
 
 _EPS_NORM = 1e-8
 
@@ -55,37 +55,39 @@ def criterion_value(r, mask, seq_count, segs: Segments, crit) -> jax.Array:
 
 
 def mismatch_items(train_logprobs, rollout_logprobs, mask, segs: Segments) -> list:
-  """SPEC §8.1 mismatch-monitoring metrics as ``(name, per-token value, mask)`` items.
+  """SPEC §8.1 mismatch-monitoring metrics as ``(name, value, mask)`` items.
 
-  Per-sequence quantities are broadcast to their tokens; reduce with
-  :meth:`Segments.reduce_many`. Inputs are flat float32; ``mask`` is the original mask.
+  Every one is a per-sequence mean of a per-token quantity (or a function of such means), so
+  all of them come from one stacked segment sum and reduce without another scatter
+  (:class:`PerSegment`). Inputs are flat float32; ``mask`` is the original mask.
   """
   o = jnp.where(mask, train_logprobs, 0.0)
   q = jnp.where(mask, rollout_logprobs, 0.0)
   r = o - q
   r_clip = jnp.clip(r, -20.0, 20.0)
-  maskf = mask.astype(jnp.float32)
-  # One stacked segment sum for every per-sequence statistic.
-  seg = segs.sum(jnp.stack([o, q, jnp.where(mask, jnp.exp(2.0 * r_clip), 0.0), r, maskf], axis=-1))
-  n = jnp.maximum(seg[:, 4], 1.0)
-  per_seq = segs.broadcast(jnp.stack([seg[:, 0] / n, seg[:, 1] / n, seg[:, 2] / n - 1.0,
-                                      jnp.exp(2.0 * jnp.clip(seg[:, 3], -20.0, 20.0)) - 1.0], axis=-1))
-  mean_o, mean_q, chi2_token, chi2_seq = (per_seq[:, i] for i in range(4))
+  zero = lambda x: jnp.where(mask, x, 0.0)
+  cols = [o, q, zero(jnp.exp(2.0 * r_clip)), r, zero(jnp.exp(r_clip) - r_clip - 1.0), jnp.abs(r),
+          mask.astype(jnp.float32)]
+  seg = segs.sum(jnp.stack(cols, axis=-1))
+  count = seg[:, -1]
+  mean = seg[:, :-1] / jnp.maximum(count, 1.0)[:, None]
+  mean_o, mean_q, mean_e2, mean_r, mean_k3, mean_abs = (mean[:, i] for i in range(6))
   diff = mean_q - mean_o
-  return [(name, value, mask) for name, value in (
-      ("mis_training_log_ppl", -mean_o),
-      ("mis_training_ppl", safe_exp(-mean_o)),
-      ("mis_rollout_log_ppl", -mean_q),
-      ("mis_rollout_ppl", safe_exp(-mean_q)),
-      ("mis_kl", q - o),
-      ("mis_k3_kl", jnp.exp(r_clip) - r_clip - 1.0),
-      ("mis_log_ppl_diff", diff),
-      ("mis_log_ppl_abs_diff", jnp.abs(diff)),
-      ("mis_ppl_ratio", safe_exp(diff)),
-      ("mis_chi2_token", chi2_token),
-      ("mis_chi2_seq", chi2_seq),
-      ("train_rollout_logprob_abs_diff", jnp.abs(r)),
-  )]
+  per_seq = {
+      "mis_training_log_ppl": -mean_o,
+      "mis_training_ppl": safe_exp(-mean_o),
+      "mis_rollout_log_ppl": -mean_q,
+      "mis_rollout_ppl": safe_exp(-mean_q),
+      "mis_kl": -mean_r,
+      "mis_k3_kl": mean_k3,
+      "mis_log_ppl_diff": diff,
+      "mis_log_ppl_abs_diff": jnp.abs(diff),
+      "mis_ppl_ratio": safe_exp(diff),
+      "mis_chi2_token": mean_e2 - 1.0,
+      "mis_chi2_seq": jnp.exp(2.0 * jnp.clip(seg[:, 3], -20.0, 20.0)) - 1.0,
+      "train_rollout_logprob_abs_diff": mean_abs,
+  }
+  return [(name, PerSegment(value, count), mask) for name, value in per_seq.items()]
 
 
 def mis_core(o, q, mask, segs: Segments, cfg: MISConfig, batch_norm_factor=None):
