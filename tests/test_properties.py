@@ -4,7 +4,6 @@ all-masked batches, length-1 sequences, log-ratios of ±1e4, NaN/inf in masked p
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, strategies as st
 

@@ -125,7 +125,7 @@ class Trainer:
     return prompts, result
 
   def build_batch(self, prompts, result: RolloutResult) -> StepBatch:
-    r, t = self.cfg.rollout, self.cfg.train
+    t = self.cfg.train
     samples = result.samples
     rewards = np.array([self.task.reward(prompts[s.prompt_index], s.response_ids, s.text) for s in samples],
                        np.float32)
