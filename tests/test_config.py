@@ -23,7 +23,7 @@ def write(tmp_path, text, name="mis.yaml"):
 
 def test_reference_yaml_values():
   cfg = mis_jax.MISConfig.from_yaml("configs/mis.yaml")
-  assert cfg.use_tis and cfg.use_rs and not cfg.use_tis is False
+  assert cfg.use_tis is True and cfg.use_rs is True
   assert (cfg.tis_level, cfg.rs_level, cfg.tis_mode) == ("token", "token", "truncate")
   assert (cfg.tis_lower_bound, cfg.tis_upper_bound) == (0.5, 2.0)
   assert cfg.rs_lower_bound is None and cfg.rs_upper_bound is None

@@ -164,18 +164,17 @@ class Trainer:
                                                  estimator=self.cfg.train.advantage_estimator,
                                                  in_baseline=in_baseline))
 
-  def exclude_rejected_from_baseline(self, sb: StepBatch, batch: mis_jax.PackedBatch):
+  def exclude_rejected_from_baseline(self, sb: StepBatch, prepared: mis_jax.PackedBatch):
     """SPEC §6.1 option: sequences the correction rejects whole leave their group's baseline.
 
-    Their own advantage no longer matters (they carry no kept token); the others' baseline
-    stops leaking the rejected rewards (verl PR #6452)."""
-    _, kept, _ = mis_jax.compute_mis_weights(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask,
-                                             batch.segment_ids, self.loss_cfg.mis, num_segments=self.num_segments)
-    per_seq = sb.packing.unpack(np.asarray(kept))
+    ``prepared`` comes from :func:`mis_jax.prepare_step` (its ``kept_mask`` is the step's).
+    The rejected sequences' own advantage no longer matters (they carry no kept token); the
+    others' baseline stops leaking the rejected rewards (verl PR #6452)."""
+    per_seq = sb.packing.unpack(np.asarray(prepared.kept_mask))
     in_baseline = np.array([k.any() for k in per_seq])
     adv = self.advantages(sb.rewards, sb.groups, in_baseline)
     token_adv = sb.packing.pack([np.full(n, a, np.float32) for n, a in zip(sb.packing.lengths, adv)], 0.0, np.float32)
-    return batch.replace(advantages=token_adv), int((~in_baseline).sum())
+    return prepared.replace(advantages=token_adv), int((~in_baseline).sum())
 
   def model_logprobs(self, params, sb: StepBatch) -> np.ndarray:
     """Teacher-forced log-probs of the whole batch, one micro-batch at a time."""
@@ -193,24 +192,25 @@ class Trainer:
       self.num_old_logprob_passes += 1
     if self.ref_params is not None:
       batch = batch.replace(ref_logprobs=self.model_logprobs(self.ref_params, sb))
+    # The correction depends only on o and q, fixed for the whole step: prepare it once.
+    prepared, dens, step_metrics = mis_jax.prepare_step(batch, self.loss_cfg)
     excluded = None
     if self.cfg.train.exclude_rejected_from_baseline:
-      batch, excluded = self.exclude_rejected_from_baseline(sb, batch)
+      prepared, excluded = self.exclude_rejected_from_baseline(sb, prepared)
     k = self.cfg.train.micro_batches
+    micro = mis_jax.split_microbatches(prepared, k)
+    inputs = list(zip(*(np.split(x, k) for x in (sb.input_ids, sb.positions, sb.targets))))
     metrics: dict[str, Any] = {}
     for _ in range(self.cfg.train.ppo_epochs):
-      prepared, dens, step_metrics = mis_jax.prepare_step(batch, self.loss_cfg)
-      micro = mis_jax.split_microbatches(prepared, k)
-      split = [np.split(x, k) for x in (sb.input_ids, sb.positions, sb.targets)]
       grads, mb_metrics = None, []
-      for i, mb in enumerate(micro):
-        g, m = self._grad(self.params, split[0][i], split[1][i], split[2][i], mb, dens)
+      for mb, (ids, pos, tgt) in zip(micro, inputs):
+        g, m = self._grad(self.params, ids, pos, tgt, mb, dens)
         grads = g if grads is None else jax.tree_util.tree_map(jnp.add, grads, g)
         mb_metrics.append(m)
       self.params, self.opt_state, grad_norm = self._apply(self.params, self.opt_state, grads)
       if not metrics:  # metrics of the first epoch: before any update of this step
         metrics = _combine(mb_metrics)
-        metrics.update({k: float(v) for k, v in step_metrics.items()})
+        metrics.update({name: float(v) for name, v in step_metrics.items()})
         metrics["grad_norm"] = float(grad_norm)
     if excluded is not None:
       metrics["num_excluded_from_baseline"] = excluded

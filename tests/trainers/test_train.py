@@ -166,7 +166,8 @@ def test_rejected_sequences_leave_the_baseline(tmp_path):
     prompts, result = trainer.rollout()
     sb = trainer.build_batch(prompts, result)
     batch = sb.batch.replace(old_logprobs=trainer.model_logprobs(trainer.params, sb))
-    new_batch, excluded = trainer.exclude_rejected_from_baseline(sb, batch)
+    prepared = mis_jax.prepare_step(batch, trainer.loss_cfg)[0]
+    new_batch, excluded = trainer.exclude_rejected_from_baseline(sb, prepared)
     trainer.client.close()
   kept = [k.any() for k in sb.packing.unpack(np.asarray(
       mis_jax.compute_mis_weights(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, batch.segment_ids,
