@@ -39,9 +39,8 @@ jax.tree_util.register_dataclass(Denominators, data_fields=["seg_tokens", "num_t
 
 
 def _denominators_from_mask(denominator_mask, segs: Segments) -> Denominators:
-  d = denominator_mask.astype(jnp.float32)
-  seg_tokens = segs.sum(d)
-  return Denominators(seg_tokens=seg_tokens, num_tokens=segs.total(d),
+  seg_tokens = segs.counts(denominator_mask)
+  return Denominators(seg_tokens=seg_tokens, num_tokens=segs.count(denominator_mask),
                       num_seqs=jnp.sum((seg_tokens > 0).astype(jnp.float32)))
 
 
@@ -86,24 +85,28 @@ def kl_penalty(logprobs, ref_logprobs, kl_type: str):
 def aggregate(token_values, kept, segs: Segments, mode: str, dens: Denominators):
   """Aggregates per-token losses over the kept mask with global denominators (SPEC §7).
 
-  ``token_values`` is ``[T]`` (returns a scalar) or stacked ``[T, K]`` (returns ``[K]``, one
-  scatter for all K terms). Sums run over this device's (micro-)batch only and are completed
-  with one ``psum`` at the end, so the result is linear in the per-token contributions:
-  micro-batch losses add up to the full-batch loss and gradients flow correctly through
-  ``shard_map``.
+  ``token_values`` is ``[T]`` (returns a scalar), a list of K ``[T]`` arrays or ``[T, K]``
+  (returns ``[K]``). Every mode is a weighted token sum: ``Σ_t x_t m'_t / D`` (token-mean,
+  ``D = Σ D_t``), ``/ N`` (seq-mean-token-sum) or ``Σ_t x_t m'_t / n_{s(t)} / N``
+  (seq-mean-token-mean, ``n_s`` the segment's denominator count), so no scatter is needed
+  and the backward pass is elementwise. Sums run over this device's (micro-)batch only and
+  are completed with one ``psum``, so micro-batch losses add up to the full-batch loss and
+  gradients flow correctly through ``shard_map``.
   """
-  stacked = token_values.ndim == 2
-  x = token_values if stacked else token_values[:, None]
-  x = jnp.where((kept & segs.valid)[:, None], x, 0.0)
+  many = isinstance(token_values, (list, tuple)) or token_values.ndim == 2
+  cols = (list(token_values) if isinstance(token_values, (list, tuple)) else
+          [token_values[:, k] for k in range(token_values.shape[1])] if many else [token_values])
+  keep = kept & segs.valid
   if mode == "token-mean":
-    local = jnp.sum(x, axis=0) / jnp.maximum(dens.num_tokens, 1.0)
+    scale = 1.0 / jnp.maximum(dens.num_tokens, 1.0)
+  elif mode == "seq-mean-token-sum":
+    scale = 1.0 / jnp.maximum(dens.num_seqs, 1.0)
   else:
-    seg_local = jax.ops.segment_sum(x, segs.ids, num_segments=segs.num_segments)
-    if mode == "seq-mean-token-mean":
-      seg_local = seg_local / jnp.maximum(dens.seg_tokens, 1.0)[:, None]
-    local = jnp.sum(seg_local, axis=0) / jnp.maximum(dens.num_seqs, 1.0)
+    inv = segs.broadcast(1.0 / jnp.maximum(dens.seg_tokens, 1.0))
+    scale = inv / jnp.maximum(dens.num_seqs, 1.0)
+  local = jnp.stack([jnp.sum(jnp.where(keep, x, 0.0) * scale) for x in cols])
   out = psum(local, segs.axis_name)
-  return out if stacked else out[0]
+  return out if many else out[0]
 
 
 # --- validation ------------------------------------------------------------------------
@@ -257,6 +260,7 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
   # Masked positions may hold NaN/inf: select (never multiply) before any arithmetic so
   # neither values nor gradients leak.
   lp = jnp.where(mask, _validation.flat_float(logprobs), 0.0)
+  lp_sg = sg(lp)
   adv, q, o, ref = flat("advantages"), flat("rollout_logprobs"), flat("old_logprobs"), flat("ref_logprobs")
   items, scalars = [], {}
 
@@ -267,12 +271,12 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
       weights = flat("is_weights")
       kept = _validation.flat_mask(arrays["kept_mask"], mask)
     else:
-      train_lp = o if cfg.algorithm == "decoupled_ppo" else sg(lp)
+      train_lp = o if cfg.algorithm == "decoupled_ppo" else lp_sg
       weights, kept, items, scalars = _run_correction(train_lp, q, mask, segs, cfg, shape, batch_norm_factor)
 
   # Mismatch monitoring whenever rollout log-probs are present (SPEC §8.1).
   if q is not None:
-    items = mismatch_items(o if o is not None else sg(lp), q, mask, segs) + items
+    items = mismatch_items(o if o is not None else lp_sg, q, mask, segs) + items
 
   # Per-token policy loss.
   if cfg.algorithm == "reinforce_is":
@@ -285,8 +289,8 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
                                       eps_clip_high=cfg.clip_high, eps_clip_c=cfg.eps_clip_c)
     if cfg.algorithm == "decoupled_ppo":
       pg_tok = weights * pg_tok
-      items.append(("ois", safe_exp(sg(lp) - o), mask))
-  items += [("pg_clipfrac", clipfrac, kept), ("ppo_kl", anchor - sg(lp), kept)]
+      items.append(("ois", safe_exp(lp_sg - o), mask))
+  items += [("pg_clipfrac", clipfrac, kept), ("ppo_kl", anchor - lp_sg, kept)]
 
   # The loss terms, aggregated together (one stacked reduction).
   if denominators is None:
@@ -296,7 +300,7 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
     terms["entropy_loss"] = jnp.where(mask, _validation.flat_float(entropy), 0.0)
   if ref is not None:
     terms["kl_loss"] = jnp.where(mask, kl_penalty(lp, ref, cfg.kl_type), 0.0)
-  agg = aggregate(jnp.stack(list(terms.values()), axis=-1), kept, segs, cfg.loss_agg_mode, denominators)
+  agg = aggregate(list(terms.values()), kept, segs, cfg.loss_agg_mode, denominators)
   values = dict(zip(terms, (agg[i] for i in range(len(terms)))))
   loss = values["pg_loss"]
   if entropy is not None:

@@ -4,6 +4,8 @@ Every per-token array is flattened to ``[T]``. Per-segment sums use ``jax.ops.se
 over ``segment_ids`` (padding id ``-1`` is dropped), are completed across mesh axes with
 ``psum`` (so a segment may span devices: sequence parallelism) and are broadcast back to
 tokens by indexing. Every public reduction returns the same value on every device.
+Mask-aware means over segments need no per-metric scatter: they are weighted totals with
+per-token weights ``m_t / n_{s(t)}`` (:meth:`Segments.token_weights`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ AxisName = str | Sequence[str] | None
 
 # Safety bound on log values before exp (SPEC notation B).
 LOG_BOUND = 20.0
+
+# Scatter lanes per segment (see Segments).
+_LANES = 8
 
 
 def psum(x, axis_name: AxisName):
@@ -44,8 +49,24 @@ class PerSegment(NamedTuple):
   counts: jax.Array
 
 
+class Scaled(NamedTuple):
+  """A metric equal to another item's reduced value times ``factor`` (no pass over tokens)."""
+
+  source: str
+  factor: jax.Array
+
+
 class Segments:
   """Segment bookkeeping of one packed (possibly sharded) batch.
+
+  Per-segment sums are scatter-adds, the one costly primitive here. Two things keep them
+  cheap. (1) Lanes: consecutive tokens of a packed segment hit the same accumulator, so a
+  plain scatter-add is a serial read-add-write chain; token ``t`` of segment ``s`` is added
+  to bucket ``s·P + t mod P`` instead (``P`` lanes, summed at the end), which breaks the
+  chain (about 2.5x faster on XLA:CPU). (2) Few scatters: per-segment mask counts are cached
+  per mask (:meth:`counts`), and mask-aware means over segments are computed as one weighted
+  total per metric, ``Σ_t x_t m_t / n_{s(t)} / N``, so a whole metric table needs one count
+  scatter per distinct mask instead of a scatter per metric.
 
   Args:
     segment_ids: int array, any shape; ``-1`` marks padding.
@@ -61,55 +82,95 @@ class Segments:
     # Index for gathering per-segment values back to tokens; padding reads segment 0 and
     # is masked by every caller.
     self.gather_ids = jnp.where(self.valid, self.ids, 0)
+    self.lanes = max(1, min(_LANES, self.ids.shape[0] // max(self.num_segments, 1)))
+    self._scatter_index = None
+    self._memo: dict[tuple, tuple] = {}
+
+  def memo(self, key: tuple, fn, *keep):
+    """``fn()``, computed once per ``key`` for this batch. ``key`` usually holds ``id`` s of
+    the arrays it depends on; pass those arrays as ``keep`` so the ids stay theirs."""
+    hit = self._memo.get(key)
+    if hit is None:
+      hit = self._memo[key] = (keep, fn())
+    return hit[1]
 
   # --- per-segment sums, global --------------------------------------------------------
-  def sum(self, x: jax.Array) -> jax.Array:
-    """Global per-segment sums of a per-token ``[T]`` (or stacked ``[T, K]``) array.
+  def _index(self) -> jax.Array:
+    """Scatter bucket of every token: ``id·P + t mod P``; padding goes out of range (dropped)."""
+    if self._scatter_index is None:
+      p, n = self.lanes, self.ids.shape[0]
+      lane = jnp.arange(n, dtype=jnp.int32) % p if p > 1 else 0
+      self._scatter_index = jnp.where(self.valid, self.ids * p + lane, self.num_segments * p)
+    return self._scatter_index
 
-    Returns ``[S]`` (or ``[S, K]``); padding is excluded. Stack several per-token quantities
-    into one ``[T, K]`` call where possible: one scatter of K columns costs little more than
-    one of a single column.
+  def _local(self, x: jax.Array, op) -> jax.Array:
+    seg = op(x, self._index(), num_segments=self.num_segments * self.lanes)
+    return seg if self.lanes == 1 else seg.reshape(self.num_segments, self.lanes)
+
+  def sum(self, x) -> jax.Array:
+    """Global per-segment sums of a per-token ``[T]`` array, or of a list of them.
+
+    Returns ``[S]`` (or ``[S, K]`` for a list of K arrays or a ``[T, K]`` array, completed
+    with one ``psum``);
+    padding is excluded. Pass several quantities as a list rather than stacking them into
+    ``[T, K]``: interleaving columns costs more on XLA:CPU than the scatters themselves.
     """
-    valid = self.valid if x.ndim == 1 else self.valid[:, None]
-    x = jnp.where(valid, x, jnp.zeros((), x.dtype))
-    seg = jax.ops.segment_sum(x, self.ids, num_segments=self.num_segments)
-    return psum(seg, self.axis_name)
+    many = isinstance(x, (list, tuple)) or x.ndim == 2
+    cols = list(x) if isinstance(x, (list, tuple)) else [x] if x.ndim == 1 else [x[:, k] for k in range(x.shape[1])]
+    local = []
+    for c in cols:
+      seg = self._local(c, jax.ops.segment_sum)
+      local.append(seg if self.lanes == 1 else jnp.sum(seg, axis=1))
+    out = psum(jnp.stack(local, axis=-1), self.axis_name)
+    return out if many else out[:, 0]
 
   def max(self, x: jax.Array, mask: jax.Array) -> jax.Array:
     """``[S]`` global per-segment maxima of ``x`` over ``mask`` (float32 lowest where empty)."""
     lowest = jnp.asarray(jnp.finfo(jnp.float32).min, jnp.float32)
-    x = jnp.where(mask & self.valid, x.astype(jnp.float32), lowest)
-    seg = jax.ops.segment_max(x, self.ids, num_segments=self.num_segments)
+    seg = self._local(jnp.where(mask, x.astype(jnp.float32), lowest), jax.ops.segment_max)
+    seg = seg if self.lanes == 1 else jnp.max(seg, axis=1)
     return pmax(jnp.maximum(seg, lowest), self.axis_name)
 
+  def counts(self, mask: jax.Array) -> jax.Array:
+    """``[S]`` global per-segment counts of a bool ``mask``; cached per mask object."""
+    return self.memo(("counts", id(mask)), lambda: self.sum(mask.astype(jnp.float32)), mask)
+
   def broadcast(self, seg_values: jax.Array) -> jax.Array:
-    """Per-segment ``[S]`` (or ``[S, K]``) values back to tokens (0 at padding)."""
-    out = seg_values[self.gather_ids]
-    valid = self.valid if out.ndim == 1 else self.valid[:, None]
-    return jnp.where(valid, out, jnp.zeros((), out.dtype))
+    """Per-segment ``[S]`` values back to tokens (0 at padding); cached per array object.
+
+    ``[S, K]`` is gathered column by column (a K-wide gather is far slower on XLA:CPU).
+    """
+    def gather():
+      if seg_values.ndim == 1:
+        return jnp.where(self.valid, seg_values[self.gather_ids], jnp.zeros((), seg_values.dtype))
+      return jnp.stack([self.broadcast(seg_values[:, k]) for k in range(seg_values.shape[1])], axis=-1)
+    return self.memo(("broadcast", id(seg_values)), gather, seg_values)
 
   # --- global token-level reductions ---------------------------------------------------
-  def total(self, x: jax.Array) -> jax.Array:
-    """Global sum over non-padding tokens of ``[T]`` (a scalar) or ``[T, K]`` (``[K]``)."""
-    valid = self.valid if x.ndim == 1 else self.valid[:, None]
-    return psum(jnp.sum(jnp.where(valid, x, jnp.zeros((), x.dtype)), axis=0), self.axis_name)
+  def total(self, x) -> jax.Array:
+    """Global sum over non-padding tokens of ``[T]`` (a scalar) or of a list of ``[T]``
+    arrays (``[K]``, one ``psum``)."""
+    cols = list(x) if isinstance(x, (list, tuple)) else [x]
+    local = jnp.stack([jnp.sum(jnp.where(self.valid, c, jnp.zeros((), c.dtype))) for c in cols])
+    out = psum(local, self.axis_name)
+    return out if isinstance(x, (list, tuple)) else out[0]
 
-  def masked_min(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-    """True global minimum of ``x`` over ``mask`` (0 if the mask is empty)."""
+  def masked_min(self, x: jax.Array, mask: jax.Array, count=None) -> jax.Array:
+    """True global minimum of ``x`` over ``mask`` (0 if the mask is empty; ``count``, the
+    mask's global size, if known)."""
     big = jnp.asarray(jnp.finfo(jnp.float32).max, jnp.float32)
-    local = jnp.min(jnp.where(mask, x, big))
-    glob = pmin(local, self.axis_name)
-    return jnp.where(self.count(mask) > 0, glob, 0.0)
+    glob = pmin(jnp.min(jnp.where(mask, x, big)), self.axis_name)
+    return jnp.where((self.count(mask) if count is None else count) > 0, glob, 0.0)
 
-  def masked_max(self, x: jax.Array, mask: jax.Array) -> jax.Array:
-    """True global maximum of ``x`` over ``mask`` (0 if the mask is empty)."""
+  def masked_max(self, x: jax.Array, mask: jax.Array, count=None) -> jax.Array:
+    """True global maximum of ``x`` over ``mask`` (0 if the mask is empty; see masked_min)."""
     small = jnp.asarray(jnp.finfo(jnp.float32).min, jnp.float32)
-    local = jnp.max(jnp.where(mask, x, small))
-    glob = pmax(local, self.axis_name)
-    return jnp.where(self.count(mask) > 0, glob, 0.0)
+    glob = pmax(jnp.max(jnp.where(mask, x, small)), self.axis_name)
+    return jnp.where((self.count(mask) if count is None else count) > 0, glob, 0.0)
 
   def count(self, mask: jax.Array) -> jax.Array:
-    return self.total(mask.astype(jnp.float32))
+    """Global number of non-padding tokens in ``mask``; cached per mask object."""
+    return self.memo(("count", id(mask)), lambda: self.total(mask.astype(jnp.float32)), mask)
 
   # --- mask-aware means (SPEC §8 reduction R_mask) -------------------------------------
   def reduce(self, x: jax.Array, mask: jax.Array, mode: str) -> jax.Array:
@@ -120,35 +181,46 @@ class Segments:
     """
     return self.reduce_many([("x", x, mask)], mode)["x"]
 
+  def token_weights(self, mask: jax.Array, mode: str):
+    """Per-token weights ``a_t`` and a global divisor ``N`` with ``R_mask(x) = Σ_t a_t x_t / N``.
+
+    token-mean: ``a = m``, ``N = Σ m``. Seq-mean modes: ``a_t = m_t / n_{s(t)}`` with ``n_s``
+    the segment's mask count, ``N`` the number of segments with ``n_s > 0``.
+    """
+    if mode == "token-mean":
+      return jnp.where(mask & self.valid, 1.0, 0.0), self.count(mask)
+    n = self.counts(mask)
+    inv = jnp.where(n > 0, 1.0 / jnp.maximum(n, 1.0), 0.0)
+    return jnp.where(mask, self.broadcast(inv), 0.0), jnp.sum((n > 0).astype(jnp.float32))
+
   def reduce_many(self, items, mode: str) -> dict:
     """Many ``R_mask(x)`` at once: ``items`` is a list of ``(name, x, mask)``.
 
-    Items sharing one mask object are stacked into a single ``[T, K + 1]`` reduction (the
-    last column counts the mask), so a whole metric table costs a few scatters, not dozens.
+    Items sharing one mask object share its per-token weights (:meth:`token_weights`), so a
+    metric costs one weighted total, completed for all items with a single ``psum``.
     Returns ``{name: scalar}`` in the order given.
     """
-    groups: dict[int, tuple] = {}
-    out = {}
+    out, names, local, divisors = {}, [], [], []
+    weights: dict[int, tuple] = {}
+    scaled = []
     for name, x, mask in items:
+      if isinstance(x, Scaled):
+        scaled.append((name, x))
+        continue
       if isinstance(x, PerSegment):
         out[name] = self._reduce_per_segment(x, mode)
-      else:
-        groups.setdefault(id(mask), (mask, []))[1].append((name, x))
-    for mask, entries in groups.values():
-      cols = [jnp.where(mask, jnp.asarray(x, jnp.float32), 0.0) for _, x in entries]
-      stacked = jnp.stack(cols + [mask.astype(jnp.float32)], axis=-1)
-      if mode == "token-mean":
-        sums = psum(jnp.sum(jnp.where(self.valid[:, None], stacked, 0.0), axis=0), self.axis_name)
-        values = sums[:-1] / jnp.maximum(sums[-1], 1.0)
-      else:
-        seg = self.sum(stacked)
-        count = seg[:, -1:]
-        means = seg[:, :-1] / jnp.maximum(count, 1.0)
-        present = count > 0
-        n = jnp.sum(present.astype(jnp.float32))
-        values = jnp.sum(jnp.where(present, means, 0.0), axis=0) / jnp.maximum(n, 1.0)
-      for i, (name, _) in enumerate(entries):
-        out[name] = values[i]
+        continue
+      if id(mask) not in weights:
+        weights[id(mask)] = (mask, *self.token_weights(mask, mode))
+      _, a, n = weights[id(mask)]
+      names.append(name)
+      local.append(jnp.sum(jnp.where(a != 0, jnp.asarray(x, jnp.float32), 0.0) * a))
+      divisors.append(n)
+    if names:
+      values = psum(jnp.stack(local), self.axis_name) / jnp.maximum(jnp.stack(divisors), 1.0)
+      out.update(zip(names, (values[i] for i in range(len(names)))))
+    for name, x in scaled:
+      out[name] = out[x.source] * x.factor
     return {name: out[name] for name, _, _ in items}
 
   @staticmethod

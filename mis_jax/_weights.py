@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from mis_jax import _validation
 from mis_jax._config import MISConfig
-from mis_jax._segments import AxisName, PerSegment, Segments, safe_exp
+from mis_jax._segments import AxisName, PerSegment, Scaled, Segments, safe_exp
 
 _EPS_NORM = 1e-8
 
@@ -54,40 +54,49 @@ def criterion_value(r, mask, seq_count, segs: Segments, crit) -> jax.Array:
   return -v if crit.metric == "k1" else v
 
 
+def segment_log_ratio_sums(o, q, mask, segs: Segments) -> jax.Array:
+  """``[S]`` per-segment ``Σ m (o - q)``, computed once per ``(o, q, mask)`` for a batch."""
+  return segs.memo(("sum_r", id(o), id(q), id(mask)),
+                   lambda: segs.sum(jnp.where(mask, jax.lax.stop_gradient(o - q), 0.0)), o, q, mask)
+
+
 def mismatch_items(train_logprobs, rollout_logprobs, mask, segs: Segments) -> list:
   """SPEC §8.1 mismatch-monitoring metrics as ``(name, value, mask)`` items.
 
-  Every one is a per-sequence mean of a per-token quantity (or a function of such means), so
-  all of them come from one stacked segment sum and reduce without another scatter
-  (:class:`PerSegment`). Inputs are flat float32; ``mask`` is the original mask.
+  Every one is a per-sequence mean of a per-token quantity, or a function of such means. The
+  functions of the means ``Σ m q / n`` and ``Σ m r / n`` come from two segment sums and
+  reduce over segments directly (:class:`PerSegment`); the three means of nonlinear per-token
+  quantities are token items. Inputs are flat float32; ``mask`` is the original mask.
   """
-  o = jnp.where(mask, train_logprobs, 0.0)
-  q = jnp.where(mask, rollout_logprobs, 0.0)
-  r = o - q
-  r_clip = jnp.clip(r, -20.0, 20.0)
-  zero = lambda x: jnp.where(mask, x, 0.0)
-  cols = [o, q, zero(jnp.exp(2.0 * r_clip)), r, zero(jnp.exp(r_clip) - r_clip - 1.0), jnp.abs(r),
-          mask.astype(jnp.float32)]
-  seg = segs.sum(jnp.stack(cols, axis=-1))
-  count = seg[:, -1]
-  mean = seg[:, :-1] / jnp.maximum(count, 1.0)[:, None]
-  mean_o, mean_q, mean_e2, mean_r, mean_k3, mean_abs = (mean[:, i] for i in range(6))
-  diff = mean_q - mean_o
+  o, q = train_logprobs, rollout_logprobs
+  count = segs.counts(mask)
+  sum_r = segment_log_ratio_sums(o, q, mask, segs)
+  n = jnp.maximum(count, 1.0)
+  mean_q = segs.sum(jnp.where(mask, q, 0.0)) / n
+  mean_r = sum_r / n
+  mean_o = mean_q + mean_r
   per_seq = {
       "mis_training_log_ppl": -mean_o,
       "mis_training_ppl": safe_exp(-mean_o),
       "mis_rollout_log_ppl": -mean_q,
       "mis_rollout_ppl": safe_exp(-mean_q),
       "mis_kl": -mean_r,
-      "mis_k3_kl": mean_k3,
-      "mis_log_ppl_diff": diff,
-      "mis_log_ppl_abs_diff": jnp.abs(diff),
-      "mis_ppl_ratio": safe_exp(diff),
-      "mis_chi2_token": mean_e2 - 1.0,
-      "mis_chi2_seq": jnp.exp(2.0 * jnp.clip(seg[:, 3], -20.0, 20.0)) - 1.0,
-      "train_rollout_logprob_abs_diff": mean_abs,
+      "mis_log_ppl_diff": -mean_r,
+      "mis_log_ppl_abs_diff": jnp.abs(mean_r),
+      "mis_ppl_ratio": safe_exp(-mean_r),
+      "mis_chi2_seq": jnp.exp(2.0 * jnp.clip(sum_r, -20.0, 20.0)) - 1.0,
   }
-  return [(name, PerSegment(value, count), mask) for name, value in per_seq.items()]
+  items = [(name, PerSegment(value, count), mask) for name, value in per_seq.items()]
+  r = jnp.where(mask, o - q, 0.0)
+  r_clip = jnp.clip(r, -20.0, 20.0)
+  items += [("mis_k3_kl", jnp.exp(r_clip) - r_clip - 1.0, mask),
+            ("mis_chi2_token", jnp.exp(2.0 * r_clip) - 1.0, mask),
+            ("train_rollout_logprob_abs_diff", jnp.abs(r), mask)]
+  order = ["mis_training_log_ppl", "mis_training_ppl", "mis_rollout_log_ppl", "mis_rollout_ppl", "mis_kl",
+           "mis_k3_kl", "mis_log_ppl_diff", "mis_log_ppl_abs_diff", "mis_ppl_ratio", "mis_chi2_token",
+           "mis_chi2_seq", "train_rollout_logprob_abs_diff"]
+  by_name = {item[0]: item for item in items}
+  return [by_name[name] for name in order]
 
 
 def mis_core(o, q, mask, segs: Segments, cfg: MISConfig, batch_norm_factor=None):
@@ -98,19 +107,15 @@ def mis_core(o, q, mask, segs: Segments, cfg: MISConfig, batch_norm_factor=None)
   the mask-reduced §8.2 metrics as ``(name, per-token value, mask)`` (see
   :meth:`Segments.reduce_many`); ``scalars`` the metrics that are already scalars.
   """
+  seq_sum, seq_count = segment_log_ratio_sums(o, q, mask, segs), segs.counts(mask)
   o = jax.lax.stop_gradient(o)
   q = jax.lax.stop_gradient(q)
   items, scalars = [], {}
   r = jnp.where(mask, o - q, 0.0)
-  maskf = mask.astype(jnp.float32)
   upper, lower = cfg.tis_upper_bound, cfg.lower
   veto = cfg.rs_veto_threshold is not None
   catastrophic = mask & (r < math.log(cfg.rs_veto_threshold)) if veto else None
 
-  # Per-segment Σ m r, Σ m and catastrophic counts in one stacked segment sum.
-  cols = [r, maskf] + ([catastrophic.astype(jnp.float32)] if veto else [])
-  seg = segs.sum(jnp.stack(cols, axis=-1))
-  seq_sum, seq_count = seg[:, 0], seg[:, 1]
   level_log = lambda level: level_log_ratio(r, seq_sum, seq_count, segs, level)
 
   # §3: IS weights.
@@ -160,7 +165,7 @@ def mis_core(o, q, mask, segs: Segments, cfg: MISConfig, batch_norm_factor=None)
   # §4: veto on the raw, unclipped token log-ratio; a catastrophic token rejects its segment.
   live = seq_count > 0
   if veto:
-    seg_vetoed = seg[:, 2] > 0
+    seg_vetoed = segs.sum(catastrophic.astype(jnp.float32)) > 0
     kept = kept & ~segs.broadcast(seg_vetoed)
     items.append(("mis_rs_catastrophic_token_fraction", catastrophic, mask))
     scalars["mis_rs_catastrophic_seq_fraction"] = (
@@ -169,37 +174,39 @@ def mis_core(o, q, mask, segs: Segments, cfg: MISConfig, batch_norm_factor=None)
   w = jnp.where(mask, w, 0.0)
   items.append(("mis_is_ratio_mean_after_tis_rs", w, kept))
 
-  # §5: batch normalisation over the kept mask, globally. Per-segment Σ w m' and Σ m' serve
-  # both the sequence-level mean and the kept-sequence fraction.
-  keptf = kept.astype(jnp.float32)
-  seg_kept = segs.sum(jnp.stack([jnp.where(kept, w, 0.0), keptf], axis=-1))
+  # §5: batch normalisation over the kept mask, globally. The token totals also give the
+  # statistics of the final weights below (they are the kept weights over one factor).
+  kept_count = segs.counts(kept)
+  totals = segs.total([jnp.where(kept, w, 0.0), jnp.where(kept, w * w, 0.0), kept.astype(jnp.float32),
+                       mask.astype(jnp.float32)])
+  sum_w, sum_w2, n_kept, n_trained = (totals[i] for i in range(4))
   if batch_norm_factor is not None:
     mu = jnp.asarray(batch_norm_factor, jnp.float32)
   elif cfg.tis_batch_normalize and cfg.tis_level == "token":
-    mu = segs.total(jnp.where(kept, w, 0.0)) / jnp.maximum(segs.total(keptf), 1.0)
+    mu = sum_w / jnp.maximum(n_kept, 1.0)
   elif cfg.tis_batch_normalize:
     # Mean over segments with a kept token of the segment's common weight.
-    has = seg_kept[:, 1] > 0
-    common = seg_kept[:, 0] / jnp.maximum(seg_kept[:, 1], 1.0)
+    has = kept_count > 0
+    common = segs.sum(jnp.where(kept, w, 0.0)) / jnp.maximum(kept_count, 1.0)
     mu = jnp.sum(jnp.where(has, common, 0.0)) / jnp.maximum(jnp.sum(has.astype(jnp.float32)), 1.0)
   else:
     mu = jnp.ones((), jnp.float32)
   factor = jnp.where(mu > _EPS_NORM, mu, 1.0)
+  w_min, w_max = segs.masked_min(w, kept, n_kept), segs.masked_max(w, kept, n_kept)
   w = w / factor
   scalars["mis_batch_norm_factor"] = factor
 
-  # Statistics of the weights that multiply the loss, over the kept mask (SPEC §8.2).
-  items.append(("mis_is_ratio_mean_final", w, kept))
-  totals = segs.total(jnp.stack([jnp.where(kept, w, 0.0), jnp.where(kept, w * w, 0.0), keptf, maskf], axis=-1))
-  sum_w, sum_w2, n_kept, n_trained = (totals[i] for i in range(4))
+  # Statistics of the weights that multiply the loss, over the kept mask (SPEC §8.2); the
+  # ESS ratio is scale-free.
+  items.append(("mis_is_ratio_mean_final", Scaled("mis_is_ratio_mean_after_tis_rs", 1.0 / factor), kept))
   ess_den = n_kept * sum_w2
   n_live = jnp.sum(live.astype(jnp.float32))
   scalars.update({
-      "mis_is_ratio_min_final": segs.masked_min(w, kept),
-      "mis_is_ratio_max_final": segs.masked_max(w, kept),
+      "mis_is_ratio_min_final": w_min / factor,
+      "mis_is_ratio_max_final": w_max / factor,
       "mis_ess_ratio": jnp.where(ess_den > 0, sum_w * sum_w / jnp.where(ess_den > 0, ess_den, 1.0), 0.0),
       "mis_kept_token_fraction": n_kept / jnp.maximum(n_trained, 1.0),
-      "mis_kept_seq_fraction": jnp.sum((seg_kept[:, 1] > 0).astype(jnp.float32)) / jnp.maximum(n_live, 1.0),
+      "mis_kept_seq_fraction": jnp.sum((kept_count > 0).astype(jnp.float32)) / jnp.maximum(n_live, 1.0),
   })
   return jax.lax.stop_gradient(w), kept, items, scalars
 
