@@ -7,8 +7,10 @@ Compares, on the same data:
   - a per-sequence reference in PyTorch eager that loops over a list of tensors the way
     list-of-tensors implementations (miles' ``mis.py``) do — the same weights, masks and
     metrics — forward+backward;
-  - the machine's streaming roofline: a jitted reduction that reads the same input bytes once.
-Reports tokens/s, ratios and compiled peak (temp) memory; prints a table and writes JSON.
+  - the machine's streaming roofline: a jitted reduction that reads the same input bytes once
+    (the weights pass's four inputs for its fraction; all six loss inputs for the loss's).
+Times are the best of several runs (this 2-core VM is noisy; every path is timed the same
+way). Reports tokens/s, ratios and compiled peak (temp) memory; prints a table, writes JSON.
 
     python -m benchmarks.run [--quick] [--json benchmarks/results/loss_path.json]
 """
@@ -19,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import time
 
 import jax
@@ -62,14 +63,15 @@ def padded_packing(seqs):
                          lengths=lengths)
 
 
-def timeit(fn, *args, repeats=5):
-  jax.block_until_ready(fn(*args))  # compile + warm up
+def timeit(fn, *args, repeats=15):
+  """Best-of-``repeats`` wall time after a compile/warm-up call."""
+  jax.block_until_ready(fn(*args))
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  return min(times)
 
 
 def temp_bytes(fn, *args):
@@ -83,15 +85,22 @@ _loss_grad = jax.jit(jax.value_and_grad(lambda lp, b: mis_jax.policy_loss(lp, b,
 
 
 @jax.jit
+def _stream_weights(b):
+  """Reads every input byte of the weights pass once (o, q, mask, segment ids)."""
+  return (jnp.sum(b.old_logprobs) + jnp.sum(b.rollout_logprobs) + jnp.sum(b.segment_ids).astype(jnp.float32)
+          + jnp.sum(b.loss_mask.astype(jnp.float32)))
+
+
+@jax.jit
 def _stream(b, lp):
-  """Reads every input byte once: the streaming roofline of this machine for these inputs."""
-  return (jnp.sum(b.old_logprobs) + jnp.sum(b.rollout_logprobs) + jnp.sum(b.advantages) + jnp.sum(lp)
-          + jnp.sum(b.segment_ids) .astype(jnp.float32) + jnp.sum(b.loss_mask.astype(jnp.float32)))
+  """Reads every input byte of the loss path once: the streaming roofline for these inputs."""
+  return _stream_weights(b) + jnp.sum(b.advantages) + jnp.sum(lp)
 
 
-def input_bytes(b, lp):
-  return sum(int(np.asarray(x).nbytes) for x in (b.old_logprobs, b.rollout_logprobs, b.advantages, lp, b.segment_ids,
-                                                  b.loss_mask))
+def input_bytes(b, lp=None):
+  arrays = (b.old_logprobs, b.rollout_logprobs, b.segment_ids, b.loss_mask) + ((b.advantages, lp) if lp is not None
+                                                                               else ())
+  return sum(int(np.asarray(x).nbytes) for x in arrays)
 
 
 def torch_reference(seqs, repeats=1):
@@ -165,7 +174,7 @@ def torch_reference(seqs, repeats=1):
     t0 = time.perf_counter()
     step()
     times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  return min(times)
 
 
 def bench_shape(rng, num_seqs, max_len, row_len, *, reference=True, padded=True):
@@ -176,9 +185,11 @@ def bench_shape(rng, num_seqs, max_len, row_len, *, reference=True, padded=True)
   row["weights_s"] = timeit(_weights, batch)
   row["loss_fwd_bwd_s"] = timeit(_loss_grad, lp, batch)
   row["stream_s"] = timeit(_stream, batch, lp)
+  row["stream_weights_s"] = timeit(_stream_weights, batch)
   row["input_bytes"] = input_bytes(batch, lp)
+  row["weights_input_bytes"] = input_bytes(batch)
   row["stream_GBps"] = row["input_bytes"] / row["stream_s"] / 1e9
-  row["weights_roofline_fraction"] = row["stream_s"] / row["weights_s"]
+  row["weights_roofline_fraction"] = row["stream_weights_s"] / row["weights_s"]
   row["loss_roofline_fraction"] = row["stream_s"] / row["loss_fwd_bwd_s"]
   row["tokens_per_s"] = tokens / row["loss_fwd_bwd_s"]
   row["loss_temp_MB"] = temp_bytes(_loss_grad, lp, batch) / 1e6
@@ -189,7 +200,7 @@ def bench_shape(rng, num_seqs, max_len, row_len, *, reference=True, padded=True)
     row["padded_loss_temp_MB"] = temp_bytes(_loss_grad, plp, pbatch) / 1e6
     row["padded_over_packed"] = row["padded_loss_fwd_bwd_s"] / row["loss_fwd_bwd_s"]
   if reference:
-    row["reference_s"] = torch_reference(seqs)
+    row["reference_s"] = torch_reference(seqs, repeats=3)
     row["speedup_vs_reference"] = row["reference_s"] / row["loss_fwd_bwd_s"]
   return row
 
@@ -203,7 +214,8 @@ def main(argv=None):
   rng = np.random.default_rng(0)
   scale = 8 if args.quick else 1
   out = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
-                     "backend": jax.default_backend(), "devices": jax.device_count()}}
+                     "backend": jax.default_backend(), "devices": jax.device_count(),
+                     "chunk_tokens": mis_jax.chunk_tokens()}}
 
   out["named_shapes"] = [bench_shape(rng, 512 // scale, 1024, 4096), bench_shape(rng, 4096 // scale, 256, 4096)]
   sweep = []
@@ -232,24 +244,26 @@ def main(argv=None):
 
 def print_table(out):
   print(f"\nmachine: {out['machine']}")
-  print("\nNamed shapes (decoupled PPO + reference MIS config, forward+backward):")
+  print("\nNamed shapes (decoupled PPO + reference MIS config, forward+backward; best of N):")
   hdr = ["seqs", "max_len", "tokens", "ours ms", "tok/s", "padded ms", "pad/packed", "torch loop ms", "speedup",
-         "weights ms", "roofline %", "temp MB"]
+         "weights ms", "weights % stream", "loss % stream", "temp MB"]
   print(" | ".join(hdr))
   for r in out["named_shapes"]:
     print(" | ".join([str(r["num_seqs"]), str(r["max_len"]), str(r["tokens"]), f"{1e3 * r['loss_fwd_bwd_s']:.2f}",
                       f"{r['tokens_per_s']:.3g}", f"{1e3 * r['padded_loss_fwd_bwd_s']:.2f}",
                       f"{r['padded_over_packed']:.2f}x", f"{1e3 * r['reference_s']:.0f}",
                       f"{r['speedup_vs_reference']:.0f}x", f"{1e3 * r['weights_s']:.2f}",
-                      f"{100 * r['weights_roofline_fraction']:.1f}", f"{r['loss_temp_MB']:.1f}"]))
+                      f"{100 * r['weights_roofline_fraction']:.1f}", f"{100 * r['loss_roofline_fraction']:.1f}",
+                      f"{r['loss_temp_MB']:.1f}"]))
   for name, title in (("token_sweep", "Token sweep (time vs total tokens)"),
                       ("segment_sweep", "Segment sweep (fixed tokens, more and shorter sequences)")):
     print(f"\n{title}:")
-    print("seqs | tokens | ours ms | ns/token | weights ms | roofline % | stream GB/s")
+    print("seqs | tokens | ours ms | ns/token | weights ms | weights % stream | loss % stream | stream GB/s")
     for r in out[name]:
       print(f"{r['num_seqs']} | {r['tokens']} | {1e3 * r['loss_fwd_bwd_s']:.2f} | "
             f"{1e9 * r['loss_fwd_bwd_s'] / r['tokens']:.1f} | {1e3 * r['weights_s']:.2f} | "
-            f"{100 * r['weights_roofline_fraction']:.1f} | {r['stream_GBps']:.1f}")
+            f"{100 * r['weights_roofline_fraction']:.1f} | {100 * r['loss_roofline_fraction']:.1f} | "
+            f"{r['stream_GBps']:.1f}")
   seg = out["segment_sweep"]
   per_tok = [r["loss_fwd_bwd_s"] / r["tokens"] for r in seg]
   print(f"\nsegment-count growth at fixed tokens: {max(per_tok) / min(per_tok):.2f}x "
@@ -257,6 +271,7 @@ def print_table(out):
   sw = out["token_sweep"]
   print(f"token growth: {sw[0]['tokens']} -> {sw[-1]['tokens']} tokens ({sw[-1]['tokens'] / sw[0]['tokens']:.0f}x), "
         f"time {sw[-1]['loss_fwd_bwd_s'] / sw[0]['loss_fwd_bwd_s']:.1f}x")
+  print(f"chunk tokens (CPU passes): {out['machine'].get('chunk_tokens')}")
 
 
 if __name__ == "__main__":

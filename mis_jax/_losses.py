@@ -16,7 +16,7 @@ from mis_jax import _validation
 from mis_jax._config import LossConfig, resolve_correction_fn
 from mis_jax._packing import PackedBatch
 from mis_jax._segments import LOG_BOUND, AxisName, Segments, psum, safe_exp
-from mis_jax._weights import mis_core, mismatch_items, vanilla_core
+from mis_jax._weights import mis_core, mismatch_metrics, vanilla_core
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,12 +153,20 @@ def _check_batch(logprobs, batch: PackedBatch, cfg: LossConfig, entropy, denomin
 # --- the correction stage --------------------------------------------------------------
 
 def _run_correction(train_lp, q, mask, segs: Segments, cfg: LossConfig, segment_ids_shape,
-                    batch_norm_factor):
-  """Runs the configured correction; returns flat ``(weights, kept, items, scalars)``."""
-  if cfg.correction == "vanilla":
-    return (*vanilla_core(train_lp, q, mask, cfg.tis_clip, cfg.tis_clip_low), {})
+                    batch_norm_factor, *, mismatch: bool = False):
+  """Runs the configured correction; returns flat ``(weights, kept, metrics)``.
+
+  ``mismatch``: also compute the §8.1 metrics of ``(train_lp, q)`` (in the same passes for
+  the ``mis`` correction).
+  """
+  mode = cfg.loss_agg_mode
   if cfg.correction == "mis":
-    return mis_core(train_lp, q, mask, segs, cfg.mis, batch_norm_factor)
+    return mis_core(train_lp, q, mask, segs, cfg.mis, mode, batch_norm_factor=batch_norm_factor,
+                    mismatch=mismatch)
+  extra = mismatch_metrics(train_lp, q, mask, segs, mode) if mismatch else {}
+  if cfg.correction == "vanilla":
+    w, kept, items = vanilla_core(train_lp, q, mask, cfg.tis_clip, cfg.tis_clip_low)
+    return w, kept, {**extra, **segs.reduce_many(items, mode)}
   # A user correction function with the signature of compute_mis_weights.
   fn = resolve_correction_fn(cfg.correction_fn)
   shape = segment_ids_shape
@@ -167,7 +175,7 @@ def _run_correction(train_lp, q, mask, segs: Segments, cfg: LossConfig, segment_
                         axis_name=segs.axis_name)
   w = jax.lax.stop_gradient(jnp.reshape(w, (-1,)).astype(jnp.float32))
   kept = _validation.flat_mask(kept, mask)
-  return jnp.where(mask, w, 0.0), kept, [], dict(metrics)
+  return jnp.where(mask, w, 0.0), kept, {**extra, **dict(metrics)}
 
 
 def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisName = None):
@@ -201,8 +209,7 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
       raise ValueError("decoupled PPO needs batch.old_logprobs and batch.rollout_logprobs")
     o = _validation.flat_float(batch.old_logprobs)
     q = _validation.flat_float(batch.rollout_logprobs)
-    w, kept, items, metrics = _run_correction(o, q, mask, segs, loss_cfg, shape, None)
-    metrics = {**segs.reduce_many(items, loss_cfg.loss_agg_mode), **metrics}
+    w, kept, metrics = _run_correction(o, q, mask, segs, loss_cfg, shape, None)
     batch = batch.replace(is_weights=w.reshape(shape), kept_mask=kept.reshape(shape))
   elif loss_cfg.algorithm == "reinforce_is" and loss_cfg.denominator == "kept":
     return batch, None, metrics
@@ -262,21 +269,24 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
   lp = jnp.where(mask, _validation.flat_float(logprobs), 0.0)
   lp_sg = sg(lp)
   adv, q, o, ref = flat("advantages"), flat("rollout_logprobs"), flat("old_logprobs"), flat("ref_logprobs")
-  items, scalars = [], {}
+  items, metrics = [], {}
 
-  # Correction stage.
+  # Correction stage, and mismatch monitoring whenever rollout log-probs are present (SPEC
+  # §8.1; in the correction's own passes when it monitors the same log-probs).
   weights, kept = jnp.ones_like(lp), mask
+  monitored = o if o is not None else lp_sg
+  mismatch_done = False
   if cfg.use_tis:
     if batch.is_weights is not None:
       weights = flat("is_weights")
       kept = _validation.flat_mask(arrays["kept_mask"], mask)
     else:
       train_lp = o if cfg.algorithm == "decoupled_ppo" else lp_sg
-      weights, kept, items, scalars = _run_correction(train_lp, q, mask, segs, cfg, shape, batch_norm_factor)
-
-  # Mismatch monitoring whenever rollout log-probs are present (SPEC §8.1).
-  if q is not None:
-    items = mismatch_items(o if o is not None else lp_sg, q, mask, segs) + items
+      mismatch_done = train_lp is monitored
+      weights, kept, metrics = _run_correction(train_lp, q, mask, segs, cfg, shape, batch_norm_factor,
+                                               mismatch=mismatch_done)
+  if q is not None and not mismatch_done:
+    metrics = {**mismatch_metrics(monitored, q, mask, segs, mode), **metrics}
 
   # Per-token policy loss.
   if cfg.algorithm == "reinforce_is":
@@ -308,7 +318,7 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
   if ref is not None:
     loss = loss + cfg.kl_coef * values["kl_loss"]
 
-  metrics = {**segs.reduce_many(items, mode), **scalars}
+  metrics = {**metrics, **segs.reduce_many(items, mode)}
   metrics.update({k: sg(v) for k, v in values.items()})
   metrics["loss"] = sg(loss)
   return loss, metrics

@@ -10,10 +10,13 @@ per-token weights ``m_t / n_{s(t)}`` (:meth:`Segments.token_weights`).
 
 from __future__ import annotations
 
+import math
+import os
 from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 AxisName = str | Sequence[str] | None
 
@@ -49,13 +52,6 @@ class PerSegment(NamedTuple):
   counts: jax.Array
 
 
-class Scaled(NamedTuple):
-  """A metric equal to another item's reduced value times ``factor`` (no pass over tokens)."""
-
-  source: str
-  factor: jax.Array
-
-
 class Segments:
   """Segment bookkeeping of one packed (possibly sharded) batch.
 
@@ -82,7 +78,8 @@ class Segments:
     # Index for gathering per-segment values back to tokens; padding reads segment 0 and
     # is masked by every caller.
     self.gather_ids = jnp.where(self.valid, self.ids, 0)
-    self.lanes = max(1, min(_LANES, self.ids.shape[0] // max(self.num_segments, 1)))
+    # A power of two, at most _LANES, and no more buckets than tokens.
+    self.lanes = 1 << max(0, min(_LANES, self.ids.shape[0] // max(self.num_segments, 1)).bit_length() - 1)
     self._scatter_index = None
     self._memo: dict[tuple, tuple] = {}
 
@@ -99,7 +96,7 @@ class Segments:
     """Scatter bucket of every token: ``id·P + t mod P``; padding goes out of range (dropped)."""
     if self._scatter_index is None:
       p, n = self.lanes, self.ids.shape[0]
-      lane = jnp.arange(n, dtype=jnp.int32) % p if p > 1 else 0
+      lane = jax.lax.iota(jnp.int32, n) & (p - 1) if p > 1 else 0
       self._scatter_index = jnp.where(self.valid, self.ids * p + lane, self.num_segments * p)
     return self._scatter_index
 
@@ -145,6 +142,18 @@ class Segments:
         return jnp.where(self.valid, seg_values[self.gather_ids], jnp.zeros((), seg_values.dtype))
       return jnp.stack([self.broadcast(seg_values[:, k]) for k in range(seg_values.shape[1])], axis=-1)
     return self.memo(("broadcast", id(seg_values)), gather, seg_values)
+
+  def run_pass(self, arrays: dict, body) -> dict:
+    """One pass over the tokens, chunk by chunk: ``body(chunk)`` returns a dict of
+    contributions (:class:`SegSum`, :class:`SegMax`, :class:`Total`, :class:`Max`,
+    :class:`Min`, :class:`Out`) computed from ``chunk[name]`` (``[C]`` slices of the flat
+    ``[T]`` ``arrays``) and ``chunk.broadcast(per_segment)``. Returns the global results by
+    name: ``[S]`` for segment reductions, scalars, and ``[T]`` outputs.
+
+    On XLA:CPU every intermediate of the body then lives in cache, which is several times
+    faster than materialising each over the whole batch (see :func:`set_chunk_tokens`).
+    """
+    return _run_pass(self, arrays, body)
 
   # --- global token-level reductions ---------------------------------------------------
   def total(self, x) -> jax.Array:
@@ -202,13 +211,9 @@ class Segments:
     """
     out, names, local, divisors = {}, [], [], []
     weights: dict[int, tuple] = {}
-    scaled = []
     for name, x, mask in items:
-      if isinstance(x, Scaled):
-        scaled.append((name, x))
-        continue
       if isinstance(x, PerSegment):
-        out[name] = self._reduce_per_segment(x, mode)
+        out[name] = self.reduce_per_segment(x, mode)
         continue
       if id(mask) not in weights:
         weights[id(mask)] = (mask, *self.token_weights(mask, mode))
@@ -219,14 +224,224 @@ class Segments:
     if names:
       values = psum(jnp.stack(local), self.axis_name) / jnp.maximum(jnp.stack(divisors), 1.0)
       out.update(zip(names, (values[i] for i in range(len(names)))))
-    for name, x in scaled:
-      out[name] = out[x.source] * x.factor
     return {name: out[name] for name, _, _ in items}
 
   @staticmethod
-  def _reduce_per_segment(x: PerSegment, mode: str) -> jax.Array:
+  def reduce_per_segment(x: PerSegment, mode: str) -> jax.Array:
+    """``R_mask`` of a metric given per segment (no pass over tokens)."""
     present = x.counts > 0
     if mode == "token-mean":  # Σ_s mean_s n_s / Σ_s n_s = Σ x·mask / Σ mask
       return jnp.sum(jnp.where(present, x.means * x.counts, 0.0)) / jnp.maximum(jnp.sum(x.counts), 1.0)
     n = jnp.sum(present.astype(jnp.float32))
     return jnp.sum(jnp.where(present, x.means, 0.0)) / jnp.maximum(n, 1.0)
+
+
+# --- chunked passes over tokens ----------------------------------------------------------
+
+class SegSum(NamedTuple):
+  """A per-token contribution to a per-segment sum (see :meth:`Segments.run_pass`)."""
+  x: jax.Array
+
+
+class SegMax(NamedTuple):
+  """A per-token contribution to a per-segment maximum (float32; ``lowest`` where empty)."""
+  x: jax.Array
+
+
+class Total(NamedTuple):
+  """A per-token contribution to a global sum."""
+  x: jax.Array
+
+
+class Max(NamedTuple):
+  """A per-token contribution to a global maximum."""
+  x: jax.Array
+
+
+class Min(NamedTuple):
+  """A per-token contribution to a global minimum."""
+  x: jax.Array
+
+
+class Out(NamedTuple):
+  """A per-token output of the pass."""
+  x: jax.Array
+
+
+_REDUCERS = (SegSum, SegMax, Total, Max, Min, Out)
+_LOWEST = float(np.finfo(np.float32).min)
+_HIGHEST = float(np.finfo(np.float32).max)
+
+# Tokens per chunk of a pass; None: one chunk on accelerators, CHUNK_TOKENS_CPU on CPU.
+_chunk_tokens: int | None = int(os.environ["MIS_JAX_CHUNK_TOKENS"]) if os.environ.get("MIS_JAX_CHUNK_TOKENS") else None
+CHUNK_TOKENS_CPU = 8192
+
+
+def set_chunk_tokens(n: int | None) -> None:
+  """Sets the chunk size of token passes (static: affects functions traced afterwards).
+
+  On XLA:CPU a pass that runs chunk by chunk keeps its intermediates in cache (several times
+  faster than materialising each one over the whole batch); on GPU/TPU one chunk (the whole
+  batch, fully fused) is best. ``None`` restores that default; the environment variable
+  ``MIS_JAX_CHUNK_TOKENS`` sets it at import.
+  """
+  global _chunk_tokens
+  if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
+    raise ValueError(f"chunk tokens must be a positive int or None, got {n!r}")
+  _chunk_tokens = n
+
+
+def chunk_tokens() -> int | None:
+  """The current chunk size of token passes (None: one chunk)."""
+  if _chunk_tokens is not None:
+    return _chunk_tokens
+  return CHUNK_TOKENS_CPU if jax.default_backend() == "cpu" else None
+
+
+class Chunk:
+  """The view of one chunk of tokens inside :meth:`Segments.run_pass`."""
+
+  def __init__(self, arrays: dict, gather_ids, valid):
+    self.arrays, self.gather_ids, self.valid = arrays, gather_ids, valid
+
+  def __getitem__(self, name):
+    return self.arrays[name]
+
+  def broadcast(self, seg_values: jax.Array) -> jax.Array:
+    """Per-segment ``[S]`` values at this chunk's tokens (0 at padding)."""
+    return jnp.where(self.valid, seg_values[self.gather_ids], jnp.zeros((), seg_values.dtype))
+
+
+def _chunking(n_tok: int, size: int | None):
+  """``(chunk, num_chunks, tail)`` for a pass: one chunk when ``size`` is None or covers
+  everything; else a divisor of ``n_tok`` near ``size`` when there is one (no tail), else
+  ``size`` with a smaller tail chunk."""
+  if size is None or size >= n_tok:
+    return n_tok, 1, 0
+  best = max((d for k in range(1, math.isqrt(n_tok) + 1) if n_tok % k == 0
+              for d in (k, n_tok // k) if d <= size), default=1)
+  if best * 2 >= size:
+    return best, n_tok // best, 0
+  return size, n_tok // size, n_tok % size
+
+
+def _run_pass(segs: "Segments", arrays: dict, body) -> dict:
+  n_tok = segs.ids.shape[0]
+  lanes = segs.lanes
+  num_buckets = segs.num_segments * lanes
+  base = {"_ids": segs.ids, **arrays}
+
+  def contributions(xs):
+    # Scatter buckets and gather indices are computed per chunk (never materialised over
+    # the batch); lanes are positions within the chunk modulo P (any fixed split works).
+    ids = xs["_ids"]
+    valid = ids >= 0
+    lane = jax.lax.iota(jnp.int32, ids.shape[0]) & (lanes - 1) if lanes > 1 else 0
+    aux = {"valid": valid, "idx": jnp.where(valid, ids * lanes + lane, num_buckets)}
+    ch = Chunk({k: v for k, v in xs.items() if not k.startswith("_")}, jnp.where(valid, ids, 0), valid)
+    out = body(ch)
+    for name, c in out.items():
+      if not isinstance(c, _REDUCERS):
+        raise TypeError(f"pass contribution {name!r} must be one of {[r.__name__ for r in _REDUCERS]}")
+    return out, aux
+
+  def reduce(carry, aux, out):
+    new = {}
+    for name, c in out.items():
+      if isinstance(c, Out):
+        continue
+      acc = carry[name]
+      if isinstance(c, SegSum):
+        new[name] = acc.at[aux["idx"]].add(c.x.astype(jnp.float32), mode="drop")
+      elif isinstance(c, SegMax):
+        new[name] = acc.at[aux["idx"]].max(c.x.astype(jnp.float32), mode="drop")
+      elif isinstance(c, Total):
+        new[name] = acc + jnp.sum(jnp.where(aux["valid"], c.x, 0).astype(jnp.float32))
+      elif isinstance(c, Max):
+        new[name] = jnp.maximum(acc, jnp.max(jnp.where(aux["valid"], c.x.astype(jnp.float32), _LOWEST)))
+      elif isinstance(c, Min):
+        new[name] = jnp.minimum(acc, jnp.min(jnp.where(aux["valid"], c.x.astype(jnp.float32), _HIGHEST)))
+    return new
+
+  def init(out):
+    # Inside shard_map the accumulators vary over the mesh axes like the data they sum.
+    return jax.tree_util.tree_map(_varying, init_values(out))
+
+  def _varying(x):
+    if segs.axis_name is None:
+      return x
+    names = (segs.axis_name,) if isinstance(segs.axis_name, str) else tuple(segs.axis_name)
+    return jax.lax.pcast(x, names, to="varying")
+
+  def init_values(out):
+    carry = {}
+    for name, c in out.items():
+      if isinstance(c, SegSum):
+        carry[name] = jnp.zeros((num_buckets,), jnp.float32)
+      elif isinstance(c, SegMax):
+        carry[name] = jnp.full((num_buckets,), _LOWEST, jnp.float32)
+      elif isinstance(c, Total):
+        carry[name] = jnp.zeros((), jnp.float32)
+      elif isinstance(c, Max):
+        carry[name] = jnp.asarray(_LOWEST, jnp.float32)
+      elif isinstance(c, Min):
+        carry[name] = jnp.asarray(_HIGHEST, jnp.float32)
+    return carry
+
+  def outputs(out):
+    return {k: c.x for k, c in out.items() if isinstance(c, Out)}
+
+  size, num, tail = _chunking(n_tok, chunk_tokens())
+  if num == 1 and not tail:
+    structure, aux = contributions(base)
+    carry, outs = reduce(init(structure), aux, structure), outputs(structure)
+  elif not tail:
+    # Chunks are rows of a free reshape; outputs come back as the scan's stacked results.
+    xs = {k: v.reshape(num, size) for k, v in base.items()}
+    structure, _ = contributions({k: v[0] for k, v in xs.items()})  # shapes only; dead code
+
+    def step(carry, x):
+      out, aux = contributions(x)
+      return reduce(carry, aux, out), outputs(out)
+
+    carry, ys = jax.lax.scan(step, init(structure), xs)
+    outs = {k: y.reshape(-1) for k, y in ys.items()}
+  else:
+    # Chunks are dynamic slices (no padded copies) and a smaller last chunk; outputs are
+    # written in place.
+    piece = lambda start, length: {k: jax.lax.dynamic_slice_in_dim(v, start, length) for k, v in base.items()}
+    structure, _ = contributions(piece(0, size))  # shapes only; dead code
+    bufs = {k: _varying(jnp.zeros((n_tok,), x.dtype)) for k, x in outputs(structure).items()}
+
+    def write(bufs, start, out):
+      return {k: jax.lax.dynamic_update_slice_in_dim(b, out[k].x, start, 0) for k, b in bufs.items()}
+
+    def step(i, state):
+      carry, bufs = state
+      out, aux = contributions(piece(i * size, size))
+      return reduce(carry, aux, out), write(bufs, i * size, out)
+
+    carry, bufs = jax.lax.fori_loop(0, num, step, (init(structure), bufs))
+    out, aux = contributions({k: v[num * size:] for k, v in base.items()})
+    carry, outs = reduce(carry, aux, out), write(bufs, num * size, out)
+
+  # Complete across lanes and devices, one collective per kind.
+  results = dict(outs)
+  groups = {SegSum: [], SegMax: [], Total: [], Max: [], Min: []}
+  for name, c in structure.items():
+    if not isinstance(c, Out):
+      groups[type(c)].append(name)
+  shape = (segs.num_segments, lanes)
+  if groups[SegSum]:
+    seg = jnp.stack([jnp.sum(carry[n].reshape(shape), axis=1) for n in groups[SegSum]], axis=-1)
+    seg = psum(seg, segs.axis_name)
+    results.update({n: seg[:, i] for i, n in enumerate(groups[SegSum])})
+  if groups[SegMax]:
+    seg = jnp.stack([jnp.max(carry[n].reshape(shape), axis=1) for n in groups[SegMax]], axis=-1)
+    seg = pmax(seg, segs.axis_name)
+    results.update({n: seg[:, i] for i, n in enumerate(groups[SegMax])})
+  for kind, op in ((Total, psum), (Max, pmax), (Min, pmin)):
+    if groups[kind]:
+      vals = op(jnp.stack([carry[n] for n in groups[kind]]), segs.axis_name)
+      results.update({n: vals[i] for i, n in enumerate(groups[kind])})
+  return results

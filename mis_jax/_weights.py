@@ -13,202 +13,288 @@ import jax.numpy as jnp
 
 from mis_jax import _validation
 from mis_jax._config import MISConfig
-from mis_jax._segments import AxisName, PerSegment, Scaled, Segments, safe_exp
+from mis_jax._segments import (_HIGHEST, _LOWEST, LOG_BOUND, AxisName, Max, Min, Out, PerSegment, Segments, SegMax,
+                               SegSum, Total, safe_exp)
 
 _EPS_NORM = 1e-8
 
 
-def level_log_ratio(r: jax.Array, seq_sum, seq_count, segs: Segments, level: str) -> jax.Array:
-  """Per-token level log-value ``L_t`` (SPEC §2), before the ±B clip.
-
-  ``r`` is zero where the mask is false; ``seq_sum``/``seq_count`` are the per-segment
-  ``Σ m r`` and ``Σ m`` (only needed for sequence and geometric levels).
-  """
-  if level == "token":
-    return r
-  if level == "sequence":
-    return segs.broadcast(seq_sum)
-  if level == "geometric":
-    return segs.broadcast(seq_sum / jnp.maximum(seq_count, 1.0))
-  raise ValueError(f"unknown level {level!r}")
-
-
-def criterion_value(r, mask, seq_count, segs: Segments, crit) -> jax.Array:
-  """Per-token value of a divergence criterion (see :class:`mis_jax.RSCriterion`): the
-  aggregated divergence for k2/k3, the aggregated log-ratio ``-agg(k1)`` for k1."""
+def _divergence(r, crit):
+  """Per-token divergence of a criterion: ``-r`` (k1), ``r²/2`` (k2), ``e^r - 1 - r`` (k3)."""
   if crit.metric == "k1":
-    d = -r
-  elif crit.metric == "k2":
-    d = 0.5 * r * r
-  else:
-    rc = jnp.clip(r, -20.0, 20.0)
-    d = jnp.exp(rc) - 1.0 - rc
-  d = jnp.where(mask, d, 0.0)
-  if crit.agg == "token":
-    v = d
-  elif crit.agg == "seq_max":
-    v = segs.broadcast(segs.max(d, mask))
-  else:
-    seq = segs.sum(d)
-    v = segs.broadcast(seq if crit.agg == "seq_sum" else seq / jnp.maximum(seq_count, 1.0))
-  return -v if crit.metric == "k1" else v
+    return -r
+  if crit.metric == "k2":
+    return 0.5 * r * r
+  rc = jnp.clip(r, -LOG_BOUND, LOG_BOUND)
+  return jnp.exp(rc) - 1.0 - rc
 
 
-def segment_log_ratio_sums(o, q, mask, segs: Segments) -> jax.Array:
-  """``[S]`` per-segment ``Σ m (o - q)``, computed once per ``(o, q, mask)`` for a batch."""
-  return segs.memo(("sum_r", id(o), id(q), id(mask)),
-                   lambda: segs.sum(jnp.where(mask, jax.lax.stop_gradient(o - q), 0.0)), o, q, mask)
+_MISMATCH_ORDER = ("mis_training_log_ppl", "mis_training_ppl", "mis_rollout_log_ppl", "mis_rollout_ppl", "mis_kl",
+                   "mis_k3_kl", "mis_log_ppl_diff", "mis_log_ppl_abs_diff", "mis_ppl_ratio", "mis_chi2_token",
+                   "mis_chi2_seq", "train_rollout_logprob_abs_diff")
 
 
-def mismatch_items(train_logprobs, rollout_logprobs, mask, segs: Segments) -> list:
-  """SPEC §8.1 mismatch-monitoring metrics as ``(name, value, mask)`` items.
+def mis_core(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, batch_norm_factor=None,
+             mismatch: bool = True):
+  """SPEC §2–5 and §8.1–8.2 on flat arrays, in two chunked passes over the tokens.
 
-  Every one is a per-sequence mean of a per-token quantity, or a function of such means. The
-  functions of the means ``Σ m q / n`` and ``Σ m r / n`` come from two segment sums and
-  reduce over segments directly (:class:`PerSegment`); the three means of nonlinear per-token
-  quantities are token items. Inputs are flat float32; ``mask`` is the original mask.
+  Pass 1 collects what is per segment: mask counts, ``Σ m r`` (sequence/geometric levels and
+  the mismatch metrics), ``Σ m q``, catastrophic-token counts (veto) and the sequence
+  aggregates of divergence criteria. Pass 2 computes the weights and the kept mask token by
+  token and accumulates every metric: means over the original mask as weighted totals
+  (weight ``m_t / n_{s(t)}`` in the seq-mean modes), means over the kept mask from
+  per-segment sums, and the batch-normalisation and ESS totals. The final division by the
+  batch-normalisation factor is elementwise. See :meth:`Segments.run_pass`.
+
+  Args:
+    o, q: float32 ``[T]`` train/rollout log-probs (stop-gradient here).
+    mask: bool ``[T]``, trained and non-padding.
+    cfg: the :class:`MISConfig`, or None for the §8.1 mismatch metrics only (then
+      ``weights = mask``, ``kept = mask``).
+    mode: metric reduction (``token-mean`` or a seq-mean mode).
+    batch_norm_factor: a precomputed batch-normalisation mean to use instead.
+    mismatch: whether to compute the §8.1 mismatch metrics too.
+
+  Returns:
+    ``(weights, kept, metrics)``: stop-gradient float32 weights (0 outside ``mask``), the
+    kept mask ``m'`` and a dict of float32 scalars.
   """
-  o, q = train_logprobs, rollout_logprobs
-  count = segs.counts(mask)
-  sum_r = segment_log_ratio_sums(o, q, mask, segs)
-  n = jnp.maximum(count, 1.0)
-  mean_q = segs.sum(jnp.where(mask, q, 0.0)) / n
-  mean_r = sum_r / n
-  mean_o = mean_q + mean_r
-  per_seq = {
-      "mis_training_log_ppl": -mean_o,
-      "mis_training_ppl": safe_exp(-mean_o),
-      "mis_rollout_log_ppl": -mean_q,
-      "mis_rollout_ppl": safe_exp(-mean_q),
-      "mis_kl": -mean_r,
-      "mis_log_ppl_diff": -mean_r,
-      "mis_log_ppl_abs_diff": jnp.abs(mean_r),
-      "mis_ppl_ratio": safe_exp(-mean_r),
-      "mis_chi2_seq": jnp.exp(2.0 * jnp.clip(sum_r, -20.0, 20.0)) - 1.0,
-  }
-  items = [(name, PerSegment(value, count), mask) for name, value in per_seq.items()]
-  r = jnp.where(mask, o - q, 0.0)
-  r_clip = jnp.clip(r, -20.0, 20.0)
-  items += [("mis_k3_kl", jnp.exp(r_clip) - r_clip - 1.0, mask),
-            ("mis_chi2_token", jnp.exp(2.0 * r_clip) - 1.0, mask),
-            ("train_rollout_logprob_abs_diff", jnp.abs(r), mask)]
-  order = ["mis_training_log_ppl", "mis_training_ppl", "mis_rollout_log_ppl", "mis_rollout_ppl", "mis_kl",
-           "mis_k3_kl", "mis_log_ppl_diff", "mis_log_ppl_abs_diff", "mis_ppl_ratio", "mis_chi2_token",
-           "mis_chi2_seq", "train_rollout_logprob_abs_diff"]
-  by_name = {item[0]: item for item in items}
-  return [by_name[name] for name in order]
-
-
-def mis_core(o, q, mask, segs: Segments, cfg: MISConfig, batch_norm_factor=None):
-  """SPEC §2–5 on flat arrays: returns ``(weights, kept_mask, items, scalars)``.
-
-  ``o``, ``q`` float32 ``[T]``; ``mask`` bool ``[T]`` (trained and non-padding). Weights are
-  stop-gradient, zero outside ``mask``; ``kept_mask`` is ``m'`` of SPEC §4. ``items`` are
-  the mask-reduced §8.2 metrics as ``(name, per-token value, mask)`` (see
-  :meth:`Segments.reduce_many`); ``scalars`` the metrics that are already scalars.
-  """
-  seq_sum, seq_count = segment_log_ratio_sums(o, q, mask, segs), segs.counts(mask)
   o = jax.lax.stop_gradient(o)
   q = jax.lax.stop_gradient(q)
-  items, scalars = [], {}
-  r = jnp.where(mask, o - q, 0.0)
-  upper, lower = cfg.tis_upper_bound, cfg.lower
-  veto = cfg.rs_veto_threshold is not None
-  catastrophic = mask & (r < math.log(cfg.rs_veto_threshold)) if veto else None
+  seq_mode = mode != "token-mean"
+  tis = cfg is not None
+  veto = tis and cfg.rs_veto_threshold is not None
+  log_veto = math.log(cfg.rs_veto_threshold) if veto else None
+  crits = cfg.rs_criteria if tis else ()
+  levels = ({cfg.tis_level} | ({cfg.rs_level_resolved} if cfg.use_rs else set())) if tis else set()
+  need_sum_r = mismatch or bool(levels - {"token"})
 
-  level_log = lambda level: level_log_ratio(r, seq_sum, seq_count, segs, level)
+  def ratio(ch):
+    m = ch["mask"]
+    return m, jnp.where(m, ch["o"] - ch["q"], 0.0)
 
-  # §3: IS weights.
-  w_raw = safe_exp(level_log(cfg.tis_level))
-  keep_is = None
-  items.append(("mis_tis_weight_before_bound", w_raw, mask))
-  if cfg.tis_mode == "truncate":
-    w = jnp.minimum(w_raw, upper)
-    items.append(("mis_tis_truncate_fraction", w_raw > upper, mask))
-  elif cfg.tis_mode == "clip":
-    w = jnp.clip(w_raw, lower, upper)
-    items.append(("mis_tis_clip_fraction_low", w_raw < lower, mask))
-    items.append(("mis_tis_clip_fraction_high", w_raw > upper, mask))
-  elif cfg.tis_mode == "mask":
-    w = w_raw
-    keep_is = (w_raw >= lower) & (w_raw <= upper)
-    items.append(("mis_tis_mask_fraction_low", w_raw < lower, mask))
-    items.append(("mis_tis_mask_fraction_high", w_raw > upper, mask))
-  else:  # "none": pure rejection, no reweighting.
-    w = jnp.ones_like(w_raw)
-  is_kept = mask if keep_is is None else mask & keep_is
-  items.append(("mis_tis_weight_after_bound", w, is_kept))
+  # Pass 1: per-segment sums over the original mask.
+  def pass1(ch):
+    m, r = ratio(ch)
+    out = {"count": SegSum(m)}
+    if need_sum_r:
+      out["sum_r"] = SegSum(r)
+    if mismatch:
+      out["sum_q"] = SegSum(jnp.where(m, ch["q"], 0.0))
+    if veto:
+      out["cat"] = SegSum(m & (r < log_veto))
+    for i, crit in enumerate(crits):
+      if crit.agg in ("seq_sum", "seq_mean"):
+        out[f"crit{i}"] = SegSum(jnp.where(m, _divergence(r, crit), 0.0))
+      elif crit.agg == "seq_max":
+        out[f"crit{i}"] = SegMax(jnp.where(m, _divergence(r, crit), _LOWEST))
+    return out
 
-  # §4: rejection sampling on raw (pre-bound) weights at rs_level.
-  kept = is_kept
-  if cfg.use_rs:
-    rs_level = cfg.rs_level_resolved
-    w_rs_raw = w_raw if rs_level == cfg.tis_level else safe_exp(level_log(rs_level))
-    kept = kept & (w_rs_raw >= cfg.rs_lower) & (w_rs_raw <= cfg.rs_upper)
-    items.append(("mis_rs_mask_fraction_low", w_rs_raw < cfg.rs_lower, mask))
-    items.append(("mis_rs_mask_fraction_high", w_rs_raw > cfg.rs_upper, mask))
+  arrays = {"o": o, "q": q, "mask": mask}
+  p1 = segs.run_pass(arrays, pass1)
+  count = p1["count"]
+  segs.memo(("counts", id(mask)), lambda: count, mask)  # for other metrics over the mask
+  n = jnp.maximum(count, 1.0)
+  live = count > 0
+  n_live = jnp.sum(live.astype(jnp.float32))
+  n_trained = jnp.sum(count)
+  divisor = jnp.maximum(n_live if seq_mode else n_trained, 1.0)
+  inv = jnp.where(live, 1.0 / n, 0.0)
+  seg_log = {"sequence": p1.get("sum_r"), "geometric": p1["sum_r"] / n if "sum_r" in p1 else None}
+  crit_seg = {}
+  for i, crit in enumerate(crits):
+    if crit.agg != "token":
+      agg = p1[f"crit{i}"] / n if crit.agg == "seq_mean" else p1[f"crit{i}"]
+      crit_seg[i] = -agg if crit.metric == "k1" else agg
+  seg_vetoed = p1["cat"] > 0 if veto else None
+  # One gather serves both the metric weight 1/n and the veto: a vetoed segment (n > 0)
+  # carries -1/n.
+  packed = jnp.where(seg_vetoed, -inv, inv) if (veto and seq_mode) else None
+  aliases = {}  # metric -> an identical metric computed in the pass
+  kept_w_needed = tis and (seq_mode or (cfg.tis_batch_normalize and cfg.tis_level != "token"
+                                        and batch_norm_factor is None))
 
-  # Extension: divergence-based rejection criteria (AND-combined).
-  for crit in cfg.rs_criteria:
-    value = criterion_value(r, mask, seq_count, segs, crit)
-    keep = jnp.ones_like(mask)
-    if crit.lower is not None:
-      keep = keep & (value >= crit.lower)
-    if crit.upper is not None:
-      keep = keep & (value <= crit.upper)
-    kept = kept & keep
-    prefix = f"mis_rs_{crit.name}"
-    items.append((f"{prefix}_masked_fraction", ~keep, mask))
-    items.append((f"{prefix}_mean", value, mask))
-    scalars[f"{prefix}_max"] = segs.masked_max(value, mask)
+  # Pass 2: weights, kept mask and every token-level metric.
+  def pass2(ch):
+    m, r = ratio(ch)
+    if packed is not None:
+      g = ch.broadcast(packed)
+      a, vetoed = jnp.where(m, jnp.abs(g), 0.0), g < 0
+    else:
+      a = jnp.where(m, ch.broadcast(inv), 0.0) if seq_mode else m.astype(jnp.float32)
+      vetoed = ch.broadcast(seg_vetoed) if veto else None
+    out = {}
+    fractions = {}
 
-  # §4: veto on the raw, unclipped token log-ratio; a catastrophic token rejects its segment.
-  live = seq_count > 0
+    def item(name, x):  # a mean over the original mask
+      out[name] = Total(jnp.where(m, jnp.asarray(x, jnp.float32), 0.0) * a)
+
+    def fraction(name, level, op, bound, w_level):  # share of w_level op bound; computed once
+      key = (level, op, bound)
+      if key in fractions:
+        aliases[name] = fractions[key]
+      else:
+        fractions[key] = name
+        item(name, w_level > bound if op == ">" else w_level < bound)
+
+    if mismatch:
+      rc = jnp.clip(r, -LOG_BOUND, LOG_BOUND)
+      item("mis_k3_kl", jnp.exp(rc) - rc - 1.0)
+      item("mis_chi2_token", jnp.exp(2.0 * rc) - 1.0)
+      item("train_rollout_logprob_abs_diff", jnp.abs(r))
+    if not tis:
+      return out
+    level_log = lambda level: r if level == "token" else ch.broadcast(seg_log[level])
+    upper, lower = cfg.tis_upper_bound, cfg.lower
+
+    # §3: IS weights.
+    w_raw = safe_exp(level_log(cfg.tis_level))
+    keep_is = None
+    item("mis_tis_weight_before_bound", w_raw)
+    if cfg.tis_mode == "truncate":
+      w = jnp.minimum(w_raw, upper)
+      fraction("mis_tis_truncate_fraction", cfg.tis_level, ">", upper, w_raw)
+    elif cfg.tis_mode == "clip":
+      w = jnp.clip(w_raw, lower, upper)
+      fraction("mis_tis_clip_fraction_low", cfg.tis_level, "<", lower, w_raw)
+      fraction("mis_tis_clip_fraction_high", cfg.tis_level, ">", upper, w_raw)
+    elif cfg.tis_mode == "mask":
+      w = w_raw
+      keep_is = (w_raw >= lower) & (w_raw <= upper)
+      fraction("mis_tis_mask_fraction_low", cfg.tis_level, "<", lower, w_raw)
+      fraction("mis_tis_mask_fraction_high", cfg.tis_level, ">", upper, w_raw)
+    else:  # "none": pure rejection, no reweighting.
+      w = jnp.ones_like(w_raw)
+    w = jnp.where(m, w, 0.0)
+    if keep_is is None:
+      item("mis_tis_weight_after_bound", w)
+      kept = m
+    else:
+      kept = m & keep_is
+      acc = SegSum if seq_mode else Total
+      out["is_kept_w"], out["is_kept_n"] = acc(jnp.where(kept, w, 0.0)), acc(kept)
+
+    # §4: rejection sampling on raw (pre-bound) weights at rs_level.
+    if cfg.use_rs:
+      rs_level = cfg.rs_level_resolved
+      w_rs_raw = w_raw if rs_level == cfg.tis_level else safe_exp(level_log(rs_level))
+      kept = kept & (w_rs_raw >= cfg.rs_lower) & (w_rs_raw <= cfg.rs_upper)
+      fraction("mis_rs_mask_fraction_low", rs_level, "<", cfg.rs_lower, w_rs_raw)
+      fraction("mis_rs_mask_fraction_high", rs_level, ">", cfg.rs_upper, w_rs_raw)
+
+    # Extension: divergence-based rejection criteria (AND-combined).
+    for i, crit in enumerate(crits):
+      if crit.agg == "token":
+        value = -_divergence(r, crit) if crit.metric == "k1" else _divergence(r, crit)
+      else:
+        value = ch.broadcast(crit_seg[i])
+      keep = jnp.ones_like(m)
+      if crit.lower is not None:
+        keep = keep & (value >= crit.lower)
+      if crit.upper is not None:
+        keep = keep & (value <= crit.upper)
+      kept = kept & keep
+      prefix = f"mis_rs_{crit.name}"
+      item(f"{prefix}_masked_fraction", ~keep)
+      item(f"{prefix}_mean", value)
+      out[f"{prefix}_max"] = Max(jnp.where(m, value, _LOWEST))
+
+    # §4: veto on the raw, unclipped token log-ratio; a catastrophic token rejects its segment.
+    if veto:
+      kept = kept & ~vetoed
+      item("mis_rs_catastrophic_token_fraction", m & (r < log_veto))
+
+    wk = jnp.where(kept, w, 0.0)
+    out["kept_n"] = SegSum(kept)
+    if kept_w_needed:
+      out["kept_w"] = SegSum(wk)
+    out["sum_w"], out["sum_w2"] = Total(wk), Total(wk * w)
+    out["w_min"], out["w_max"] = Min(jnp.where(kept, w, _HIGHEST)), Max(jnp.where(kept, w, _LOWEST))
+    out["w"], out["kept"] = Out(w), Out(kept)
+    return out
+
+  p2 = segs.run_pass(arrays, pass2)
+  metrics = {}
+  if mismatch:
+    mean_q = p1["sum_q"] / n
+    mean_r = p1["sum_r"] / n
+    mean_o = mean_q + mean_r
+    per_seq = {
+        "mis_training_log_ppl": -mean_o,
+        "mis_training_ppl": safe_exp(-mean_o),
+        "mis_rollout_log_ppl": -mean_q,
+        "mis_rollout_ppl": safe_exp(-mean_q),
+        "mis_kl": -mean_r,
+        "mis_log_ppl_diff": -mean_r,
+        "mis_log_ppl_abs_diff": jnp.abs(mean_r),
+        "mis_ppl_ratio": safe_exp(-mean_r),
+        "mis_chi2_seq": jnp.exp(2.0 * jnp.clip(p1["sum_r"], -LOG_BOUND, LOG_BOUND)) - 1.0,
+    }
+    for name in _MISMATCH_ORDER:
+      metrics[name] = (Segments.reduce_per_segment(PerSegment(per_seq[name], count), mode) if name in per_seq
+                       else p2[name] / divisor)
+  if not tis:
+    return mask.astype(jnp.float32), mask, metrics
+
+  def kept_mean(w_key, n_key):  # a mean over a mask other than the original one
+    if seq_mode:
+      return Segments.reduce_per_segment(PerSegment(p2[w_key] / jnp.maximum(p2[n_key], 1.0), p2[n_key]), mode)
+    return p2[w_key] / jnp.maximum(p2[n_key], 1.0)
+
+  token_items = [k for k, v in p2.items() if k.startswith("mis_") and jnp.ndim(v) == 0 and not k.endswith("_max")]
+  metrics.update({k: p2[k] / divisor for k in token_items if k not in metrics})
+  metrics.update({k: metrics[v] for k, v in aliases.items()})
+  if "is_kept_w" in p2:
+    metrics["mis_tis_weight_after_bound"] = kept_mean("is_kept_w", "is_kept_n")
+  for i, crit in enumerate(crits):
+    key = f"mis_rs_{crit.name}_max"
+    metrics[key] = jnp.where(n_trained > 0, p2[key], 0.0)
   if veto:
-    seg_vetoed = segs.sum(catastrophic.astype(jnp.float32)) > 0
-    kept = kept & ~segs.broadcast(seg_vetoed)
-    items.append(("mis_rs_catastrophic_token_fraction", catastrophic, mask))
-    scalars["mis_rs_catastrophic_seq_fraction"] = (
-        jnp.sum((seg_vetoed & live).astype(jnp.float32)) / jnp.maximum(jnp.sum(live.astype(jnp.float32)), 1.0))
+    metrics["mis_rs_catastrophic_seq_fraction"] = (
+        jnp.sum((seg_vetoed & live).astype(jnp.float32)) / jnp.maximum(n_live, 1.0))
 
-  w = jnp.where(mask, w, 0.0)
-  items.append(("mis_is_ratio_mean_after_tis_rs", w, kept))
-
-  # §5: batch normalisation over the kept mask, globally. The token totals also give the
-  # statistics of the final weights below (they are the kept weights over one factor).
-  kept_count = segs.counts(kept)
-  totals = segs.total([jnp.where(kept, w, 0.0), jnp.where(kept, w * w, 0.0), kept.astype(jnp.float32),
-                       mask.astype(jnp.float32)])
-  sum_w, sum_w2, n_kept, n_trained = (totals[i] for i in range(4))
+  # §5: batch normalisation over the kept mask, globally.
+  kept_n = p2["kept_n"]
+  n_kept = jnp.sum(kept_n)
+  sum_w, sum_w2 = p2["sum_w"], p2["sum_w2"]
+  if seq_mode:
+    metrics["mis_is_ratio_mean_after_tis_rs"] = kept_mean("kept_w", "kept_n")
+  else:
+    metrics["mis_is_ratio_mean_after_tis_rs"] = sum_w / jnp.maximum(n_kept, 1.0)
   if batch_norm_factor is not None:
     mu = jnp.asarray(batch_norm_factor, jnp.float32)
   elif cfg.tis_batch_normalize and cfg.tis_level == "token":
     mu = sum_w / jnp.maximum(n_kept, 1.0)
   elif cfg.tis_batch_normalize:
     # Mean over segments with a kept token of the segment's common weight.
-    has = kept_count > 0
-    common = segs.sum(jnp.where(kept, w, 0.0)) / jnp.maximum(kept_count, 1.0)
+    has = kept_n > 0
+    common = p2["kept_w"] / jnp.maximum(kept_n, 1.0)
     mu = jnp.sum(jnp.where(has, common, 0.0)) / jnp.maximum(jnp.sum(has.astype(jnp.float32)), 1.0)
   else:
     mu = jnp.ones((), jnp.float32)
   factor = jnp.where(mu > _EPS_NORM, mu, 1.0)
-  w_min, w_max = segs.masked_min(w, kept, n_kept), segs.masked_max(w, kept, n_kept)
-  w = w / factor
-  scalars["mis_batch_norm_factor"] = factor
+  metrics["mis_batch_norm_factor"] = factor
 
-  # Statistics of the weights that multiply the loss, over the kept mask (SPEC §8.2); the
-  # ESS ratio is scale-free.
-  items.append(("mis_is_ratio_mean_final", Scaled("mis_is_ratio_mean_after_tis_rs", 1.0 / factor), kept))
+  # Statistics of the weights that multiply the loss (the kept weights over one factor),
+  # over the kept mask (SPEC §8.2); the ESS ratio is scale-free.
+  any_kept = n_kept > 0
   ess_den = n_kept * sum_w2
-  n_live = jnp.sum(live.astype(jnp.float32))
-  scalars.update({
-      "mis_is_ratio_min_final": w_min / factor,
-      "mis_is_ratio_max_final": w_max / factor,
+  metrics.update({
+      "mis_is_ratio_mean_final": metrics["mis_is_ratio_mean_after_tis_rs"] / factor,
+      "mis_is_ratio_min_final": jnp.where(any_kept, p2["w_min"], 0.0) / factor,
+      "mis_is_ratio_max_final": jnp.where(any_kept, p2["w_max"], 0.0) / factor,
       "mis_ess_ratio": jnp.where(ess_den > 0, sum_w * sum_w / jnp.where(ess_den > 0, ess_den, 1.0), 0.0),
       "mis_kept_token_fraction": n_kept / jnp.maximum(n_trained, 1.0),
-      "mis_kept_seq_fraction": jnp.sum((kept_count > 0).astype(jnp.float32)) / jnp.maximum(n_live, 1.0),
+      "mis_kept_seq_fraction": jnp.sum((kept_n > 0).astype(jnp.float32)) / jnp.maximum(n_live, 1.0),
   })
-  return jax.lax.stop_gradient(w), kept, items, scalars
+  kept = p2["kept"]
+  segs.memo(("counts", id(kept)), lambda: kept_n, kept)  # for losses and metrics over m'
+  return jax.lax.stop_gradient(p2["w"] / factor), kept, metrics
+
+
+def mismatch_metrics(train_logprobs, rollout_logprobs, mask, segs: Segments, mode: str) -> dict:
+  """The SPEC §8.1 mismatch-monitoring metrics alone (flat float32 inputs, original mask)."""
+  return mis_core(train_logprobs, rollout_logprobs, mask, segs, None, mode)[2]
 
 
 def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids, cfg: MISConfig, *,
@@ -256,13 +342,8 @@ def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids
   shape = jnp.shape(loss_mask)
   segs = Segments(segment_ids, num_segments, axis_name)
   o, q, mask = _validation.flat_inputs(arrays, segs)
-  items, scalars = mismatch_items(o, q, mask, segs), {}
-  if not cfg.use_tis:
-    weights, kept = mask.astype(jnp.float32), mask
-  else:
-    weights, kept, mis_items, scalars = mis_core(o, q, mask, segs, cfg, batch_norm_factor)
-    items += mis_items
-  metrics = {**segs.reduce_many(items, metric_reduction), **scalars}
+  weights, kept, metrics = mis_core(o, q, mask, segs, cfg if cfg.use_tis else None, metric_reduction,
+                                    batch_norm_factor=batch_norm_factor)
   kept = kept.astype(jnp.asarray(loss_mask).dtype)
   return weights.reshape(shape), kept.reshape(shape), metrics
 
