@@ -78,8 +78,10 @@ class Segments:
     # Index for gathering per-segment values back to tokens; padding reads segment 0 and
     # is masked by every caller.
     self.gather_ids = jnp.where(self.valid, self.ids, 0)
-    # A power of two, at most _LANES, and no more buckets than tokens.
-    self.lanes = 1 << max(0, min(_LANES, self.ids.shape[0] // max(self.num_segments, 1)).bit_length() - 1)
+    # Lanes pay off for long segments (long same-bucket chains) and cost cache for many
+    # short ones: a power of two, at most _LANES, at most a sixteenth of the mean length.
+    mean_len = self.ids.shape[0] // max(self.num_segments, 1)
+    self.lanes = 1 << max(0, min(_LANES, mean_len // 16).bit_length() - 1)
     self._scatter_index = None
     self._memo: dict[tuple, tuple] = {}
 
@@ -291,6 +293,14 @@ def set_chunk_tokens(n: int | None) -> None:
   _chunk_tokens = n
 
 
+# Whether passes pair per-segment sums into complex64 scatters; None: on CPU only.
+_pair: bool | None = None
+
+
+def _pair_scatters() -> bool:
+  return _pair if _pair is not None else jax.default_backend() == "cpu"
+
+
 def chunk_tokens() -> int | None:
   """The current chunk size of token passes (None: one chunk)."""
   if _chunk_tokens is not None:
@@ -345,15 +355,26 @@ def _run_pass(segs: "Segments", arrays: dict, body) -> dict:
         raise TypeError(f"pass contribution {name!r} must be one of {[r.__name__ for r in _REDUCERS]}")
     return out, aux
 
+  _key = lambda group: "segsum:" + ",".join(group)  # carry keys must be strings (sorted)
+
+  def seg_groups(out):
+    """Per-segment sums share scatters two by two as the real and imaginary parts of one
+    complex64 scatter-add where that is faster (XLA:CPU: ~40 % less time per column)."""
+    names = [n for n, c in out.items() if isinstance(c, SegSum)]
+    step = 2 if _pair_scatters() else 1
+    return [tuple(names[i:i + step]) for i in range(0, len(names), step)]
+
   def reduce(carry, aux, out):
     new = {}
+    for group in seg_groups(out):
+      vals = [out[n].x.astype(jnp.float32) for n in group]
+      val = jax.lax.complex(*vals) if len(vals) == 2 else vals[0]
+      new[_key(group)] = carry[_key(group)].at[aux["idx"]].add(val, mode="drop")
     for name, c in out.items():
-      if isinstance(c, Out):
+      if isinstance(c, (Out, SegSum)):
         continue
       acc = carry[name]
-      if isinstance(c, SegSum):
-        new[name] = acc.at[aux["idx"]].add(c.x.astype(jnp.float32), mode="drop")
-      elif isinstance(c, SegMax):
+      if isinstance(c, SegMax):
         new[name] = acc.at[aux["idx"]].max(c.x.astype(jnp.float32), mode="drop")
       elif isinstance(c, Total):
         new[name] = acc + jnp.sum(jnp.where(aux["valid"], c.x, 0).astype(jnp.float32))
@@ -374,11 +395,10 @@ def _run_pass(segs: "Segments", arrays: dict, body) -> dict:
     return jax.lax.pcast(x, names, to="varying")
 
   def init_values(out):
-    carry = {}
+    carry = {_key(g): jnp.zeros((num_buckets,), jnp.complex64 if len(g) == 2 else jnp.float32)
+             for g in seg_groups(out)}
     for name, c in out.items():
-      if isinstance(c, SegSum):
-        carry[name] = jnp.zeros((num_buckets,), jnp.float32)
-      elif isinstance(c, SegMax):
+      if isinstance(c, SegMax):
         carry[name] = jnp.full((num_buckets,), _LOWEST, jnp.float32)
       elif isinstance(c, Total):
         carry[name] = jnp.zeros((), jnp.float32)
@@ -433,9 +453,13 @@ def _run_pass(segs: "Segments", arrays: dict, body) -> dict:
       groups[type(c)].append(name)
   shape = (segs.num_segments, lanes)
   if groups[SegSum]:
-    seg = jnp.stack([jnp.sum(carry[n].reshape(shape), axis=1) for n in groups[SegSum]], axis=-1)
-    seg = psum(seg, segs.axis_name)
-    results.update({n: seg[:, i] for i, n in enumerate(groups[SegSum])})
+    names, cols = [], []
+    for group in seg_groups(structure):
+      total = jnp.sum(carry[_key(group)].reshape(shape), axis=1)
+      names += group
+      cols += [total.real, total.imag] if len(group) == 2 else [total]
+    seg = psum(jnp.stack(cols, axis=-1), segs.axis_name)
+    results.update({n: seg[:, i] for i, n in enumerate(names)})
   if groups[SegMax]:
     seg = jnp.stack([jnp.max(carry[n].reshape(shape), axis=1) for n in groups[SegMax]], axis=-1)
     seg = pmax(seg, segs.axis_name)
