@@ -411,7 +411,9 @@ def _run_pass(segs: "Segments", arrays: dict, body) -> dict:
   def outputs(out):
     return {k: c.x for k, c in out.items() if isinstance(c, Out)}
 
-  size, num, tail = _chunking(n_tok, chunk_tokens())
+  # Chunk loops only under a trace: executed eagerly, a loop would be compiled on every call.
+  traced = isinstance(segs.ids, jax.core.Tracer)
+  size, num, tail = _chunking(n_tok, chunk_tokens() if traced else None)
   if num == 1 and not tail:
     structure, aux = contributions(base)
     carry, outs = reduce(init(structure), aux, structure), outputs(structure)
