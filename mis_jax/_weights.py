@@ -208,7 +208,9 @@ def mis_core(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, ba
     out["kept_n"] = SegSum(kept)
     if kept_w_needed:
       out["kept_w"] = SegSum(wk)
-    out["sum_w"], out["sum_w2"] = Total(wk), Total(wk * w)
+    if not kept_w_needed:  # else Σ w m' is the sum of the per-segment sums
+      out["sum_w"] = Total(wk)
+    out["sum_w2"] = Total(wk * w)
     out["w_min"], out["w_max"] = Min(jnp.where(kept, w, _HIGHEST)), Max(jnp.where(kept, w, _LOWEST))
     out["w"], out["kept"] = Out(w), Out(kept)
     return out
@@ -256,7 +258,7 @@ def mis_core(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, ba
   # §5: batch normalisation over the kept mask, globally.
   kept_n = p2["kept_n"]
   n_kept = jnp.sum(kept_n)
-  sum_w, sum_w2 = p2["sum_w"], p2["sum_w2"]
+  sum_w, sum_w2 = (jnp.sum(p2["kept_w"]) if kept_w_needed else p2["sum_w"]), p2["sum_w2"]
   if seq_mode:
     metrics["mis_is_ratio_mean_after_tis_rs"] = kept_mean("kept_w", "kept_n")
   else:
