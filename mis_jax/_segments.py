@@ -110,9 +110,9 @@ class Segments:
     """Global per-segment sums of a per-token ``[T]`` array, or of a list of them.
 
     Returns ``[S]`` (or ``[S, K]`` for a list of K arrays or a ``[T, K]`` array, completed
-    with one ``psum``);
-    padding is excluded. Pass several quantities as a list rather than stacking them into
-    ``[T, K]``: interleaving columns costs more on XLA:CPU than the scatters themselves.
+    with one ``psum``); padding is excluded. Pass several quantities as a list rather than
+    stacking them into ``[T, K]``: interleaving columns costs more on XLA:CPU than the
+    scatters themselves.
     """
     many = isinstance(x, (list, tuple)) or x.ndim == 2
     cols = list(x) if isinstance(x, (list, tuple)) else [x] if x.ndim == 1 else [x[:, k] for k in range(x.shape[1])]
