@@ -111,6 +111,7 @@ def mis_core(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, ba
   # carries -1/n.
   packed = jnp.where(seg_vetoed, -inv, inv) if (veto and seq_mode) else None
   aliases = {}  # metric -> an identical metric computed in the pass
+  item_names = []  # the means over the original mask computed in the pass
   kept_w_needed = tis and (seq_mode or (cfg.tis_batch_normalize and cfg.tis_level != "token"
                                         and batch_norm_factor is None))
 
@@ -128,6 +129,8 @@ def mis_core(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, ba
 
     def item(name, x):  # a mean over the original mask
       out[name] = Total(jnp.where(m, jnp.asarray(x, jnp.float32), 0.0) * a)
+      if name not in item_names:
+        item_names.append(name)
 
     def fraction(name, level, op, bound, w_level):  # share of w_level op bound; computed once
       key = (level, op, bound)
@@ -243,8 +246,7 @@ def mis_core(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, ba
       return Segments.reduce_per_segment(PerSegment(p2[w_key] / jnp.maximum(p2[n_key], 1.0), p2[n_key]), mode)
     return p2[w_key] / jnp.maximum(p2[n_key], 1.0)
 
-  token_items = [k for k, v in p2.items() if k.startswith("mis_") and jnp.ndim(v) == 0 and not k.endswith("_max")]
-  metrics.update({k: p2[k] / divisor for k in token_items if k not in metrics})
+  metrics.update({k: p2[k] / divisor for k in item_names if k not in metrics})
   metrics.update({k: metrics[v] for k, v in aliases.items()})
   if "is_kept_w" in p2:
     metrics["mis_tis_weight_after_bound"] = kept_mean("is_kept_w", "is_kept_n")
