@@ -102,8 +102,7 @@ def aggregate(token_values, kept, segs: Segments, mode: str, dens: Denominators)
   elif mode == "seq-mean-token-sum":
     scale = 1.0 / jnp.maximum(dens.num_seqs, 1.0)
   else:
-    inv = segs.broadcast(1.0 / jnp.maximum(dens.seg_tokens, 1.0))
-    scale = inv / jnp.maximum(dens.num_seqs, 1.0)
+    scale = segs.inverse_counts(dens.seg_tokens) / jnp.maximum(dens.num_seqs, 1.0)
   local = jnp.stack([jnp.sum(jnp.where(keep, x, 0.0) * scale) for x in cols])
   out = psum(local, segs.axis_name)
   return out if many else out[0]

@@ -23,6 +23,10 @@ AxisName = str | Sequence[str] | None
 # Safety bound on log values before exp (SPEC notation B).
 LOG_BOUND = 20.0
 
+# Identities of float32 max and min reductions.
+_LOWEST = float(np.finfo(np.float32).min)
+_HIGHEST = float(np.finfo(np.float32).max)
+
 # Scatter lanes per segment (see Segments).
 _LANES = 8
 
@@ -82,7 +86,6 @@ class Segments:
     # short ones: a power of two, at most _LANES, at most a sixteenth of the mean length.
     mean_len = self.ids.shape[0] // max(self.num_segments, 1)
     self.lanes = 1 << max(0, min(_LANES, mean_len // 16).bit_length() - 1)
-    self._scatter_index = None
     self._memo: dict[tuple, tuple] = {}
 
   def memo(self, key: tuple, fn, *keep):
@@ -94,45 +97,38 @@ class Segments:
     return hit[1]
 
   # --- per-segment sums, global --------------------------------------------------------
-  def _index(self) -> jax.Array:
-    """Scatter bucket of every token: ``id·P + t mod P``; padding goes out of range (dropped)."""
-    if self._scatter_index is None:
-      p, n = self.lanes, self.ids.shape[0]
-      lane = jax.lax.iota(jnp.int32, n) & (p - 1) if p > 1 else 0
-      self._scatter_index = jnp.where(self.valid, self.ids * p + lane, self.num_segments * p)
-    return self._scatter_index
-
-  def _local(self, x: jax.Array, op) -> jax.Array:
-    seg = op(x, self._index(), num_segments=self.num_segments * self.lanes)
-    return seg if self.lanes == 1 else seg.reshape(self.num_segments, self.lanes)
-
   def sum(self, x) -> jax.Array:
-    """Global per-segment sums of a per-token ``[T]`` array, or of a list of them.
+    """Global float32 per-segment sums of a per-token ``[T]`` array, or of a list of them.
 
     Returns ``[S]`` (or ``[S, K]`` for a list of K arrays or a ``[T, K]`` array, completed
-    with one ``psum``); padding is excluded. Pass several quantities as a list rather than
-    stacking them into ``[T, K]``: interleaving columns costs more on XLA:CPU than the
-    scatters themselves.
+    with one ``psum``); padding is excluded. A one-contribution :meth:`run_pass`. Pass
+    several quantities as a list rather than stacking them into ``[T, K]``: interleaving
+    columns costs more on XLA:CPU than the scatters themselves.
     """
     many = isinstance(x, (list, tuple)) or x.ndim == 2
     cols = list(x) if isinstance(x, (list, tuple)) else [x] if x.ndim == 1 else [x[:, k] for k in range(x.shape[1])]
-    local = []
-    for c in cols:
-      seg = self._local(c, jax.ops.segment_sum)
-      local.append(seg if self.lanes == 1 else jnp.sum(seg, axis=1))
-    out = psum(jnp.stack(local, axis=-1), self.axis_name)
+    names = [f"c{i}" for i in range(len(cols))]
+    res = self.run_pass(dict(zip(names, cols)), lambda ch: {k: SegSum(ch[k]) for k in names})
+    out = jnp.stack([res[k] for k in names], axis=-1)
     return out if many else out[:, 0]
 
   def max(self, x: jax.Array, mask: jax.Array) -> jax.Array:
     """``[S]`` global per-segment maxima of ``x`` over ``mask`` (float32 lowest where empty)."""
-    lowest = jnp.asarray(jnp.finfo(jnp.float32).min, jnp.float32)
-    seg = self._local(jnp.where(mask, x.astype(jnp.float32), lowest), jax.ops.segment_max)
-    seg = seg if self.lanes == 1 else jnp.max(seg, axis=1)
-    return pmax(jnp.maximum(seg, lowest), self.axis_name)
+    x = jnp.where(mask, x.astype(jnp.float32), _LOWEST)
+    return self.run_pass({"x": x}, lambda ch: {"max": SegMax(ch["x"])})["max"]
 
   def counts(self, mask: jax.Array) -> jax.Array:
     """``[S]`` global per-segment counts of a bool ``mask``; cached per mask object."""
     return self.memo(("counts", id(mask)), lambda: self.sum(mask.astype(jnp.float32)), mask)
+
+  def remember_counts(self, mask: jax.Array, counts: jax.Array) -> None:
+    """Records ``counts`` as :meth:`counts` of ``mask`` (computed elsewhere, e.g. in a pass)."""
+    self.memo(("counts", id(mask)), lambda: counts, mask)
+
+  def inverse_counts(self, counts: jax.Array) -> jax.Array:
+    """``1 / max(counts, 1)`` at every token (0 at padding): one gather per counts array."""
+    inv = self.memo(("inverse", id(counts)), lambda: 1.0 / jnp.maximum(counts, 1.0), counts)
+    return self.broadcast(inv)
 
   def broadcast(self, seg_values: jax.Array) -> jax.Array:
     """Per-segment ``[S]`` values back to tokens (0 at padding); cached per array object.
@@ -166,18 +162,15 @@ class Segments:
     out = psum(local, self.axis_name)
     return out if isinstance(x, (list, tuple)) else out[0]
 
-  def masked_min(self, x: jax.Array, mask: jax.Array, count=None) -> jax.Array:
-    """True global minimum of ``x`` over ``mask`` (0 if the mask is empty; ``count``, the
-    mask's global size, if known)."""
-    big = jnp.asarray(jnp.finfo(jnp.float32).max, jnp.float32)
-    glob = pmin(jnp.min(jnp.where(mask, x, big)), self.axis_name)
-    return jnp.where((self.count(mask) if count is None else count) > 0, glob, 0.0)
+  def masked_min(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+    """True global minimum of ``x`` over ``mask`` (0 if the mask is empty)."""
+    glob = pmin(jnp.min(jnp.where(mask, x, _HIGHEST)), self.axis_name)
+    return jnp.where(self.count(mask) > 0, glob, 0.0)
 
-  def masked_max(self, x: jax.Array, mask: jax.Array, count=None) -> jax.Array:
-    """True global maximum of ``x`` over ``mask`` (0 if the mask is empty; see masked_min)."""
-    small = jnp.asarray(jnp.finfo(jnp.float32).min, jnp.float32)
-    glob = pmax(jnp.max(jnp.where(mask, x, small)), self.axis_name)
-    return jnp.where((self.count(mask) if count is None else count) > 0, glob, 0.0)
+  def masked_max(self, x: jax.Array, mask: jax.Array) -> jax.Array:
+    """True global maximum of ``x`` over ``mask`` (0 if the mask is empty)."""
+    glob = pmax(jnp.max(jnp.where(mask, x, _LOWEST)), self.axis_name)
+    return jnp.where(self.count(mask) > 0, glob, 0.0)
 
   def count(self, mask: jax.Array) -> jax.Array:
     """Global number of non-padding tokens in ``mask``; cached per mask object."""
@@ -200,9 +193,8 @@ class Segments:
     """
     if mode == "token-mean":
       return jnp.where(mask & self.valid, 1.0, 0.0), self.count(mask)
-    n = self.counts(mask)
-    inv = jnp.where(n > 0, 1.0 / jnp.maximum(n, 1.0), 0.0)
-    return jnp.where(mask, self.broadcast(inv), 0.0), jnp.sum((n > 0).astype(jnp.float32))
+    n = self.counts(mask)  # > 0 wherever mask is set
+    return jnp.where(mask, self.inverse_counts(n), 0.0), jnp.sum((n > 0).astype(jnp.float32))
 
   def reduce_many(self, items, mode: str) -> dict:
     """Many ``R_mask(x)`` at once: ``items`` is a list of ``(name, x, mask)``.
@@ -271,8 +263,6 @@ class Out(NamedTuple):
 
 
 _REDUCERS = (SegSum, SegMax, Total, Max, Min, Out)
-_LOWEST = float(np.finfo(np.float32).min)
-_HIGHEST = float(np.finfo(np.float32).max)
 
 # Tokens per chunk of a pass; None: one chunk on accelerators, CHUNK_TOKENS_CPU on CPU.
 _chunk_tokens: int | None = int(os.environ["MIS_JAX_CHUNK_TOKENS"]) if os.environ.get("MIS_JAX_CHUNK_TOKENS") else None
@@ -384,15 +374,15 @@ def _run_pass(segs: "Segments", arrays: dict, body) -> dict:
         new[name] = jnp.minimum(acc, jnp.min(jnp.where(aux["valid"], c.x.astype(jnp.float32), _HIGHEST)))
     return new
 
-  def init(out):
-    # Inside shard_map the accumulators vary over the mesh axes like the data they sum.
-    return jax.tree_util.tree_map(_varying, init_values(out))
-
   def _varying(x):
+    # Inside shard_map the accumulators vary over the mesh axes like the data they sum.
     if segs.axis_name is None:
       return x
     names = (segs.axis_name,) if isinstance(segs.axis_name, str) else tuple(segs.axis_name)
     return jax.lax.pcast(x, names, to="varying")
+
+  def init(out):
+    return jax.tree_util.tree_map(_varying, init_values(out))
 
   def init_values(out):
     carry = {_key(g): jnp.zeros((num_buckets,), jnp.complex64 if len(g) == 2 else jnp.float32)

@@ -93,7 +93,7 @@ def mis_core(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, ba
   arrays = {"o": o, "q": q, "mask": mask}
   p1 = segs.run_pass(arrays, pass1)
   count = p1["count"]
-  segs.memo(("counts", id(mask)), lambda: count, mask)  # for other metrics over the mask
+  segs.remember_counts(mask, count)  # for other metrics over the mask
   n = jnp.maximum(count, 1.0)
   live = count > 0
   n_live = jnp.sum(live.astype(jnp.float32))
@@ -292,7 +292,7 @@ def mis_core(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, ba
       "mis_kept_seq_fraction": jnp.sum((kept_n > 0).astype(jnp.float32)) / jnp.maximum(n_live, 1.0),
   })
   kept = p2["kept"]
-  segs.memo(("counts", id(kept)), lambda: kept_n, kept)  # for losses and metrics over m'
+  segs.remember_counts(kept, kept_n)  # for losses and metrics over m'
   return jax.lax.stop_gradient(p2["w"] / factor), kept, metrics
 
 

@@ -34,6 +34,16 @@ MODES = ("seq-mean-token-mean", "token-mean")
 
 
 @contextlib.contextmanager
+def paired(flag):
+  before = _segments._pair
+  _segments._pair = flag
+  try:
+    yield
+  finally:
+    _segments._pair = before
+
+
+@contextlib.contextmanager
 def chunks(n):
   before = _segments._chunk_tokens
   mis_jax.set_chunk_tokens(n)
@@ -75,6 +85,15 @@ def test_weights_chunked_equal_one_pass(cfg, mode):
   for n in (8, 30):
     with chunks(n):
       assert_same(weights(MIS_CONFIGS[cfg], mode), want)
+
+
+def test_unpaired_scatters_equal_paired():
+  """Per-segment sums as separate float32 scatters (the accelerator path) == complex64 pairs."""
+  cfg = MIS_CONFIGS[2]  # four per-segment sums in pass 1 and two in pass 2, in pairs
+  with chunks(30), paired(True):
+    want = weights(cfg, "seq-mean-token-mean")
+  with chunks(30), paired(False):
+    assert_same(weights(cfg, "seq-mean-token-mean"), want)
 
 
 @pytest.mark.parametrize("roll,tis", [(False, True), (True, True), (True, False)])
