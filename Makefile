@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast demo bench clean
+.PHONY: venv test test-fast demo bench bench-memory clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,9 @@ demo: $(STAMP)  ## the trainer on the embedded server (toy task); a fresh run di
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
+
+bench-memory: $(STAMP)  ## compiled per-device memory of the training step, 8 simulated devices
+	$(PY) -m benchmarks.memory
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -33,9 +33,68 @@ def _serve(argv: list[str]) -> int:
   return server.main(argv)
 
 
-def _train(argv: list[str]) -> int:
+def _train(argv: list[str] | None = None) -> int:
+  import os
+
+  import mis_jax
+  from mis_jax._config import load_yaml
+  from trainers import config as config_lib
   from trainers import train
-  return train.main(argv)
+  from trainers.models.attention import resolve_attention_backend
+  from trainers.rollout import ServerError
+  from trainers.server import EmbeddedServer
+
+  parser = argparse.ArgumentParser(prog="mis-jax train", description="RL training with rollout correction.")
+  parser.add_argument("--config", default="configs/demo.yaml", help="trainer YAML (see configs/)")
+  parser.add_argument("--sglang-url", action="append", default=[], metavar="URL",
+                      help="SGLang server or router URL (repeatable); default: start `mis-jax serve` on 127.0.0.1")
+  parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run_dir")
+  parser.add_argument("--run-dir", default=None)
+  parser.add_argument("--steps", type=int, default=None)
+  parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                      help="override a config value, e.g. --set rollout.sync_every=4 --set parallel.fsdp=8")
+  parser.add_argument("--no-progress", action="store_true")
+  mis_jax.add_loss_flags(parser)
+  args = parser.parse_args(argv)
+
+  try:
+    raw = load_yaml(args.config, "trainer config") or {}
+    for assignment in args.set:
+      config_lib.set_override(raw, assignment)
+    if args.run_dir:
+      raw["run_dir"] = args.run_dir
+    if args.steps:
+      raw.setdefault("train", {})["steps"] = args.steps
+    cfg = config_lib.TrainConfig.from_dict(raw, source=args.config)
+    loss_cfg = mis_jax.loss_config_from_args(args, base=cfg.loss)
+    train.check_config(cfg, loss_cfg)
+    mesh = train.check_parallel(cfg)  # an invalid mesh is an error before any server starts
+  except (mis_jax.ConfigError, ValueError, TypeError) as e:
+    print(f"mis-jax train: {e}", file=sys.stderr)
+    return 2
+
+  attention, reason = resolve_attention_backend(cfg.model.attention)
+  print(f"algorithm: {loss_cfg.algorithm} (correction: {loss_cfg.correction}); run dir: {os.path.abspath(cfg.run_dir)}")
+  print(f"mesh: {dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} device(s); "
+        f"model {cfg.model.dtype} compute, {cfg.model.param_dtype} weights, attention {attention}"
+        f"{f' ({reason})' if reason else ''}, remat {cfg.model.remat}")
+  try:
+    if args.sglang_url:
+      trainer = train.Trainer(cfg, loss_cfg, urls=args.sglang_url)
+      history = trainer.run(resume=args.resume, progress=not args.no_progress)
+    else:
+      with EmbeddedServer(train.initial_weights_dir(cfg), dtype=cfg.rollout.server_dtype, seed=cfg.seed) as server:
+        print(f"embedded SGLang-protocol server on {server.url} ({cfg.rollout.server_dtype})")
+        trainer = train.Trainer(cfg, loss_cfg, urls=[server.url])
+        history = trainer.run(resume=args.resume, progress=not args.no_progress)
+  except mis_jax.ConfigError as e:
+    print(f"mis-jax train: {e}", file=sys.stderr)
+    return 2
+  except (train.TrainingError, ServerError) as e:
+    print(f"mis-jax train: stopped: {e}", file=sys.stderr)
+    return 1
+  train.print_summary(history, cfg)
+  return 0
 
 
 _COMMANDS = {

@@ -1,7 +1,7 @@
 """Trainer configuration: YAML sections, validated once before anything starts.
 
-Sections: ``model``, ``task``, ``rollout``, ``train``, ``loss``, ``checkpoint`` plus ``run_dir``
-and ``seed``. Unknown keys are errors naming the file, the section and the closest valid key.
+Sections: ``model``, ``task``, ``rollout``, ``train``, ``parallel``, ``loss``, ``checkpoint`` plus
+``run_dir`` and ``seed``. Unknown keys are errors naming the file, the section and the closest valid key.
 ``loss`` takes the keys of :class:`mis_jax.LossConfig` and ``custom_config_path`` (the MIS
 YAML); command-line flags (SPEC §9) override it.
 """
@@ -16,6 +16,9 @@ import yaml
 
 import mis_jax
 from mis_jax._config import load_yaml
+from trainers.parallel import ParallelSection
+
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +27,11 @@ class ModelSection:
   preset: str = "tiny-qwen3"
   initializer_range: float | None = None
   init_seed: int = 0
+  dtype: str = "float32"             # compute dtype of the trainer's forward/backward
+  param_dtype: str = "float32"       # master weights (and optimiser state: same dtype)
+  attention: str = "blocked"         # dense | blocked | fused (trainers.models.attention)
+  remat: str = "full"                # none | full | dots (trainers.models.qwen.REMAT_POLICIES)
+  logprob_chunk: int = 1024          # tokens per chunk of the LM head (mis_jax.token_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +61,9 @@ class TrainSection:
   warmup_steps: int = 0
   weight_decay: float = 0.0
   max_grad_norm: float = 1.0
+  adam_eps: float = 1e-8
   ppo_epochs: int = 1
-  micro_batches: int = 1
+  tokens_per_micro_batch: int = 4096  # per device of the data x fsdp axes
   row_len: int = 64
   advantage_estimator: str = "grpo"
   exclude_rejected_from_baseline: bool = False
@@ -67,7 +76,7 @@ class CheckpointSection:
 
 
 _SECTIONS = {"model": ModelSection, "rollout": RolloutSection, "train": TrainSection,
-             "checkpoint": CheckpointSection}
+             "parallel": ParallelSection, "checkpoint": CheckpointSection}
 _TOP = {"run_dir", "seed", "task", "loss", *_SECTIONS}
 
 
@@ -79,6 +88,7 @@ class TrainConfig:
   task: dict = dataclasses.field(default_factory=lambda: {"name": "copy_digits"})
   rollout: RolloutSection = RolloutSection()
   train: TrainSection = TrainSection()
+  parallel: ParallelSection = ParallelSection()
   loss: dict = dataclasses.field(default_factory=dict)
   checkpoint: CheckpointSection = CheckpointSection()
   source: str | None = None
@@ -118,8 +128,14 @@ class TrainConfig:
 
   def validate(self) -> None:
     where = f"{self.source}: " if self.source else ""
-    r, t, c = self.rollout, self.train, self.checkpoint
+    r, t, c, m = self.rollout, self.train, self.checkpoint, self.model
+    from trainers.models.attention import ATTENTION_BACKENDS
+    from trainers.models.qwen import REMAT_POLICIES
     checks = [
+        (m.dtype in DTYPES and m.param_dtype in DTYPES, f"model.dtype and model.param_dtype must be one of {DTYPES}"),
+        (m.attention in ATTENTION_BACKENDS, f"model.attention must be one of {ATTENTION_BACKENDS}, got {m.attention!r}"),
+        (m.remat in REMAT_POLICIES, f"model.remat must be one of {tuple(REMAT_POLICIES)}, got {m.remat!r}"),
+        (m.logprob_chunk > 0, "model.logprob_chunk must be > 0"),
         (r.prompts_per_step > 0, "rollout.prompts_per_step must be > 0"),
         (r.n > 0, "rollout.n must be > 0"),
         (r.temperature >= 0, "rollout.temperature must be >= 0"),
@@ -127,10 +143,13 @@ class TrainConfig:
         (r.sync_every >= 1, "rollout.sync_every must be >= 1"),
         (r.server_dtype in ("bfloat16", "float32"), "rollout.server_dtype must be bfloat16 or float32"),
         (0 <= r.max_rejected_fraction <= 1, "rollout.max_rejected_fraction must be in [0, 1]"),
-        (t.steps > 0 and t.ppo_epochs > 0 and t.micro_batches > 0, "train.steps, ppo_epochs, micro_batches must be > 0"),
+        (t.steps > 0 and t.ppo_epochs > 0, "train.steps and train.ppo_epochs must be > 0"),
+        (t.adam_eps > 0, "train.adam_eps must be > 0"),
         (t.schedule in ("constant", "cosine"), "train.schedule must be constant or cosine"),
         (t.advantage_estimator in mis_jax.ESTIMATORS, f"train.advantage_estimator must be one of {mis_jax.ESTIMATORS}"),
         (t.row_len > 0, "train.row_len must be > 0"),
+        (t.tokens_per_micro_batch >= t.row_len, f"train.tokens_per_micro_batch ({t.tokens_per_micro_batch}) must be "
+                                                f">= train.row_len ({t.row_len}): a micro-batch holds whole rows"),
         (c.every > 0 and c.max_to_keep > 0, "checkpoint.every and max_to_keep must be > 0"),
         # Checkpoints land on sync steps, so a resumed run can restore the server's weights exactly.
         (c.every % r.sync_every == 0, f"checkpoint.every ({c.every}) must be a multiple of rollout.sync_every "

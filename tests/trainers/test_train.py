@@ -13,6 +13,7 @@ import pytest
 
 import mis_jax
 from fake_sglang import FakeSGLang
+from trainers import cli
 from trainers import train as train_lib
 from trainers.config import TrainConfig
 from trainers.models import init_checkpoint
@@ -25,7 +26,7 @@ BASE = {
     "task": {"name": "copy_digits", "num_digits": 3},
     "rollout": {"prompts_per_step": 4, "n": 4, "max_retries": 1, "backoff_s": 0.01, "health_attempts": 2,
                 "timeout_s": 60},
-    "train": {"steps": 3, "micro_batches": 2, "row_len": 32, "ppo_epochs": 2, "learning_rate": 3e-3},
+    "train": {"steps": 3, "tokens_per_micro_batch": 64, "row_len": 32, "ppo_epochs": 2, "learning_rate": 3e-3},
     "checkpoint": {"every": 1, "max_to_keep": 2},
 }
 MIS = {"use_tis": True, "use_rs": True, "tis_mode": "mask", "tis_lower_bound": 0.5, "tis_upper_bound": 2.0,
@@ -165,15 +166,16 @@ def test_rejected_sequences_leave_the_baseline(tmp_path):
     trainer.client.wait_until_healthy(attempts=2)
     prompts, result = trainer.rollout()
     sb = trainer.build_batch(prompts, result)
-    batch = sb.batch.replace(old_logprobs=trainer.model_logprobs(trainer.params, sb))
-    prepared = mis_jax.prepare_step(batch, trainer.loss_cfg)[0]
+    inputs, batch = trainer.device_batch(sb)
+    batch = batch.replace(old_logprobs=trainer._logprobs(trainer.params, inputs, batch.segment_ids))
+    prepared = trainer.fns.prepare(batch)[0]
     new_batch, excluded = trainer.exclude_rejected_from_baseline(sb, prepared)
     trainer.client.close()
-  kept = [k.any() for k in sb.packing.unpack(np.asarray(
+  kept = [k.any() for k in sb.per_sequence(
       mis_jax.compute_mis_weights(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, batch.segment_ids,
-                                  mis, num_segments=trainer.num_segments)[1]))]
+                                  mis, num_segments=trainer.num_segments)[1])]
   assert 0 < excluded == len(kept) - sum(kept)
-  adv = [a[0] for a in sb.packing.unpack(np.asarray(new_batch.advantages))]
+  adv = [a[0] for a in sb.per_sequence(new_batch.advantages)]
   for i, (g, ok) in enumerate(zip(sb.groups, kept)):
     if not ok:
       continue
@@ -218,7 +220,7 @@ def test_config_errors(tmp_path):
   assert TrainConfig.from_dict({"train": {"learning_rate": "1e-3"}}).train.learning_rate == 1e-3
   off = tmp_path / "off.yaml"
   off.write_text("use_tis: false\n")
-  code = train_lib.main(["--config", "configs/demo.yaml", "--use-tis", "--custom-config-path", str(off)])
+  code = cli.main(["train", "--config", "configs/demo.yaml", "--use-tis", "--custom-config-path", str(off)])
   assert code == 2
 
 

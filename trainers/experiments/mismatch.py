@@ -50,7 +50,7 @@ def run_experiment(out: str, *, steps: int = 80, sync_every: int = 4, server_dty
   base = {"seed": seed, "model": {"preset": "tiny-qwen3", "initializer_range": 0.1},
           "task": {"name": "copy_digits", "num_digits": 3},
           "rollout": {"prompts_per_step": 16, "n": 8, "sync_every": sync_every, "server_dtype": server_dtype},
-          "train": {"steps": steps, "learning_rate": learning_rate, "ppo_epochs": 2, "micro_batches": 2,
+          "train": {"steps": steps, "learning_rate": learning_rate, "ppo_epochs": 2, "tokens_per_micro_batch": 1024,
                     "row_len": 64},
           "checkpoint": {"every": every, "max_to_keep": 1}}
   results = {}

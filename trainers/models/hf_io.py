@@ -2,20 +2,25 @@
 
 The NNX module tree mirrors HF's, so a parameter's HF name is its path with a `model.` prefix
 (`lm_head` excepted), `embedding`/`kernel` renamed `weight`, and Linear kernels transposed
-(flax stores `[in, out]`, torch `[out, in]`). Save followed by load is bit-exact in the saved
+(flax stores `[in, out]`, torch `[out, in]`). Layer parameters are stacked (`layers.mlp.up_proj.kernel`
+is `[num_layers, in, out]`): layer `i` of it is HF's `model.layers.{i}.mlp.up_proj.weight`.
+Loading reads each device's block of each tensor straight from the files (`safe_open` slices). Save followed by load is bit-exact in the saved
 dtype.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import tempfile
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from trainers.models.config import PRESETS, ModelConfig
@@ -27,20 +32,40 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def _hf_name(path: tuple) -> tuple[str, bool]:
-  """HF name of an NNX parameter path, and whether its array is transposed in HF."""
+  """HF name of an NNX parameter path (`{i}` in place of the layer index for stacked layer
+  parameters) and whether its array is transposed in HF."""
   *module, leaf = (str(p) for p in path)
+  if module[0] == "layers":
+    module.insert(1, "{i}")
   name = ".".join(module + ["weight" if leaf in ("kernel", "embedding") else leaf])
   return (name if module[0] == "lm_head" else "model." + name), leaf == "kernel"
+
+
+def _is_stacked(path: tuple) -> bool:
+  return str(path[0]) == "layers"
+
+
+def _param_leaves(model_or_state):
+  state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
+  return nnx.to_flat_state(state)
+
+
+def _hf_arrays(path: tuple, x) -> dict[str, object]:
+  """`{hf_name: array in HF layout}` for one parameter (one entry per layer when stacked)."""
+  name, transpose = _hf_name(path)
+  fix = (lambda a: a.T) if transpose else (lambda a: a)
+  if _is_stacked(path):
+    return {name.format(i=i): fix(x[i]) for i in range(x.shape[0])}
+  return {name: fix(x)}
 
 
 def hf_state_dict(model: Qwen, *, dtype: str | None = None) -> dict[str, np.ndarray]:
   """The model's parameters as `{hf_name: array}` in HF layout, cast to `dtype` if given."""
   out = {}
-  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    name, transpose = _hf_name(path)
-    x = var.get_value()
-    x = x.T if transpose else x
-    out[name] = np.asarray(x.astype(DTYPES[dtype]) if dtype else x)
+  for path, var in _param_leaves(model):
+    x = np.asarray(var.get_value())
+    for name, a in _hf_arrays(path, x).items():
+      out[name] = np.ascontiguousarray(a.astype(DTYPES[dtype]) if dtype else a)
   return out
 
 
@@ -87,44 +112,137 @@ def read_hf_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
   return tensors
 
 
-def state_from_hf_tensors(model: Qwen, tensors: dict[str, np.ndarray]) -> nnx.State:
-  """The NNX parameter state of `model` filled from HF tensors, cast to the model's dtypes.
+class _Reader:
+  """Reads HF tensors, whole or a slice at a time, from a dict or from open safetensors files."""
+
+  def __init__(self, tensors=None, files=None):
+    self._tensors, self._files = tensors, files or {}
+
+  def names(self):
+    return set(self._tensors) if self._tensors is not None else set(self._files)
+
+  def shape(self, name):
+    if self._tensors is not None:
+      return tuple(self._tensors[name].shape)
+    return tuple(self._files[name].get_slice(name).get_shape())
+
+  def read(self, name, index):
+    if self._tensors is not None:
+      return np.asarray(self._tensors[name][index])
+    return np.asarray(self._files[name].get_slice(name)[index])
+
+
+def _check_names(model_state, reader: _Reader, tie_word_embeddings: bool) -> None:
+  """Every parameter has its HF tensors with the right shapes, and nothing else is there."""
+  names = reader.names()
+  missing, bad, seen = [], [], set()
+  for path, var in _param_leaves(model_state):
+    shape = tuple(var.get_value().shape)
+    name, transpose = _hf_name(path)
+    per_layer = shape[1:] if _is_stacked(path) else shape
+    want = per_layer[::-1] if transpose else per_layer
+    for hf in ([name.format(i=i) for i in range(shape[0])] if _is_stacked(path) else [name]):
+      seen.add(hf)
+      if hf not in names:
+        missing.append(hf)
+      elif reader.shape(hf) != tuple(want):
+        bad.append(f"{hf}: checkpoint {reader.shape(hf)} vs model {tuple(want)}")
+  unexpected = [n for n in names if n not in seen and not n.endswith(_IGNORED_SUFFIXES)
+                and not (tie_word_embeddings and n == "lm_head.weight")]
+  if missing or bad or unexpected:
+    parts = [f"{label}: {', '.join(sorted(items)[:8])}{' ...' if len(items) > 8 else ''}"
+             for label, items in (("missing", missing), ("shape mismatch", bad),
+                                  ("unexpected", unexpected)) if items]
+    raise ValueError("checkpoint does not match the model; " + "; ".join(parts))
+
+
+def _read_param(reader: _Reader, path: tuple, index: tuple, dtype) -> np.ndarray:
+  """The block `index` (a tuple of slices in our layout) of one parameter, read from HF
+  tensors without materialising the rest (stacked layers read layer by layer)."""
+  name, transpose = _hf_name(path)
+
+  def one(hf, idx):
+    if transpose:
+      return reader.read(hf, (idx[1], idx[0])).T
+    return reader.read(hf, idx)
+
+  if _is_stacked(path):
+    layers = range(*index[0].indices(10**9))  # slice of the layer axis (stop is always set)
+    block = np.stack([one(name.format(i=i), index[1:]) for i in layers])
+  else:
+    block = one(name, index)
+  return np.asarray(block).astype(dtype)
+
+
+def _fill(abstract_state, reader: _Reader, shardings=None) -> nnx.State:
+  """Parameters of `abstract_state` read through `reader`, each placed straight into its
+  shards with `jax.make_array_from_callback` (a device reads only its own block)."""
+  flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
+  out = []
+  for path, var in _param_leaves(abstract_state):
+    ref = var.get_value()
+    shape, dtype = tuple(ref.shape), ref.dtype
+    sharding = flat_shardings.get(path)
+    if isinstance(sharding, nnx.Variable):
+      sharding = sharding.get_value()
+    if sharding is None:
+      sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    index_all = tuple(slice(0, n) for n in shape)
+
+    def callback(index, path=path, dtype=dtype, shape=shape):
+      index = tuple(slice(*s.indices(n)) for s, n in zip(index, shape)) if index else index_all
+      return _read_param(reader, path, index, dtype)
+
+    out.append((path, var.replace(jax.make_array_from_callback(shape, sharding, callback))))
+  return nnx.from_flat_state(out)
+
+
+def state_from_hf_tensors(model, tensors: dict[str, np.ndarray], *, shardings=None) -> nnx.State:
+  """The NNX parameter state of `model` (a `Qwen` or its abstract param state) filled from HF
+  tensors, cast to the model's dtypes.
 
   Raises `ValueError` naming every missing, unexpected or mis-shaped tensor; `model` itself is
   never modified, so a failed load leaves it intact.
   """
-  cfg = model.config
-  new, missing, bad = [], [], []
-  seen = set()
-  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    name, transpose = _hf_name(path)
-    seen.add(name)
-    if name not in tensors:
-      missing.append(name)
-      continue
-    x = tensors[name].T if transpose else tensors[name]
-    ref = var.get_value()
-    if x.shape != ref.shape:
-      bad.append(f"{name}: checkpoint {tensors[name].shape} vs model "
-                 f"{ref.shape[::-1] if transpose else ref.shape}")
-      continue
-    new.append((path, var.replace(jnp.asarray(x, dtype=ref.dtype))))
-  unexpected = [n for n in tensors if n not in seen and not n.endswith(_IGNORED_SUFFIXES)
-                and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
-  if missing or bad or unexpected:
-    parts = [f"{label}: {', '.join(sorted(names)[:8])}{' ...' if len(names) > 8 else ''}"
-             for label, names in (("missing", missing), ("shape mismatch", bad),
-                                  ("unexpected", unexpected)) if names]
-    raise ValueError("checkpoint does not match the model; " + "; ".join(parts))
-  return nnx.from_flat_state(new)
+  state = model if isinstance(model, nnx.State) else nnx.state(model, nnx.Param)
+  reader = _Reader(tensors=tensors)
+  _check_names(state, reader, _tied(state))
+  return _fill(state, reader, shardings)
 
 
-def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float32) -> Qwen:
-  """Builds a `Qwen` from `path/config.json` and loads its safetensors weights."""
+def _tied(state) -> bool:
+  return not any(str(path[0]) == "lm_head" for path, _ in _param_leaves(state))
+
+
+def abstract_model(cfg: ModelConfig, **model_kwargs) -> Qwen:
+  """A `Qwen` whose parameters are `jax.ShapeDtypeStruct`s: nothing allocated."""
+  return nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), **model_kwargs))
+
+
+def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                       shardings=None, **model_kwargs) -> Qwen:
+  """Builds a `Qwen` from `path/config.json` and loads its safetensors weights.
+
+  `shardings`: an `nnx.State` of `jax.sharding.Sharding`s with the model's parameter structure
+  (`trainers.parallel.param_shardings`); each device then reads only its own block of every
+  tensor from the files (no full copy on one device). Default: everything on the first device.
+  `model_kwargs` go to `Qwen` (`attention`, `remat`, `activation_sharding`).
+  """
   cfg = ModelConfig.from_pretrained(path)
-  model = nnx.eval_shape(lambda: Qwen(cfg, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(0)))
-  graphdef = nnx.graphdef(model)  # every variable of `Qwen` is a Param
-  return nnx.merge(graphdef, state_from_hf_tensors(model, read_hf_tensors(path)))
+  model = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype, **model_kwargs)
+  graphdef, abstract = nnx.split(model)  # every variable of `Qwen` is a Param
+  files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+  if not files:
+    raise FileNotFoundError(f"no *.safetensors file in {path}")
+  with contextlib.ExitStack() as stack:
+    handles = {}
+    for f in files:
+      h = stack.enter_context(safe_open(f, framework="numpy"))
+      handles.update({name: h for name in h.keys()})
+    reader = _Reader(files=handles)
+    _check_names(abstract, reader, cfg.tie_word_embeddings)
+    state = _fill(abstract, reader, shardings)
+  return nnx.merge(graphdef, state)
 
 
 def init_checkpoint(out: str | os.PathLike, *, preset: str = "tiny-qwen3", seed: int = 0,

@@ -9,6 +9,14 @@ One forward serves training and inference:
   and values are written into a fixed-size KV cache at slot = position, and a query at
   position `p` attends to slots `<= p`.
 
+The decoder layers are stacked (every layer parameter has a leading `num_hidden_layers` axis)
+and run by one `lax.scan`, so a 28-layer model compiles one layer body; the scan body can be
+rematerialised (`remat`: activations recomputed in the backward pass, per `REMAT_POLICIES`).
+The training forward's attention backend is `attention` (`trainers.models.attention`): `dense`
+(the reference, a `[T, T]` mask), `blocked` (flash-style, memory O(T)) or `fused` (a platform
+kernel where one exists, else `blocked`). `hidden_states` stops before the LM head so a trainer
+can compute log-probs chunk by chunk (`mis_jax.token_logprobs`) without `[T, V]` logits.
+
 Layer (pre-norm): `h = x + Attn(RMSNorm(x))`, `y = h + W_down(silu(W_gate RMSNorm(h)) * W_up RMSNorm(h))`,
 with `RMSNorm(x) = w * x / sqrt(mean(x²) + eps)` computed in float32, RoPE
 `x·cos(pθ) + rotate_half(x)·sin(pθ)`, `θ_i = theta^(-2i/head_dim)`, grouped-query attention
@@ -18,19 +26,25 @@ over the head dimension of q and k before RoPE.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trainers.models.attention import ATTENTION_BACKENDS, dense_attention, packed_attention
 from trainers.models.config import ModelConfig
 
-_MASKED = float(jnp.finfo(jnp.float32).min)
+# Activation checkpointing of the layer scan body: what the backward pass may keep.
+REMAT_POLICIES = {
+    "none": None,                                                      # keep everything
+    "full": jax.checkpoint_policies.nothing_saveable,                  # keep only layer inputs
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projections' outputs
+}
 
 
 class LayerCache(NamedTuple):
-  """Keys and values of one layer, `[batch, cache_len, num_key_value_heads, head_dim]`."""
+  """Keys and values of every layer, `[num_layers, batch, cache_len, num_key_value_heads, head_dim]`."""
   k: jax.Array
   v: jax.Array
 
@@ -82,9 +96,10 @@ class Attention(nnx.Module):
     self.cfg = cfg
     self.dtype = dtype
 
-  def __call__(self, x, positions, mask, cache: LayerCache | None):
-    """`mask: [B, Tq, Tk]` (True = may attend). With a cache, `Tk` is the cache length and the
-    new keys/values are written at slots `positions[:, 0] + arange(Tq)` first."""
+  def __call__(self, x, positions, attend: Callable, cache: LayerCache | None):
+    """`attend(q [B, T, H, D], k, v [B, S, KV, D]) -> [B, T, H, D]`. With a (one-layer) cache,
+    the new keys/values are first written at slots `positions[:, 0] + arange(T)` and `k, v`
+    are the whole cache."""
     cfg = self.cfg
     b, t, _ = x.shape
     q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
@@ -98,13 +113,7 @@ class Attention(nnx.Module):
       cache = LayerCache(write(cache.k, k.astype(cache.k.dtype), positions[:, 0]),
                          write(cache.v, v.astype(cache.v.dtype), positions[:, 0]))
       k, v = cache.k.astype(self.dtype), cache.v.astype(self.dtype)
-    groups = cfg.num_attention_heads // cfg.num_key_value_heads
-    q = q.reshape(b, t, cfg.num_key_value_heads, groups, cfg.head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-    scores = scores * cfg.head_dim ** -0.5
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
-    probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, -1)
+    out = attend(q, k, v).reshape(b, t, -1)
     return self.o_proj(out), cache
 
 
@@ -131,8 +140,8 @@ class DecoderLayer(nnx.Module):
     self.post_attention_layernorm = norm()
     self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x, positions, mask, cache):
-    h, cache = self.self_attn(self.input_layernorm(x), positions, mask, cache)
+  def __call__(self, x, positions, attend, cache):
+    h, cache = self.self_attn(self.input_layernorm(x), positions, attend, cache)
     x = x + h
     return x + self.mlp(self.post_attention_layernorm(x)), cache
 
@@ -142,64 +151,107 @@ class Qwen(nnx.Module):
   logits are always returned in float32.
 
   Attribute names mirror HF's module tree (`model.embed_tokens`, `model.layers.{i}.self_attn.q_proj`,
-  ...), so the checkpoint mapping in `hf_io` is mechanical.
+  ...), with the layers stacked: `layers.self_attn.q_proj.kernel` is `[num_layers, in, out]`,
+  so the checkpoint mapping in `hf_io` is mechanical.
+
+  Args:
+    attention: the training forward's attention backend (`ATTENTION_BACKENDS`); decoding with a
+      KV cache always uses the dense kernel.
+    remat: activation checkpointing policy of the layer scan (`REMAT_POLICIES`).
+    activation_sharding: optional `NamedSharding` of the `[B, T, hidden]` residual stream,
+      applied at every layer boundary (batch over the data axes, replicated over `tensor`).
   """
 
   def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
+               attention: str = "dense", remat: str = "none", activation_sharding=None,
                rngs: nnx.Rngs):
+    if attention not in ATTENTION_BACKENDS:
+      raise ValueError(f"attention={attention!r}; allowed: {', '.join(ATTENTION_BACKENDS)}")
+    if remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={remat!r}; allowed: {', '.join(REMAT_POLICIES)}")
     self.config = cfg
     self.dtype = dtype
+    self.attention = attention
+    self.remat = remat
+    self.activation_sharding = activation_sharding
     self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
                                   param_dtype=param_dtype,
                                   embedding_init=nnx.initializers.normal(cfg.initializer_range),
                                   rngs=rngs)
-    self.layers = nnx.List([DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-                            for _ in range(cfg.num_hidden_layers)])
+
+    @nnx.split_rngs(splits=cfg.num_hidden_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0)
+    def stacked(rngs):
+      return DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    self.layers = stacked(rngs)
     self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
     if not cfg.tie_word_embeddings:
       self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False,
                                 kernel_init=nnx.initializers.normal(cfg.initializer_range),
                                 dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
+  def _constrain(self, x):
+    if self.activation_sharding is None:
+      return x
+    return jax.lax.with_sharding_constraint(x, self.activation_sharding)
+
+  def _layers(self, x, positions, attend, cache: LayerCache | None, *, remat: str):
+    """Runs the stacked layers with one `lax.scan` (the cache, if any, is scanned with them)."""
+    graphdef, state = nnx.split(self.layers)
+
+    def body(x, xs):
+      layer_state, layer_cache = xs
+      x, layer_cache = nnx.merge(graphdef, layer_state)(x, positions, attend, layer_cache)
+      return self._constrain(x), layer_cache
+
+    if remat != "none":
+      body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
+    return jax.lax.scan(body, self._constrain(x), (state, cache))
+
+  def head(self) -> tuple[jax.Array, str]:
+    """The output projection and its `mis_jax.token_logprobs` layout: the tied input embedding
+    `[V, D]` ("vd") or the `lm_head` kernel `[D, V]` ("dv"), in its parameter dtype."""
+    if self.config.tie_word_embeddings:
+      return self.embed_tokens.embedding[...], "vd"
+    return self.lm_head.kernel[...], "dv"
+
+  def hidden_states(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Packed forward up to the final norm: `[B, T, hidden]` in the compute dtype.
+
+    Token `j` is visible to token `i` iff `segment_ids[i] == segment_ids[j]` and `j <= i`
+    (segments are contiguous within a row). Padding (`segment_ids == -1`) attends only to
+    padding, its outputs are meaningless, and it never influences real tokens.
+    """
+    _check_ids(input_ids, positions, segment_ids)
+    backend = self.attention
+    attend = lambda q, k, v: packed_attention(q, k, v, segment_ids, backend=backend)
+    x, _ = self._layers(self.embed_tokens(input_ids), positions, attend, None, remat=self.remat)
+    return self.norm(x)
+
   def _logits(self, x: jax.Array) -> jax.Array:
-    x = self.norm(x)
     logits = self.embed_tokens.attend(x) if self.config.tie_word_embeddings else self.lm_head(x)
     return logits.astype(jnp.float32)
 
   def __call__(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """Packed forward. All inputs `[B, T]` int32; returns logits `[B, T, vocab]` float32.
+    """Packed forward. All inputs `[B, T]` int32; returns logits `[B, T, vocab]` float32."""
+    return self._logits(self.hidden_states(input_ids, positions, segment_ids))
 
-    Token `j` is visible to token `i` iff `segment_ids[i] == segment_ids[j]` and `j <= i`
-    (segments are contiguous within a row). Padding (`segment_ids == -1`) attends only to
-    padding, its logits are meaningless, and it never influences real tokens.
-    """
-    _check_ids(input_ids, positions, segment_ids)
-    idx = jnp.arange(input_ids.shape[1])
-    mask = (segment_ids[:, :, None] == segment_ids[:, None, :]) & (idx[None, :, None] >= idx[None, None, :])
-    x = self.embed_tokens(input_ids)
-    for layer in self.layers:
-      x, _ = layer(x, positions, mask, None)
-    return self._logits(x)
-
-  def init_cache(self, batch: int, length: int, dtype=None) -> tuple[LayerCache, ...]:
+  def init_cache(self, batch: int, length: int, dtype=None) -> LayerCache:
     cfg = self.config
-    shape = (batch, length, cfg.num_key_value_heads, cfg.head_dim)
-    zeros = lambda: jnp.zeros(shape, dtype or self.dtype)
-    return tuple(LayerCache(zeros(), zeros()) for _ in range(cfg.num_hidden_layers))
+    shape = (cfg.num_hidden_layers, batch, length, cfg.num_key_value_heads, cfg.head_dim)
+    return LayerCache(jnp.zeros(shape, dtype or self.dtype), jnp.zeros(shape, dtype or self.dtype))
 
-  def decode(self, input_ids: jax.Array, positions: jax.Array, cache: tuple[LayerCache, ...]):
+  def decode(self, input_ids: jax.Array, positions: jax.Array, cache: LayerCache):
     """Cached forward of `input_ids: [B, T]` at contiguous `positions: [B, T]` (one sequence
     per row). Returns `(logits [B, T, vocab] float32, updated cache)`; a query at position `p`
     attends to cache slots `0..p`, which must hold this row's tokens at positions `0..p`."""
     _check_ids(input_ids, positions)
-    slots = jnp.arange(cache[0].k.shape[1])
+    slots = jnp.arange(cache.k.shape[2])
     mask = slots[None, None, :] <= positions[:, :, None]
-    x = self.embed_tokens(input_ids)
-    new_cache = []
-    for layer, layer_cache in zip(self.layers, cache):
-      x, layer_cache = layer(x, positions, mask, layer_cache)
-      new_cache.append(layer_cache)
-    return self._logits(x), tuple(new_cache)
+    attend = lambda q, k, v: dense_attention(q, k, v, mask)
+    x, cache = self._layers(self.embed_tokens(input_ids), positions, attend, cache, remat="none")
+    return self._logits(self.norm(x)), LayerCache(*cache)
 
 
 def _check_ids(*arrays: jax.Array) -> None:

@@ -1,0 +1,171 @@
+"""Per-device memory of the full training step for Qwen3-1.7B and Qwen3-8B shapes, compiled for
+8 simulated CPU devices and read from XLA's `memory_analysis()` (nothing is run or allocated).
+
+    python -m benchmarks.memory [--quick] [--json PATH]     (make bench-memory)
+
+Two steps, side by side, per model and tokens per device:
+
+- `before`: the step as it was before `trainers.step` — everything on one device, float32
+  compute, dense `[T, T]` attention, no remat, full `[T, V]` logits with `log_softmax`, and an
+  Optax update that returns a new copy of parameters and state (no donation). (The layer loop
+  was unrolled; here it is the same layers in a `lax.scan` without remat, which keeps the same
+  activations for the backward pass.)
+- `after`: `trainers.step.StepFunctions.train` — parameters, Adam state and float32 gradient
+  accumulators FSDP-sharded over the 8 devices, bf16 compute with float32 master weights,
+  blocked (flash-style) attention, full remat of the layer scan, log-probs and entropy chunk by
+  chunk with `mis_jax.token_logprobs`, parameters and optimiser state donated.
+
+Both are the decoupled-PPO loss of the reference MIS config on one micro-batch of
+`tokens_per_device` tokens per device (one row of that length per device). `per_device_bytes`
+= arguments + outputs + temporaries − aliased (donated) bytes of the compiled program on one
+device. Figures are XLA:CPU's; a GPU or TPU compile differs (other fusion and layouts), so
+treat them as the shape of the budget, and check on hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+import jax
+
+if __name__ == "__main__":
+  jax.config.update("jax_num_cpu_devices", 8)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import mis_jax  # noqa: E402
+from trainers import parallel, step as step_lib  # noqa: E402
+from trainers.config import TrainSection  # noqa: E402
+from trainers.models import ModelConfig  # noqa: E402
+from trainers.models.hf_io import abstract_model  # noqa: E402
+
+MODELS = {
+    "qwen3-1.7b": ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                              num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                              max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=True),
+    "qwen3-8b": ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                            num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                            max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False),
+}
+TOKENS = (16384, 32768)
+TARGETS_GB = {("qwen3-1.7b", 16384): 14.0, ("qwen3-8b", 32768): 60.0}
+QUICK_MODEL = dataclasses.replace(MODELS["qwen3-1.7b"], num_hidden_layers=2, vocab_size=8192)
+LOSS = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig.from_yaml("configs/mis.yaml"))
+OPTIM = TrainSection()
+SEQ_LEN = 1024  # sequences per row: tokens_per_device / SEQ_LEN (sizes the segment count)
+
+
+def _abstract_batch(rows: int, row_len: int, num_segments: int, sharding, rep) -> tuple:
+  sd = lambda dtype: jax.ShapeDtypeStruct((1, rows, row_len), dtype, sharding=sharding)
+  inputs = step_lib.ModelInputs(sd(jnp.int32), sd(jnp.int32), sd(jnp.int32))
+  batch = mis_jax.PackedBatch(segment_ids=sd(jnp.int32), loss_mask=sd(jnp.bool_), advantages=sd(jnp.float32),
+                              rollout_logprobs=sd(jnp.float32), old_logprobs=sd(jnp.float32),
+                              is_weights=sd(jnp.float32), kept_mask=sd(jnp.bool_), num_segments=num_segments)
+  dens = mis_jax.Denominators(seg_tokens=jax.ShapeDtypeStruct((num_segments,), jnp.float32, sharding=rep),
+                              num_tokens=jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
+                              num_seqs=jax.ShapeDtypeStruct((), jnp.float32, sharding=rep))
+  return inputs, batch, dens
+
+
+def _analysis(compiled) -> dict:
+  m = compiled.memory_analysis()
+  out = {"argument_bytes": int(m.argument_size_in_bytes), "output_bytes": int(m.output_size_in_bytes),
+         "temp_bytes": int(m.temp_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes)}
+  out["per_device_bytes"] = out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"] - out["alias_bytes"]
+  return out
+
+
+def after_step(cfg: ModelConfig, tokens: int, devices) -> dict:
+  mesh = parallel.make_mesh(parallel.ParallelSection(fsdp=-1), devices)
+  kwargs = dict(dtype=jnp.bfloat16, param_dtype=jnp.float32, attention="blocked", remat="full",
+                activation_sharding=parallel.activation_sharding(mesh))
+  graphdef, abstract = nnx.split(abstract_model(cfg, **kwargs))
+  optimizer = step_lib.make_optimizer(OPTIM)
+  psh = parallel.param_shardings(abstract, mesh)
+  osh = parallel.state_shardings(jax.eval_shape(optimizer.init, abstract), abstract, psh, mesh)
+  fns = step_lib.StepFunctions(graphdef, optimizer, LOSS, temperature=1.0, mesh=mesh, param_shardings=psh,
+                               opt_shardings=osh, logprob_chunk=1024)
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, psh)
+  opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                           jax.eval_shape(optimizer.init, abstract), osh)
+  rows = mesh.size
+  args = _abstract_batch(rows, tokens, rows * max(1, tokens // SEQ_LEN), parallel.batch_sharding(mesh), NamedSharding(mesh, P()))
+  return _analysis(fns.train.lower(params, opt_state, *args).compile())
+
+
+def before_step(cfg: ModelConfig, tokens: int, devices) -> dict:
+  """The pre-`trainers.step` program: value_and_grad of full-logits log-probs of an f32,
+  dense-attention, no-remat model, then the Optax update, un-donated, on one device."""
+  graphdef, abstract = nnx.split(abstract_model(cfg, dtype=jnp.float32, param_dtype=jnp.float32,
+                                                attention="dense", remat="none"))
+  optimizer = step_lib.make_optimizer(OPTIM)
+  dev = jax.sharding.SingleDeviceSharding(devices[0])
+
+  def step(params, opt_state, inputs, batch, dens):
+    def loss(p):
+      logits = nnx.merge(graphdef, p)(inputs.input_ids[0], inputs.positions[0], batch.segment_ids[0])
+      logp = jax.nn.log_softmax(logits)
+      lp = jnp.take_along_axis(logp, inputs.targets[0][..., None], axis=-1)[..., 0]
+      ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+      mb = jax.tree.map(lambda x: x[0], batch)
+      return mis_jax.policy_loss(lp, mb, LOSS, entropy=ent, denominators=dens)
+    (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, metrics
+
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), abstract)
+  opt_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev),
+                           jax.eval_shape(optimizer.init, abstract))
+  args = _abstract_batch(1, tokens, max(1, tokens // SEQ_LEN), dev, dev)
+  return _analysis(jax.jit(step).lower(params, opt_state, *args).compile())
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--quick", action="store_true", help="a 2-layer, 8k-vocab model at 2k tokens (seconds)")
+  parser.add_argument("--json", default="benchmarks/results/memory.json")
+  parser.add_argument("--models", nargs="*", default=sorted(MODELS))
+  parser.add_argument("--steps", nargs="*", default=["before", "after"])
+  args = parser.parse_args(argv)
+  devices = jax.devices()
+  if len(devices) != 8:
+    raise SystemExit(f"needs 8 devices (got {len(devices)}); run as `python -m benchmarks.memory`")
+  cases = ([("quick-1.7b-2layers", QUICK_MODEL, 2048)] if args.quick else
+           [(name, MODELS[name], t) for name in args.models for t in TOKENS])
+  records = []
+  print(f"{'model':20s} {'tokens/dev':>10s} {'step':>7s} {'args GB':>8s} {'out GB':>8s} {'temp GB':>9s} "
+        f"{'alias GB':>9s} {'per-device GB':>14s} {'compile s':>9s}")
+  for name, cfg, tokens in cases:
+    for which in args.steps:
+      t0 = time.perf_counter()
+      rec = {"model": name, "tokens_per_device": tokens, "step": which, "devices": len(devices),
+             "backend": jax.default_backend(), "loss": "decoupled PPO, configs/mis.yaml",
+             **(before_step if which == "before" else after_step)(cfg, tokens, devices)}
+      rec["compile_s"] = round(time.perf_counter() - t0, 1)
+      target = TARGETS_GB.get((name, tokens))
+      if which == "after" and target:
+        rec["target_bytes"] = int(target * 1e9)
+      records.append(rec)
+      gb = lambda k: rec[k] / 1e9
+      print(f"{name:20s} {tokens:10d} {which:>7s} {gb('argument_bytes'):8.2f} {gb('output_bytes'):8.2f} "
+            f"{gb('temp_bytes'):9.2f} {gb('alias_bytes'):9.2f} {gb('per_device_bytes'):14.2f} "
+            f"{rec['compile_s']:9.1f}" + (f"   (target <= {target:g} GB)" if "target_bytes" in rec else ""),
+            flush=True)
+  if args.json and not args.quick:
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+      json.dump(records, f, indent=1)
+    print(f"wrote {args.json}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -1,0 +1,309 @@
+"""The training step at scale: on meshes (8), (2, 4) and (2, 2, 2) of simulated CPU devices the
+whole step (parameters, optimiser state and every metric after 1 and 3 updates) equals the
+single-device step; declared shardings hold; 1 micro-batch == 4 micro-batches; the chunked
+log-prob path equals full logits; bf16 compute stays close to float32; the mesh config is
+validated; the model's HF weights load straight into their shards."""
+
+import dataclasses
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mis_jax
+from trainers import parallel, step as step_lib
+from trainers.batch import build_step_batch, plan_layout
+from trainers.config import TrainSection
+from trainers.models import PRESETS, Qwen, init_checkpoint, load_hf_checkpoint
+from trainers.models.hf_io import abstract_model
+
+TINY = dataclasses.replace(PRESETS["tiny-qwen3"], initializer_range=0.3)
+MIS = mis_jax.MISConfig(use_rs=True, tis_mode="mask", tis_lower_bound=0.5, tis_upper_bound=2.0,
+                        rs_veto_threshold=1e-4, tis_batch_normalize=True)
+ALGORITHMS = {
+    "ppo": mis_jax.LossConfig(),
+    "decoupled_ppo": mis_jax.LossConfig(use_tis=True, mis=MIS),
+    "reinforce_is": mis_jax.LossConfig(use_tis=True, use_rollout_logprobs=True, denominator="original"),
+}
+MESHES = {"8": (1, 8, 1), "2x4": (2, 4, 1), "2x2x2": (2, 2, 2)}
+ROW_LEN = 32
+# Adam's first update is lr·g/(|g| + eps): with eps = 1e-8 an entry whose gradient is rounding
+# noise (~1e-9, reduction order differs across devices) moves by ±lr either way. eps = 1e-4
+# keeps that amplification (lr·δg/eps) below 1e-6; the moments themselves are eps-free.
+OPTIM = TrainSection(learning_rate=1e-2, adam_eps=1e-4, max_grad_norm=1.0, steps=10)
+
+
+def _samples(num=24, seed=0):
+  """Rollout-like samples: prompts of 3-6 tokens, responses of 1-14 (a length-1 response
+  included), rollout log-probs a perturbation of anything."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for i in range(num):
+    p, r = int(rng.integers(3, 7)), 1 if i == 0 else int(rng.integers(1, 15))
+    out.append(types.SimpleNamespace(prompt_ids=rng.integers(3, 64, p).tolist(),
+                                     response_ids=rng.integers(3, 64, r).tolist(),
+                                     rollout_logprobs=(-rng.uniform(0.5, 5.0, r)).astype(np.float32)))
+  return out
+
+
+def _step_batch(tokens_per_micro_batch, batch_devices, samples=None):
+  samples = samples or _samples()
+  rng = np.random.default_rng(1)
+  rewards = rng.uniform(0, 1, len(samples)).astype(np.float32)
+  groups = np.arange(len(samples)) // 4
+  adv = np.asarray(mis_jax.compute_advantages(rewards, groups, num_groups=int(groups.max()) + 1))
+  return build_step_batch(samples, rewards, adv, groups, num_segments=len(samples), row_len=ROW_LEN,
+                          tokens_per_micro_batch=tokens_per_micro_batch, batch_devices=batch_devices)
+
+
+def _functions(mesh, loss_cfg, model_kwargs=(), chunk=8):
+  model_kwargs = dict(model_kwargs)
+  if mesh.size > 1:
+    model_kwargs["activation_sharding"] = parallel.activation_sharding(mesh)
+  graphdef, abstract = nnx.split(abstract_model(TINY, **model_kwargs))
+  optimizer = step_lib.make_optimizer(OPTIM)
+  psh = parallel.param_shardings(abstract, mesh)
+  osh = parallel.state_shardings(jax.eval_shape(optimizer.init, abstract), abstract, psh, mesh)
+  return step_lib.StepFunctions(graphdef, optimizer, loss_cfg, temperature=0.9, mesh=mesh, param_shardings=psh,
+                                opt_shardings=osh, logprob_chunk=chunk)
+
+
+def _run(mesh, loss_cfg, sb, steps, fns=None, params=None):
+  """`steps` updates on one step batch from the same initial weights; returns host copies of
+  (params, opt_state) after each update and the per-update metrics."""
+  fns = fns or _functions(mesh, loss_cfg)
+  init = nnx.state(Qwen(TINY, rngs=nnx.Rngs(0)), nnx.Param) if params is None else params
+  params = jax.device_put(init, fns.param_shardings)
+  opt_state = fns.init_opt_state(params)
+  put = lambda x: jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x)))
+  inputs = step_lib.ModelInputs(put(sb.input_ids), put(sb.positions), put(sb.targets))
+  batch = jax.tree.map(put, sb.batch)
+  states, history = [], []
+  for _ in range(steps):
+    b = batch
+    if loss_cfg.needs_old_logprobs:
+      b = b.replace(old_logprobs=fns.logprobs(params, inputs, b.segment_ids))
+    prepared, dens, step_metrics = fns.prepare(b)
+    params, opt_state, metrics = fns.train(params, opt_state, inputs, prepared, dens)
+    history.append({k: float(v) for k, v in {**metrics, **step_metrics}.items()})
+    states.append(jax.tree.map(np.asarray, (params, opt_state)))
+  return states, history, (params, opt_state, fns)
+
+
+def _assert_trees_close(got, want, what):
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+    a, b = np.asarray(a), np.asarray(b)
+    scale = float(np.max(np.abs(b))) if b.size else 0.0
+    # rtol 1e-5; entries that are zero up to rounding are compared relative to the leaf's scale.
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale + 1e-9,
+                               err_msg=f"{what} {jax.tree_util.keystr(path)}")
+
+
+def _assert_metrics_close(got, want):
+  assert got.keys() == want.keys()
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)  # loss: a difference of O(1) terms
+
+
+def _mesh(shape):
+  return parallel.make_mesh(parallel.ParallelSection(*shape), jax.devices()[:int(np.prod(shape))])
+
+
+@pytest.fixture(scope="module")
+def single_device_runs():
+  """Reference runs on one device (3 updates each), shared by the mesh tests."""
+  mesh = _mesh((1, 1, 1))
+  # The layout the 8-device meshes use (one row per device per micro-batch): the same rows everywhere.
+  sb = _step_batch(ROW_LEN, 8, _samples(40))
+  return sb, {name: _run(mesh, cfg, sb, 3)[:2] for name, cfg in ALGORITHMS.items()}
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+@pytest.mark.parametrize("algo", sorted(ALGORITHMS))
+def test_mesh_step_equals_single_device(algo, mesh_name, single_device_runs):
+  sb, runs = single_device_runs
+  assert sb.layout.micro_batches == 2  # the step accumulates over micro-batches on every mesh
+  want_states, want_history = runs[algo]
+  mesh = _mesh(MESHES[mesh_name])
+  states, history, (params, opt_state, fns) = _run(mesh, ALGORITHMS[algo], sb, 3)
+  for i in (0, 2):  # after one and after three optimiser steps
+    _assert_trees_close(states[i][0], want_states[i][0], f"params after {i + 1}")
+    _assert_trees_close(states[i][1], want_states[i][1], f"opt_state after {i + 1}")
+    _assert_metrics_close(history[i], want_history[i])
+  # Every parameter and optimiser leaf carries its declared sharding (donation kept them).
+  assert parallel.assert_shardings(params, fns.param_shardings) == []
+  assert parallel.assert_shardings(opt_state, fns.opt_shardings) == []
+
+
+def test_partition_rules_on_a_3d_mesh():
+  mesh = _mesh((2, 2, 2))
+  abstract = nnx.state(abstract_model(dataclasses.replace(TINY, tie_word_embeddings=False)), nnx.Param)
+  specs = {"/".join(str(k) for k in path): s.get_value().spec
+           for path, s in nnx.to_flat_state(parallel.param_shardings(abstract, mesh))}
+  P = jax.sharding.PartitionSpec
+  assert specs["layers/self_attn/q_proj/kernel"] == P(None, "fsdp", "tensor")     # column parallel
+  assert specs["layers/self_attn/k_proj/kernel"] == P(None, "fsdp", "tensor")
+  assert specs["layers/self_attn/o_proj/kernel"] == P(None, "tensor", "fsdp")     # row parallel
+  assert specs["layers/mlp/up_proj/kernel"] == P(None, "fsdp", "tensor")
+  assert specs["layers/mlp/down_proj/kernel"] == P(None, "tensor", "fsdp")
+  assert specs["embed_tokens/embedding"] == P("tensor", "fsdp")                  # vocab parallel
+  assert specs["lm_head/kernel"] == P("fsdp", "tensor")
+  assert specs["layers/input_layernorm/weight"] == P(None, None)                  # vectors replicated
+  # FSDP alone takes the largest dimension of each matrix.
+  specs8 = {"/".join(str(k) for k in path): s.get_value().spec
+            for path, s in nnx.to_flat_state(parallel.param_shardings(abstract, _mesh((1, 8, 1))))}
+  assert specs8["layers/mlp/up_proj/kernel"] == P(None, None, "fsdp")             # [L, 64, 128]
+  assert specs8["layers/mlp/down_proj/kernel"] == P(None, "fsdp", None)           # [L, 128, 64]
+
+
+@pytest.mark.parametrize("algo", ["ppo", "decoupled_ppo", "reinforce_is"])
+def test_one_micro_batch_equals_four(algo):
+  mesh = _mesh((1, 1, 1))
+  one, four = _step_batch(8 * ROW_LEN, 1), _step_batch(2 * ROW_LEN, 1)
+  assert (one.layout.micro_batches, four.layout.micro_batches) == (1, 4)
+  assert one.layout.num_rows == four.layout.num_rows == 8
+  fns = _functions(mesh, ALGORITHMS[algo])  # one compiled step per micro-batch count
+  s1, h1, _ = _run(mesh, ALGORITHMS[algo], one, 1, fns)
+  s4, h4, _ = _run(mesh, ALGORITHMS[algo], four, 1, fns)
+  _assert_trees_close(s4[0], s1[0], "state")
+  # Loss terms add, min/max combine, means weighted by their denominators: exact here, except
+  # ESS (a ratio of sums, not a mean), which micro-batches can only approximate.
+  h1[0].pop("mis_ess_ratio", None), h4[0].pop("mis_ess_ratio", None)
+  _assert_metrics_close(h4[0], h1[0])
+
+
+def test_combine_metrics_reduces_each_metric_its_own_way():
+  stacked = {"loss": jnp.array([0.5, 0.25, 0.0]), "mis_is_ratio_max_final": jnp.array([2.0, 3.0, 9.0]),
+             "mis_is_ratio_min_final": jnp.array([0.5, 0.2, 0.0]), "mis_kl": jnp.array([1.0, 4.0, 7.0]),
+             "pg_clipfrac": jnp.array([0.5, 0.0, 3.0]), "mis_rs_catastrophic_seq_fraction": jnp.array([1.0, 0.0, 5.0])}
+  # The third micro-batch is empty (all padding): it must not count anywhere.
+  weights = {"mask": jnp.array([1.0, 3.0, 0.0]), "kept": jnp.array([2.0, 2.0, 0.0]), "seqs": jnp.array([1.0, 1.0, 0.0])}
+  out = {k: float(v) for k, v in step_lib.combine_metrics(stacked, weights).items()}
+  assert out == pytest.approx({"loss": 0.75, "mis_is_ratio_max_final": 3.0, "mis_is_ratio_min_final": 0.2,
+                               "mis_kl": (1 * 1 + 4 * 3) / 4, "pg_clipfrac": (0.5 * 2) / 4,
+                               "mis_rs_catastrophic_seq_fraction": 0.5})
+
+
+def test_layout_is_sized_by_a_token_budget_per_device():
+  lengths = [30] * 40  # one sequence per row of 32
+  assert plan_layout(lengths, row_len=32, tokens_per_micro_batch=128, batch_devices=8).shape == (2, 32, 32)
+  assert plan_layout(lengths[:9], row_len=32, tokens_per_micro_batch=128, batch_devices=8).shape == (1, 16, 32)
+  assert plan_layout(lengths, row_len=32, tokens_per_micro_batch=96, batch_devices=1).shape == (16, 3, 32)
+  assert plan_layout(lengths[:38], row_len=32, tokens_per_micro_batch=96, batch_devices=1).shape == (16, 3, 32)
+  assert plan_layout(lengths[:30], row_len=32, tokens_per_micro_batch=96, batch_devices=1).shape == (12, 3, 32)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_chunked_logprobs_equal_full_logits(tied):
+  """The step's log-probs (hidden states + mis_jax.token_logprobs, on a mesh) equal today's
+  path (full [T, V] logits, log_softmax) — values, entropy and parameter gradients."""
+  cfg = dataclasses.replace(TINY, tie_word_embeddings=tied)
+  model = Qwen(cfg, rngs=nnx.Rngs(3))
+  graphdef, params = nnx.split(model)
+  sb = _step_batch(4 * ROW_LEN, 1)
+  inputs = step_lib.ModelInputs(*(jnp.asarray(x[0]) for x in (sb.input_ids, sb.positions, sb.targets)))
+  seg = jnp.asarray(sb.batch.segment_ids[0])
+  w = jnp.asarray(np.random.default_rng(0).normal(size=seg.shape), jnp.float32)
+
+  def full(p):
+    logits = nnx.merge(graphdef, p)(inputs.input_ids, inputs.positions, seg) / 0.9
+    logp = jax.nn.log_softmax(logits)
+    lp = jnp.take_along_axis(logp, inputs.targets[..., None], axis=-1)[..., 0]
+    return lp, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+
+  mesh = _mesh((1, 2, 2))
+  chunked = lambda p: step_lib.model_logprobs(graphdef, p, inputs, seg, temperature=0.9, chunk_size=8,
+                                              entropy=True, mesh=mesh)
+  loss = lambda f: lambda p: jnp.sum(jnp.where(seg >= 0, f(p)[0] * w + f(p)[1], 0.0))
+  (lp0, ent0), (lp1, ent1) = jax.jit(full)(params), jax.jit(chunked)(params)
+  valid = np.asarray(seg) >= 0
+  np.testing.assert_allclose(np.asarray(lp1)[valid], np.asarray(lp0)[valid], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(ent1)[valid], np.asarray(ent0)[valid], rtol=1e-5, atol=1e-5)
+  g0, g1 = jax.jit(jax.grad(loss(full)))(params), jax.jit(jax.grad(loss(chunked)))(params)
+  _assert_trees_close(g1, g0, "grad")
+
+
+def test_bf16_compute_is_close_to_float32():
+  """bf16 compute with float32 master weights: log-probs within 0.2 per token, 0.05 on average
+  (bf16 keeps 8 mantissa bits: ~0.4% of logits of magnitude ~10 in this peaky tiny model — the
+  same gap as the bf16 rollout engine's), gradients within 5% in norm and aligned (cosine >
+  0.99); the gradients stay float32."""
+  sb = _step_batch(4 * ROW_LEN, 1)
+  inputs = step_lib.ModelInputs(*(jnp.asarray(x[0]) for x in (sb.input_ids, sb.positions, sb.targets)))
+  seg = jnp.asarray(sb.batch.segment_ids[0])
+  params = nnx.state(Qwen(TINY, rngs=nnx.Rngs(0)), nnx.Param)
+  valid = np.asarray(seg) >= 0
+  out = {}
+  for dtype in (jnp.float32, jnp.bfloat16):
+    graphdef = nnx.graphdef(abstract_model(TINY, dtype=dtype, attention="blocked", remat="full"))
+    f = lambda p: step_lib.model_logprobs(graphdef, p, inputs, seg, temperature=1.0, chunk_size=16, entropy=False)
+    lp = jax.jit(f)(params)
+    g = jax.jit(jax.grad(lambda p: jnp.sum(jnp.where(seg >= 0, f(p), 0.0))))(params)
+    out[dtype] = (np.asarray(lp)[valid], np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]),
+                  {x.dtype for x in jax.tree.leaves(g)})
+  (lp32, g32, _), (lp16, g16, dt16) = out[jnp.float32], out[jnp.bfloat16]
+  assert dt16 == {np.dtype("float32")}
+  print("bf16 - f32 log-probs: max", np.max(np.abs(lp16 - lp32)), "mean", np.mean(np.abs(lp16 - lp32)),
+        "grad norm ratio", np.linalg.norm(g16) / np.linalg.norm(g32),
+        "cosine", g16 @ g32 / (np.linalg.norm(g16) * np.linalg.norm(g32)))
+  assert np.max(np.abs(lp16 - lp32)) < 0.2 and np.mean(np.abs(lp16 - lp32)) < 0.05
+  assert abs(np.linalg.norm(g16) / np.linalg.norm(g32) - 1) < 0.05
+  assert g16 @ g32 / (np.linalg.norm(g16) * np.linalg.norm(g32)) > 0.99
+
+
+@pytest.mark.parametrize("attention,remat", [("dense", "none"), ("blocked", "full"), ("blocked", "dots")])
+def test_attention_backends_and_remat_give_the_same_gradients(attention, remat):
+  sb = _step_batch(4 * ROW_LEN, 1)
+  inputs = step_lib.ModelInputs(*(jnp.asarray(x[0]) for x in (sb.input_ids, sb.positions, sb.targets)))
+  seg = jnp.asarray(sb.batch.segment_ids[0])
+  params = nnx.state(Qwen(TINY, rngs=nnx.Rngs(0)), nnx.Param)
+
+  def grads(**kwargs):
+    graphdef = nnx.graphdef(abstract_model(TINY, **kwargs))
+    f = lambda p: step_lib.model_logprobs(graphdef, p, inputs, seg, temperature=1.0, chunk_size=16, entropy=False)
+    return jax.jit(jax.grad(lambda p: jnp.sum(jnp.where(seg >= 0, f(p), 0.0))))(params)
+
+  _assert_trees_close(grads(attention=attention, remat=remat), grads(attention="dense", remat="none"), "grad")
+
+
+def test_invalid_mesh_is_a_config_error():
+  with pytest.raises(mis_jax.ConfigError, match=r"data=3 .* does not divide the 8 devices"):
+    parallel.ParallelSection(data=3).mesh_shape(8)
+  with pytest.raises(mis_jax.ConfigError, match="only one of"):
+    parallel.ParallelSection(data=-1, fsdp=-1).mesh_shape(8)
+  with pytest.raises(mis_jax.ConfigError, match=r"data x fsdp x tensor = 4 but there are 8"):
+    parallel.ParallelSection(data=2, fsdp=2, tensor=1).mesh_shape(8)
+  with pytest.raises(mis_jax.ConfigError, match="parallel.tensor must be a positive int"):
+    parallel.ParallelSection(tensor=0).mesh_shape(8)
+  assert parallel.ParallelSection().mesh_shape(8) == (1, 8, 1)
+  assert parallel.ParallelSection(data=2, tensor=2).mesh_shape(8) == (2, 2, 2)
+  with pytest.raises(mis_jax.ConfigError, match=r"parallel.tensor=8 does not divide the model's num_attention_heads \(4\)"):
+    parallel.check_model(_mesh((1, 1, 8)), TINY)
+  with pytest.raises(mis_jax.ConfigError, match=r"num_key_value_heads \(2\)"):
+    parallel.check_model(_mesh((1, 2, 4)), TINY)
+
+
+def test_cli_rejects_a_bad_mesh_before_starting_anything(tmp_path, capsys):
+  from trainers import cli
+  code = cli.main(["train", "--config", "configs/demo.yaml", "--run-dir", str(tmp_path / "r"),
+                   "--set", "parallel.tensor=8"])
+  assert code == 2
+  assert "parallel.tensor=8 does not divide the model's num_attention_heads (4)" in capsys.readouterr().err
+  assert not (tmp_path / "r").exists()  # nothing was started or written
+
+
+def test_hf_weights_load_straight_into_their_shards(tmp_path):
+  init_checkpoint(tmp_path, config=dataclasses.replace(TINY, tie_word_embeddings=False), seed=2)
+  mesh = _mesh((2, 2, 2))
+  whole = load_hf_checkpoint(tmp_path)
+  abstract = nnx.state(abstract_model(whole.config), nnx.Param)
+  shardings = parallel.param_shardings(abstract, mesh)
+  sharded = load_hf_checkpoint(tmp_path, shardings=shardings)
+  state = nnx.state(sharded, nnx.Param)
+  assert parallel.assert_shardings(state, shardings) == []
+  _assert_trees_close(state, nnx.state(whole, nnx.Param), "loaded")
+  q = state["layers"]["self_attn"]["q_proj"]["kernel"][...]
+  assert {s.data.shape for s in q.addressable_shards} == {(2, 32, 32)}  # [L, 64, 64] split 2 x 2

@@ -1,0 +1,112 @@
+"""Batch assembly: rollout samples → a packed, micro-batched step batch and its model inputs.
+
+Each sequence is prompt + response; the model sees `seq[:-1]` and predicts `seq[1:]`, so
+response token `j` sits at input position `len(prompt) - 1 + j`. Sequences are packed
+first-fit-decreasing into rows of `row_len` tokens (SPEC §1) and the rows are laid out as
+`[micro_batches, rows_per_micro_batch, row_len]`, where a micro-batch holds at most
+`tokens_per_micro_batch` tokens per device of the `data × fsdp` batch axes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+import mis_jax
+
+
+def _bucket(n: int) -> int:
+  """`n` rounded up to 1, 2, 3, 4, 6, 8, 12, 16, ... (powers of two and 1.5×): few distinct
+  shapes to compile, at most a third of the micro-batches empty."""
+  if n <= 2:
+    return max(n, 1)
+  p = 2 ** (math.ceil(math.log2(n)) - 1)
+  return 3 * p // 2 if n <= 3 * p // 2 else 2 * p
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """How a step's rows are split: `micro_batches × rows_per_micro_batch` rows of `row_len`."""
+  micro_batches: int
+  rows_per_micro_batch: int
+  row_len: int
+
+  @property
+  def num_rows(self) -> int:
+    return self.micro_batches * self.rows_per_micro_batch
+
+  @property
+  def shape(self) -> tuple[int, int, int]:
+    return self.micro_batches, self.rows_per_micro_batch, self.row_len
+
+
+def plan_layout(lengths, *, row_len: int, tokens_per_micro_batch: int, batch_devices: int) -> Layout:
+  """The smallest layout (in few bucketed shapes) that holds the packed sequences.
+
+  A micro-batch has `rows_per_device × batch_devices` rows, with `rows_per_device ≤
+  tokens_per_micro_batch // row_len`; a step that needs fewer rows gets a smaller micro-batch
+  (a power of two rows per device), a larger one several micro-batches."""
+  max_rows = max(1, tokens_per_micro_batch // row_len)
+  needed = mis_jax.plan_packing(lengths, row_len).num_rows
+  per_device = -(-needed // batch_devices)
+  if per_device <= max_rows:
+    rows = min(2 ** math.ceil(math.log2(per_device)), max_rows)
+    k = 1
+  else:
+    rows, k = max_rows, _bucket(-(-per_device // max_rows))
+  return Layout(micro_batches=k, rows_per_micro_batch=rows * batch_devices, row_len=row_len)
+
+
+@dataclasses.dataclass
+class StepBatch:
+  """One step's packed batch (`[micro_batches, rows, row_len]` arrays) and its model inputs."""
+  batch: mis_jax.PackedBatch
+  input_ids: np.ndarray
+  positions: np.ndarray
+  targets: np.ndarray
+  rewards: np.ndarray
+  response_lengths: np.ndarray
+  groups: np.ndarray
+  packing: mis_jax.Packing
+  layout: Layout
+
+  def per_sequence(self, token_array) -> list[np.ndarray]:
+    """A `[micro_batches, rows, row_len]` per-token array → one array per sequence."""
+    return self.packing.unpack(np.asarray(token_array).reshape(self.layout.num_rows, self.layout.row_len))
+
+  def tokens(self, per_sequence, fill, dtype) -> np.ndarray:
+    """One array per sequence → a packed `[micro_batches, rows, row_len]` array."""
+    return self.packing.pack(per_sequence, fill, dtype).reshape(self.layout.shape)
+
+
+def build_step_batch(samples, rewards, advantages, groups, *, num_segments: int, row_len: int,
+                     tokens_per_micro_batch: int, batch_devices: int) -> StepBatch:
+  """Packs `samples` (with `prompt_ids`, `response_ids`, `rollout_logprobs`) and their
+  per-sequence `advantages` into a :class:`StepBatch`."""
+  inputs, targets, masks, q = [], [], [], []
+  for s in samples:
+    seq = np.array(s.prompt_ids + s.response_ids, np.int32)
+    inputs.append(seq[:-1])
+    targets.append(seq[1:])
+    m = np.arange(len(seq) - 1) >= len(s.prompt_ids) - 1
+    masks.append(m)
+    lp = np.zeros(len(seq) - 1, np.float32)
+    lp[m] = s.rollout_logprobs
+    q.append(lp)
+  lengths = [len(x) for x in inputs]
+  layout = plan_layout(lengths, row_len=row_len, tokens_per_micro_batch=tokens_per_micro_batch,
+                       batch_devices=batch_devices)
+  packing = mis_jax.plan_packing(lengths, row_len, num_rows=layout.num_rows)
+  shaped = lambda x: np.asarray(x).reshape(layout.shape)
+  pack = lambda xs, fill, dtype: shaped(packing.pack(xs, fill, dtype))
+  advs = [np.full(n, a, np.float32) for n, a in zip(lengths, advantages)]
+  batch = mis_jax.PackedBatch(
+      segment_ids=shaped(packing.segment_ids), loss_mask=pack(masks, False, bool),
+      advantages=pack(advs, 0.0, np.float32), rollout_logprobs=pack(q, 0.0, np.float32),
+      num_segments=num_segments)
+  return StepBatch(batch=batch, input_ids=pack(inputs, 0, np.int32), positions=shaped(packing.positions),
+                   targets=pack(targets, 0, np.int32), rewards=np.asarray(rewards, np.float32),
+                   response_lengths=np.array([len(s.response_ids) for s in samples]),
+                   groups=np.asarray(groups, np.int32), packing=packing, layout=layout)

@@ -1,0 +1,155 @@
+"""The device mesh and where every array lives on it (the trainer's `parallel` section).
+
+Three mesh axes, built with `jax.make_mesh` (GSPMD-style `Auto` axes):
+
+- `data`: plain data parallelism — parameters replicated, the batch split;
+- `fsdp`: fully sharded data parallelism — the batch split *and* every matrix parameter (and
+  its optimiser state and gradient accumulator) split along its largest dimension; XLA
+  all-gathers a layer's weights when it runs and reduce-scatters its gradients;
+- `tensor`: Megatron tensor parallelism — q/k/v, gate and up projections split by output
+  columns (heads / MLP columns), o and down projections by input rows, the vocabulary of the
+  embedding and LM head split; activations replicated.
+
+The batch (`[micro_batches, rows, row_len]`) is split over `data × fsdp` along its rows.
+Partition rules are keyed by parameter name (`PARAM_RULES`), as MaxText's logical axis rules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from mis_jax import ConfigError
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+# Which axis of a parameter (per layer, after the stacked layer axis) tensor parallelism
+# splits, by the last two components of its name: column-parallel projections split their
+# output features (heads, MLP columns), row-parallel ones their input features, the
+# embedding and LM head the vocabulary. Everything else (norms, o_proj's bias) is replicated
+# over `tensor`.
+PARAM_RULES = {
+    ("q_proj", "kernel"): -1, ("k_proj", "kernel"): -1, ("v_proj", "kernel"): -1,
+    ("q_proj", "bias"): -1, ("k_proj", "bias"): -1, ("v_proj", "bias"): -1,
+    ("gate_proj", "kernel"): -1, ("up_proj", "kernel"): -1,
+    ("o_proj", "kernel"): -2, ("down_proj", "kernel"): -2,
+    ("embed_tokens", "embedding"): 0, ("lm_head", "kernel"): -1,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelSection:
+  """Mesh axis sizes; one of them may be -1, meaning all the devices the others leave."""
+  data: int = 1
+  fsdp: int = -1
+  tensor: int = 1
+
+  def mesh_shape(self, num_devices: int) -> tuple[int, int, int]:
+    """The resolved `(data, fsdp, tensor)` sizes for `num_devices`, or a `ConfigError`."""
+    sizes = {a: getattr(self, a) for a in AXES}
+    for axis, n in sizes.items():
+      if isinstance(n, bool) or not isinstance(n, int) or (n < 1 and n != -1):
+        raise ConfigError(f"parallel.{axis} must be a positive int or -1 (the rest of the devices), got {n!r}")
+    free = [a for a, n in sizes.items() if n == -1]
+    if len(free) > 1:
+      raise ConfigError(f"only one of parallel.{{data,fsdp,tensor}} may be -1, got {', '.join(free)}")
+    fixed = math.prod(n for n in sizes.values() if n != -1)
+    if num_devices % fixed:
+      given = " x ".join(f"{a}={n}" for a, n in sizes.items() if n != -1)
+      raise ConfigError(f"parallel: {given} (= {fixed}) does not divide the {num_devices} devices")
+    if free:
+      sizes[free[0]] = num_devices // fixed
+    elif fixed != num_devices:
+      raise ConfigError(f"parallel: data x fsdp x tensor = {fixed} but there are {num_devices} devices "
+                        "(set one axis to -1 to take the rest)")
+    return sizes["data"], sizes["fsdp"], sizes["tensor"]
+
+
+def make_mesh(section: ParallelSection, devices=None) -> jax.sharding.Mesh:
+  devices = list(jax.devices() if devices is None else devices)
+  shape = section.mesh_shape(len(devices))
+  return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+
+
+def check_model(mesh: jax.sharding.Mesh, model_cfg) -> None:
+  """Tensor parallelism splits heads and MLP columns: they must divide evenly."""
+  tp = mesh.shape["tensor"]
+  for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+    n = getattr(model_cfg, name)
+    if n % tp:
+      raise ConfigError(f"parallel.tensor={tp} does not divide the model's {name} ({n}); "
+                        f"choose a tensor size that divides {name}")
+
+
+def param_spec(path: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
+  """The `PartitionSpec` of one parameter from its name and shape (see `PARAM_RULES`).
+
+  Stacked layer parameters keep their layer axis whole. `tensor` takes the axis its rule
+  names (when it divides); `fsdp` then takes the largest remaining axis it divides, for
+  every parameter with at least two axes of its own (vectors stay replicated: tiny).
+  """
+  names = tuple(str(p) for p in path)
+  lead = 1 if names[0] == "layers" else 0
+  spec: list = [None] * len(shape)
+  own = list(range(lead, len(shape)))
+  tp, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
+  rule = PARAM_RULES.get(names[-2:])
+  if rule is not None and tp > 1:
+    axis = own[rule]
+    if shape[axis] % tp == 0:
+      spec[axis] = "tensor"
+  if len(own) >= 2 and fsdp > 1:
+    free = sorted((a for a in own if spec[a] is None and shape[a] % fsdp == 0), key=lambda a: -shape[a])
+    if free:
+      spec[free[0]] = "fsdp"
+  return P(*spec)
+
+
+def param_shardings(abstract_state: nnx.State, mesh: jax.sharding.Mesh) -> nnx.State:
+  """An `nnx.State` of `NamedSharding`s with the structure of the parameter state."""
+  flat = [(path, var.replace(NamedSharding(mesh, param_spec(path, tuple(var.get_value().shape), mesh))))
+          for path, var in nnx.to_flat_state(abstract_state)]
+  return nnx.from_flat_state(flat)
+
+
+def state_shardings(abstract_tree, params_abstract, params_shardings, mesh):
+  """Shardings for a tree holding copies of the parameter tree (an optimiser state: Adam's
+  moments are parameter-shaped): parameter-shaped subtrees get the parameters' shardings,
+  everything else (step counts) is replicated."""
+  params_def = jax.tree.structure(params_abstract)
+  replicated = NamedSharding(mesh, P())
+
+  def like_params(x):
+    return jax.tree.structure(x) == params_def
+
+  return jax.tree.map(lambda x: params_shardings if like_params(x) else replicated, abstract_tree,
+                      is_leaf=like_params)
+
+
+def batch_sharding(mesh: jax.sharding.Mesh, ndim: int = 3) -> NamedSharding:
+  """`[micro_batches, rows, ...]` arrays: rows split over `data × fsdp`."""
+  return NamedSharding(mesh, P(None, BATCH_AXES, *([None] * (ndim - 2))))
+
+
+def activation_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
+  """The `[rows, row_len, hidden]` residual stream: rows over `data × fsdp`, replicated over `tensor`."""
+  return NamedSharding(mesh, P(BATCH_AXES, None, None))
+
+
+def batch_devices(mesh: jax.sharding.Mesh) -> int:
+  return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def assert_shardings(tree, shardings) -> list[str]:
+  """Paths of leaves of `tree` whose sharding differs from the declared one (empty if none)."""
+  bad = []
+  for (path, x), s in zip(jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(shardings)):
+    if not x.sharding.is_equivalent_to(s, np.ndim(x)):
+      bad.append(f"{jax.tree_util.keystr(path)}: {x.sharding} != {s}")
+  return bad

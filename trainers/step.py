@@ -1,0 +1,158 @@
+"""The jitted training step: micro-batched loss and gradient, Optax update, on a device mesh.
+
+`StepFunctions` holds three jitted functions over a step's batch laid out as
+`[micro_batches, rows, row_len]` (rows split over `data × fsdp`):
+
+- `logprobs(params, inputs, segment_ids)`: teacher-forced log-probs (the old or reference
+  policy's), one micro-batch at a time;
+- `prepare(batch)`: `mis_jax.prepare_step` — IS weights, kept mask and global denominators,
+  once per step;
+- `train(params, opt_state, inputs, batch, denominators)`: a `lax.scan` over the micro-batches
+  accumulating float32 gradients (sharded like the parameters), then the Optax update, in one
+  program; parameters and optimiser state are donated.
+
+Log-probs never build `[T, V]` logits: the model stops at its final hidden states and
+`mis_jax.token_logprobs` computes log-probs and entropy chunk by chunk, inside a `shard_map`
+over the batch (each device's own tokens, the LM head all-gathered once).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import mis_jax
+from trainers import parallel
+
+# How step metrics combine over micro-batches (SPEC §8 metrics are per micro-batch reductions):
+ADDITIVE = frozenset({"loss", "pg_loss", "entropy_loss", "kl_loss"})  # global denominators: sums
+KEPT_MEANS = frozenset({"pg_clipfrac", "ppo_kl", "mis_is_ratio_mean_final", "mis_is_ratio_mean_after_tis_rs",
+                        "mis_tis_weight_after_bound", "mis_ess_ratio"})  # means over the kept mask
+
+
+class ModelInputs(NamedTuple):
+  """Model inputs of packed rows: `input_ids`, `positions`, `targets` (next tokens), int32."""
+  input_ids: jax.Array
+  positions: jax.Array
+  targets: jax.Array
+
+
+def make_optimizer(train_cfg) -> optax.GradientTransformation:
+  t = train_cfg
+  schedule = (optax.warmup_cosine_decay_schedule(0.0, t.learning_rate, max(t.warmup_steps, 1), t.steps)
+              if t.schedule == "cosine" else
+              optax.join_schedules([optax.linear_schedule(0.0, t.learning_rate, t.warmup_steps),
+                                    optax.constant_schedule(t.learning_rate)], [t.warmup_steps]))
+  return optax.chain(optax.clip_by_global_norm(t.max_grad_norm),
+                     optax.adamw(schedule, eps=t.adam_eps, weight_decay=t.weight_decay))
+
+
+def model_logprobs(graphdef, params, inputs: ModelInputs, segment_ids, *, temperature: float,
+                   chunk_size: int, entropy: bool, mesh=None):
+  """Per-token `log_softmax(logits / temperature)[targets]` (and entropy), float32 `[B, T]`,
+  from the model's final hidden states with `mis_jax.token_logprobs` (no `[T, V]` logits).
+
+  On a mesh the head runs in a `shard_map`: each device takes its own rows (and, when the row
+  length divides, a `1/tensor` share of their tokens) against the all-gathered LM head in the
+  compute dtype; the head's gradient is summed over devices by the `shard_map` transpose.
+  """
+  model = nnx.merge(graphdef, params)
+  hidden = model.hidden_states(inputs.input_ids, inputs.positions, segment_ids)
+  head, layout = model.head()
+  head = head.astype(hidden.dtype)
+  fn = functools.partial(mis_jax.token_logprobs, temperature=temperature, chunk_size=chunk_size,
+                         return_entropy=entropy, lm_head_layout=layout)
+  if mesh is None or mesh.size == 1:
+    return fn(hidden, head, inputs.targets)
+  tokens = "tensor" if hidden.shape[1] % mesh.shape["tensor"] == 0 else None
+  spec = P(parallel.BATCH_AXES, tokens)
+  out_specs = (spec, spec) if entropy else spec
+  return jax.shard_map(fn, mesh=mesh, in_specs=(P(parallel.BATCH_AXES, tokens, None), P(), spec),
+                       out_specs=out_specs, check_vma=False)(hidden, head, inputs.targets)
+
+
+def _micro_batch_weights(batch: mis_jax.PackedBatch, mode: str):
+  """Per micro-batch weights of its metrics in the step's: the number of loss-mask and of
+  kept tokens (token-mean) or live segments (seq-mean modes), and live segments always."""
+  valid = batch.segment_ids >= 0
+  mask = valid & batch.loss_mask.astype(bool)
+  kept = mask if batch.kept_mask is None else mask & batch.kept_mask.astype(bool)
+  ids = jnp.where(valid, batch.segment_ids, batch.num_segments).reshape(-1)
+
+  def seqs(m):
+    per = jax.ops.segment_sum(m.reshape(-1).astype(jnp.float32), ids, batch.num_segments + 1)
+    return jnp.sum((per[:-1] > 0).astype(jnp.float32))
+
+  if mode == "token-mean":
+    w_mask, w_kept = jnp.sum(mask.astype(jnp.float32)), jnp.sum(kept.astype(jnp.float32))
+  else:
+    w_mask, w_kept = seqs(mask), seqs(kept)
+  return {"mask": w_mask, "kept": w_kept, "seqs": seqs(mask)}
+
+
+def combine_metrics(stacked: dict, weights: dict) -> dict:
+  """`[k]` micro-batch metrics → step metrics: loss terms add (their denominators are the
+  step's), `*_min`/`*_max` take the min/max over micro-batches with tokens, and means are
+  weighted by their micro-batch denominators (loss-mask tokens or sequences; kept ones for
+  means over the kept mask; sequences for `*_seq_fraction`)."""
+  out = {}
+  has = weights["mask"] > 0
+  for name, v in stacked.items():
+    if name in ADDITIVE:
+      out[name] = jnp.sum(v)
+    elif name.endswith(("_min", "_min_final")):
+      out[name] = jnp.where(jnp.any(has), jnp.min(jnp.where(has, v, jnp.inf)), 0.0)
+    elif name.endswith(("_max", "_max_final")):
+      out[name] = jnp.where(jnp.any(has), jnp.max(jnp.where(has, v, -jnp.inf)), 0.0)
+    else:
+      w = weights["kept" if name in KEPT_MEANS else "seqs" if name.endswith("_seq_fraction") else "mask"]
+      out[name] = jnp.sum(jnp.where(w > 0, v * w, 0.0)) / jnp.maximum(jnp.sum(w), 1.0)
+  return out
+
+
+class StepFunctions:
+  """The jitted step functions of one (model, loss, optimiser, mesh) setup; see the module doc."""
+
+  def __init__(self, graphdef, optimizer, loss_cfg: mis_jax.LossConfig, *, temperature: float, mesh,
+               param_shardings, opt_shardings, logprob_chunk: int = 1024):
+    self.mesh, self.loss_cfg, self.graphdef = mesh, loss_cfg, graphdef
+    self.param_shardings, self.opt_shardings = param_shardings, opt_shardings
+    replicated = NamedSharding(mesh, P())
+    lp = functools.partial(model_logprobs, graphdef, temperature=temperature, chunk_size=logprob_chunk,
+                           mesh=mesh)
+    batch_sh = parallel.batch_sharding(mesh)
+
+    def logprobs(params, inputs, segment_ids):
+      return jax.lax.map(lambda xs: lp(params, xs[0], xs[1], entropy=False), (inputs, segment_ids))
+
+    def train(params, opt_state, inputs, batch, dens):
+      def loss_fn(p, mb_inputs, mb_batch):
+        logp, ent = lp(p, mb_inputs, mb_batch.segment_ids, entropy=True)
+        return mis_jax.policy_loss(logp, mb_batch, loss_cfg, entropy=ent, denominators=dens)
+
+      def body(acc, xs):
+        mb_inputs, mb_batch = xs
+        (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb_inputs, mb_batch)
+        acc = jax.tree.map(lambda a, x, s: jax.lax.with_sharding_constraint(a + x.astype(jnp.float32), s),
+                           acc, g, param_shardings)
+        return acc, (metrics, _micro_batch_weights(mb_batch, loss_cfg.loss_agg_mode))
+
+      zeros = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(jnp.zeros(x.shape, jnp.float32), s),
+                           params, param_shardings)
+      grads, (mb_metrics, weights) = jax.lax.scan(body, zeros, (inputs, batch))
+      metrics = combine_metrics(mb_metrics, weights)
+      metrics["grad_norm"] = optax.tree.norm(grads)
+      updates, opt_state = optimizer.update(grads, opt_state, params)
+      return optax.apply_updates(params, updates), opt_state, metrics
+
+    self.logprobs = jax.jit(logprobs, out_shardings=batch_sh)
+    self.prepare = jax.jit(lambda batch: mis_jax.prepare_step(batch, loss_cfg))
+    self.train = jax.jit(train, donate_argnums=(0, 1),
+                         out_shardings=(param_shardings, opt_shardings, replicated))
+    self.init_opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)
