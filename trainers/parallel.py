@@ -41,6 +41,10 @@ PARAM_RULES = {
     ("o_proj", "kernel"): -2, ("down_proj", "kernel"): -2,
     ("embed_tokens", "embedding"): 0, ("lm_head", "kernel"): -1,
 }
+# The embedding table is split over `fsdp` along its hidden dimension, not the (larger)
+# vocabulary: a lookup of batch-sharded ids in a vocab-sharded table makes XLA replicate the
+# whole table, a hidden-sharded one is gathered locally.
+FSDP_RULES = {("embed_tokens", "embedding"): -1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +95,9 @@ def param_spec(path: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> 
   """The `PartitionSpec` of one parameter from its name and shape (see `PARAM_RULES`).
 
   Stacked layer parameters keep their layer axis whole. `tensor` takes the axis its rule
-  names (when it divides); `fsdp` then takes the largest remaining axis it divides, for
-  every parameter with at least two axes of its own (vectors stay replicated: tiny).
+  names (when it divides); `fsdp` then takes the largest remaining axis it divides (the
+  embedding's hidden axis: `FSDP_RULES`), for every parameter with at least two axes of its
+  own (vectors stay replicated: tiny).
   """
   names = tuple(str(p) for p in path)
   lead = 1 if names[0] == "layers" else 0
@@ -106,6 +111,9 @@ def param_spec(path: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> 
       spec[axis] = "tensor"
   if len(own) >= 2 and fsdp > 1:
     free = sorted((a for a in own if spec[a] is None and shape[a] % fsdp == 0), key=lambda a: -shape[a])
+    preferred = FSDP_RULES.get(names[-2:])
+    if preferred is not None and own[preferred] in free:
+      free.insert(0, own[preferred])
     if free:
       spec[free[0]] = "fsdp"
   return P(*spec)

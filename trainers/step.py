@@ -59,8 +59,8 @@ def model_logprobs(graphdef, params, inputs: ModelInputs, segment_ids, *, temper
   from the model's final hidden states with `mis_jax.token_logprobs` (no `[T, V]` logits).
 
   On a mesh the head runs in a `shard_map`: each device takes its own rows (and, when the row
-  length divides, a `1/tensor` share of their tokens) against the all-gathered LM head in the
-  compute dtype; the head's gradient is summed over devices by the `shard_map` transpose.
+  length divides, a `1/tensor` share of their tokens) against the LM head all-gathered in the
+  compute dtype; the head's gradient is reduce-scattered back to its shards.
   """
   model = nnx.merge(graphdef, params)
   hidden = model.hidden_states(inputs.input_ids, inputs.positions, segment_ids)
@@ -70,10 +70,21 @@ def model_logprobs(graphdef, params, inputs: ModelInputs, segment_ids, *, temper
                          return_entropy=entropy, lm_head_layout=layout)
   if mesh is None or mesh.size == 1:
     return fn(hidden, head, inputs.targets)
+  # The head enters in its own shards (in the compute dtype) and is all-gathered inside, so
+  # its gradient leaves reduce-scattered (the transpose of all_gather), never replicated.
+  head_spec = parallel.param_spec(("embed_tokens", "embedding") if layout == "vd" else ("lm_head", "kernel"),
+                                  head.shape, mesh)
+
+  def local(h, w, y):
+    for axis, names in enumerate(head_spec):
+      if names is not None:
+        w = jax.lax.all_gather(w, names, axis=axis, tiled=True)
+    return fn(h, w, y)
+
   tokens = "tensor" if hidden.shape[1] % mesh.shape["tensor"] == 0 else None
   spec = P(parallel.BATCH_AXES, tokens)
   out_specs = (spec, spec) if entropy else spec
-  return jax.shard_map(fn, mesh=mesh, in_specs=(P(parallel.BATCH_AXES, tokens, None), P(), spec),
+  return jax.shard_map(local, mesh=mesh, in_specs=(P(parallel.BATCH_AXES, tokens, None), head_spec, spec),
                        out_specs=out_specs, check_vma=False)(hidden, head, inputs.targets)
 
 

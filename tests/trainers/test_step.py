@@ -214,7 +214,7 @@ def test_chunked_logprobs_equal_full_logits(tied):
     lp = jnp.take_along_axis(logp, inputs.targets[..., None], axis=-1)[..., 0]
     return lp, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
-  mesh = _mesh((1, 2, 2))
+  mesh = _mesh((2, 2, 2))
   chunked = lambda p: step_lib.model_logprobs(graphdef, p, inputs, seg, temperature=0.9, chunk_size=8,
                                               entropy=True, mesh=mesh)
   loss = lambda f: lambda p: jnp.sum(jnp.where(seg >= 0, f(p)[0] * w + f(p)[1], 0.0))

@@ -1,6 +1,7 @@
 """The trainer end to end through a real `mis-jax serve` subprocess, its faults against a
 deliberately faulty server, kill -9 + --resume, and its config errors."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -259,3 +260,37 @@ def test_kill_9_then_resume_continues_identically(server, tmp_path):
   for step in (5, 6):
     for key in ("reward_mean", "loss", "pg_loss", "mis_k3_kl", "grad_norm"):
       np.testing.assert_allclose(resumed[step][key], ref[step][key], rtol=1e-5, err_msg=f"step {step} {key}")
+
+
+def test_mesh_runs_match_one_device_and_resume_on_the_mesh(server, tmp_path):
+  """The demo loop on meshes (8) and (2, 4) reaches the same rewards and losses as one device,
+  step by step; a run stopped after step 2 and resumed on the mesh continues identically, its
+  restored parameters and optimiser state on their declared shardings."""
+  import jax
+  loss_cfg = mis_jax.LossConfig(**ALGORITHMS["decoupled_ppo"])
+  runs = {}
+  for name, parallel_cfg, devices in (("one", {}, jax.devices()[:1]), ("fsdp8", {"fsdp": 8}, None),
+                                      ("data2-fsdp4", {"data": 2, "fsdp": 4}, None)):
+    trainer = train_lib.Trainer(make_cfg(tmp_path, name, parallel=parallel_cfg), loss_cfg, urls=[server.url],
+                                devices=devices)
+    runs[name] = trainer.run(progress=False)
+    assert dict(trainer.mesh.shape) == {"one": {"data": 1, "fsdp": 1, "tensor": 1},
+                                        "fsdp8": {"data": 1, "fsdp": 8, "tensor": 1},
+                                        "data2-fsdp4": {"data": 2, "fsdp": 4, "tensor": 1}}[name]
+  for name in ("fsdp8", "data2-fsdp4"):
+    for got, want in zip(runs[name], runs["one"]):
+      assert got["reward_mean"] == want["reward_mean"], name
+      for key in ("loss", "pg_loss", "grad_norm", "mis_k3_kl", "entropy_loss"):
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6, err_msg=f"{name} {key}")
+  # Stop after 2 steps, resume on the (2, 4) mesh for the third.
+  cfg = make_cfg(tmp_path, "resumed", parallel={"data": 2, "fsdp": 4}, train={"steps": 2})
+  train_lib.Trainer(cfg, loss_cfg, urls=[server.url]).run(progress=False)
+  resumed = train_lib.Trainer(cfg.replace(train=dataclasses.replace(cfg.train, steps=3)), loss_cfg, urls=[server.url])
+  assert resumed.restore_latest() and resumed.step == 2
+  from trainers import parallel
+  assert parallel.assert_shardings(resumed.params, resumed.fns.param_shardings) == []
+  assert parallel.assert_shardings(resumed.opt_state, resumed.fns.opt_shardings) == []
+  history = resumed.run(resume=True, progress=False)
+  assert [h["step"] for h in history] == [3]
+  for key in ("reward_mean", "loss", "grad_norm", "mis_k3_kl"):
+    np.testing.assert_allclose(history[0][key], runs["data2-fsdp4"][2][key], rtol=1e-5, err_msg=key)
