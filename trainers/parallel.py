@@ -154,7 +154,7 @@ def batch_devices(mesh: jax.sharding.Mesh) -> int:
   return mesh.shape["data"] * mesh.shape["fsdp"]
 
 
-def assert_shardings(tree, shardings) -> list[str]:
+def sharding_mismatches(tree, shardings) -> list[str]:
   """Paths of leaves of `tree` whose sharding differs from the declared one (empty if none)."""
   bad = []
   for (path, x), s in zip(jax.tree_util.tree_flatten_with_path(tree)[0], jax.tree.leaves(shardings)):

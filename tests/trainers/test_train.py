@@ -288,8 +288,8 @@ def test_mesh_runs_match_one_device_and_resume_on_the_mesh(server, tmp_path):
   resumed = train_lib.Trainer(cfg.replace(train=dataclasses.replace(cfg.train, steps=3)), loss_cfg, urls=[server.url])
   assert resumed.restore_latest() and resumed.step == 2
   from trainers import parallel
-  assert parallel.assert_shardings(resumed.params, resumed.fns.param_shardings) == []
-  assert parallel.assert_shardings(resumed.opt_state, resumed.fns.opt_shardings) == []
+  assert parallel.sharding_mismatches(resumed.params, resumed.fns.param_shardings) == []
+  assert parallel.sharding_mismatches(resumed.opt_state, resumed.fns.opt_shardings) == []
   history = resumed.run(resume=True, progress=False)
   assert [h["step"] for h in history] == [3]
   for key in ("reward_mean", "loss", "grad_norm", "mis_k3_kl"):

@@ -224,10 +224,27 @@ class Qwen(nnx.Module):
     padding, its outputs are meaningless, and it never influences real tokens.
     """
     _check_ids(input_ids, positions, segment_ids)
-    backend = self.attention
-    attend = lambda q, k, v: packed_attention(q, k, v, segment_ids, backend=backend)
-    x, _ = self._layers(self.embed_tokens(input_ids), positions, attend, None, remat=self.remat)
+    x, _ = self._layers(self.embed_tokens(input_ids), positions, self._packed_attend(segment_ids), None,
+                        remat=self.remat)
     return self.norm(x)
+
+  def _packed_attend(self, segment_ids):
+    """The training forward's attention. On a mesh (`activation_sharding` set) the blocked and
+    fused kernels run per device in a `shard_map` — rows over the batch axes, heads over
+    `tensor` when the mesh has one — so each device loops over its own rows' blocks and a
+    Pallas kernel sees local arrays; dense attention is left to XLA's partitioner."""
+    backend = self.attention
+    local = lambda q, k, v, seg: packed_attention(q, k, v, seg, backend=backend)
+    sharding = self.activation_sharding
+    if sharding is None or backend == "dense":
+      return lambda q, k, v: local(q, k, v, segment_ids)
+    P = jax.sharding.PartitionSpec
+    mesh, rows = sharding.mesh, sharding.spec[0]
+    heads = "tensor" if "tensor" in mesh.axis_names and mesh.shape["tensor"] > 1 else None
+    spec = P(rows, None, heads, None)
+    attend = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(rows, None)), out_specs=spec,
+                           check_vma=False)
+    return lambda q, k, v: attend(q, k, v, segment_ids)
 
   def _logits(self, x: jax.Array) -> jax.Array:
     logits = self.embed_tokens.attend(x) if self.config.tie_word_embeddings else self.lm_head(x)
