@@ -51,15 +51,10 @@ def main(argv=None) -> int:
     cfg, tokens, row_len, seq_len = dataclasses.replace(cfg, num_hidden_layers=2, vocab_size=8192), 2048, 1024, 256
   device = jax.devices()[0]
   mesh = parallel.make_mesh(parallel.ParallelSection(fsdp=1), [device])
-  kwargs = dict(dtype=jnp.bfloat16, param_dtype=jnp.float32, attention=args.attention, remat="full")
-  model = Qwen(cfg, rngs=nnx.Rngs(0), **kwargs)
-  graphdef, params = nnx.split(model)
-  del model
-  optimizer = step_lib.make_optimizer(OPTIM)
-  psh = parallel.param_shardings(params, mesh)
-  osh = parallel.state_shardings(jax.eval_shape(optimizer.init, params), params, psh, mesh)
-  fns = step_lib.StepFunctions(graphdef, optimizer, LOSS, temperature=1.0, mesh=mesh, param_shardings=psh,
-                               opt_shardings=osh)
+  fns = step_lib.build_step_functions(cfg, mesh, LOSS, OPTIM, dtype=jnp.bfloat16, param_dtype=jnp.float32,
+                                      attention=args.attention, remat="full")
+  params = nnx.state(Qwen(cfg, rngs=nnx.Rngs(0)), nnx.Param)  # float32 master weights
+  psh = fns.param_shardings
   params = jax.device_put(params, psh)
   opt_state = fns.init_opt_state(params)
 

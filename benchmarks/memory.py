@@ -36,7 +36,6 @@ if __name__ == "__main__":
   jax.config.update("jax_num_cpu_devices", 8)
 
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
@@ -85,14 +84,10 @@ def _analysis(compiled) -> dict:
 
 def after_step(cfg: ModelConfig, tokens: int, devices) -> dict:
   mesh = parallel.make_mesh(parallel.ParallelSection(fsdp=-1), devices)
-  kwargs = dict(dtype=jnp.bfloat16, param_dtype=jnp.float32, attention="blocked", remat="full",
-                activation_sharding=parallel.activation_sharding(mesh))
-  graphdef, abstract = nnx.split(abstract_model(cfg, **kwargs))
+  fns = step_lib.build_step_functions(cfg, mesh, LOSS, OPTIM, logprob_chunk=1024, dtype=jnp.bfloat16,
+                                      param_dtype=jnp.float32, attention="blocked", remat="full")
+  abstract, psh, osh = fns.abstract_params, fns.param_shardings, fns.opt_shardings
   optimizer = step_lib.make_optimizer(OPTIM)
-  psh = parallel.param_shardings(abstract, mesh)
-  osh = parallel.state_shardings(jax.eval_shape(optimizer.init, abstract), abstract, psh, mesh)
-  fns = step_lib.StepFunctions(graphdef, optimizer, LOSS, temperature=1.0, mesh=mesh, param_shardings=psh,
-                               opt_shardings=osh, logprob_chunk=1024)
   params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, psh)
   opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                            jax.eval_shape(optimizer.init, abstract), osh)

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import mis_jax
 from trainers import parallel
+from trainers.models.hf_io import abstract_model
 
 # How step metrics combine over micro-batches (SPEC §8 metrics are per micro-batch reductions):
 ADDITIVE = frozenset({"loss", "pg_loss", "entropy_loss", "kl_loss"})  # global denominators: sums
@@ -131,8 +132,8 @@ class StepFunctions:
   """The jitted step functions of one (model, loss, optimiser, mesh) setup; see the module doc."""
 
   def __init__(self, graphdef, optimizer, loss_cfg: mis_jax.LossConfig, *, temperature: float, mesh,
-               param_shardings, opt_shardings, logprob_chunk: int = 1024):
-    self.mesh, self.loss_cfg, self.graphdef = mesh, loss_cfg, graphdef
+               param_shardings, opt_shardings, logprob_chunk: int = 1024, abstract_params=None):
+    self.mesh, self.loss_cfg, self.graphdef, self.abstract_params = mesh, loss_cfg, graphdef, abstract_params
     self.param_shardings, self.opt_shardings = param_shardings, opt_shardings
     replicated = NamedSharding(mesh, P())
     lp = functools.partial(model_logprobs, graphdef, temperature=temperature, chunk_size=logprob_chunk,
@@ -167,3 +168,20 @@ class StepFunctions:
     self.train = jax.jit(train, donate_argnums=(0, 1),
                          out_shardings=(param_shardings, opt_shardings, replicated))
     self.init_opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)
+
+
+def build_step_functions(model_cfg, mesh, loss_cfg: mis_jax.LossConfig, train_cfg, *, temperature: float = 1.0,
+                         logprob_chunk: int = 1024, **model_kwargs) -> StepFunctions:
+  """`StepFunctions` for a `Qwen` of `model_cfg` (`model_kwargs`: `dtype`, `param_dtype`,
+  `attention`, `remat`) on `mesh`: the parameter shardings from the partition rules, the
+  optimiser state's from them, and the residual stream constrained to the batch split."""
+  if mesh.size > 1:
+    model_kwargs.setdefault("activation_sharding", parallel.activation_sharding(mesh))
+  graphdef, abstract = nnx.split(abstract_model(model_cfg, **model_kwargs))
+  optimizer = make_optimizer(train_cfg)
+  param_shardings = parallel.param_shardings(abstract, mesh)
+  opt_shardings = parallel.state_shardings(jax.eval_shape(optimizer.init, abstract), abstract, param_shardings,
+                                           mesh)
+  return StepFunctions(graphdef, optimizer, loss_cfg, temperature=temperature, mesh=mesh,
+                       param_shardings=param_shardings, opt_shardings=opt_shardings, logprob_chunk=logprob_chunk,
+                       abstract_params=abstract)

@@ -29,12 +29,11 @@ from flax import nnx
 import mis_jax
 from trainers import checkpointing, parallel
 from trainers.batch import StepBatch, build_step_batch
-from trainers.config import TrainConfig
-from trainers.models import init_checkpoint, load_hf_checkpoint, save_hf_checkpoint
+from trainers.config import ModelSection, TrainConfig
+from trainers.models import init_checkpoint, load_hf_params, save_hf_checkpoint
 from trainers.models.config import PRESETS, ModelConfig
-from trainers.models.hf_io import abstract_model
 from trainers.rollout import RolloutResult, ServerError, SGLangClient
-from trainers.step import ModelInputs, StepFunctions, make_optimizer
+from trainers.step import ModelInputs, StepFunctions, build_step_functions
 from trainers.tasks import make_task
 
 
@@ -76,12 +75,10 @@ class Trainer:
     parallel.check_model(self.mesh, model_cfg)
     self.task = make_task(cfg.task, vocab_size=model_cfg.vocab_size, model_path=cfg.model.path)
     self.max_new_tokens = r.max_new_tokens or getattr(self.task, "max_new_tokens", None) or 128
-    self.fns = _step_functions(model_cfg, tuple(_model_kwargs(cfg.model, self.mesh).items()), loss_cfg, self.temperature,
-                               cfg.train, cfg.model.logprob_chunk, self.mesh)
+    self.fns = _step_functions(model_cfg, cfg.model, loss_cfg, self.temperature, cfg.train, self.mesh)
     self.graphdef = self.fns.graphdef
     # Each device reads its own shards of the HF tensors: no full copy anywhere.
-    policy = load_hf_checkpoint(weights, shardings=self.fns.param_shardings, **_model_kwargs(cfg.model, self.mesh))
-    self.params = nnx.state(policy, nnx.Param)
+    self.params = load_hf_params(weights, self.fns.abstract_params, self.fns.param_shardings)
     self.ref_params = jax.tree_util.tree_map(jnp.copy, self.params) if loss_cfg.kl_coef > 0 else None
     self._logprobs = self.fns.logprobs
     self.opt_state = self.fns.init_opt_state(self.params)
@@ -275,24 +272,15 @@ def check_parallel(cfg: TrainConfig, devices=None) -> jax.sharding.Mesh:
 _JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
-def _model_kwargs(m, mesh) -> dict:
-  return dict(dtype=_JNP_DTYPES[m.dtype], param_dtype=_JNP_DTYPES[m.param_dtype], attention=m.attention,
-              remat=m.remat, activation_sharding=parallel.activation_sharding(mesh) if mesh.size > 1 else None)
-
-
 @functools.lru_cache(maxsize=8)
-def _step_functions(model_cfg: ModelConfig, model_kwargs_items, loss_cfg: mis_jax.LossConfig, temperature: float,
-                    train_cfg, logprob_chunk: int, mesh) -> StepFunctions:
+def _step_functions(model_cfg: ModelConfig, model: ModelSection, loss_cfg: mis_jax.LossConfig,
+                    temperature: float, train_cfg, mesh) -> StepFunctions:
   """The jitted step functions, shared by trainers with the same setup (so a resumed or
   repeated run in one process does not compile again)."""
-  model_kwargs = dict(model_kwargs_items)
-  graphdef, abstract = nnx.split(abstract_model(model_cfg, **model_kwargs))
-  optimizer = make_optimizer(train_cfg)
-  param_shardings = parallel.param_shardings(abstract, mesh)
-  opt_shardings = parallel.state_shardings(jax.eval_shape(optimizer.init, abstract), abstract, param_shardings,
-                                           mesh)
-  return StepFunctions(graphdef, optimizer, loss_cfg, temperature=temperature, mesh=mesh,
-                       param_shardings=param_shardings, opt_shardings=opt_shardings, logprob_chunk=logprob_chunk)
+  return build_step_functions(model_cfg, mesh, loss_cfg, train_cfg, temperature=temperature,
+                              logprob_chunk=model.logprob_chunk, dtype=_JNP_DTYPES[model.dtype],
+                              param_dtype=_JNP_DTYPES[model.param_dtype], attention=model.attention,
+                              remat=model.remat)
 
 
 def _tensorboard(run_dir):

@@ -59,17 +59,10 @@ def _step_batch(tokens_per_micro_batch, batch_devices, samples=None):
                           tokens_per_micro_batch=tokens_per_micro_batch, batch_devices=batch_devices)
 
 
-def _functions(mesh, loss_cfg, model_kwargs=(("attention", "blocked"), ("remat", "full")), chunk=8):
+def _functions(mesh, loss_cfg, chunk=8):
   """The trainer's step functions (its default blocked attention and full remat)."""
-  model_kwargs = dict(model_kwargs)
-  if mesh.size > 1:
-    model_kwargs["activation_sharding"] = parallel.activation_sharding(mesh)
-  graphdef, abstract = nnx.split(abstract_model(TINY, **model_kwargs))
-  optimizer = step_lib.make_optimizer(OPTIM)
-  psh = parallel.param_shardings(abstract, mesh)
-  osh = parallel.state_shardings(jax.eval_shape(optimizer.init, abstract), abstract, psh, mesh)
-  return step_lib.StepFunctions(graphdef, optimizer, loss_cfg, temperature=0.9, mesh=mesh, param_shardings=psh,
-                                opt_shardings=osh, logprob_chunk=chunk)
+  return step_lib.build_step_functions(TINY, mesh, loss_cfg, OPTIM, temperature=0.9, logprob_chunk=chunk,
+                                       attention="blocked", remat="full")
 
 
 def _run(mesh, loss_cfg, sb, steps, fns=None, params=None):

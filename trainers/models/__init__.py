@@ -2,9 +2,11 @@
 
 from trainers.models.config import PRESETS, ModelConfig
 from trainers.models.hf_io import (
+    abstract_model,
     hf_state_dict,
     init_checkpoint,
     load_hf_checkpoint,
+    load_hf_params,
     read_hf_tensors,
     save_hf_checkpoint,
     state_from_hf_tensors,
@@ -13,6 +15,6 @@ from trainers.models.qwen import LayerCache, Qwen, teacher_forced_logprobs
 
 __all__ = [
     "PRESETS", "ModelConfig", "Qwen", "LayerCache", "teacher_forced_logprobs",
-    "hf_state_dict", "init_checkpoint", "load_hf_checkpoint", "read_hf_tensors",
+    "abstract_model", "hf_state_dict", "init_checkpoint", "load_hf_checkpoint", "load_hf_params", "read_hf_tensors",
     "save_hf_checkpoint", "state_from_hf_tensors",
 ]

@@ -190,7 +190,7 @@ def _flash_bwd(block_q, block_k, res, d_out):
   One loop over query blocks for dq, one over key blocks for dk / dv."""
   q, k, v, seg_q, seg_k, lo, hi, out, lse = res
   b, tq, h, d = q.shape
-  tk, kvh = k.shape[1], k.shape[2]
+  kvh = k.shape[2]
   g = h // kvh
   scale = d ** -0.5
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)

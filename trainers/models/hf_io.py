@@ -219,18 +219,15 @@ def abstract_model(cfg: ModelConfig, **model_kwargs) -> Qwen:
   return nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), **model_kwargs))
 
 
-def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                       shardings=None, **model_kwargs) -> Qwen:
-  """Builds a `Qwen` from `path/config.json` and loads its safetensors weights.
+def load_hf_params(path: str | os.PathLike, abstract_state: nnx.State, shardings=None) -> nnx.State:
+  """The parameter state with the structure, shapes and dtypes of `abstract_state`, read from
+  the `*.safetensors` files in `path`.
 
-  `shardings`: an `nnx.State` of `jax.sharding.Sharding`s with the model's parameter structure
+  `shardings`: an `nnx.State` of `jax.sharding.Sharding`s with the same structure
   (`trainers.parallel.param_shardings`); each device then reads only its own block of every
   tensor from the files (no full copy on one device). Default: everything on the first device.
-  `model_kwargs` go to `Qwen` (`attention`, `remat`, `activation_sharding`).
+  Raises `ValueError` naming every missing, unexpected or mis-shaped tensor before reading any.
   """
-  cfg = ModelConfig.from_pretrained(path)
-  model = abstract_model(cfg, dtype=dtype, param_dtype=param_dtype, **model_kwargs)
-  graphdef, abstract = nnx.split(model)  # every variable of `Qwen` is a Param
   files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
   if not files:
     raise FileNotFoundError(f"no *.safetensors file in {path}")
@@ -240,9 +237,18 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, param_dtyp
       h = stack.enter_context(safe_open(f, framework="numpy"))
       handles.update({name: h for name in h.keys()})
     reader = _Reader(files=handles)
-    _check_names(abstract, reader, cfg.tie_word_embeddings)
-    state = _fill(abstract, reader, shardings)
-  return nnx.merge(graphdef, state)
+    _check_names(abstract_state, reader, _tied(abstract_state))
+    return _fill(abstract_state, reader, shardings)
+
+
+def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                       shardings=None, **model_kwargs) -> Qwen:
+  """Builds a `Qwen` from `path/config.json` and loads its safetensors weights
+  (`load_hf_params`; `shardings` as there). `model_kwargs` go to `Qwen` (`attention`, `remat`,
+  `activation_sharding`)."""
+  cfg = ModelConfig.from_pretrained(path)
+  graphdef, abstract = nnx.split(abstract_model(cfg, dtype=dtype, param_dtype=param_dtype, **model_kwargs))
+  return nnx.merge(graphdef, load_hf_params(path, abstract, shardings))  # every variable of `Qwen` is a Param
 
 
 def init_checkpoint(out: str | os.PathLike, *, preset: str = "tiny-qwen3", seed: int = 0,
