@@ -2,7 +2,9 @@
 
 Flags left unset stay ``None`` so an explicit flag can be told from a default. A MIS config
 file that sets ``use_tis: true`` turns correction on without ``--use-tis``; ``--use-tis``
-with a file that says ``use_tis: false`` is an error naming both.
+with a file that says ``use_tis: false`` is an error naming both, and so is any flag whose
+value differs from the same key in the base values (a trainer config's ``loss`` section):
+SPEC §9, never a silent override.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def add_loss_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
   g.add_argument("--preset", default=None, metavar="YAML",
                  help="a loss preset (configs/presets/*.yaml); explicit flags and keys override it")
   for key, typ in _KNOBS.items():
-    g.add_argument("--" + key.replace("_", "-"), type=typ, default=None, choices=_CHOICES.get(key))
+    g.add_argument("--" + key.replace("_", "-"), type=typ, default=None, choices=_CHOICES.get(key),
+                   help=f"LossConfig.{key}")
   return parser
 
 
@@ -61,6 +64,12 @@ def loss_config_from_args(args: argparse.Namespace | Mapping[str, Any],
   if unknown:
     raise ConfigError(f"unknown loss keys: {', '.join(sorted(unknown))}; valid keys: "
                       f"{', '.join(LossConfig.keys())}")
+  for key in list(_KNOBS) + ["use_rollout_logprobs", "get_mismatch_metrics", "use_tis", "custom_config_path",
+                              "custom_tis_function_path"]:
+    flag, given = values.get(key), (base or {}).get(key)
+    if flag is not None and given is not None and not _same(flag, given):
+      raise ConfigError(f"--{key.replace('_', '-')} {_show(flag)} contradicts loss.{key}: {_show(given)} in the "
+                        "config; remove one of them")
   for key in list(_KNOBS) + ["use_rollout_logprobs", "get_mismatch_metrics"]:
     if values.get(key) is not None:
       out[key] = values[key]
@@ -78,6 +87,9 @@ def loss_config_from_args(args: argparse.Namespace | Mapping[str, Any],
     out["correction_fn"] = fn_path
 
   flag_tis = values.get("use_tis")
+  if flag_tis is None and out.get("use_tis") is not None and mis is not None and mis.use_tis != out["use_tis"]:
+    raise ConfigError(f"loss.use_tis: {_show(out['use_tis'])} contradicts use_tis: {_show(mis.use_tis)} in "
+                      f"{mis.source or 'the MIS config'}; remove one of them")
   if flag_tis is not None:
     if mis is not None and mis.use_tis != flag_tis:
       raise ConfigError(
@@ -88,3 +100,17 @@ def loss_config_from_args(args: argparse.Namespace | Mapping[str, Any],
     # The file decides (a file with use_tis: true turns correction on without the flag).
     out["use_tis"] = None
   return LossConfig(**out)
+
+
+def _same(a, b) -> bool:
+  """Flag and config values agree (numbers compared as numbers: YAML may give ``"1e-4"``)."""
+  if isinstance(a, bool) or isinstance(b, bool):
+    return a is b
+  try:
+    return float(a) == float(b)
+  except (TypeError, ValueError):
+    return a == b
+
+
+def _show(value) -> str:
+  return str(value).lower() if isinstance(value, bool) else str(value)

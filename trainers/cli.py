@@ -33,43 +33,91 @@ def _serve(argv: list[str]) -> int:
   return server.main(argv)
 
 
+def _config_epilog() -> str:
+  from trainers import config as config_lib
+  lines = ["config keys (YAML sections, or --set SECTION.KEY=VALUE; the README's reference table):"]
+  for section, cls in config_lib.SECTIONS.items():
+    for name, (field, _) in config_lib.fields_of(cls).items():
+      default = "null" if field.default is None else field.default
+      lines.append(f"  {section}.{name} (default: {default}): {field.metadata['doc']}")
+  lines.append("precedence: YAML file < --set < dedicated flags (--run-dir, --steps, the loss flags). A loss flag "
+               "that differs from the config's loss section, or --run-dir/--steps that differ from an explicit "
+               "--set of the same key, is an error naming both.")
+  return "\n".join(lines)
+
+
+def train_parser() -> argparse.ArgumentParser:
+  import mis_jax
+  parser = argparse.ArgumentParser(prog="mis-jax train", description="RL training with rollout correction.",
+                                   epilog=_config_epilog(), formatter_class=_HelpFormatter)
+  parser.add_argument("--config", default="configs/demo.yaml", help="trainer YAML (see configs/)")
+  parser.add_argument("--sglang-url", action="append", default=[], metavar="URL",
+                      help="SGLang server or router URL, http(s)://HOST:PORT (repeatable); default: start "
+                      "`mis-jax serve` on 127.0.0.1")
+  parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run_dir")
+  parser.add_argument("--run-dir", default=None, help="overrides the config's run_dir")
+  parser.add_argument("--steps", type=int, default=None, help="overrides the config's train.steps")
+  parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                      help="override a config value, e.g. --set rollout.sync_every=4 --set parallel.fsdp=8")
+  parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+  mis_jax.add_loss_flags(parser)
+  return parser
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+  """Defaults shown for every option (an unset flag leaves the config's value); the epilog
+  (the config keys) kept as written."""
+
+  def _get_help_string(self, action):
+    if action.default is None and action.help and "%(default)" not in action.help:
+      return action.help + " (default: the config's)"
+    return super()._get_help_string(action)
+
+
+def resolve_train_config(args):
+  """`(TrainConfig, LossConfig)` from the parsed flags: YAML < --set < dedicated flags, every
+  value typed and range-checked, then the checks across keys and against the machine (paths,
+  URLs, the mesh, the task) — all before anything starts. Raises `ConfigError`."""
+  import mis_jax
+  from mis_jax._config import load_yaml
+  from trainers import config as config_lib
+  from trainers import train
+
+  raw = load_yaml(args.config, "trainer config") or {}
+  if not isinstance(raw, dict):
+    raise mis_jax.ConfigError(f"{args.config}: the trainer config must be a mapping")
+  explicit = {}
+  for assignment in args.set:
+    config_lib.set_override(raw, assignment)
+    explicit[assignment.partition("=")[0]] = assignment
+  for flag, path, value in (("--run-dir", "run_dir", args.run_dir), ("--steps", "train.steps", args.steps)):
+    if value is None:
+      continue
+    if path in explicit and str(value) != explicit[path].partition("=")[2]:
+      raise mis_jax.ConfigError(f"{flag} {value} contradicts --set {explicit[path]}; remove one of them")
+    config_lib.assign(raw, path, value)
+  cfg = config_lib.TrainConfig.from_dict(raw, source=args.config)
+  loss_cfg = mis_jax.loss_config_from_args(args, base=cfg.loss)
+  for url in args.sglang_url:
+    train.check_url(url)
+  train.check_config(cfg, loss_cfg)
+  return cfg, loss_cfg
+
+
 def _train(argv: list[str] | None = None) -> int:
   import os
 
   import mis_jax
-  from mis_jax._config import load_yaml
-  from trainers import config as config_lib
   from trainers import train
   from trainers.models.attention import resolve_attention_backend
   from trainers.rollout import ServerError
   from trainers.server import EmbeddedServer
 
-  parser = argparse.ArgumentParser(prog="mis-jax train", description="RL training with rollout correction.")
-  parser.add_argument("--config", default="configs/demo.yaml", help="trainer YAML (see configs/)")
-  parser.add_argument("--sglang-url", action="append", default=[], metavar="URL",
-                      help="SGLang server or router URL (repeatable); default: start `mis-jax serve` on 127.0.0.1")
-  parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run_dir")
-  parser.add_argument("--run-dir", default=None)
-  parser.add_argument("--steps", type=int, default=None)
-  parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                      help="override a config value, e.g. --set rollout.sync_every=4 --set parallel.fsdp=8")
-  parser.add_argument("--no-progress", action="store_true")
-  mis_jax.add_loss_flags(parser)
-  args = parser.parse_args(argv)
-
+  args = train_parser().parse_args(argv)
   try:
-    raw = load_yaml(args.config, "trainer config") or {}
-    for assignment in args.set:
-      config_lib.set_override(raw, assignment)
-    if args.run_dir:
-      raw["run_dir"] = args.run_dir
-    if args.steps:
-      raw.setdefault("train", {})["steps"] = args.steps
-    cfg = config_lib.TrainConfig.from_dict(raw, source=args.config)
-    loss_cfg = mis_jax.loss_config_from_args(args, base=cfg.loss)
-    train.check_config(cfg, loss_cfg)
+    cfg, loss_cfg = resolve_train_config(args)
     mesh = train.check_parallel(cfg)  # an invalid mesh is an error before any server starts
-  except (mis_jax.ConfigError, ValueError, TypeError) as e:
+  except mis_jax.ConfigError as e:
     print(f"mis-jax train: {e}", file=sys.stderr)
     return 2
 

@@ -3,81 +3,171 @@
 Sections: ``model``, ``task``, ``rollout``, ``train``, ``parallel``, ``loss``, ``checkpoint`` plus
 ``run_dir`` and ``seed``. Unknown keys are errors naming the file, the section and the closest valid key.
 ``loss`` takes the keys of :class:`mis_jax.LossConfig` and ``custom_config_path`` (the MIS
-YAML); command-line flags (SPEC §9) override it.
+YAML). Every key has a type and constraints (`key(...)`), checked on load: an int is never
+1.5 or text, numbers are in range, enums are one of their values.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import typing
 from typing import Any
 
 import yaml
 
 import mis_jax
-from mis_jax._config import load_yaml
-from trainers.parallel import ParallelSection
+from mis_jax._config import _as_bool, _as_float, load_yaml
 
 DTYPES = ("float32", "bfloat16")
+PRESET_NAMES = ("tiny-qwen2", "tiny-qwen3", "tiny-qwen3-untied")
+ATTENTION = ("dense", "blocked", "fused")    # trainers.models.attention.ATTENTION_BACKENDS
+REMAT = ("none", "full", "dots")             # trainers.models.qwen.REMAT_POLICIES
+
+
+def key(default, doc: str, *, ge=None, gt=None, le=None, choices=None, factory=None):
+  """A config key: its default, one line of meaning, and its constraints (checked on load,
+  shown in `mis-jax train --help` and the README's reference table)."""
+  meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "choices": choices}
+  if factory is not None:
+    return dataclasses.field(default_factory=factory, metadata=meta)
+  return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-  path: str | None = None            # an HF checkpoint directory; else a preset is initialised
-  preset: str = "tiny-qwen3"
-  initializer_range: float | None = None
-  init_seed: int = 0
-  dtype: str = "float32"             # compute dtype of the trainer's forward/backward
-  param_dtype: str = "float32"       # master weights (and optimiser state: same dtype)
-  attention: str = "blocked"         # dense | blocked | fused (trainers.models.attention)
-  remat: str = "full"                # none | full | dots (trainers.models.qwen.REMAT_POLICIES)
-  logprob_chunk: int = 1024          # tokens per chunk of the LM head (mis_jax.token_logprobs)
+  path: str | None = key(None, "an HF checkpoint dir (Qwen2/Qwen3: config.json + *.safetensors); else `preset`")
+  preset: str = key("tiny-qwen3", "a tiny model initialised from scratch when `path` is null", choices=PRESET_NAMES)
+  initializer_range: float | None = key(None, "std of the preset's random weights (null: the preset's 0.02)", gt=0)
+  init_seed: int = key(0, "seed of the preset's random weights", ge=0)
+  dtype: str = key("float32", "compute dtype of the trainer's forward/backward", choices=DTYPES)
+  param_dtype: str = key("float32", "master weights and optimiser state", choices=DTYPES)
+  attention: str = key("blocked", "`dense` ([T, T] reference), `blocked` (flash-style), `fused` (Pallas, else blocked)",
+                       choices=ATTENTION)
+  remat: str = key("full", "activation checkpointing of the layer scan", choices=REMAT)
+  logprob_chunk: int = key(1024, "tokens per chunk of the LM head (`mis_jax.token_logprobs`)", ge=1)
 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSection:
-  prompts_per_step: int = 16
-  n: int = 8                          # samples per prompt (a GRPO group)
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = -1
-  max_new_tokens: int | None = None   # default: the task's
-  server_dtype: str = "bfloat16"      # embedded server only
-  sync_every: int = 1                 # push weights every k steps (k > 1: stale rollouts)
-  max_concurrency: int = 4
-  prompts_per_request: int = 8
-  timeout_s: float = 120.0
-  max_retries: int = 3
-  backoff_s: float = 0.5
-  health_attempts: int = 30           # /health polls (with backoff) before giving up at start
-  max_rejected_fraction: float = 0.25  # more rejected samples in a step stops the run
+  prompts_per_step: int = key(16, "prompts per step", ge=1)
+  n: int = key(8, "samples per prompt (a GRPO group)", ge=1)
+  temperature: float = key(1.0, "sampling temperature (0: greedy); the trainer divides its logits by it", ge=0)
+  top_p: float = key(1.0, "nucleus sampling (< 1: a warning, the IS ratio is biased)", gt=0, le=1)
+  top_k: int = key(-1, "top-k sampling, -1 = all (> 0: a warning, the IS ratio is biased)", ge=-1)
+  max_new_tokens: int | None = key(None, "response length cap (null: the task's)", ge=1)
+  server_dtype: str = key("bfloat16", "embedded server precision", choices=DTYPES)
+  sync_every: int = key(1, "push weights every k steps (k > 1: deliberately stale rollouts)", ge=1)
+  max_concurrency: int = key(4, "HTTP requests in flight", ge=1)
+  prompts_per_request: int = key(8, "prompts batched into one /generate request", ge=1)
+  timeout_s: float = key(120.0, "HTTP timeout per request", gt=0)
+  max_retries: int = key(3, "retries of a failed request (connection errors, timeouts, 5xx)", ge=0)
+  backoff_s: float = key(0.5, "first retry delay (doubles each retry)", ge=0)
+  health_attempts: int = key(30, "/health polls (with backoff) before giving up at start", ge=1)
+  max_rejected_fraction: float = key(0.25, "more malformed samples than this in a step stops the run", ge=0, le=1)
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainSection:
-  steps: int = 100
-  learning_rate: float = 1e-3
-  schedule: str = "constant"          # constant | cosine
-  warmup_steps: int = 0
-  weight_decay: float = 0.0
-  max_grad_norm: float = 1.0
-  adam_eps: float = 1e-8
-  ppo_epochs: int = 1
-  tokens_per_micro_batch: int = 4096  # per device of the data x fsdp axes
-  row_len: int = 64
-  advantage_estimator: str = "grpo"
-  exclude_rejected_from_baseline: bool = False
+  steps: int = key(100, "optimisation steps of the run", ge=1)
+  learning_rate: float = key(1e-3, "AdamW peak learning rate", gt=0)
+  schedule: str = key("constant", "learning-rate schedule after warm-up", choices=("constant", "cosine"))
+  warmup_steps: int = key(0, "linear warm-up steps", ge=0)
+  weight_decay: float = key(0.0, "AdamW weight decay", ge=0)
+  max_grad_norm: float = key(1.0, "global-norm gradient clipping", gt=0)
+  adam_eps: float = key(1e-8, "AdamW epsilon", gt=0)
+  ppo_epochs: int = key(1, "optimiser updates per step on the same batch", ge=1)
+  tokens_per_micro_batch: int = key(4096, "tokens per device (of data x fsdp) in one micro-batch; >= row_len", ge=1)
+  row_len: int = key(64, "tokens per packed row (>= the longest prompt + response)", ge=2)
+  advantage_estimator: str = key("grpo", "per-group advantages (SPEC §6.1)", choices=tuple(mis_jax.ESTIMATORS))
+  exclude_rejected_from_baseline: bool = key(False, "sequences rejected whole leave their group's baseline (SPEC §6.1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelSection:
+  """Mesh axis sizes (`trainers.parallel`); one of them may be -1: the devices the others leave."""
+  data: int = key(1, "data-parallel replicas (parameters replicated)", ge=-1)
+  fsdp: int = key(-1, "fully sharded data parallelism (parameters, optimiser state split); -1: the rest", ge=-1)
+  tensor: int = key(1, "Megatron tensor parallelism (heads, MLP columns, vocabulary split)", ge=-1)
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointSection:
-  every: int = 10
-  max_to_keep: int = 3
+  every: int = key(10, "Orbax checkpoint every k steps (a multiple of rollout.sync_every)", ge=1)
+  max_to_keep: int = key(3, "checkpoints kept", ge=1)
 
 
-_SECTIONS = {"model": ModelSection, "rollout": RolloutSection, "train": TrainSection,
-             "parallel": ParallelSection, "checkpoint": CheckpointSection}
-_TOP = {"run_dir", "seed", "task", "loss", *_SECTIONS}
+SECTIONS = {"model": ModelSection, "rollout": RolloutSection, "train": TrainSection,
+            "parallel": ParallelSection, "checkpoint": CheckpointSection}
+_TOP = {"run_dir", "seed", "task", "loss", *SECTIONS}
+
+
+def fields_of(section_cls) -> dict[str, tuple[dataclasses.Field, Any]]:
+  """`{name: (field, type)}` of a section, with the annotations resolved."""
+  hints = typing.get_type_hints(section_cls)
+  return {f.name: (f, hints[f.name]) for f in dataclasses.fields(section_cls)}
+
+
+def _as_int(value, where: str) -> int:
+  """Ints, integral floats and integer strings; never 1.5, a boolean or text."""
+  if isinstance(value, bool):
+    raise mis_jax.ConfigError(f"{where} must be an integer, got the boolean {value!r}")
+  if isinstance(value, str):
+    try:
+      value = float(value.strip()) if any(c in value for c in ".eE") else int(value.strip())
+    except ValueError:
+      raise mis_jax.ConfigError(f"{where} must be an integer, got the string {value!r}") from None
+  if isinstance(value, float):
+    if not (math.isfinite(value) and value.is_integer()):
+      raise mis_jax.ConfigError(f"{where} must be an integer, got {value!r}")
+    value = int(value)
+  if not isinstance(value, int):
+    raise mis_jax.ConfigError(f"{where} must be an integer, got {type(value).__name__} {value!r}")
+  return value
+
+
+def parse_value(value, typ, meta: dict, where: str):
+  """`value` checked against a key's type and constraints; returns it normalised."""
+  args = typing.get_args(typ)
+  if type(None) in args:
+    if value is None:
+      return None
+    typ = next(a for a in args if a is not type(None))
+  if typ is bool:
+    value = _as_bool(value, where, None)
+  elif typ is int:
+    value = _as_int(value, where)
+  elif typ is float:
+    value = _as_float(value, where, None, allow_none=False)
+  elif typ is str:
+    if not isinstance(value, str) or not value:
+      raise mis_jax.ConfigError(f"{where} must be a non-empty string, got {type(value).__name__} {value!r}")
+  choices = meta.get("choices")
+  if choices is not None and value not in choices:
+    raise mis_jax.ConfigError(f"{where} has invalid value {value!r}; allowed values: {', '.join(choices)}")
+  for bound, ok, text in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
+                          ("le", lambda v, b: v <= b, "<=")):
+    b = meta.get(bound)
+    if b is not None and not ok(value, b):
+      raise mis_jax.ConfigError(f"{where} must be {text} {b}, got {value!r}")
+  return value
+
+
+def parse_section(section_cls, values, where: str):
+  """A section from a mapping: unknown keys (with the closest valid one), types, ranges."""
+  if values is None:
+    values = {}
+  if not isinstance(values, dict):
+    raise mis_jax.ConfigError(f"{where} must be a mapping of keys, got {type(values).__name__} {values!r}")
+  fields = fields_of(section_cls)
+  kwargs = {}
+  for k, v in values.items():
+    if k not in fields:
+      raise mis_jax.ConfigError(f"unknown key '{where}.{k}'.{_suggest(k, fields)} Valid keys: {', '.join(fields)}")
+    field, typ = fields[k]
+    kwargs[k] = parse_value(v, typ, field.metadata, f"{where}.{k}")
+  return section_cls(**kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,23 +186,28 @@ class TrainConfig:
   @classmethod
   def from_dict(cls, d: dict, *, source: str | None = None) -> "TrainConfig":
     where = f"{source}: " if source else ""
+    try:
+      return cls._from_dict(d, source)
+    except mis_jax.ConfigError as e:
+      raise mis_jax.ConfigError(f"{where}{e}") from None
+
+  @classmethod
+  def _from_dict(cls, d, source):
     if not isinstance(d, dict):
-      raise mis_jax.ConfigError(f"{where}the trainer config must be a mapping")
-    for key in d:
-      if key not in _TOP:
-        raise mis_jax.ConfigError(f"{where}unknown key '{key}'.{_suggest(key, _TOP)} Valid keys: {', '.join(sorted(_TOP))}")
+      raise mis_jax.ConfigError("the trainer config must be a mapping")
+    for k in d:
+      if k not in _TOP:
+        raise mis_jax.ConfigError(f"unknown key '{k}'.{_suggest(k, _TOP)} Valid keys: {', '.join(sorted(_TOP))}")
     kwargs: dict[str, Any] = {"source": source}
-    for name, section_cls in _SECTIONS.items():
-      values = d.get(name) or {}
-      fields = {f.name: f for f in dataclasses.fields(section_cls)}
-      for key, value in values.items():
-        if key not in fields:
-          raise mis_jax.ConfigError(f"{where}unknown key '{name}.{key}'.{_suggest(key, fields)} "
-                                    f"Valid keys: {', '.join(fields)}")
-      kwargs[name] = section_cls(**{k: _coerce(v, fields[k], f"{where}{name}.{k}") for k, v in values.items()})
-    for key in ("run_dir", "seed"):
-      if key in d:
-        kwargs[key] = d[key]
+    for name, section_cls in SECTIONS.items():
+      kwargs[name] = parse_section(section_cls, d.get(name), name)
+    if "run_dir" in d:
+      kwargs["run_dir"] = parse_value(d["run_dir"], str, {}, "run_dir")
+    if "seed" in d:
+      kwargs["seed"] = parse_value(d["seed"], int, {"ge": 0}, "seed")
+    for name in ("task", "loss"):
+      if d.get(name) is not None and not isinstance(d[name], dict):
+        raise mis_jax.ConfigError(f"{name} must be a mapping of keys, got {type(d[name]).__name__} {d[name]!r}")
     kwargs["task"] = dict(d.get("task") or {"name": "copy_digits"})
     kwargs["loss"] = dict(d.get("loss") or {})
     cfg = cls(**kwargs)
@@ -127,37 +222,40 @@ class TrainConfig:
     return dataclasses.replace(self, **changes)
 
   def validate(self) -> None:
-    where = f"{self.source}: " if self.source else ""
-    r, t, c, m = self.rollout, self.train, self.checkpoint, self.model
-    from trainers.models.attention import ATTENTION_BACKENDS
-    from trainers.models.qwen import REMAT_POLICIES
+    """Checks across keys (single keys are checked on load)."""
+    r, t, c = self.rollout, self.train, self.checkpoint
     checks = [
-        (m.dtype in DTYPES and m.param_dtype in DTYPES, f"model.dtype and model.param_dtype must be one of {DTYPES}"),
-        (m.attention in ATTENTION_BACKENDS, f"model.attention must be one of {ATTENTION_BACKENDS}, got {m.attention!r}"),
-        (m.remat in REMAT_POLICIES, f"model.remat must be one of {tuple(REMAT_POLICIES)}, got {m.remat!r}"),
-        (m.logprob_chunk > 0, "model.logprob_chunk must be > 0"),
-        (r.prompts_per_step > 0, "rollout.prompts_per_step must be > 0"),
-        (r.n > 0, "rollout.n must be > 0"),
-        (r.temperature >= 0, "rollout.temperature must be >= 0"),
-        (0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]"),
-        (r.sync_every >= 1, "rollout.sync_every must be >= 1"),
-        (r.server_dtype in ("bfloat16", "float32"), "rollout.server_dtype must be bfloat16 or float32"),
-        (0 <= r.max_rejected_fraction <= 1, "rollout.max_rejected_fraction must be in [0, 1]"),
-        (t.steps > 0 and t.ppo_epochs > 0, "train.steps and train.ppo_epochs must be > 0"),
-        (t.adam_eps > 0, "train.adam_eps must be > 0"),
-        (t.schedule in ("constant", "cosine"), "train.schedule must be constant or cosine"),
-        (t.advantage_estimator in mis_jax.ESTIMATORS, f"train.advantage_estimator must be one of {mis_jax.ESTIMATORS}"),
-        (t.row_len > 0, "train.row_len must be > 0"),
         (t.tokens_per_micro_batch >= t.row_len, f"train.tokens_per_micro_batch ({t.tokens_per_micro_batch}) must be "
                                                 f">= train.row_len ({t.row_len}): a micro-batch holds whole rows"),
-        (c.every > 0 and c.max_to_keep > 0, "checkpoint.every and max_to_keep must be > 0"),
+        (t.warmup_steps < t.steps or t.warmup_steps == 0,
+         f"train.warmup_steps ({t.warmup_steps}) must be < train.steps ({t.steps})"),
         # Checkpoints land on sync steps, so a resumed run can restore the server's weights exactly.
         (c.every % r.sync_every == 0, f"checkpoint.every ({c.every}) must be a multiple of rollout.sync_every "
                                       f"({r.sync_every})"),
     ]
+    where = f"{self.source}: " if self.source else ""
     for ok, message in checks:
       if not ok:
         raise mis_jax.ConfigError(where + message)
+
+
+def reference_table() -> str:
+  """The README's config reference: every section key with its default and meaning."""
+  rows = ["| key | default | meaning |", "|---|---|---|",
+          "| `run_dir` | `runs/default` | metrics, checkpoints, weights (must not be a file) |",
+          "| `seed` | `0` | seeds prompts, sampling and init |",
+          "| `task.*` | `name: copy_digits` | the toy task `copy_digits` (`num_digits`); or `jsonl` with `path` (lines "
+          "`{\"prompt_ids\": [...]}` or `{\"prompt\": \"...\"}` + anything) and `reward_fn` "
+          "(`pkg.mod:fn(record, response_ids, text) -> float`) |",
+          "| `loss.*` | `LossConfig` defaults | any `LossConfig` key, plus `custom_config_path` (the MIS YAML) |"]
+  for section, cls in SECTIONS.items():
+    for name, (field, typ) in fields_of(cls).items():
+      m = field.metadata
+      default = field.default
+      shown = "null" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
+      allowed = f" ({' / '.join(m['choices'])})" if m.get("choices") else ""
+      rows.append(f"| `{section}.{name}` | `{shown}` | {m['doc']}{allowed} |")
+  return "\n".join(rows)
 
 
 def _suggest(key, valid) -> str:
@@ -165,29 +263,26 @@ def _suggest(key, valid) -> str:
   return f" Did you mean '{match[0]}'?" if match else ""
 
 
-def _coerce(value, field: dataclasses.Field, where: str):
-  """YAML 1.1 reads 1e-3 as a string; accept numeric strings for float fields."""
-  typ = str(field.type)
-  if isinstance(value, str) and "float" in typ:
-    try:
-      return float(value)
-    except ValueError:
-      raise mis_jax.ConfigError(f"{where} must be a number, got {value!r}") from None
-  if "int" in typ and "float" not in typ and isinstance(value, float) and value.is_integer():
-    return int(value)
-  if ("int" in typ or "float" in typ) and isinstance(value, bool):
-    raise mis_jax.ConfigError(f"{where} must be a number, got {value!r}")
-  return value
-
-
 def set_override(d: dict, assignment: str) -> None:
   """Applies ``section.key=value`` (value parsed as YAML) to a raw config dict."""
   if "=" not in assignment:
     raise mis_jax.ConfigError(f"override {assignment!r} must look like section.key=value")
   path, _, raw = assignment.partition("=")
-  value = yaml.safe_load(raw)
+  try:
+    value = yaml.safe_load(raw)
+  except yaml.YAMLError as e:
+    raise mis_jax.ConfigError(f"--set {assignment}: the value is not valid YAML ({e.problem})") from None
+  assign(d, path, value)
+
+
+def assign(d: dict, path: str, value) -> None:
+  """Sets ``d[section][key] = value`` for ``path = "section.key"`` (or a top-level key)."""
   keys = path.split(".")
+  if not all(keys):
+    raise mis_jax.ConfigError(f"--set {path}=...: the key must look like section.key")
   node = d
   for k in keys[:-1]:
     node = node.setdefault(k, {})
+    if not isinstance(node, dict):
+      raise mis_jax.ConfigError(f"--set {path}=...: '{k}' is not a section")
   node[keys[-1]] = value

@@ -16,7 +16,6 @@ Partition rules are keyed by parameter name (`PARAM_RULES`), as MaxText's logica
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import jax
@@ -25,6 +24,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from mis_jax import ConfigError
+from trainers.config import ParallelSection
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -47,37 +47,30 @@ PARAM_RULES = {
 FSDP_RULES = {("embed_tokens", "embedding"): -1}
 
 
-@dataclasses.dataclass(frozen=True)
-class ParallelSection:
-  """Mesh axis sizes; one of them may be -1, meaning all the devices the others leave."""
-  data: int = 1
-  fsdp: int = -1
-  tensor: int = 1
-
-  def mesh_shape(self, num_devices: int) -> tuple[int, int, int]:
-    """The resolved `(data, fsdp, tensor)` sizes for `num_devices`, or a `ConfigError`."""
-    sizes = {a: getattr(self, a) for a in AXES}
-    for axis, n in sizes.items():
-      if isinstance(n, bool) or not isinstance(n, int) or (n < 1 and n != -1):
-        raise ConfigError(f"parallel.{axis} must be a positive int or -1 (the rest of the devices), got {n!r}")
-    free = [a for a, n in sizes.items() if n == -1]
-    if len(free) > 1:
-      raise ConfigError(f"only one of parallel.{{data,fsdp,tensor}} may be -1, got {', '.join(free)}")
-    fixed = math.prod(n for n in sizes.values() if n != -1)
-    if num_devices % fixed:
-      given = " x ".join(f"{a}={n}" for a, n in sizes.items() if n != -1)
-      raise ConfigError(f"parallel: {given} (= {fixed}) does not divide the {num_devices} devices")
-    if free:
-      sizes[free[0]] = num_devices // fixed
-    elif fixed != num_devices:
-      raise ConfigError(f"parallel: data x fsdp x tensor = {fixed} but there are {num_devices} devices "
-                        "(set one axis to -1 to take the rest)")
-    return sizes["data"], sizes["fsdp"], sizes["tensor"]
+def mesh_shape(section: ParallelSection, num_devices: int) -> tuple[int, int, int]:
+  """The resolved `(data, fsdp, tensor)` sizes of `section` for `num_devices`, or a `ConfigError`."""
+  sizes = {a: getattr(section, a) for a in AXES}
+  for axis, n in sizes.items():
+    if isinstance(n, bool) or not isinstance(n, int) or (n < 1 and n != -1):
+      raise ConfigError(f"parallel.{axis} must be a positive int or -1 (the rest of the devices), got {n!r}")
+  free = [a for a, n in sizes.items() if n == -1]
+  if len(free) > 1:
+    raise ConfigError(f"only one of parallel.{{data,fsdp,tensor}} may be -1, got {', '.join(free)}")
+  fixed = math.prod(n for n in sizes.values() if n != -1)
+  if num_devices % fixed:
+    given = " x ".join(f"{a}={n}" for a, n in sizes.items() if n != -1)
+    raise ConfigError(f"parallel: {given} (= {fixed}) does not divide the {num_devices} devices")
+  if free:
+    sizes[free[0]] = num_devices // fixed
+  elif fixed != num_devices:
+    raise ConfigError(f"parallel: data x fsdp x tensor = {fixed} but there are {num_devices} devices "
+                      "(set one axis to -1 to take the rest)")
+  return sizes["data"], sizes["fsdp"], sizes["tensor"]
 
 
 def make_mesh(section: ParallelSection, devices=None) -> jax.sharding.Mesh:
   devices = list(jax.devices() if devices is None else devices)
-  shape = section.mesh_shape(len(devices))
+  shape = mesh_shape(section, len(devices))
   return jax.make_mesh(shape, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
 
 

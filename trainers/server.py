@@ -491,7 +491,8 @@ def make_handler(engine: Engine, *, verbose: bool = False):
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
       prog="mis-jax serve", description="Serve a Hugging Face Qwen2/Qwen3 checkpoint over "
-      "SGLang's native HTTP API (/generate, /update_weights_from_disk, ...).")
+      "SGLang's native HTTP API (/generate, /update_weights_from_disk, ...).",
+      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--model-path", required=True, help="HF checkpoint dir (config.json + *.safetensors)")
   parser.add_argument("--host", default="127.0.0.1", choices=_LOOPBACK,
                       help="loopback only: the server has no authentication")
@@ -505,11 +506,43 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
+def check_args(args) -> str | None:
+  """The first problem with the parsed arguments, as one line naming the option, or None."""
+  path = args.model_path
+  if not os.path.isdir(path):
+    return f"--model-path {path!r}: no such directory"
+  if not os.path.isfile(os.path.join(path, "config.json")):
+    return f"--model-path {path!r} has no config.json (an HF checkpoint directory is needed)"
+  if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+    return f"--model-path {path!r} has no *.safetensors file"
+  if not 0 <= args.port <= 65535:
+    return f"--port {args.port} must be in 0..65535 (0 picks a free port)"
+  if args.max_batch_size < 1:
+    return f"--max-batch-size {args.max_batch_size} must be >= 1"
+  if args.seed < 0:
+    return f"--seed {args.seed} must be >= 0"
+  if not args.weight_version:
+    return "--weight-version must be a non-empty string"
+  return None
+
+
 def main(argv: list[str] | None = None) -> int:
   args = build_parser().parse_args(argv)
-  engine = Engine(args.model_path, dtype=args.dtype, seed=args.seed,
-                  max_batch_size=args.max_batch_size, weight_version=args.weight_version)
-  server = ThreadingHTTPServer((args.host, args.port), make_handler(engine, verbose=args.verbose))
+  problem = check_args(args)
+  if problem:
+    print(f"mis-jax serve: {problem}", file=sys.stderr)
+    return 2
+  try:
+    engine = Engine(args.model_path, dtype=args.dtype, seed=args.seed,
+                    max_batch_size=args.max_batch_size, weight_version=args.weight_version)
+  except ValueError as e:  # a config.json or checkpoint this server cannot load
+    print(f"mis-jax serve: --model-path {args.model_path!r}: {e}", file=sys.stderr)
+    return 2
+  try:
+    server = ThreadingHTTPServer((args.host, args.port), make_handler(engine, verbose=args.verbose))
+  except OSError as e:
+    print(f"mis-jax serve: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
+    return 2
   server.daemon_threads = True
   host, port = server.server_address[:2]
   print(f"mis-jax serve: {engine.config.model_type} from {engine.model_path} ({args.dtype}) "

@@ -50,6 +50,7 @@ class CopyDigitsTask:
     self.num_digits, self.bos, self.eos, self.sep, self.offset = num_digits, bos, eos, sep, digit_offset
     self.stop_token_ids = (eos,)
     self.max_new_tokens = num_digits + 1
+    self.max_prompt_len = num_digits + 2
 
   def prompts(self, seed: int, step: int, count: int) -> list[Prompt]:
     rng = np.random.default_rng([seed, step])
@@ -112,6 +113,7 @@ class JsonlTask:
         self.records.append(Prompt(ids=tuple(ids), answer=rec.get("answer"), record=rec))
     if not self.records:
       raise ValueError(f"{path}: no records")
+    self.max_prompt_len = max(len(r.ids) for r in self.records)
 
   def prompts(self, seed: int, step: int, count: int) -> list[Prompt]:
     # Epoch-wise shuffles: step s reads positions [s*count, (s+1)*count) of the stream.

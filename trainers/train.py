@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import time
+import urllib.parse
 import warnings
 
 import jax
@@ -251,21 +252,67 @@ class Trainer:
 
 
 def check_config(cfg: TrainConfig, loss_cfg: mis_jax.LossConfig) -> None:
-  """Cross-checks that need both configs, before anything is built."""
+  """Checks that need both configs, the files they name, and the task, before anything is
+  built or started: a `ConfigError` naming the key and the value. Sequences that would not fit
+  a row are an error; a step with fewer sequences than batch devices is a warning."""
   if cfg.train.exclude_rejected_from_baseline and (loss_cfg.algorithm != "decoupled_ppo" or loss_cfg.mis is None):
     raise mis_jax.ConfigError("train.exclude_rejected_from_baseline needs decoupled PPO with a MIS config "
                               "(use_tis: true, use_rollout_logprobs: false, a mis section): the rejection "
                               "must be known before the step")
+  if os.path.isfile(cfg.run_dir):
+    raise mis_jax.ConfigError(f"run_dir {cfg.run_dir!r} is a file; it must be a directory (or not exist yet)")
+  model_cfg = _model_config(cfg)
+  try:
+    task = make_task(cfg.task, vocab_size=model_cfg.vocab_size, model_path=cfg.model.path)
+  except (ValueError, TypeError, FileNotFoundError) as e:
+    raise mis_jax.ConfigError(f"task {cfg.task!r}: {e}") from None
+  max_new = cfg.rollout.max_new_tokens or getattr(task, "max_new_tokens", None) or 128
+  longest = getattr(task, "max_prompt_len", None)
+  if longest is not None and longest + max_new - 1 > cfg.train.row_len:
+    raise mis_jax.ConfigError(
+        f"train.row_len ({cfg.train.row_len}) is shorter than the longest prompt ({longest} tokens) + "
+        f"max_new_tokens ({max_new}) - 1: such a sequence could not be packed; raise train.row_len to "
+        f">= {longest + max_new - 1} or lower rollout.max_new_tokens")
+
+
+def check_url(url: str) -> None:
+  """An SGLang base URL: http(s)://HOST[:PORT][/path]."""
+  parsed = urllib.parse.urlparse(url)
+  try:
+    port = parsed.port
+  except ValueError:
+    port = -1
+  if parsed.scheme not in ("http", "https") or not parsed.hostname or port == -1:
+    raise mis_jax.ConfigError(f"--sglang-url {url!r} is not a valid server URL; expected http(s)://HOST:PORT")
+
+
+def _model_config(cfg: TrainConfig) -> ModelConfig:
+  """The architecture of ``model.path`` (checked: a directory with config.json and
+  safetensors), or of ``model.preset``."""
+  path = cfg.model.path
+  if not path:
+    return PRESETS[cfg.model.preset]
+  if not os.path.isdir(path):
+    raise mis_jax.ConfigError(f"model.path {path!r}: no such directory")
+  if not os.path.isfile(os.path.join(path, "config.json")):
+    raise mis_jax.ConfigError(f"model.path {path!r} has no config.json (an HF checkpoint directory is needed)")
+  if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+    raise mis_jax.ConfigError(f"model.path {path!r} has no *.safetensors file")
+  try:
+    return ModelConfig.from_pretrained(path)
+  except (ValueError, KeyError, json.JSONDecodeError) as e:
+    raise mis_jax.ConfigError(f"model.path {path!r}: config.json is not a supported Qwen2/Qwen3 config: {e}") from None
 
 
 def check_parallel(cfg: TrainConfig, devices=None) -> jax.sharding.Mesh:
   """The mesh of ``cfg.parallel`` checked against the devices and the model (a `ConfigError`
   otherwise), before any server starts or anything compiles."""
   mesh = parallel.make_mesh(cfg.parallel, devices)
-  if cfg.model.path:
-    parallel.check_model(mesh, ModelConfig.from_pretrained(cfg.model.path))
-  else:
-    parallel.check_model(mesh, PRESETS[cfg.model.preset])
+  parallel.check_model(mesh, _model_config(cfg))
+  r = cfg.rollout
+  if r.prompts_per_step * r.n < parallel.batch_devices(mesh):
+    warnings.warn(f"rollout.prompts_per_step x n = {r.prompts_per_step * r.n} sequences for "
+                  f"{parallel.batch_devices(mesh)} batch devices (data x fsdp): some devices get only padding")
   return mesh
 
 

@@ -265,15 +265,15 @@ def test_attention_backends_and_remat_give_the_same_gradients(attention, remat):
 
 def test_invalid_mesh_is_a_config_error():
   with pytest.raises(mis_jax.ConfigError, match=r"data=3 .* does not divide the 8 devices"):
-    parallel.ParallelSection(data=3).mesh_shape(8)
+    parallel.mesh_shape(parallel.ParallelSection(data=3), 8)
   with pytest.raises(mis_jax.ConfigError, match="only one of"):
-    parallel.ParallelSection(data=-1, fsdp=-1).mesh_shape(8)
+    parallel.mesh_shape(parallel.ParallelSection(data=-1, fsdp=-1), 8)
   with pytest.raises(mis_jax.ConfigError, match=r"data x fsdp x tensor = 4 but there are 8"):
-    parallel.ParallelSection(data=2, fsdp=2, tensor=1).mesh_shape(8)
+    parallel.mesh_shape(parallel.ParallelSection(data=2, fsdp=2, tensor=1), 8)
   with pytest.raises(mis_jax.ConfigError, match="parallel.tensor must be a positive int"):
-    parallel.ParallelSection(tensor=0).mesh_shape(8)
-  assert parallel.ParallelSection().mesh_shape(8) == (1, 8, 1)
-  assert parallel.ParallelSection(data=2, tensor=2).mesh_shape(8) == (2, 2, 2)
+    parallel.mesh_shape(parallel.ParallelSection(tensor=0), 8)
+  assert parallel.mesh_shape(parallel.ParallelSection(), 8) == (1, 8, 1)
+  assert parallel.mesh_shape(parallel.ParallelSection(data=2, tensor=2), 8) == (2, 2, 2)
   with pytest.raises(mis_jax.ConfigError, match=r"parallel.tensor=8 does not divide the model's num_attention_heads \(4\)"):
     parallel.check_model(_mesh((1, 1, 8)), TINY)
   with pytest.raises(mis_jax.ConfigError, match=r"num_key_value_heads \(2\)"):
