@@ -61,7 +61,7 @@ class Trainer:
 
   def __init__(self, cfg: TrainConfig, loss_cfg: mis_jax.LossConfig, *, urls: list[str], devices=None):
     self.cfg, self.loss_cfg = cfg, loss_cfg
-    check_config(cfg, loss_cfg)
+    self.task = check_config(cfg, loss_cfg)
     self.mesh = parallel.make_mesh(cfg.parallel, devices)
     self.run_dir = os.path.abspath(cfg.run_dir)
     os.makedirs(self.run_dir, exist_ok=True)
@@ -74,7 +74,6 @@ class Trainer:
     weights = initial_weights_dir(cfg)
     model_cfg = ModelConfig.from_pretrained(weights)
     parallel.check_model(self.mesh, model_cfg)
-    self.task = make_task(cfg.task, vocab_size=model_cfg.vocab_size, model_path=cfg.model.path)
     self.max_new_tokens = r.max_new_tokens or getattr(self.task, "max_new_tokens", None) or 128
     self.fns = _step_functions(model_cfg, cfg.model, loss_cfg, self.temperature, cfg.train, self.mesh)
     self.graphdef = self.fns.graphdef
@@ -251,10 +250,10 @@ class Trainer:
     return history
 
 
-def check_config(cfg: TrainConfig, loss_cfg: mis_jax.LossConfig) -> None:
+def check_config(cfg: TrainConfig, loss_cfg: mis_jax.LossConfig):
   """Checks that need both configs, the files they name, and the task, before anything is
   built or started: a `ConfigError` naming the key and the value. Sequences that would not fit
-  a row are an error; a step with fewer sequences than batch devices is a warning."""
+  a row are an error. Returns the task (built to check it)."""
   if cfg.train.exclude_rejected_from_baseline and (loss_cfg.algorithm != "decoupled_ppo" or loss_cfg.mis is None):
     raise mis_jax.ConfigError("train.exclude_rejected_from_baseline needs decoupled PPO with a MIS config "
                               "(use_tis: true, use_rollout_logprobs: false, a mis section): the rejection "
@@ -273,6 +272,7 @@ def check_config(cfg: TrainConfig, loss_cfg: mis_jax.LossConfig) -> None:
         f"train.row_len ({cfg.train.row_len}) is shorter than the longest prompt ({longest} tokens) + "
         f"max_new_tokens ({max_new}) - 1: such a sequence could not be packed; raise train.row_len to "
         f">= {longest + max_new - 1} or lower rollout.max_new_tokens")
+  return task
 
 
 def check_url(url: str) -> None:
