@@ -90,13 +90,15 @@ def resolve_train_config(args):
   for assignment in args.set:
     config_lib.set_override(raw, assignment)
     explicit[assignment.partition("=")[0]] = assignment
+  origins = {path: f"--set {assignment}" for path, assignment in explicit.items()}
   for flag, path, value in (("--run-dir", "run_dir", args.run_dir), ("--steps", "train.steps", args.steps)):
     if value is None:
       continue
     if path in explicit and str(value) != explicit[path].partition("=")[2]:
       raise mis_jax.ConfigError(f"{flag} {value} contradicts --set {explicit[path]}; remove one of them")
     config_lib.assign(raw, path, value)
-  cfg = config_lib.TrainConfig.from_dict(raw, source=args.config)
+    origins[path] = f"{flag} {value}"
+  cfg = config_lib.TrainConfig.from_dict(raw, source=args.config, origins=origins)
   loss_cfg = mis_jax.loss_config_from_args(args, base=cfg.loss)
   for url in args.sglang_url:
     train.check_url(url)

@@ -154,6 +154,14 @@ def parse_value(value, typ, meta: dict, where: str):
   return value
 
 
+class KeyConfigError(mis_jax.ConfigError):
+  """A bad value or unknown key at ``path`` (``section.key``)."""
+
+  def __init__(self, path: str, message: str):
+    super().__init__(message)
+    self.path = path
+
+
 def parse_section(section_cls, values, where: str):
   """A section from a mapping: unknown keys (with the closest valid one), types, ranges."""
   if values is None:
@@ -163,10 +171,14 @@ def parse_section(section_cls, values, where: str):
   fields = fields_of(section_cls)
   kwargs = {}
   for k, v in values.items():
+    path = f"{where}.{k}"
     if k not in fields:
-      raise mis_jax.ConfigError(f"unknown key '{where}.{k}'.{_suggest(k, fields)} Valid keys: {', '.join(fields)}")
+      raise KeyConfigError(path, f"unknown key '{path}'.{_suggest(k, fields)} Valid keys: {', '.join(fields)}")
     field, typ = fields[k]
-    kwargs[k] = parse_value(v, typ, field.metadata, f"{where}.{k}")
+    try:
+      kwargs[k] = parse_value(v, typ, field.metadata, path)
+    except mis_jax.ConfigError as e:
+      raise KeyConfigError(path, str(e)) from None
   return section_cls(**kwargs)
 
 
@@ -184,12 +196,16 @@ class TrainConfig:
   source: str | None = None
 
   @classmethod
-  def from_dict(cls, d: dict, *, source: str | None = None) -> "TrainConfig":
-    where = f"{source}: " if source else ""
+  def from_dict(cls, d: dict, *, source: str | None = None, origins: dict | None = None) -> "TrainConfig":
+    """`origins`: `{"section.key": "--set section.key=value"}` for values that came from the
+    command line, so an error names where the value was written."""
     try:
       return cls._from_dict(d, source)
+    except KeyConfigError as e:
+      where = (origins or {}).get(e.path) or source
+      raise mis_jax.ConfigError(f"{where}: {e}" if where else str(e)) from None
     except mis_jax.ConfigError as e:
-      raise mis_jax.ConfigError(f"{where}{e}") from None
+      raise mis_jax.ConfigError(f"{source}: {e}" if source else str(e)) from None
 
   @classmethod
   def _from_dict(cls, d, source):
@@ -197,14 +213,16 @@ class TrainConfig:
       raise mis_jax.ConfigError("the trainer config must be a mapping")
     for k in d:
       if k not in _TOP:
-        raise mis_jax.ConfigError(f"unknown key '{k}'.{_suggest(k, _TOP)} Valid keys: {', '.join(sorted(_TOP))}")
+        raise KeyConfigError(k, f"unknown key '{k}'.{_suggest(k, _TOP)} Valid keys: {', '.join(sorted(_TOP))}")
     kwargs: dict[str, Any] = {"source": source}
     for name, section_cls in SECTIONS.items():
       kwargs[name] = parse_section(section_cls, d.get(name), name)
-    if "run_dir" in d:
-      kwargs["run_dir"] = parse_value(d["run_dir"], str, {}, "run_dir")
-    if "seed" in d:
-      kwargs["seed"] = parse_value(d["seed"], int, {"ge": 0}, "seed")
+    for name, typ, meta in (("run_dir", str, {}), ("seed", int, {"ge": 0})):
+      if name in d:
+        try:
+          kwargs[name] = parse_value(d[name], typ, meta, name)
+        except mis_jax.ConfigError as e:
+          raise KeyConfigError(name, str(e)) from None
     for name in ("task", "loss"):
       if d.get(name) is not None and not isinstance(d[name], dict):
         raise mis_jax.ConfigError(f"{name} must be a mapping of keys, got {type(d[name]).__name__} {d[name]!r}")

@@ -55,7 +55,14 @@ def _assert_clean_error(capsys, code, run_dir, *needles):
 @pytest.mark.parametrize("key,bad", CASES, ids=[f"{k}={v}" for k, v in CASES])
 def test_every_config_key_rejects_bad_values(key, bad, tmp_path, capsys):
   code, run_dir = _train(tmp_path, "--set", f"{key}={bad}")
-  _assert_clean_error(capsys, code, run_dir, key)
+  _assert_clean_error(capsys, code, run_dir, key, f"--set {key}={bad}:")  # names where it was written
+
+
+def test_a_bad_value_in_the_file_names_the_file(tmp_path, capsys):
+  config = tmp_path / "bad.yaml"
+  config.write_text("train:\n  steps: abc\n")
+  code, run_dir = _train(tmp_path, config=config)
+  _assert_clean_error(capsys, code, run_dir, f"{config}: train.steps must be an integer")
 
 
 def test_unknown_keys_suggest_the_closest(tmp_path, capsys):
