@@ -39,7 +39,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import jax.numpy as jnp
 from flax import nnx
 
-from trainers.models import ModelConfig, load_hf_checkpoint, read_hf_tensors, state_from_hf_tensors
+from trainers.models import (ModelConfig, checkpoint_dir_problem, load_hf_checkpoint, read_hf_tensors,
+                             state_from_hf_tensors)
 from trainers.sampler import Completion, Sampler, SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -508,13 +509,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args) -> str | None:
   """The first problem with the parsed arguments, as one line naming the option, or None."""
-  path = args.model_path
-  if not os.path.isdir(path):
-    return f"--model-path {path!r}: no such directory"
-  if not os.path.isfile(os.path.join(path, "config.json")):
-    return f"--model-path {path!r} has no config.json (an HF checkpoint directory is needed)"
-  if not any(f.endswith(".safetensors") for f in os.listdir(path)):
-    return f"--model-path {path!r} has no *.safetensors file"
+  problem = checkpoint_dir_problem(args.model_path)
+  if problem:
+    return f"--model-path {args.model_path!r}: {problem}"
   if not 0 <= args.port <= 65535:
     return f"--port {args.port} must be in 0..65535 (0 picks a free port)"
   if args.max_batch_size < 1:

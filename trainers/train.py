@@ -31,7 +31,7 @@ import mis_jax
 from trainers import checkpointing, parallel
 from trainers.batch import StepBatch, build_step_batch
 from trainers.config import ModelSection, TrainConfig
-from trainers.models import init_checkpoint, load_hf_params, save_hf_checkpoint
+from trainers.models import checkpoint_dir_problem, init_checkpoint, load_hf_params, save_hf_checkpoint
 from trainers.models.config import PRESETS, ModelConfig
 from trainers.rollout import RolloutResult, ServerError, SGLangClient
 from trainers.step import ModelInputs, StepFunctions, build_step_functions
@@ -292,12 +292,9 @@ def _model_config(cfg: TrainConfig) -> ModelConfig:
   path = cfg.model.path
   if not path:
     return PRESETS[cfg.model.preset]
-  if not os.path.isdir(path):
-    raise mis_jax.ConfigError(f"model.path {path!r}: no such directory")
-  if not os.path.isfile(os.path.join(path, "config.json")):
-    raise mis_jax.ConfigError(f"model.path {path!r} has no config.json (an HF checkpoint directory is needed)")
-  if not any(f.endswith(".safetensors") for f in os.listdir(path)):
-    raise mis_jax.ConfigError(f"model.path {path!r} has no *.safetensors file")
+  problem = checkpoint_dir_problem(path)
+  if problem:
+    raise mis_jax.ConfigError(f"model.path {path!r}: {problem}")
   try:
     return ModelConfig.from_pretrained(path)
   except (ValueError, KeyError, json.JSONDecodeError) as e:

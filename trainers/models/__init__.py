@@ -3,6 +3,7 @@
 from trainers.models.config import PRESETS, ModelConfig
 from trainers.models.hf_io import (
     abstract_model,
+    checkpoint_dir_problem,
     hf_state_dict,
     init_checkpoint,
     load_hf_checkpoint,
@@ -15,6 +16,6 @@ from trainers.models.qwen import LayerCache, Qwen, teacher_forced_logprobs
 
 __all__ = [
     "PRESETS", "ModelConfig", "Qwen", "LayerCache", "teacher_forced_logprobs",
-    "abstract_model", "hf_state_dict", "init_checkpoint", "load_hf_checkpoint", "load_hf_params", "read_hf_tensors",
+    "abstract_model", "checkpoint_dir_problem", "hf_state_dict", "init_checkpoint", "load_hf_checkpoint", "load_hf_params", "read_hf_tensors",
     "save_hf_checkpoint", "state_from_hf_tensors",
 ]

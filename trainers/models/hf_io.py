@@ -112,6 +112,17 @@ def read_hf_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
   return tensors
 
 
+def checkpoint_dir_problem(path: str | os.PathLike) -> str | None:
+  """Why `path` is not an HF checkpoint directory (config.json + *.safetensors), or None."""
+  if not os.path.isdir(path):
+    return "no such directory"
+  if not os.path.isfile(os.path.join(path, "config.json")):
+    return "has no config.json (an HF checkpoint directory is needed)"
+  if not glob.glob(os.path.join(path, "*.safetensors")):
+    return "has no *.safetensors file"
+  return None
+
+
 class _Reader:
   """Reads HF tensors, whole or a slice at a time, from a dict or from open safetensors files."""
 
