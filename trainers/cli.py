@@ -75,7 +75,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 
 
 def resolve_train_config(args):
-  """`(TrainConfig, LossConfig)` from the parsed flags: YAML < --set < dedicated flags, every
+  """`(TrainConfig, LossConfig, task)` from the parsed flags: YAML < --set < dedicated flags, every
   value typed and range-checked, then the checks across keys and against the machine (paths,
   URLs, the mesh, the task) — all before anything starts. Raises `ConfigError`."""
   import mis_jax
@@ -102,8 +102,7 @@ def resolve_train_config(args):
   loss_cfg = mis_jax.loss_config_from_args(args, base=cfg.loss)
   for url in args.sglang_url:
     train.check_url(url)
-  train.check_config(cfg, loss_cfg)
-  return cfg, loss_cfg
+  return cfg, loss_cfg, train.check_config(cfg, loss_cfg)
 
 
 def _train(argv: list[str] | None = None) -> int:
@@ -117,7 +116,7 @@ def _train(argv: list[str] | None = None) -> int:
 
   args = train_parser().parse_args(argv)
   try:
-    cfg, loss_cfg = resolve_train_config(args)
+    cfg, loss_cfg, task = resolve_train_config(args)
     mesh = train.check_parallel(cfg)  # an invalid mesh is an error before any server starts
   except mis_jax.ConfigError as e:
     print(f"mis-jax train: {e}", file=sys.stderr)
@@ -130,12 +129,12 @@ def _train(argv: list[str] | None = None) -> int:
         f"{f' ({reason})' if reason else ''}, remat {cfg.model.remat}")
   try:
     if args.sglang_url:
-      trainer = train.Trainer(cfg, loss_cfg, urls=args.sglang_url)
+      trainer = train.Trainer(cfg, loss_cfg, urls=args.sglang_url, task=task)
       history = trainer.run(resume=args.resume, progress=not args.no_progress)
     else:
       with EmbeddedServer(train.initial_weights_dir(cfg), dtype=cfg.rollout.server_dtype, seed=cfg.seed) as server:
         print(f"embedded SGLang-protocol server on {server.url} ({cfg.rollout.server_dtype})")
-        trainer = train.Trainer(cfg, loss_cfg, urls=[server.url])
+        trainer = train.Trainer(cfg, loss_cfg, urls=[server.url], task=task)
         history = trainer.run(resume=args.resume, progress=not args.no_progress)
   except mis_jax.ConfigError as e:
     print(f"mis-jax train: {e}", file=sys.stderr)

@@ -59,9 +59,11 @@ class TrainingError(RuntimeError):
 class Trainer:
   """Owns the policy, the optimiser, the server client and the run directory."""
 
-  def __init__(self, cfg: TrainConfig, loss_cfg: mis_jax.LossConfig, *, urls: list[str], devices=None):
+  def __init__(self, cfg: TrainConfig, loss_cfg: mis_jax.LossConfig, *, urls: list[str], devices=None,
+               task=None):
+    """``task``: the task :func:`check_config` returned for these configs (else checked here)."""
     self.cfg, self.loss_cfg = cfg, loss_cfg
-    self.task = check_config(cfg, loss_cfg)
+    self.task = task if task is not None else check_config(cfg, loss_cfg)
     self.mesh = parallel.make_mesh(cfg.parallel, devices)
     self.run_dir = os.path.abspath(cfg.run_dir)
     os.makedirs(self.run_dir, exist_ok=True)
