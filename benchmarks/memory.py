@@ -86,8 +86,7 @@ def after_step(cfg: ModelConfig, tokens: int, devices) -> dict:
   mesh = parallel.make_mesh(parallel.ParallelSection(fsdp=-1), devices)
   fns = step_lib.build_step_functions(cfg, mesh, LOSS, OPTIM, logprob_chunk=1024, dtype=jnp.bfloat16,
                                       param_dtype=jnp.float32, attention="blocked", remat="full")
-  abstract, psh, osh = fns.abstract_params, fns.param_shardings, fns.opt_shardings
-  optimizer = step_lib.make_optimizer(OPTIM)
+  abstract, psh, osh, optimizer = fns.abstract_params, fns.param_shardings, fns.opt_shardings, fns.optimizer
   params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, psh)
   opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                            jax.eval_shape(optimizer.init, abstract), osh)

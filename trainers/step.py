@@ -101,11 +101,10 @@ def _micro_batch_weights(batch: mis_jax.PackedBatch, mode: str):
     per = jax.ops.segment_sum(m.reshape(-1).astype(jnp.float32), ids, batch.num_segments + 1)
     return jnp.sum((per[:-1] > 0).astype(jnp.float32))
 
+  live = seqs(mask)
   if mode == "token-mean":
-    w_mask, w_kept = jnp.sum(mask.astype(jnp.float32)), jnp.sum(kept.astype(jnp.float32))
-  else:
-    w_mask, w_kept = seqs(mask), seqs(kept)
-  return {"mask": w_mask, "kept": w_kept, "seqs": seqs(mask)}
+    return {"mask": jnp.sum(mask.astype(jnp.float32)), "kept": jnp.sum(kept.astype(jnp.float32)), "seqs": live}
+  return {"mask": live, "kept": seqs(kept), "seqs": live}
 
 
 def combine_metrics(stacked: dict, weights: dict) -> dict:
@@ -134,6 +133,7 @@ class StepFunctions:
   def __init__(self, graphdef, optimizer, loss_cfg: mis_jax.LossConfig, *, temperature: float, mesh,
                param_shardings, opt_shardings, logprob_chunk: int = 1024, abstract_params=None):
     self.mesh, self.loss_cfg, self.graphdef, self.abstract_params = mesh, loss_cfg, graphdef, abstract_params
+    self.optimizer = optimizer
     self.param_shardings, self.opt_shardings = param_shardings, opt_shardings
     replicated = NamedSharding(mesh, P())
     lp = functools.partial(model_logprobs, graphdef, temperature=temperature, chunk_size=logprob_chunk,

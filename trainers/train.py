@@ -33,6 +33,7 @@ from trainers.batch import StepBatch, build_step_batch
 from trainers.config import ModelSection, TrainConfig
 from trainers.models import checkpoint_dir_problem, init_checkpoint, load_hf_params, save_hf_checkpoint
 from trainers.models.config import PRESETS, ModelConfig
+from trainers.models.hf_io import DTYPES
 from trainers.rollout import RolloutResult, ServerError, SGLangClient
 from trainers.step import ModelInputs, StepFunctions, build_step_functions
 from trainers.tasks import make_task
@@ -64,7 +65,7 @@ class Trainer:
     """``task``: the task :func:`check_config` returned for these configs (else checked here)."""
     self.cfg, self.loss_cfg = cfg, loss_cfg
     self.task = task if task is not None else check_config(cfg, loss_cfg)
-    self.mesh = parallel.make_mesh(cfg.parallel, devices)
+    self.mesh = check_parallel(cfg, devices)
     self.run_dir = os.path.abspath(cfg.run_dir)
     os.makedirs(self.run_dir, exist_ok=True)
     r = cfg.rollout
@@ -75,7 +76,6 @@ class Trainer:
 
     weights = initial_weights_dir(cfg)
     model_cfg = ModelConfig.from_pretrained(weights)
-    parallel.check_model(self.mesh, model_cfg)
     self.max_new_tokens = r.max_new_tokens or getattr(self.task, "max_new_tokens", None) or 128
     self.fns = _step_functions(model_cfg, cfg.model, loss_cfg, self.temperature, cfg.train, self.mesh)
     self.graphdef = self.fns.graphdef
@@ -315,17 +315,14 @@ def check_parallel(cfg: TrainConfig, devices=None) -> jax.sharding.Mesh:
   return mesh
 
 
-_JNP_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-
-
 @functools.lru_cache(maxsize=8)
 def _step_functions(model_cfg: ModelConfig, model: ModelSection, loss_cfg: mis_jax.LossConfig,
                     temperature: float, train_cfg, mesh) -> StepFunctions:
   """The jitted step functions, shared by trainers with the same setup (so a resumed or
   repeated run in one process does not compile again)."""
   return build_step_functions(model_cfg, mesh, loss_cfg, train_cfg, temperature=temperature,
-                              logprob_chunk=model.logprob_chunk, dtype=_JNP_DTYPES[model.dtype],
-                              param_dtype=_JNP_DTYPES[model.param_dtype], attention=model.attention,
+                              logprob_chunk=model.logprob_chunk, dtype=DTYPES[model.dtype],
+                              param_dtype=DTYPES[model.param_dtype], attention=model.attention,
                               remat=model.remat)
 
 

@@ -248,7 +248,8 @@ def test_bf16_compute_is_close_to_float32():
   assert g16 @ g32 / (np.linalg.norm(g16) * np.linalg.norm(g32)) > 0.99
 
 
-@pytest.mark.parametrize("attention,remat", [("dense", "none"), ("blocked", "full"), ("blocked", "dots")])
+@pytest.mark.parametrize("attention,remat", [("dense", "full"), ("blocked", "none"), ("blocked", "full"),
+                                            ("blocked", "dots")])
 def test_attention_backends_and_remat_give_the_same_gradients(attention, remat):
   sb = _step_batch(4 * ROW_LEN, 1)
   inputs = step_lib.ModelInputs(*(jnp.asarray(x[0]) for x in (sb.input_ids, sb.positions, sb.targets)))
