@@ -18,6 +18,8 @@ from typing import Any, Sequence
 
 import httpx
 
+from trainers import protocol
+
 
 class ServerError(RuntimeError):
   """The server could not be used (unreachable, failing, or rejecting requests)."""
@@ -46,22 +48,30 @@ class RolloutResult:
 
 
 def validate_sample(item: Any) -> tuple[str | None, dict | None]:
-  """Checks one SGLang ``/generate`` result; returns ``(error, parsed)`` (one of them None)."""
+  """Checks one SGLang ``/generate`` result; returns ``(error, parsed)`` (one of them None).
+
+  Parsed with the shared protocol models (``trainers.protocol``): every finish-reason form,
+  aborts with or without partial tokens, ``weight_version`` and ``weight_versions`` spans.
+  """
   if not isinstance(item, dict):
     return f"sample is {type(item).__name__}, not an object", None
-  ids, meta = item.get("output_ids"), item.get("meta_info")
-  if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-    return "missing or non-integer output_ids", None
-  if not isinstance(meta, dict):
+  try:
+    result = protocol.parse_generate_result(item)
+  except protocol.ContractError as e:
+    return f"malformed sample: {e}", None
+  ids, meta = result.output_ids, result.meta_info
+  if ids is None:
+    return "missing output_ids", None
+  if meta is None:
     return "missing meta_info", None
-  finish = meta.get("finish_reason")
-  kind = finish.get("type") if isinstance(finish, dict) else None
+  finish = meta.finish_reason
+  kind = finish.type if finish is not None else None
   if kind not in ("stop", "length", "abort"):
-    return f"unknown finish_reason {finish!r}", None
+    return f"unknown finish_reason {item['meta_info'].get('finish_reason')!r}", None
   if kind == "abort":
-    return None, {"aborted": True}
-  lps = meta.get("output_token_logprobs")
-  if not isinstance(lps, list):
+    return None, {"aborted": True, "message": finish.message}
+  lps = meta.output_token_logprobs
+  if lps is None:
     return "missing meta_info.output_token_logprobs", None
   if len(lps) != len(ids):
     return f"length mismatch: {len(ids)} output_ids but {len(lps)} output_token_logprobs", None
@@ -77,9 +87,19 @@ def validate_sample(item: Any) -> tuple[str | None, dict | None]:
     values.append(float(lp))
   if not ids:
     return "empty response", None
+  # The version that generated the last token (SGLang reports spans when weights changed
+  # mid-sample); `weight_version` alone otherwise.
+  version = meta.weight_versions[-1].version if meta.weight_versions else meta.weight_version
   return None, {"aborted": False, "ids": tuple(ids), "logprobs": tuple(values), "finish": kind,
-                "text": item.get("text") if isinstance(item.get("text"), str) else "",
-                "weight_version": meta.get("weight_version")}
+                "text": result.text if isinstance(result.text, str) else "",
+                "weight_version": version,
+                "weight_versions": tuple((s.version, s.start, s.end) for s in meta.weight_versions)}
+
+
+def sample_seeds(seed: int, num_prompts: int, n: int, offset: int = 0) -> list[int]:
+  """One ``sampling_seed`` per sample (prompt-major): SGLang copies a request's seed to all of
+  its ``n`` samples, so a group sent with one seed would be ``n`` identical samples."""
+  return [(seed * 1_000_003 + offset + k) % 2**31 for k in range(num_prompts * n)]
 
 
 class SGLangClient:
@@ -158,20 +178,20 @@ class SGLangClient:
   # --- generation ----------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], sampling_params: dict, *, n: int = 1,
                seed: int | None = None) -> RolloutResult:
-    """``n`` samples for every prompt; results come back prompt-major (SPEC §11)."""
+    """``n`` samples for every prompt; results come back prompt-major (SPEC §11). With
+    ``seed``, sample ``k`` (prompt-major) is sent with ``sampling_seed = sample_seeds(seed)[k]``."""
     chunks = [list(range(i, min(i + self.prompts_per_request, len(prompts))))
               for i in range(0, len(prompts), self.prompts_per_request)]
 
-    def call(chunk_index_and_idx):
-      ci, idx = chunk_index_and_idx
-      params = dict(sampling_params, n=n)
-      if seed is not None:
-        params["sampling_seed"] = (seed * 1_000_003 + ci) % (2 ** 31)
-      body = {"input_ids": [list(prompts[i]) for i in idx], "sampling_params": params, "return_logprob": True}
+    protocol.generate_body([], sampling_params, n=n)  # a bad key fails here, before any request
+
+    def call(idx):
+      seeds = None if seed is None else sample_seeds(seed, len(idx), n, offset=idx[0] * n)
+      body = protocol.generate_body([prompts[i] for i in idx], sampling_params, n=n, seeds=seeds)
       return idx, self._request("POST", self.urls[next(self._next)], "/generate", body)
 
     result = RolloutResult(samples=[], num_requested=len(prompts) * n)
-    for idx, out in self._pool.map(call, enumerate(chunks)):
+    for idx, out in self._pool.map(call, chunks):
       if not isinstance(out, list) or len(out) != len(idx) * n:
         got = len(out) if isinstance(out, list) else type(out).__name__
         result.num_rejected += len(idx) * n
@@ -229,10 +249,4 @@ def _message(resp: httpx.Response) -> str:
     body = resp.json()
   except ValueError:
     return resp.text[:500]
-  if isinstance(body, dict):
-    err = body.get("error")
-    if isinstance(err, dict) and "message" in err:
-      return str(err["message"])
-    if "message" in body:
-      return str(body["message"])
-  return str(body)[:500]
+  return protocol.error_message(body)

@@ -8,7 +8,13 @@ Per row and step, with logits `z` (float32 even when the model computes in bfloa
 
 The reported log-prob is `logp[token]`, *not* renormalised over the kept set, exactly as
 SGLang's `output_token_logprobs`. Temperature 0 (below 1e-6) is greedy and, as in SGLang, is
-run as `T = 1, top_k = 1`, so its log-probs are those of `log_softmax(z)`.
+run as `T = 1, top_k = 1`, so its log-probs are those of `log_softmax(z)`. With
+`prompt_logprobs`, the prefill also returns the teacher-forced `log_softmax(z / T)` of every
+prompt token after the first (SGLang's `input_token_logprobs`).
+
+A row's randomness depends on its seed only (key `fold_in(key(seed), step)`), as SGLang's
+`sampling_seed`: two samples with one seed are identical whatever is batched with them, and
+SGLang copies a request's seed to all of its `n` samples.
 
 Shapes are static: the batch is padded to a power of two, prompts and `max_new_tokens` to
 powers of two (at least 16), stop-id lists to powers of two (at least 4), so a stream of
@@ -40,7 +46,7 @@ class SamplingParams:
   min_p: float = 0.0
   max_new_tokens: int = 128
   stop_token_ids: tuple[int, ...] = ()
-  ignore_eos: bool = False
+  ignore_eos: bool = False  # as SGLang: no token stops the sample (EOS nor stop_token_ids)
   n: int = 1
   seed: int | None = None
 
@@ -73,6 +79,7 @@ class Completion:
   output_ids: list[int]
   logprobs: list[float]
   finish_reason: tuple[str, int]
+  prompt_logprobs: list[float] | None = None  # [t]: log-prob of prompt token t + 1
 
 
 _GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: smaller temperatures are greedy
@@ -101,21 +108,28 @@ def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p):
 
 
 def _generate(graphdef, params, prompt_ids, prompt_lens, row_seeds, temperature, top_p, top_k,
-              min_p, max_new, stop_ids, *, num_steps: int):
-  """Rows `[B]`; `prompt_ids [B, P]` right-padded; `row_seeds [B, 3]` = (seed, prompt, sample).
+              min_p, max_new, stop_ids, *, num_steps: int, prompt_logprobs: bool = False):
+  """Rows `[B]`; `prompt_ids [B, P]` right-padded; `row_seeds [B]` uint32.
 
-  Returns `output_ids [B, num_steps]`, `logprobs [B, num_steps]`, `lengths [B]`, `stopped [B]`.
+  Returns `output_ids [B, num_steps]`, `logprobs [B, num_steps]`, `lengths [B]`, `stopped [B]`,
+  and `prompt_lp [B, P]` (entry `t`: log-prob of prompt token `t + 1`; zeros without
+  `prompt_logprobs`).
   """
   model = nnx.merge(graphdef, params)
   batch, prompt_len = prompt_ids.shape
   cache = model.init_cache(batch, prompt_len + num_steps)
   positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-  logits, cache = model.decode(prompt_ids, positions, cache)
+  all_logits, cache = model.decode(prompt_ids, positions, cache)
+  if prompt_logprobs:
+    lp = jax.nn.log_softmax(all_logits.astype(jnp.float32) / temperature[:, None, None], axis=-1)
+    nxt = jnp.concatenate([prompt_ids[:, 1:], jnp.zeros_like(prompt_ids[:, :1])], axis=1)
+    prompt_lp = jnp.take_along_axis(lp, nxt[..., None], axis=-1)[..., 0]
+  else:
+    prompt_lp = jnp.zeros(prompt_ids.shape, jnp.float32)
   # Rows are right-padded; pad keys land in slots >= prompt_len, which a query at position p
   # never sees before a generated token overwrites slot p.
-  logits = jnp.take_along_axis(logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
-  keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.fold_in(jax.random.key(s[0]), s[1]), s[2])
-                  )(row_seeds)
+  logits = jnp.take_along_axis(all_logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+  keys = jax.vmap(jax.random.key)(row_seeds)
   sample = jax.vmap(_filter_and_sample)
 
   def cond(state):
@@ -141,7 +155,7 @@ def _generate(graphdef, params, prompt_ids, prompt_lens, row_seeds, temperature,
           jnp.zeros((batch, num_steps), jnp.float32), jnp.zeros((batch,), jnp.int32),
           max_new <= 0, jnp.zeros((batch,), bool))
   _, _, _, out_ids, out_lp, lengths, _, stopped = jax.lax.while_loop(cond, body, init)
-  return out_ids, out_lp, lengths, stopped
+  return out_ids, out_lp, lengths, stopped, prompt_lp
 
 
 class Sampler:
@@ -163,7 +177,7 @@ class Sampler:
     self.max_batch_size = _bucket(max_batch_size, 1)
     self._rng = np.random.default_rng(seed)
     self._generate = jax.jit(functools.partial(_generate, self.graphdef),
-                             static_argnames=("num_steps",))
+                             static_argnames=("num_steps", "prompt_logprobs"))
 
   def set_params(self, params: nnx.State) -> None:
     """Swaps the weights (same structure, shapes and dtypes: nothing recompiles)."""
@@ -179,12 +193,15 @@ class Sampler:
     return self._generate._cache_size()
 
   def generate(self, prompts: Sequence[Sequence[int]],
-               params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
+               params: SamplingParams | Sequence[SamplingParams], *,
+               prompt_logprobs: bool = False) -> list[Completion]:
     """Samples `params.n` completions per prompt; returns them prompt-major.
 
-    Sample `j` of prompt `i` with seed `s` draws from key `fold_in(fold_in(key(s), i), j)`
-    (then `fold_in(·, step)`), so a seeded request is reproducible whatever else is batched
-    with it. Without a seed, one is drawn from this sampler's generator.
+    A sample with seed `s` draws from key `fold_in(key(s), step)`, so a seeded request is
+    reproducible whatever else is batched with it, and its `n` samples (which share the seed,
+    as in SGLang) are identical. Without a seed, every sample draws its own from this
+    sampler's generator. With `prompt_logprobs`, each completion carries
+    `prompt_logprobs[t]` = the log-prob of prompt token `t + 1` (length `len(prompt) - 1`).
     """
     if isinstance(params, SamplingParams):
       params = [params] * len(prompts)
@@ -201,22 +218,23 @@ class Sampler:
       if len(prompt) + p.max_new_tokens > context:
         raise ValueError(f"prompt {i}: {len(prompt)} prompt tokens + max_new_tokens "
                          f"{p.max_new_tokens} exceed the context length {context}")
-      seed = p.seed if p.seed is not None else int(self._rng.integers(0, 2**32))
-      stop = tuple(p.stop_token_ids) + (() if p.ignore_eos else self.eos_token_ids)
-      rows += [(i, j, prompt, p, seed % 2**32, stop) for j in range(p.n)]
+      stop = () if p.ignore_eos else tuple(p.stop_token_ids) + self.eos_token_ids
+      for j in range(p.n):
+        seed = p.seed if p.seed is not None else int(self._rng.integers(0, 2**32))
+        rows.append((i, j, prompt, p, seed % 2**32, stop))
     out = []
     for start in range(0, len(rows), self.max_batch_size):
-      out += self._run(rows[start:start + self.max_batch_size])
+      out += self._run(rows[start:start + self.max_batch_size], prompt_logprobs)
     return out
 
-  def _run(self, rows) -> list[Completion]:
+  def _run(self, rows, prompt_logprobs: bool) -> list[Completion]:
     batch = _bucket(len(rows), 1)
     prompt_len = _bucket(max(len(r[2]) for r in rows), 16)
     num_steps = _bucket(max(r[3].max_new_tokens for r in rows), 16)
     num_stop = _bucket(max(len(r[5]) for r in rows), 4)
     ids = np.zeros((batch, prompt_len), np.int32)
     lens = np.ones((batch,), np.int32)
-    seeds = np.zeros((batch, 3), np.uint32)
+    seeds = np.zeros((batch,), np.uint32)
     temp = np.ones((batch,), np.float32)
     top_p = np.ones((batch,), np.float32)
     min_p = np.zeros((batch,), np.float32)
@@ -226,19 +244,20 @@ class Sampler:
     for b, (i, j, prompt, p, seed, stop_ids) in enumerate(rows):
       ids[b, :len(prompt)] = prompt
       lens[b] = len(prompt)
-      seeds[b] = (seed, i, j)
+      seeds[b] = seed
       greedy = p.temperature < _GREEDY_BELOW
       temp[b] = 1.0 if greedy else p.temperature
       top_k[b] = 1 if greedy else p.top_k
       top_p[b], min_p[b], max_new[b] = p.top_p, p.min_p, p.max_new_tokens
       stop[b, :len(stop_ids)] = stop_ids
-    out_ids, out_lp, lengths, stopped = jax.device_get(self._generate(
+    out_ids, out_lp, lengths, stopped, prompt_lp = jax.device_get(self._generate(
         self.params, ids, lens, seeds, temp, top_p, top_k, min_p, max_new, stop,
-        num_steps=num_steps))
+        num_steps=num_steps, prompt_logprobs=prompt_logprobs))
     completions = []
     for b, (i, j, prompt, p, _, _) in enumerate(rows):
       n = int(lengths[b])
       finish = ("stop", int(out_ids[b, n - 1])) if stopped[b] else ("length", p.max_new_tokens)
-      completions.append(Completion(i, j, len(prompt), out_ids[b, :n].tolist(),
-                                    out_lp[b, :n].tolist(), finish))
+      completions.append(Completion(
+          i, j, len(prompt), out_ids[b, :n].tolist(), out_lp[b, :n].tolist(), finish,
+          prompt_lp[b, :len(prompt) - 1].tolist() if prompt_logprobs else None))
     return completions

@@ -87,10 +87,15 @@ class FakeSGLang:
             return self._reply(500, {"error": {"message": "internal error"}})
           if fake.fault == "generate_400":
             return self._reply(400, {"error": {"message": "Unknown sampling_params key 'bogus'"}})
-          sp = body["sampling_params"]
-          rng = random.Random(sp.get("sampling_seed", 0))
-          out = [fake._sample(rng, sp["max_new_tokens"], i)
-                 for i in range(len(body["input_ids"]) * sp.get("n", 1))]
+          # SGLang's batch normalisation: a list of sampling params is one per prompt (their n
+          # must agree), a dict is shared; results are prompt-major, n per prompt.
+          sps = body["sampling_params"]
+          sps = sps if isinstance(sps, list) else [sps] * len(body["input_ids"])
+          n = sps[0].get("n") or 1
+          out = []
+          for p, sp in enumerate(sps):
+            rng = random.Random(sp.get("sampling_seed", 0))
+            out += [fake._sample(rng, sp["max_new_tokens"], p * n + j) for j in range(n)]
           return self._reply(200, out)
         if self.path == "/update_weights_from_disk":
           if fake.fault == "sync_fail":

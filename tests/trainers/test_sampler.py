@@ -31,8 +31,8 @@ def _check_against_oracle(model, prompts, outs, temperature, atol):
 
 
 def test_logprobs_equal_teacher_forced(sampler, tiny_model):
-  params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_new_tokens=12, n=2, seed=7,
-                          ignore_eos=True)
+  params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_new_tokens=12, n=2,
+                          ignore_eos=True)  # no seed: every sample draws its own
   outs = sampler.generate(PROMPTS, params)
   assert [(c.prompt_index, c.sample_index) for c in outs] == [(i, j) for i in range(3) for j in range(2)]
   for c in outs:
@@ -53,10 +53,13 @@ def test_greedy_is_argmax_with_temperature_one_logprobs(sampler, tiny_model):
 
 
 def test_seed_reproduces_and_other_rows_do_not_matter(sampler):
-  """Sample j of prompt i draws from fold_in(key(seed), i, j): rows added after it (and a
-  larger padded batch bucket) leave it unchanged."""
+  """A sample draws from fold_in(key(seed), step) only, as SGLang's sampling_seed: rows added
+  after it (and a larger padded batch bucket) leave it unchanged, and the n samples of a
+  seeded request (which share its seed) are identical."""
   p = SamplingParams(temperature=1.0, max_new_tokens=8, seed=123, ignore_eos=True)
   batch = sampler.generate(PROMPTS, p)
+  group = sampler.generate(PROMPTS[:1], dataclasses.replace(p, n=3))
+  assert [c.output_ids for c in group] == [batch[0].output_ids] * 3
   assert [c.output_ids for c in sampler.generate(PROMPTS, p)] == [c.output_ids for c in batch]
   bigger = sampler.generate(PROMPTS + [[1, 2], [3, 4, 5]], p)
   assert [c.output_ids for c in bigger[:3]] == [c.output_ids for c in batch]
@@ -69,11 +72,12 @@ def test_requests_larger_than_a_batch_run_in_chunks(sampler):
   chunked = sampler.generate(PROMPTS, p)  # 12 rows: a chunk of 8, then one of 4
   assert [(c.prompt_index, c.sample_index) for c in chunked] == [(i, j) for i in range(3) for j in range(4)]
   assert [c.output_ids for c in chunked[:8]] == [c.output_ids for c in sampler.generate(PROMPTS[:2], p)]
+  assert [c.output_ids for c in chunked[8:]] == [c.output_ids for c in sampler.generate(PROMPTS[2:], p)]
 
 
 def test_top_k_and_top_p_restrict_the_support(sampler, tiny_model):
-  for params in (SamplingParams(temperature=1.5, top_k=3, max_new_tokens=16, n=4, seed=0, ignore_eos=True),
-                 SamplingParams(temperature=1.5, top_p=0.5, max_new_tokens=16, n=4, seed=0, ignore_eos=True)):
+  for params in (SamplingParams(temperature=1.5, top_k=3, max_new_tokens=16, n=4, ignore_eos=True),
+                 SamplingParams(temperature=1.5, top_p=0.5, max_new_tokens=16, n=4, ignore_eos=True)):
     for c in sampler.generate(PROMPTS[:1], params):
       logits = sequence_logits(tiny_model, PROMPTS[0] + c.output_ids)[len(PROMPTS[0]) - 1:-1] / 1.5
       probs = np.exp(logits - logits.max(-1, keepdims=True))
@@ -91,12 +95,26 @@ def test_stop_token_ends_and_is_kept(sampler):
   greedy = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
   ref = sampler.generate(PROMPTS[:1], greedy)[0].output_ids
   stop = ref[3]
-  out = sampler.generate(PROMPTS[:1], dataclasses.replace(greedy, stop_token_ids=(stop,)))[0]
-  cut = ref.index(stop) + 1
-  assert out.output_ids == ref[:cut] and out.finish_reason == ("stop", stop)
-  # The config's eos (id 2) stops unless ignore_eos.
+  out = sampler.generate(PROMPTS[:1], dataclasses.replace(greedy, ignore_eos=False,
+                                                          stop_token_ids=(stop,)))[0]
+  cut = min(ref.index(t) for t in (stop, 2) if t in ref) + 1  # the config's eos is id 2
+  assert out.output_ids == ref[:cut] and out.finish_reason == ("stop", ref[cut - 1])
+  # As SGLang: ignore_eos ignores every stop token, stop_token_ids included.
+  ignored = sampler.generate(PROMPTS[:1], dataclasses.replace(greedy, stop_token_ids=(stop,)))[0]
+  assert ignored.output_ids == ref and ignored.finish_reason == ("length", 16)
   eos = sampler.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=16))[0]
   assert (eos.finish_reason[0] == "stop") == (2 in ref)
+
+
+def test_prompt_logprobs_are_teacher_forced(sampler, tiny_model):
+  """`prompt_logprobs[t]` = log_softmax(z / T) of prompt token t + 1 from the prefill."""
+  for temperature in (1.0, 0.7):
+    outs = sampler.generate(PROMPTS, SamplingParams(temperature=temperature, max_new_tokens=1),
+                            prompt_logprobs=True)
+    for c in outs:
+      prompt = PROMPTS[c.prompt_index]
+      want = sequence_logprobs(tiny_model, prompt[:1], prompt[1:], temperature=temperature)
+      np.testing.assert_allclose(c.prompt_logprobs, want, atol=5e-5, rtol=0)
 
 
 def test_max_new_tokens_zero_and_one(sampler):

@@ -1,7 +1,9 @@
 """`mis-jax serve` over real HTTP: one server subprocess per module on a free 127.0.0.1 port
-(`--port 0`, read back from its first line), driven like an SGLang server (SPEC §11): response
-shapes, seeds, log-probs against the model's own teacher-forced log-probs, weight updates,
-pause/continue/abort, and every bad request."""
+(`--port 0`, read back from its first line), driven like an SGLang 0.5.23 server (SPEC §11):
+response shapes and key order, seeds, output and prompt log-probs against the model's own
+teacher-forced log-probs, weight updates, pause/continue/abort, every bad request with SGLang's
+status and body shape, and the JSON of requests and responses checked against SGLang's own
+contract (`api_types.py` from the sglang wheel, see `sglang_contract`)."""
 
 import dataclasses
 import json
@@ -13,25 +15,40 @@ import httpx
 import numpy as np
 import pytest
 
-from trainers import cli
+from trainers import cli, protocol
 from trainers.models import PRESETS, init_checkpoint, load_hf_checkpoint
-from trainers.sampler import SamplingParams
-from trainers.server import EmbeddedServer, parse_sampling_params
+from trainers.rollout import sample_seeds
+from trainers.server import EmbeddedServer
 
 from conftest import TINY, sequence_logprobs
+from sglang_contract import load_api_types
 
 PROMPT = [1, 5, 9, 14, 3]
-BF16_ATOL = 0.1  # bf16 engine vs float32 teacher forcing (per token; the mean is far smaller)
+BF16_ATOL = 0.15  # bf16 engine vs float32 teacher forcing (per token; the mean is far smaller)
+META_KEYS = ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",
+             "reasoning_tokens", "completion_tokens", "cached_tokens", "weight_versions",
+             "e2e_latency", "response_sent_to_client_ts"]  # SGLang 0.5.23's order
+LOGPROB_KEYS = ["input_token_logprobs", "output_token_logprobs", "output_token_logprobs_length"]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_checkpoint):
+def api_types():
+  return load_api_types()
+
+
+@pytest.fixture(scope="module")
+def embedded(tiny_checkpoint):
   with EmbeddedServer(tiny_checkpoint, dtype="bfloat16", seed=0, max_batch_size=8, timeout=120) as srv:
     assert srv.url.startswith("http://127.0.0.1:")
-    with httpx.Client(base_url=srv.url, timeout=120) as client:
-      yield client
+    yield srv
     assert srv.process.poll() is None  # no request crashed it
-  assert srv.process.returncode is not None
+  assert srv.process.returncode == 0  # SIGTERM: a clean (graceful) shutdown
+
+
+@pytest.fixture(scope="module")
+def server(embedded):
+  with httpx.Client(base_url=embedded.url, timeout=120) as client:
+    yield client
 
 
 @pytest.fixture(scope="module")
@@ -39,60 +56,94 @@ def f32_model(tiny_checkpoint):
   return load_hf_checkpoint(tiny_checkpoint)
 
 
-def _generate(client, input_ids, **sampling):
-  body = {"input_ids": input_ids, "return_logprob": True,
-          "sampling_params": {"max_new_tokens": 8, "no_stop_trim": True,
-                              "skip_special_tokens": False, **sampling}}
+def _post(client, body, status=200):
   r = client.post("/generate", json=body)
-  assert r.status_code == 200, r.text
+  assert r.status_code == status, r.text
   return r.json()
 
 
-def test_single_prompt_response_shape(server):
+def _generate(client, input_ids, **sampling):
+  return _post(client, {"input_ids": input_ids, "return_logprob": True,
+                        "sampling_params": {"max_new_tokens": 8, "no_stop_trim": True,
+                                            "skip_special_tokens": False, **sampling}})
+
+
+def test_single_prompt_response_shape(server, api_types):
   out = _generate(server, PROMPT, temperature=0.7, top_p=1.0, top_k=-1, sampling_seed=1, ignore_eos=True)
-  assert isinstance(out, dict) and set(out) == {"text", "output_ids", "meta_info"}
+  assert list(out) == ["text", "output_ids", "meta_info"]
   meta = out["meta_info"]
-  assert set(meta) == {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
-                       "output_token_logprobs", "weight_version", "e2e_latency"}
+  assert list(meta) == META_KEYS[:5] + LOGPROB_KEYS + META_KEYS[5:]
   assert out["text"] == "" and len(out["output_ids"]) == 8
   assert meta["finish_reason"] == {"type": "length", "length": 8}
   assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (5, 8, 0)
   assert meta["weight_version"] == "default" and isinstance(meta["id"], str)
-  assert isinstance(meta["e2e_latency"], float)
+  assert meta["weight_versions"] == [{"version": "default", "start": 0, "end": 8}]
+  assert isinstance(meta["e2e_latency"], float) and meta["input_token_logprobs"] == []
+  assert abs(meta["response_sent_to_client_ts"] - time.time()) < 60
   lps = meta["output_token_logprobs"]
-  assert [t for _, t, _ in lps] == out["output_ids"]
+  assert [t for _, t, _ in lps] == out["output_ids"] and meta["output_token_logprobs_length"] == 8
   assert all(isinstance(lp, float) and lp <= 0 and text is None for lp, _, text in lps)
+  decoded = api_types.GenerateResponse.from_json_value(out)  # SGLang's own decoder accepts it
+  assert decoded.meta_info.completion_tokens == 8 and decoded.output_ids == out["output_ids"]
+  assert isinstance(decoded.meta_info.finish_reason, api_types.FinishLength)
 
 
-def test_batch_and_n_are_prompt_major_lists(server):
-  prompts = [PROMPT, [1, 2]]
-  out = _generate(server, prompts, n=2, sampling_seed=3, ignore_eos=True)
+def test_return_logprob_false_and_null_defaults(server):
+  out = _post(server, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}})
+  assert list(out["meta_info"]) == META_KEYS
+  # `null` means SGLang's default for every sampling value (temperature 1, top_k all, n 1, ...).
+  nulls = {k: None for k in ("temperature", "top_p", "top_k", "min_p", "n", "ignore_eos",
+                             "frequency_penalty", "presence_penalty", "repetition_penalty",
+                             "min_new_tokens", "stop", "stop_token_ids", "logit_bias", "no_stop_trim")}
+  a = _post(server, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "sampling_seed": 9, **nulls}})
+  b = _post(server, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "sampling_seed": 9}})
+  assert a["output_ids"] == b["output_ids"] and isinstance(a, dict)
+  assert _post(server, {"input_ids": PROMPT, "sampling_params": None, "return_logprob": None,
+                        "rid": None, "stream": None, "logprob_start_len": None})["meta_info"]
+
+
+def test_unknown_top_level_keys_are_ignored_like_sglang(server):
+  """miles always sends return_routed_experts / return_indexer_topk; SGLang ignores unknown keys."""
+  body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "sampling_seed": 2},
+          "return_routed_experts": False, "return_indexer_topk": False, "no_such_key": {"x": 1},
+          "seed": 12345}  # not a key of SGLang 0.5.23: ignored, so it does not seed anything
+  with_extra, plain = _post(server, body), _post(server, {k: body[k] for k in ("input_ids", "sampling_params")})
+  assert with_extra["output_ids"] == plain["output_ids"]
+
+
+def test_batch_n_and_seeds_as_sglang(server):
+  """SGLang copies a request's sampling params (its seed included) to each of its n samples:
+  one seed for a group gives n identical samples; distinct samples need one seed each."""
+  out = _generate(server, [PROMPT, [1, 2]], n=2, sampling_seed=3, ignore_eos=True)
   assert isinstance(out, list) and len(out) == 4
   assert [o["meta_info"]["prompt_tokens"] for o in out] == [5, 5, 2, 2]
-  assert out[0]["output_ids"] != out[1]["output_ids"]
-  single_n = _generate(server, PROMPT, n=4, sampling_seed=3, ignore_eos=True)
-  assert isinstance(single_n, list) and len(single_n) == 4
-  assert single_n[:2] == [{**o, "meta_info": {**o["meta_info"], "id": n["meta_info"]["id"],
-                                              "e2e_latency": n["meta_info"]["e2e_latency"]}}
-                          for o, n in zip(out[:2], single_n[:2])]  # prompt 0's samples, same seed
-  batch_of_one = _generate(server, [PROMPT], sampling_seed=3)
-  assert isinstance(batch_of_one, list) and len(batch_of_one) == 1
+  assert out[0]["output_ids"] == out[1]["output_ids"] and out[2]["output_ids"] == out[3]["output_ids"]
+  ids = [o["meta_info"]["id"] for o in out]
+  assert len(set(ids)) == 4 and all(len(i) == 32 for i in ids)  # fresh ids per parallel sample
+  unseeded = _generate(server, [PROMPT], n=2, ignore_eos=True)
+  assert unseeded[0]["output_ids"] != unseeded[1]["output_ids"]
+  # What the trainer's client sends: each sample its own entry and seed.
+  body = protocol.generate_body([PROMPT, [1, 2]], {"max_new_tokens": 8, "ignore_eos": True}, n=2,
+                                seeds=sample_seeds(7, 2, 2))
+  per_sample = _post(server, body)
+  assert per_sample[0]["output_ids"] != per_sample[1]["output_ids"]
+  assert [o["output_ids"] for o in _post(server, body)] == [o["output_ids"] for o in per_sample]
+  assert isinstance(_generate(server, [PROMPT], sampling_seed=3), list)  # a batch of one is a list
 
 
-def test_return_logprob_false_and_defaults(server):
-  r = server.post("/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}})
-  meta = r.json()["meta_info"]
-  assert r.status_code == 200 and "output_token_logprobs" not in meta
-  assert parse_sampling_params({}) == SamplingParams(max_new_tokens=128)  # SGLang's defaults
-  assert parse_sampling_params({"temperature": 0, "top_k": -1, "stop": [], "n": 2}).n == 2
+def test_rid_normalisation(server):
+  out = _post(server, {"input_ids": [PROMPT, [1, 2]], "rid": "grp", "sampling_params": {"max_new_tokens": 2}})
+  assert [o["meta_info"]["id"] for o in out] == ["grp_0", "grp_1"]  # a string rid is a prefix
+  out = _post(server, {"input_ids": [PROMPT, [1, 2]], "rid": ["a", "b"], "sampling_params": {"max_new_tokens": 2}})
+  assert [o["meta_info"]["id"] for o in out] == ["a", "b"]
+  assert _post(server, {"input_ids": PROMPT, "rid": "one", "sampling_params": {"max_new_tokens": 2}}
+               )["meta_info"]["id"] == "one"
 
 
 def test_seed_determinism(server):
   a, b = (_generate(server, PROMPT, temperature=1.0, sampling_seed=42) for _ in range(2))
   c = _generate(server, PROMPT, temperature=1.0, sampling_seed=43)
-  top = server.post("/generate", json={"input_ids": PROMPT, "seed": 42, "sampling_params": {
-      "max_new_tokens": 8, "temperature": 1.0}}).json()
-  assert a["output_ids"] == b["output_ids"] == top["output_ids"] != c["output_ids"]
+  assert a["output_ids"] == b["output_ids"] != c["output_ids"]
   assert a["meta_info"]["output_token_logprobs"] == b["meta_info"]["output_token_logprobs"]
 
 
@@ -108,60 +159,118 @@ def test_logprobs_are_the_models_teacher_forced_logprobs(server, f32_model):
     assert np.abs(got - want).mean() < 0.05
 
 
-def test_stop_token_ids(server):
+def test_prompt_logprobs_with_logprob_start_len(server, f32_model):
+  """input_token_logprobs: one entry per prompt token from logprob_start_len, the first null,
+  the others the teacher-forced log-prob of that token (miles' prefill scoring)."""
+  seq = PROMPT + [7, 22, 40]
+  want = sequence_logprobs(f32_model, seq[:1], seq[1:], temperature=1.0)  # tokens 1.. of seq
+  for start in (0, 3):
+    out = _post(server, {"input_ids": seq, "return_logprob": True, "logprob_start_len": start,
+                         "sampling_params": {"max_new_tokens": 0, "temperature": 1.0}})
+    entries = out["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in entries] == seq[start:] and entries[0][0] is None
+    np.testing.assert_allclose([lp for lp, _, _ in entries[1:]], want[start:], atol=BF16_ATOL, rtol=0)
+    assert out["output_ids"] == [] and out["meta_info"]["finish_reason"] == {"type": "length", "length": 0}
+  at_end = _post(server, {"input_ids": seq, "return_logprob": True, "logprob_start_len": len(seq),
+                          "sampling_params": {"max_new_tokens": 1}})
+  assert at_end["meta_info"]["input_token_logprobs"] == []
+  past = _post(server, {"input_ids": seq, "return_logprob": True, "logprob_start_len": len(seq) + 1}, 400)
+  assert "is higher than the number of input tokens" in past["error"]["message"]
+  # Without return_logprob, logprob_start_len is ignored (as SGLang).
+  assert "input_token_logprobs" not in _post(server, {"input_ids": seq, "logprob_start_len": 99,
+                                                      "sampling_params": {"max_new_tokens": 1}})["meta_info"]
+
+
+def test_stop_token_ids_and_ignore_eos(server):
   ref = _generate(server, PROMPT, temperature=0, ignore_eos=True, max_new_tokens=16)["output_ids"]
   stop = ref[2]
-  out = _generate(server, PROMPT, temperature=0, ignore_eos=True, max_new_tokens=16, stop_token_ids=[stop])
-  assert out["output_ids"] == ref[:ref.index(stop) + 1]
-  assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+  out = _generate(server, PROMPT, temperature=0, max_new_tokens=16, stop_token_ids=[stop])
+  cut = min(ref.index(t) for t in (stop, 2) if t in ref) + 1  # 2: the config's eos
+  assert out["output_ids"] == ref[:cut]
+  assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": ref[cut - 1]}
+  # ignore_eos: no token stops the sample, stop_token_ids included (SGLang's check_finished).
+  ignored = _generate(server, PROMPT, temperature=0, ignore_eos=True, max_new_tokens=16, stop_token_ids=[stop])
+  assert ignored["output_ids"] == ref and ignored["meta_info"]["finish_reason"]["type"] == "length"
 
 
-BAD_REQUESTS = {
-    "unknown sampling key": ({"input_ids": PROMPT, "sampling_params": {"temprature": 1.0}}, "temprature"),
-    "missing input_ids": ({"sampling_params": {}}, "input_ids"),
-    "empty input_ids": ({"input_ids": []}, "input_ids"),
-    "empty prompt in batch": ({"input_ids": [PROMPT, []]}, "input_ids[1]"),
-    "out-of-vocab id": ({"input_ids": [1, 64]}, "64"),
-    "negative id": ({"input_ids": [-1]}, "-1"),
-    "non-int id": ({"input_ids": [1.5]}, "input_ids"),
+CONTRACT_ERRORS = {  # 400 {"error": "<message>"}: SGLang's contract check
+    "unknown sampling key": {"input_ids": PROMPT, "sampling_params": {"temprature": 1.0}},
+    "non-int id": {"input_ids": [1.5]},
+    "bool id": {"input_ids": [1, True]},
+    "ignore_eos not a bool": {"input_ids": PROMPT, "sampling_params": {"ignore_eos": "yes"}},
+    "stop_token_ids not ints": {"input_ids": PROMPT, "sampling_params": {"stop_token_ids": ["2"]}},
+    "top_k a float": {"input_ids": PROMPT, "sampling_params": {"top_k": 1.0}},
+    "return_logprob a string": {"input_ids": PROMPT, "return_logprob": "true"},
+    "rid a number": {"input_ids": PROMPT, "rid": 7},
+    "sampling_params a string": {"input_ids": PROMPT, "sampling_params": "greedy"},
+    "priority a string": {"input_ids": PROMPT, "priority": "high"},
+    "negative max_thinking_tokens": {"input_ids": PROMPT, "max_thinking_tokens": -1},
+    "return_prompt_token_ids null": {"input_ids": PROMPT, "return_prompt_token_ids": None},
+}
+REQUEST_ERRORS = {  # 400 {"error": {"message": "<message>"}}: after decoding
+    "missing input_ids": ({"sampling_params": {}}, "Either text, input_ids or input_embeds"),
+    "empty input_ids": ({"input_ids": []}, "input_ids cannot be empty"),
+    "empty prompt in batch": ({"input_ids": [PROMPT, []]}, "input_ids[1] cannot be empty"),
+    "out-of-vocab id": ({"input_ids": [1, 64]}, "out-of-vocabulary token id 64"),
+    "negative id": ({"input_ids": [-1]}, "out-of-vocabulary token id -1"),
     "max_new_tokens over context": ({"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 510}},
-                                    "context length"),
+                                    "exceeds the model's maximum context length of 512"),
+    "prompt over context": ({"input_ids": [1] * 512}, "longer than the model's context length"),
     "stop strings": ({"input_ids": PROMPT, "sampling_params": {"stop": ["\n"]}}, "stop"),
     "repetition_penalty": ({"input_ids": PROMPT, "sampling_params": {"repetition_penalty": 1.2}},
                            "repetition_penalty"),
-    "top_k 0": ({"input_ids": PROMPT, "sampling_params": {"top_k": 0}}, "top_k"),
+    "top_k 0": ({"input_ids": PROMPT, "sampling_params": {"top_k": 0}}, "top_k must be -1"),
     "negative temperature": ({"input_ids": PROMPT, "sampling_params": {"temperature": -1}}, "temperature"),
     "text without tokenizer": ({"text": "hello"}, "tokenizer"),
-    "text and input_ids": ({"text": "hello", "input_ids": PROMPT}, "not both"),
     "stream": ({"input_ids": PROMPT, "stream": True}, "stream"),
-    "ignore_eos not a bool": ({"input_ids": PROMPT, "sampling_params": {"ignore_eos": "yes"}}, "ignore_eos"),
-    "stop_token_ids not ints": ({"input_ids": PROMPT, "sampling_params": {"stop_token_ids": ["2"]}},
-                                "stop_token_ids"),
-    "unknown top-level field": ({"input_ids": PROMPT, "return_logprobs": True}, "return_logprobs"),
+    "n differs in a batch": ({"input_ids": [PROMPT, PROMPT], "sampling_params": [{"n": 1}, {"n": 2}]},
+                             "parallel_sample_num should be the same"),
+    "rid list too short": ({"input_ids": [PROMPT, PROMPT], "rid": ["a"]}, "rids length mismatch"),
+    "duplicate rid": ({"input_ids": [PROMPT, PROMPT], "rid": ["a", "a"]}, "Duplicate request IDs"),
+    "list logprob flags with n": ({"input_ids": [PROMPT], "return_logprob": [True],
+                                   "sampling_params": {"n": 2}}, "Cannot use list return_logprob"),
 }
 
 
-@pytest.mark.parametrize("name", sorted(BAD_REQUESTS))
-def test_bad_generate_requests_get_400(server, name):
-  body, fragment = BAD_REQUESTS[name]
-  r = server.post("/generate", json=body)
-  assert r.status_code == 400, r.text
-  assert fragment in r.json()["error"]["message"]
+@pytest.mark.parametrize("name", sorted(CONTRACT_ERRORS))
+def test_contract_violations_get_sglangs_400(server, api_types, name):
+  body = CONTRACT_ERRORS[name]
+  with pytest.raises(api_types.JsonContractError):  # SGLang's own decoder rejects it too
+    api_types.GenerateRequest.from_json_value(body)
+  out = _post(server, body, 400)
+  assert set(out) == {"error"} and isinstance(out["error"], str) and out["error"]
 
 
-def test_malformed_json_and_unknown_route(server):
-  r = server.post("/generate", content=b"{not json", headers={"Content-Type": "application/json"})
-  assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
-  assert server.get("/no_such_route").status_code == 404
+@pytest.mark.parametrize("name", sorted(REQUEST_ERRORS))
+def test_bad_requests_get_sglangs_400(server, api_types, name):
+  body, fragment = REQUEST_ERRORS[name]
+  api_types.GenerateRequest.from_json_value(body)  # valid JSON contract: rejected later
+  out = _post(server, body, 400)
+  assert set(out) == {"error"} and fragment in out["error"]["message"], out
+
+
+def test_malformed_bodies_and_unknown_routes(server):
+  for raw in (b"{not json", b"[1, 2]", b""):
+    r = server.post("/generate", content=raw, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["object"] == "error" and r.json()["code"] == 400, r.text
+  r = server.get("/no_such_route")
+  assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
+  assert server.get("/generate").status_code == 405
   assert server.get("/health").status_code == 200  # still serving
 
 
-def test_info_and_housekeeping_routes(server, tiny_checkpoint):
+def test_info_and_housekeeping_routes(server, tiny_checkpoint, api_types):
   info = server.get("/model_info").json()
   assert info["is_generation"] is True and info["model_path"] == os.path.abspath(tiny_checkpoint)
-  assert {"tokenizer_path", "weight_version"} <= set(info)
+  assert {"served_model_name", "tokenizer_path", "weight_version", "load_format", "model_type",
+          "architectures"} <= set(info)
+  api_types.GetModelInfoResponse.from_json_value(info)
   assert server.get("/get_model_info").json() == info
-  assert server.get("/server_info").json()["dtype"] == "bfloat16"
+  sinfo = server.get("/server_info").json()
+  decoded = api_types.GetServerInfoResponse.from_json_value(sinfo)
+  assert decoded.version == protocol.PROTOCOL_VERSION == "0.5.23" and decoded.max_context_length == 512
+  assert (sinfo["dtype"], sinfo["tp_size"], sinfo["dp_size"]) == ("bfloat16", 1, 1)
+  assert server.get("/get_server_info").json()["port"] == sinfo["port"]
   assert server.get("/flush_cache").status_code == server.post("/flush_cache").status_code == 200
   assert server.get("/health_generate").status_code == 200
 
@@ -173,31 +282,92 @@ def _in_thread(fn):
   return t, result
 
 
-def test_pause_waits_and_abort_ends_waiting_requests(server):
-  body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 4, "sampling_seed": 0}}
+def test_concurrent_requests_are_served_while_a_batch_runs(server):
+  long = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 400, "ignore_eos": True,
+                                                   "sampling_seed": 1}}
+  t, result = _in_thread(lambda: server.post("/generate", json=long))
+  time.sleep(0.3)
+  start = time.perf_counter()
+  assert server.get("/health").status_code == 200 and server.get("/model_info").status_code == 200
+  answered = time.perf_counter() - start
+  busy = t.is_alive()
+  t.join(120)
+  assert result["value"].status_code == 200 and len(result["value"].json()["output_ids"]) == 400
+  assert busy and answered < 2.0  # answered during the batch, not after it
+  # Concurrent generate requests share batches and each gets its own answer.
+  outs = [None] * 4
+  threads = [threading.Thread(target=lambda i=i: outs.__setitem__(i, _post(server, {
+      "input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "sampling_seed": i}})))
+      for i in range(4)]
+  [th.start() for th in threads]
+  [th.join(120) for th in threads]
+  solo = [_post(server, {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 8, "sampling_seed": i}})
+          for i in range(4)]
+  assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in solo]
+
+
+def test_pause_waits_and_abort_ends_waiting_requests(server, api_types):
+  body = {"input_ids": PROMPT, "return_logprob": True,
+          "sampling_params": {"max_new_tokens": 4, "sampling_seed": 0}}
   assert server.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
   try:
     t, result = _in_thread(lambda: server.post("/generate", json={**body, "rid": "waiting"}))
     time.sleep(0.5)
     assert t.is_alive()  # held while paused
     dup = server.post("/generate", json={**body, "rid": "waiting"})
-    assert dup.status_code == 400 and "Duplicate" in dup.json()["error"]["message"]
+    assert dup.status_code == 400 and dup.json()["error"]["message"] == "Duplicate request ID detected: waiting"
     assert server.post("/pause_generation", json={"mode": "abort"}).status_code == 200
     t.join(30)
     out = result["value"].json()
-    assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["output_ids"] == []
-    t, result = _in_thread(lambda: server.post("/generate", json={**body, "rid": "by-rid"}))
+    # SGLang's waiting-queue abort: two keys, no tokens, no prompt_tokens.
+    assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert out["output_ids"] == [] and out["meta_info"]["completion_tokens"] == 0
+    assert "prompt_tokens" not in out["meta_info"] and out["meta_info"]["id"] == "waiting"
+    decoded = api_types.GenerateResponse.from_json_value(out)
+    assert isinstance(decoded.meta_info.finish_reason, api_types.FinishAbort)
+    # Abort by rid prefix (SGLang's scheduler matches prefixes): a batch "grp" is grp_0, grp_1.
+    t, result = _in_thread(lambda: server.post("/generate", json={**body, "input_ids": [PROMPT, PROMPT],
+                                                                  "rid": "grp"}))
     time.sleep(0.3)
     assert t.is_alive()  # abort mode also leaves the server paused
-    assert server.post("/abort_request", json={"rid": "by-rid"}).status_code == 200
+    r = server.post("/abort_request", json={"rid": "grp"})
+    assert r.status_code == 200 and r.content == b""
     t.join(30)
-    assert result["value"].json()["meta_info"]["finish_reason"]["type"] == "abort"
+    assert [o["meta_info"]["finish_reason"]["type"] for o in result["value"].json()] == ["abort"] * 2
     t, result = _in_thread(lambda: server.post("/generate", json=body))
   finally:
     assert server.post("/continue_generation", json={}).status_code == 200
   t.join(60)
   assert result["value"].json()["meta_info"]["finish_reason"]["type"] == "length"
-  assert server.post("/pause_generation", json={"mode": "sideways"}).status_code == 400
+  bad = server.post("/pause_generation", json={"mode": "sideways"})
+  assert bad.status_code == 400 and bad.json()["object"] == "error"
+
+
+def _wait_running(server, timeout=60.0):
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if server.get("/server_info").json()["internal_states"][0]["num_running_reqs"]:
+      return True
+    time.sleep(0.01)
+  return False
+
+
+def test_abort_of_a_running_request_keeps_its_tokens(server):
+  body = {"input_ids": PROMPT, "rid": "running", "return_logprob": True,
+          "sampling_params": {"max_new_tokens": 505, "ignore_eos": True, "sampling_seed": 4}}
+  for _ in range(3):  # a fast machine may finish the batch before the abort lands: try again
+    t, result = _in_thread(lambda: server.post("/generate", json=body))
+    assert _wait_running(server)
+    assert server.post("/abort_request", json={"rid": "running"}).status_code == 200
+    t.join(120)
+    out = result["value"].json()
+    if out["meta_info"]["finish_reason"]["type"] == "abort":
+      break
+  assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Aborted",
+                                               "status_code": None, "err_type": None}
+  assert len(out["output_ids"]) == out["meta_info"]["completion_tokens"] > 0  # tokens kept
+  assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
+  assert "prompt_tokens" in out["meta_info"]
 
 
 def test_update_weights_from_disk(server, tmp_path, f32_model):
@@ -216,21 +386,26 @@ def test_update_weights_from_disk(server, tmp_path, f32_model):
       json.dumps({**TINY.to_hf_dict(), "intermediate_size": 96}))
   r = server.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "shapes")})
   assert r.json()["success"] is False
-  r = server.post("/update_weights_from_disk", json={"model_path": str(tmp_path), "bogus": 1})
-  assert r.status_code == 400 and "bogus" in r.json()["message"]
+  # As SGLang's request model: a non-string weight_version or no model_path is a 400 ErrorResponse.
+  for body in ({"model_path": str(tmp_path), "weight_version": 7}, {"weight_version": "7"}):
+    r = server.post("/update_weights_from_disk", json=body)
+    assert r.status_code == 400 and r.json()["object"] == "error", r.text
   assert server.get("/model_info").json()["weight_version"] == "default"
   kept = _generate(server, PROMPT, **greedy)
   assert kept["output_ids"] == before["output_ids"]
   assert kept["meta_info"]["output_token_logprobs"] == before["meta_info"]["output_token_logprobs"]
 
-  # Success, as the trainer does it: pause(abort), flush, update, confirm, continue.
+  # Success, as the trainer does it: pause(abort), flush, update, confirm, continue. SGLang's
+  # `manifest` and unknown keys are accepted.
   new_dir = tmp_path / "step7"
   init_checkpoint(new_dir, config=TINY, seed=7, dtype="bfloat16")
   assert server.post("/pause_generation", json={"mode": "abort"}).status_code == 200
   assert server.post("/flush_cache").status_code == 200
-  r = server.post("/update_weights_from_disk", json={"model_path": str(new_dir), "weight_version": "7"})
+  r = server.post("/update_weights_from_disk", json={"model_path": str(new_dir), "weight_version": "7",
+                                                     "manifest": {"tensors": []}, "future_key": 1})
   assert r.status_code == 200, r.text
-  assert r.json() == {"success": True, "message": r.json()["message"], "num_paused_requests": 0}
+  assert r.json() == {"success": True, "num_paused_requests": 0,
+                      "message": "Succeeded to update model weights. Weight version updated to 7."}
   assert server.get("/model_info").json()["weight_version"] == "7"
   assert server.post("/continue_generation", json={}).status_code == 200
   after = _generate(server, PROMPT, **greedy)
@@ -239,6 +414,52 @@ def test_update_weights_from_disk(server, tmp_path, f32_model):
   got = np.array([lp for lp, _, _ in after["meta_info"]["output_token_logprobs"]])
   np.testing.assert_allclose(got, sequence_logprobs(new_model, PROMPT, after["output_ids"]),
                              atol=BF16_ATOL, rtol=0)
+
+
+MILES_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 6, "stop": None,
+                  "stop_token_ids": None, "skip_special_tokens": False, "no_stop_trim": True,
+                  "spaces_between_special_tokens": False}
+
+
+def test_miles_style_payloads(server, api_types):
+  """Requests as miles' rollout code sends them: one sample per request with its own seed,
+  return_routed_experts / return_indexer_topk always present, then prefill scoring of the
+  prompt + response through the server."""
+  bodies = [{"input_ids": PROMPT, "sampling_params": {**MILES_SAMPLING, "sampling_seed": 1000 + i},
+             "return_logprob": True, "return_routed_experts": False, "return_indexer_topk": False}
+            for i in range(2)]
+  for body in bodies:
+    api_types.GenerateRequest.from_json_value(body)
+  outs = [_post(server, body) for body in bodies]
+  assert outs[0]["output_ids"] != outs[1]["output_ids"]
+  seq = PROMPT + outs[0]["output_ids"]
+  score = _post(server, {"input_ids": seq, "sampling_params": {**MILES_SAMPLING, "max_new_tokens": 0},
+                         "return_logprob": True, "logprob_start_len": 0,
+                         "return_routed_experts": False, "return_indexer_topk": False})
+  entries = score["meta_info"]["input_token_logprobs"]
+  assert len(entries) == len(seq) and entries[0][0] is None
+  response_part = [lp for lp, _, _ in entries[len(PROMPT):]]
+  rollout = [lp for lp, _, _ in outs[0]["meta_info"]["output_token_logprobs"]]
+  np.testing.assert_allclose(response_part, rollout, atol=BF16_ATOL, rtol=0)  # same weights, same tokens
+  served = load_hf_checkpoint(server.get("/model_info").json()["model_path"])  # after any update
+  np.testing.assert_allclose(response_part, sequence_logprobs(served, PROMPT, outs[0]["output_ids"]),
+                             atol=BF16_ATOL, rtol=0)
+
+
+def test_client_requests_follow_sglangs_contract(api_types):
+  """Every body the trainer's client builds decodes under SGLang's own contract."""
+  for sampling in ({"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 8,
+                    "stop_token_ids": [2], "no_stop_trim": True, "skip_special_tokens": False},
+                   {"temperature": 0.0, "max_new_tokens": 1}):
+    for seeds in (None, sample_seeds(3, 2, 2)):
+      body = protocol.generate_body([[1, 2], [3]], sampling, n=2, seeds=seeds)
+      decoded = api_types.GenerateRequest.from_json_value(json.loads(json.dumps(body)))
+      params = decoded.sampling_params if isinstance(decoded.sampling_params, list) else [decoded.sampling_params]
+      assert all(p.max_new_tokens == sampling["max_new_tokens"] for p in params)
+      if seeds is not None:
+        assert [p.sampling_seed for p in params] == seeds and len(set(seeds)) == 4
+  with pytest.raises(ValueError, match="temprature"):
+    protocol.generate_body([[1]], {"temprature": 1.0})
 
 
 def test_cli_init_model_and_train_dispatch(tmp_path, capsys):

@@ -280,8 +280,10 @@ def test_mesh_runs_match_one_device_and_resume_on_the_mesh(server, tmp_path):
   for name in ("fsdp8", "data2-fsdp4"):
     for got, want in zip(runs[name], runs["one"]):
       assert got["reward_mean"] == want["reward_mean"], name
+      # The loss is a small difference of per-token terms of size ~|A| ~ 0.5: after an update
+      # (different reduction orders per mesh, amplified by Adam) it agrees to ~1e-5 absolute.
       for key in ("loss", "pg_loss", "grad_norm", "mis_k3_kl", "entropy_loss"):
-        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6, err_msg=f"{name} {key}")
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=2e-5, err_msg=f"{name} {key}")
   # Stop after 2 steps, resume on the (2, 4) mesh for the third.
   cfg = make_cfg(tmp_path, "resumed", parallel={"data": 2, "fsdp": 4}, train={"steps": 2})
   train_lib.Trainer(cfg, loss_cfg, urls=[server.url]).run(progress=False)

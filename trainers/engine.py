@@ -1,0 +1,322 @@
+"""The generation engine behind `mis-jax serve`: model, sampler, a scheduler thread, weights.
+
+Requests (`protocol.NormalizedGenerate`) are queued as jobs; one scheduler thread takes every
+queued job that fits in `max_batch_size` rows and runs them as one batch on the device, so
+concurrent HTTP requests share a batch (as SGLang's continuous batching does, at request
+granularity). A weight update waits for the running batch and never changes weights under it.
+
+Pause and abort follow SGLang: `pause(mode)` holds queued jobs until `resume()`; with
+`mode="abort"` (and `abort(...)`) queued samples end with the waiting-queue form
+`{"type": "abort", "message": "Abort in waiting queue"}` and no tokens, and samples of the
+running batch end with `FINISH_ABORT`'s four keys (`"Aborted"`), keeping the tokens they made
+(here the batch cannot stop early, so that is its full output). A request id matches an abort
+by prefix, as in SGLang's scheduler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+
+import jax.numpy as jnp
+from flax import nnx
+
+from trainers import protocol
+from trainers.models import ModelConfig, load_hf_checkpoint, read_hf_tensors, state_from_hf_tensors
+from trainers.sampler import Completion, Sampler, SamplingParams
+
+DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
+
+
+@dataclasses.dataclass
+class _Job:
+  request: protocol.NormalizedGenerate
+  start: float
+  aborted: list[bool]  # per item
+  done: threading.Event = dataclasses.field(default_factory=threading.Event)
+  running: bool = False
+  result: object = None
+  error: BaseException | None = None
+
+
+class Engine:
+  """Serves one HF checkpoint directory. Thread-safe; `close()` stops the scheduler thread."""
+
+  def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0,
+               max_batch_size: int = 64, weight_version: str = "default"):
+    self.model_path = os.path.abspath(model_path)
+    self.dtype = dtype
+    model = load_hf_checkpoint(model_path, dtype=DTYPES[dtype], param_dtype=DTYPES[dtype])
+    self.config = model.config
+    self.sampler = Sampler(model, max_batch_size=max_batch_size, seed=seed)
+    self.seed = seed
+    self.weight_version = weight_version
+    self.tokenizer = _load_tokenizer(model_path)
+    self._weights = threading.Lock()  # held while a batch runs and while weights change
+    self._cv = threading.Condition()  # guards the queue, pause state and the rid registry
+    self._queue: list[_Job] = []
+    self._rids: dict[str, tuple[_Job, int]] = {}  # queued or running sample → (job, item index)
+    self._paused = False
+    self._closed = False
+    self._thread = threading.Thread(target=self._loop, name="mis-jax-scheduler", daemon=True)
+    self._thread.start()
+
+  @property
+  def paused(self) -> bool:
+    return self._paused
+
+  def encode(self, text: str) -> list[int]:
+    return self.tokenizer.encode(text).ids
+
+  # ---- requests ---------------------------------------------------------------------------
+  def submit(self, request: protocol.NormalizedGenerate) -> _Job:
+    """Validates and queues a request; raises `protocol.RequestError` as SGLang would."""
+    for item in request.items:
+      protocol.validate_item(item, vocab_size=self.config.vocab_size,
+                             context_length=self.config.max_position_embeddings)
+    job = _Job(request, time.perf_counter(), [False] * len(request.items))
+    with self._cv:
+      for i, item in enumerate(request.items):
+        if item.rid in self._rids:
+          for prev in request.items[:i]:
+            self._rids.pop(prev.rid, None)
+          raise protocol.RequestError(f"Duplicate request ID detected: {item.rid}")
+        self._rids[item.rid] = (job, i)
+      self._queue.append(job)
+      self._cv.notify_all()
+    return job
+
+  def wait(self, job: _Job):
+    """The response body of a submitted job (an object for a single request, else a list)."""
+    job.done.wait()
+    if job.error is not None:
+      raise job.error
+    return job.result
+
+  def generate(self, request: protocol.NormalizedGenerate):
+    return self.wait(self.submit(request))
+
+  # ---- scheduler --------------------------------------------------------------------------
+  def _loop(self):
+    while True:
+      with self._cv:
+        while not self._closed and (self._paused or not self._queue):
+          self._cv.wait()
+        if self._closed:
+          return
+        batch, rows = [], 0
+        while self._queue:
+          size = sum(not a for a in self._queue[0].aborted)
+          if batch and rows + size > self.sampler.max_batch_size:
+            break
+          job = self._queue.pop(0)
+          job.running = True
+          batch.append(job)
+          rows += size
+      self._run(batch)
+
+  def _run(self, jobs: list[_Job]):
+    work = [(k, i) for k, job in enumerate(jobs) for i, a in enumerate(job.aborted) if not a]
+    try:
+      with self._weights:
+        version = self.weight_version
+        completions = []
+        if work:
+          items = [jobs[k].request.items[i] for k, i in work]
+          completions = self.sampler.generate(
+              [it.input_ids for it in items], [_engine_params(it.sampling, len(it.input_ids),
+                                                              self.config.max_position_embeddings)
+                                               for it in items],
+              prompt_logprobs=any(it.return_logprob and it.logprob_start_len >= 0 for it in items))
+      done = dict(zip(work, completions))
+      for k, job in enumerate(jobs):
+        self._finish(job, [done.get((k, i)) for i in range(len(job.aborted))], version)
+    except BaseException as e:  # a bug costs these requests (HTTP 500), never the server
+      for job in jobs:
+        self._release(job)
+        job.error = e
+        job.done.set()
+
+  def _release(self, job: _Job):
+    with self._cv:
+      for item in job.request.items:
+        if self._rids.get(item.rid, (None,))[0] is job:
+          del self._rids[item.rid]
+
+  def _finish(self, job: _Job, completions: list[Completion | None], version: str):
+    self._release(job)
+    latency = time.perf_counter() - job.start
+    now = time.time()
+    out = [self._response(item, c, job.aborted[i], version, latency, now)
+           for i, (item, c) in enumerate(zip(job.request.items, completions))]
+    job.result = out[0] if job.request.is_single else out
+    job.done.set()
+
+  def _response(self, item: protocol.Item, c: Completion | None, aborted: bool, version: str,
+                latency: float, now: float) -> dict:
+    texts = self._decode_each if item.return_text_in_logprobs and self.tokenizer else None
+    if c is None:  # aborted before it ran
+      logprobs = ([], []) if item.return_logprob else None
+      meta = protocol.meta_info(rid=item.rid, finish_reason=protocol.finish_abort_waiting(),
+                                prompt_tokens=None, weight_version=version, completion_tokens=0,
+                                e2e_latency=latency, sent_ts=now, logprobs=logprobs, running=False)
+      return {"text": "", "output_ids": [], "meta_info": meta}
+    kind, value = c.finish_reason
+    if aborted:
+      finish = protocol.finish_abort()
+    elif kind == "stop":
+      finish = protocol.finish_stop(value)
+    else:
+      finish = protocol.finish_length(value)
+    logprobs = None
+    if item.return_logprob:
+      start = item.logprob_start_len
+      prompt = item.input_ids
+      if start < 0:
+        inputs = []
+      else:
+        ids = prompt[start:]
+        values = [None] + [c.prompt_logprobs[start + k - 1] for k in range(1, len(ids))]
+        inputs = protocol.logprob_entries(values, ids, texts(ids) if texts else None)[:len(ids)]
+      outputs = protocol.logprob_entries(c.logprobs, c.output_ids,
+                                         texts(c.output_ids) if texts else None)
+      logprobs = (inputs, outputs)
+    shown = c.output_ids
+    if kind == "stop" and not aborted and not item.sampling.no_stop_trim and shown:
+      shown = shown[:-1]  # SGLang trims the matched stop token from the text (not output_ids)
+    meta = protocol.meta_info(rid=item.rid, finish_reason=finish, prompt_tokens=c.prompt_tokens,
+                              weight_version=version, completion_tokens=len(c.output_ids),
+                              e2e_latency=latency, sent_ts=now, logprobs=logprobs)
+    return {"text": self._decode(shown, item.sampling.skip_special_tokens),
+            "output_ids": c.output_ids, "meta_info": meta}
+
+  def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    if not self.tokenizer:
+      return ""
+    return self.tokenizer.decode(ids, skip_special_tokens=bool(skip_special_tokens))
+
+  def _decode_each(self, ids: list[int]) -> list[str]:
+    return [self.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+
+  # ---- control ----------------------------------------------------------------------------
+  def pause(self, mode: str) -> None:
+    with self._cv:
+      self._paused = True
+      if mode == "abort":
+        self._abort_locked(lambda rid: True)
+      self._cv.notify_all()
+
+  def resume(self) -> None:
+    with self._cv:
+      self._paused = False
+      self._cv.notify_all()
+
+  def abort(self, rid: str = "", abort_all: bool = False) -> None:
+    """SGLang's `abort_request`: every sample whose id starts with `rid`, or all."""
+    if not abort_all and not rid:
+      return  # SGLang ignores an empty rid without abort_all
+    with self._cv:
+      self._abort_locked(lambda r: abort_all or r.startswith(rid))
+
+  def _abort_locked(self, match) -> None:
+    for rid, (job, i) in list(self._rids.items()):
+      if match(rid):
+        job.aborted[i] = True
+    for job in [j for j in self._queue if all(j.aborted)]:
+      self._queue.remove(job)  # nothing left to run: answer now
+      threading.Thread(target=self._finish, args=(job, [None] * len(job.aborted),
+                                                  self.weight_version), daemon=True).start()
+
+  def internal_state(self) -> dict:
+    """Scheduler state: samples running on the device and waiting in the queue."""
+    with self._cv:
+      running = sum(1 for job, _ in self._rids.values() if job.running)
+      return {"paused": self._paused, "num_running_reqs": running,
+              "num_waiting_reqs": len(self._rids) - running}
+
+  def update_weights_from_disk(self, path: str, weight_version: str | None) -> tuple[bool, str]:
+    """Loads `path` (HF safetensors) in place of the current weights, all or nothing."""
+    try:
+      new_config = ModelConfig.from_pretrained(path)
+      ignore = ("initializer_range", "bos_token_id", "eos_token_id")
+      diff = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ignore
+              and getattr(new_config, f.name) != getattr(self.config, f.name)]
+      if diff:
+        raise ValueError(f"config.json differs from the served model in {', '.join(diff)}")
+      tensors = read_hf_tensors(path)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+      return False, f"Failed to load weights from {path!r}: {e}"
+    with self._weights:
+      try:
+        model = nnx.merge(self.sampler.graphdef, self.sampler.params)
+        self.sampler.set_params(state_from_hf_tensors(model, tensors))
+      except ValueError as e:
+        return False, f"Failed to load weights from {path!r}: {e}"
+      message = "Succeeded to update model weights."
+      if weight_version is not None:
+        self.weight_version = weight_version
+        message += f" Weight version updated to {weight_version}."
+      self.model_path = os.path.abspath(path)
+    return True, message
+
+  def health_generate(self) -> None:
+    with self._weights:
+      self.sampler.generate([[0]], SamplingParams(max_new_tokens=1, temperature=0.0))
+
+  def close(self) -> None:
+    with self._cv:
+      self._closed = True
+      self._cv.notify_all()
+    self._thread.join(timeout=30)
+
+  # ---- info -------------------------------------------------------------------------------
+  def model_info(self) -> dict:
+    """`/model_info`, SGLang 0.5.23's keys."""
+    return {"model_path": self.model_path, "served_model_name": self.model_path,
+            "tokenizer_path": self.model_path, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": self.weight_version,
+            "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None,
+            "disaggregation_mode": "null", "has_image_understanding": False,
+            "has_audio_understanding": False, "model_type": self.config.model_type,
+            "architectures": self.config.to_hf_dict()["architectures"]}
+
+  def server_info(self, host: str, port: int) -> dict:
+    """`/server_info`: SGLang's contract fields and the server arguments clients compare."""
+    context = self.config.max_position_embeddings
+    return {
+        "model_path": self.model_path, "served_model_name": self.model_path,
+        "tokenizer_path": self.model_path, "max_context_length": context, "context_length": context,
+        "max_total_num_tokens": self.sampler.max_batch_size * context,
+        "max_running_requests": self.sampler.max_batch_size, "host": host, "port": port,
+        "dtype": self.dtype, "random_seed": self.seed, "load_format": "auto",
+        "weight_version": self.weight_version, "tp_size": 1, "dp_size": 1, "pp_size": 1,
+        "ep_size": 1, "nnodes": 1, "node_rank": 0, "skip_tokenizer_init": self.tokenizer is None,
+        "enable_deterministic_inference": True, "incremental_streaming_output": False,
+        "disaggregation_mode": "null", "internal_states": [self.internal_state()],
+        "version": protocol.PROTOCOL_VERSION, "frontend": "mis-jax"}
+
+
+def _engine_params(s: protocol.SamplingParams, prompt_len: int, context: int) -> SamplingParams:
+  """Protocol sampling params (validated) → the sampler's."""
+  top_k = -1 if s.top_k is None or s.top_k >= protocol.TOP_K_ALL else s.top_k
+  max_new = context - prompt_len if s.max_new_tokens is None else s.max_new_tokens
+  return SamplingParams(temperature=float(s.temperature), top_p=float(s.top_p), top_k=top_k,
+                        min_p=float(s.min_p), max_new_tokens=max_new,
+                        stop_token_ids=tuple(s.stop_token_ids or ()), ignore_eos=bool(s.ignore_eos),
+                        n=1, seed=s.sampling_seed)
+
+
+def _load_tokenizer(path: str):
+  """`tokenizer.json` via the `tokenizers` library when both exist; otherwise none (text is "")."""
+  file = os.path.join(path, "tokenizer.json")
+  if not os.path.exists(file):
+    return None
+  try:
+    from tokenizers import Tokenizer
+  except ImportError:
+    return None
+  return Tokenizer.from_file(file)
+
