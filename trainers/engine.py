@@ -5,12 +5,17 @@ queued job that fits in `max_batch_size` rows and runs them as one batch on the 
 concurrent HTTP requests share a batch (as SGLang's continuous batching does, at request
 granularity). A weight update waits for the running batch and never changes weights under it.
 
-Pause and abort follow SGLang: `pause(mode)` holds queued jobs until `resume()`; with
-`mode="abort"` (and `abort(...)`) queued samples end with the waiting-queue form
-`{"type": "abort", "message": "Abort in waiting queue"}` and no tokens, and samples of the
-running batch end with `FINISH_ABORT`'s four keys (`"Aborted"`), keeping the tokens they made
-(here the batch cannot stop early, so that is its full output). A request id matches an abort
-by prefix, as in SGLang's scheduler.
+Pause and abort follow SGLang's tokenizer manager and scheduler:
+
+- While paused, a new request is registered (a duplicate id is refused) and *held* before the
+  scheduler; held requests are out of reach of aborts (SGLang's abort goes to the scheduler,
+  which has not seen them) and run after `resume()`.
+- `abort(...)` and `pause("abort")` end queued samples with the waiting-queue form
+  `{"type": "abort", "message": "Abort in waiting queue"}` and no tokens, and samples of the
+  running batch with `FINISH_ABORT`'s four keys (`"Aborted"`), keeping the tokens they made
+  (the batch cannot stop early here, so that is its full output). A request id matches an
+  abort by prefix, as in SGLang's scheduler. `pause("abort")` returns once nothing runs;
+  `"retract"` / `"in_place"` let the running batch finish and keep the queue for `resume()`.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ class _Job:
   aborted: list[bool]  # per item
   done: threading.Event = dataclasses.field(default_factory=threading.Event)
   running: bool = False
+  held: bool = False  # submitted while paused: not yet seen by the scheduler
   result: object = None
   error: BaseException | None = None
 
@@ -58,6 +64,7 @@ class Engine:
     self._weights = threading.Lock()  # held while a batch runs and while weights change
     self._cv = threading.Condition()  # guards the queue, pause state and the rid registry
     self._queue: list[_Job] = []
+    self._running: list[_Job] = []
     self._rids: dict[str, tuple[_Job, int]] = {}  # queued or running sample → (job, item index)
     self._paused = False
     self._closed = False
@@ -79,6 +86,7 @@ class Engine:
                              context_length=self.config.max_position_embeddings)
     job = _Job(request, time.perf_counter(), [False] * len(request.items))
     with self._cv:
+      job.held = self._paused
       for i, item in enumerate(request.items):
         if item.rid in self._rids:
           for prev in request.items[:i]:
@@ -116,7 +124,13 @@ class Engine:
           job.running = True
           batch.append(job)
           rows += size
-      self._run(batch)
+        self._running = batch
+      try:
+        self._run(batch)
+      finally:
+        with self._cv:
+          self._running = []
+          self._cv.notify_all()
 
   def _run(self, jobs: list[_Job]):
     work = [(k, i) for k, job in enumerate(jobs) for i, a in enumerate(job.aborted) if not a]
@@ -203,15 +217,20 @@ class Engine:
 
   # ---- control ----------------------------------------------------------------------------
   def pause(self, mode: str) -> None:
+    """SGLang's `pause_generation`; with `"abort"`, returns once no batch runs."""
     with self._cv:
       self._paused = True
       if mode == "abort":
         self._abort_locked(lambda rid: True)
+        while self._running:
+          self._cv.wait()
       self._cv.notify_all()
 
   def resume(self) -> None:
     with self._cv:
       self._paused = False
+      for job in self._queue:
+        job.held = False
       self._cv.notify_all()
 
   def abort(self, rid: str = "", abort_all: bool = False) -> None:
@@ -223,7 +242,7 @@ class Engine:
 
   def _abort_locked(self, match) -> None:
     for rid, (job, i) in list(self._rids.items()):
-      if match(rid):
+      if match(rid) and not job.held:
         job.aborted[i] = True
     for job in [j for j in self._queue if all(j.aborted)]:
       self._queue.remove(job)  # nothing left to run: answer now
@@ -234,8 +253,9 @@ class Engine:
     """Scheduler state: samples running on the device and waiting in the queue."""
     with self._cv:
       running = sum(1 for job, _ in self._rids.values() if job.running)
+      held = sum(1 for job, _ in self._rids.values() if job.held)
       return {"paused": self._paused, "num_running_reqs": running,
-              "num_waiting_reqs": len(self._rids) - running}
+              "num_waiting_reqs": len(self._rids) - running - held, "num_paused_reqs": held}
 
   def update_weights_from_disk(self, path: str, weight_version: str | None) -> tuple[bool, str]:
     """Loads `path` (HF safetensors) in place of the current weights, all or nothing."""

@@ -117,7 +117,7 @@ def create_app(engine: Engine, *, host: str = "127.0.0.1", port: int = 0) -> Fas
   @app.post("/pause_generation")
   async def pause_generation(request: Request):
     obj = _model(await _json_body(request), protocol.PauseGenerationRequest)
-    engine.pause(obj.mode)
+    await run_in_threadpool(engine.pause, obj.mode)  # "abort" waits for the running batch
     return {"message": "Generation paused successfully.", "status": "ok"}
 
   @app.post("/continue_generation")

@@ -306,41 +306,66 @@ def test_concurrent_requests_are_served_while_a_batch_runs(server):
   assert [o["output_ids"] for o in outs] == [o["output_ids"] for o in solo]
 
 
-def test_pause_waits_and_abort_ends_waiting_requests(server, api_types):
+def test_pause_holds_new_requests_out_of_reach_of_aborts(server):
+  """As SGLang: a request that arrives while paused is registered (its id is taken) and held
+  before the scheduler, so neither pause(abort) nor abort_request touches it; it runs after
+  continue_generation."""
   body = {"input_ids": PROMPT, "return_logprob": True,
           "sampling_params": {"max_new_tokens": 4, "sampling_seed": 0}}
   assert server.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
   try:
-    t, result = _in_thread(lambda: server.post("/generate", json={**body, "rid": "waiting"}))
+    t, result = _in_thread(lambda: server.post("/generate", json={**body, "rid": "held"}))
     time.sleep(0.5)
     assert t.is_alive()  # held while paused
-    dup = server.post("/generate", json={**body, "rid": "waiting"})
-    assert dup.status_code == 400 and dup.json()["error"]["message"] == "Duplicate request ID detected: waiting"
+    dup = server.post("/generate", json={**body, "rid": "held"})
+    assert dup.status_code == 400 and dup.json() == {"error": {"message": "Duplicate request ID detected: held"}}
     assert server.post("/pause_generation", json={"mode": "abort"}).status_code == 200
-    t.join(30)
-    out = result["value"].json()
-    # SGLang's waiting-queue abort: two keys, no tokens, no prompt_tokens.
-    assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
-    assert out["output_ids"] == [] and out["meta_info"]["completion_tokens"] == 0
-    assert "prompt_tokens" not in out["meta_info"] and out["meta_info"]["id"] == "waiting"
-    decoded = api_types.GenerateResponse.from_json_value(out)
-    assert isinstance(decoded.meta_info.finish_reason, api_types.FinishAbort)
-    # Abort by rid prefix (SGLang's scheduler matches prefixes): a batch "grp" is grp_0, grp_1.
-    t, result = _in_thread(lambda: server.post("/generate", json={**body, "input_ids": [PROMPT, PROMPT],
-                                                                  "rid": "grp"}))
-    time.sleep(0.3)
-    assert t.is_alive()  # abort mode also leaves the server paused
-    r = server.post("/abort_request", json={"rid": "grp"})
+    r = server.post("/abort_request", json={"rid": "held"})
     assert r.status_code == 200 and r.content == b""
-    t.join(30)
-    assert [o["meta_info"]["finish_reason"]["type"] for o in result["value"].json()] == ["abort"] * 2
-    t, result = _in_thread(lambda: server.post("/generate", json=body))
+    time.sleep(0.3)
+    assert t.is_alive()
+    assert server.get("/server_info").json()["internal_states"][0]["num_paused_reqs"] == 1
   finally:
     assert server.post("/continue_generation", json={}).status_code == 200
   t.join(60)
-  assert result["value"].json()["meta_info"]["finish_reason"]["type"] == "length"
+  assert result["value"].json()["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
   bad = server.post("/pause_generation", json={"mode": "sideways"})
   assert bad.status_code == 400 and bad.json()["object"] == "error"
+
+
+def test_abort_in_the_waiting_queue_and_pause_abort_waits_for_the_batch(server, api_types):
+  """A request queued behind a running batch is aborted in the waiting queue (SGLang's
+  two-key form, no tokens); pause(abort) aborts the running batch and answers once it ended."""
+  running = {"input_ids": PROMPT, "rid": "long", "sampling_params": {
+      "max_new_tokens": 505, "ignore_eos": True, "sampling_seed": 8}}
+  queued = {"input_ids": [PROMPT, [1, 2]], "rid": "grp", "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 4}}
+  t_long, long_result = _in_thread(lambda: server.post("/generate", json=running))
+  assert _wait_running(server)
+  t_q, q_result = _in_thread(lambda: server.post("/generate", json=queued))
+  deadline = time.monotonic() + 30
+  while server.get("/server_info").json()["internal_states"][0]["num_waiting_reqs"] < 2:
+    assert time.monotonic() < deadline
+    time.sleep(0.01)
+  assert server.post("/abort_request", json={"rid": "grp"}).status_code == 200  # prefix: grp_0, grp_1
+  t_q.join(30)
+  outs = q_result["value"].json()
+  assert [o["meta_info"]["id"] for o in outs] == ["grp_0", "grp_1"]
+  for out in outs:
+    meta = out["meta_info"]
+    assert meta["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert out["output_ids"] == [] and meta["completion_tokens"] == 0 and "prompt_tokens" not in meta
+    assert list(meta) == ["id", "finish_reason", "weight_version", "e2e_latency", "weight_versions",
+                          *LOGPROB_KEYS, "completion_tokens", "response_sent_to_client_ts"]
+    assert isinstance(api_types.GenerateResponse.from_json_value(out).meta_info.finish_reason,
+                      api_types.FinishAbort)
+  try:
+    paused = server.post("/pause_generation", json={"mode": "abort"})
+    assert paused.status_code == 200 and not t_long.is_alive()  # answered after the batch ended
+  finally:
+    server.post("/continue_generation", json={})
+  t_long.join(120)
+  assert long_result["value"].json()["meta_info"]["finish_reason"]["type"] == "abort"
 
 
 def _wait_running(server, timeout=60.0):
@@ -477,3 +502,25 @@ def test_cli_init_model_and_train_dispatch(tmp_path, capsys):
 def test_embedded_server_reports_a_failed_start(tmp_path):
   with pytest.raises(RuntimeError, match=r"exited with 2:\nmis-jax serve: --model-path .*no-checkpoint'?: no such directory"):
     EmbeddedServer(str(tmp_path / "no-checkpoint"), timeout=60)
+
+
+def test_trainer_client_gets_distinct_reproducible_groups(embedded):
+  """The trainer's client against the server: a seeded GRPO group is n distinct samples (one
+  seed per sample), the same again for the same seed, prompt-major, with their versions."""
+  from trainers.rollout import SGLangClient
+  client = SGLangClient([embedded.url], prompts_per_request=2)
+  try:
+    sp = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 6, "ignore_eos": True,
+          "no_stop_trim": True, "skip_special_tokens": False}
+    prompts = [PROMPT, [1, 2], [3, 4, 5]]
+    a, b = (client.generate(prompts, sp, n=3, seed=11) for _ in range(2))
+    assert a.num_rejected == a.num_aborted == 0 and len(a.samples) == 9
+    assert [s.prompt_index for s in a.samples] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for p in range(3):
+      group = [s.response_ids for s in a.samples if s.prompt_index == p]
+      assert len(set(group)) == 3, group  # not n copies of one sample
+    assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]
+    assert all(s.weight_version == server_version for s in a.samples
+               for server_version in [client.model_info()["weight_version"]])
+  finally:
+    client.close()
