@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from mis_jax import resolve_correction_fn
+from mis_jax import ConfigError, resolve_correction_fn
 from trainers.tasks import chat, records
 from trainers.tasks.base import Prompt
 from trainers.tasks.rewards import REWARDS, BuiltinReward, ground_truth_text
@@ -54,10 +54,11 @@ class DatasetTask:
                prompt_key: str | None = None, answer_key: str | None = None, chat_template: bool | None = None,
                chat_template_kwargs: dict | None = None, stop_token_ids: Sequence[int] | None = None,
                max_new_tokens: int | None = None, vocab_size: int | None = None):
+    files = records.dataset_files(path)  # the files exist, then the reward imports, then the records
     self.builtin, self.reward_fn, reward_name = _resolve_reward(reward_fn)
     self.max_new_tokens = max_new_tokens
     self.template_kwargs = dict(chat_template_kwargs or {})
-    rows = list(records.read_records(path))
+    rows = [r for f in files for r in records.read_file(f)]
     if not rows:
       raise ValueError(f"task.path {path!r}: no records")
     first = rows[0]
@@ -184,7 +185,10 @@ def _resolve_reward(reward_fn) -> tuple[BuiltinReward | None, Callable | None, s
   if isinstance(reward_fn, str) and not any(c in reward_fn for c in ".:"):
     raise ValueError(f"task.reward_fn: unknown reward {reward_fn!r}; built-in rewards: {', '.join(REWARDS)}, "
                      "or an import path pkg.module:function")
-  fn = resolve_correction_fn(reward_fn)
+  try:
+    fn = resolve_correction_fn(reward_fn)
+  except ConfigError as e:
+    raise ValueError(f"task.reward_fn: {e}") from None
   return None, fn, reward_fn if isinstance(reward_fn, str) else getattr(fn, "__name__", repr(fn))
 
 

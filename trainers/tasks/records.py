@@ -51,7 +51,12 @@ def dataset_files(path: str) -> list[str]:
 def read_records(path: str) -> Iterator[Record]:
   """Every record of every file of ``path`` (:func:`dataset_files`), in order."""
   for file in dataset_files(path):
-    yield from (_jsonl if file.endswith(".jsonl") else _parquet)(file)
+    yield from read_file(file)
+
+
+def read_file(file: str) -> Iterator[Record]:
+  """The records of one ``.jsonl`` or ``.parquet`` file."""
+  return (_jsonl if file.endswith(".jsonl") else _parquet)(file)
 
 
 def _jsonl(file: str) -> Iterator[Record]:
