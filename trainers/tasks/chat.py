@@ -40,7 +40,8 @@ def template_variables(tokenizer) -> set[str] | None:
   import jinja2
   from jinja2 import meta
   try:
-    return set(meta.find_undeclared_variables(jinja2.Environment().parse(template)))
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])  # the extension transformers enables
+    return set(meta.find_undeclared_variables(env.parse(template)))
   except jinja2.TemplateError:
     return None
 

@@ -110,7 +110,8 @@ class DatasetTask:
         raise ValueError(f"task.stop_token_ids: {t} is not a token id of the model's vocabulary (0..{vocab_size - 1})")
     kinds = sorted({_kind(records.lookup(r.values, self.prompt_key)) for r in rows[:1000]})
     self.summary = (f"dataset {path}: {len(self.records)} records, prompt '{self.prompt_key}' ({', '.join(kinds)}"
-                    f"{', chat template' if self.use_chat and 'token ids' not in kinds else ''}), answer "
+                    f"{', chat template' if self.use_chat and 'token ids' not in kinds else ''}"
+                    f"{f' {self.template_kwargs}' if self.template_kwargs else ''}), answer "
                     f"'{self.answer_key}', reward {reward_name}, stop tokens {list(self.stop_token_ids)}")
 
   def _prompt(self, row: records.Record, vocab_size: int | None) -> Prompt:
