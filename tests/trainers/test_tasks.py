@@ -152,10 +152,13 @@ def test_verl_and_trl_layouts_in_jsonl_and_parquet_load_to_the_same_prompts(tmp_
   assert PROMPT_KEYS == ("prompt_ids", "messages", "prompt")
 
 
-def test_token_id_records_and_reward_functions_by_import_path(tmp_path):
+def test_token_id_records_and_reward_functions_by_import_path(tmp_path, chatml_dir):
   data = _jsonl(tmp_path / "data.jsonl", [{"prompt_ids": [1, 3 + i], "answer": 3 + i} for i in range(5)])
-  task = DatasetTask(data, "test_tasks:first_token_reward", stop_token_ids=[2], vocab_size=VOCAB)
+  # model.path's tokenizer is loaded only when something needs it (here nothing: a directory without one is fine).
+  task = DatasetTask(data, "test_tasks:first_token_reward", stop_token_ids=[2], vocab_size=VOCAB,
+                     model_path=str(tmp_path))
   assert task.tokenizer is None and task.stop_token_ids == (2,)
+  assert DatasetTask(data, "test_tasks:first_token_reward", model_path=chatml_dir).stop_token_ids == (2, 0)
   step0 = task.prompts(seed=0, step=0, count=3)
   assert [p.ids for p in step0] == [p.ids for p in task.prompts(seed=0, step=0, count=3)]
   seen = [p.ids for s in range(5) for p in task.prompts(seed=0, step=s, count=3)]

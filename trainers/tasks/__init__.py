@@ -21,10 +21,10 @@ __all__ = ["Prompt", "Task", "CopyDigitsTask", "DatasetTask", "REWARDS", "make_t
 
 def make_task(section, *, vocab_size: int, model_path: str | None = None) -> Task:
   """The task of a config's ``task`` section (`trainers.config.TaskSection`); the tokenizer is
-  ``task.tokenizer`` or, when that is null, ``model_path``."""
+  ``task.tokenizer`` or, when that is null and the task needs one, ``model_path``'s."""
   if section.name == "copy_digits":
     return CopyDigitsTask(vocab_size=vocab_size, num_digits=section.num_digits or 3)
-  return DatasetTask(section.path, section.reward_fn, tokenizer=section.tokenizer or model_path,
+  return DatasetTask(section.path, section.reward_fn, tokenizer=section.tokenizer, model_path=model_path,
                      prompt_key=section.prompt_key, answer_key=section.answer_key,
                      chat_template=section.chat_template, chat_template_kwargs=section.chat_template_kwargs,
                      stop_token_ids=section.stop_token_ids, max_new_tokens=section.max_new_tokens,

@@ -45,12 +45,14 @@ class DatasetTask:
   ``fn(record, response_ids, text) -> float``. ``text`` is the response decoded by the task's
   tokenizer with special tokens skipped, or the server's text when the task has no tokenizer.
 
-  Stop tokens: ``stop_token_ids``, else the template's end of turn and the tokenizer's EOS.
+  The tokenizer is ``tokenizer`` (a Hugging Face directory, or a loaded tokenizer) when given,
+  else ``model_path``'s when anything needs one. Stop tokens: ``stop_token_ids``, else the
+  template's end of turn and the tokenizer's EOS.
   Every problem with the files, a record (its file and row or line, the column) or the
   tokenizer is a `ValueError` / `FileNotFoundError` raised here, before any server starts.
   """
 
-  def __init__(self, path: str, reward_fn: str | Callable, *, tokenizer: Any = None,
+  def __init__(self, path: str, reward_fn: str | Callable, *, tokenizer: Any = None, model_path: str | None = None,
                prompt_key: str | None = None, answer_key: str | None = None, chat_template: bool | None = None,
                chat_template_kwargs: dict | None = None, stop_token_ids: Sequence[int] | None = None,
                max_new_tokens: int | None = None, vocab_size: int | None = None):
@@ -73,12 +75,13 @@ class DatasetTask:
       if records.lookup(row.values, self.prompt_key) in (records.MISSING, None):
         raise ValueError(_missing(row, self.prompt_key, "task.prompt_key"))
 
-    # The tokenizer, when anything needs one: text or chat prompts, decoding for a built-in
-    # reward, default stop tokens. Given by path (task.tokenizer or model.path) or as an object.
+    # The tokenizer: `tokenizer` (a directory or an object) when given; else `model_path`'s when
+    # anything needs one (text or chat prompts, decoding for a built-in reward, default stop tokens).
     needs_tokenizer = (self.builtin is not None or stop_token_ids is None or tokenizer is not None
                        or any(not _is_token_ids(records.lookup(r.values, self.prompt_key)) for r in rows))
     self.tokenizer = None
     if needs_tokenizer:
+      tokenizer = tokenizer if tokenizer is not None else model_path
       if tokenizer is None:
         raise ValueError(_why_tokenizer(rows, self.prompt_key, self.builtin, stop_token_ids))
       self.tokenizer = chat.load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
