@@ -28,6 +28,12 @@ MATH = [  # (response, ground truth, reward)
     ("\\boxed{\\frac{2}{3}}", "0.5", 0.0),
     ("\\boxed{2\\sqrt{2}}", "\\sqrt{8}", 1.0),
     ("\\boxed{x = 5}", "5", 1.0),
+    ("\\boxed{12.}", "12", 1.0),
+    ("\\boxed{\\frac{x}{2}}", "x/2", 1.0),                 # symbolic, both sides
+    ("\\boxed{x + 1}", "1 + x", 1.0),
+    ("\\boxed{2x}", "2", 0.0),
+    ("#### 18 dollars", "18", 1.0),
+    ("\\boxed{5\\%}", "5%", 1.0),
     ("first \\boxed{3}, finally \\boxed{4}", "4", 1.0),      # the last box counts
     ("first \\boxed{4}, finally \\boxed{3}", "4", 0.0),
     ("#### 7, but really \\boxed{8}", "8", 1.0),             # a box wins over ####

@@ -12,8 +12,9 @@ truth is read the same way when it is a whole solution (GSM8K's ``answer`` colum
 
 - ``math``: the final answer is mathematically equal to the ground truth, decided by Hugging
   Face's ``math-verify`` (numbers with thousands separators, ``-3``, ``\\frac{1}{2}`` = ``0.5``,
-  ``3/4``, ``2\\sqrt{2}`` = ``\\sqrt{8}``, ``x = 5`` = ``5``, units in ``\\text{}``). No final
-  answer, or one that does not parse: 0.
+  ``3/4``, ``2\\sqrt{2}`` = ``\\sqrt{8}``, ``x = 5`` = ``5``, ``\\frac{x}{2}`` = ``x/2``). A
+  ``####`` line and a bare number are read as plain text, anything with a letter, a backslash
+  or a brace as LaTeX. No final answer, or one that does not parse: 0.
 - ``exact_match``: the final answer (or, when there is none, the whole stripped response) equals
   the stripped ground truth character for character (``1,000`` ≠ ``1000``).
 - ``format``: the response has a final answer at all (ground truth unused).
@@ -69,9 +70,11 @@ def _timeout() -> int | None:
 
 def _parse(answer: str, form: str):
   from math_verify import parse  # imported only when the math reward is used
-  # A #### line is plain text (GSM8K: "1,234", "18 dollars"); boxed content and a bare ground
-  # truth are LaTeX ("\frac{1}{2}", "12.").
-  return parse(answer if form == "####" else f"${answer}$", parsing_timeout=_timeout())
+  # A #### line (GSM8K: "1,234", "18 dollars") and a number ("-3", "3/4", "12.") are plain text;
+  # anything with a letter, a backslash or a brace is LaTeX ("x/2", "\\frac{1}{2}"), parsed in
+  # math mode. Plain text also parses about 5x faster (every ground truth is parsed at load).
+  plain = form == "####" or not any(c.isalpha() or c in "\\{}" for c in answer)
+  return parse(answer if plain else f"${answer}$", parsing_timeout=_timeout())
 
 
 @functools.lru_cache(maxsize=65536)
