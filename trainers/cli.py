@@ -127,6 +127,7 @@ def _train(argv: list[str] | None = None) -> int:
   print(f"mesh: {dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} device(s); "
         f"model {cfg.model.dtype} compute, {cfg.model.param_dtype} weights, attention {attention}"
         f"{f' ({reason})' if reason else ''}, remat {cfg.model.remat}")
+  print(f"task: {task.summary}")
   try:
     if args.sglang_url:
       trainer = train.Trainer(cfg, loss_cfg, urls=args.sglang_url, task=task)

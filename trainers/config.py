@@ -24,6 +24,8 @@ DTYPES = ("float32", "bfloat16")
 PRESET_NAMES = ("tiny-qwen2", "tiny-qwen3", "tiny-qwen3-untied")
 ATTENTION = ("dense", "blocked", "fused")    # trainers.models.attention.ATTENTION_BACKENDS
 REMAT = ("none", "full", "dots")             # trainers.models.qwen.REMAT_POLICIES
+TASKS = ("copy_digits", "dataset", "jsonl")  # `jsonl`: the dataset task's former name
+REWARDS = ("math", "exact_match", "format")  # trainers.tasks.rewards.REWARDS
 
 
 def key(default, doc: str, *, ge=None, gt=None, le=None, choices=None, factory=None):
@@ -47,6 +49,42 @@ class ModelSection:
                        choices=ATTENTION)
   remat: str = key("full", "activation checkpointing of the layer scan", choices=REMAT)
   logprob_chunk: int = key(1024, "tokens per chunk of the LM head (`mis_jax.token_logprobs`)", ge=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskSection:
+  """The toy task `copy_digits`, or `dataset`: JSONL / Parquet records (`trainers.tasks`)."""
+  name: str = key("copy_digits", "`copy_digits` (toy) or `dataset` (JSONL / Parquet; `jsonl` is its old name)",
+                  choices=TASKS)
+  num_digits: int | None = key(None, "copy_digits: digits per prompt (null: 3)", ge=1)
+  path: str | None = key(None, "dataset: a .jsonl / .parquet file, a directory of them, or a glob")
+  prompt_key: str | None = key(None, "dataset: prompt column, dots for nested keys (null: the first of `prompt_ids` / "
+                               "`messages` / `prompt`); token ids, chat messages or text")
+  answer_key: str | None = key(None, "dataset: ground-truth column (null: the first of `reward_model.ground_truth` / "
+                               "`answer` / `solution` / `ground_truth`)")
+  reward_fn: str | None = key(None, "dataset: `math`, `exact_match`, `format` (README: Datasets) or "
+                              "`pkg.mod:fn(record, response_ids, text) -> float`")
+  tokenizer: str | None = key(None, "dataset: HF tokenizer directory (null: `model.path`)")
+  chat_template: bool | None = key(None, "dataset: render text prompts as one user message with the tokenizer's chat "
+                                   "template (null: when it has one)")
+  chat_template_kwargs: dict | None = key(None, "dataset: chat-template variables, e.g. `{enable_thinking: false}`")
+  stop_token_ids: tuple[int, ...] | None = key(None, "dataset: stop tokens (null: the template's end of turn + EOS)",
+                                               ge=0)
+  max_new_tokens: int | None = key(None, "dataset: response cap when `rollout.max_new_tokens` is null (null: 128)",
+                                   ge=1)
+
+  def problems(self) -> list[str]:
+    """Keys that do not fit `name` (checked on load; the files are checked by `make_task`)."""
+    given = {f.name for f in dataclasses.fields(self) if f.name != "name" and getattr(self, f.name) is not None}
+    if self.name == "copy_digits":
+      return [f"task.{k} is a key of task 'dataset', not of 'copy_digits'" for k in sorted(given - {"num_digits"})]
+    out = ["task.num_digits is a key of task 'copy_digits', not of 'dataset'"] if "num_digits" in given else []
+    out += [f"task.{k} is required for task '{self.name}'" for k in ("path", "reward_fn") if getattr(self, k) is None]
+    fn = self.reward_fn
+    if fn is not None and fn not in REWARDS and not any(c in fn for c in ".:"):
+      out.append(f"task.reward_fn has invalid value {fn!r}; built-in rewards: {', '.join(REWARDS)}, or an import "
+                 "path pkg.module:function")
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,9 +136,9 @@ class CheckpointSection:
   max_to_keep: int = key(3, "checkpoints kept", ge=1)
 
 
-SECTIONS = {"model": ModelSection, "rollout": RolloutSection, "train": TrainSection,
+SECTIONS = {"model": ModelSection, "task": TaskSection, "rollout": RolloutSection, "train": TrainSection,
             "parallel": ParallelSection, "checkpoint": CheckpointSection}
-_TOP = {"run_dir", "seed", "task", "loss", *SECTIONS}
+_TOP = {"run_dir", "seed", "loss", *SECTIONS}
 
 
 def fields_of(section_cls) -> dict[str, tuple[dataclasses.Field, Any]]:
@@ -134,6 +172,14 @@ def parse_value(value, typ, meta: dict, where: str):
     if value is None:
       return None
     typ = next(a for a in args if a is not type(None))
+  if typing.get_origin(typ) is tuple:  # tuple[T, ...]: a YAML list, each item a T within the key's bounds
+    if not isinstance(value, (list, tuple)):
+      raise mis_jax.ConfigError(f"{where} must be a list, got {type(value).__name__} {value!r}")
+    return tuple(parse_value(v, typing.get_args(typ)[0], meta, f"{where}[{i}]") for i, v in enumerate(value))
+  if typ is dict:
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+      raise mis_jax.ConfigError(f"{where} must be a mapping with string keys, got {type(value).__name__} {value!r}")
+    return dict(value)
   if typ is bool:
     value = _as_bool(value, where, None)
   elif typ is int:
@@ -187,7 +233,7 @@ class TrainConfig:
   run_dir: str = "runs/default"
   seed: int = 0
   model: ModelSection = ModelSection()
-  task: dict = dataclasses.field(default_factory=lambda: {"name": "copy_digits"})
+  task: TaskSection = TaskSection()
   rollout: RolloutSection = RolloutSection()
   train: TrainSection = TrainSection()
   parallel: ParallelSection = ParallelSection()
@@ -223,10 +269,8 @@ class TrainConfig:
           kwargs[name] = parse_value(d[name], typ, meta, name)
         except mis_jax.ConfigError as e:
           raise KeyConfigError(name, str(e)) from None
-    for name in ("task", "loss"):
-      if d.get(name) is not None and not isinstance(d[name], dict):
-        raise mis_jax.ConfigError(f"{name} must be a mapping of keys, got {type(d[name]).__name__} {d[name]!r}")
-    kwargs["task"] = dict(d.get("task") or {"name": "copy_digits"})
+    if d.get("loss") is not None and not isinstance(d["loss"], dict):
+      raise mis_jax.ConfigError(f"loss must be a mapping of keys, got {type(d['loss']).__name__} {d['loss']!r}")
     kwargs["loss"] = dict(d.get("loss") or {})
     cfg = cls(**kwargs)
     cfg.validate()
@@ -250,7 +294,7 @@ class TrainConfig:
         # Checkpoints land on sync steps, so a resumed run can restore the server's weights exactly.
         (c.every % r.sync_every == 0, f"checkpoint.every ({c.every}) must be a multiple of rollout.sync_every "
                                       f"({r.sync_every})"),
-    ]
+    ] + [(False, problem) for problem in self.task.problems()]
     where = f"{self.source}: " if self.source else ""
     for ok, message in checks:
       if not ok:
@@ -262,9 +306,6 @@ def reference_table() -> str:
   rows = ["| key | default | meaning |", "|---|---|---|",
           "| `run_dir` | `runs/default` | metrics, checkpoints, weights (must not be a file) |",
           "| `seed` | `0` | seeds prompts, sampling and init |",
-          "| `task.*` | `name: copy_digits` | the toy task `copy_digits` (`num_digits`); or `jsonl` with `path` (lines "
-          "`{\"prompt_ids\": [...]}` or `{\"prompt\": \"...\"}` + anything) and `reward_fn` "
-          "(`pkg.mod:fn(record, response_ids, text) -> float`) |",
           "| `loss.*` | `LossConfig` defaults | any `LossConfig` key, plus `custom_config_path` (the MIS YAML) |"]
   for section, cls in SECTIONS.items():
     for name, (field, typ) in fields_of(cls).items():

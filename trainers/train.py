@@ -265,8 +265,8 @@ def check_config(cfg: TrainConfig, loss_cfg: mis_jax.LossConfig):
   model_cfg = _model_config(cfg)
   try:
     task = make_task(cfg.task, vocab_size=model_cfg.vocab_size, model_path=cfg.model.path)
-  except (ValueError, TypeError, FileNotFoundError) as e:
-    raise mis_jax.ConfigError(f"task {cfg.task!r}: {e}") from None
+  except (ValueError, TypeError, FileNotFoundError) as e:  # they name the key, file, row and column
+    raise mis_jax.ConfigError(f"task ({cfg.task.name}): {e}") from None
   max_new = cfg.rollout.max_new_tokens or getattr(task, "max_new_tokens", None) or 128
   longest = getattr(task, "max_prompt_len", None)
   if longest is not None and longest + max_new - 1 > cfg.train.row_len:

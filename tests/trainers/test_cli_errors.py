@@ -4,6 +4,8 @@ status 2, one line naming the key, no traceback, nothing started or written. The
 config reference is generated from the typed sections, and `--help` shows every default."""
 
 import os
+import types
+import typing
 
 import pytest
 
@@ -15,9 +17,11 @@ from trainers.models import PRESETS, init_checkpoint
 
 def _bad_values(typ, meta) -> list[str]:
   """`--set` values (YAML text) that a key of this type and these constraints must reject."""
-  base = typ.__args__[0] if hasattr(typ, "__args__") else typ
+  base = typ.__args__[0] if isinstance(typ, types.UnionType) else typ
+  if typing.get_origin(base) is tuple:  # a list of ints: each item is checked like an int key
+    return ["abc", "[1, x]", "[1.5]", "{a: 1}"] + ([f"[{meta['ge'] - 1}]"] if meta.get("ge") is not None else [])
   wrong_type = {int: ["abc", "1.5", "true"], float: ["abc", "true", "[1]"], str: ["5", "[a, b]"],
-                bool: ["maybe", "3"]}[base]
+                bool: ["maybe", "3"], dict: ["abc", "[1, 2]", "{1: x}"]}[base]
   out = list(wrong_type)
   if meta.get("choices"):
     out.append("not-a-choice")
@@ -126,9 +130,9 @@ def test_paths_urls_and_cross_key_checks(tmp_path, capsys):
       (["--sglang-url", "http://127.0.0.1:99999"], ("--sglang-url",)),
       (["--sglang-url", "ftp://127.0.0.1:30000"], ("--sglang-url",)),
       (["--set", "task.name=nope"], ("task", "nope")),
-      (["--set", "task.name=jsonl", "--set", f"task.path={tmp_path / 'none.jsonl'}", "--set", "task.reward_fn=m:f"],
-       ("task", "none.jsonl")),
-      (["--set", "task.name=jsonl", "--set", f"task.path={tmp_path / 'task.jsonl'}",
+      (["--set", "task.name=dataset", "--set", "task.num_digits=null", "--set", f"task.path={tmp_path / 'none.jsonl'}",
+        "--set", "task.reward_fn=m:f"], ("task", "none.jsonl")),
+      (["--set", "task.name=jsonl", "--set", "task.num_digits=null", "--set", f"task.path={tmp_path / 'task.jsonl'}",
         "--set", "task.reward_fn=no_such_module:f"], ("task", "no_such_module")),
       (["--set", "rollout.max_new_tokens=100"], ("train.row_len (64)", "max_new_tokens (100)")),
       (["--set", "train.tokens_per_micro_batch=32"], ("train.tokens_per_micro_batch (32)", "train.row_len (64)")),

@@ -189,28 +189,6 @@ def test_rejected_sequences_leave_the_baseline(tmp_path):
                       mis_jax.LossConfig(use_rollout_logprobs=True), urls=["http://127.0.0.1:9"])
 
 
-def test_jsonl_task_with_reward_function_path(tmp_path):
-  from trainers.tasks import JsonlTask
-  data = tmp_path / "data.jsonl"
-  data.write_text("\n".join(json.dumps({"prompt_ids": [1, 3 + i], "answer": 3 + i}) for i in range(5)) + "\n")
-  task = JsonlTask(str(data), "test_train:first_token_reward")
-  step0 = task.prompts(seed=0, step=0, count=3)
-  assert [p.ids for p in step0] == [p.ids for p in task.prompts(seed=0, step=0, count=3)]
-  seen = [p.ids for s in range(5) for p in task.prompts(seed=0, step=s, count=3)]
-  assert len(set(seen[:5])) == 5  # an epoch visits every record once
-  assert task.reward(step0[0], [step0[0].record["answer"], 2], "") == 1.0
-  bad = tmp_path / "bad.jsonl"
-  bad.write_text('{"prompt_ids": []}\n')
-  with pytest.raises(ValueError, match=r"bad.jsonl:1: 'prompt_ids' must be a non-empty list of ints"):
-    JsonlTask(str(bad), "test_train:first_token_reward")
-  with pytest.raises(mis_jax.ConfigError, match="cannot import module 'nope'"):
-    JsonlTask(str(data), "nope:fn")
-
-
-def first_token_reward(record, response_ids, text):
-  return float(bool(response_ids) and response_ids[0] == record["answer"])
-
-
 def test_config_errors(tmp_path):
   with pytest.raises(mis_jax.ConfigError, match=r"unknown key 'rollout.temprature'.*Did you mean 'temperature'"):
     TrainConfig.from_dict({"rollout": {"temprature": 1.0}})

@@ -1,0 +1,31 @@
+"""Tasks: prompts and verifiable rewards.
+
+A task yields :class:`Prompt` s deterministically from ``(seed, step)`` (so a resumed run sees
+the same prompts) and scores a response with a float reward.
+
+- ``copy_digits`` (`copy_digits.py`): the built-in toy task.
+- ``dataset`` (`dataset.py`): JSONL / Parquet records (`records.py`) in the verl and TRL
+  layouts, prompts rendered with the tokenizer's chat template (`chat.py`), rewards by name
+  (`rewards.py`: ``math``, ``exact_match``, ``format``) or by import path.
+"""
+
+from __future__ import annotations
+
+from trainers.tasks.base import Prompt, Task
+from trainers.tasks.copy_digits import CopyDigitsTask
+from trainers.tasks.dataset import DatasetTask
+from trainers.tasks.rewards import REWARDS
+
+__all__ = ["Prompt", "Task", "CopyDigitsTask", "DatasetTask", "REWARDS", "make_task"]
+
+
+def make_task(section, *, vocab_size: int, model_path: str | None = None) -> Task:
+  """The task of a config's ``task`` section (`trainers.config.TaskSection`); the tokenizer is
+  ``task.tokenizer`` or, when that is null and the task needs one, ``model_path``'s."""
+  if section.name == "copy_digits":
+    return CopyDigitsTask(vocab_size=vocab_size, num_digits=section.num_digits or 3)
+  return DatasetTask(section.path, section.reward_fn, tokenizer=section.tokenizer, model_path=model_path,
+                     prompt_key=section.prompt_key, answer_key=section.answer_key,
+                     chat_template=section.chat_template, chat_template_kwargs=section.chat_template_kwargs,
+                     stop_token_ids=section.stop_token_ids, max_new_tokens=section.max_new_tokens,
+                     vocab_size=vocab_size)
