@@ -60,6 +60,15 @@ def train_parser() -> argparse.ArgumentParser:
   parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                       help="override a config value, e.g. --set rollout.sync_every=4 --set parallel.fsdp=8")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+  group = parser.add_argument_group(
+      "several processes (jax.distributed; one command per host, one global mesh; default from "
+      "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
+  group.add_argument("--coordinator-address", default=None, metavar="HOST:PORT",
+                     help="process 0's address, the same on every process")
+  group.add_argument("--num-processes", default=None, type=int, help="processes in the run")
+  group.add_argument("--process-id", default=None, type=int, help="this process, 0..num_processes-1")
+  group.add_argument("--heartbeat-timeout", default=30, type=int, metavar="S",
+                     help="a process silent this long is declared dead and the others stop")
   mis_jax.add_loss_flags(parser)
   return parser
 
@@ -114,7 +123,16 @@ def _train(argv: list[str] | None = None) -> int:
   from trainers.rollout import ServerError
   from trainers.server import EmbeddedServer
 
+  from trainers import distributed
+
   args = train_parser().parse_args(argv)
+  try:
+    settings = distributed.settings_from(args)
+  except ValueError as e:
+    print(f"mis-jax train: {e}", file=sys.stderr)
+    return 2
+  distributed.initialize(settings, heartbeat_timeout_s=args.heartbeat_timeout)  # before any device is used
+  primary = distributed.is_primary()
   try:
     cfg, loss_cfg, task = resolve_train_config(args)
     mesh = train.check_parallel(cfg)  # an invalid mesh is an error before any server starts
@@ -123,15 +141,19 @@ def _train(argv: list[str] | None = None) -> int:
     return 2
 
   attention, reason = resolve_attention_backend(cfg.model.attention)
-  print(f"algorithm: {loss_cfg.algorithm} (correction: {loss_cfg.correction}); run dir: {os.path.abspath(cfg.run_dir)}")
-  print(f"mesh: {dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} device(s); "
-        f"model {cfg.model.dtype} compute, {cfg.model.param_dtype} weights, attention {attention}"
-        f"{f' ({reason})' if reason else ''}, remat {cfg.model.remat}")
-  print(f"task: {task.summary}")
+  say = print if primary else (lambda *a, **k: None)
+  say(f"algorithm: {loss_cfg.algorithm} (correction: {loss_cfg.correction}); run dir: {os.path.abspath(cfg.run_dir)}")
+  say(f"mesh: {dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} device(s) in "
+      f"{jax_process_count()} process(es); model {cfg.model.dtype} compute, {cfg.model.param_dtype} weights, "
+      f"attention {attention}{f' ({reason})' if reason else ''}, remat {cfg.model.remat}")
+  say(f"task: {task.summary}")
+  if cfg.rollout.max_staleness:
+    say(f"asynchronous rollouts: samples at most {cfg.rollout.max_staleness} weight version(s) old, "
+        f"servers paused with {cfg.rollout.pause_mode!r} during a sync")
   try:
-    if args.sglang_url:
+    if args.sglang_url or not primary:  # only process 0 talks to (and starts) a server
       trainer = train.Trainer(cfg, loss_cfg, urls=args.sglang_url, task=task)
-      history = trainer.run(resume=args.resume, progress=not args.no_progress)
+      history = trainer.run(resume=args.resume, progress=not args.no_progress, log=say)
     else:
       with EmbeddedServer(train.initial_weights_dir(cfg), dtype=cfg.rollout.server_dtype, seed=cfg.seed) as server:
         print(f"embedded SGLang-protocol server on {server.url} ({cfg.rollout.server_dtype})")
@@ -143,8 +165,14 @@ def _train(argv: list[str] | None = None) -> int:
   except (train.TrainingError, ServerError) as e:
     print(f"mis-jax train: stopped: {e}", file=sys.stderr)
     return 1
-  train.print_summary(history, cfg)
+  if primary:
+    train.print_summary(history, cfg)
   return 0
+
+
+def jax_process_count() -> int:
+  import jax
+  return jax.process_count()
 
 
 _COMMANDS = {

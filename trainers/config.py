@@ -97,6 +97,12 @@ class RolloutSection:
   max_new_tokens: int | None = key(None, "response length cap (null: the task's)", ge=1)
   server_dtype: str = key("bfloat16", "embedded server precision", choices=DTYPES)
   sync_every: int = key(1, "push weights every k steps (k > 1: deliberately stale rollouts)", ge=1)
+  max_staleness: int = key(0, "asynchronous rollouts: generate while training, samples at most k weight "
+                              "versions old (0: the synchronous loop)", ge=0)
+  pause_mode: str = key("abort", "/pause_generation mode during a weight sync (retract keeps in-flight "
+                                 "requests for after the update)", choices=("abort", "retract", "in_place"))
+  weight_dtype: str | None = key(None, "dtype of the HF weights pushed to the servers (null: server_dtype, "
+                                       "bfloat16 by default)", choices=DTYPES)
   max_concurrency: int = key(4, "HTTP requests in flight", ge=1)
   prompts_per_request: int = key(8, "prompts batched into one /generate request", ge=1)
   timeout_s: float = key(120.0, "HTTP timeout per request", gt=0)

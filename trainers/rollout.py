@@ -35,7 +35,13 @@ class Sample:
   rollout_logprobs: tuple[float, ...]
   finish_reason: str
   text: str
-  weight_version: str | None
+  weight_version: str | None  # the version of its last token
+  weight_versions: tuple[tuple[str, int, int], ...] = ()  # SGLang's spans: (version, start, end)
+
+  @property
+  def oldest_version(self) -> str | None:
+    """The version of its first token (a sample that straddled an update spans two)."""
+    return self.weight_versions[0][0] if self.weight_versions else self.weight_version
 
 
 @dataclasses.dataclass
@@ -45,6 +51,18 @@ class RolloutResult:
   num_aborted: int = 0
   num_rejected: int = 0
   rejection_reasons: list[str] = dataclasses.field(default_factory=list)
+
+  def to_json(self) -> dict:
+    """A JSON-able copy (broadcast from process 0 to the other trainer processes)."""
+    return {"samples": [dataclasses.astuple(s) for s in self.samples], "num_requested": self.num_requested,
+            "num_aborted": self.num_aborted, "num_rejected": self.num_rejected,
+            "rejection_reasons": self.rejection_reasons[:20]}
+
+  @classmethod
+  def from_json(cls, d: dict) -> "RolloutResult":
+    samples = [Sample(p, tuple(ids), tuple(resp), tuple(lps), fin, text, ver, tuple(tuple(x) for x in spans))
+               for p, ids, resp, lps, fin, text, ver, spans in d["samples"]]
+    return cls(samples, d["num_requested"], d["num_aborted"], d["num_rejected"], list(d["rejection_reasons"]))
 
 
 def validate_sample(item: Any) -> tuple[str | None, dict | None]:
@@ -208,40 +226,54 @@ class SGLangClient:
         else:
           result.samples.append(Sample(prompt_index=p, prompt_ids=tuple(prompts[p]), response_ids=parsed["ids"],
                                        rollout_logprobs=parsed["logprobs"], finish_reason=parsed["finish"],
-                                       text=parsed["text"], weight_version=parsed["weight_version"]))
+                                       text=parsed["text"], weight_version=parsed["weight_version"],
+                                       weight_versions=parsed["weight_versions"]))
     return result
 
   # --- weight sync ---------------------------------------------------------------------
-  def update_weights_from_disk(self, model_path: str, weight_version: str, *, attempts: int = 3):
-    """SPEC §11 sequence on every server: pause (abort), flush, update, verify, continue.
+  def update_weights_from_disk(self, model_path: str, weight_version: str, *, attempts: int = 3,
+                               pause_mode: str = "abort") -> dict[str, float]:
+    """SPEC §11 sequence on every server, all servers concurrently: pause (``pause_mode``:
+    ``abort`` ends in-flight requests, ``retract`` keeps them for after the update), flush,
+    update, verify, continue.
 
-    Retries the update a bounded number of times; raises :class:`ServerError` if the server
+    Retries the update a bounded number of times; raises :class:`ServerError` if a server
     keeps answering ``success: false`` or its ``weight_version`` does not change, so training
-    never goes on against unknown weights.
+    never goes on against unknown weights. Returns ``{"server_load_s": slowest update call,
+    "servers_paused_s": slowest pause-to-continue}``.
     """
-    for url in self.urls:
-      self._request("POST", url, "/pause_generation", {"mode": "abort"})
-      try:
-        self._request("POST", url, "/flush_cache", {})
-        last = None
-        for _ in range(attempts):
-          try:  # SGLang answers a failed update with success: false (HTTP 400): retry it
-            reply = self._request("POST", url, "/update_weights_from_disk",
-                                  {"model_path": model_path, "weight_version": weight_version})
-          except ServerError as e:
-            last = str(e)
-            continue
-          if isinstance(reply, dict) and reply.get("success"):
-            info = self.model_info(url)
-            if str(info.get("weight_version")) == weight_version:
-              break
-            last = f"weight_version is {info.get('weight_version')!r} after the update, expected {weight_version!r}"
-          else:
-            last = reply.get("message") if isinstance(reply, dict) else repr(reply)
+    with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
+      times = list(pool.map(lambda url: self._update_one(url, model_path, weight_version, attempts, pause_mode),
+                            self.urls))
+    return {"server_load_s": max(t[0] for t in times), "servers_paused_s": max(t[1] for t in times)}
+
+  def _update_one(self, url, model_path, weight_version, attempts, pause_mode) -> tuple[float, float]:
+    t_pause = time.perf_counter()
+    self._request("POST", url, "/pause_generation", {"mode": pause_mode})
+    try:
+      self._request("POST", url, "/flush_cache", {})
+      last = None
+      t_load = time.perf_counter()
+      for _ in range(attempts):
+        try:  # SGLang answers a failed update with success: false (HTTP 400): retry it
+          reply = self._request("POST", url, "/update_weights_from_disk",
+                                {"model_path": model_path, "weight_version": weight_version})
+        except ServerError as e:
+          last = str(e)
+          continue
+        if isinstance(reply, dict) and reply.get("success"):
+          info = self.model_info(url)
+          if str(info.get("weight_version")) == weight_version:
+            break
+          last = f"weight_version is {info.get('weight_version')!r} after the update, expected {weight_version!r}"
         else:
-          raise ServerError(f"weight sync to {url} failed after {attempts} attempts: {last}")
-      finally:
-        self._request("POST", url, "/continue_generation", {})
+          last = reply.get("message") if isinstance(reply, dict) else repr(reply)
+      else:
+        raise ServerError(f"weight sync to {url} failed after {attempts} attempts: {last}")
+      load = time.perf_counter() - t_load
+    finally:
+      self._request("POST", url, "/continue_generation", {})
+    return load, time.perf_counter() - t_pause
 
 
 def _message(resp: httpx.Response) -> str:

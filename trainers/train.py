@@ -18,6 +18,7 @@ import functools
 import json
 import os
 import shutil
+import threading
 import time
 import urllib.parse
 import warnings
@@ -28,10 +29,10 @@ import numpy as np
 from flax import nnx
 
 import mis_jax
-from trainers import checkpointing, parallel
+from trainers import checkpointing, distributed, parallel
 from trainers.batch import StepBatch, build_step_batch
 from trainers.config import ModelSection, TrainConfig
-from trainers.models import checkpoint_dir_problem, init_checkpoint, load_hf_params, save_hf_checkpoint
+from trainers.models import checkpoint_dir_problem, init_checkpoint, load_hf_params, save_hf_sharded
 from trainers.models.config import PRESETS, ModelConfig
 from trainers.models.hf_io import DTYPES
 from trainers.rollout import RolloutResult, ServerError, SGLangClient
@@ -45,11 +46,12 @@ def initial_weights_dir(cfg: TrainConfig) -> str:
   if cfg.model.path:
     return cfg.model.path
   path = os.path.join(os.path.abspath(cfg.run_dir), "weights", "init")
-  if not os.path.isfile(os.path.join(path, "model.safetensors")):
+  if distributed.is_primary() and not os.path.isfile(os.path.join(path, "model.safetensors")):
     config = PRESETS[cfg.model.preset]
     if cfg.model.initializer_range is not None:
       config = dataclasses.replace(config, initializer_range=cfg.model.initializer_range)
     init_checkpoint(path, config=config, seed=cfg.model.init_seed)
+  distributed.barrier(f"initial weights {path}")  # one writer; every process reads them
   return path
 
 
@@ -75,7 +77,7 @@ class Trainer:
                     "truncated distribution, so the IS ratio is biased (SPEC §11)")
 
     weights = initial_weights_dir(cfg)
-    model_cfg = ModelConfig.from_pretrained(weights)
+    model_cfg = self.model_config = ModelConfig.from_pretrained(weights)
     self.max_new_tokens = r.max_new_tokens or getattr(self.task, "max_new_tokens", None) or 128
     self.fns = _step_functions(model_cfg, cfg.model, loss_cfg, self.temperature, cfg.train, self.mesh)
     self.graphdef = self.fns.graphdef
@@ -86,19 +88,40 @@ class Trainer:
     self.opt_state = self.fns.init_opt_state(self.params)
     self.step = 0
     self.num_old_logprob_passes = 0  # bypass and REINFORCE-IS never recompute (tested)
-    self.client = SGLangClient(urls, timeout_s=r.timeout_s, max_retries=r.max_retries, backoff_s=r.backoff_s,
-                               max_concurrency=r.max_concurrency, prompts_per_request=r.prompts_per_request)
+    self.primary = distributed.is_primary()  # owns the HTTP client and the logs
+    self.client = (SGLangClient(urls, timeout_s=r.timeout_s, max_retries=r.max_retries, backoff_s=r.backoff_s,
+                                max_concurrency=r.max_concurrency, prompts_per_request=r.prompts_per_request)
+                   if self.primary else None)
     self.checkpoints = checkpointing.Checkpointer(os.path.join(self.run_dir, "checkpoints"),
                                                   max_to_keep=cfg.checkpoint.max_to_keep)
     self.num_segments = r.prompts_per_step * r.n
+    self.weight_dtype = r.weight_dtype or r.server_dtype
+    self.batch_index = 0  # rollout batches consumed (= step, unless a stale batch was skipped)
+    self.sync_times: dict[str, float] = {}
+
+  def _primary(self, fn):
+    """`fn()` on process 0, its result (or its failure, as TrainingError) on every process."""
+    try:
+      return distributed.on_primary(fn, errors=(TrainingError, ServerError))
+    except distributed.PrimaryError as e:
+      raise TrainingError(str(e)) from None
 
   # --- one step ------------------------------------------------------------------------
-  def rollout(self) -> tuple[list, RolloutResult]:
+  def sampling_params(self) -> dict:
     r = self.cfg.rollout
-    prompts = self.task.prompts(self.cfg.seed, self.step, r.prompts_per_step)
-    params = {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": self.max_new_tokens,
-              "stop_token_ids": list(self.task.stop_token_ids), "no_stop_trim": True, "skip_special_tokens": False}
-    result = self.client.generate([p.ids for p in prompts], params, n=r.n, seed=self.cfg.seed * 100_003 + self.step)
+    return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": self.max_new_tokens,
+            "stop_token_ids": list(self.task.stop_token_ids), "no_stop_trim": True, "skip_special_tokens": False}
+
+  def generate(self, batch: int) -> RolloutResult:
+    """Rollout batch `batch` from the servers (process 0): its prompts and per-sample seeds
+    depend on (seed, batch) only."""
+    r = self.cfg.rollout
+    prompts = self.task.prompts(self.cfg.seed, batch, r.prompts_per_step)
+    return self.client.generate([p.ids for p in prompts], self.sampling_params(), n=r.n,
+                                seed=self.cfg.seed * 100_003 + batch)
+
+  def check_rollout(self, result: RolloutResult) -> RolloutResult:
+    r = self.cfg.rollout
     bad = result.num_rejected / max(result.num_requested, 1)
     if bad > r.max_rejected_fraction:
       reasons = "; ".join(sorted(set(result.rejection_reasons))[:5])
@@ -107,6 +130,15 @@ class Trainer:
     if not result.samples:
       raise TrainingError(f"step {self.step}: no usable samples ({result.num_aborted} aborted, "
                           f"{result.num_rejected} rejected)")
+    return result
+
+  def rollout(self) -> tuple[list, RolloutResult]:
+    """The synchronous rollout of this step, the same on every process."""
+    def produce():
+      return self.check_rollout(self.generate(self.batch_index)).to_json()
+    result = RolloutResult.from_json(self._primary(produce))
+    prompts = self.task.prompts(self.cfg.seed, self.batch_index, self.cfg.rollout.prompts_per_step)
+    self.batch_index += 1
     return prompts, result
 
   def build_batch(self, prompts, result: RolloutResult) -> StepBatch:
@@ -131,13 +163,16 @@ class Trainer:
     ``prepared`` comes from :func:`mis_jax.prepare_step` (its ``kept_mask`` is the step's).
     The rejected sequences' own advantage no longer matters (they carry no kept token); the
     others' baseline stops leaking the rejected rewards (verl PR #6452)."""
-    in_baseline = np.array([k.any() for k in sb.per_sequence(prepared.kept_mask)])
+    in_baseline = np.array([k.any() for k in sb.per_sequence(distributed.to_host(prepared.kept_mask))])
     adv = self.advantages(sb.rewards, sb.groups, in_baseline)
     token_adv = sb.tokens([np.full(n, a, np.float32) for n, a in zip(sb.packing.lengths, adv)], 0.0, np.float32)
     return prepared.replace(advantages=self._on_mesh(token_adv)), int((~in_baseline).sum())
 
   def _on_mesh(self, x):
-    return jax.device_put(x, parallel.batch_sharding(self.mesh, np.ndim(x)))
+    """A host array (the same on every process) on the mesh: each process places only the
+    rows of its own devices."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, parallel.batch_sharding(self.mesh, x.ndim), lambda idx: x[idx])
 
   def device_batch(self, sb: StepBatch) -> tuple[ModelInputs, mis_jax.PackedBatch]:
     """The step batch placed on the mesh (rows over `data × fsdp`)."""
@@ -172,21 +207,28 @@ class Trainer:
 
   # --- weights, checkpoints --------------------------------------------------------------
   def sync_weights(self):
+    """Every process writes its share of the sharded HF checkpoint (`save_hf_sharded`), then
+    process 0 updates all servers concurrently. Phase times land in `self.sync_times`."""
     path = os.path.join(self.run_dir, "weights", f"step_{self.step}")
-    save_hf_checkpoint(nnx.merge(self.graphdef, self.params), path)
-    try:
-      self.client.update_weights_from_disk(path, str(self.step))
-    except ServerError as e:
-      raise TrainingError(f"weight sync at step {self.step} failed: {e}") from None
-    # Keep the newest few weight directories (the server may still read the current one).
-    root = os.path.join(self.run_dir, "weights")
-    old = sorted((d for d in os.listdir(root) if d.startswith("step_")), key=lambda d: int(d[5:]))[:-2]
-    for d in old:
-      shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+    times = save_hf_sharded(self.params, self.model_config, path, dtype=self.weight_dtype)
+
+    def update():
+      try:
+        return self.client.update_weights_from_disk(path, str(self.step), pause_mode=self.cfg.rollout.pause_mode)
+      except ServerError as e:
+        raise TrainingError(f"weight sync at step {self.step} failed: {e}") from None
+    times.update(self._primary(update))
+    self.sync_times = {f"sync/{k}": v for k, v in times.items()}
+    if self.primary:  # keep the newest few weight directories (the servers may still read the current one)
+      root = os.path.join(self.run_dir, "weights")
+      old = sorted((d for d in os.listdir(root) if d.startswith("step_")), key=lambda d: int(d[5:]))[:-2]
+      for d in old:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
 
   def save_checkpoint(self):
     self.checkpoints.save(self.step, {"params": self.params, "opt_state": self.opt_state},
-                          {"step": self.step, "seed": self.cfg.seed, "num_old_logprob_passes": self.num_old_logprob_passes})
+                          {"step": self.step, "seed": self.cfg.seed, "num_old_logprob_passes": self.num_old_logprob_passes,
+                           "batch_index": self.batch_index})
 
   def restore_latest(self) -> bool:
     restored = self.checkpoints.restore_latest({"params": self.params, "opt_state": self.opt_state})
@@ -194,33 +236,77 @@ class Trainer:
       return False
     state, meta = restored
     self.params, self.opt_state, self.step = state["params"], state["opt_state"], int(meta["step"])
+    self.batch_index = int(meta.get("batch_index", self.step))
     return True
+
+  # --- asynchronous rollouts ------------------------------------------------------------
+  def stale_filtered(self, result: RolloutResult) -> tuple[RolloutResult, dict]:
+    """Drops samples generated more than `max_staleness` versions before this step; returns
+    the kept result and the staleness metrics."""
+    k = self.cfg.rollout.max_staleness
+    staleness = [self.step - int(s.oldest_version) for s in result.samples]
+    kept = [s for s, st in zip(result.samples, staleness) if st <= k]
+    shown = [st for st in staleness if st <= k] or [0]
+    metrics = {"rollout/staleness_mean": float(np.mean(shown)), "rollout/staleness_max": float(max(shown)),
+               "rollout/dropped_stale": len(result.samples) - len(kept)}
+    return dataclasses.replace(result, samples=kept), metrics
+
+  def async_rollout(self, producer: "RolloutProducer") -> tuple[list, RolloutResult, dict]:
+    """The next batch from the producer (process 0), stale samples dropped, on every process."""
+    def produce():
+      dropped = 0
+      for _ in range(8):  # a batch left with nothing fresh is skipped, a bounded number of times
+        batch, result, waited = producer.take(self.batch_index)
+        self.batch_index = batch + 1
+        result, metrics = self.stale_filtered(result)
+        dropped += metrics["rollout/dropped_stale"]
+        if result.samples:
+          metrics.update({"rollout/dropped_stale": dropped, "rollout/wait_s": waited, "batch": batch})
+          return {"result": self.check_rollout(result).to_json(), "metrics": metrics}
+      raise TrainingError(f"step {self.step}: 8 rollout batches in a row had no sample within "
+                          f"max_staleness {self.cfg.rollout.max_staleness}")
+    out = self._primary(produce)
+    metrics = out["metrics"]
+    self.batch_index = metrics.pop("batch") + 1
+    prompts = self.task.prompts(self.cfg.seed, self.batch_index - 1, self.cfg.rollout.prompts_per_step)
+    return prompts, RolloutResult.from_json(out["result"]), metrics
 
   # --- the loop --------------------------------------------------------------------------
   def run(self, *, resume: bool = False, progress: bool = True, log=print) -> list[dict]:
     from tqdm import tqdm
     if resume and self.restore_latest():
-      log(f"resumed from checkpoint at step {self.step} ({self.checkpoints.directory})")
+      if self.primary:
+        log(f"resumed from checkpoint at step {self.step} ({self.checkpoints.directory})")
     elif self.checkpoints.latest_step() is not None:
       raise TrainingError(f"{self.run_dir} already holds checkpoints (latest step "
                           f"{self.checkpoints.latest_step()}): pass --resume, or choose another run_dir")
-    self.client.wait_until_healthy(attempts=self.cfg.rollout.health_attempts, backoff_s=self.cfg.rollout.backoff_s)
-    self.sync_weights()  # the server now holds exactly the trainer's weights (version = step)
+    r = self.cfg.rollout
+    self._primary(lambda: self.client.wait_until_healthy(attempts=r.health_attempts, backoff_s=r.backoff_s))
+    self.sync_weights()  # the servers now hold exactly the trainer's weights (version = step)
+    producer = RolloutProducer(self, self.batch_index) if (r.max_staleness > 0 and self.primary) else None
     history = []
     metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
-    writer = _tensorboard(self.run_dir)
-    bar = tqdm(total=self.cfg.train.steps, initial=self.step, disable=not progress, desc="train")
+    writer = _tensorboard(self.run_dir) if self.primary else None
+    bar = tqdm(total=self.cfg.train.steps, initial=self.step, disable=not (progress and self.primary), desc="train")
     try:
       while self.step < self.cfg.train.steps:
         t0 = time.perf_counter()
-        prompts, result = self.rollout()
+        if r.max_staleness > 0:
+          prompts, result, rollout_metrics = self.async_rollout(producer)
+        else:
+          prompts, result = self.rollout()
+          rollout_metrics = {"rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0, "rollout/dropped_stale": 0}
         t1 = time.perf_counter()
         sb = self.build_batch(prompts, result)
         metrics = self.train_on(sb)
         t2 = time.perf_counter()
         self.step += 1
-        if self.step % self.cfg.rollout.sync_every == 0:
+        sync_times = {}
+        if self.step % r.sync_every == 0:
           self.sync_weights()
+          if producer is not None:
+            producer.advance(self.step)
+          sync_times = self.sync_times
         t3 = time.perf_counter()
         if self.step % self.cfg.checkpoint.every == 0 or self.step == self.cfg.train.steps:
           self.save_checkpoint()
@@ -229,27 +315,96 @@ class Trainer:
             "step": self.step, "reward_mean": float(sb.rewards.mean()), "reward_std": float(sb.rewards.std()),
             "response_length": float(sb.response_lengths.mean()), "num_samples": len(result.samples),
             "num_aborted": result.num_aborted, "num_rejected": result.num_rejected,
-            "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2,
+            "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": t3 - t0,
             "tokens_per_s": trained / max(t3 - t0, 1e-9),
-            "server_weight_version": result.samples[0].weight_version,
+            "server_weight_version": result.samples[0].weight_version, **rollout_metrics, **sync_times,
         })
         history.append(metrics)
-        with open(metrics_path, "a") as f:
-          f.write(json.dumps(metrics) + "\n")
-        if writer is not None:
-          for k, v in metrics.items():
-            if isinstance(v, (int, float)):
-              writer.add_scalar(k, v, self.step)
+        if self.primary:
+          with open(metrics_path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+          if writer is not None:
+            for k, v in metrics.items():
+              if isinstance(v, (int, float)):
+                writer.add_scalar(k, v, self.step)
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.3f}",
                         kl=f"{metrics.get('mis_k3_kl', float('nan')):.1e}")
     finally:
       bar.close()
+      if producer is not None:
+        producer.close()
       self.checkpoints.close()  # waits for an in-flight async save: the last checkpoint is whole
-      self.client.close()
+      if self.client is not None:
+        self.client.close()
       if writer is not None:
         writer.close()
     return history
+
+
+class RolloutProducer:
+  """Process 0's rollout thread for the asynchronous loop (`rollout.max_staleness = k > 0`).
+
+  It generates batch `j` as soon as the trainer has finished step `j - k` (so at most `k + 1`
+  batches are ahead of training, a bounded buffer) with whatever weights the servers hold;
+  each sample carries the server's `weight_version`, and the trainer drops those more than
+  `k` versions old. A weight sync pauses the servers (`rollout.pause_mode`); requests in
+  flight resume or come back aborted (dropped and counted). A failure is handed to the
+  trainer at the batch it hit.
+  """
+
+  def __init__(self, trainer: Trainer, first_batch: int):
+    self.trainer, self.k = trainer, trainer.cfg.rollout.max_staleness
+    self._cv = threading.Condition()
+    self._ready: dict[int, tuple[RolloutResult | None, BaseException | None]] = {}
+    self._trained = trainer.step  # steps finished (advanced after each sync)
+    self._stop = False
+    self._thread = threading.Thread(target=self._loop, args=(first_batch,), name="rollout-producer", daemon=True)
+    self._thread.start()
+
+  def _loop(self, batch: int):
+    while True:
+      with self._cv:
+        while not self._stop and batch > self._trained + self.k:
+          self._cv.wait()
+        if self._stop:
+          return
+      try:
+        result, error = self.trainer.generate(batch), None
+      except BaseException as e:  # noqa: BLE001 - handed to the trainer
+        result, error = None, e
+      with self._cv:
+        self._ready[batch] = (result, error)
+        self._cv.notify_all()
+      if error is not None:
+        return
+      batch += 1
+
+  def take(self, batch: int) -> tuple[int, RolloutResult, float]:
+    """Batch `batch` (waiting for it); returns `(batch, result, seconds waited)`."""
+    start = time.perf_counter()
+    with self._cv:
+      while batch not in self._ready:
+        if not self._thread.is_alive() and batch not in self._ready:
+          raise TrainingError(f"the rollout producer stopped before batch {batch}")
+        self._cv.wait(timeout=1.0)
+      result, error = self._ready.pop(batch)
+    if error is not None:
+      if isinstance(error, (TrainingError, ServerError)):
+        raise TrainingError(f"rollout batch {batch}: {error}")
+      raise error
+    return batch, result, time.perf_counter() - start
+
+  def advance(self, trained: int) -> None:
+    with self._cv:
+      self._trained = trained
+      self._cv.notify_all()
+
+  def close(self) -> None:
+    with self._cv:
+      self._stop = True
+      self._cv.notify_all()
+    self._thread.join(timeout=self.trainer.cfg.rollout.timeout_s + 5)
 
 
 def check_config(cfg: TrainConfig, loss_cfg: mis_jax.LossConfig):
@@ -260,6 +415,15 @@ def check_config(cfg: TrainConfig, loss_cfg: mis_jax.LossConfig):
     raise mis_jax.ConfigError("train.exclude_rejected_from_baseline needs decoupled PPO with a MIS config "
                               "(use_tis: true, use_rollout_logprobs: false, a mis section): the rejection "
                               "must be known before the step")
+  r = cfg.rollout
+  if r.max_staleness > 0 and r.sync_every != 1:
+    raise mis_jax.ConfigError(f"rollout.max_staleness {r.max_staleness} with rollout.sync_every {r.sync_every}: "
+                              "the asynchronous loop pushes weights every step and bounds the lag by "
+                              "max_staleness; set sync_every to 1")
+  if r.max_staleness > 0 and loss_cfg.algorithm != "decoupled_ppo":
+    warnings.warn(f"rollout.max_staleness {r.max_staleness} with {loss_cfg.algorithm}: only decoupled PPO "
+                  "(old log-probs recomputed, behaviour = the server's) corrects for stale rollouts; "
+                  "see the README's asynchronous-rollouts section")
   if os.path.isfile(cfg.run_dir):
     raise mis_jax.ConfigError(f"run_dir {cfg.run_dir!r} is a file; it must be a directory (or not exist yet)")
   model_cfg = _model_config(cfg)

@@ -8,13 +8,17 @@ syncs, or death after a number of generations. It records every request it recei
 import json
 import random
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class FakeSGLang:
 
-  def __init__(self, *, fault: str | None = None, after: int = 0, vocab=(3, 13)):
+  def __init__(self, *, fault: str | None = None, after: int = 0, vocab=(3, 13), generate_delay_s: float = 0.0,
+               update_delay_s: float = 0.0):
     self.fault, self.after, self.vocab = fault, after, vocab
+    self.generate_delay_s, self.update_delay_s = generate_delay_s, update_delay_s
+    self.events: list[tuple[str, float, float]] = []  # (route, start, end) of timed requests
     self.requests: list[tuple[str, str]] = []
     self.generate_calls = 0
     self.weight_version = "init"
@@ -47,10 +51,13 @@ class FakeSGLang:
     if f == "some_aborted" and i % 4 == 0:
       return {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "x"},
                                                           "output_token_logprobs": []}}
+    version = self.weight_version
+    if f == "stale_versions":  # the server reports weights two versions behind the trainer's
+      version = str(max(int(version) - 2, 0)) if version.isdigit() else version
     return {"text": "", "output_ids": ids,
             "meta_info": {"id": str(i), "finish_reason": {"type": "length", "length": n_tokens},
                           "prompt_tokens": 5, "completion_tokens": n_tokens, "cached_tokens": 0,
-                          "output_token_logprobs": lps, "weight_version": self.weight_version}}
+                          "output_token_logprobs": lps, "weight_version": version}}
 
   def _handler(self):
     fake = self
@@ -81,6 +88,9 @@ class FakeSGLang:
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
         if self.path == "/generate":
           fake.generate_calls += 1
+          start = time.perf_counter()
+          time.sleep(fake.generate_delay_s)
+          fake.events.append(("generate", start, time.perf_counter()))
           if fake.fault == "die_after" and fake.generate_calls > fake.after:
             return self._reply(503, {"error": {"message": "server is shutting down"}})
           if fake.fault == "generate_500":
@@ -98,7 +108,10 @@ class FakeSGLang:
             out += [fake._sample(rng, sp["max_new_tokens"], p * n + j) for j in range(n)]
           return self._reply(200, out)
         if self.path == "/update_weights_from_disk":
-          if fake.fault == "sync_fail":
+          start = time.perf_counter()
+          time.sleep(fake.update_delay_s)
+          fake.events.append(("update", start, time.perf_counter()))
+          if fake.fault == "sync_fail" and fake.generate_calls >= fake.after:
             return self._reply(400, {"success": False, "message": "shapes mismatch"})
           if fake.fault != "sync_version_stuck":
             fake.weight_version = body.get("weight_version", fake.weight_version)
