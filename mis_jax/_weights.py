@@ -299,7 +299,7 @@ def vanilla_tis_weights(train_logprobs, rollout_logprobs, loss_mask, *, tis_clip
   if segment_ids is None:
     if metric_reduction != "token-mean":
       raise ValueError(f"metric_reduction={metric_reduction!r} needs segment_ids and num_segments")
-    segment_ids = jnp.where(jnp.asarray(loss_mask) != 0, 0, -1).astype(jnp.int32)
+    segment_ids = jnp.where(_validation.as_bool(loss_mask), 0, -1).astype(jnp.int32)
     num_segments = 1
   else:
     if num_segments is None:

@@ -1,5 +1,6 @@
-"""Suite-wide JAX settings, as equinox does: implicit rank promotion raises, and 8 simulated
-CPU devices exist so multi-device tests need no environment tricks."""
+"""Suite-wide JAX settings, as equinox does: implicit rank promotion raises, implicit dtype
+promotion is strict, and 8 simulated CPU devices exist so multi-device tests need no
+environment tricks."""
 
 import os
 
@@ -8,6 +9,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_numpy_dtype_promotion", "strict")
 
 from hypothesis import settings  # noqa: E402
 
