@@ -17,7 +17,8 @@ The tricks, each kept because it pays on ``make bench`` (README "Performance"):
   read-add-write chain; token ``t`` of segment ``s`` adds into bucket ``s·P + t mod P``
   (summed at the end) instead, which breaks the chain (~2.5x per scatter on XLA:CPU).
 - pairing (``paired``): two per-segment sums share one complex64 scatter-add as its real
-  and imaginary parts (XLA:CPU: ~40 % less time per column).
+  and imaginary parts (XLA:CPU: ~40 % less time per column), and two per-segment values
+  one gather (:meth:`Chunk.broadcast_two`).
 """
 
 from __future__ import annotations
@@ -158,8 +159,8 @@ _REDUCERS = (SegSum, SegMax, Total, Max, Min, Out)
 class Chunk:
   """The view of one chunk of tokens inside a pass body."""
 
-  def __init__(self, arrays: dict, gather_ids, valid):
-    self.arrays, self.gather_ids, self.valid = arrays, gather_ids, valid
+  def __init__(self, arrays: dict, gather_ids, valid, paired: bool):
+    self.arrays, self.gather_ids, self.valid, self.paired = arrays, gather_ids, valid, paired
 
   def __getitem__(self, name):
     return self.arrays[name]
@@ -167,6 +168,16 @@ class Chunk:
   def broadcast(self, seg_values: jax.Array) -> jax.Array:
     """Per-segment ``[S]`` values at this chunk's tokens (0 at padding)."""
     return jnp.where(self.valid, seg_values[self.gather_ids], jnp.zeros((), seg_values.dtype))
+
+  def broadcast_two(self, a: jax.Array, b: jax.Array):
+    """Two per-segment ``[S]`` arrays (float32 or bool) at this chunk's tokens; with
+    ``paired`` options one complex64 gather reads both (XLA:CPU: one gather instead of two)."""
+    if not self.paired:
+      return self.broadcast(a), self.broadcast(b)
+    as_f32 = lambda x: x.astype(jnp.float32)
+    both = self.broadcast(jax.lax.complex(as_f32(a), as_f32(b)))
+    back = lambda x, like: x != 0 if like.dtype == jnp.bool_ else x
+    return back(both.real, a), back(both.imag, b)
 
 
 # --- the engine ------------------------------------------------------------------------
@@ -198,7 +209,8 @@ def run_pass(options: PassOptions, segment_ids, num_segments: int, axis_name: Ax
     valid = ids >= 0
     lane = jax.lax.iota(jnp.int32, ids.shape[0]) & (lanes - 1) if lanes > 1 else 0
     aux = {"valid": valid, "idx": jnp.where(valid, ids * lanes + lane, num_buckets)}
-    ch = Chunk({k: v for k, v in xs.items() if not k.startswith("_")}, jnp.where(valid, ids, 0), valid)
+    ch = Chunk({k: v for k, v in xs.items() if not k.startswith("_")}, jnp.where(valid, ids, 0), valid,
+               options.paired)
     out = body(ch)
     for name, c in out.items():
       if not isinstance(c, _REDUCERS):

@@ -110,13 +110,18 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
   def pass2(ch):
     m = ch["mask"]
     r = correction.log_ratio(ch["o"], ch["q"], m)
-    a = jnp.where(m, ch.broadcast(mask_stats.inverse), 0.0) if seq_mode else jnp.where(m, 1.0, 0.0)
+    if seq_mode and veto:
+      inverse, vetoed_at = ch.broadcast_two(mask_stats.inverse, vetoed)
+    else:
+      inverse = ch.broadcast(mask_stats.inverse) if seq_mode else None
+      vetoed_at = ch.broadcast(vetoed) if veto else None
+    a = jnp.where(m, inverse, 0.0) if seq_mode else jnp.where(m, 1.0, 0.0)  # R_m weights
     means = metrics_lib.mismatch_token_values(r) if mismatch else {}  # per-token values, R_m-averaged
     out = {}
     if tis:
-      levels = lambda level: correction.level_log_values(level, r, sum_r, count, ch.broadcast)
+      log_values = lambda level: correction.level_log_values(level, r, sum_r, count, ch.broadcast)
       # §3: IS weights.
-      w_raw = correction.raw_weights(levels(cfg.tis_level))
+      w_raw = correction.raw_weights(log_values(cfg.tis_level))
       w, keep_is = correction.bounded_weights(w_raw, cfg)
       w = jnp.where(m, w, 0.0)
       kept = m if keep_is is None else m & keep_is
@@ -127,7 +132,7 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
       w_rs_raw = None
       if cfg.use_rs:
         rs_level = cfg.rs_level_resolved
-        w_rs_raw = w_raw if rs_level == cfg.tis_level else correction.raw_weights(levels(rs_level))
+        w_rs_raw = w_raw if rs_level == cfg.tis_level else correction.raw_weights(log_values(rs_level))
         kept = kept & correction.rs_keep(w_rs_raw, cfg)
       # §4.1: divergence criteria (AND-combined).
       for i, crit in enumerate(crits):
@@ -142,7 +147,7 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
       # §4: veto on the raw token log-ratio; a catastrophic token rejects its segment.
       catastrophic = None
       if veto:
-        kept = kept & ~ch.broadcast(vetoed)
+        kept = kept & ~vetoed_at
         catastrophic = correction.catastrophic_tokens(r, m, cfg.rs_veto_threshold)
       means.update(metrics_lib.correction_token_values(cfg, w_raw, w, keep_is, w_rs_raw, catastrophic))
 

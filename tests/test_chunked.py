@@ -176,3 +176,29 @@ def test_reference_config_scatter_count(paired, want):
   options = mis_jax.PassOptions(chunk_tokens=None, lanes=1, paired=paired)
   jaxpr = jax.make_jaxpr(lambda lp, b: mis_jax.policy_loss(lp, b, cfg, pass_options=options))(EXTRA["lp"], BATCH)
   assert _count(jaxpr.jaxpr, "scatter-add") == want
+
+
+def test_chunking_follows_the_options_even_with_closed_over_numpy_ids():
+  """Chunking is what the options say, not whether segment_ids happen to be traced."""
+  ids, mask = np.asarray(BATCH.segment_ids), np.asarray(BATCH.loss_mask)
+
+  def loops(options):
+    fn = lambda o, q: mis_jax.compute_mis_weights(o, q, mask, ids, MIS_CONFIGS[0], num_segments=BATCH.num_segments,
+                                                  pass_options=options)
+    return _count(jax.make_jaxpr(jax.jit(fn))(BATCH.old_logprobs, BATCH.rollout_logprobs).jaxpr, "while")
+
+  assert loops(chunks(30)) == 2  # one loop per pass
+  assert loops(chunks(None)) == 0
+
+
+def test_segments_hold_no_state_between_traces():
+  """A Segments built outside any trace serves two jits and eager calls alike."""
+  segs = mis_jax.Segments(BATCH.segment_ids, BATCH.num_segments, options=chunks(None))
+  x = np.where(np.asarray(BATCH.loss_mask), 1.0, 0.0).astype(np.float32)
+  want = np.asarray(segs.sum(x.reshape(-1)))
+  for fn in (jax.jit(lambda x: segs.sum(x.reshape(-1))), jax.jit(lambda x: 2.0 * segs.sum(x.reshape(-1)))):
+    fn(x)
+  np.testing.assert_array_equal(np.asarray(segs.sum(x.reshape(-1))), want)
+  stats = jax.jit(lambda m: segs.mask_stats(m.reshape(-1)))(np.asarray(BATCH.loss_mask))
+  np.testing.assert_array_equal(np.asarray(stats.counts), want)
+  assert float(stats.total) == want.sum() and float(stats.num_live) == (want > 0).sum()
