@@ -185,7 +185,8 @@ def test_chunking_follows_the_options_even_with_closed_over_numpy_ids():
   def loops(options):
     fn = lambda o, q: mis_jax.compute_mis_weights(o, q, mask, ids, MIS_CONFIGS[0], num_segments=BATCH.num_segments,
                                                   pass_options=options)
-    return _count(jax.make_jaxpr(jax.jit(fn))(BATCH.old_logprobs, BATCH.rollout_logprobs).jaxpr, "while")
+    jaxpr = jax.make_jaxpr(jax.jit(fn))(BATCH.old_logprobs, BATCH.rollout_logprobs).jaxpr
+    return _count(jaxpr, "scan") + _count(jaxpr, "while")
 
   assert loops(chunks(30)) == 2  # one loop per pass
   assert loops(chunks(None)) == 0
