@@ -297,14 +297,12 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
       result = _run_correction(train_lp, q, mask, segs, cfg, shape, batch_norm_factor, mismatch=mismatch_done)
       weights, kept, metrics = result.weights, result.kept, result.metrics
       mask_stats, kept_stats = result.mask_stats, result.kept_stats
-  else:
-    kept_stats = None  # m' = m: its stats are mask_stats (below)
   if q is not None and not mismatch_done:
     mismatch, mask_stats = mismatch_metrics(o if o is not None else lp_sg, q, mask, segs, mode)
     metrics = {**mismatch, **metrics}
   if mask_stats is None:
     mask_stats = segs.mask_stats(mask)
-  if kept_stats is None:
+  if kept_stats is None:  # without correction m' = m; precomputed kept masks are counted here
     kept_stats = mask_stats if not cfg.use_tis else segs.mask_stats(kept)
 
   # Per-token policy loss.
