@@ -18,6 +18,7 @@ way). Reports tokens/s, ratios and compiled peak (temp) memory; prints a table, 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -181,7 +182,8 @@ def bench_shape(rng, num_seqs, max_len, row_len, *, reference=True, padded=True)
   seqs, packing = make_data(rng, num_seqs, max_len, row_len)
   batch, lp = to_batch(seqs, packing)
   tokens = int(sum(len(s["m"]) for s in seqs))
-  row = {"num_seqs": num_seqs, "max_len": max_len, "tokens": tokens, "packed_shape": list(batch.shape)}
+  row = {"num_seqs": num_seqs, "max_len": max_len, "tokens": tokens, "packed_shape": list(batch.shape),
+         "pass_options": dataclasses.asdict(mis_jax.pass_options(batch.segment_ids, batch.num_segments))}
   row["weights_s"] = timeit(_weights, batch)
   row["loss_fwd_bwd_s"] = timeit(_loss_grad, lp, batch)
   row["stream_s"] = timeit(_stream, batch, lp)
@@ -215,7 +217,7 @@ def main(argv=None):
   scale = 8 if args.quick else 1
   out = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                      "backend": jax.default_backend(), "devices": jax.device_count(),
-                     "chunk_tokens": mis_jax.chunk_tokens()}}
+                     "pass_options": "mis_jax.pass_options(segment_ids, num_segments) per shape"}}
 
   out["named_shapes"] = [bench_shape(rng, 512 // scale, 1024, 4096), bench_shape(rng, 4096 // scale, 256, 4096)]
   sweep = []
@@ -271,7 +273,7 @@ def print_table(out):
   sw = out["token_sweep"]
   print(f"token growth: {sw[0]['tokens']} -> {sw[-1]['tokens']} tokens ({sw[-1]['tokens'] / sw[0]['tokens']:.0f}x), "
         f"time {sw[-1]['loss_fwd_bwd_s'] / sw[0]['loss_fwd_bwd_s']:.1f}x")
-  print(f"chunk tokens (CPU passes): {out['machine'].get('chunk_tokens')}")
+  print(f"pass options (named shapes): {[r['pass_options'] for r in out['named_shapes']]}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ from mis_jax._logprobs import LM_HEAD_LAYOUTS, token_logprobs
 from mis_jax._losses import (Denominators, aggregate, kl_penalty, loss_denominators, policy_loss,
                              ppo_token_loss, prepare_step)
 from mis_jax._packing import PackedBatch, Packing, plan_packing, split_microbatches
-from mis_jax._segments import LOG_BOUND, Segments, chunk_tokens, set_chunk_tokens
+from mis_jax._engine import PassOptions, pass_options
+from mis_jax._segments import LOG_BOUND, MaskStats, Segments
 from mis_jax._weights import compute_mis_weights, vanilla_tis_weights
 
 __version__ = "0.1.0"
@@ -24,7 +25,7 @@ __all__ = [
     "compute_mis_weights", "kl_penalty", "loss_config_from_args", "loss_denominators",
     "plan_packing", "policy_loss", "ppo_token_loss", "prepare_step", "resolve_correction_fn",
     "sequence_to_tokens", "split_microbatches", "vanilla_tis_weights", "LM_HEAD_LAYOUTS", "token_logprobs",
-    "chunk_tokens", "set_chunk_tokens",
+    "MaskStats", "PassOptions", "pass_options",
 ]
 
 from mis_jax._sharding import batch_partition_spec, shard_batch, sharded_policy_loss  # noqa: E402

@@ -86,8 +86,9 @@ def _as_choice(value: Any, key: str, source: str | None, allowed: tuple[str, ...
 class RSCriterion:
   """A divergence-based rejection criterion (extension, after verl's rollout-correction RS).
 
-  Per trained token, with ``r = log π_train - log π_rollout``: ``k1 = -r``, ``k2 = r²/2``,
-  ``k3 = exp(r) - 1 - r`` (``r`` clipped to ±20). ``agg`` reduces it per token (``token``) or
+  Per trained token, with the raw, unclipped ``r = log π_train - log π_rollout``: ``k1 = -r``,
+  ``k2 = r²/2``, ``k3 = exp(clip(r, ±20)) - 1 - clip(r, ±20)`` (only k3 exponentiates, so only
+  k3 clips; SPEC §4.1). ``agg`` reduces it per token (``token``) or
   per sequence over trained tokens (``seq_sum``, ``seq_mean``, ``seq_max``; the sequence is
   kept or rejected whole). A token is kept iff ``lower <= value <= upper`` where ``value`` is
   the aggregated divergence for k2/k3 and, for k1, the aggregated **log-ratio**

@@ -185,6 +185,18 @@ def _check_args(hidden, lm_head, targets, temperature, chunk_size, return_entrop
   return hidden, lm_head, targets, temperature, int(chunk_size), bool(return_entropy), vocab
 
 
+def _compute_dtype(a, b):
+  """The float dtype both operands are cast to: the wider one (bf16 with f16: float32), as
+  JAX's standard promotion does, spelled out so it also holds under strict promotion."""
+  a, b = jnp.dtype(a), jnp.dtype(b)
+  if a == b:
+    return a
+  bits_a, bits_b = jnp.finfo(a).bits, jnp.finfo(b).bits
+  if bits_a == bits_b:
+    return jnp.dtype(jnp.float32)
+  return a if bits_a > bits_b else b
+
+
 def token_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, chunk_size: int = 1024,
                    return_entropy: bool = False, lm_head_layout: str = "dv"):
   """Per-token log-probs (and entropy) of ``targets`` without materialising ``[T, V]`` logits.
@@ -236,7 +248,7 @@ def token_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, chunk_
   hidden, lm_head, targets, temperature, chunk_size, return_entropy, vocab = _check_args(
       hidden, lm_head, targets, temperature, chunk_size, return_entropy, lm_head_layout)
   lead = tuple(hidden.shape[:-1])
-  dtype = jnp.result_type(hidden.dtype, lm_head.dtype)
+  dtype = _compute_dtype(hidden.dtype, lm_head.dtype)
   flat_hidden = jnp.reshape(hidden, (-1, hidden.shape[-1])).astype(dtype)
   flat_targets = jnp.clip(jnp.reshape(targets, (-1,)).astype(jnp.int32), 0, vocab - 1)
   out = _token_logprobs(flat_hidden, jnp.asarray(lm_head).astype(dtype), flat_targets, temperature,

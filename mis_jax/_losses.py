@@ -15,8 +15,9 @@ import jax.numpy as jnp
 from mis_jax import _validation
 from mis_jax._config import LossConfig, resolve_correction_fn
 from mis_jax._packing import PackedBatch
-from mis_jax._segments import LOG_BOUND, AxisName, Segments, psum, safe_exp
-from mis_jax._weights import mis_core, mismatch_metrics, vanilla_core
+from mis_jax._engine import PassOptions, psum
+from mis_jax._segments import LOG_BOUND, AxisName, MaskStats, Segments, masked_means, safe_exp
+from mis_jax._weights import Correction, correct, mismatch_metrics, vanilla_core
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,14 +35,14 @@ class Denominators:
   num_seqs: jax.Array
 
 
+  @classmethod
+  def from_stats(cls, stats: MaskStats) -> "Denominators":
+    """The denominators of the mask ``D`` whose :class:`MaskStats` are ``stats``."""
+    return cls(seg_tokens=stats.counts, num_tokens=stats.total, num_seqs=stats.num_live)
+
+
 jax.tree_util.register_dataclass(Denominators, data_fields=["seg_tokens", "num_tokens", "num_seqs"],
                                  meta_fields=[])
-
-
-def _denominators_from_mask(denominator_mask, segs: Segments) -> Denominators:
-  seg_tokens = segs.counts(denominator_mask)
-  return Denominators(seg_tokens=seg_tokens, num_tokens=segs.count(denominator_mask),
-                      num_seqs=jnp.sum((seg_tokens > 0).astype(jnp.float32)))
 
 
 # --- per-token losses ------------------------------------------------------------------
@@ -102,7 +103,7 @@ def aggregate(token_values, kept, segs: Segments, mode: str, dens: Denominators)
   elif mode == "seq-mean-token-sum":
     scale = 1.0 / jnp.maximum(dens.num_seqs, 1.0)
   else:
-    scale = segs.inverse_counts(dens.seg_tokens) / jnp.maximum(dens.num_seqs, 1.0)
+    scale = segs.broadcast(1.0 / jnp.maximum(dens.seg_tokens, 1.0)) / jnp.maximum(dens.num_seqs, 1.0)
   local = jnp.stack([jnp.sum(jnp.where(keep, x, 0.0) * scale) for x in cols])
   out = psum(local, segs.axis_name)
   return out if many else out[0]
@@ -152,20 +153,26 @@ def _check_batch(logprobs, batch: PackedBatch, cfg: LossConfig, entropy, denomin
 # --- the correction stage --------------------------------------------------------------
 
 def _run_correction(train_lp, q, mask, segs: Segments, cfg: LossConfig, segment_ids_shape,
-                    batch_norm_factor, *, mismatch: bool = False):
-  """Runs the configured correction; returns flat ``(weights, kept, metrics)``.
+                    batch_norm_factor, *, mismatch: bool = False) -> Correction:
+  """Runs the configured correction on flat arrays.
 
   ``mismatch``: also compute the §8.1 metrics of ``(train_lp, q)`` (in the same passes for
-  the ``mis`` correction).
+  the ``mis`` correction). The returned :class:`MaskStats` of the original mask come from a
+  pass that counted it; those of the kept mask too where the correction counted it (``mis``),
+  else (vanilla: ``m' = m``; a user function) they are counted here.
   """
   mode = cfg.loss_agg_mode
   if cfg.correction == "mis":
-    return mis_core(train_lp, q, mask, segs, cfg.mis, mode, batch_norm_factor=batch_norm_factor,
-                    mismatch=mismatch)
-  extra = mismatch_metrics(train_lp, q, mask, segs, mode) if mismatch else {}
+    return correct(train_lp, q, mask, segs, cfg.mis, mode, batch_norm_factor=batch_norm_factor,
+                   mismatch=mismatch)
+  if mismatch:
+    extra, mask_stats = mismatch_metrics(train_lp, q, mask, segs, mode)
+  else:
+    extra, mask_stats = {}, segs.mask_stats(mask)
   if cfg.correction == "vanilla":
-    w, kept, items = vanilla_core(train_lp, q, mask, cfg.tis_clip, cfg.tis_clip_low)
-    return w, kept, {**extra, **segs.reduce_many(items, mode)}
+    w, values = vanilla_core(train_lp, q, mask, cfg.tis_clip, cfg.tis_clip_low)
+    metrics = {**extra, **masked_means([(mask, mask_stats, values)], segs, mode)}
+    return Correction(w, mask, metrics, mask_stats, mask_stats)
   # A user correction function with the signature of compute_mis_weights.
   fn = resolve_correction_fn(cfg.correction_fn)
   shape = segment_ids_shape
@@ -174,10 +181,11 @@ def _run_correction(train_lp, q, mask, segs: Segments, cfg: LossConfig, segment_
                         axis_name=segs.axis_name)
   w = jax.lax.stop_gradient(jnp.reshape(w, (-1,)).astype(jnp.float32))
   kept = _validation.flat_mask(kept, mask)
-  return jnp.where(mask, w, 0.0), kept, {**extra, **dict(metrics)}
+  return Correction(jnp.where(mask, w, 0.0), kept, {**extra, **dict(metrics)}, mask_stats, segs.mask_stats(kept))
 
 
-def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisName = None):
+def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisName = None,
+                 pass_options: PassOptions | None = None):
   """Once-per-step work for micro-batching: IS weights, kept mask and global denominators.
 
   For standard/bypass PPO the kept mask is the loss mask. For decoupled PPO the correction
@@ -198,34 +206,34 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
        "rollout_logprobs": batch.rollout_logprobs, "old_logprobs": batch.old_logprobs},
       float_keys=("rollout_logprobs", "old_logprobs"))
   _validation.check_segments(batch.segment_ids, batch.num_segments)
-  segs = Segments(batch.segment_ids, batch.num_segments, axis_name)
+  segs = Segments(batch.segment_ids, batch.num_segments, axis_name, pass_options)
   mask = _validation.flat_mask(arrays["loss_mask"], segs.valid)
   shape = jnp.shape(batch.segment_ids)
-  metrics = {}
-  kept = mask
   if loss_cfg.algorithm == "decoupled_ppo":
     if batch.old_logprobs is None or batch.rollout_logprobs is None:
       raise ValueError("decoupled PPO needs batch.old_logprobs and batch.rollout_logprobs")
     o = _validation.flat_float(batch.old_logprobs)
     q = _validation.flat_float(batch.rollout_logprobs)
-    w, kept, metrics = _run_correction(o, q, mask, segs, loss_cfg, shape, None)
-    batch = batch.replace(is_weights=w.reshape(shape), kept_mask=kept.reshape(shape))
-  elif loss_cfg.algorithm == "reinforce_is" and loss_cfg.denominator == "kept":
-    return batch, None, metrics
-  dmask = kept if loss_cfg.denominator == "kept" else mask
-  return batch, _denominators_from_mask(dmask, segs), metrics
+    result = _run_correction(o, q, mask, segs, loss_cfg, shape, None)
+    batch = batch.replace(is_weights=result.weights.reshape(shape), kept_mask=result.kept.reshape(shape))
+    stats = result.kept_stats if loss_cfg.denominator == "kept" else result.mask_stats
+    return batch, Denominators.from_stats(stats), result.metrics
+  if loss_cfg.algorithm == "reinforce_is" and loss_cfg.denominator == "kept":
+    return batch, None, {}
+  return batch, Denominators.from_stats(segs.mask_stats(mask)), {}
 
 
-def loss_denominators(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisName = None):
+def loss_denominators(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisName = None,
+                      pass_options: PassOptions | None = None):
   """Global :class:`Denominators` of a full step's batch (see :func:`prepare_step`)."""
-  return prepare_step(batch, loss_cfg, axis_name=axis_name)[1]
+  return prepare_step(batch, loss_cfg, axis_name=axis_name, pass_options=pass_options)[1]
 
 
 # --- the loss --------------------------------------------------------------------------
 
 def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None,
                 axis_name: AxisName = None, *, denominators: Denominators | None = None,
-                batch_norm_factor=None):
+                batch_norm_factor=None, pass_options: PassOptions | None = None):
   """Policy loss of the algorithm selected by ``use_rollout_logprobs`` × ``use_tis`` (SPEC §6).
 
   | use_rollout_logprobs | use_tis | algorithm        | per-token loss                          |
@@ -247,6 +255,8 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
     denominators: global :class:`Denominators` for micro-batching (default: this batch's).
     batch_norm_factor: a step-wide batch-normalisation mean for the ``mis`` correction when
       it must run per micro-batch (REINFORCE with rollout IS).
+    pass_options: how the token passes run (static); default :func:`mis_jax.pass_options`
+      of ``batch.segment_ids``.
 
   Returns:
     ``(loss, metrics)``: a float32 scalar and a dict of float32 scalars (SPEC §8 names).
@@ -255,7 +265,7 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
   cfg = loss_cfg
   mode = cfg.loss_agg_mode
   shape = jnp.shape(batch.segment_ids)
-  segs = Segments(batch.segment_ids, batch.num_segments, axis_name)
+  segs = Segments(batch.segment_ids, batch.num_segments, axis_name, pass_options)
   mask = _validation.flat_mask(arrays["loss_mask"], segs.valid)
   sg = jax.lax.stop_gradient
 
@@ -268,12 +278,14 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
   lp = jnp.where(mask, _validation.flat_float(logprobs), 0.0)
   lp_sg = sg(lp)
   adv, q, o, ref = flat("advantages"), flat("rollout_logprobs"), flat("old_logprobs"), flat("ref_logprobs")
-  items, metrics = [], {}
+  metrics = {}
 
   # Correction stage, and mismatch monitoring whenever rollout log-probs are present (SPEC
-  # §8.1; in the correction's own passes when it monitors the same log-probs).
+  # §8.1). Mismatch monitoring reads o, or sg(lp) when there are no old log-probs; the
+  # correction reads o in decoupled PPO and sg(lp) in REINFORCE, so when those are the same
+  # log-probs the correction's own passes compute the mismatch metrics.
   weights, kept = jnp.ones_like(lp), mask
-  monitored = o if o is not None else lp_sg
+  mask_stats = kept_stats = None  # MaskStats of m and m', once counted
   mismatch_done = False
   if cfg.use_tis:
     if batch.is_weights is not None:
@@ -281,13 +293,20 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
       kept = _validation.flat_mask(arrays["kept_mask"], mask)
     else:
       train_lp = o if cfg.algorithm == "decoupled_ppo" else lp_sg
-      mismatch_done = train_lp is monitored
-      weights, kept, metrics = _run_correction(train_lp, q, mask, segs, cfg, shape, batch_norm_factor,
-                                               mismatch=mismatch_done)
+      mismatch_done = q is not None and (cfg.algorithm == "decoupled_ppo" or o is None)
+      result = _run_correction(train_lp, q, mask, segs, cfg, shape, batch_norm_factor, mismatch=mismatch_done)
+      weights, kept, metrics = result.weights, result.kept, result.metrics
+      mask_stats, kept_stats = result.mask_stats, result.kept_stats
   if q is not None and not mismatch_done:
-    metrics = {**mismatch_metrics(monitored, q, mask, segs, mode), **metrics}
+    mismatch, mask_stats = mismatch_metrics(o if o is not None else lp_sg, q, mask, segs, mode)
+    metrics = {**mismatch, **metrics}
+  if mask_stats is None:
+    mask_stats = segs.mask_stats(mask)
+  if kept_stats is None:  # without correction m' = m; precomputed kept masks are counted here
+    kept_stats = mask_stats if not cfg.use_tis else segs.mask_stats(kept)
 
   # Per-token policy loss.
+  over_mask, over_kept = {}, {}
   if cfg.algorithm == "reinforce_is":
     anchor = q
     pg_tok = -weights * adv * lp
@@ -298,12 +317,12 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
                                       eps_clip_high=cfg.clip_high, eps_clip_c=cfg.eps_clip_c)
     if cfg.algorithm == "decoupled_ppo":
       pg_tok = weights * pg_tok
-      items.append(("ois", safe_exp(lp_sg - o), mask))
-  items += [("pg_clipfrac", clipfrac, kept), ("ppo_kl", anchor - lp_sg, kept)]
+      over_mask["ois"] = safe_exp(lp_sg - o)
+  over_kept.update(pg_clipfrac=clipfrac, ppo_kl=anchor - lp_sg)
 
   # The loss terms, aggregated together (one stacked reduction).
   if denominators is None:
-    denominators = _denominators_from_mask(kept if cfg.denominator == "kept" else mask, segs)
+    denominators = Denominators.from_stats(kept_stats if cfg.denominator == "kept" else mask_stats)
   terms = {"pg_loss": pg_tok}
   if entropy is not None:
     terms["entropy_loss"] = jnp.where(mask, _validation.flat_float(entropy), 0.0)
@@ -317,7 +336,7 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
   if ref is not None:
     loss = loss + cfg.kl_coef * values["kl_loss"]
 
-  metrics = {**metrics, **segs.reduce_many(items, mode)}
+  metrics = {**metrics, **masked_means([(mask, mask_stats, over_mask), (kept, kept_stats, over_kept)], segs, mode)}
   metrics.update({k: sg(v) for k, v in values.items()})
   metrics["loss"] = sg(loss)
   return loss, metrics

@@ -71,9 +71,14 @@ def check_choice(name: str, value: str, allowed=LOSS_AGG_MODES) -> None:
     raise ValueError(f"{name}={value!r} is invalid; allowed values: {', '.join(allowed)}")
 
 
+def as_bool(mask):
+  """A bool, int or float mask as bool (nonzero = set), with no implicit dtype promotion."""
+  m = jnp.asarray(mask)
+  return m if m.dtype == jnp.bool_ else m != jnp.zeros((), m.dtype)
+
+
 def flat_mask(loss_mask, valid):
-  m = jnp.reshape(jnp.asarray(loss_mask), (-1,))
-  return (m if m.dtype == jnp.bool_ else m != 0) & valid
+  return jnp.reshape(as_bool(loss_mask), (-1,)) & valid
 
 
 def flat_float(x):

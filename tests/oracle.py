@@ -52,15 +52,15 @@ def mismatch(seqs, mode):
     mq = float(np.mean(q[m])) if m.any() else 0.0
     full = lambda v: np.full(n, v)
     per["mis_training_log_ppl"].append(full(-mo))
-    per["mis_training_ppl"].append(full(math.exp(-mo)))
+    per["mis_training_ppl"].append(full(float(sexp(-mo))))  # SPEC §8.1: exp clips
     per["mis_rollout_log_ppl"].append(full(-mq))
-    per["mis_rollout_ppl"].append(full(math.exp(-mq)))
+    per["mis_rollout_ppl"].append(full(float(sexp(-mq))))
     per["mis_kl"].append(q - o)
     rc = np.clip(r, -B, B)
     per["mis_k3_kl"].append(np.exp(rc) - rc - 1)
     per["mis_log_ppl_diff"].append(full(mq - mo))
     per["mis_log_ppl_abs_diff"].append(full(abs(mq - mo)))
-    per["mis_ppl_ratio"].append(full(math.exp(mq - mo)))
+    per["mis_ppl_ratio"].append(full(float(sexp(mq - mo))))
     chi = float(np.mean(np.exp(rc[m]) ** 2)) - 1 if m.any() else -1.0
     per["mis_chi2_token"].append(full(chi))
     per["mis_chi2_seq"].append(full(math.exp(2 * float(np.clip(np.sum(r[m]), -B, B))) - 1))

@@ -219,3 +219,11 @@ def test_preset_with_overrides_and_bad_presets(tmp_path):
     mis_jax.LossConfig.from_yaml(str(bad))
   with pytest.raises(mis_jax.ConfigError, match="loss preset not found"):
     parse(["--preset", "nope.yaml"])
+
+
+def test_suite_runs_with_strict_dtype_promotion():
+  """tests/conftest.py: the library's tests promote no dtype implicitly (and rank neither)."""
+  with pytest.raises(jax.dtypes.TypePromotionError):
+    jnp.ones(2, jnp.float32) + jnp.ones(2, jnp.bfloat16)
+  with pytest.raises(ValueError, match="jax_numpy_rank_promotion"):
+    jnp.ones((2, 3)) + jnp.ones(3)

@@ -217,7 +217,7 @@ def test_metric_key_sets_per_algorithm():
 def user_correction(train_logprobs, rollout_logprobs, loss_mask, segment_ids, cfg, *, num_segments, axis_name=None):
   """A user correction: keep tokens with |r| < 0.5, weight 1.5. Used by path below."""
   r = jnp.where(loss_mask, train_logprobs - rollout_logprobs, 0.0)
-  kept = (jnp.abs(r) < 0.5) & (loss_mask != 0)
+  kept = (jnp.abs(r) < 0.5) & jnp.asarray(loss_mask, bool)
   return jnp.where(kept, 1.5, 0.0), kept, {"user_kept": jnp.mean(kept.astype(jnp.float32))}
 
 

@@ -1,0 +1,156 @@
+"""What the ``mis`` correction computes: the formulas of SPEC §2–5 as small pure functions.
+
+Each works elementwise on tokens (``[C]`` or ``[T]`` arrays) or on segments (``[S]``); none
+knows about chunks, scatters or devices (that is :mod:`mis_jax._engine`). Notation of the
+SPEC: ``m`` trained mask, ``r = o - q`` the token log-ratio, ``B = 20``, ``n_s = Σ_{t∈s} m_t``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from mis_jax._config import MISConfig, RSCriterion
+from mis_jax._segments import LOG_BOUND, safe_exp
+
+BATCH_NORM_EPS = 1e-8
+
+
+def log_ratio(train_logprobs, rollout_logprobs, mask):
+  """``r_t = o_t - q_t`` on trained tokens, 0 elsewhere (selected, so NaN never leaks)."""
+  return jnp.where(mask, train_logprobs - rollout_logprobs, 0.0)
+
+
+# --- SPEC §2: levels ---------------------------------------------------------------------
+
+def segment_log_values(level: str, sum_r, count):
+  """Per-segment level log-value (SPEC §2), for ``sequence`` and ``geometric`` levels.
+
+  ``sequence``: ``L_s = Σ_{u∈s} m_u r_u``; ``geometric``: ``L_s = Σ_{u∈s} m_u r_u / max(n_s, 1)``.
+  """
+  if level == "sequence":
+    return sum_r
+  if level == "geometric":
+    return sum_r / jnp.maximum(count, 1.0)
+  raise ValueError(f"level {level!r} has no per-segment log-value")
+
+
+def level_log_values(level: str, r, sum_r, count, to_tokens):
+  """Level log-values ``L_t`` at every token (SPEC §2).
+
+  ``token``: ``L_t = r_t``; ``sequence``: ``L_t = Σ_{u∈s} m_u r_u``; ``geometric``:
+  ``L_t = Σ_{u∈s} m_u r_u / max(Σ_{u∈s} m_u, 1)``, the same value for every token of the
+  segment. ``sum_r`` and ``count`` are per segment; ``to_tokens`` broadcasts ``[S]`` values
+  to the tokens of ``r``.
+  """
+  if level == "token":
+    return r
+  return to_tokens(segment_log_values(level, sum_r, count))
+
+
+def raw_weights(log_values):
+  """``w_raw = exp(clip(L, -B, B))`` (SPEC §2; the clip comes after aggregation)."""
+  return safe_exp(log_values)
+
+
+# --- SPEC §3: importance-sampling weights ------------------------------------------------
+
+def bounded_weights(w_raw, cfg: MISConfig):
+  """IS weights per ``tis_mode`` (SPEC §3) and the tokens IS keeps.
+
+  ``truncate``: ``w = min(w_raw, U)``; ``clip``: ``w = clip(w_raw, Lo, U)``; ``mask``:
+  ``w = w_raw``, keeping only tokens with ``Lo <= w_raw <= U``; ``none``: ``w = 1``.
+
+  Returns:
+    ``(w, keep_is)``: ``keep_is`` is None unless ``tis_mode`` is ``mask``.
+  """
+  upper, lower = cfg.tis_upper_bound, cfg.lower
+  if cfg.tis_mode == "truncate":
+    return jnp.minimum(w_raw, upper), None
+  if cfg.tis_mode == "clip":
+    return jnp.clip(w_raw, lower, upper), None
+  if cfg.tis_mode == "mask":
+    return w_raw, in_band(w_raw, lower, upper)
+  return jnp.ones_like(w_raw), None  # "none": pure rejection, no reweighting
+
+
+def in_band(value, lower: float | None, upper: float | None):
+  """``lower <= value <= upper`` (a closed band; a bound of None is absent)."""
+  keep = jnp.ones(jnp.shape(value), bool)
+  if lower is not None:
+    keep = keep & (value >= lower)
+  if upper is not None:
+    keep = keep & (value <= upper)
+  return keep
+
+
+# --- SPEC §4: rejection sampling and veto ------------------------------------------------
+
+def rs_keep(w_rs_raw, cfg: MISConfig):
+  """RS keep decision (SPEC §4): ``lo_rs <= w_rs_raw <= hi_rs`` on the raw weight at ``rs_level``."""
+  return in_band(w_rs_raw, cfg.rs_lower, cfg.rs_upper)
+
+
+def catastrophic_tokens(r, mask, veto_threshold: float):
+  """Veto (SPEC §4): a token is catastrophic iff ``m_t = 1`` and ``r_t < log C`` (raw ``r``)."""
+  return mask & (r < math.log(veto_threshold))
+
+
+def vetoed_segments(catastrophic_counts):
+  """Veto (SPEC §4): a segment with any catastrophic token is rejected whole."""
+  return catastrophic_counts > 0
+
+
+# --- SPEC §4.1: divergence criteria ------------------------------------------------------
+
+def divergence(metric: str, r):
+  """Per-token divergence (SPEC §4.1) on the raw, unclipped ``r``: ``k1 = -r``,
+  ``k2 = r²/2``, ``k3 = exp(clip(r, ±B)) - 1 - clip(r, ±B)`` (only k3 exponentiates, so
+  only k3 clips)."""
+  if metric == "k1":
+    return -r
+  if metric == "k2":
+    return 0.5 * r * r
+  rc = jnp.clip(r, -LOG_BOUND, LOG_BOUND)
+  return jnp.exp(rc) - 1.0 - rc
+
+
+def segment_divergence(crit: RSCriterion, seg_total, count):
+  """The per-sequence aggregate of a criterion's divergence over trained tokens: ``seq_sum``
+  and ``seq_max`` as given (``seg_total`` is the segment's sum or max), ``seq_mean`` =
+  ``seq_sum / max(n_s, 1)``."""
+  return seg_total / jnp.maximum(count, 1.0) if crit.agg == "seq_mean" else seg_total
+
+
+def criterion_value(crit: RSCriterion, aggregated):
+  """The value a criterion's band bounds (SPEC §4.1): the aggregated divergence for k2/k3,
+  and for k1 the aggregated log-ratio ``-agg(k1)`` (bounds are on ``log(π_train/π_rollout)``)."""
+  return -aggregated if crit.metric == "k1" else aggregated
+
+
+# --- SPEC §5: batch normalisation --------------------------------------------------------
+
+def batch_norm_mean_token(sum_kept_weights, num_kept):
+  """Token level (SPEC §5): ``μ = Σ_t w_t m'_t / Σ_t m'_t``."""
+  return sum_kept_weights / jnp.maximum(num_kept, 1.0)
+
+
+def batch_norm_mean_sequence(seg_kept_weights, seg_kept_counts):
+  """Sequence/geometric levels (SPEC §5): ``μ`` = mean over segments with a kept token of the
+  segment's common weight ``Σ_{t∈s} w_t m'_t / Σ_{t∈s} m'_t``."""
+  has = seg_kept_counts > 0
+  common = seg_kept_weights / jnp.maximum(seg_kept_counts, 1.0)
+  return jnp.sum(jnp.where(has, common, 0.0)) / jnp.maximum(jnp.sum(has.astype(jnp.float32)), 1.0)
+
+
+def batch_norm_factor(mu):
+  """The factor weights are divided by (SPEC §5): ``μ`` if ``μ > 1e-8``, else 1."""
+  mu = jnp.asarray(mu, jnp.float32)
+  return jnp.where(mu > BATCH_NORM_EPS, mu, 1.0)
+
+
+def stop_gradient_weights(w, mask):
+  """``w ← sg(w) · m`` (SPEC §3): weights never carry gradient and are 0 off the mask."""
+  return jnp.where(mask, jax.lax.stop_gradient(w), 0.0)

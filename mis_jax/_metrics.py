@@ -1,0 +1,128 @@
+"""The metrics of SPEC §8.1 (mismatch monitoring) and §8.2 (the ``mis`` correction).
+
+Each metric is ``R_mask(x)`` of a per-token or per-segment value ``x`` (SPEC §8). The
+functions here say what ``x`` is; the passes of :mod:`mis_jax._weights` reduce it (a
+per-token value over the original mask ``m`` as one weighted total, a per-segment value with
+:func:`mis_jax._segments.per_segment_mean`). Every ``exp`` is ``exp(clip(·, -B, B))``.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from mis_jax._config import MISConfig, RSCriterion
+from mis_jax._segments import LOG_BOUND, per_segment_mean, safe_exp
+
+MISMATCH_NAMES = ("mis_training_log_ppl", "mis_training_ppl", "mis_rollout_log_ppl", "mis_rollout_ppl", "mis_kl",
+                  "mis_k3_kl", "mis_log_ppl_diff", "mis_log_ppl_abs_diff", "mis_ppl_ratio", "mis_chi2_token",
+                  "mis_chi2_seq", "train_rollout_logprob_abs_diff")
+
+
+# --- SPEC §8.1: mismatch monitoring --------------------------------------------------------
+
+def mismatch_token_values(r) -> dict:
+  """Per-token rows of SPEC §8.1, each averaged over ``m`` by ``R_m``.
+
+  ``mis_k3_kl``: ``exp(r) - r - 1``; ``mis_chi2_token``: ``exp(r)² - 1`` (so its mean is
+  ``mean_m(exp(r)²) - 1``); ``train_rollout_logprob_abs_diff``: ``|o - q|``; ``r`` is clipped
+  to ±B where it is exponentiated (SPEC §12.10), raw in ``|o - q|``.
+  """
+  rc = jnp.clip(r, -LOG_BOUND, LOG_BOUND)
+  return {"mis_k3_kl": jnp.exp(rc) - rc - 1.0, "mis_chi2_token": jnp.exp(2.0 * rc) - 1.0,
+          "train_rollout_logprob_abs_diff": jnp.abs(r)}
+
+
+def mismatch_segment_values(sum_o, sum_q, sum_r, count) -> dict:
+  """Per-segment rows of SPEC §8.1 from the segment's sums over ``m``.
+
+  With ``mean_m(x) = Σ_{t∈s} m_t x_t / max(n_s, 1)``: ``mis_training_log_ppl = -mean_m(o)``,
+  ``mis_training_ppl = exp(clip(-mean_m(o), ±B))``, ``mis_rollout_log_ppl = -mean_m(q)``,
+  ``mis_rollout_ppl = exp(clip(-mean_m(q), ±B))`` (a sequence whose mean log-prob is below
+  -B reports ``e^B``, never inf), ``mis_kl = mean_m(q - o)`` (the token row ``q - o``, whose
+  masked mean per segment is this), ``mis_log_ppl_diff = mean_m(q) - mean_m(o)``,
+  ``mis_log_ppl_abs_diff = |mean_m(q) - mean_m(o)|``,
+  ``mis_ppl_ratio = exp(clip(mean_m(q) - mean_m(o), ±B))``,
+  ``mis_chi2_seq = exp(2·clip(Σ m r, ±B)) - 1``.
+  """
+  n = jnp.maximum(count, 1.0)
+  mean_o, mean_q, mean_r = sum_o / n, sum_q / n, sum_r / n
+  diff = mean_q - mean_o
+  return {
+      "mis_training_log_ppl": -mean_o,
+      "mis_training_ppl": safe_exp(-mean_o),
+      "mis_rollout_log_ppl": -mean_q,
+      "mis_rollout_ppl": safe_exp(-mean_q),
+      "mis_kl": -mean_r,
+      "mis_log_ppl_diff": diff,
+      "mis_log_ppl_abs_diff": jnp.abs(diff),
+      "mis_ppl_ratio": safe_exp(diff),
+      "mis_chi2_seq": jnp.exp(2.0 * jnp.clip(sum_r, -LOG_BOUND, LOG_BOUND)) - 1.0,
+  }
+
+
+def mismatch_metrics(seg_values: dict, token_means: dict, count, mode: str) -> dict:
+  """The SPEC §8.1 table, in its order, from :func:`mismatch_segment_values` (reduced here)
+  and the reduced :func:`mismatch_token_values` (``token_means``)."""
+  return {name: per_segment_mean(seg_values[name], count, mode) if name in seg_values else token_means[name]
+          for name in MISMATCH_NAMES}
+
+
+# --- SPEC §8.2: correction metrics -----------------------------------------------------------
+
+def correction_token_values(cfg: MISConfig, w_raw, w, keep_is, w_rs_raw, catastrophic) -> dict:
+  """Per-token rows of SPEC §8.2 averaged over the original mask ``m`` (fractions use strict
+  ``<``/``>``).
+
+  ``mis_tis_weight_before_bound``: ``w_raw``; ``mis_tis_weight_after_bound``: the bounded
+  ``w`` (here only when IS keeps every token, i.e. not in ``mask`` mode); per ``tis_mode``
+  ``mis_tis_truncate_fraction = [w_raw > U]``, ``mis_tis_{clip,mask}_fraction_low/_high =
+  [w_raw < Lo]/[w_raw > U]``; with ``use_rs`` ``mis_rs_mask_fraction_low/_high =
+  [w_rs_raw < lo_rs]/[w_rs_raw > hi_rs]``; with a veto ``mis_rs_catastrophic_token_fraction``.
+  ``w_rs_raw`` / ``catastrophic`` are None when RS / the veto are off.
+  """
+  upper, lower = cfg.tis_upper_bound, cfg.lower
+  out = {"mis_tis_weight_before_bound": w_raw}
+  if keep_is is None:
+    out["mis_tis_weight_after_bound"] = w
+  if cfg.tis_mode == "truncate":
+    out["mis_tis_truncate_fraction"] = w_raw > upper
+  elif cfg.tis_mode in ("clip", "mask"):
+    out[f"mis_tis_{cfg.tis_mode}_fraction_low"] = w_raw < lower
+    out[f"mis_tis_{cfg.tis_mode}_fraction_high"] = w_raw > upper
+  if w_rs_raw is not None:
+    out["mis_rs_mask_fraction_low"] = w_rs_raw < cfg.rs_lower
+    out["mis_rs_mask_fraction_high"] = w_rs_raw > cfg.rs_upper
+  if catastrophic is not None:
+    out["mis_rs_catastrophic_token_fraction"] = catastrophic
+  return out
+
+
+def criterion_token_values(crit: RSCriterion, value, keep) -> dict:
+  """Per-token rows of a divergence criterion averaged over ``m``: the share it rejects
+  (``_masked_fraction``) and its mean value (``_mean``); its global ``_max`` is a maximum."""
+  prefix = f"mis_rs_{crit.name}"
+  return {f"{prefix}_masked_fraction": ~keep, f"{prefix}_mean": value}
+
+
+def final_weight_metrics(*, mean_after_tis_rs, factor, w_min, w_max, sum_w, sum_w2, num_kept, num_trained,
+                         seg_kept_counts, num_live) -> dict:
+  """SPEC §8.2 rows of the weights that multiply the loss, over the kept mask ``m'``.
+
+  ``mis_is_ratio_mean_after_tis_rs = R_{m'}(w)`` before normalisation; ``mis_batch_norm_factor
+  = μ``; ``mis_is_ratio_{mean,min,max}_final``: ``R_{m'}``, global min and max of ``w / μ``
+  (0 when nothing is kept); ``mis_ess_ratio = (Σ w m')² / (Σ m' · Σ w² m')`` (scale-free);
+  ``mis_kept_token_fraction`` / ``mis_kept_seq_fraction``: kept share of trained tokens / of
+  live segments.
+  """
+  any_kept = num_kept > 0
+  ess_den = num_kept * sum_w2
+  return {
+      "mis_is_ratio_mean_after_tis_rs": mean_after_tis_rs,
+      "mis_batch_norm_factor": factor,
+      "mis_is_ratio_mean_final": mean_after_tis_rs / factor,
+      "mis_is_ratio_min_final": jnp.where(any_kept, w_min, 0.0) / factor,
+      "mis_is_ratio_max_final": jnp.where(any_kept, w_max, 0.0) / factor,
+      "mis_ess_ratio": jnp.where(ess_den > 0, sum_w * sum_w / jnp.where(ess_den > 0, ess_den, 1.0), 0.0),
+      "mis_kept_token_fraction": num_kept / jnp.maximum(num_trained, 1.0),
+      "mis_kept_seq_fraction": jnp.sum((seg_kept_counts > 0).astype(jnp.float32)) / jnp.maximum(num_live, 1.0),
+  }
