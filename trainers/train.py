@@ -26,7 +26,6 @@ import warnings
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 import mis_jax
 from trainers import checkpointing, distributed, parallel
@@ -304,8 +303,6 @@ class Trainer:
         sync_times = {}
         if self.step % r.sync_every == 0:
           self.sync_weights()
-          if producer is not None:
-            producer.advance(self.step)
           sync_times = self.sync_times
         t3 = time.perf_counter()
         if self.step % self.cfg.checkpoint.every == 0 or self.step == self.cfg.train.steps:
@@ -345,7 +342,7 @@ class Trainer:
 class RolloutProducer:
   """Process 0's rollout thread for the asynchronous loop (`rollout.max_staleness = k > 0`).
 
-  It generates batch `j` as soon as the trainer has finished step `j - k` (so at most `k + 1`
+  It generates batch `j` as soon as the trainer has taken batch `j - k` (so at most `k + 1`
   batches are ahead of training, a bounded buffer) with whatever weights the servers hold;
   each sample carries the server's `weight_version`, and the trainer drops those more than
   `k` versions old. A weight sync pauses the servers (`rollout.pause_mode`); requests in
@@ -357,7 +354,7 @@ class RolloutProducer:
     self.trainer, self.k = trainer, trainer.cfg.rollout.max_staleness
     self._cv = threading.Condition()
     self._ready: dict[int, tuple[RolloutResult | None, BaseException | None]] = {}
-    self._trained = trainer.step  # steps finished (advanced after each sync)
+    self._taken = first_batch  # batches the trainer has taken
     self._stop = False
     self._thread = threading.Thread(target=self._loop, args=(first_batch,), name="rollout-producer", daemon=True)
     self._thread.start()
@@ -365,7 +362,7 @@ class RolloutProducer:
   def _loop(self, batch: int):
     while True:
       with self._cv:
-        while not self._stop and batch > self._trained + self.k:
+        while not self._stop and batch >= self._taken + self.k:
           self._cv.wait()
         if self._stop:
           return
@@ -389,16 +386,13 @@ class RolloutProducer:
           raise TrainingError(f"the rollout producer stopped before batch {batch}")
         self._cv.wait(timeout=1.0)
       result, error = self._ready.pop(batch)
+      self._taken = batch + 1
+      self._cv.notify_all()
     if error is not None:
       if isinstance(error, (TrainingError, ServerError)):
         raise TrainingError(f"rollout batch {batch}: {error}")
       raise error
     return batch, result, time.perf_counter() - start
-
-  def advance(self, trained: int) -> None:
-    with self._cv:
-      self._trained = trained
-      self._cv.notify_all()
 
   def close(self) -> None:
     with self._cv:

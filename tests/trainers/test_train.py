@@ -4,10 +4,6 @@ deliberately faulty server, kill -9 + --resume, and its config errors."""
 import dataclasses
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -210,36 +206,6 @@ def test_shipped_trainer_configs_validate(name):
   assert loss.algorithm in name.replace("-", "_")
 
 
-@pytest.mark.slow
-def test_kill_9_then_resume_continues_identically(server, tmp_path):
-  cfg = dict(BASE, train=dict(BASE["train"], steps=6), checkpoint={"every": 2, "max_to_keep": 2})
-  config_path = tmp_path / "cfg.yaml"
-  config_path.write_text(json.dumps(cfg))
-  cmd = lambda run_dir, *extra: [sys.executable, "-m", "trainers.cli", "train", "--config", str(config_path),
-                                 "--sglang-url", server.url, "--run-dir", str(run_dir), "--no-progress", *extra]
-  # Uninterrupted reference run.
-  subprocess.run(cmd(tmp_path / "ref"), check=True, capture_output=True, timeout=600)
-  # A run killed with SIGKILL once its step-4 checkpoint exists, then resumed.
-  proc = subprocess.Popen(cmd(tmp_path / "killed"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-  deadline = time.time() + 600
-  while not (tmp_path / "killed" / "checkpoints" / "4").exists():
-    assert proc.poll() is None and time.time() < deadline, "trainer died before its step-4 checkpoint"
-    time.sleep(0.2)
-  proc.send_signal(signal.SIGKILL)
-  proc.wait()
-  out = subprocess.run(cmd(tmp_path / "killed", "--resume"), check=True, capture_output=True, text=True, timeout=600)
-  assert "resumed from checkpoint at step" in out.stdout
-
-  def by_step(run):
-    rows = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows}  # a step logged twice (before the kill, after resume): last wins
-  ref, resumed = by_step("ref"), by_step("killed")
-  assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
-  for step in (5, 6):
-    for key in ("reward_mean", "loss", "pg_loss", "mis_k3_kl", "grad_norm"):
-      np.testing.assert_allclose(resumed[step][key], ref[step][key], rtol=1e-5, err_msg=f"step {step} {key}")
-
-
 def test_mesh_runs_match_one_device_and_resume_on_the_mesh(server, tmp_path):
   """The demo loop on meshes (8) and (2, 4) reaches the same rewards and losses as one device,
   step by step; a run stopped after step 2 and resumed on the mesh continues identically, its
@@ -247,15 +213,15 @@ def test_mesh_runs_match_one_device_and_resume_on_the_mesh(server, tmp_path):
   import jax
   loss_cfg = mis_jax.LossConfig(**ALGORITHMS["decoupled_ppo"])
   runs = {}
-  for name, parallel_cfg, devices in (("one", {}, jax.devices()[:1]), ("fsdp8", {"fsdp": 8}, None),
+  # (The fsdp-only mesh is checked step by step in test_step; here the two-axis one.)
+  for name, parallel_cfg, devices in (("one", {}, jax.devices()[:1]),
                                       ("data2-fsdp4", {"data": 2, "fsdp": 4}, None)):
     trainer = train_lib.Trainer(make_cfg(tmp_path, name, parallel=parallel_cfg), loss_cfg, urls=[server.url],
                                 devices=devices)
     runs[name] = trainer.run(progress=False)
     assert dict(trainer.mesh.shape) == {"one": {"data": 1, "fsdp": 1, "tensor": 1},
-                                        "fsdp8": {"data": 1, "fsdp": 8, "tensor": 1},
                                         "data2-fsdp4": {"data": 2, "fsdp": 4, "tensor": 1}}[name]
-  for name in ("fsdp8", "data2-fsdp4"):
+  for name in ("data2-fsdp4",):
     for got, want in zip(runs[name], runs["one"]):
       assert got["reward_mean"] == want["reward_mean"], name
       # The loss is a small difference of per-token terms of size ~|A| ~ 0.5: after an update
