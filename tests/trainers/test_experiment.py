@@ -1,6 +1,7 @@
 """The mismatch experiment's statistics against hand-computed values, its bad-input errors, and
 its `--quick` mode end to end (real embedded servers and trainers, a few steps)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -68,6 +69,25 @@ def test_bad_design_names_the_field():
     mismatch.Design(seeds=(0,))
   with pytest.raises(SystemExit):
     mismatch.main(["--bogus"])
+
+
+COMMITTED = os.path.join(os.path.dirname(__file__), "..", "..", "notebooks", "figures", "mismatch")
+
+
+@pytest.mark.parametrize("sub, design", [("", mismatch.FULL), ("stress", mismatch.STRESS)])
+def test_committed_results_are_the_full_design(sub, design):
+  """notebooks/figures/mismatch (the grid) and its stress/ (the collapse search) hold complete
+  runs of the current designs, and their summaries are what `summarize` computes from the runs."""
+  with open(os.path.join(COMMITTED, sub, "results.json")) as f:
+    results = json.load(f)
+  assert results["design"] == json.loads(json.dumps(dataclasses.asdict(design)))
+  want = {(a, s, seed) for a in design.arms for s in design.settings for seed in design.seeds}
+  want |= {(design.arms[0], s, seed) for s in design.probe_settings for seed in design.seeds}
+  assert {(r["arm"], r["setting"], r["seed"]) for r in results["runs"]} == want
+  assert all(len(r["reward_mean"]) == design.steps for r in results["runs"])
+  assert json.loads(json.dumps(mismatch.summarize(results))) == results["summary"]
+  for name in ("curves_reward_mean.png", "curves_mis_k3_kl.png", "curves_grad_norm.png", "intervals.png"):
+    assert os.path.isfile(os.path.join(COMMITTED, sub, name))
 
 
 @pytest.mark.slow

@@ -101,6 +101,12 @@ class Design:
 
 
 FULL = Design()
+# The search for the collapse the literature reports (training drifts or collapses without
+# correction under large mismatch): the largest mismatch of the grid (fp8 weights, 8 steps
+# stale), longer responses (6 digits) and 3x the learning rate, so the policy moves further
+# between weight pushes. Uncorrected vs corrected, five seeds.
+STRESS = Design(arms=("standard PPO", "bypass PPO", "decoupled + MIS"), settings=("fp8, sync 8",), probe_settings=(),
+                learning_rate=1e-2, num_digits=6)
 QUICK = Design(arms=("standard PPO", "decoupled + MIS"), settings=("fp8, sync 4",), probe_settings=(),
                seeds=(0, 1), steps=4,
                prompts_per_step=4, n=4, ppo_epochs=1, final_window=2)
@@ -123,6 +129,7 @@ def _train_config(out: str, design: Design, setting: Setting, seed: int, run_dir
   shutil.rmtree(start, ignore_errors=True)
   shutil.copytree(_init_dir(out, design, seed), start)
   every = setting.sync_every * max(1, design.steps // setting.sync_every)
+  row_len = max(16, 1 << (2 * design.num_digits + 2).bit_length())  # prompt k + 2, response k + 1
   return TrainConfig.from_dict({
       "run_dir": run_dir, "seed": seed,
       "model": {"path": start},
@@ -130,7 +137,7 @@ def _train_config(out: str, design: Design, setting: Setting, seed: int, run_dir
       "rollout": {"prompts_per_step": design.prompts_per_step, "n": design.n, "sync_every": setting.sync_every,
                   "server_dtype": setting.server_dtype, "server_quantize": setting.server_quantize},
       "train": {"steps": design.steps, "learning_rate": design.learning_rate, "ppo_epochs": design.ppo_epochs,
-                "tokens_per_micro_batch": 2048, "row_len": 16},
+                "tokens_per_micro_batch": 128 * row_len, "row_len": row_len},
       "checkpoint": {"every": every, "max_to_keep": 1}})
 
 
@@ -273,6 +280,25 @@ def summary_table(results: dict) -> str:
   return "\n".join(lines)
 
 
+def drawdown_table(results: dict, settings=None) -> str:
+  """Drawdown (best running-mean reward minus final) per setting and arm, mean [95% CI] over
+  seeds, and its paired difference to standard PPO."""
+  lines = ["| setting | arm | drawdown | Δ vs standard PPO | final grad norm | final mis_k3_kl |",
+           "|---|---|---|---|---|---|"]
+  window = results["design"]["final_window"]
+  for row in results["summary"]:
+    if (settings is not None and row["setting"] not in settings) or row.get("drawdown") is None:
+      continue
+    runs = [r for r in results["runs"] if r["setting"] == row["setting"] and r["arm"] == row["arm"]]
+    grad = np.mean([np.mean(r["grad_norm"][-window:]) for r in runs])
+    k3 = np.mean([np.mean(r["mis_k3_kl"][-window:]) for r in runs])
+    d, diff = row["drawdown"], row.get("drawdown_minus_baseline")
+    shown = "—" if diff is None else f"{diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}]"
+    lines.append(f"| {row['setting']} | {row['arm']} | {d[0]:.3f} [{d[1]:.3f}, {d[2]:.3f}] | {shown} | "
+                 f"{grad:.3f} | {k3:.2e} |")
+  return "\n".join(lines)
+
+
 def mismatch_table(results: dict, arm: str = "standard PPO") -> str:
   """Per setting, `mis_k3_kl` and `train_rollout_logprob_abs_diff` of `arm`'s runs (standard
   PPO recomputes the trainer's log-probs, so it measures them; bypass and REINFORCE do not):
@@ -376,16 +402,18 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true", help="the CI-sized design (seconds, not an hour)")
   parser.add_argument("--resume", action="store_true", help="keep the runs OUT/results.json already has")
   args = parser.parse_args(argv)
-  design = QUICK if args.quick else FULL
-  results = run_experiment(args.out, design, resume=args.resume)
-  for key in ("reward_mean", "mis_k3_kl", "grad_norm"):
-    plot(results, args.out, key=key)
-  plot_intervals(results, args.out)
-  print(summary_table(results))
-  print()
-  print(mismatch_table(results))
-  print(f"\n{len(results['runs'])} runs in {results['seconds_total']:.0f} s; wrote {args.out}/results.json "
-        "and figures")
+  # The full experiment is the grid (OUT) and the collapse search (OUT/stress).
+  designs = [(args.out, QUICK)] if args.quick else [(args.out, FULL), (os.path.join(args.out, "stress"), STRESS)]
+  for out, design in designs:
+    results = run_experiment(out, design, resume=args.resume)
+    for key in ("reward_mean", "mis_k3_kl", "grad_norm"):
+      plot(results, out, key=key)
+    plot_intervals(results, out)
+    print(summary_table(results))
+    print()
+    print(mismatch_table(results))
+    print(f"\n{len(results['runs'])} runs in {results['seconds_total']:.0f} s; wrote {out}/results.json "
+          "and figures")
 
 
 if __name__ == "__main__":
