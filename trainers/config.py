@@ -96,6 +96,8 @@ class RolloutSection:
   top_k: int = key(-1, "top-k sampling, -1 = all (> 0: a warning, the IS ratio is biased)", ge=-1)
   max_new_tokens: int | None = key(None, "response length cap (null: the task's)", ge=1)
   server_dtype: str = key("bfloat16", "embedded server precision", choices=DTYPES)
+  server_quantize: str = key("none", "embedded server's weight-only quantisation of Linear kernels (per-channel "
+                             "scales, on top of `server_dtype`)", choices=("none", "int8", "fp8"))
   sync_every: int = key(1, "push weights every k steps (k > 1: deliberately stale rollouts)", ge=1)
   max_staleness: int = key(0, "asynchronous rollouts: generate while training, samples at most k weight "
                               "versions old (0: the synchronous loop)", ge=0)

@@ -30,7 +30,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from trainers import protocol
-from trainers.models import ModelConfig, load_hf_checkpoint, read_hf_tensors, state_from_hf_tensors
+from trainers.models import (ModelConfig, abstract_model, load_hf_checkpoint, read_hf_tensors,
+                             state_from_hf_tensors)
+from trainers.models.quantize import QUANTIZATIONS, quantize_params
 from trainers.sampler import Completion, Sampler, SamplingParams
 
 DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
@@ -49,15 +51,27 @@ class _Job:
 
 
 class Engine:
-  """Serves one HF checkpoint directory. Thread-safe; `close()` stops the scheduler thread."""
+  """Serves one HF checkpoint directory. Thread-safe; `close()` stops the scheduler thread.
+
+  `dtype`: parameters and compute of the served model. `quantize`: `"int8"` / `"fp8"` serve
+  weight-only quantised Linear kernels (`trainers.models.quantize`, per-output-channel scales
+  computed from the checkpoint's values), re-quantised at every weight update.
+  """
 
   def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0,
-               max_batch_size: int = 64, weight_version: str = "default"):
+               max_batch_size: int = 64, weight_version: str = "default", quantize: str = "none"):
+    if dtype not in DTYPES:
+      raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if quantize not in QUANTIZATIONS:
+      raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
     self.model_path = os.path.abspath(model_path)
     self.dtype = dtype
+    self.quantize = quantize
     model = load_hf_checkpoint(model_path, dtype=DTYPES[dtype], param_dtype=DTYPES[dtype])
     self.config = model.config
     self.sampler = Sampler(model, max_batch_size=max_batch_size, seed=seed)
+    if quantize != "none":
+      self.sampler.set_params(self._served_params(model, read_hf_tensors(model_path)))
     self.seed = seed
     self.weight_version = weight_version
     self.tokenizer = _load_tokenizer(model_path)
@@ -272,7 +286,7 @@ class Engine:
     with self._weights:
       try:
         model = nnx.merge(self.sampler.graphdef, self.sampler.params)
-        self.sampler.set_params(state_from_hf_tensors(model, tensors))
+        self.sampler.set_params(self._served_params(model, tensors))
       except ValueError as e:
         return False, f"Failed to load weights from {path!r}: {e}"
       message = "Succeeded to update model weights."
@@ -281,6 +295,15 @@ class Engine:
         message += f" Weight version updated to {weight_version}."
       self.model_path = os.path.abspath(path)
     return True, message
+
+  def _served_params(self, model, tensors: dict) -> nnx.State:
+    """The served parameter state from HF tensors: cast to `dtype`, or read in float32,
+    quantised (`quantize`) and then cast, so the scales come from the checkpoint's values."""
+    if self.quantize == "none":
+      return state_from_hf_tensors(model, tensors)
+    f32 = nnx.state(abstract_model(self.config, dtype=DTYPES[self.dtype], param_dtype=jnp.float32),
+                    nnx.Param)
+    return quantize_params(state_from_hf_tensors(f32, tensors), self.quantize, dtype=DTYPES[self.dtype])
 
   def health_generate(self) -> None:
     with self._weights:
@@ -311,7 +334,8 @@ class Engine:
         "tokenizer_path": self.model_path, "max_context_length": context, "context_length": context,
         "max_total_num_tokens": self.sampler.max_batch_size * context,
         "max_running_requests": self.sampler.max_batch_size, "host": host, "port": port,
-        "dtype": self.dtype, "random_seed": self.seed, "load_format": "auto",
+        "dtype": self.dtype, "quantization": None if self.quantize == "none" else self.quantize,
+        "random_seed": self.seed, "load_format": "auto",
         "weight_version": self.weight_version, "tp_size": 1, "dp_size": 1, "pp_size": 1,
         "ep_size": 1, "nnodes": 1, "node_rank": 0, "skip_tokenizer_init": self.tokenizer is None,
         "enable_deterministic_inference": True, "incremental_streaming_output": False,

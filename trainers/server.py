@@ -3,7 +3,8 @@
 The trainer cannot tell it from `python -m sglang.launch_server`: same routes, same request and
 response JSON, same status codes and error bodies. It serves a Hugging Face checkpoint directory
 with the jitted KV-cache sampler of `trainers.sampler`, in bfloat16 (default, like a real
-inference engine) or float32.
+inference engine) or float32, optionally with weight-only int8 / fp8 Linear kernels
+(`--quantize`, `trainers.models.quantize`).
 
 By reason to change: `trainers.protocol` (the request/response schemas, shared with the
 client), `trainers.engine` (model, sampler, scheduler thread, weights, pause/abort),
@@ -30,6 +31,7 @@ import urllib.request
 import uvicorn
 
 from trainers.models import checkpoint_dir_problem
+from trainers.models.quantize import QUANTIZATIONS
 
 _LOOPBACK = ("127.0.0.1", "localhost")
 
@@ -45,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--port", type=int, default=30000, help="0 picks a free port")
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                       help="inference precision (parameters and compute; log-softmax is float32)")
+  parser.add_argument("--quantize", default="none", choices=QUANTIZATIONS,
+                      help="weight-only quantised Linear kernels (per-output-channel scales; fp8 is "
+                      "float8_e4m3fn), dequantised to --dtype; re-applied at every weight update")
   parser.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed")
   parser.add_argument("--max-batch-size", type=int, default=64, help="rows per compiled batch")
   parser.add_argument("--weight-version", default="default")
@@ -84,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
   from trainers.engine import Engine
   from trainers.http_app import create_app
   try:
-    engine = Engine(args.model_path, dtype=args.dtype, seed=args.seed,
+    engine = Engine(args.model_path, dtype=args.dtype, seed=args.seed, quantize=args.quantize,
                     max_batch_size=args.max_batch_size, weight_version=args.weight_version)
   except ValueError as e:  # a config.json or checkpoint this server cannot load
     print(f"mis-jax serve: --model-path {args.model_path!r}: {e}", file=sys.stderr)
@@ -93,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
   app = create_app(engine, host=host, port=port)
   server = _Server(uvicorn.Config(app, log_level="info" if args.verbose else "warning",
                                   access_log=args.verbose, timeout_graceful_shutdown=5))
-  print(f"mis-jax serve: {engine.config.model_type} from {engine.model_path} ({args.dtype}, "
+  precision = args.dtype if args.quantize == "none" else f"{args.quantize} weights, {args.dtype}"
+  print(f"mis-jax serve: {engine.config.model_type} from {engine.model_path} ({precision}, "
         f"SGLang {_protocol_version()} protocol) on http://{host}:{port}", flush=True)
   try:
     server.run(sockets=[sock])  # SIGINT / SIGTERM: graceful shutdown
@@ -130,11 +136,14 @@ class EmbeddedServer:
   """
 
   def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0, port: int = 0,
-               max_batch_size: int = 64, timeout: float = 300.0, extra_args: tuple[str, ...] = ()):
+               max_batch_size: int = 64, timeout: float = 300.0, quantize: str = "none",
+               extra_args: tuple[str, ...] = ()):
+    if quantize not in QUANTIZATIONS:  # before a process starts
+      raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
     self.process = subprocess.Popen(
         [sys.executable, "-m", "trainers.cli", "serve", "--model-path", str(model_path), "--dtype", dtype,
          "--seed", str(seed), "--port", str(port), "--max-batch-size", str(max_batch_size),
-         *extra_args],
+         "--quantize", quantize, *extra_args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     self.log: collections.deque[str] = collections.deque(maxlen=200)  # the server's last lines
     self._url: list[str] = []

@@ -1,140 +1,419 @@
-"""The mismatch experiment: the toy task trained against a deliberately mismatched rollout
-engine, under four corrections, same seeds.
+"""The mismatch experiment: rollout corrections compared under controlled mismatch, over seeds.
 
-The rollout engine lags the trainer (weights pushed every ``sync_every`` steps, so rollouts
-come from a stale policy) and runs in bfloat16 while the trainer runs in float32. Runs:
-standard PPO (no correction), bypass PPO, decoupled PPO with token TIS, and decoupled PPO
-with MIS (token mask + veto). Per step it records reward, ``mis_k3_kl``, ``mis_kl``,
-gradient norm and kept-token fraction, writes them to ``OUT/results.json`` and plots them to
-``OUT/*.png``.
+Design (`python -m trainers.experiments.mismatch --out DIR`, the committed run; `--quick` is the
+CI-sized version of the same pipeline):
 
-    python -m trainers.experiments.mismatch --out runs/mismatch --steps 80 --sync-every 4
+- **Arms** (`ARMS`): standard PPO (no correction), bypass PPO, decoupled PPO + token TIS,
+  decoupled PPO + MIS (token mask [0.5, 2] + veto 1e-4), REINFORCE + token IS.
+- **Mismatch settings** (`SETTINGS`): the embedded server's precision and weight-only
+  quantisation (`trainers.models.quantize`) against a float32 trainer, and staleness
+  (`sync_every`): fp32 (no mismatch), bf16, fp8 weights, fp8 weights synced every 4 steps.
+- **Seeds**: each seed draws its own initial weights (`init_seed`), prompts and sampling seeds;
+  every arm and setting sees the same seeds (a paired design).
+
+One embedded server per setting serves every run of that setting (its weights are replaced at
+the start of each run). Every run's per-step metrics go to `OUT/results.json` (written after
+each run, so an interrupted experiment keeps what finished and `--resume` continues it);
+`summarize` computes, per arm and setting, the mean and a 95% t-interval over seeds of the
+final reward (mean of the last `final_window` steps of the budget) and of the area under the
+reward curve (mean reward over all steps), and the paired difference to standard PPO; `plot`
+draws the curves with 95% bands.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import shutil
+import time
 
 import numpy as np
 
 import mis_jax
 
-METRICS = {"reward_mean": "reward (mean)", "mis_k3_kl": "mis_k3_kl (rollout vs trainer)",
-           "mis_kl": "mis_kl", "grad_norm": "gradient norm", "mis_kept_token_fraction": "kept token fraction"}
+# Per-step metrics kept for every run (absent ones are recorded as null).
+RECORDED = ("reward_mean", "mis_k3_kl", "train_rollout_logprob_abs_diff", "grad_norm",
+            "mis_kept_token_fraction", "response_length", "pg_clipfrac")
 
 
-def corrections() -> dict[str, mis_jax.LossConfig]:
+def arms() -> dict[str, mis_jax.LossConfig]:
+  token_tis = mis_jax.MISConfig(tis_level="token", tis_mode="truncate", tis_upper_bound=2.0)
   return {
-      "standard PPO (no correction)": mis_jax.LossConfig(),
+      "standard PPO": mis_jax.LossConfig(),
       "bypass PPO": mis_jax.LossConfig(use_rollout_logprobs=True),
-      "decoupled + token TIS": mis_jax.LossConfig(
-          use_tis=True, mis=mis_jax.MISConfig(tis_level="token", tis_mode="truncate", tis_upper_bound=2.0)),
-      "decoupled + MIS (mask + veto)": mis_jax.LossConfig(
+      "decoupled + token TIS": mis_jax.LossConfig(use_tis=True, mis=token_tis),
+      "decoupled + MIS": mis_jax.LossConfig(
           use_tis=True, mis=mis_jax.MISConfig(tis_level="token", tis_mode="mask", tis_lower_bound=0.5,
                                               tis_upper_bound=2.0, rs_veto_threshold=1e-4)),
+      "REINFORCE + IS": mis_jax.LossConfig(use_rollout_logprobs=True, use_tis=True, mis=token_tis),
   }
 
 
-def run_experiment(out: str, *, steps: int = 80, sync_every: int = 4, server_dtype: str = "bfloat16",
-                   seed: int = 0, learning_rate: float = 3e-3, progress: bool = False) -> dict:
-  """Trains each correction for ``steps`` steps against one embedded server; returns
-  ``{name: [per-step metrics]}`` and writes ``out/results.json``."""
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  server_dtype: str = "bfloat16"
+  server_quantize: str = "none"
+  sync_every: int = 1
+
+
+SETTINGS = {
+    "fp32": Setting("float32", "none", 1),
+    "bf16": Setting("bfloat16", "none", 1),
+    "int8": Setting("bfloat16", "int8", 1),
+    "fp8": Setting("bfloat16", "fp8", 1),
+    "fp8, sync 4": Setting("bfloat16", "fp8", 4),
+    "fp8, sync 8": Setting("bfloat16", "fp8", 8),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Design:
+  """What one experiment runs. The full design's step budget and learning rate were chosen
+  from pilot runs so that no arm saturates (max reward 1.25) or fails within the budget."""
+  arms: tuple[str, ...] = tuple(arms())
+  settings: tuple[str, ...] = ("fp32", "bf16", "fp8", "fp8, sync 4", "fp8, sync 8")
+  # Settings run with the first arm only, to measure their mismatch (standard PPO recomputes
+  # the trainer's log-probs, so it reports mis_k3_kl).
+  probe_settings: tuple[str, ...] = ("int8",)
+  seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
+  steps: int = 60
+  learning_rate: float = 3e-3
+  prompts_per_step: int = 16
+  n: int = 8
+  ppo_epochs: int = 2
+  num_digits: int = 3
+  initializer_range: float = 0.1
+  final_window: int = 5  # "reward at the step budget": mean over its last steps
+
+  def __post_init__(self):
+    unknown = [a for a in self.arms if a not in arms()]
+    if unknown:
+      raise ValueError(f"unknown arm(s) {unknown}; arms: {', '.join(arms())}")
+    unknown = [s for s in self.settings + self.probe_settings if s not in SETTINGS]
+    if unknown:
+      raise ValueError(f"unknown setting(s) {unknown}; settings: {', '.join(SETTINGS)}")
+    if len(self.seeds) < 2:
+      raise ValueError(f"seeds: a confidence interval needs at least 2 seeds, got {list(self.seeds)}")
+    if not 1 <= self.final_window <= self.steps:
+      raise ValueError(f"final_window ({self.final_window}) must be in 1..steps ({self.steps})")
+
+
+FULL = Design()
+# The search for the collapse the literature reports (training drifts or collapses without
+# correction under large mismatch): the largest mismatch of the grid (fp8 weights, 8 steps
+# stale), longer responses (6 digits) and 3x the learning rate, so the policy moves further
+# between weight pushes. Uncorrected vs corrected, five seeds.
+STRESS = Design(arms=("standard PPO", "bypass PPO", "decoupled + MIS"), settings=("fp8, sync 8",), probe_settings=(),
+                learning_rate=1e-2, num_digits=6)
+QUICK = Design(arms=("standard PPO", "decoupled + MIS"), settings=("fp8, sync 4",), probe_settings=(),
+               seeds=(0, 1), steps=4,
+               prompts_per_step=4, n=4, ppo_epochs=1, final_window=2)
+
+
+def _init_dir(out: str, design: Design, seed: int) -> str:
+  from trainers.models import PRESETS, init_checkpoint
+  path = os.path.join(out, "init", f"seed{seed}")
+  if not os.path.isfile(os.path.join(path, "model.safetensors")):
+    config = dataclasses.replace(PRESETS["tiny-qwen3"], initializer_range=design.initializer_range)
+    init_checkpoint(path, config=config, seed=seed)
+  return path
+
+
+def _train_config(out: str, design: Design, setting: Setting, seed: int, run_dir: str):
   from trainers.config import TrainConfig
+  # One path for every seed's initial weights, so that every run of an arm has the same config
+  # apart from the seed and reuses the step functions compiled for the first one.
+  start = os.path.join(out, "init", "current")
+  shutil.rmtree(start, ignore_errors=True)
+  shutil.copytree(_init_dir(out, design, seed), start)
+  every = setting.sync_every * max(1, design.steps // setting.sync_every)
+  row_len = max(16, 1 << (2 * design.num_digits + 2).bit_length())  # prompt k + 2, response k + 1
+  return TrainConfig.from_dict({
+      "run_dir": run_dir, "seed": seed,
+      "model": {"path": start},
+      "task": {"name": "copy_digits", "num_digits": design.num_digits},
+      "rollout": {"prompts_per_step": design.prompts_per_step, "n": design.n, "sync_every": setting.sync_every,
+                  "server_dtype": setting.server_dtype, "server_quantize": setting.server_quantize},
+      "train": {"steps": design.steps, "learning_rate": design.learning_rate, "ppo_epochs": design.ppo_epochs,
+                "tokens_per_micro_batch": 128 * row_len, "row_len": row_len},
+      "checkpoint": {"every": every, "max_to_keep": 1}})
+
+
+def run_experiment(out: str, design: Design = FULL, *, resume: bool = False, log=print) -> dict:
+  """Runs every arm × setting × seed of `design`; writes and returns `OUT/results.json`
+  (`{"design", "runs": [{"arm", "setting", "seed", "seconds", <metric>: [per step]}], ...}`)."""
   from trainers.server import EmbeddedServer
-  from trainers.train import Trainer, initial_weights_dir
+  from trainers.train import Trainer
 
   os.makedirs(out, exist_ok=True)
-  every = sync_every * max(1, 20 // sync_every)
-  base = {"seed": seed, "model": {"preset": "tiny-qwen3", "initializer_range": 0.1},
-          "task": {"name": "copy_digits", "num_digits": 3},
-          "rollout": {"prompts_per_step": 16, "n": 8, "sync_every": sync_every, "server_dtype": server_dtype},
-          "train": {"steps": steps, "learning_rate": learning_rate, "ppo_epochs": 2, "tokens_per_micro_batch": 1024,
-                    "row_len": 64},
-          "checkpoint": {"every": every, "max_to_keep": 1}}
-  results = {}
-  init = initial_weights_dir(TrainConfig.from_dict(dict(base, run_dir=os.path.join(out, "init"))))
-  with EmbeddedServer(init, dtype=server_dtype, seed=seed) as server:
-    for i, (name, loss_cfg) in enumerate(corrections().items()):
-      run_dir = os.path.join(out, f"run{i}")
-      if os.path.isdir(run_dir):
-        import shutil
-        shutil.rmtree(run_dir)
-      cfg = TrainConfig.from_dict(dict(base, run_dir=run_dir, model=dict(base["model"], path=init)))
-      history = Trainer(cfg, loss_cfg, urls=[server.url]).run(progress=progress, log=lambda *_: None)
-      results[name] = [{k: h.get(k, 1.0 if k == "mis_kept_token_fraction" else None) for k in ["step", *METRICS]}
-                       for h in history]
-  meta = {"steps": steps, "sync_every": sync_every, "server_dtype": server_dtype, "seed": seed,
-          "learning_rate": learning_rate}
-  with open(os.path.join(out, "results.json"), "w") as f:
-    json.dump({"config": meta, "runs": results}, f, indent=1)
-  return {"config": meta, "runs": results}
+  path = os.path.join(out, "results.json")
+  runs, prior_s = [], 0.0
+  if resume and os.path.isfile(path):
+    with open(path) as f:
+      old = json.load(f)
+    if old.get("design") != json.loads(json.dumps(dataclasses.asdict(design))):
+      raise ValueError(f"--resume: {path} was written by another design")
+    runs, prior_s = old["runs"], old["seconds_total"]
+  done = {(r["arm"], r["setting"], r["seed"]) for r in runs}
+  start = time.perf_counter()
+  loss_cfgs = arms()
+  for setting_name in [s for s in SETTINGS if s in design.settings + design.probe_settings]:
+    setting = SETTINGS[setting_name]
+    setting_arms = design.arms if setting_name in design.settings else design.arms[:1]
+    todo = [(a, s) for a in setting_arms for s in design.seeds if (a, setting_name, s) not in done]
+    if not todo:
+      continue
+    with EmbeddedServer(_init_dir(out, design, design.seeds[0]), dtype=setting.server_dtype,
+                        quantize=setting.server_quantize, seed=0) as server:
+      for arm, seed in todo:
+        run_dir = os.path.join(out, "runs", "tmp")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        t0 = time.perf_counter()
+        cfg = _train_config(out, design, setting, seed, run_dir)
+        history = Trainer(cfg, loss_cfgs[arm], urls=[server.url]).run(progress=False, log=lambda *_: None)
+        record = {"arm": arm, "setting": setting_name, "seed": seed, "seconds": time.perf_counter() - t0,
+                  "step": [h["step"] for h in history]}
+        record.update({k: [_float(h.get(k)) for h in history] for k in RECORDED})
+        runs.append(record)
+        _write(path, design, runs, prior_s + time.perf_counter() - start)
+        log(f"[{time.perf_counter() - start:7.0f} s] {setting_name:12s} {arm:22s} seed {seed}: "
+            f"reward {np.mean(record['reward_mean'][-design.final_window:]):.3f} "
+            f"({record['seconds']:.0f} s)", flush=True)
+  for scratch in ("runs", "init"):  # run dirs and initial weights (re-created on --resume)
+    shutil.rmtree(os.path.join(out, scratch), ignore_errors=True)
+  return _write(path, design, runs, prior_s + time.perf_counter() - start)
 
 
-def plot(results: dict, out: str | None = None, *, smooth: int = 5):
-  """One panel per metric, one line per correction; saves ``out/<metric>.png`` and
-  ``out/mismatch_experiment.png`` when ``out`` is given. Returns the combined figure."""
+def _float(x):
+  return None if x is None else float(x)
+
+
+def _write(path, design, runs, seconds) -> dict:
+  """`results.json`: the design, every run, the wall time so far, the summary."""
+  results = {"design": json.loads(json.dumps(dataclasses.asdict(design))), "runs": runs,
+             "seconds_total": seconds}
+  results["summary"] = summarize(results) if runs else []
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(results, f, indent=None, separators=(",", ":"))
+  os.replace(tmp, path)
+  return results
+
+
+def t_interval(values, level: float = 0.95) -> tuple[float, float, float]:
+  """`(mean, low, high)`: the mean over seeds and its two-sided t-interval
+  `mean ± t_{(1+level)/2, n-1} · s / sqrt(n)` (`s` with ddof 1)."""
+  from scipy import stats
+  x = np.asarray(values, np.float64)
+  if x.ndim != 1 or x.size < 2:
+    raise ValueError(f"a t-interval needs a 1-D sample of at least 2 values, got shape {x.shape}")
+  mean = float(x.mean())
+  half = float(stats.t.ppf((1 + level) / 2, x.size - 1) * x.std(ddof=1) / np.sqrt(x.size))
+  return mean, mean - half, mean + half
+
+
+def final_reward(record: dict, window: int) -> float:
+  return float(np.mean(record["reward_mean"][-window:]))
+
+
+def auc(record: dict) -> float:
+  """Area under the reward curve, normalised by the steps: the mean reward over all steps."""
+  return float(np.mean(record["reward_mean"]))
+
+
+def drawdown(record: dict, window: int) -> float:
+  """How far the reward fell from its best: max over steps of the `window`-step running mean
+  reward, minus the final reward (0 for a run that ends at its best; collapse shows as > 0)."""
+  r = np.asarray(record["reward_mean"], np.float64)
+  running = np.convolve(r, np.ones(window) / window, mode="valid")
+  return float(running.max() - running[-1])
+
+
+def summarize(results: dict, baseline: str = "standard PPO") -> list[dict]:
+  """Per setting and arm: mean and 95% t-interval over seeds of the final reward, the AUC and
+  the drawdown, the paired difference to `baseline` (same setting and seeds), and the mean
+  mismatch."""
+  window = results["design"]["final_window"]
+  runs = results["runs"]
+  by = {}
+  for r in runs:
+    by.setdefault((r["setting"], r["arm"]), {})[r["seed"]] = r
+  rows = []
+  for (setting, arm), seeds in by.items():
+    row = {"setting": setting, "arm": arm, "seeds": sorted(seeds)}
+    if len(seeds) >= 2:
+      for name, fn in (("final_reward", lambda r: final_reward(r, window)), ("auc", auc),
+                       ("drawdown", lambda r: drawdown(r, window))):
+        row[name] = t_interval([fn(seeds[s]) for s in sorted(seeds)])
+        base = by.get((setting, baseline), {})
+        common = sorted(set(seeds) & set(base))
+        if arm != baseline and len(common) >= 2:
+          row[f"{name}_minus_baseline"] = t_interval([fn(seeds[s]) - fn(base[s]) for s in common])
+    for key in ("mis_k3_kl", "train_rollout_logprob_abs_diff"):
+      vals = [v for r in seeds.values() for v in r[key] if v is not None]
+      row[key] = float(np.mean(vals)) if vals else None
+    rows.append(row)
+  return rows
+
+
+def summary_table(results: dict) -> str:
+  """The summary as a Markdown table (mean [95% CI] over seeds)."""
+  def fmt(ci):
+    return "n/a" if ci is None else f"{ci[0]:.3f} [{ci[1]:.3f}, {ci[2]:.3f}]"
+
+  def diff(ci):
+    if ci is None:
+      return "—"
+    sig = "" if ci[1] <= 0 <= ci[2] else " *"
+    return f"{ci[0]:+.3f} [{ci[1]:+.3f}, {ci[2]:+.3f}]{sig}"
+
+  lines = ["| setting | arm | final reward | Δ vs standard PPO | AUC | Δ AUC | mis_k3_kl | abs diff |",
+           "|---|---|---|---|---|---|---|---|"]
+  for row in results["summary"]:
+    k3, ad = row["mis_k3_kl"], row["train_rollout_logprob_abs_diff"]
+    lines.append(f"| {row['setting']} | {row['arm']} | {fmt(row.get('final_reward'))} | "
+                 f"{diff(row.get('final_reward_minus_baseline'))} | {fmt(row.get('auc'))} | "
+                 f"{diff(row.get('auc_minus_baseline'))} | {'n/a' if k3 is None else f'{k3:.2e}'} | "
+                 f"{'n/a' if ad is None else f'{ad:.2e}'} |")
+  return "\n".join(lines)
+
+
+def drawdown_table(results: dict, settings=None) -> str:
+  """Drawdown (best running-mean reward minus final) per setting and arm, mean [95% CI] over
+  seeds, and its paired difference to standard PPO."""
+  lines = ["| setting | arm | drawdown | Δ vs standard PPO | final grad norm | final mis_k3_kl |",
+           "|---|---|---|---|---|---|"]
+  window = results["design"]["final_window"]
+  for row in results["summary"]:
+    if (settings is not None and row["setting"] not in settings) or row.get("drawdown") is None:
+      continue
+    runs = [r for r in results["runs"] if r["setting"] == row["setting"] and r["arm"] == row["arm"]]
+    grad = np.mean([np.mean(r["grad_norm"][-window:]) for r in runs])
+    k3 = np.mean([np.mean(r["mis_k3_kl"][-window:]) for r in runs])
+    d, diff = row["drawdown"], row.get("drawdown_minus_baseline")
+    shown = "—" if diff is None else f"{diff[0]:+.3f} [{diff[1]:+.3f}, {diff[2]:+.3f}]"
+    lines.append(f"| {row['setting']} | {row['arm']} | {d[0]:.3f} [{d[1]:.3f}, {d[2]:.3f}] | {shown} | "
+                 f"{grad:.3f} | {k3:.2e} |")
+  return "\n".join(lines)
+
+
+def mismatch_table(results: dict, arm: str = "standard PPO") -> str:
+  """Per setting, `mis_k3_kl` and `train_rollout_logprob_abs_diff` of `arm`'s runs (standard
+  PPO recomputes the trainer's log-probs, so it measures them; bypass and REINFORCE do not):
+  at step 1 (the initial weights) and averaged over all steps, mean [95% CI] over seeds."""
+  def cell(values):
+    if len(values) < 2:
+      return f"{np.mean(values):.2e}"
+    m, lo, hi = t_interval(values)
+    return f"{m:.2e} [{lo:.2e}, {hi:.2e}]"
+
+  lines = ["| setting | mis_k3_kl, step 1 | mis_k3_kl, all steps | abs diff, step 1 | abs diff, all steps | seeds |",
+           "|---|---|---|---|---|---|"]
+  present = {r["setting"] for r in results["runs"]}
+  for setting in [s for s in SETTINGS if s in present]:
+    runs = [r for r in results["runs"] if r["setting"] == setting and r["arm"] == arm]
+    if not runs:
+      continue
+    k3, ad = ([r[key] for r in runs] for key in ("mis_k3_kl", "train_rollout_logprob_abs_diff"))
+    lines.append(f"| {setting} | {cell([x[0] for x in k3])} | {cell([np.mean(x) for x in k3])} | "
+                 f"{cell([x[0] for x in ad])} | {cell([np.mean(x) for x in ad])} | {len(runs)} |")
+  return "\n".join(lines)
+
+
+def _bands(runs, key):
+  y = np.array([[np.nan if v is None else v for v in r[key]] for r in runs], float)
+  mean = np.nanmean(y, axis=0)
+  if len(runs) < 2:
+    return mean, mean, mean
+  from scipy import stats
+  half = stats.t.ppf(0.975, len(runs) - 1) * np.nanstd(y, axis=0, ddof=1) / np.sqrt(len(runs))
+  return mean, mean - half, mean + half
+
+
+def plot(results: dict, out: str | None = None, *, key: str = "reward_mean"):
+  """Per setting, mean `key` per step over seeds with 95% t-bands, one line per arm; saved to
+  `out/curves_<key>.png` when `out` is given. Returns the figure."""
   import matplotlib
   if out is not None:
     matplotlib.use("Agg", force=False)
   import matplotlib.pyplot as plt
 
-  runs = results["runs"]
-
-  def series(name, key):
-    y = np.array([h[key] for h in runs[name]], float)
-    k = min(smooth, len(y))
-    return np.convolve(y, np.ones(k) / k, mode="valid") if k > 1 else y
-
-  fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 3.4), dpi=80)
-  for ax, (key, title) in zip(axes, METRICS.items()):
-    for name in runs:
-      ax.plot(series(name, key), label=name)
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel(f"step ({smooth}-step mean)" if smooth > 1 else "step")
-    if key in ("mis_k3_kl", "grad_norm"):
+  settings, arm_names = results["design"]["settings"], results["design"]["arms"]
+  fig, axes = plt.subplots(1, len(settings), figsize=(4.2 * len(settings), 3.4), dpi=80, sharey=True,
+                           squeeze=False)
+  for ax, setting in zip(axes[0], settings):
+    for arm in arm_names:
+      runs = [r for r in results["runs"] if r["setting"] == setting and r["arm"] == arm]
+      if not runs or all(v is None for v in runs[0][key]):
+        continue
+      mean, lo, hi = _bands(runs, key)
+      steps = np.arange(1, len(mean) + 1)
+      (line,) = ax.plot(steps, mean, label=arm, lw=1.3)
+      ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
+    ax.set_title(setting, fontsize=10)
+    ax.set_xlabel("step")
+    if key in ("mis_k3_kl", "grad_norm", "train_rollout_logprob_abs_diff"):
       ax.set_yscale("log")
-  axes[0].legend(fontsize=7)
+  axes[0, 0].set_ylabel(f"{key} (mean, 95% band)")
+  axes[0, 0].legend(fontsize=7)
   fig.tight_layout()
   if out is not None:
-    fig.savefig(os.path.join(out, "mismatch_experiment.png"))
-    for key, title in METRICS.items():
-      f2, ax = plt.subplots(figsize=(5, 3.4), dpi=80)
-      for name in runs:
-        ax.plot(series(name, key), label=name)
-      ax.set_title(title)
-      ax.legend(fontsize=7)
-      f2.tight_layout()
-      f2.savefig(os.path.join(out, f"{key}.png"))
-      plt.close(f2)
+    fig.savefig(os.path.join(out, f"curves_{key}.png"))
   return fig
 
 
-def summary(results: dict, last: int = 10) -> str:
-  lines = [f"{'correction':32s} {'reward first10':>14s} {'reward last10':>14s} {'k3_kl':>10s} {'kept':>6s}"]
-  for name, hist in results["runs"].items():
-    r = [h["reward_mean"] for h in hist]
-    k3 = np.mean([h["mis_k3_kl"] for h in hist])
-    kept = np.mean([h["mis_kept_token_fraction"] for h in hist])
-    lines.append(f"{name:32s} {np.mean(r[:last]):14.3f} {np.mean(r[-last:]):14.3f} {k3:10.2e} {kept:6.3f}")
-  return "\n".join(lines)
+def plot_intervals(results: dict, out: str | None = None):
+  """Final reward and AUC per arm and setting: means with 95% t-intervals over seeds."""
+  import matplotlib
+  if out is not None:
+    matplotlib.use("Agg", force=False)
+  import matplotlib.pyplot as plt
+
+  settings, arm_names = results["design"]["settings"], results["design"]["arms"]
+  rows = {(r["setting"], r["arm"]): r for r in results["summary"]}
+  fig, axes = plt.subplots(1, 2, figsize=(11, 3.6), dpi=80)
+  width = 0.8 / len(arm_names)
+  for ax, metric in zip(axes, ("final_reward", "auc")):
+    for k, arm in enumerate(arm_names):
+      xs, ys, err = [], [], [[], []]
+      for i, setting in enumerate(settings):
+        ci = rows.get((setting, arm), {}).get(metric)
+        if ci is not None:
+          xs.append(i - 0.4 + width * (k + 0.5))
+          ys.append(ci[0])
+          err[0].append(ci[0] - ci[1])
+          err[1].append(ci[2] - ci[0])
+      ax.errorbar(xs, ys, yerr=err, fmt="o", capsize=3, label=arm, ms=4)
+    ax.set_xticks(range(len(settings)), settings)
+    ax.set_title({"final_reward": "final reward", "auc": "AUC (mean reward over steps)"}[metric]
+                 + " — mean, 95% CI", fontsize=10)
+  axes[0].legend(fontsize=7)
+  fig.tight_layout()
+  if out is not None:
+    fig.savefig(os.path.join(out, "intervals.png"))
+  return fig
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--out", default="runs/mismatch")
-  parser.add_argument("--steps", type=int, default=80)
-  parser.add_argument("--sync-every", type=int, default=4)
-  parser.add_argument("--server-dtype", default="bfloat16", choices=("bfloat16", "float32"))
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--learning-rate", type=float, default=3e-3)
+  parser.add_argument("--out", default="runs/mismatch", help="results.json and the figures go here")
+  parser.add_argument("--quick", action="store_true", help="the CI-sized design (seconds, not an hour)")
+  parser.add_argument("--resume", action="store_true", help="keep the runs OUT/results.json already has")
   args = parser.parse_args(argv)
-  results = run_experiment(args.out, steps=args.steps, sync_every=args.sync_every, server_dtype=args.server_dtype,
-                           seed=args.seed, learning_rate=args.learning_rate, progress=True)
-  plot(results, args.out)
-  print(summary(results))
-  print(f"\nwrote {args.out}/results.json and {args.out}/*.png")
+  # The full experiment is the grid (OUT) and the collapse search (OUT/stress).
+  designs = [(args.out, QUICK)] if args.quick else [(args.out, FULL), (os.path.join(args.out, "stress"), STRESS)]
+  for out, design in designs:
+    results = run_experiment(out, design, resume=args.resume)
+    for key in ("reward_mean", "mis_k3_kl", "grad_norm"):
+      plot(results, out, key=key)
+    plot_intervals(results, out)
+    print(summary_table(results))
+    print()
+    print(mismatch_table(results))
+    print(f"\n{len(results['runs'])} runs in {results['seconds_total']:.0f} s; wrote {out}/results.json "
+          "and figures")
 
 
 if __name__ == "__main__":

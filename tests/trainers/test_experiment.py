@@ -1,0 +1,112 @@
+"""The mismatch experiment's statistics against hand-computed values, its bad-input errors, and
+its `--quick` mode end to end (real embedded servers and trainers, a few steps)."""
+
+import dataclasses
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from trainers.experiments import mismatch
+
+
+def test_t_interval_matches_hand_computed_quantiles():
+  x = [0.1, 0.4, 0.35, 0.2, 0.45]
+  mean, lo, hi = mismatch.t_interval(x)
+  s = math.sqrt(sum((v - 0.3) ** 2 for v in x) / 4)
+  half = 2.7764451052 * s / math.sqrt(5)  # t_{0.975, 4}
+  assert mean == pytest.approx(0.3) and lo == pytest.approx(0.3 - half) and hi == pytest.approx(0.3 + half)
+  mean, lo, hi = mismatch.t_interval([1.0, 2.0])
+  assert hi - mean == pytest.approx(12.7062047362 * math.sqrt(0.5) / math.sqrt(2))  # t_{0.975, 1}
+  with pytest.raises(ValueError, match="at least 2"):
+    mismatch.t_interval([1.0])
+
+
+def _synthetic():
+  rng = np.random.default_rng(0)
+  runs = []
+  for arm, shift in (("standard PPO", 0.0), ("decoupled + MIS", 0.1)):
+    for seed in range(4):
+      rewards = (np.linspace(0, 1, 6) + shift + rng.normal(0, 0.05, 6)).tolist()
+      runs.append({"arm": arm, "setting": "fp8", "seed": seed, "reward_mean": rewards,
+                   "mis_k3_kl": [0.01] * 6, "train_rollout_logprob_abs_diff": [0.1] * 6})
+  return {"design": {"final_window": 2, "settings": ["fp8"], "arms": ["standard PPO", "decoupled + MIS"]},
+          "runs": runs}
+
+
+def test_summary_is_means_and_paired_differences_over_seeds():
+  results = _synthetic()
+  rows = {r["arm"]: r for r in mismatch.summarize(results)}
+  runs = results["runs"]
+  final = {a: [np.mean(r["reward_mean"][-2:]) for r in runs if r["arm"] == a] for a in rows}
+  area = {a: [np.mean(r["reward_mean"]) for r in runs if r["arm"] == a] for a in rows}
+  assert rows["standard PPO"]["final_reward"][0] == pytest.approx(np.mean(final["standard PPO"]))
+  assert rows["decoupled + MIS"]["auc"][0] == pytest.approx(np.mean(area["decoupled + MIS"]))
+  diff = np.array(final["decoupled + MIS"]) - np.array(final["standard PPO"])
+  got = rows["decoupled + MIS"]["final_reward_minus_baseline"]
+  half = 3.1824463053 * diff.std(ddof=1) / 2  # t_{0.975, 3}, sqrt(4)
+  assert got == pytest.approx((diff.mean(), diff.mean() - half, diff.mean() + half))
+  assert "final_reward_minus_baseline" not in rows["standard PPO"]
+  assert rows["standard PPO"]["mis_k3_kl"] == pytest.approx(0.01)
+  table = mismatch.summary_table(dict(results, summary=list(rows.values())))
+  assert "| fp8 | decoupled + MIS |" in table and "*" in table  # a 0.1 shift with noise 0.05: significant
+
+
+def test_drawdown_is_fall_from_the_best_running_mean():
+  assert mismatch.drawdown({"reward_mean": [0.0, 0.2, 0.4, 0.6]}, 2) == 0.0  # still improving
+  # running means of 2: 0.5, 0.9, 0.5, 0.2 -> best 0.9, final 0.2
+  assert mismatch.drawdown({"reward_mean": [0.2, 0.8, 1.0, 0.0, 0.4]}, 2) == pytest.approx(0.7)
+
+
+def test_bad_design_names_the_field():
+  with pytest.raises(ValueError, match="unknown arm"):
+    mismatch.Design(arms=("PPO",))
+  with pytest.raises(ValueError, match="unknown setting"):
+    mismatch.Design(settings=("fp4",))
+  with pytest.raises(ValueError, match="at least 2 seeds"):
+    mismatch.Design(seeds=(0,))
+  with pytest.raises(SystemExit):
+    mismatch.main(["--bogus"])
+
+
+COMMITTED = os.path.join(os.path.dirname(__file__), "..", "..", "notebooks", "figures", "mismatch")
+
+
+@pytest.mark.parametrize("sub, design", [("", mismatch.FULL), ("stress", mismatch.STRESS)])
+def test_committed_results_are_the_full_design(sub, design):
+  """notebooks/figures/mismatch (the grid) and its stress/ (the collapse search) hold complete
+  runs of the current designs, and their summaries are what `summarize` computes from the runs."""
+  with open(os.path.join(COMMITTED, sub, "results.json")) as f:
+    results = json.load(f)
+  assert results["design"] == json.loads(json.dumps(dataclasses.asdict(design)))
+  want = {(a, s, seed) for a in design.arms for s in design.settings for seed in design.seeds}
+  want |= {(design.arms[0], s, seed) for s in design.probe_settings for seed in design.seeds}
+  assert {(r["arm"], r["setting"], r["seed"]) for r in results["runs"]} == want
+  assert all(len(r["reward_mean"]) == design.steps for r in results["runs"])
+  assert json.loads(json.dumps(mismatch.summarize(results))) == results["summary"]
+  for name in ("curves_reward_mean.png", "curves_mis_k3_kl.png", "curves_grad_norm.png", "intervals.png"):
+    assert os.path.isfile(os.path.join(COMMITTED, sub, name))
+
+
+@pytest.mark.slow
+def test_quick_mode_end_to_end(tmp_path, capsys):
+  out = str(tmp_path / "quick")
+  mismatch.main(["--quick", "--out", out])
+  with open(os.path.join(out, "results.json")) as f:
+    results = json.load(f)
+  design = mismatch.QUICK
+  assert {(r["arm"], r["setting"], r["seed"]) for r in results["runs"]} == {
+      (a, s, seed) for a in design.arms for s in design.settings for seed in design.seeds}
+  for r in results["runs"]:
+    assert len(r["reward_mean"]) == len(r["step"]) == design.steps
+    assert all(0 <= v <= 1.25 for v in r["reward_mean"])
+    assert all(v > 0 for v in r["mis_k3_kl"])  # fp8 weights, stale: a real mismatch
+  assert [row["arm"] for row in results["summary"]] == list(design.arms)
+  for name in ("curves_reward_mean.png", "curves_mis_k3_kl.png", "curves_grad_norm.png", "intervals.png"):
+    assert os.path.getsize(os.path.join(out, name)) > 1000
+  assert "| fp8, sync 4 | decoupled + MIS |" in capsys.readouterr().out
+  mismatch.main(["--quick", "--out", out, "--resume"])  # nothing left to run: no server starts
+  with open(os.path.join(out, "results.json")) as f:
+    assert json.load(f)["runs"] == results["runs"]
