@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast demo bench bench-memory clean
+.PHONY: venv test test-all test-fast demo bench bench-memory clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,9 @@ venv: $(STAMP)
 
 # Two workers (the CI machine has 2 cores); whole files per worker keep module fixtures (servers) shared.
 test: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not multihost" tests
+
+test-all: $(STAMP)  ## everything, the 2-process trainer run included
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 test-fast: $(STAMP)

@@ -201,6 +201,7 @@ def f32_server(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.multihost
 def test_two_processes_equal_one_process_through_a_kill_and_resume(f32_server, tmp_path):
   """1 process x 8 devices vs 2 processes x 4 devices for 3 steps. The 2-process run is hit by
   kill -9 of process 1 after its step-1 checkpoint: process 0 stops with an error (no hang),
