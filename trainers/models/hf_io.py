@@ -91,6 +91,10 @@ def save_hf_checkpoint(model: Qwen, path: str | os.PathLike, *, dtype: str = "fl
   _atomic_write(os.path.join(path, "config.json"), write_json)
 
 
+# One jitted cast per dtype, shared by every save (a new jit per call would recompile each sync).
+_CASTS = {name: jax.jit(lambda x, d=dt: x.astype(d)) for name, dt in DTYPES.items()}
+
+
 def shard_plan(sizes: dict[str, int], num_shards: int) -> dict[str, int]:
   """`{parameter: shard}`: parameters (in name order) to `num_shards` files, largest first
   onto the lightest shard, so every file (one per process) has about the same bytes."""
@@ -128,7 +132,7 @@ def save_hf_sharded(state: nnx.State, config: ModelConfig, path: str | os.PathLi
   plan = shard_plan({k: int(np.prod(x.shape)) * itemsize for k, _, x in leaves}, num_shards)
   files = [f"model-{k + 1:05d}-of-{num_shards:05d}.safetensors" for k in range(num_shards)]
   me, procs = jax.process_index(), jax.process_count()
-  cast = jax.jit(lambda x: x.astype(DTYPES[dtype]))
+  cast = _CASTS[dtype]
   mine, weight_map, total = collections.defaultdict(dict), {}, 0
   for key, p, x in leaves:
     if x.dtype != DTYPES[dtype]:
