@@ -76,3 +76,16 @@ def assert_metrics_close(got, want, rtol=2e-5, atol=2e-6):
   assert set(got) == set(want), f"key sets differ: extra {set(got) - set(want)}, missing {set(want) - set(got)}"
   for k in want:
     np.testing.assert_allclose(float(got[k]), want[k], rtol=rtol, atol=atol, err_msg=k)
+
+
+def assert_weights_match_oracle(w, kept, metrics, seqs, packing, cfg, mode):
+  """The weights, kept mask and metrics of a correction equal the NumPy oracle's, sequence by
+  sequence (`seqs` packed by `packing`); returns the oracle's metrics."""
+  import oracle
+  W, K, want = oracle.mis(seqs, cfg.to_dict(), mode)
+  want.update(oracle.mismatch(seqs, mode))
+  assert_metrics_close(metrics, want)
+  for i, (wj, kj) in enumerate(zip(packing.unpack(np.asarray(w)), packing.unpack(np.asarray(kept)))):
+    np.testing.assert_allclose(wj, W[i], rtol=1e-5, atol=1e-7, err_msg=f"weights of sequence {i}")
+    np.testing.assert_array_equal(kj, K[i], err_msg=f"kept mask of sequence {i}")
+  return want

@@ -15,9 +15,8 @@ import pytest
 from jax.sharding import AxisType
 
 import mis_jax
-import oracle
 from mis_jax import _engine
-from helpers import assert_metrics_close, pack, random_seqs
+from helpers import assert_weights_match_oracle, pack, random_seqs
 
 SEQS = random_seqs(np.random.default_rng(11), n_seqs=14, max_len=11, with_ref=True, with_entropy=True,
                    mismatch=0.5, catastrophic=0.04)
@@ -134,12 +133,7 @@ GRID = [mis_jax.PassOptions(chunk_tokens=c, lanes=lanes, paired=p)
 def test_every_engine_path_matches_oracle_under_jit(options):
   mode = "seq-mean-token-mean"
   w, kept, metrics = weights(GRID_CFG, mode, options)
-  W, K, want = oracle.mis(SEQS, GRID_CFG.to_dict(), mode)
-  want.update(oracle.mismatch(SEQS, mode))
-  assert_metrics_close(metrics, want)
-  for i, (wj, kj) in enumerate(zip(PACKING.unpack(np.asarray(w)), PACKING.unpack(np.asarray(kept)))):
-    np.testing.assert_allclose(wj, W[i], rtol=1e-5, atol=1e-7, err_msg=f"weights of sequence {i}")
-    np.testing.assert_array_equal(kj, K[i], err_msg=f"kept mask of sequence {i}")
+  assert_weights_match_oracle(w, kept, metrics, SEQS, PACKING, GRID_CFG, mode)
 
 
 def test_pass_options_follow_where_the_inputs_live():

@@ -9,7 +9,7 @@ import pytest
 
 import mis_jax
 import oracle
-from helpers import assert_metrics_close, pack, random_seqs
+from helpers import assert_metrics_close, assert_weights_match_oracle, pack, random_seqs
 
 SEQS = random_seqs(np.random.default_rng(0), n_seqs=9, mismatch=0.4, catastrophic=0.04)
 BATCH, EXTRA, PACKING = pack(SEQS, row_len=16)
@@ -40,12 +40,7 @@ def _run(cfg, mode="seq-mean-token-mean", batch=BATCH):
 
 def _check_against_oracle(cfg, mode):
   w, kept, metrics = _run(cfg, mode)
-  W, K, want = oracle.mis(SEQS, cfg.to_dict(), mode)
-  want.update(oracle.mismatch(SEQS, mode))
-  assert_metrics_close(metrics, want)
-  for i, (wj, kj) in enumerate(zip(PACKING.unpack(np.asarray(w)), PACKING.unpack(np.asarray(kept)))):
-    np.testing.assert_allclose(wj, W[i], rtol=1e-5, atol=1e-7, err_msg=f"weights of sequence {i}")
-    np.testing.assert_array_equal(kj, K[i], err_msg=f"kept mask of sequence {i}")
+  assert_weights_match_oracle(w, kept, metrics, SEQS, PACKING, cfg, mode)
   # Padding carries neither weight nor kept tokens.
   pad = np.asarray(BATCH.segment_ids) < 0
   assert not np.asarray(w)[pad].any() and not np.asarray(kept)[pad].any()

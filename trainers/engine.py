@@ -259,9 +259,8 @@ class Engine:
       if match(rid) and not job.held:
         job.aborted[i] = True
     for job in [j for j in self._queue if all(j.aborted)]:
-      self._queue.remove(job)  # nothing left to run: answer now
-      threading.Thread(target=self._finish, args=(job, [None] * len(job.aborted),
-                                                  self.weight_version), daemon=True).start()
+      self._queue.remove(job)  # nothing left to run: answer now (self._cv is reentrant)
+      self._finish(job, [None] * len(job.aborted), self.weight_version)
 
   def internal_state(self) -> dict:
     """Scheduler state: samples running on the device and waiting in the queue."""

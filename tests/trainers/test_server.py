@@ -523,7 +523,7 @@ def test_trainer_client_gets_distinct_reproducible_groups(embedded):
       group = [s.response_ids for s in a.samples if s.prompt_index == p]
       assert len(set(group)) == 3, group  # not n copies of one sample
     assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]
-    assert all(s.weight_version == server_version for s in a.samples
-               for server_version in [client.model_info()["weight_version"]])
+    version = client.model_info()["weight_version"]
+    assert all(s.weight_version == version for s in a.samples)
   finally:
     client.close()

@@ -47,11 +47,16 @@ def make_cfg(tmp_path, name="run", **sections):
   return TrainConfig.from_dict(raw)
 
 
+def embedded_server(tmp_path_factory, dtype):
+  """`mis-jax serve` of a fresh tiny checkpoint (seed 1), in `dtype`: a context manager."""
+  path = tmp_path_factory.mktemp(f"server-init-{dtype}")
+  init_checkpoint(path, preset="tiny-qwen3", seed=1)
+  return EmbeddedServer(str(path), dtype=dtype, seed=0)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-  path = tmp_path_factory.mktemp("server-init")
-  init_checkpoint(path, preset="tiny-qwen3", seed=1)
-  with EmbeddedServer(str(path), dtype="bfloat16", seed=0) as srv:
+  with embedded_server(tmp_path_factory, "bfloat16") as srv:
     yield srv
 
 
