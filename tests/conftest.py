@@ -2,14 +2,36 @@
 promotion is strict for the library's tests, and 8 simulated CPU devices exist so
 multi-device tests need no environment tricks."""
 
+import atexit
 import os
 import pathlib
+import shutil
+import tempfile
 
 import jax  # noqa: E402
 import pytest
 
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def _share_compilations():
+  """One persistent XLA compilation cache per test session, shared by the xdist workers and by
+  every process the tests start (servers, trainers, workers inherit the environment): the same
+  tiny-model programs are built by many tests and processes, and on 2 cores compiling them is
+  most of the suite's time. Each program is still compiled, lowered and run by the first test
+  that needs it; later identical ones load it. The session that created the directory removes it."""
+  if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    path = tempfile.mkdtemp(prefix="mis-jax-test-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+  jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs",
+                    float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")))
+
+
+_share_compilations()
 
 from hypothesis import settings  # noqa: E402
 
