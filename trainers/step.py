@@ -160,8 +160,12 @@ class StepFunctions:
       grads, (mb_metrics, weights) = jax.lax.scan(body, zeros, (inputs, batch))
       metrics = combine_metrics(mb_metrics, weights)
       metrics["grad_norm"] = optax.tree.norm(grads)
-      updates, opt_state = optimizer.update(grads, opt_state, params)
-      return optax.apply_updates(params, updates), opt_state, metrics
+      # Optax mixes Python floats with int32 step counts: it needs standard promotion even when a
+      # user (or the test suite) runs strict; the rest of the step promotes nothing implicitly.
+      with jax.numpy_dtype_promotion("standard"):
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+      return params, opt_state, metrics
 
     self.logprobs = jax.jit(logprobs, out_shardings=batch_sh)
     self.prepare = jax.jit(lambda batch: mis_jax.prepare_step(batch, loss_cfg))
