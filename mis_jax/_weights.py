@@ -102,7 +102,6 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
   vetoed = correction.vetoed_segments(p1["catastrophic"]) if veto else None
   crit_seg = {i: correction.criterion_value(crit, correction.segment_divergence(crit, p1[f"crit{i}"], count))
               for i, crit in enumerate(crits) if crit.agg != "token"}
-  is_kept_by_segment = seq_mode
   kept_w_by_segment = tis and (seq_mode or (cfg.tis_batch_normalize and cfg.tis_level != "token"
                                             and batch_norm_factor is None))
 
@@ -126,7 +125,7 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
       w = jnp.where(m, w, 0.0)
       kept = m if keep_is is None else m & keep_is
       if keep_is is not None:
-        acc = SegSum if is_kept_by_segment else Total
+        acc = SegSum if seq_mode else Total
         out["is_kept_w"], out["is_kept_n"] = acc(jnp.where(kept, w, 0.0)), acc(kept)
       # §4: rejection sampling on raw (pre-bound) weights at rs_level.
       w_rs_raw = None

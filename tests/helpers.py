@@ -1,4 +1,8 @@
-"""Random packed batches and their list-of-sequences twins for oracle comparisons."""
+"""Random packed batches and their list-of-sequences twins for oracle comparisons; ports and
+environments for the tests' subprocesses."""
+
+import os
+import socket
 
 import numpy as np
 
@@ -89,3 +93,20 @@ def assert_weights_match_oracle(w, kept, metrics, seqs, packing, cfg, mode):
     np.testing.assert_allclose(wj, W[i], rtol=1e-5, atol=1e-7, err_msg=f"weights of sequence {i}")
     np.testing.assert_array_equal(kj, K[i], err_msg=f"kept mask of sequence {i}")
   return want
+
+
+def free_port() -> int:
+  """A TCP port free on 127.0.0.1 now (for a coordinator or server a test starts)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def cpu_process_env(devices: int | None = None) -> dict:
+  """This environment for a JAX subprocess on CPU, without the suite's device-count settings;
+  with ``devices``, that many simulated CPU devices."""
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
+  env["JAX_PLATFORMS"] = "cpu"
+  if devices is not None:
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  return env

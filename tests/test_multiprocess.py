@@ -3,7 +3,6 @@ coordinator on 127.0.0.1) equals the single-process result."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -12,23 +11,16 @@ import numpy as np
 import pytest
 
 import test_sharding as ts
+from helpers import cpu_process_env, free_port
 from test_sharding import single_device  # noqa: F401  (fixture)
-
-
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 @pytest.mark.slow
 def test_two_processes_equal_one(tmp_path, single_device):
   out = tmp_path / "result.json"
-  port = _free_port()
+  port = free_port()
   worker = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-  env["JAX_PLATFORMS"] = "cpu"
-  procs = [subprocess.Popen([sys.executable, worker, str(i), "2", str(port), str(out)], env=env,
+  procs = [subprocess.Popen([sys.executable, worker, str(i), "2", str(port), str(out)], env=cpu_process_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
   logs = []
   try:

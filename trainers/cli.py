@@ -117,13 +117,13 @@ def resolve_train_config(args):
 def _train(argv: list[str] | None = None) -> int:
   import os
 
+  import jax
+
   import mis_jax
-  from trainers import train
+  from trainers import distributed, train
   from trainers.models.attention import resolve_attention_backend
   from trainers.rollout import ServerError
   from trainers.server import EmbeddedServer
-
-  from trainers import distributed
 
   args = train_parser().parse_args(argv)
   try:
@@ -144,7 +144,7 @@ def _train(argv: list[str] | None = None) -> int:
   say = print if primary else (lambda *a, **k: None)
   say(f"algorithm: {loss_cfg.algorithm} (correction: {loss_cfg.correction}); run dir: {os.path.abspath(cfg.run_dir)}")
   say(f"mesh: {dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} device(s) in "
-      f"{jax_process_count()} process(es); model {cfg.model.dtype} compute, {cfg.model.param_dtype} weights, "
+      f"{jax.process_count()} process(es); model {cfg.model.dtype} compute, {cfg.model.param_dtype} weights, "
       f"attention {attention}{f' ({reason})' if reason else ''}, remat {cfg.model.remat}")
   say(f"task: {task.summary}")
   if cfg.rollout.max_staleness:
@@ -169,11 +169,6 @@ def _train(argv: list[str] | None = None) -> int:
   if primary:
     train.print_summary(history, cfg)
   return 0
-
-
-def jax_process_count() -> int:
-  import jax
-  return jax.process_count()
 
 
 _COMMANDS = {

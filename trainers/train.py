@@ -111,12 +111,14 @@ class Trainer:
     return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": self.max_new_tokens,
             "stop_token_ids": list(self.task.stop_token_ids), "no_stop_trim": True, "skip_special_tokens": False}
 
+  def prompts(self, batch: int) -> list:
+    """The prompts of rollout batch `batch` (a function of (seed, batch) only)."""
+    return self.task.prompts(self.cfg.seed, batch, self.cfg.rollout.prompts_per_step)
+
   def generate(self, batch: int) -> RolloutResult:
     """Rollout batch `batch` from the servers (process 0): its prompts and per-sample seeds
     depend on (seed, batch) only."""
-    r = self.cfg.rollout
-    prompts = self.task.prompts(self.cfg.seed, batch, r.prompts_per_step)
-    return self.client.generate([p.ids for p in prompts], self.sampling_params(), n=r.n,
+    return self.client.generate([p.ids for p in self.prompts(batch)], self.sampling_params(), n=self.cfg.rollout.n,
                                 seed=self.cfg.seed * 100_003 + batch)
 
   def check_rollout(self, result: RolloutResult) -> RolloutResult:
@@ -136,7 +138,7 @@ class Trainer:
     def produce():
       return self.check_rollout(self.generate(self.batch_index)).to_json()
     result = RolloutResult.from_json(self._primary(produce))
-    prompts = self.task.prompts(self.cfg.seed, self.batch_index, self.cfg.rollout.prompts_per_step)
+    prompts = self.prompts(self.batch_index)
     self.batch_index += 1
     return prompts, result
 
@@ -253,22 +255,22 @@ class Trainer:
   def async_rollout(self, producer: "RolloutProducer") -> tuple[list, RolloutResult, dict]:
     """The next batch from the producer (process 0), stale samples dropped, on every process."""
     def produce():
-      dropped = 0
+      dropped, batch = 0, self.batch_index
       for _ in range(8):  # a batch left with nothing fresh is skipped, a bounded number of times
-        batch, result, waited = producer.take(self.batch_index)
-        self.batch_index = batch + 1
+        batch, result, waited = producer.take(batch)
         result, metrics = self.stale_filtered(result)
         dropped += metrics["rollout/dropped_stale"]
         if result.samples:
           metrics.update({"rollout/dropped_stale": dropped, "rollout/wait_s": waited, "batch": batch})
           return {"result": self.check_rollout(result).to_json(), "metrics": metrics}
+        batch += 1
       raise TrainingError(f"step {self.step}: 8 rollout batches in a row had no sample within "
                           f"max_staleness {self.cfg.rollout.max_staleness}")
     out = self._primary(produce)
     metrics = out["metrics"]
-    self.batch_index = metrics.pop("batch") + 1
-    prompts = self.task.prompts(self.cfg.seed, self.batch_index - 1, self.cfg.rollout.prompts_per_step)
-    return prompts, RolloutResult.from_json(out["result"]), metrics
+    batch = metrics.pop("batch")
+    self.batch_index = batch + 1
+    return self.prompts(batch), RolloutResult.from_json(out["result"]), metrics
 
   # --- the loop --------------------------------------------------------------------------
   def run(self, *, resume: bool = False, progress: bool = True, log=print) -> list[dict]:

@@ -5,7 +5,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from flax import nnx
 
 import mis_jax
 from fake_sglang import FakeSGLang
+from helpers import cpu_process_env, free_port
 from test_train import ALGORITHMS, BASE, embedded_server, make_cfg
 from trainers import train as train_lib
 from trainers.models import (PRESETS, Qwen, hf_state_dict, load_hf_checkpoint,
@@ -156,27 +156,15 @@ def trainer_thread_alive() -> bool:
 
 # ---- several processes ----------------------------------------------------------------------
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _env(devices):
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-  return env
-
-
 def _launch(config, url, run_dir, nproc, *extra):
-  port = _free_port()
+  port = free_port()
   cmd = [sys.executable, "-m", "trainers.cli", "train", "--config", str(config), "--sglang-url", url,
          "--run-dir", str(run_dir), "--no-progress", *extra]
   if nproc == 1:
-    return [subprocess.Popen(cmd, env=_env(8), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    return [subprocess.Popen(cmd, env=cpu_process_env(8), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
   return [subprocess.Popen(cmd + ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", str(nproc),
                                   "--process-id", str(i), "--heartbeat-timeout", "30"],
-                           env=_env(8 // nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                           env=cpu_process_env(8 // nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
           for i in range(nproc)]
 
 

@@ -25,6 +25,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
+from trainers import distributed
 from trainers.models.config import PRESETS, ModelConfig
 from trainers.models.qwen import Qwen
 
@@ -83,12 +84,7 @@ def save_hf_checkpoint(model: Qwen, path: str | os.PathLike, *, dtype: str = "fl
   tensors = hf_state_dict(model, dtype=dtype)
   _atomic_write(os.path.join(path, "model.safetensors"),
                 lambda f: save_file(tensors, f, metadata={"format": "pt"}))
-  config = model.config.to_hf_dict(dtype=dtype)
-
-  def write_json(f):
-    with open(f, "w") as fh:
-      json.dump(config, fh, indent=2)
-  _atomic_write(os.path.join(path, "config.json"), write_json)
+  _write_json(os.path.join(path, "config.json"), model.config.to_hf_dict(dtype=dtype))
 
 
 # One jitted cast per dtype, shared by every save (a new jit per call would recompile each sync).
@@ -120,8 +116,6 @@ def save_hf_sharded(state: nnx.State, config: ModelConfig, path: str | os.PathLi
   write their files in parallel. Process 0 writes the index and the config; every file is
   renamed into place whole. Returns the seconds spent gathering and writing (this process).
   """
-  from jax.experimental import multihost_utils
-
   if dtype not in DTYPES:
     raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
   t0 = time.perf_counter()
@@ -137,7 +131,7 @@ def save_hf_sharded(state: nnx.State, config: ModelConfig, path: str | os.PathLi
   for key, p, x in leaves:
     if x.dtype != DTYPES[dtype]:
       x = cast(x)  # on the devices: half the bytes to gather for bf16
-    full = np.asarray(x) if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)
+    full = distributed.to_host(x)
     for name, a in _hf_arrays(p, full).items():
       weight_map[name] = files[plan[key]]
       total += a.size * itemsize
@@ -149,17 +143,18 @@ def save_hf_sharded(state: nnx.State, config: ModelConfig, path: str | os.PathLi
     _atomic_write(os.path.join(path, files[k]), lambda f, t=tensors: save_file(t, f, metadata={"format": "pt"}))
   if me == 0:
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    hf_config = config.to_hf_dict(dtype=dtype)
-    for name, payload in (("model.safetensors.index.json", index), ("config.json", hf_config)):
-      _atomic_write(os.path.join(path, name), lambda f, payload=payload: _dump_json(payload, f))
-  if jax.process_count() > 1:
-    multihost_utils.sync_global_devices(f"save_hf_sharded {os.path.abspath(path)}")
+    _write_json(os.path.join(path, "model.safetensors.index.json"), index)
+    _write_json(os.path.join(path, "config.json"), config.to_hf_dict(dtype=dtype))
+  distributed.barrier(f"save_hf_sharded {os.path.abspath(path)}")
   return {"gather_s": t1 - t0, "write_s": time.perf_counter() - t1}
 
 
-def _dump_json(payload, f) -> None:
-  with open(f, "w") as fh:
-    json.dump(payload, fh, indent=2)
+def _write_json(dest: str, payload) -> None:
+  """``payload`` as indented JSON at ``dest``, renamed into place whole."""
+  def write(f):
+    with open(f, "w") as fh:
+      json.dump(payload, fh, indent=2)
+  _atomic_write(dest, write)
 
 
 def _atomic_write(dest: str, write) -> None:
