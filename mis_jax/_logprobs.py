@@ -46,62 +46,90 @@ def _num_chunks(num_tokens: int, chunk_size: int):
   return -(-num_tokens // chunk), chunk
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _token_logprobs(hidden, lm_head, targets, temperature, chunk_size, layout, with_entropy):
-  """Flat core: ``hidden [T, D]``, ``lm_head`` (same dtype), ``targets [T]`` int32 in range."""
-  out, _ = _token_logprobs_fwd(hidden, lm_head, targets, temperature, chunk_size, layout,
-                               with_entropy)
+def _support_member(ids, vocab: int):
+  """``[C, K]`` support ids (``-1`` = padding) → ``[C, V]`` bool membership. A row with no
+  valid id stands for "no truncation known" and is the whole vocabulary."""
+  valid = ids >= 0
+  rows = jnp.broadcast_to(jnp.arange(ids.shape[0])[:, None], ids.shape)
+  cols = jnp.where(valid, ids, vocab)  # out of range: dropped
+  member = jnp.zeros((ids.shape[0], vocab), bool).at[rows, cols].set(True, mode="drop")
+  return member | ~jnp.any(valid, axis=-1, keepdims=True)
+
+
+def _support_lse(z, member):
+  """``log Σ_{v∈S} exp z_v`` per row (``S`` never empty)."""
+  return jax.nn.logsumexp(jnp.where(member, z, -jnp.inf), axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _token_logprobs(hidden, lm_head, targets, support, temperature, chunk_size, layout, with_entropy,
+                    with_support, with_mass):
+  """Flat core: ``hidden [T, D]``, ``lm_head`` (same dtype), ``targets [T]`` int32 in range,
+  ``support [T, K]`` int32 (``-1`` padded; a ``[T, 1]`` dummy without ``with_support``).
+  Returns ``(logprobs, entropy, kept_logmass)``; the last two are zeros when not asked for."""
+  out, _ = _token_logprobs_fwd(hidden, lm_head, targets, support, temperature, chunk_size, layout,
+                               with_entropy, with_support, with_mass)
   return out
 
 
-def _token_logprobs_fwd(hidden, lm_head, targets, temperature, chunk_size, layout, with_entropy):
-  num_tokens = hidden.shape[0]
+def _token_logprobs_fwd(hidden, lm_head, targets, support, temperature, chunk_size, layout,
+                        with_entropy, with_support, with_mass):
+  num_tokens, vocab = hidden.shape[0], lm_head.shape[1 if layout == "dv" else 0]
   num_chunks, chunk = _num_chunks(num_tokens, chunk_size)
 
   def body(_, xs):
-    h, y = xs
+    h, y, ids = xs
     z = _logits(h, lm_head, layout, temperature)
     lse = jax.nn.logsumexp(z, axis=-1)
-    lp = jnp.take_along_axis(z, y[:, None], axis=-1)[:, 0] - lse
-    if not with_entropy:
-      return None, (lp, lse, lse)  # third slot unused; keeps one scan signature
-    log_p = z - lse[:, None]
-    # -Σ p log p, with log p = z - lse exact: no cancellation of lse against Σ p z.
-    ent = -jnp.sum(jnp.exp(log_p) * log_p, axis=-1)
-    return None, (lp, lse, ent)
+    if with_support:
+      member = _support_member(ids, vocab)
+      lse_s = _support_lse(z, member)
+    else:
+      lse_s = lse
+    lp = jnp.take_along_axis(z, y[:, None], axis=-1)[:, 0] - lse_s
+    ent = jnp.zeros_like(lse)
+    if with_entropy:
+      log_q = z - lse_s[:, None]
+      # -Σ q log q over the support, with log q = z - lse_S exact (no cancellation).
+      terms = jnp.exp(log_q) * log_q
+      ent = -jnp.sum(jnp.where(member, terms, 0.0) if with_support else terms, axis=-1)
+    return None, (lp, lse, lse_s, ent)
 
-  _, (lp, lse, ent) = jax.lax.scan(
-      body, None, (_chunked(hidden, num_chunks, chunk), _chunked(targets, num_chunks, chunk)))
-  lp = _unchunked(lp, num_tokens)
-  if not with_entropy:
-    return lp, (hidden, lm_head, targets, lse, None)
-  # Residuals are O(T): the inputs themselves plus per-token lse and entropy (chunked, padded).
-  return (lp, _unchunked(ent, num_tokens)), (hidden, lm_head, targets, lse, ent)
+  _, (lp, lse, lse_s, ent) = jax.lax.scan(
+      body, None, (_chunked(hidden, num_chunks, chunk), _chunked(targets, num_chunks, chunk),
+                   _chunked(support, num_chunks, chunk)))
+  mass = lse_s - lse if with_mass else jnp.zeros_like(lse)
+  out = tuple(_unchunked(x, num_tokens) for x in (lp, ent, mass))
+  # Residuals are O(T): the inputs themselves plus per-token lse, lse_S and entropy (chunked).
+  return out, (hidden, lm_head, targets, support, lse, lse_s, ent)
 
 
-def _token_logprobs_bwd(temperature, chunk_size, layout, with_entropy, res, g):
-  hidden, lm_head, targets, lse, ent = res
+def _token_logprobs_bwd(temperature, chunk_size, layout, with_entropy, with_support, with_mass, res,
+                        g):
+  hidden, lm_head, targets, support, lse, lse_s, ent = res
   num_tokens, vocab = hidden.shape[0], lm_head.shape[1 if layout == "dv" else 0]
   num_chunks, chunk = _num_chunks(num_tokens, chunk_size)
-  g_lp, g_ent = g if with_entropy else (g, None)
   # Padded rows get zero cotangents, hence dz = 0 exactly (every factor below is finite):
   # they add nothing to dW, and their dh rows are sliced off.
-  g_lp = _chunked(g_lp.astype(jnp.float32), num_chunks, chunk)
-  if with_entropy:
-    g_ent = _chunked(g_ent.astype(jnp.float32), num_chunks, chunk)
-  else:
-    g_ent = ent = jnp.zeros_like(g_lp)  # dummies, unused by the body
+  g_lp, g_ent, g_mass = (_chunked(x.astype(jnp.float32), num_chunks, chunk) for x in g)
   vocab_ids = jnp.arange(vocab, dtype=jnp.int32)[None, :]
 
   def body(dw, xs):
-    h, y, lse_c, ent_c, g_lp_c, g_ent_c = xs
+    h, y, ids, lse_c, lse_s_c, ent_c, g_lp_c, g_ent_c, g_mass_c = xs
     z = _logits(h, lm_head, layout, temperature)
-    log_p = z - lse_c[:, None]
-    p = jnp.exp(log_p)
-    # d lp / dz = onehot(y) - p;   d H / dz = -p (log p + H).
-    dz = g_lp_c[:, None] * ((vocab_ids == y[:, None]).astype(jnp.float32) - p)
+    # q: the distribution renormalised over the support (p itself without one).
+    log_q = z - lse_s_c[:, None]
+    q = jnp.exp(log_q)
+    if with_support:
+      member = _support_member(ids, vocab)
+      q = jnp.where(member, q, 0.0)
+      log_q = jnp.where(member, log_q, 0.0)
+    # d lp / dz = onehot(y) - q;   d H / dz = -q (log q + H);   d log M / dz = q - p.
+    dz = g_lp_c[:, None] * ((vocab_ids == y[:, None]).astype(jnp.float32) - q)
     if with_entropy:
-      dz = dz - g_ent_c[:, None] * p * (log_p + ent_c[:, None])
+      dz = dz - g_ent_c[:, None] * q * (log_q + ent_c[:, None])
+    if with_mass:
+      dz = dz + g_mass_c[:, None] * (q - jnp.exp(z - lse_c[:, None]))
     if temperature != 1.0:
       dz = dz / temperature
     # Both matmuls take dz in the inputs' dtype and accumulate in float32 (bf16 for bf16
@@ -119,11 +147,11 @@ def _token_logprobs_bwd(temperature, chunk_size, layout, with_entropy, res, g):
                                     preferred_element_type=jnp.float32)
     return dw, dh.astype(h.dtype)
 
-  xs = (_chunked(hidden, num_chunks, chunk), _chunked(targets, num_chunks, chunk), lse, ent,
-        g_lp, g_ent)
+  xs = (_chunked(hidden, num_chunks, chunk), _chunked(targets, num_chunks, chunk),
+        _chunked(support, num_chunks, chunk), lse, lse_s, ent, g_lp, g_ent, g_mass)
   dw, dh = jax.lax.scan(body, jnp.zeros(lm_head.shape, jnp.float32), xs)
-  # Integer targets get no cotangent.
-  return _unchunked(dh, num_tokens), dw.astype(lm_head.dtype), None
+  # Integer targets and support ids get no cotangent.
+  return _unchunked(dh, num_tokens), dw.astype(lm_head.dtype), None, None
 
 
 _token_logprobs.defvjp(_token_logprobs_fwd, _token_logprobs_bwd)
@@ -197,8 +225,49 @@ def _compute_dtype(a, b):
   return a if bits_a > bits_b else b
 
 
+def _check_support(support_ids, support_mask, targets, vocab: int):
+  """``support_ids [..., K]`` (and ``support_mask``) → int32 ids, ``-1`` where not in the support."""
+  support_ids = _validation.as_array("support_ids", support_ids)
+  if support_ids.dtype == jnp.bool_ or not jnp.issubdtype(support_ids.dtype, jnp.integer):
+    raise TypeError(f"'support_ids' must be an integer array, got dtype {support_ids.dtype}")
+  lead = tuple(targets.shape)
+  if support_ids.ndim != len(lead) + 1 or tuple(support_ids.shape[:-1]) != lead:
+    raise ValueError(f"'support_ids' has shape {tuple(support_ids.shape)} but must be [..., K] with "
+                     f"targets' shape {lead} in front (K: the padded support width)")
+  if support_ids.shape[-1] == 0:
+    raise ValueError("'support_ids' has width K=0; pass at least one column")
+  valid = support_ids >= 0
+  if support_mask is not None:
+    support_mask = _validation.as_array("support_mask", support_mask)
+    if support_mask.dtype != jnp.bool_:
+      raise TypeError(f"'support_mask' must be a bool array, got dtype {support_mask.dtype}")
+    if tuple(support_mask.shape) != tuple(support_ids.shape):
+      raise ValueError(f"'support_mask' has shape {tuple(support_mask.shape)} but 'support_ids' has "
+                       f"shape {tuple(support_ids.shape)}")
+    valid = valid & support_mask
+  concrete = (_validation._is_concrete(support_ids) and _validation._is_concrete(targets)
+              and (support_mask is None or _validation._is_concrete(support_mask)))
+  if concrete:  # under an outer jit these are NumPy values: stay in NumPy
+    ids = np.where(np.asarray(valid), np.asarray(support_ids), -1).astype(np.int32)
+  else:
+    ids = jnp.where(valid, support_ids, -1).astype(jnp.int32)
+  if concrete and support_ids.size:
+    ids_np, y = ids, np.asarray(targets)
+    if ids_np.max() >= vocab:
+      raise ValueError(f"'support_ids' holds id {int(ids_np.max())}, outside [0, V={vocab})")
+    has = (ids_np >= 0).any(-1)
+    outside = has & ~(ids_np == y[..., None]).any(-1)
+    if outside.any():
+      at = tuple(int(i) for i in np.argwhere(outside)[0])
+      raise ValueError(f"target {int(y[at])} at index {at} is not in its support "
+                       f"{sorted(int(v) for v in ids_np[at] if v >= 0)}: a sampled token always is; "
+                       "check that supports and targets are aligned")
+  return ids
+
+
 def token_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, chunk_size: int = 1024,
-                   return_entropy: bool = False, lm_head_layout: str = "dv"):
+                   return_entropy: bool = False, lm_head_layout: str = "dv", support_ids=None,
+                   support_mask=None, return_kept_mass: bool = False):
   """Per-token log-probs (and entropy) of ``targets`` without materialising ``[T, V]`` logits.
 
   With ``z_t = (h_t · W) / τ`` the float32 logits of token ``t``,
@@ -206,14 +275,30 @@ def token_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, chunk_
     ``lse_t = log Σ_v exp z_tv``,   ``logprob_t = z_{t, y_t} - lse_t``,
     ``entropy_t = -Σ_v p_tv log p_tv``  with  ``log p_tv = z_tv - lse_t``.
 
-  Tokens are processed ``chunk_size`` at a time by a ``lax.scan``, so only a ``[chunk_size, V]``
-  block of logits exists at once. The backward pass (a ``jax.custom_vjp``) keeps only the inputs
-  and per-token ``lse_t`` and ``entropy_t`` and rescans the chunks, recomputing the logits:
+  **Sampling-mask replay.** With ``support_ids`` (the tokens that survived the engine's top-k /
+  top-p / min-p filter at each position, ``S_t``), everything is over the truncated distribution
+  the engine really sampled from, ``π_S(v) = π(v) / Σ_{u∈S} π(u)`` on ``S``:
 
-    ``∂L/∂z_tv = g^lp_t (1[v = y_t] - p_tv) - g^H_t p_tv (log p_tv + entropy_t)``,
+    ``lse^S_t = log Σ_{v∈S_t} exp z_tv``,   ``logprob_t = z_{t, y_t} - lse^S_t``
+    (``= log π(y) - log Σ_{v∈S} π(v)``),   ``entropy_t = -Σ_{v∈S_t} π_S log π_S``,
+
+  and ``return_kept_mass`` adds ``kept_logmass_t = lse^S_t - lse_t = log Σ_{v∈S_t} π(v) ≤ 0``,
+  the log of the probability mass the filter kept. A position whose support row is empty
+  (every entry padding: prompt tokens, padding, untruncated sampling) is over the whole
+  vocabulary (kept log-mass 0).
+
+  Tokens are processed ``chunk_size`` at a time by a ``lax.scan``, so only a ``[chunk_size, V]``
+  block of logits exists at once (with a support, also a ``[chunk_size, V]`` membership mask
+  built by a scatter of the chunk's ``[chunk_size, K]`` ids). The backward pass (a
+  ``jax.custom_vjp``) keeps only the inputs and per-token ``lse_t``, ``lse^S_t`` and
+  ``entropy_t`` and rescans the chunks, recomputing the logits; with ``q`` the distribution
+  the outputs are over (``π_S`` on ``S``, 0 elsewhere; ``p`` without a support):
+
+    ``∂L/∂z_tv = g^lp_t (1[v = y_t] - q_tv) - g^H_t q_tv (log q_tv + entropy_t)
+                 + g^M_t (q_tv - p_tv)``,
     ``∂L/∂h_t = (∂L/∂z_t / τ) · Wᵀ``,   ``∂L/∂W = Σ_t h_tᵀ (∂L/∂z_t / τ)``,
 
-  for any cotangents ``g^lp`` of the log-probs and ``g^H`` of the entropy together. ``∂L/∂W``
+  for any cotangents ``g^lp``, ``g^H``, ``g^M`` of the outputs together. ``∂L/∂W``
   accumulates in float32 across chunks. Temporary memory is about ``2 · chunk_size · V``
   float32 values (the logits block and its gradient; one block in the forward pass), plus a
   ``D · V`` float32 accumulator when ``lm_head`` is not float32, whatever the number of tokens
@@ -238,21 +323,41 @@ def token_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, chunk_
     chunk_size: tokens per chunk (static); trades memory ``∝ chunk_size · V`` for matmul
       efficiency. ``T`` need not be a multiple: the tail is zero-padded internally and the
       padded rows are sliced off and receive no gradient.
-    return_entropy: also return the per-token entropy of ``softmax(z_t)``.
+    return_entropy: also return the per-token entropy (of ``π_S`` with a support).
     lm_head_layout: ``"dv"`` or ``"vd"``, the layout of ``lm_head`` (no transposed copy made).
+    support_ids: optional ``[..., K]`` int ids of each position's sampling support, padded to a
+      static width ``K`` with ``-1`` (or with any id and ``support_mask`` False), e.g. SGLang's
+      ``output_token_sampling_mask``. Order and duplicates do not matter. Concrete inputs are
+      checked: ids below ``V``, and each target inside its (non-empty) support; under jit a
+      target outside its support gets ``z_y - lse^S`` (not a log-prob), so keep them aligned.
+    support_mask: optional ``[..., K]`` bool, False for padding entries of ``support_ids``.
+    return_kept_mass: also return ``kept_logmass`` (needs nothing else; 0 without a support).
 
   Returns:
-    float32 log-probs of ``hidden``'s leading shape, or ``(logprobs, entropy)`` when
-    ``return_entropy``. Differentiable in ``hidden`` and ``lm_head`` (not in ``targets``).
+    float32 log-probs of ``hidden``'s leading shape; with ``return_entropy`` and/or
+    ``return_kept_mass`` a tuple ``(logprobs, [entropy], [kept_logmass])`` in that order.
+    Differentiable in ``hidden`` and ``lm_head`` (not in ``targets`` or the support).
   """
   hidden, lm_head, targets, temperature, chunk_size, return_entropy, vocab = _check_args(
       hidden, lm_head, targets, temperature, chunk_size, return_entropy, lm_head_layout)
+  if not isinstance(return_kept_mass, (bool, np.bool_)):
+    raise TypeError(f"return_kept_mass must be a bool, got {type(return_kept_mass).__name__}")
+  if support_mask is not None and support_ids is None:
+    raise ValueError("'support_mask' was given without 'support_ids'")
   lead = tuple(hidden.shape[:-1])
+  num_tokens = math.prod(lead)
+  with_support = support_ids is not None
+  if with_support:
+    ids = _check_support(support_ids, support_mask, targets, vocab)
+    flat_support = jnp.reshape(ids, (num_tokens, ids.shape[-1]))
+  else:
+    flat_support = jnp.full((num_tokens, 1), -1, jnp.int32)
   dtype = _compute_dtype(hidden.dtype, lm_head.dtype)
   flat_hidden = jnp.reshape(hidden, (-1, hidden.shape[-1])).astype(dtype)
   flat_targets = jnp.clip(jnp.reshape(targets, (-1,)).astype(jnp.int32), 0, vocab - 1)
-  out = _token_logprobs(flat_hidden, jnp.asarray(lm_head).astype(dtype), flat_targets, temperature,
-                        chunk_size, lm_head_layout, return_entropy)
-  if return_entropy:
-    return jnp.reshape(out[0], lead), jnp.reshape(out[1], lead)
-  return jnp.reshape(out, lead)
+  lp, ent, mass = _token_logprobs(flat_hidden, jnp.asarray(lm_head).astype(dtype), flat_targets,
+                                  flat_support, temperature, chunk_size, lm_head_layout,
+                                  return_entropy, with_support, bool(return_kept_mass))
+  outs = [lp] + ([ent] if return_entropy else []) + ([mass] if return_kept_mass else [])
+  outs = [jnp.reshape(x, lead) for x in outs]
+  return outs[0] if len(outs) == 1 else tuple(outs)
