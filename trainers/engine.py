@@ -59,11 +59,15 @@ class Engine:
   """
 
   def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0,
-               max_batch_size: int = 64, weight_version: str = "default", quantize: str = "none"):
+               max_batch_size: int = 64, weight_version: str = "default", quantize: str = "none",
+               sampling_mask_max_tokens: int = protocol.SAMPLING_MASK_MAX_TOKENS):
     if dtype not in DTYPES:
       raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if quantize not in QUANTIZATIONS:
       raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
+    if sampling_mask_max_tokens < 1:
+      raise ValueError(f"sampling_mask_max_tokens must be positive, got {sampling_mask_max_tokens}")
+    self.sampling_mask_max_tokens = sampling_mask_max_tokens
     self.model_path = os.path.abspath(model_path)
     self.dtype = dtype
     self.quantize = quantize
@@ -97,7 +101,8 @@ class Engine:
     """Validates and queues a request; raises `protocol.RequestError` as SGLang would."""
     for item in request.items:
       protocol.validate_item(item, vocab_size=self.config.vocab_size,
-                             context_length=self.config.max_position_embeddings)
+                             context_length=self.config.max_position_embeddings,
+                             sampling_mask_max_tokens=self.sampling_mask_max_tokens)
     job = _Job(request, time.perf_counter(), [False] * len(request.items))
     with self._cv:
       job.held = self._paused
@@ -155,8 +160,7 @@ class Engine:
         if work:
           items = [jobs[k].request.items[i] for k, i in work]
           completions = self.sampler.generate(
-              [it.input_ids for it in items], [_engine_params(it.sampling, len(it.input_ids),
-                                                              self.config.max_position_embeddings)
+              [it.input_ids for it in items], [_engine_params(it, self.config.max_position_embeddings)
                                                for it in items],
               prompt_logprobs=any(it.return_logprob and it.logprob_start_len >= 0 for it in items))
       done = dict(zip(work, completions))
@@ -212,12 +216,16 @@ class Engine:
       outputs = protocol.logprob_entries(c.logprobs, c.output_ids,
                                          texts(c.output_ids) if texts else None)
       logprobs = (inputs, outputs)
+    mask = None
+    if item.return_sampling_mask:  # top_k <= the cap was checked, so no support overflows it
+      mask = (c.sampling_mask, c.sampling_mask_logprobs if item.sampling_logprobs_mode == "support"
+              else c.sampling_logprobs)
     shown = c.output_ids
     if kind == "stop" and not aborted and not item.sampling.no_stop_trim and shown:
       shown = shown[:-1]  # SGLang trims the matched stop token from the text (not output_ids)
     meta = protocol.meta_info(rid=item.rid, finish_reason=finish, prompt_tokens=c.prompt_tokens,
                               weight_version=version, completion_tokens=len(c.output_ids),
-                              e2e_latency=latency, sent_ts=now, logprobs=logprobs)
+                              e2e_latency=latency, sent_ts=now, logprobs=logprobs, sampling_mask=mask)
     return {"text": self._decode(shown, item.sampling.skip_special_tokens),
             "output_ids": c.output_ids, "meta_info": meta}
 
@@ -339,17 +347,19 @@ class Engine:
         "ep_size": 1, "nnodes": 1, "node_rank": 0, "skip_tokenizer_init": self.tokenizer is None,
         "enable_deterministic_inference": True, "incremental_streaming_output": False,
         "disaggregation_mode": "null", "internal_states": [self.internal_state()],
+        "sampling_mask_max_tokens": self.sampling_mask_max_tokens,
         "version": protocol.PROTOCOL_VERSION, "frontend": "mis-jax"}
 
 
-def _engine_params(s: protocol.SamplingParams, prompt_len: int, context: int) -> SamplingParams:
-  """Protocol sampling params (validated) → the sampler's."""
+def _engine_params(item: protocol.Item, context: int) -> SamplingParams:
+  """A validated protocol item's sampling params → the sampler's."""
+  s, prompt_len = item.sampling, len(item.input_ids)
   top_k = -1 if s.top_k is None or s.top_k >= protocol.TOP_K_ALL else s.top_k
   max_new = context - prompt_len if s.max_new_tokens is None else s.max_new_tokens
   return SamplingParams(temperature=float(s.temperature), top_p=float(s.top_p), top_k=top_k,
                         min_p=float(s.min_p), max_new_tokens=max_new,
                         stop_token_ids=tuple(s.stop_token_ids or ()), ignore_eos=bool(s.ignore_eos),
-                        n=1, seed=s.sampling_seed)
+                        n=1, seed=s.sampling_seed, sampling_mask=item.return_sampling_mask)
 
 
 def _load_tokenizer(path: str):

@@ -31,6 +31,8 @@ PROTOCOL_VERSION = "0.5.23"  # the SGLang release whose protocol this module fol
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 TOP_K_ALL = 1 << 30  # SGLang's "no top-k filter"
 SAMPLING_EPS = 1e-6  # SGLang: temperatures below this are greedy
+SAMPLING_MASK_MAX_TOKENS = 4096  # SGLang's --sampling-mask-max-tokens default
+SAMPLING_LOGPROBS_MODES = ("selected", "support")
 
 
 class ContractError(ValueError):
@@ -131,6 +133,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
   images_config: Any = None
   routed_experts_start_len: int = 0
   return_sampling_mask: bool | list[bool] | None = None
+  # Not in api_types.py (its contract ignores the key); SGLang's GenerateReqInput reads it.
+  sampling_logprobs_mode: str | list[str | None] | None = None
   modalities: list[str | None] | None = None
 
 
@@ -222,6 +226,8 @@ class Item:
   return_logprob: bool
   logprob_start_len: int  # -1: output log-probs only
   return_text_in_logprobs: bool
+  return_sampling_mask: bool = False
+  sampling_logprobs_mode: str | None = None  # None: "selected"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -319,7 +325,8 @@ def normalize_generate(req: GenerateRequest, *, encode=None) -> NormalizedGenera
   else:
     per_prompt_sp = [sp] * batch
   per_prompt = {name: _per_prompt(getattr(req, name), default, name, batch, n)
-                for name, default in (("return_logprob", False), ("logprob_start_len", -1))}
+                for name, default in (("return_logprob", False), ("logprob_start_len", -1),
+                                      ("return_sampling_mask", False), ("sampling_logprobs_mode", None))}
 
   rid = req.rid
   if is_single:
@@ -349,13 +356,16 @@ def normalize_generate(req: GenerateRequest, *, encode=None) -> NormalizedGenera
       items.append(Item(rid=rids[i * n + j], prompt_index=i, input_ids=list(prompt), sampling=s,
                         return_logprob=bool(per_prompt["return_logprob"][i]),
                         logprob_start_len=int(per_prompt["logprob_start_len"][i]),
-                        return_text_in_logprobs=bool(req.return_text_in_logprobs)))
+                        return_text_in_logprobs=bool(req.return_text_in_logprobs),
+                        return_sampling_mask=bool(per_prompt["return_sampling_mask"][i]),
+                        sampling_logprobs_mode=per_prompt["sampling_logprobs_mode"][i]))
   return NormalizedGenerate(items=items, is_single=is_single, stream=bool(req.stream))
 
 
-def validate_item(item: Item, *, vocab_size: int, context_length: int) -> None:
+def validate_item(item: Item, *, vocab_size: int, context_length: int,
+                  sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS) -> None:
   """SGLang's per-request checks (`_validate_one_request`, `SamplingParams.verify`, the
-  scheduler's `logprob_start_len` check); raises `RequestError`."""
+  scheduler's `logprob_start_len` and sampling-mask checks); raises `RequestError`."""
   s = item.sampling
   for key, allowed in _UNSUPPORTED_SAMPLING.items():
     value = getattr(s, key)
@@ -400,6 +410,19 @@ def validate_item(item: Item, *, vocab_size: int, context_length: int) -> None:
     raise RequestError(
         f"req.logprob_start_len={item.logprob_start_len} is higher than the number of input tokens "
         f"len(req.origin_input_ids)={num_input}. Please use a smaller logprob_start_len.")
+  if item.sampling_logprobs_mode is not None and not item.return_sampling_mask:
+    raise RequestError("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
+  if item.sampling_logprobs_mode not in (None,) + SAMPLING_LOGPROBS_MODES:
+    raise RequestError(f"sampling_logprobs_mode must be one of {', '.join(SAMPLING_LOGPROBS_MODES)}, got "
+                       f"{item.sampling_logprobs_mode!r}.")
+  if item.return_sampling_mask:
+    # SGLang's SamplingParams: greedy runs as top_k = 1; top_k = -1 means TOP_K_ALL.
+    top_k = 1 if s.temperature < SAMPLING_EPS else (TOP_K_ALL if s.top_k == -1 else s.top_k)
+    if top_k != 1 and not 1 < top_k <= sampling_mask_max_tokens:
+      raise RequestError(
+          f"return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= "
+          f"{sampling_mask_max_tokens}; got top_k={top_k}. Lower top_k or increase "
+          "--sampling-mask-max-tokens.")
 
 
 # ---- responses -------------------------------------------------------------------------------
@@ -432,10 +455,12 @@ def logprob_entries(values: Sequence[float | None], ids: Sequence[int], texts=No
 
 def meta_info(*, rid: str, finish_reason: dict, prompt_tokens: int | None, weight_version: str,
               completion_tokens: int, e2e_latency: float, sent_ts: float,
-              logprobs: tuple[list, list] | None = None, running: bool = True) -> dict:
+              logprobs: tuple[list, list] | None = None, running: bool = True,
+              sampling_mask: tuple[list, list] | None = None) -> dict:
   """`meta_info` with SGLang 0.5.23's keys in its order. `logprobs`: (input entries, output
-  entries) when `return_logprob`. `running=False`: a request aborted in the waiting queue
-  (no `prompt_tokens`, SGLang's shorter form)."""
+  entries) when `return_logprob`. `sampling_mask`: (kept ids per output token, their
+  `output_token_sampling_logprobs`) when `return_sampling_mask`. `running=False`: a request
+  aborted in the waiting queue (no `prompt_tokens`, SGLang's shorter form)."""
   spans = [{"version": weight_version, "start": 0, "end": completion_tokens}]
   if not running:
     meta = {"id": rid, "finish_reason": finish_reason, "weight_version": weight_version,
@@ -450,6 +475,9 @@ def meta_info(*, rid: str, finish_reason: dict, prompt_tokens: int | None, weigh
   if logprobs is not None:
     meta.update(input_token_logprobs=logprobs[0], output_token_logprobs=logprobs[1],
                 output_token_logprobs_length=len(logprobs[1]))
+  if sampling_mask is not None:
+    meta.update(output_token_sampling_mask=sampling_mask[0], output_token_sampling_logprobs=sampling_mask[1],
+                output_token_sampling_mask_length=len(sampling_mask[0]))
   meta.update(reasoning_tokens=0, completion_tokens=completion_tokens, cached_tokens=0,
               weight_versions=spans, e2e_latency=e2e_latency, response_sent_to_client_ts=sent_ts)
   return meta
@@ -502,6 +530,9 @@ class MetaInfo(msgspec.Struct, kw_only=True):
   input_token_logprobs: list[Any] | None = None
   weight_version: str | None = None
   weight_versions: list[WeightVersionSpan] = []
+  output_token_sampling_mask: list[list[int]] | None = None
+  output_token_sampling_logprobs: list[Any] | None = None  # selected: floats; support: lists
+  output_token_sampling_mask_length: int | None = None
 
 
 class GenerateResult(msgspec.Struct, kw_only=True):
@@ -517,7 +548,7 @@ def parse_generate_result(item: Any) -> GenerateResult:
 
 def generate_body(prompts: Sequence[Sequence[int]], sampling_params: dict, *, n: int = 1,
                   seeds: Sequence[int] | None = None, return_logprob: bool = True,
-                  rid: str | None = None) -> dict:
+                  rid: str | None = None, return_sampling_mask: bool = False) -> dict:
   """A `/generate` body for `n` samples of every prompt, valid for SGLang's contract.
 
   With `seeds` (one per sample, prompt-major), each sample is sent as its own batch entry with
@@ -529,6 +560,8 @@ def generate_body(prompts: Sequence[Sequence[int]], sampling_params: dict, *, n:
     raise ValueError("pass n as the argument, not inside sampling_params")
   params = {k: v for k, v in sampling_params.items() if k != "n"}  # as given, every key kept
   body: dict[str, Any] = {"return_logprob": return_logprob}
+  if return_sampling_mask:  # the behaviour log-prob of each token and its support (selected mode)
+    body["return_sampling_mask"] = True
   if seeds is None:
     body["input_ids"] = [list(map(int, p)) for p in prompts]
     body["sampling_params"] = dict(params, n=n)

@@ -7,7 +7,10 @@ Per row and step, with logits `z` (float32 even when the model computes in bfloa
     token ~ Categorical(softmax(logp restricted to keep))
 
 The reported log-prob is `logp[token]`, *not* renormalised over the kept set, exactly as
-SGLang's `output_token_logprobs`. Temperature 0 (below 1e-6) is greedy and, as in SGLang, is
+SGLang's `output_token_logprobs`. With `sampling_mask` (SGLang's `return_sampling_mask`) a row
+also returns, per output token, the kept set ("support", ids by descending probability), the
+behaviour log-prob `logp[token] - logsumexp(logp[support])` and the support's renormalised
+log-probs (SGLang's `output_token_sampling_mask` / `output_token_sampling_logprobs`). Temperature 0 (below 1e-6) is greedy and, as in SGLang, is
 run as `T = 1, top_k = 1`, so its log-probs are those of `log_softmax(z)`. With
 `prompt_logprobs`, the prefill also returns the teacher-forced `log_softmax(z / T)` of every
 prompt token after the first (SGLang's `input_token_logprobs`).
@@ -36,6 +39,9 @@ from flax import nnx
 from trainers.models.qwen import Qwen
 
 
+_GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: smaller temperatures are greedy
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """SGLang's sampling parameters that this engine implements (names and defaults as SGLang)."""
@@ -49,6 +55,7 @@ class SamplingParams:
   ignore_eos: bool = False  # as SGLang: no token stops the sample (EOS nor stop_token_ids)
   n: int = 1
   seed: int | None = None
+  sampling_mask: bool = False  # return each output token's support (needs a finite top_k or greedy)
 
   def __post_init__(self):
     if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
@@ -67,6 +74,9 @@ class SamplingParams:
       raise ValueError(f"stop_token_ids must be ints, got {self.stop_token_ids!r}")
     if self.seed is not None and not isinstance(self.seed, int):
       raise ValueError(f"seed must be an int, got {self.seed!r}")
+    if self.sampling_mask and self.top_k == -1 and self.temperature >= _GREEDY_BELOW:
+      raise ValueError("sampling_mask needs a finite top_k (or greedy sampling): the support "
+                       "width must be bounded")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,40 +90,66 @@ class Completion:
   logprobs: list[float]
   finish_reason: tuple[str, int]
   prompt_logprobs: list[float] | None = None  # [t]: log-prob of prompt token t + 1
+  # With `sampling_mask`: per output token, the behaviour log-prob (renormalised over the
+  # support), the support's ids (descending probability) and their renormalised log-probs.
+  sampling_logprobs: list[float] | None = None
+  sampling_mask: list[list[int]] | None = None
+  sampling_mask_logprobs: list[list[float]] | None = None
 
 
-_GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: smaller temperatures are greedy
 
 
 def _bucket(n: int, minimum: int) -> int:
   return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
-def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p):
-  """One row: `logits [V]` float32 → (token, log_softmax(logits / T)[token])."""
+def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, *, mask_width: int = 0):
+  """One row: `logits [V]` float32 → `(token, log_softmax(logits / T)[token], behaviour
+  log-prob, support ids [W], support log-probs [W], support size)`.
+
+  The kept set ("support") is a prefix of the vocabulary sorted by descending probability
+  (ties in id order), as SGLang's sampler: top-k by rank, top-p on the cumulative mass of the
+  full sorted distribution (`<=` as SGLang, so top_p = 1 keeps everything even where the
+  cumulative sum rounds to 1 early), min-p against the top probability. The token is drawn
+  from `softmax(logp restricted to the support)`; its behaviour log-prob is
+  `logp[token] - logsumexp(logp[support])` (SGLang's `output_token_sampling_logprobs`). The
+  support's first `mask_width` ids (sorted order, `-1` past its size) and their renormalised
+  log-probs are returned for `return_sampling_mask` (width 0: none).
+  """
   vocab = logits.shape[-1]
   logp = jax.nn.log_softmax(logits / temperature)
-  sorted_logp = jnp.sort(logp)[::-1]
+  order = jnp.argsort(-logp)  # stable: equal probabilities keep id order
+  sorted_logp = logp[order]
   sorted_p = jnp.exp(sorted_logp)
   rank = jnp.arange(vocab)
-  # Each rule keeps a prefix of the descending order (the top token always survives), so
-  # the kept set is {logp >= cutoff}; ties at the cutoff are kept. `<=` as SGLang, so that
-  # top_p = 1 keeps the whole vocabulary even where the cumulative sum rounds to 1 early.
   kept = ((jnp.cumsum(sorted_p) - sorted_p <= top_p)
           & (rank < jnp.where(top_k > 0, top_k, vocab))
           & (sorted_p >= min_p * sorted_p[0]))
-  cutoff = sorted_logp[jnp.sum(kept) - 1]
-  token = jax.random.categorical(key, jnp.where(logp >= cutoff, logp, -jnp.inf))
-  return token, logp[token]
+  size = jnp.sum(kept)  # each rule keeps a prefix, so the support is the first `size` ranks
+  in_support = jnp.zeros((vocab,), bool).at[order].set(rank < size)
+  masked = jnp.where(in_support, logp, -jnp.inf)
+  token = jax.random.categorical(key, masked)
+  lse_support = jax.nn.logsumexp(masked)
+  behaviour = logp[token] - lse_support
+  if mask_width:
+    first = rank[:mask_width] < size
+    ids = jnp.where(first, order[:mask_width], -1)
+    support_lp = jnp.where(first, sorted_logp[:mask_width] - lse_support, 0.0)
+  else:
+    ids, support_lp = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32)
+  return token, logp[token], behaviour, ids.astype(jnp.int32), support_lp, size.astype(jnp.int32)
 
 
 def _generate(graphdef, params, prompt_ids, prompt_lens, row_seeds, temperature, top_p, top_k,
-              min_p, max_new, stop_ids, *, num_steps: int, prompt_logprobs: bool = False):
+              min_p, max_new, stop_ids, *, num_steps: int, prompt_logprobs: bool = False,
+              mask_width: int = 0):
   """Rows `[B]`; `prompt_ids [B, P]` right-padded; `row_seeds [B]` uint32.
 
-  Returns `output_ids [B, num_steps]`, `logprobs [B, num_steps]`, `lengths [B]`, `stopped [B]`,
-  and `prompt_lp [B, P]` (entry `t`: log-prob of prompt token `t + 1`; zeros without
-  `prompt_logprobs`).
+  Returns a dict: `output_ids [B, num_steps]`, `logprobs [B, num_steps]` (full vocabulary),
+  `sampling_logprobs [B, num_steps]` (behaviour: renormalised over the support), `lengths [B]`,
+  `stopped [B]`, `prompt_lp [B, P]` (entry `t`: log-prob of prompt token `t + 1`; zeros without
+  `prompt_logprobs`), and with `mask_width > 0` `support [B, num_steps, W]` (ids, `-1` padded),
+  `support_lp [B, num_steps, W]` and `support_size [B, num_steps]`.
   """
   model = nnx.merge(graphdef, params)
   batch, prompt_len = prompt_ids.shape
@@ -130,32 +166,43 @@ def _generate(graphdef, params, prompt_ids, prompt_lens, row_seeds, temperature,
   # never sees before a generated token overwrites slot p.
   logits = jnp.take_along_axis(all_logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
   keys = jax.vmap(jax.random.key)(row_seeds)
-  sample = jax.vmap(_filter_and_sample)
+  sample = jax.vmap(functools.partial(_filter_and_sample, mask_width=mask_width))
 
   def cond(state):
-    step, _, _, _, _, _, done, _ = state
+    step, _, _, _, _, done, _ = state
     return (step < num_steps) & ~jnp.all(done)
 
   def body(state):
-    step, logits, cache, out_ids, out_lp, lengths, done, stopped = state
+    step, logits, cache, out, lengths, done, stopped = state
     step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
-    token, lp = sample(logits, step_keys, temperature, top_p, top_k, min_p)
+    token, lp, behaviour, ids, support_lp, size = sample(logits.astype(jnp.float32), step_keys, temperature,
+                                                         top_p, top_k, min_p)
     active = ~done
-    out_ids = out_ids.at[:, step].set(jnp.where(active, token, 0))
-    out_lp = out_lp.at[:, step].set(jnp.where(active, lp, 0.0))
+    new = {"output_ids": jnp.where(active, token, 0), "logprobs": jnp.where(active, lp, 0.0),
+           "sampling_logprobs": jnp.where(active, behaviour, 0.0)}
+    if mask_width:
+      new.update(support=jnp.where(active[:, None], ids, -1), support_lp=jnp.where(active[:, None], support_lp, 0.0),
+                 support_size=jnp.where(active, size, 0))
+    out = {k: v.at[:, step].set(new[k]) for k, v in out.items()}
     lengths = lengths + active.astype(jnp.int32)
     hit = active & jnp.any(token[:, None] == stop_ids, axis=-1)
     stopped = stopped | hit
     done = done | hit | (lengths >= max_new)
     next_logits, cache = model.decode(token[:, None].astype(jnp.int32),
                                       (prompt_lens + step)[:, None], cache)
-    return step + 1, next_logits[:, 0], cache, out_ids, out_lp, lengths, done, stopped
+    return step + 1, next_logits[:, 0], cache, out, lengths, done, stopped
 
-  init = (jnp.int32(0), logits, cache, jnp.zeros((batch, num_steps), jnp.int32),
-          jnp.zeros((batch, num_steps), jnp.float32), jnp.zeros((batch,), jnp.int32),
+  out = {"output_ids": jnp.zeros((batch, num_steps), jnp.int32),
+         "logprobs": jnp.zeros((batch, num_steps), jnp.float32),
+         "sampling_logprobs": jnp.zeros((batch, num_steps), jnp.float32)}
+  if mask_width:
+    out.update(support=jnp.full((batch, num_steps, mask_width), -1, jnp.int32),
+               support_lp=jnp.zeros((batch, num_steps, mask_width), jnp.float32),
+               support_size=jnp.zeros((batch, num_steps), jnp.int32))
+  init = (jnp.int32(0), logits, cache, out, jnp.zeros((batch,), jnp.int32),
           max_new <= 0, jnp.zeros((batch,), bool))
-  _, _, _, out_ids, out_lp, lengths, _, stopped = jax.lax.while_loop(cond, body, init)
-  return out_ids, out_lp, lengths, stopped, prompt_lp
+  _, _, _, out, lengths, _, stopped = jax.lax.while_loop(cond, body, init)
+  return dict(out, lengths=lengths, stopped=stopped, prompt_lp=prompt_lp)
 
 
 class Sampler:
@@ -177,7 +224,7 @@ class Sampler:
     self.max_batch_size = _bucket(max_batch_size, 1)
     self._rng = np.random.default_rng(seed)
     self._generate = jax.jit(functools.partial(_generate, self.graphdef),
-                             static_argnames=("num_steps", "prompt_logprobs"))
+                             static_argnames=("num_steps", "prompt_logprobs", "mask_width"))
 
   def set_params(self, params: nnx.State) -> None:
     """Swaps the weights (same structure, shapes and dtypes: nothing recompiles)."""
@@ -250,14 +297,24 @@ class Sampler:
       top_k[b] = 1 if greedy else p.top_k
       top_p[b], min_p[b], max_new[b] = p.top_p, p.min_p, p.max_new_tokens
       stop[b, :len(stop_ids)] = stop_ids
-    out_ids, out_lp, lengths, stopped, prompt_lp = jax.device_get(self._generate(
+    masked = [b for b, r in enumerate(rows) if r[3].sampling_mask]
+    # Greedy rows (top_k 1) and finite top-k bound the support; the width is bucketed.
+    mask_width = _bucket(max(int(top_k[b]) for b in masked), 1) if masked else 0
+    out = jax.device_get(self._generate(
         self.params, ids, lens, seeds, temp, top_p, top_k, min_p, max_new, stop,
-        num_steps=num_steps, prompt_logprobs=prompt_logprobs))
+        num_steps=num_steps, prompt_logprobs=prompt_logprobs, mask_width=mask_width))
     completions = []
     for b, (i, j, prompt, p, _, _) in enumerate(rows):
-      n = int(lengths[b])
-      finish = ("stop", int(out_ids[b, n - 1])) if stopped[b] else ("length", p.max_new_tokens)
+      n = int(out["lengths"][b])
+      out_ids = out["output_ids"][b, :n]
+      finish = ("stop", int(out_ids[n - 1])) if out["stopped"][b] else ("length", p.max_new_tokens)
+      extra = {}
+      if p.sampling_mask:
+        sizes = out["support_size"][b, :n]
+        extra = dict(sampling_logprobs=out["sampling_logprobs"][b, :n].tolist(),
+                     sampling_mask=[out["support"][b, t, :k].tolist() for t, k in enumerate(sizes)],
+                     sampling_mask_logprobs=[out["support_lp"][b, t, :k].tolist() for t, k in enumerate(sizes)])
       completions.append(Completion(
-          i, j, len(prompt), out_ids[b, :n].tolist(), out_lp[b, :n].tolist(), finish,
-          prompt_lp[b, :len(prompt) - 1].tolist() if prompt_logprobs else None))
+          i, j, len(prompt), out_ids.tolist(), out["logprobs"][b, :n].tolist(), finish,
+          out["prompt_lp"][b, :len(prompt) - 1].tolist() if prompt_logprobs else None, **extra))
     return completions

@@ -53,6 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed")
   parser.add_argument("--max-batch-size", type=int, default=64, help="rows per compiled batch")
   parser.add_argument("--weight-version", default="default")
+  parser.add_argument("--sampling-mask-max-tokens", type=int, default=4096,
+                      help="largest sampling support a request may ask for with return_sampling_mask "
+                      "(its top_k must not exceed it), as SGLang")
   parser.add_argument("--verbose", action="store_true", help="log every HTTP request")
   return parser
 
@@ -70,6 +73,8 @@ def check_args(args) -> str | None:
     return f"--seed {args.seed} must be >= 0"
   if not args.weight_version:
     return "--weight-version must be a non-empty string"
+  if args.sampling_mask_max_tokens < 1:
+    return f"--sampling-mask-max-tokens {args.sampling_mask_max_tokens} must be positive"
   return None
 
 
@@ -90,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
   from trainers.http_app import create_app
   try:
     engine = Engine(args.model_path, dtype=args.dtype, seed=args.seed, quantize=args.quantize,
-                    max_batch_size=args.max_batch_size, weight_version=args.weight_version)
+                    max_batch_size=args.max_batch_size, weight_version=args.weight_version,
+                    sampling_mask_max_tokens=args.sampling_mask_max_tokens)
   except ValueError as e:  # a config.json or checkpoint this server cannot load
     print(f"mis-jax serve: --model-path {args.model_path!r}: {e}", file=sys.stderr)
     return 2

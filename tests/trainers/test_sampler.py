@@ -181,3 +181,52 @@ def test_property_logprobs_are_unrenormalised_teacher_forced(sampler, tiny_model
   assert len(c.output_ids) == 6
   want = sequence_logprobs(tiny_model, prompt, c.output_ids, temperature=temperature or 1.0)
   np.testing.assert_allclose(c.logprobs, want, atol=5e-5, rtol=0)
+
+
+def numpy_support(logits, temperature, top_p, top_k, min_p):
+  """The support SGLang's sampler keeps, from one row of logits, in float64 NumPy: sort by
+  descending probability; drop rank >= top_k, tokens whose preceding cumulative mass (over the
+  full sorted distribution) exceeds top_p, and p < min_p · p_max."""
+  z = np.asarray(logits, np.float64) / temperature
+  p = np.exp(z - z.max())
+  p /= p.sum()
+  order = np.argsort(-p, kind="stable")
+  ps = p[order]
+  before = np.cumsum(ps) - ps
+  kept = [int(v) for r, (v, b, pv) in enumerate(zip(order, before, ps))
+          if (top_k < 0 or r < top_k) and b <= top_p and pv >= min_p * ps[0]]
+  return kept, p
+
+
+@pytest.mark.parametrize("top_p,top_k,min_p", [(1.0, 5, 0.0), (0.6, 30, 0.0), (1.0, 30, 0.2), (0.8, 7, 0.05),
+                                               (0.95, 20, 0.1)])
+def test_sampling_masks_equal_the_support_from_the_logits(sampler, tiny_model, top_p, top_k, min_p):
+  """The returned masks equal the support computed independently from the teacher-forced
+  logits; the sampled token is inside; the behaviour log-prob is log(p_y / Σ_S p), the
+  support's log-probs log(p_v / Σ_S p); the full-vocabulary log-probs are unchanged."""
+  params = SamplingParams(temperature=1.3, top_p=top_p, top_k=top_k, min_p=min_p, max_new_tokens=10, n=2,
+                          seed=7, ignore_eos=True, sampling_mask=True)
+  plain = sampler.generate(PROMPTS[:2], dataclasses.replace(params, sampling_mask=False))
+  outs = sampler.generate(PROMPTS[:2], params)
+  assert [c.output_ids for c in outs] == [c.output_ids for c in plain]  # masks change no sample
+  for c in outs:
+    prompt = PROMPTS[c.prompt_index]
+    logits = sequence_logits(tiny_model, prompt + c.output_ids)[len(prompt) - 1:-1]
+    assert len(c.sampling_mask) == len(c.sampling_logprobs) == len(c.output_ids)
+    for row, tok, mask, lp, support_lp in zip(logits, c.output_ids, c.sampling_mask, c.sampling_logprobs,
+                                              c.sampling_mask_logprobs):
+      want, p = numpy_support(row, 1.3, top_p, top_k, min_p)
+      assert mask == want
+      assert tok in mask and len(mask) <= top_k
+      mass = p[want].sum()
+      np.testing.assert_allclose(lp, np.log(p[tok] / mass), atol=5e-5)
+      np.testing.assert_allclose(support_lp, np.log(p[want] / mass), atol=5e-5)
+  _check_against_oracle(tiny_model, PROMPTS, outs, 1.3, atol=5e-5)
+
+
+def test_greedy_mask_is_the_token_with_log_prob_zero(sampler):
+  (c,) = sampler.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True,
+                                                      sampling_mask=True))
+  assert c.sampling_mask == [[t] for t in c.output_ids] and c.sampling_logprobs == [0.0] * 5
+  with pytest.raises(ValueError, match="finite top_k"):
+    SamplingParams(top_p=0.9, sampling_mask=True)

@@ -229,6 +229,17 @@ REQUEST_ERRORS = {  # 400 {"error": {"message": "<message>"}}: after decoding
     "duplicate rid": ({"input_ids": [PROMPT, PROMPT], "rid": ["a", "a"]}, "Duplicate request IDs"),
     "list logprob flags with n": ({"input_ids": [PROMPT], "return_logprob": [True],
                                    "sampling_params": {"n": 2}}, "Cannot use list return_logprob"),
+    "sampling mask without top_k": ({"input_ids": PROMPT, "return_sampling_mask": True,
+                                     "sampling_params": {"top_p": 0.9}},
+                                    "return_sampling_mask requires top_k=1 for greedy sampling or finite "
+                                    "1 < top_k <= 4096; got top_k=1073741824"),
+    "sampling mask top_k over the cap": ({"input_ids": PROMPT, "return_sampling_mask": True,
+                                          "sampling_params": {"top_k": 4097}}, "got top_k=4097"),
+    "sampling_logprobs_mode without mask": ({"input_ids": PROMPT, "sampling_logprobs_mode": "support"},
+                                            "sampling_logprobs_mode can only be set when return_sampling_mask"),
+    "unknown sampling_logprobs_mode": ({"input_ids": PROMPT, "return_sampling_mask": True,
+                                        "sampling_logprobs_mode": "all", "sampling_params": {"top_k": 5}},
+                                       "sampling_logprobs_mode must be one of selected, support"),
 }
 
 
@@ -527,3 +538,71 @@ def test_trainer_client_gets_distinct_reproducible_groups(embedded):
     assert all(s.weight_version == version for s in a.samples)
   finally:
     client.close()
+
+
+def _sampling_mask_chunk_type():
+  """SGLang's own host-side container of sampling masks (`sglang/srt/sampling/sampling_mask.py`,
+  loaded by file path from the wheel like api_types): its `to_lists` makes the JSON lists."""
+  import importlib.util
+  import zipfile
+  from sglang_contract import CACHE, SGLANG_VERSION, _wheel
+  target = CACHE / f"sglang-{SGLANG_VERSION}-sampling_mask.py"
+  if not target.exists():
+    with zipfile.ZipFile(_wheel()) as whl:
+      target.write_bytes(whl.read("sglang/srt/sampling/sampling_mask.py"))
+  spec = importlib.util.spec_from_file_location("sglang_0_5_23_sampling_mask", target)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.SamplingMaskChunk
+
+
+@pytest.mark.parametrize("mode", [None, "selected", "support"])
+def test_return_sampling_mask(server, api_types, mode):
+  """SGLang 0.5.23's return_sampling_mask: the three meta_info keys after the log-prob keys, one
+  support per output token with the sampled token inside, behaviour log-probs renormalised over
+  it (selected: the token's; support: the whole support's), full-vocabulary log-probs unchanged;
+  SGLang's contract decodes request and reply, and SGLang's SamplingMaskChunk builds the same lists."""
+  body = {"input_ids": [PROMPT, PROMPT[:2]], "return_logprob": True, "return_sampling_mask": True,
+          "sampling_params": {"max_new_tokens": 8, "temperature": 1.2, "top_k": 20, "top_p": 0.8, "min_p": 0.05,
+                              "ignore_eos": True, "sampling_seed": 3}}
+  if mode is not None:
+    body["sampling_logprobs_mode"] = mode
+  api_types.GenerateRequest.from_json_value(body)
+  plain = _post(server, {k: v for k, v in body.items() if k not in ("return_sampling_mask", "sampling_logprobs_mode")})
+  outs = _post(server, body)
+  chunk_type = _sampling_mask_chunk_type()
+  for out, ref in zip(outs, plain):
+    api_types.GenerateResponse.from_json_value(out)
+    meta = out["meta_info"]
+    keys = list(meta)
+    assert keys[keys.index("output_token_logprobs_length") + 1:][:4] == [
+        "output_token_sampling_mask", "output_token_sampling_logprobs", "output_token_sampling_mask_length",
+        "reasoning_tokens"]
+    assert out["output_ids"] == ref["output_ids"]
+    assert meta["output_token_logprobs"] == ref["meta_info"]["output_token_logprobs"]
+    masks, values = meta["output_token_sampling_mask"], meta["output_token_sampling_logprobs"]
+    assert meta["output_token_sampling_mask_length"] == len(masks) == len(values) == 8
+    for tok, mask, value, (full, _, _) in zip(out["output_ids"], masks, values, meta["output_token_logprobs"]):
+      assert tok in mask and 1 <= len(mask) <= 20 and len(set(mask)) == len(mask)
+      if mode == "support":
+        assert len(value) == len(mask) and value == sorted(value, reverse=True)
+        np.testing.assert_allclose(np.logaddexp.reduce(value), 0.0, atol=1e-5)
+        selected = value[mask.index(tok)]
+      else:
+        selected = value
+      assert full - 1e-6 <= selected <= 1e-6  # renormalising raises the log-prob
+    chunk = chunk_type(lengths=np.array([len(m) for m in masks], np.int32),
+                       token_ids=np.array([t for m in masks for t in m], np.int32),
+                       logprobs=np.array([v for x in values for v in (x if mode == "support" else [x])], np.float32))
+    got_masks, got_values = chunk.to_lists(support_logprobs=mode == "support")
+    assert got_masks == masks
+    np.testing.assert_allclose(np.concatenate([np.ravel(v) for v in got_values]),
+                               np.concatenate([np.ravel(v) for v in values]), rtol=1e-6)
+
+
+def test_greedy_sampling_mask(server):
+  out = _post(server, {"input_ids": PROMPT, "return_sampling_mask": True,
+                       "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}})
+  meta = out["meta_info"]
+  assert meta["output_token_sampling_mask"] == [[t] for t in out["output_ids"]]
+  assert meta["output_token_sampling_logprobs"] == [0.0] * 4
