@@ -13,6 +13,7 @@ from mis_jax._losses import (Denominators, aggregate, kl_penalty, loss_denominat
                              ppo_token_loss, prepare_step)
 from mis_jax._packing import PackedBatch, Packing, plan_packing, split_microbatches
 from mis_jax._engine import PassOptions, pass_options
+from mis_jax._sampling import sampling_metrics
 from mis_jax._segments import LOG_BOUND, MaskStats, Segments
 from mis_jax._weights import compute_mis_weights, vanilla_tis_weights
 
@@ -25,7 +26,7 @@ __all__ = [
     "compute_mis_weights", "kl_penalty", "loss_config_from_args", "loss_denominators",
     "plan_packing", "policy_loss", "ppo_token_loss", "prepare_step", "resolve_correction_fn",
     "sequence_to_tokens", "split_microbatches", "vanilla_tis_weights", "LM_HEAD_LAYOUTS", "token_logprobs",
-    "MaskStats", "PassOptions", "pass_options",
+    "MaskStats", "PassOptions", "pass_options", "sampling_metrics",
 ]
 
 from mis_jax._sharding import batch_partition_spec, shard_batch, sharded_policy_loss  # noqa: E402

@@ -104,16 +104,18 @@ class Packing:
     return self.pack([np.arange(n, dtype=np.int32) for n in self.lengths], 0, np.int32)
 
   def pack(self, sequences: Sequence, pad_value=0, dtype=None) -> np.ndarray:
-    """Places per-sequence 1-D arrays into the packed layout."""
+    """Places per-sequence arrays ``[n_i, ...]`` (trailing dims shared, e.g. a support width)
+    into the packed layout ``[num_rows, row_len, ...]``."""
     if len(sequences) != self.num_sequences:
       raise ValueError(f"expected {self.num_sequences} sequences, got {len(sequences)}")
     arrays = [np.asarray(s) for s in sequences]
     if dtype is None:
       dtype = np.result_type(*[a.dtype for a in arrays]) if arrays else np.float32
-    out = np.full((self.num_rows, self.row_len), pad_value, dtype=dtype)
+    trailing = arrays[0].shape[1:] if arrays else ()
+    out = np.full((self.num_rows, self.row_len) + trailing, pad_value, dtype=dtype)
     for i, a in enumerate(arrays):
-      if a.shape != (self.lengths[i],):
-        raise ValueError(f"sequence {i} has shape {a.shape}, expected ({self.lengths[i]},)")
+      if a.shape != (self.lengths[i],) + trailing:
+        raise ValueError(f"sequence {i} has shape {a.shape}, expected {(int(self.lengths[i]),) + trailing}")
       out[self.rows[i], self.offsets[i]:self.offsets[i] + self.lengths[i]] = a
     return out
 

@@ -150,3 +150,45 @@ def test_input_checks():
     call(support_mask=support >= 0)
   with pytest.raises(ValueError, match="width K=0"):
     call(support_ids=np.zeros((T, 0), np.int32))
+
+
+def _numpy_sampling_metrics(lp_s, log_m, q, mask, seg, mode):
+  """A NumPy loop over sequences of mis_jax.sampling_metrics' definitions (SPEC §8's R_m)."""
+  values = {"sampling_kept_mass_mean": np.exp(log_m), "sampling_ratio_mean_replay": np.exp(lp_s - q),
+            "sampling_ratio_mean_full": np.exp(lp_s + log_m - q)}
+  values["sampling_ratio_outside_replay"] = (np.abs(values["sampling_ratio_mean_replay"] - 1) > 0.1) * 1.0
+  values["sampling_ratio_outside_full"] = (np.abs(values["sampling_ratio_mean_full"] - 1) > 0.1) * 1.0
+  r = lp_s + log_m - q
+  values["sampling_k3_kl_full"] = np.exp(r) - r - 1
+  out = {}
+  for name, x in values.items():
+    if mode == "token-mean":
+      out[name] = x[mask].sum() / mask.sum()
+    else:
+      means = [x[(seg == s) & mask].mean() for s in np.unique(seg[seg >= 0]) if ((seg == s) & mask).any()]
+      out[name] = np.mean(means)
+  out["sampling_kept_mass_min"] = np.exp(log_m)[mask].min()
+  return out
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_sampling_metrics_match_a_numpy_loop(mode):
+  rng = np.random.default_rng(8)
+  seg = np.repeat(np.arange(6), [5, 9, 3, 7, 4, 8])
+  seg = np.concatenate([seg, [-1, -1, -1]]).astype(np.int32)
+  t = seg.size
+  mask = (rng.uniform(size=t) < 0.8) & (seg >= 0)
+  lp_s = -rng.uniform(0.0, 3.0, t).astype(np.float32)
+  log_m = -rng.uniform(0.0, 0.5, t).astype(np.float32)
+  q = (lp_s + rng.normal(0, 0.05, t)).astype(np.float32)
+  got = jax.jit(lambda *a: mis_jax.sampling_metrics(*a, num_segments=6, metric_reduction=mode))(
+      lp_s, log_m, q, mask, seg)
+  want = _numpy_sampling_metrics(lp_s.astype(np.float64), log_m.astype(np.float64), q.astype(np.float64), mask,
+                                 seg, mode)
+  assert set(got) == set(want)
+  for name in want:
+    np.testing.assert_allclose(float(got[name]), want[name], rtol=2e-5, atol=1e-6, err_msg=name)
+  with pytest.raises(ValueError, match="shape mismatch: 'kept_logmass'"):
+    mis_jax.sampling_metrics(lp_s, log_m[:-1], q, mask, seg, num_segments=6)
+  with pytest.raises(ValueError, match="metric_reduction='mean' is invalid"):
+    mis_jax.sampling_metrics(lp_s, log_m, q, mask, seg, num_segments=6, metric_reduction="mean")

@@ -71,6 +71,7 @@ class StepBatch:
   groups: np.ndarray
   packing: mis_jax.Packing
   layout: Layout
+  support: np.ndarray | None = None  # [micro_batches, rows, row_len, K] int32, -1 padded (sampling replay)
 
   def per_sequence(self, token_array) -> list[np.ndarray]:
     """A `[micro_batches, rows, row_len]` per-token array → one array per sequence."""
@@ -82,10 +83,12 @@ class StepBatch:
 
 
 def build_step_batch(samples, rewards, advantages, groups, *, num_segments: int, row_len: int,
-                     tokens_per_micro_batch: int, batch_devices: int) -> StepBatch:
+                     tokens_per_micro_batch: int, batch_devices: int, support_width: int = 0) -> StepBatch:
   """Packs `samples` (with `prompt_ids`, `response_ids`, `rollout_logprobs`) and their
-  per-sequence `advantages` into a :class:`StepBatch`."""
-  inputs, targets, masks, q = [], [], [], []
+  per-sequence `advantages` into a :class:`StepBatch`. With `support_width` (sampling-mask
+  replay) each response token's `sampling_mask` is packed into `support` (`-1` elsewhere:
+  prompt tokens and padding are over the whole vocabulary)."""
+  inputs, targets, masks, q, supports = [], [], [], [], []
   for s in samples:
     seq = np.array(s.prompt_ids + s.response_ids, np.int32)
     inputs.append(seq[:-1])
@@ -95,6 +98,11 @@ def build_step_batch(samples, rewards, advantages, groups, *, num_segments: int,
     lp = np.zeros(len(seq) - 1, np.float32)
     lp[m] = s.rollout_logprobs
     q.append(lp)
+    if support_width:
+      sup = np.full((len(seq) - 1, support_width), -1, np.int32)
+      for row, ids in zip(np.flatnonzero(m), s.sampling_mask):
+        sup[row, :len(ids)] = ids
+      supports.append(sup)
   lengths = [len(x) for x in inputs]
   layout = plan_layout(lengths, row_len=row_len, tokens_per_micro_batch=tokens_per_micro_batch,
                        batch_devices=batch_devices)
@@ -109,4 +117,6 @@ def build_step_batch(samples, rewards, advantages, groups, *, num_segments: int,
   return StepBatch(batch=batch, input_ids=pack(inputs, 0, np.int32), positions=shaped(packing.positions),
                    targets=pack(targets, 0, np.int32), rewards=np.asarray(rewards, np.float32),
                    response_lengths=np.array([len(s.response_ids) for s in samples]),
-                   groups=np.asarray(groups, np.int32), packing=packing, layout=layout)
+                   groups=np.asarray(groups, np.int32), packing=packing, layout=layout,
+                   support=(packing.pack(supports, -1, np.int32).reshape(layout.shape + (support_width,))
+                            if support_width else None))

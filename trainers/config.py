@@ -92,8 +92,14 @@ class RolloutSection:
   prompts_per_step: int = key(16, "prompts per step", ge=1)
   n: int = key(8, "samples per prompt (a GRPO group)", ge=1)
   temperature: float = key(1.0, "sampling temperature (0: greedy); the trainer divides its logits by it", ge=0)
-  top_p: float = key(1.0, "nucleus sampling (< 1: a warning, the IS ratio is biased)", gt=0, le=1)
-  top_k: int = key(-1, "top-k sampling, -1 = all (> 0: a warning, the IS ratio is biased)", ge=-1)
+  top_p: float = key(1.0, "nucleus sampling: keep the smallest prefix of mass >= top_p", gt=0, le=1)
+  top_k: int = key(-1, "top-k sampling, -1 = all; with sampling replay, the support width of the step", ge=-1)
+  min_p: float = key(0.0, "min-p sampling: drop tokens below min_p x the top probability", ge=0, le=1)
+  sampling_replay: str = key("auto", "replay the engine's top-k/top-p/min-p support (SGLang's return_sampling_mask): "
+                             "behaviour log-probs and every trainer log-prob over it; auto = on when sampling "
+                             "is truncated", choices=("auto", "on", "off"))
+  sampling_mask_max_tokens: int = key(4096, "largest support accepted (as SGLang's --sampling-mask-max-tokens); "
+                                      "top_k must not exceed it", ge=1)
   max_new_tokens: int | None = key(None, "response length cap (null: the task's)", ge=1)
   server_dtype: str = key("bfloat16", "embedded server precision", choices=DTYPES)
   server_quantize: str = key("none", "embedded server's weight-only quantisation of Linear kernels (per-channel "
@@ -195,6 +201,9 @@ def parse_value(value, typ, meta: dict, where: str):
   elif typ is float:
     value = _as_float(value, where, None, allow_none=False)
   elif typ is str:
+    choices = meta.get("choices") or ()
+    if isinstance(value, bool) and {"on", "off"} <= set(choices):
+      value = "on" if value else "off"  # YAML 1.1 reads `on` / `off` as booleans
     if not isinstance(value, str) or not value:
       raise mis_jax.ConfigError(f"{where} must be a non-empty string, got {type(value).__name__} {value!r}")
   choices = meta.get("choices")

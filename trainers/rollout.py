@@ -25,6 +25,10 @@ class ServerError(RuntimeError):
   """The server could not be used (unreachable, failing, or rejecting requests)."""
 
 
+class NoSamplingMask(ServerError):
+  """Sampling masks were asked for and the server returned none: it cannot replay them."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Sample:
   """One validated completion of one prompt."""
@@ -37,6 +41,9 @@ class Sample:
   text: str
   weight_version: str | None  # the version of its last token
   weight_versions: tuple[tuple[str, int, int], ...] = ()  # SGLang's spans: (version, start, end)
+  # With sampling-mask replay: each response token's support (kept ids); `rollout_logprobs`
+  # are then the behaviour log-probs, renormalised over it.
+  sampling_mask: tuple[tuple[int, ...], ...] | None = None
 
   @property
   def oldest_version(self) -> str | None:
@@ -60,16 +67,20 @@ class RolloutResult:
 
   @classmethod
   def from_json(cls, d: dict) -> "RolloutResult":
-    samples = [Sample(p, tuple(ids), tuple(resp), tuple(lps), fin, text, ver, tuple(tuple(x) for x in spans))
-               for p, ids, resp, lps, fin, text, ver, spans in d["samples"]]
+    samples = [Sample(p, tuple(ids), tuple(resp), tuple(lps), fin, text, ver, tuple(tuple(x) for x in spans),
+                      None if masks is None else tuple(tuple(m) for m in masks))
+               for p, ids, resp, lps, fin, text, ver, spans, masks in d["samples"]]
     return cls(samples, d["num_requested"], d["num_aborted"], d["num_rejected"], list(d["rejection_reasons"]))
 
 
-def validate_sample(item: Any) -> tuple[str | None, dict | None]:
+def validate_sample(item: Any, *, support_width: int = 0) -> tuple[str | None, dict | None]:
   """Checks one SGLang ``/generate`` result; returns ``(error, parsed)`` (one of them None).
 
   Parsed with the shared protocol models (``trainers.protocol``): every finish-reason form,
   aborts with or without partial tokens, ``weight_version`` and ``weight_versions`` spans.
+  With ``support_width`` (sampling-mask replay), the reply must carry one support per token
+  (raises :class:`NoSamplingMask` when it carries none), each holding its token and at most
+  ``support_width`` ids; the parsed log-probs are then ``output_token_sampling_logprobs``.
   """
   if not isinstance(item, dict):
     return f"sample is {type(item).__name__}, not an object", None
@@ -105,13 +116,37 @@ def validate_sample(item: Any) -> tuple[str | None, dict | None]:
     values.append(float(lp))
   if not ids:
     return "empty response", None
+  masks = None
+  if support_width:
+    masks = meta.output_token_sampling_mask
+    if masks is None:
+      raise NoSamplingMask("the reply has no meta_info.output_token_sampling_mask although return_sampling_mask "
+                           "was requested: the server does not return sampling masks (SGLang >= 0.5.23 does); "
+                           "set rollout.sampling_replay: off to train without them (the IS ratio is then "
+                           "biased by the kept mass)")
+    sampled = meta.output_token_sampling_logprobs
+    if len(masks) != len(ids) or sampled is None or len(sampled) != len(ids):
+      return (f"length mismatch: {len(ids)} output_ids but {len(masks)} output_token_sampling_mask and "
+              f"{'no' if sampled is None else len(sampled)} output_token_sampling_logprobs"), None
+    for i, (mask, tok, lp) in enumerate(zip(masks, ids, sampled)):
+      if tok not in mask:
+        return f"response token {i} ({tok}) is not in its sampling mask", None
+      if len(mask) > support_width:
+        return (f"sampling mask of {len(mask)} tokens at response token {i} exceeds the support width "
+                f"{support_width} (rollout.top_k; ties at the cutoff can exceed it)"), None
+      if lp is None or isinstance(lp, (bool, list)) or not isinstance(lp, (int, float)) or not math.isfinite(lp) \
+          or lp > 1e-4:
+        return f"invalid sampling log-prob {lp!r} at response token {i} (selected mode: one float per token)", None
+    values = [float(v) for v in sampled]
+    masks = tuple(tuple(m) for m in masks)
   # The version that generated the last token (SGLang reports spans when weights changed
   # mid-sample); `weight_version` alone otherwise.
   version = meta.weight_versions[-1].version if meta.weight_versions else meta.weight_version
   return None, {"aborted": False, "ids": tuple(ids), "logprobs": tuple(values), "finish": kind,
                 "text": result.text if isinstance(result.text, str) else "",
                 "weight_version": version,
-                "weight_versions": tuple((s.version, s.start, s.end) for s in meta.weight_versions)}
+                "weight_versions": tuple((s.version, s.start, s.end) for s in meta.weight_versions),
+                "sampling_mask": masks}
 
 
 def sample_seeds(seed: int, num_prompts: int, n: int, offset: int = 0) -> list[int]:
@@ -195,9 +230,11 @@ class SGLangClient:
 
   # --- generation ----------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], sampling_params: dict, *, n: int = 1,
-               seed: int | None = None) -> RolloutResult:
+               seed: int | None = None, support_width: int = 0) -> RolloutResult:
     """``n`` samples for every prompt; results come back prompt-major (SPEC §11). With
-    ``seed``, sample ``k`` (prompt-major) is sent with ``sampling_seed = sample_seeds(seed)[k]``."""
+    ``seed``, sample ``k`` (prompt-major) is sent with ``sampling_seed = sample_seeds(seed)[k]``.
+    With ``support_width > 0`` the servers are asked for sampling masks (``return_sampling_mask``)
+    and each sample carries its supports and behaviour log-probs (:func:`validate_sample`)."""
     chunks = [list(range(i, min(i + self.prompts_per_request, len(prompts))))
               for i in range(0, len(prompts), self.prompts_per_request)]
 
@@ -205,11 +242,13 @@ class SGLangClient:
 
     def call(idx):
       seeds = None if seed is None else sample_seeds(seed, len(idx), n, offset=idx[0] * n)
-      body = protocol.generate_body([prompts[i] for i in idx], sampling_params, n=n, seeds=seeds)
-      return idx, self._request("POST", self.urls[next(self._next)], "/generate", body)
+      body = protocol.generate_body([prompts[i] for i in idx], sampling_params, n=n, seeds=seeds,
+                                    return_sampling_mask=support_width > 0)
+      url = self.urls[next(self._next)]
+      return idx, url, self._request("POST", url, "/generate", body)
 
     result = RolloutResult(samples=[], num_requested=len(prompts) * n)
-    for idx, out in self._pool.map(call, chunks):
+    for idx, url, out in self._pool.map(call, chunks):
       if not isinstance(out, list) or len(out) != len(idx) * n:
         got = len(out) if isinstance(out, list) else type(out).__name__
         result.num_rejected += len(idx) * n
@@ -217,7 +256,10 @@ class SGLangClient:
         continue
       for j, item in enumerate(out):
         p = idx[j // n]
-        error, parsed = validate_sample(item)
+        try:
+          error, parsed = validate_sample(item, support_width=support_width)
+        except NoSamplingMask as e:
+          raise NoSamplingMask(f"{url}/generate: {e}") from None
         if error is not None:
           result.num_rejected += 1
           result.rejection_reasons.append(error)
@@ -227,7 +269,8 @@ class SGLangClient:
           result.samples.append(Sample(prompt_index=p, prompt_ids=tuple(prompts[p]), response_ids=parsed["ids"],
                                        rollout_logprobs=parsed["logprobs"], finish_reason=parsed["finish"],
                                        text=parsed["text"], weight_version=parsed["weight_version"],
-                                       weight_versions=parsed["weight_versions"]))
+                                       weight_versions=parsed["weight_versions"],
+                                       sampling_mask=parsed["sampling_mask"]))
     return result
 
   # --- weight sync ---------------------------------------------------------------------

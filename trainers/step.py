@@ -38,10 +38,13 @@ KEPT_MEANS = frozenset({"pg_clipfrac", "ppo_kl", "mis_is_ratio_mean_final", "mis
 
 
 class ModelInputs(NamedTuple):
-  """Model inputs of packed rows: `input_ids`, `positions`, `targets` (next tokens), int32."""
+  """Model inputs of packed rows: `input_ids`, `positions`, `targets` (next tokens), int32, and
+  with sampling-mask replay `support` (`[..., K]` ids of each target's sampling support, `-1`
+  padded; an empty row is the whole vocabulary): every log-prob is then over the support."""
   input_ids: jax.Array
   positions: jax.Array
   targets: jax.Array
+  support: jax.Array | None = None
 
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
@@ -55,9 +58,11 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
 
 
 def model_logprobs(graphdef, params, inputs: ModelInputs, segment_ids, *, temperature: float,
-                   chunk_size: int, entropy: bool, mesh=None):
+                   chunk_size: int, entropy: bool, mesh=None, kept_mass: bool = False):
   """Per-token `log_softmax(logits / temperature)[targets]` (and entropy), float32 `[B, T]`,
   from the model's final hidden states with `mis_jax.token_logprobs` (no `[T, V]` logits).
+  With `inputs.support`, log-probs and entropy are over each token's sampling support and
+  `kept_mass` adds the kept log-mass (outputs: log-probs, then entropy, then kept log-mass).
 
   On a mesh the head runs in a `shard_map`: each device takes its own rows (and, when the row
   length divides, a `1/tensor` share of their tokens) against the LM head all-gathered in the
@@ -67,26 +72,35 @@ def model_logprobs(graphdef, params, inputs: ModelInputs, segment_ids, *, temper
   hidden = model.hidden_states(inputs.input_ids, inputs.positions, segment_ids)
   head, layout = model.head()
   head = head.astype(hidden.dtype)
-  fn = functools.partial(mis_jax.token_logprobs, temperature=temperature, chunk_size=chunk_size,
-                         return_entropy=entropy, lm_head_layout=layout)
+  with_support = inputs.support is not None
+  kept_mass = kept_mass and with_support
+
+  def fn(h, w, y, support=None):
+    return mis_jax.token_logprobs(h, w, y, temperature=temperature, chunk_size=chunk_size, return_entropy=entropy,
+                                  lm_head_layout=layout, support_ids=support, return_kept_mass=kept_mass)
+
+  args = (inputs.targets,) + ((inputs.support,) if with_support else ())
   if mesh is None or mesh.size == 1:
-    return fn(hidden, head, inputs.targets)
+    return fn(hidden, head, *args)
   # The head enters in its own shards (in the compute dtype) and is all-gathered inside, so
   # its gradient leaves reduce-scattered (the transpose of all_gather), never replicated.
   head_spec = parallel.param_spec(("embed_tokens", "embedding") if layout == "vd" else ("lm_head", "kernel"),
                                   head.shape, mesh)
 
-  def local(h, w, y):
+  def local(h, w, *rest):
     for axis, names in enumerate(head_spec):
       if names is not None:
         w = jax.lax.all_gather(w, names, axis=axis, tiled=True)
-    return fn(h, w, y)
+    return fn(h, w, *rest)
 
   tokens = "tensor" if hidden.shape[1] % mesh.shape["tensor"] == 0 else None
   spec = P(parallel.BATCH_AXES, tokens)
-  out_specs = (spec, spec) if entropy else spec
-  return jax.shard_map(local, mesh=mesh, in_specs=(P(parallel.BATCH_AXES, tokens, None), head_spec, spec),
-                       out_specs=out_specs, check_vma=False)(hidden, head, inputs.targets)
+  num_out = 1 + entropy + kept_mass
+  out_specs = (spec,) * num_out if num_out > 1 else spec
+  in_specs = (P(parallel.BATCH_AXES, tokens, None), head_spec, spec) + ((P(parallel.BATCH_AXES, tokens, None),)
+                                                                        if with_support else ())
+  return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(hidden, head,
+                                                                                                 *args)
 
 
 def _micro_batch_weights(batch: mis_jax.PackedBatch, mode: str):
@@ -145,8 +159,15 @@ class StepFunctions:
 
     def train(params, opt_state, inputs, batch, dens):
       def loss_fn(p, mb_inputs, mb_batch):
-        logp, ent = lp(p, mb_inputs, mb_batch.segment_ids, entropy=True)
-        return mis_jax.policy_loss(logp, mb_batch, loss_cfg, entropy=ent, denominators=dens)
+        replay = mb_inputs.support is not None
+        logp, ent, *mass = lp(p, mb_inputs, mb_batch.segment_ids, entropy=True, kept_mass=replay)
+        loss, metrics = mis_jax.policy_loss(logp, mb_batch, loss_cfg, entropy=ent, denominators=dens)
+        if replay:  # kept mass and the ratio with / without renormalisation (first epoch: o = lp)
+          metrics.update(mis_jax.sampling_metrics(
+              jax.lax.stop_gradient(logp), jax.lax.stop_gradient(mass[0]), mb_batch.rollout_logprobs,
+              mb_batch.loss_mask, mb_batch.segment_ids, num_segments=mb_batch.num_segments,
+              metric_reduction=loss_cfg.loss_agg_mode))
+        return loss, metrics
 
       def body(acc, xs):
         mb_inputs, mb_batch = xs

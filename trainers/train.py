@@ -54,6 +54,39 @@ def initial_weights_dir(cfg: TrainConfig) -> str:
   return path
 
 
+def sampling_replay_width(r) -> int:
+  """The support width of sampling-mask replay for the `rollout` section (0: off), checked.
+
+  Sampling is truncated when it is not greedy and top-k, top-p or min-p cuts the vocabulary.
+  `auto` replays exactly then, `on` always (it needs truncated, non-greedy sampling), `off`
+  never (with a warning when sampling is truncated: the IS ratio is then biased by the kept
+  mass). SGLang returns masks only for a finite `top_k` no larger than its
+  `--sampling-mask-max-tokens`: `top_k` is the static support width of every step."""
+  truncated = r.temperature > 0 and (r.top_p < 1 or r.top_k > 0 or r.min_p > 0)
+  mode = r.sampling_replay
+  if mode == "off" or (mode == "auto" and not truncated):
+    if truncated:
+      warnings.warn("rollout.sampling_replay is off with truncated sampling (top_p < 1, top_k > 0 or min_p > 0): "
+                    "the server's log-probs are over the whole vocabulary while it samples from the truncated "
+                    "distribution, so the IS ratio is biased by the kept mass (SPEC §11)")
+    return 0
+  if r.temperature == 0:
+    raise mis_jax.ConfigError("rollout.sampling_replay on with greedy sampling (rollout.temperature 0): every "
+                              "renormalised log-prob is 0 and nothing is learned; use temperature > 0 or "
+                              "sampling_replay: off")
+  if r.top_k < 1:
+    what = "untruncated sampling" if not truncated else f"rollout.top_p {r.top_p}, min_p {r.min_p}"
+    raise mis_jax.ConfigError(
+        f"rollout.sampling_replay {mode} ({what}) needs a finite rollout.top_k: SGLang returns sampling masks "
+        f"only for 1 < top_k <= --sampling-mask-max-tokens, and top_k bounds the replayed support; set e.g. "
+        f"rollout.top_k: 50, or rollout.sampling_replay: off")
+  if r.top_k > r.sampling_mask_max_tokens:
+    raise mis_jax.ConfigError(f"rollout.top_k {r.top_k} exceeds rollout.sampling_mask_max_tokens "
+                              f"{r.sampling_mask_max_tokens}: the replayed support would not fit; lower top_k or "
+                              "raise sampling_mask_max_tokens (and the server's --sampling-mask-max-tokens)")
+  return r.top_k
+
+
 class TrainingError(RuntimeError):
   """The run stopped cleanly: the message says why; the last checkpoint is intact."""
 
@@ -71,9 +104,7 @@ class Trainer:
     os.makedirs(self.run_dir, exist_ok=True)
     r = cfg.rollout
     self.temperature = r.temperature if r.temperature > 0 else 1.0  # greedy: SGLang reports T=1
-    if r.top_p < 1 or r.top_k > 0:
-      warnings.warn("top_p < 1 or top_k > 0: the server's log-probs are not renormalised for the "
-                    "truncated distribution, so the IS ratio is biased (SPEC §11)")
+    self.support_width = sampling_replay_width(r)  # 0: no sampling-mask replay
 
     weights = initial_weights_dir(cfg)
     model_cfg = self.model_config = ModelConfig.from_pretrained(weights)
@@ -108,7 +139,8 @@ class Trainer:
   # --- one step ------------------------------------------------------------------------
   def sampling_params(self) -> dict:
     r = self.cfg.rollout
-    return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "max_new_tokens": self.max_new_tokens,
+    return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "min_p": r.min_p,
+            "max_new_tokens": self.max_new_tokens,
             "stop_token_ids": list(self.task.stop_token_ids), "no_stop_trim": True, "skip_special_tokens": False}
 
   def prompts(self, batch: int) -> list:
@@ -119,7 +151,7 @@ class Trainer:
     """Rollout batch `batch` from the servers (process 0): its prompts and per-sample seeds
     depend on (seed, batch) only."""
     return self.client.generate([p.ids for p in self.prompts(batch)], self.sampling_params(), n=self.cfg.rollout.n,
-                                seed=self.cfg.seed * 100_003 + batch)
+                                seed=self.cfg.seed * 100_003 + batch, support_width=self.support_width)
 
   def check_rollout(self, result: RolloutResult) -> RolloutResult:
     r = self.cfg.rollout
@@ -151,7 +183,7 @@ class Trainer:
     return build_step_batch(samples, rewards, self.advantages(rewards, groups), groups,
                             num_segments=self.num_segments, row_len=t.row_len,
                             tokens_per_micro_batch=t.tokens_per_micro_batch,
-                            batch_devices=parallel.batch_devices(self.mesh))
+                            batch_devices=parallel.batch_devices(self.mesh), support_width=self.support_width)
 
   def advantages(self, rewards, groups, in_baseline=None) -> np.ndarray:
     return np.asarray(mis_jax.compute_advantages(rewards, groups, num_groups=self.cfg.rollout.prompts_per_step,
@@ -177,7 +209,8 @@ class Trainer:
 
   def device_batch(self, sb: StepBatch) -> tuple[ModelInputs, mis_jax.PackedBatch]:
     """The step batch placed on the mesh (rows over `data × fsdp`)."""
-    inputs = ModelInputs(*(self._on_mesh(x) for x in (sb.input_ids, sb.positions, sb.targets)))
+    inputs = ModelInputs(*(self._on_mesh(x) for x in (sb.input_ids, sb.positions, sb.targets)),
+                         support=None if sb.support is None else self._on_mesh(sb.support))
     return inputs, jax.tree.map(self._on_mesh, sb.batch)
 
   def train_on(self, sb: StepBatch) -> dict:
@@ -199,6 +232,7 @@ class Trainer:
       if not metrics:  # metrics of the first epoch: before any update of this step
         metrics = {name: float(v) for name, v in {**epoch_metrics, **step_metrics}.items()}
     metrics["micro_batches"] = sb.layout.micro_batches
+    metrics["sampling_replay"] = float(sb.support is not None)  # log-probs, entropy and KL over the support
     if excluded is not None:
       metrics["num_excluded_from_baseline"] = excluded
     if not all(np.isfinite(v) for v in metrics.values()):
@@ -282,6 +316,9 @@ class Trainer:
       raise TrainingError(f"{self.run_dir} already holds checkpoints (latest step "
                           f"{self.checkpoints.latest_step()}): pass --resume, or choose another run_dir")
     r = self.cfg.rollout
+    if self.primary and self.support_width:
+      log(f"sampling replay on (top_k {r.top_k}, top_p {r.top_p}, min_p {r.min_p}): behaviour log-probs from the "
+          "server's sampling masks; log-probs, entropy and KL over each token's support")
     self._primary(lambda: self.client.wait_until_healthy(attempts=r.health_attempts, backoff_s=r.backoff_s))
     self.sync_weights()  # the servers now hold exactly the trainer's weights (version = step)
     producer = RolloutProducer(self, self.batch_index) if (r.max_staleness > 0 and self.primary) else None
@@ -412,6 +449,7 @@ def check_config(cfg: TrainConfig, loss_cfg: mis_jax.LossConfig):
                               "(use_tis: true, use_rollout_logprobs: false, a mis section): the rejection "
                               "must be known before the step")
   r = cfg.rollout
+  sampling_replay_width(r)
   if r.max_staleness > 0 and r.sync_every != 1:
     raise mis_jax.ConfigError(f"rollout.max_staleness {r.max_staleness} with rollout.sync_every {r.sync_every}: "
                               "the asynchronous loop pushes weights every step and bounds the lag by "
