@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-all test-fast demo bench bench-memory clean
+.PHONY: venv test test-all test-fast demo bench bench-memory bench-replay clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ bench: $(STAMP)
 
 bench-memory: $(STAMP)  ## compiled per-device memory of the training step, 8 simulated devices
 	$(PY) -m benchmarks.memory
+
+bench-replay: $(STAMP)  ## truncated sampling vs sampling-mask replay on the embedded server (README table)
+	$(PY) -m benchmarks.sampling_replay
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

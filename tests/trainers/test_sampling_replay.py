@@ -5,6 +5,7 @@ without renormalisation carries exactly the kept mass; the step with supports on
 over micro-batches equals the one-device, one-micro-batch step; a server without masks and
 configs that cannot replay are clear errors."""
 
+import json
 import types
 
 import jax
@@ -189,3 +190,23 @@ def test_configs_that_cannot_replay_are_errors(sets, needle, tmp_path, capsys):
   err = capsys.readouterr().err
   assert needle in err and "Traceback" not in err, err
   assert not run_dir.exists()
+
+
+def test_replay_with_asynchronous_rollouts(f32_server, tmp_path):
+  """Async producer (max_staleness 1): samples one version old are trained with their own
+  supports; the masks survive the JSON broadcast that feeds other trainer processes."""
+  model_path, srv = f32_server
+  cfg = make_cfg(tmp_path, "async", model={"path": model_path},
+                 rollout={"top_k": 20, "top_p": 0.9, "max_new_tokens": 6, "server_dtype": "float32",
+                          "max_staleness": 1},
+                 train={"steps": 2, "ppo_epochs": 1, "row_len": 16})
+  loss_cfg = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(use_rs=True, tis_mode="mask"))
+  trainer = train_lib.Trainer(cfg, loss_cfg, urls=[srv.url])
+  result = trainer.generate(0)
+  assert all(s.sampling_mask is not None and len(s.sampling_mask) == len(s.response_ids) for s in result.samples)
+  again = type(result).from_json(json.loads(json.dumps(result.to_json())))
+  assert again.samples == result.samples
+  history = trainer.run(progress=False)
+  assert [h["step"] for h in history] == [1, 2] and all(h["sampling_replay"] == 1.0 for h in history)
+  assert history[0]["mis_k3_kl"] < 1e-9 and abs(history[0]["sampling_ratio_mean_replay"] - 1) < 1e-5
+  assert all(np.isfinite(h["loss"]) for h in history)
