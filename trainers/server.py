@@ -62,9 +62,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args) -> str | None:
   """The first problem with the parsed arguments, as one line naming the option, or None."""
-  problem = checkpoint_dir_problem(args.model_path)
-  if problem:
-    return f"--model-path {args.model_path!r}: {problem}"
   if not 0 <= args.port <= 65535:
     return f"--port {args.port} must be in 0..65535 (0 picks a free port)"
   if args.max_batch_size < 1:
@@ -75,6 +72,9 @@ def check_args(args) -> str | None:
     return "--weight-version must be a non-empty string"
   if args.sampling_mask_max_tokens < 1:
     return f"--sampling-mask-max-tokens {args.sampling_mask_max_tokens} must be positive"
+  problem = checkpoint_dir_problem(args.model_path)  # last: the cheap arguments are reported first
+  if problem:
+    return f"--model-path {args.model_path!r}: {problem}"
   return None
 
 

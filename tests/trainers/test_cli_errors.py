@@ -180,6 +180,10 @@ def test_serve_rejects_bad_arguments_in_one_line(tmp_path, checkpoint, capsys):
       (["--model-path", checkpoint, "--port", "-1"], ("--port -1",)),
       (["--model-path", checkpoint, "--max-batch-size", "0"], ("--max-batch-size 0",)),
       (["--model-path", checkpoint, "--seed", "-2"], ("--seed -2",)),
+      (["--model-path", checkpoint, "--sampling-mask-max-tokens", "0"], ("--sampling-mask-max-tokens 0",)),
+      # The cheap arguments come first: a bad port is reported as such whatever the model path.
+      (["--model-path", str(tmp_path / "missing"), "--port", "99999"], ("--port 99999",)),
+      (["--model-path", str(tmp_path / "empty"), "--max-batch-size", "0"], ("--max-batch-size 0",)),
   ]
   for argv, needles in cases:
     code = cli.main(["serve", *argv])
