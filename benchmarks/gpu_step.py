@@ -25,7 +25,7 @@ from flax import nnx
 
 import mis_jax
 from benchmarks.memory import LOSS, MODELS, OPTIM
-from trainers import parallel, step as step_lib
+from trainers.training import parallel, step as step_lib
 from trainers.models import Qwen
 
 

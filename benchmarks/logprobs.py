@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mis_jax._logprobs import token_logprobs
+from mis_jax import token_logprobs
 
 FULL = dict(tokens=8192, hidden_size=1024, vocab_size=151936, chunk_size=1024,
             sweep=(1024, 2048, 4096, 8192))

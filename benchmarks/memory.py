@@ -5,12 +5,12 @@
 
 Two steps, side by side, per model and tokens per device:
 
-- `before`: the step as it was before `trainers.step` — everything on one device, float32
+- `before`: the step as it was before `trainers.training.step` — everything on one device, float32
   compute, dense `[T, T]` attention, no remat, full `[T, V]` logits with `log_softmax`, and an
   Optax update that returns a new copy of parameters and state (no donation). (The layer loop
   was unrolled; here it is the same layers in a `lax.scan` without remat, which keeps the same
   activations for the backward pass.)
-- `after`: `trainers.step.StepFunctions.train` — parameters, Adam state and float32 gradient
+- `after`: `trainers.training.step.StepFunctions.train` — parameters, Adam state and float32 gradient
   accumulators FSDP-sharded over the 8 devices, bf16 compute with float32 master weights,
   blocked (flash-style) attention, full remat of the layer scan, log-probs and entropy chunk by
   chunk with `mis_jax.token_logprobs`, parameters and optimiser state donated.
@@ -42,7 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import mis_jax  # noqa: E402
 from trainers import parallel, step as step_lib  # noqa: E402
-from trainers.config import TrainSection  # noqa: E402
+from trainers.training.config import TrainSection  # noqa: E402
 from trainers.models import ModelConfig  # noqa: E402
 from trainers.models.hf_io import abstract_model  # noqa: E402
 
@@ -96,7 +96,7 @@ def after_step(cfg: ModelConfig, tokens: int, devices) -> dict:
 
 
 def before_step(cfg: ModelConfig, tokens: int, devices) -> dict:
-  """The pre-`trainers.step` program: value_and_grad of full-logits log-probs of an f32,
+  """The pre-`trainers.training.step` program: value_and_grad of full-logits log-probs of an f32,
   dense-attention, no-remat model, then the Optax update, un-donated, on one device."""
   graphdef, abstract = nnx.split(abstract_model(cfg, dtype=jnp.float32, param_dtype=jnp.float32,
                                                 attention="dense", remat="none"))

@@ -38,8 +38,8 @@ KEYS = ("sampling_kept_mass_mean", "sampling_ratio_mean_full", "sampling_ratio_o
 
 def measure(dtype: str, setting: str, model_path: str, url: str, run_dir: str, *, prompts: int, n: int) -> dict:
   import mis_jax
-  from trainers import train as train_lib
-  from trainers.config import TrainConfig
+  from trainers.training import train as train_lib
+  from trainers.training.config import TrainConfig
   top_k, top_p, min_p = SETTINGS[setting]
   cfg = TrainConfig.from_dict({
       "seed": 0, "run_dir": run_dir, "model": {"path": model_path},
@@ -69,7 +69,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   import dataclasses
   from trainers.models import PRESETS, init_checkpoint
-  from trainers.server import EmbeddedServer
+  from trainers.serving.server import EmbeddedServer
   prompts, n = (4, 4) if args.quick else (32, 8)
   results = []
   start = time.perf_counter()

@@ -7,7 +7,8 @@ from mis_jax._advantages import ESTIMATORS, compute_advantages, sequence_to_toke
 from mis_jax._config import (AGGREGATIONS, DENOMINATORS, DIVERGENCES, KL_TYPES, LEVELS, LOSS_AGG_MODES,
                              TIS_MODES, ConfigError, RSCriterion,
                              LossConfig, MISConfig, resolve_correction_fn)
-from mis_jax._flags import add_loss_flags, loss_config_from_args
+from mis_jax._flags import LOSS_FLAG_KEYS, add_loss_flags, loss_config_from_args
+from mis_jax._keys import fields_of as config_fields, key as config_key, load_yaml, parse_value as parse_config_value
 from mis_jax._logprobs import LM_HEAD_LAYOUTS, token_logprobs
 from mis_jax._losses import (Denominators, aggregate, kl_penalty, loss_denominators, policy_loss,
                              ppo_token_loss, prepare_step)
@@ -27,6 +28,7 @@ __all__ = [
     "plan_packing", "policy_loss", "ppo_token_loss", "prepare_step", "resolve_correction_fn",
     "sequence_to_tokens", "split_microbatches", "vanilla_tis_weights", "LM_HEAD_LAYOUTS", "token_logprobs",
     "MaskStats", "PassOptions", "pass_options", "sampling_metrics",
+    "LOSS_FLAG_KEYS", "config_fields", "config_key", "load_yaml", "parse_config_value",
 ]
 
 from mis_jax._sharding import batch_partition_spec, shard_batch, sharded_policy_loss  # noqa: E402

@@ -7,13 +7,10 @@ Everything here runs in Python, once, before anything is traced. Errors name the
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib
-import math
 import os
 from typing import Any, Callable, Mapping
 
-import yaml
 
 LEVELS = ("token", "sequence", "geometric")
 DIVERGENCES = ("k1", "k2", "k3")
@@ -24,62 +21,7 @@ DENOMINATORS = ("kept", "original")
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
 
-class ConfigError(ValueError):
-  """A configuration value is invalid. The message names the source, key and value."""
-
-
-def load_yaml(path: str, what: str):
-  """Parses a YAML file; a missing file or invalid YAML is a ConfigError naming the path."""
-  if not os.path.isfile(path):
-    raise ConfigError(f"{what} not found: {path}")
-  with open(path) as f:
-    try:
-      return yaml.safe_load(f)
-    except yaml.YAMLError as e:
-      raise ConfigError(f"{path}: invalid YAML: {e}") from None
-
-
-def _where(source: str | None, key: str) -> str:
-  return f"{source}: key '{key}'" if source else f"key '{key}'"
-
-
-def _closest(key: str, valid) -> str:
-  match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
-  return f" Did you mean '{match[0]}'?" if match else ""
-
-
-def _as_float(value: Any, key: str, source: str | None, *, allow_none: bool) -> float | None:
-  """Accepts ints, floats and numeric strings (YAML 1.1 reads ``1e-4`` as a string)."""
-  if value is None:
-    if allow_none:
-      return None
-    raise ConfigError(f"{_where(source, key)} must be a number, got null")
-  if isinstance(value, bool):
-    raise ConfigError(f"{_where(source, key)} must be a number, got the boolean {value!r}")
-  if isinstance(value, str):
-    try:
-      value = float(value.strip())
-    except ValueError:
-      raise ConfigError(f"{_where(source, key)} must be a number, got the string {value!r}") from None
-  if not isinstance(value, (int, float)):
-    raise ConfigError(f"{_where(source, key)} must be a number, got {type(value).__name__} {value!r}")
-  value = float(value)
-  if not math.isfinite(value):
-    raise ConfigError(f"{_where(source, key)} must be finite, got {value!r}")
-  return value
-
-
-def _as_bool(value: Any, key: str, source: str | None) -> bool:
-  if isinstance(value, bool):
-    return value
-  raise ConfigError(f"{_where(source, key)} must be true or false, got {type(value).__name__} {value!r}")
-
-
-def _as_choice(value: Any, key: str, source: str | None, allowed: tuple[str, ...]) -> str:
-  if not isinstance(value, str) or value not in allowed:
-    raise ConfigError(
-        f"{_where(source, key)} has invalid value {value!r}; allowed values: {', '.join(allowed)}")
-  return value
+from mis_jax._keys import ConfigError, _as_bool, _as_choice, _as_float, _closest, _where, load_yaml  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,7 @@ _KNOBS = {
     "tis_clip_low": float, "loss_agg_mode": str, "denominator": str, "entropy_coef": float,
     "kl_coef": float, "kl_type": str,
 }
+LOSS_FLAG_KEYS = tuple(_KNOBS)  # the LossConfig keys that have a value-carrying flag
 _CHOICES = {"loss_agg_mode": LOSS_AGG_MODES, "denominator": DENOMINATORS, "kl_type": KL_TYPES}
 
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mis_jax._logprobs import token_logprobs
+from mis_jax import token_logprobs
 
 T, D, V, CHUNK = 37, 16, 50, 8
 

@@ -29,12 +29,12 @@ def _init_model(argv: list[str]) -> int:
 
 
 def _serve(argv: list[str]) -> int:
-  from trainers import server
+  from trainers.serving import server
   return server.main(argv)
 
 
 def _config_epilog() -> str:
-  from trainers import config as config_lib
+  from trainers.training import config as config_lib
   lines = ["config keys (YAML sections, or --set SECTION.KEY=VALUE; the README's reference table):"]
   for section, cls in config_lib.SECTIONS.items():
     for name, (field, _) in config_lib.fields_of(cls).items():
@@ -88,9 +88,9 @@ def resolve_train_config(args):
   value typed and range-checked, then the checks across keys and against the machine (paths,
   URLs, the mesh, the task) — all before anything starts. Raises `ConfigError`."""
   import mis_jax
-  from mis_jax._config import load_yaml
-  from trainers import config as config_lib
-  from trainers import train
+  from mis_jax import load_yaml
+  from trainers.training import config as config_lib
+  from trainers.training import train
 
   raw = load_yaml(args.config, "trainer config") or {}
   if not isinstance(raw, dict):
@@ -120,10 +120,10 @@ def _train(argv: list[str] | None = None) -> int:
   import jax
 
   import mis_jax
-  from trainers import distributed, train
+  from trainers.training import distributed, train
   from trainers.models.attention import resolve_attention_backend
-  from trainers.rollout import ServerError
-  from trainers.server import EmbeddedServer
+  from trainers.training.rollout import ServerError
+  from trainers.serving.server import EmbeddedServer
 
   args = train_parser().parse_args(argv)
   try:

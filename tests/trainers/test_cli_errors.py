@@ -9,9 +9,9 @@ import typing
 
 import pytest
 
-from mis_jax._flags import _KNOBS
+from mis_jax import LOSS_FLAG_KEYS
 from trainers import cli
-from trainers import config as config_lib
+from trainers.training import config as config_lib
 from trainers.models import PRESETS, init_checkpoint
 
 
@@ -152,7 +152,7 @@ def test_paths_urls_and_cross_key_checks(tmp_path, capsys):
 def test_few_sequences_for_many_devices_is_a_warning():
   args = cli.train_parser().parse_args(["--set", "rollout.prompts_per_step=1", "--set", "rollout.n=2"])
   cfg, _, _ = cli.resolve_train_config(args)
-  from trainers import train
+  from trainers.training import train
   with pytest.warns(UserWarning, match="2 sequences for 8 batch devices"):
     train.check_parallel(cfg)
 
@@ -207,7 +207,7 @@ def test_help_lists_every_option_and_config_key_with_its_default(capsys):
   for section, cls in config_lib.SECTIONS.items():
     for name, (field, _) in config_lib.fields_of(cls).items():
       assert f"{section}.{name} (default: {'null' if field.default is None else field.default})" in text
-  from trainers.server import build_parser
+  from trainers.serving.server import build_parser
   serve_help = " ".join(build_parser().format_help().split())
   for option, default in (("--port", "30000"), ("--dtype", "bfloat16"), ("--max-batch-size", "64"), ("--seed", "0")):
     assert option in serve_help and f"(default: {default})" in serve_help
@@ -221,4 +221,6 @@ def test_readme_config_reference_is_generated_from_the_sections():
   from trainers.models.qwen import REMAT_POLICIES
   assert config_lib.ATTENTION == ATTENTION_BACKENDS and config_lib.REMAT == tuple(REMAT_POLICIES)
   assert config_lib.PRESET_NAMES == tuple(sorted(PRESETS))
-  assert set(KNOB_VALUES) == set(_KNOBS)
+  from trainers.models import DTYPES
+  assert config_lib.DTYPES == tuple(DTYPES)
+  assert set(KNOB_VALUES) == set(LOSS_FLAG_KEYS)

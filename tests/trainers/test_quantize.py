@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trainers import server
-from trainers.engine import Engine
+from trainers.serving import server
+from trainers.serving.generation import GenerationEngine
 from trainers.models import init_checkpoint, load_hf_checkpoint
 from trainers.models.quantize import quantize_kernel
-from trainers.sampler import SamplingParams
+from trainers.serving.sampler import SamplingOptions
 
 from conftest import TINY, sequence_logprobs
 
@@ -77,9 +77,9 @@ def second_checkpoint(tmp_path_factory):
 
 
 def test_quantized_engine_logprobs_are_teacher_forced_quantized_weights(tiny_checkpoint, second_checkpoint):
-  engine = Engine(tiny_checkpoint, dtype="float32", quantize="fp8", max_batch_size=8)
+  engine = GenerationEngine(tiny_checkpoint, dtype="float32", quantize="fp8", max_batch_size=8)
   try:
-    params = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=3)
+    params = SamplingOptions(temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=3)
     for path in (tiny_checkpoint, second_checkpoint):
       if path == second_checkpoint:  # a weight update is quantised again
         ok, message = engine.update_weights_from_disk(path, "1")
@@ -113,7 +113,7 @@ def test_mismatch_grows_with_coarser_weights_on_a_fixed_batch(tiny_checkpoint):
   k3 = {}
   for name, dtype, quantize in (("fp32", "float32", "none"), ("bf16", "bfloat16", "none"),
                                 ("int8", "bfloat16", "int8"), ("fp8", "bfloat16", "fp8")):
-    engine = Engine(tiny_checkpoint, dtype=dtype, quantize=quantize)
+    engine = GenerationEngine(tiny_checkpoint, dtype=dtype, quantize=quantize)
     engine.close()
     served = nnx.merge(engine.sampler.graphdef, engine.sampler.params)
     k3[name] = _k3(o, np.concatenate([sequence_logprobs(served, s[:1], s[1:]) for s in seqs]))
@@ -129,11 +129,11 @@ def test_bad_quantize_is_refused_before_anything_starts(tiny_checkpoint):
   with pytest.raises(ValueError, match="quantize must be one of none, int8, fp8, got 'int4'"):
     server.EmbeddedServer(tiny_checkpoint, quantize="int4")  # raises before a process starts
   with pytest.raises(ValueError, match="quantize must be one of"):
-    Engine(tiny_checkpoint, quantize="int4")
+    GenerationEngine(tiny_checkpoint, quantize="int4")
 
 
 def test_trainer_config_key():
-  from trainers.config import TrainConfig
+  from trainers.training.config import TrainConfig
   import mis_jax
   assert TrainConfig.from_dict({"rollout": {"server_quantize": "fp8"}}).rollout.server_quantize == "fp8"
   with pytest.raises(mis_jax.ConfigError, match="rollout.server_quantize has invalid value 'int4'"):

@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from trainers import config as config_lib
+from trainers.training import config as config_lib
 from trainers.tasks import rewards
 
 GSM8K_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nAltogether she sold 48+24 = <<48+24=72>>72.\n#### 72"

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainers.models import Qwen, load_hf_checkpoint
-from trainers.sampler import Sampler, SamplingParams
+from trainers.serving.sampler import Sampler, SamplingOptions
 
 from conftest import TINY, sequence_logits, sequence_logprobs
 
@@ -31,7 +31,7 @@ def _check_against_oracle(model, prompts, outs, temperature, atol):
 
 
 def test_logprobs_equal_teacher_forced(sampler, tiny_model):
-  params = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_new_tokens=12, n=2,
+  params = SamplingOptions(temperature=0.8, top_p=0.9, top_k=20, max_new_tokens=12, n=2,
                           ignore_eos=True)  # no seed: every sample draws its own
   outs = sampler.generate(PROMPTS, params)
   assert [(c.prompt_index, c.sample_index) for c in outs] == [(i, j) for i in range(3) for j in range(2)]
@@ -43,7 +43,7 @@ def test_logprobs_equal_teacher_forced(sampler, tiny_model):
 
 
 def test_greedy_is_argmax_with_temperature_one_logprobs(sampler, tiny_model):
-  outs = [sampler.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=10,
+  outs = [sampler.generate(PROMPTS[:1], SamplingOptions(temperature=0.0, max_new_tokens=10,
                                                        seed=s, ignore_eos=True))[0] for s in (1, 2)]
   assert outs[0].output_ids == outs[1].output_ids
   seq = PROMPTS[0] + outs[0].output_ids
@@ -56,7 +56,7 @@ def test_seed_reproduces_and_other_rows_do_not_matter(sampler):
   """A sample draws from fold_in(key(seed), step) only, as SGLang's sampling_seed: rows added
   after it (and a larger padded batch bucket) leave it unchanged, and the n samples of a
   seeded request (which share its seed) are identical."""
-  p = SamplingParams(temperature=1.0, max_new_tokens=8, seed=123, ignore_eos=True)
+  p = SamplingOptions(temperature=1.0, max_new_tokens=8, seed=123, ignore_eos=True)
   batch = sampler.generate(PROMPTS, p)
   group = sampler.generate(PROMPTS[:1], dataclasses.replace(p, n=3))
   assert [c.output_ids for c in group] == [batch[0].output_ids] * 3
@@ -68,7 +68,7 @@ def test_seed_reproduces_and_other_rows_do_not_matter(sampler):
 
 
 def test_requests_larger_than_a_batch_run_in_chunks(sampler):
-  p = SamplingParams(temperature=1.0, max_new_tokens=4, n=4, seed=5, ignore_eos=True)
+  p = SamplingOptions(temperature=1.0, max_new_tokens=4, n=4, seed=5, ignore_eos=True)
   chunked = sampler.generate(PROMPTS, p)  # 12 rows: a chunk of 8, then one of 4
   assert [(c.prompt_index, c.sample_index) for c in chunked] == [(i, j) for i in range(3) for j in range(4)]
   assert [c.output_ids for c in chunked[:8]] == [c.output_ids for c in sampler.generate(PROMPTS[:2], p)]
@@ -76,8 +76,8 @@ def test_requests_larger_than_a_batch_run_in_chunks(sampler):
 
 
 def test_top_k_and_top_p_restrict_the_support(sampler, tiny_model):
-  for params in (SamplingParams(temperature=1.5, top_k=3, max_new_tokens=16, n=4, ignore_eos=True),
-                 SamplingParams(temperature=1.5, top_p=0.5, max_new_tokens=16, n=4, ignore_eos=True)):
+  for params in (SamplingOptions(temperature=1.5, top_k=3, max_new_tokens=16, n=4, ignore_eos=True),
+                 SamplingOptions(temperature=1.5, top_p=0.5, max_new_tokens=16, n=4, ignore_eos=True)):
     for c in sampler.generate(PROMPTS[:1], params):
       logits = sequence_logits(tiny_model, PROMPTS[0] + c.output_ids)[len(PROMPTS[0]) - 1:-1] / 1.5
       probs = np.exp(logits - logits.max(-1, keepdims=True))
@@ -92,7 +92,7 @@ def test_top_k_and_top_p_restrict_the_support(sampler, tiny_model):
 
 
 def test_stop_token_ends_and_is_kept(sampler):
-  greedy = SamplingParams(temperature=0.0, max_new_tokens=16, ignore_eos=True)
+  greedy = SamplingOptions(temperature=0.0, max_new_tokens=16, ignore_eos=True)
   ref = sampler.generate(PROMPTS[:1], greedy)[0].output_ids
   stop = ref[3]
   out = sampler.generate(PROMPTS[:1], dataclasses.replace(greedy, ignore_eos=False,
@@ -102,14 +102,14 @@ def test_stop_token_ends_and_is_kept(sampler):
   # As SGLang: ignore_eos ignores every stop token, stop_token_ids included.
   ignored = sampler.generate(PROMPTS[:1], dataclasses.replace(greedy, stop_token_ids=(stop,)))[0]
   assert ignored.output_ids == ref and ignored.finish_reason == ("length", 16)
-  eos = sampler.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=16))[0]
+  eos = sampler.generate(PROMPTS[:1], SamplingOptions(temperature=0.0, max_new_tokens=16))[0]
   assert (eos.finish_reason[0] == "stop") == (2 in ref)
 
 
 def test_prompt_logprobs_are_teacher_forced(sampler, tiny_model):
   """`prompt_logprobs[t]` = log_softmax(z / T) of prompt token t + 1 from the prefill."""
   for temperature in (1.0, 0.7):
-    outs = sampler.generate(PROMPTS, SamplingParams(temperature=temperature, max_new_tokens=1),
+    outs = sampler.generate(PROMPTS, SamplingOptions(temperature=temperature, max_new_tokens=1),
                             prompt_logprobs=True)
     for c in outs:
       prompt = PROMPTS[c.prompt_index]
@@ -118,23 +118,23 @@ def test_prompt_logprobs_are_teacher_forced(sampler, tiny_model):
 
 
 def test_max_new_tokens_zero_and_one(sampler):
-  zero, one = (sampler.generate(PROMPTS[:1], SamplingParams(max_new_tokens=n, seed=0))[0] for n in (0, 1))
+  zero, one = (sampler.generate(PROMPTS[:1], SamplingOptions(max_new_tokens=n, seed=0))[0] for n in (0, 1))
   assert zero.output_ids == [] and zero.finish_reason == ("length", 0)
   assert len(one.output_ids) == 1
 
 
 def test_no_recompilation_within_a_bucket(sampler):
-  sampler.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5, seed=0))
+  sampler.generate([[1, 2, 3]], SamplingOptions(max_new_tokens=5, seed=0))
   before = sampler.num_compiled
-  for prompt, params in (([1] * 15, SamplingParams(max_new_tokens=16, temperature=0.3, seed=1)),
-                         ([4, 5], SamplingParams(max_new_tokens=2, top_p=0.5, top_k=4, seed=2,
+  for prompt, params in (([1] * 15, SamplingOptions(max_new_tokens=16, temperature=0.3, seed=1)),
+                         ([4, 5], SamplingOptions(max_new_tokens=2, top_p=0.5, top_k=4, seed=2,
                                                  stop_token_ids=(3, 4)))):
     sampler.generate([prompt], params)
   assert sampler.num_compiled == before
 
 
 def test_weight_swap_changes_samples_without_recompiling(sampler):
-  params = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+  params = SamplingOptions(temperature=0.0, max_new_tokens=8, ignore_eos=True)
   before = sampler.generate(PROMPTS[:1], params)[0].output_ids
   compiled, original = sampler.num_compiled, sampler.params
   try:
@@ -150,7 +150,7 @@ def test_weight_swap_changes_samples_without_recompiling(sampler):
 def test_bfloat16_sampler_measurably_differs_from_float32_trainer(tiny_checkpoint):
   f32 = load_hf_checkpoint(tiny_checkpoint)
   bf16 = Sampler(load_hf_checkpoint(tiny_checkpoint, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
-  outs = bf16.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=16, seed=0, ignore_eos=True))
+  outs = bf16.generate(PROMPTS, SamplingOptions(temperature=1.0, max_new_tokens=16, seed=0, ignore_eos=True))
   diff = np.concatenate([np.asarray(c.logprobs) - sequence_logprobs(f32, PROMPTS[c.prompt_index], c.output_ids)
                          for c in outs])
   assert 1e-4 < np.abs(diff).mean() < 0.05  # real but small: the mismatch MIS corrects
@@ -158,15 +158,15 @@ def test_bfloat16_sampler_measurably_differs_from_float32_trainer(tiny_checkpoin
 
 def test_invalid_requests_raise(sampler):
   with pytest.raises(ValueError, match="empty"):
-    sampler.generate([[]], SamplingParams())
+    sampler.generate([[]], SamplingOptions())
   with pytest.raises(ValueError, match="outside"):
-    sampler.generate([[64]], SamplingParams())
+    sampler.generate([[64]], SamplingOptions())
   with pytest.raises(ValueError, match="context length"):
-    sampler.generate([[1, 2]], SamplingParams(max_new_tokens=TINY.max_position_embeddings))
+    sampler.generate([[1, 2]], SamplingOptions(max_new_tokens=TINY.max_position_embeddings))
   for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=0), dict(min_p=1.5), dict(n=0),
               dict(max_new_tokens=-1)):
     with pytest.raises(ValueError, match=next(iter(bad))):
-      SamplingParams(**bad)
+      SamplingOptions(**bad)
 
 
 @settings(max_examples=12, deadline=None)
@@ -175,7 +175,7 @@ def test_invalid_requests_raise(sampler):
        seed=st.integers(0, 2**32 - 1), prompt=st.lists(st.integers(0, 63), min_size=1, max_size=16))
 def test_property_logprobs_are_unrenormalised_teacher_forced(sampler, tiny_model, temperature, top_p,
                                                             top_k, min_p, seed, prompt):
-  params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+  params = SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                           max_new_tokens=6, seed=seed, ignore_eos=True)
   (c,) = sampler.generate([prompt], params)
   assert len(c.output_ids) == 6
@@ -204,7 +204,7 @@ def test_sampling_masks_equal_the_support_from_the_logits(sampler, tiny_model, t
   """The returned masks equal the support computed independently from the teacher-forced
   logits; the sampled token is inside; the behaviour log-prob is log(p_y / Σ_S p), the
   support's log-probs log(p_v / Σ_S p); the full-vocabulary log-probs are unchanged."""
-  params = SamplingParams(temperature=1.3, top_p=top_p, top_k=top_k, min_p=min_p, max_new_tokens=10, n=2,
+  params = SamplingOptions(temperature=1.3, top_p=top_p, top_k=top_k, min_p=min_p, max_new_tokens=10, n=2,
                           seed=7, ignore_eos=True, sampling_mask=True)
   plain = sampler.generate(PROMPTS[:2], dataclasses.replace(params, sampling_mask=False))
   outs = sampler.generate(PROMPTS[:2], params)
@@ -225,8 +225,8 @@ def test_sampling_masks_equal_the_support_from_the_logits(sampler, tiny_model, t
 
 
 def test_greedy_mask_is_the_token_with_log_prob_zero(sampler):
-  (c,) = sampler.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=5, ignore_eos=True,
+  (c,) = sampler.generate(PROMPTS[:1], SamplingOptions(temperature=0.0, max_new_tokens=5, ignore_eos=True,
                                                       sampling_mask=True))
   assert c.sampling_mask == [[t] for t in c.output_ids] and c.sampling_logprobs == [0.0] * 5
   with pytest.raises(ValueError, match="finite top_k"):
-    SamplingParams(top_p=0.9, sampling_mask=True)
+    SamplingOptions(top_p=0.9, sampling_mask=True)

@@ -15,10 +15,10 @@ import pytest
 import mis_jax
 from fake_sglang import FakeSGLang
 from trainers import cli
-from trainers import train as train_lib
+from trainers.training import train as train_lib
 from trainers.models import init_checkpoint
-from trainers.rollout import ServerError
-from trainers.server import EmbeddedServer
+from trainers.training.rollout import ServerError
+from trainers.serving.server import EmbeddedServer
 
 from test_step import ALGORITHMS, ROW_LEN, TINY, _assert_metrics_close, _assert_trees_close, _functions, _mesh, \
     _samples, _step_batch
@@ -43,7 +43,7 @@ def _with_supports(samples, seed=0):
 
 def _run(mesh, loss_cfg, sb, fns=None):
   from flax import nnx
-  from trainers import parallel, step as step_lib
+  from trainers.training import parallel, step as step_lib
   from trainers.models import Qwen
   fns = fns or _functions(mesh, loss_cfg)
   params = jax.device_put(nnx.state(Qwen(TINY, rngs=nnx.Rngs(0)), nnx.Param), fns.param_shardings)
@@ -68,7 +68,7 @@ def _assert_metrics_match(got, want):
 
 def _support_batch(tokens_per_micro_batch, batch_devices, num=24):
   """test_step's step batch of `num` samples, with random supports packed (width K)."""
-  from trainers.batch import build_step_batch
+  from trainers.training.batch import build_step_batch
   samples = _with_supports(_samples(num))
   ref = _step_batch(tokens_per_micro_batch, batch_devices, samples)
   adv = np.asarray(mis_jax.compute_advantages(ref.rewards, ref.groups, num_groups=int(ref.groups.max()) + 1))

@@ -17,10 +17,10 @@ import mis_jax
 from fake_sglang import FakeSGLang
 from helpers import cpu_process_env, free_port
 from test_train import ALGORITHMS, BASE, embedded_server, make_cfg
-from trainers import train as train_lib
-from trainers.models import (PRESETS, Qwen, hf_state_dict, load_hf_checkpoint,
-                             read_hf_tensors, save_hf_sharded)
-from trainers.rollout import SGLangClient
+from trainers.training import train as train_lib
+from trainers.models import PRESETS, Qwen, hf_state_dict, load_hf_checkpoint, read_hf_tensors
+from trainers.training.weight_sync import save_hf_sharded
+from trainers.training.rollout import SGLangClient
 
 DECOUPLED = mis_jax.LossConfig(**ALGORITHMS["decoupled_ppo"])
 
@@ -262,7 +262,7 @@ def test_async_config_rules(tmp_path):
                                     checkpoint={"every": 2}), DECOUPLED)
   with pytest.warns(UserWarning, match="only decoupled PPO .* corrects for stale rollouts"):
     train_lib.check_config(make_cfg(tmp_path, rollout={"max_staleness": 1}), mis_jax.LossConfig())
-  from trainers.config import TrainConfig
+  from trainers.training.config import TrainConfig
   cfg = TrainConfig.from_yaml("configs/async.yaml")
   assert (cfg.rollout.max_staleness, cfg.rollout.pause_mode) == (1, "retract")
   assert mis_jax.loss_config_from_args({}, base=cfg.loss).algorithm == "decoupled_ppo"

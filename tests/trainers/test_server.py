@@ -15,10 +15,11 @@ import httpx
 import numpy as np
 import pytest
 
-from trainers import cli, protocol
+from trainers import cli
+from trainers.serving import protocol
 from trainers.models import PRESETS, init_checkpoint, load_hf_checkpoint
-from trainers.rollout import sample_seeds
-from trainers.server import EmbeddedServer
+from trainers.training.rollout import sample_seeds
+from trainers.serving.server import EmbeddedServer
 
 from conftest import TINY, sequence_logprobs
 from sglang_contract import load_api_types
@@ -521,7 +522,7 @@ def test_embedded_server_reports_a_failed_start(tmp_path):
 def test_trainer_client_gets_distinct_reproducible_groups(embedded):
   """The trainer's client against the server: a seeded GRPO group is n distinct samples (one
   seed per sample), the same again for the same seed, prompt-major, with their versions."""
-  from trainers.rollout import SGLangClient
+  from trainers.training.rollout import SGLangClient
   client = SGLangClient([embedded.url], prompts_per_request=2)
   try:
     sp = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 6, "ignore_eos": True,

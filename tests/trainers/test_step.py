@@ -14,9 +14,9 @@ import pytest
 from flax import nnx
 
 import mis_jax
-from trainers import parallel, step as step_lib
-from trainers.batch import build_step_batch, plan_layout
-from trainers.config import TrainSection
+from trainers.training import parallel, step as step_lib
+from trainers.training.batch import build_step_batch, plan_layout
+from trainers.training.config import TrainSection
 from trainers.models import PRESETS, Qwen, init_checkpoint, load_hf_checkpoint
 from trainers.models.hf_io import abstract_model
 

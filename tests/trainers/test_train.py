@@ -11,11 +11,11 @@ import pytest
 import mis_jax
 from fake_sglang import FakeSGLang
 from trainers import cli
-from trainers import train as train_lib
-from trainers.config import TrainConfig
+from trainers.training import train as train_lib
+from trainers.training.config import TrainConfig
 from trainers.models import init_checkpoint
-from trainers.rollout import ServerError
-from trainers.server import EmbeddedServer
+from trainers.training.rollout import ServerError
+from trainers.serving.server import EmbeddedServer
 
 BASE = {
     "seed": 0,
@@ -238,7 +238,7 @@ def test_mesh_runs_match_one_device_and_resume_on_the_mesh(server, tmp_path):
   train_lib.Trainer(cfg, loss_cfg, urls=[server.url]).run(progress=False)
   resumed = train_lib.Trainer(cfg.replace(train=dataclasses.replace(cfg.train, steps=3)), loss_cfg, urls=[server.url])
   assert resumed.restore_latest() and resumed.step == 2
-  from trainers import parallel
+  from trainers.training import parallel
   assert parallel.sharding_mismatches(resumed.params, resumed.fns.param_shardings) == []
   assert parallel.sharding_mismatches(resumed.opt_state, resumed.fns.opt_shardings) == []
   history = resumed.run(resume=True, progress=False)

@@ -122,7 +122,7 @@ def _init_dir(out: str, design: Design, seed: int) -> str:
 
 
 def _train_config(out: str, design: Design, setting: Setting, seed: int, run_dir: str):
-  from trainers.config import TrainConfig
+  from trainers.training.config import TrainConfig
   # One path for every seed's initial weights, so that every run of an arm has the same config
   # apart from the seed and reuses the step functions compiled for the first one.
   start = os.path.join(out, "init", "current")
@@ -144,8 +144,8 @@ def _train_config(out: str, design: Design, setting: Setting, seed: int, run_dir
 def run_experiment(out: str, design: Design = FULL, *, resume: bool = False, log=print) -> dict:
   """Runs every arm × setting × seed of `design`; writes and returns `OUT/results.json`
   (`{"design", "runs": [{"arm", "setting", "seed", "seconds", <metric>: [per step]}], ...}`)."""
-  from trainers.server import EmbeddedServer
-  from trainers.train import Trainer
+  from trainers.serving.server import EmbeddedServer
+  from trainers.training.train import Trainer
 
   os.makedirs(out, exist_ok=True)
   path = os.path.join(out, "results.json")

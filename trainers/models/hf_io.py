@@ -10,13 +10,11 @@ dtype.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import glob
 import json
 import os
 import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +23,6 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from trainers import distributed
 from trainers.models.config import PRESETS, ModelConfig
 from trainers.models.qwen import Qwen
 
@@ -48,12 +45,12 @@ def _is_stacked(path: tuple) -> bool:
   return str(path[0]) == "layers"
 
 
-def _param_leaves(model_or_state):
+def param_leaves(model_or_state):
   state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state, nnx.Param)
   return nnx.to_flat_state(state)
 
 
-def _hf_arrays(path: tuple, x) -> dict[str, object]:
+def hf_arrays(path: tuple, x) -> dict[str, object]:
   """`{hf_name: array in HF layout}` for one parameter (one entry per layer when stacked)."""
   name, transpose = _hf_name(path)
   fix = (lambda a: a.T) if transpose else (lambda a: a)
@@ -65,9 +62,9 @@ def _hf_arrays(path: tuple, x) -> dict[str, object]:
 def hf_state_dict(model: Qwen, *, dtype: str | None = None) -> dict[str, np.ndarray]:
   """The model's parameters as `{hf_name: array}` in HF layout, cast to `dtype` if given."""
   out = {}
-  for path, var in _param_leaves(model):
+  for path, var in param_leaves(model):
     x = np.asarray(var.get_value())
-    for name, a in _hf_arrays(path, x).items():
+    for name, a in hf_arrays(path, x).items():
       out[name] = np.ascontiguousarray(a.astype(DTYPES[dtype]) if dtype else a)
   return out
 
@@ -82,82 +79,20 @@ def save_hf_checkpoint(model: Qwen, path: str | os.PathLike, *, dtype: str = "fl
     raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
   os.makedirs(path, exist_ok=True)
   tensors = hf_state_dict(model, dtype=dtype)
-  _atomic_write(os.path.join(path, "model.safetensors"),
+  atomic_write(os.path.join(path, "model.safetensors"),
                 lambda f: save_file(tensors, f, metadata={"format": "pt"}))
-  _write_json(os.path.join(path, "config.json"), model.config.to_hf_dict(dtype=dtype))
+  write_json(os.path.join(path, "config.json"), model.config.to_hf_dict(dtype=dtype))
 
 
-# One jitted cast per dtype, shared by every save (a new jit per call would recompile each sync).
-_CASTS = {name: jax.jit(lambda x, d=dt: x.astype(d)) for name, dt in DTYPES.items()}
-
-
-def shard_plan(sizes: dict[str, int], num_shards: int) -> dict[str, int]:
-  """`{parameter: shard}`: parameters (in name order) to `num_shards` files, largest first
-  onto the lightest shard, so every file (one per process) has about the same bytes."""
-  loads = [0] * num_shards
-  plan = {}
-  for name in sorted(sizes, key=lambda k: (-sizes[k], k)):
-    k = min(range(num_shards), key=lambda i: (loads[i], i))
-    plan[name] = k
-    loads[k] += sizes[name]
-  return plan
-
-
-def save_hf_sharded(state: nnx.State, config: ModelConfig, path: str | os.PathLike, *,
-                    dtype: str = "bfloat16", num_shards: int | None = None) -> dict[str, float]:
-  """Writes `path` as a sharded HF checkpoint: `model-0000k-of-0000N.safetensors` (N =
-  `num_shards`, default the number of processes; fewer if there are fewer parameters) +
-  `model.safetensors.index.json` + `config.json`, the layout SGLang and `transformers` load.
-
-  Collective: every process calls it with the same (sharded, possibly multi-process) `state`.
-  Each parameter, cast to `dtype` on its devices, is gathered in turn and kept only by the
-  process that owns its file (file `k` belongs to process `k % process_count`, files balanced
-  by `shard_plan`), which converts it to HF names and layout and writes that file; processes
-  write their files in parallel. Process 0 writes the index and the config; every file is
-  renamed into place whole. Returns the seconds spent gathering and writing (this process).
-  """
-  if dtype not in DTYPES:
-    raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-  t0 = time.perf_counter()
-  leaves = sorted(((".".join(map(str, p)), p, v.get_value()) for p, v in _param_leaves(state)),
-                  key=lambda t: t[0])
-  itemsize = np.dtype(DTYPES[dtype]).itemsize
-  num_shards = max(1, min(num_shards or jax.process_count(), len(leaves)))
-  plan = shard_plan({k: int(np.prod(x.shape)) * itemsize for k, _, x in leaves}, num_shards)
-  files = [f"model-{k + 1:05d}-of-{num_shards:05d}.safetensors" for k in range(num_shards)]
-  me, procs = jax.process_index(), jax.process_count()
-  cast = _CASTS[dtype]
-  mine, weight_map, total = collections.defaultdict(dict), {}, 0
-  for key, p, x in leaves:
-    if x.dtype != DTYPES[dtype]:
-      x = cast(x)  # on the devices: half the bytes to gather for bf16
-    full = distributed.to_host(x)
-    for name, a in _hf_arrays(p, full).items():
-      weight_map[name] = files[plan[key]]
-      total += a.size * itemsize
-      if plan[key] % procs == me:
-        mine[plan[key]][name] = np.ascontiguousarray(a)
-  t1 = time.perf_counter()
-  os.makedirs(path, exist_ok=True)
-  for k, tensors in mine.items():
-    _atomic_write(os.path.join(path, files[k]), lambda f, t=tensors: save_file(t, f, metadata={"format": "pt"}))
-  if me == 0:
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_json(os.path.join(path, "model.safetensors.index.json"), index)
-    _write_json(os.path.join(path, "config.json"), config.to_hf_dict(dtype=dtype))
-  distributed.barrier(f"save_hf_sharded {os.path.abspath(path)}")
-  return {"gather_s": t1 - t0, "write_s": time.perf_counter() - t1}
-
-
-def _write_json(dest: str, payload) -> None:
+def write_json(dest: str, payload) -> None:
   """``payload`` as indented JSON at ``dest``, renamed into place whole."""
   def write(f):
     with open(f, "w") as fh:
       json.dump(payload, fh, indent=2)
-  _atomic_write(dest, write)
+  atomic_write(dest, write)
 
 
-def _atomic_write(dest: str, write) -> None:
+def atomic_write(dest: str, write) -> None:
   fd, tmp = tempfile.mkstemp(dir=os.path.dirname(dest), prefix=".tmp-")
   os.close(fd)
   try:
@@ -215,7 +150,7 @@ def _check_names(model_state, reader: _Reader, tie_word_embeddings: bool) -> Non
   """Every parameter has its HF tensors with the right shapes, and nothing else is there."""
   names = reader.names()
   missing, bad, seen = [], [], set()
-  for path, var in _param_leaves(model_state):
+  for path, var in param_leaves(model_state):
     shape = tuple(var.get_value().shape)
     name, transpose = _hf_name(path)
     per_layer = shape[1:] if _is_stacked(path) else shape
@@ -258,7 +193,7 @@ def _fill(abstract_state, reader: _Reader, shardings=None) -> nnx.State:
   shards with `jax.make_array_from_callback` (a device reads only its own block)."""
   flat_shardings = dict(nnx.to_flat_state(shardings)) if shardings is not None else {}
   out = []
-  for path, var in _param_leaves(abstract_state):
+  for path, var in param_leaves(abstract_state):
     ref = var.get_value()
     shape, dtype = tuple(ref.shape), ref.dtype
     sharding = flat_shardings.get(path)
@@ -290,7 +225,7 @@ def state_from_hf_tensors(model, tensors: dict[str, np.ndarray], *, shardings=No
 
 
 def _tied(state) -> bool:
-  return not any(str(path[0]) == "lm_head" for path, _ in _param_leaves(state))
+  return not any(str(path[0]) == "lm_head" for path, _ in param_leaves(state))
 
 
 def abstract_model(cfg: ModelConfig, **model_kwargs) -> Qwen:
@@ -303,7 +238,7 @@ def load_hf_params(path: str | os.PathLike, abstract_state: nnx.State, shardings
   the `*.safetensors` files in `path`.
 
   `shardings`: an `nnx.State` of `jax.sharding.Sharding`s with the same structure
-  (`trainers.parallel.param_shardings`); each device then reads only its own block of every
+  (`trainers.training.parallel.param_shardings`); each device then reads only its own block of every
   tensor from the files (no full copy on one device). Default: everything on the first device.
   Raises `ValueError` naming every missing, unexpected or mis-shaped tensor before reading any.
   """

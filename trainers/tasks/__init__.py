@@ -20,7 +20,7 @@ __all__ = ["Prompt", "Task", "CopyDigitsTask", "DatasetTask", "REWARDS", "make_t
 
 
 def make_task(section, *, vocab_size: int, model_path: str | None = None) -> Task:
-  """The task of a config's ``task`` section (`trainers.config.TaskSection`); the tokenizer is
+  """The task of a config's ``task`` section (`trainers.training.config.TaskSection`); the tokenizer is
   ``task.tokenizer`` or, when that is null and the task needs one, ``model_path``'s."""
   if section.name == "copy_digits":
     return CopyDigitsTask(vocab_size=vocab_size, num_digits=section.num_digits or 3)

@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from mis_jax import ConfigError
-from trainers.config import ParallelSection
+from trainers.training.config import ParallelSection
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")

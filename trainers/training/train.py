@@ -3,12 +3,12 @@ mesh → weight sync → Orbax checkpoints.
 
 One step: sample ``prompts_per_step × n`` completions from the server(s); score them; GRPO
 advantages per prompt group (SPEC §6.1); pack prompt+response into micro-batched rows
-(`trainers.batch`); recompute old log-probs only when the algorithm needs them (standard and
-decoupled PPO); ``ppo_epochs`` calls of the jitted step (`trainers.step`: gradients accumulated
+(`trainers.training.batch`); recompute old log-probs only when the algorithm needs them (standard and
+decoupled PPO); ``ppo_epochs`` calls of the jitted step (`trainers.training.step`: gradients accumulated
 over the micro-batches with global denominators, SPEC §7, and the Optax update in one
 program); push the new weights every ``sync_every`` steps (SPEC §11); checkpoint every
 ``checkpoint.every`` steps. Parameters, optimiser state and the batch live on the mesh of the
-``parallel`` section (`trainers.parallel`).
+``parallel`` section (`trainers.training.parallel`).
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ import jax.numpy as jnp
 import numpy as np
 
 import mis_jax
-from trainers import checkpointing, distributed, parallel
-from trainers.batch import StepBatch, build_step_batch
-from trainers.config import ModelSection, TrainConfig
-from trainers.models import checkpoint_dir_problem, init_checkpoint, load_hf_params, save_hf_sharded
+from trainers.training import checkpointing, distributed, parallel
+from trainers.training.batch import StepBatch, build_step_batch
+from trainers.training.config import ModelSection, TrainConfig
+from trainers.models import DTYPES, checkpoint_dir_problem, init_checkpoint, load_hf_params
 from trainers.models.config import PRESETS, ModelConfig
-from trainers.models.hf_io import DTYPES
-from trainers.rollout import RolloutResult, ServerError, SGLangClient
-from trainers.step import ModelInputs, StepFunctions, build_step_functions
+from trainers.training.rollout import RolloutResult, ServerError, SGLangClient
+from trainers.training.weight_sync import save_hf_sharded
+from trainers.training.step import ModelInputs, StepFunctions, build_step_functions
 from trainers.tasks import make_task
 
 

@@ -28,7 +28,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import mis_jax
-from trainers import parallel
+from trainers.training import parallel
 from trainers.models.hf_io import abstract_model
 
 # How step metrics combine over micro-batches (SPEC §8 metrics are per micro-batch reductions):

@@ -43,7 +43,7 @@ _GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: smaller temperatures are greedy
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingParams:
+class SamplingOptions:
   """SGLang's sampling parameters that this engine implements (names and defaults as SGLang)."""
 
   temperature: float = 1.0
@@ -240,7 +240,7 @@ class Sampler:
     return self._generate._cache_size()
 
   def generate(self, prompts: Sequence[Sequence[int]],
-               params: SamplingParams | Sequence[SamplingParams], *,
+               params: SamplingOptions | Sequence[SamplingOptions], *,
                prompt_logprobs: bool = False) -> list[Completion]:
     """Samples `params.n` completions per prompt; returns them prompt-major.
 
@@ -250,7 +250,7 @@ class Sampler:
     sampler's generator. With `prompt_logprobs`, each completion carries
     `prompt_logprobs[t]` = the log-prob of prompt token `t + 1` (length `len(prompt) - 1`).
     """
-    if isinstance(params, SamplingParams):
+    if isinstance(params, SamplingOptions):
       params = [params] * len(prompts)
     if len(params) != len(prompts):
       raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")

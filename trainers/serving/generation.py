@@ -29,13 +29,12 @@ import time
 import jax.numpy as jnp
 from flax import nnx
 
-from trainers import protocol
-from trainers.models import (ModelConfig, abstract_model, load_hf_checkpoint, read_hf_tensors,
+from trainers.serving import protocol
+from trainers.models import (DTYPES, ModelConfig, abstract_model, load_hf_checkpoint, read_hf_tensors,
                              state_from_hf_tensors)
 from trainers.models.quantize import QUANTIZATIONS, quantize_params
-from trainers.sampler import Completion, Sampler, SamplingParams
+from trainers.serving.sampler import Completion, Sampler, SamplingOptions
 
-DTYPES = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}
 
 
 @dataclasses.dataclass
@@ -50,7 +49,7 @@ class _Job:
   error: BaseException | None = None
 
 
-class Engine:
+class GenerationEngine:
   """Serves one HF checkpoint directory. Thread-safe; `close()` stops the scheduler thread.
 
   `dtype`: parameters and compute of the served model. `quantize`: `"int8"` / `"fp8"` serve
@@ -314,7 +313,7 @@ class Engine:
 
   def health_generate(self) -> None:
     with self._weights:
-      self.sampler.generate([[0]], SamplingParams(max_new_tokens=1, temperature=0.0))
+      self.sampler.generate([[0]], SamplingOptions(max_new_tokens=1, temperature=0.0))
 
   def close(self) -> None:
     with self._cv:
@@ -351,12 +350,12 @@ class Engine:
         "version": protocol.PROTOCOL_VERSION, "frontend": "mis-jax"}
 
 
-def _engine_params(item: protocol.Item, context: int) -> SamplingParams:
+def _engine_params(item: protocol.Item, context: int) -> SamplingOptions:
   """A validated protocol item's sampling params → the sampler's."""
   s, prompt_len = item.sampling, len(item.input_ids)
   top_k = -1 if s.top_k is None or s.top_k >= protocol.TOP_K_ALL else s.top_k
   max_new = context - prompt_len if s.max_new_tokens is None else s.max_new_tokens
-  return SamplingParams(temperature=float(s.temperature), top_p=float(s.top_p), top_k=top_k,
+  return SamplingOptions(temperature=float(s.temperature), top_p=float(s.top_p), top_k=top_k,
                         min_p=float(s.min_p), max_new_tokens=max_new,
                         stop_token_ids=tuple(s.stop_token_ids or ()), ignore_eos=bool(s.ignore_eos),
                         n=1, seed=s.sampling_seed, sampling_mask=item.return_sampling_mask)

@@ -11,30 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
-import typing
 from typing import Any
 
 import yaml
 
 import mis_jax
-from mis_jax._config import _as_bool, _as_float, load_yaml
+from mis_jax import config_fields as fields_of, config_key as key, load_yaml, parse_config_value as parse_value
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("float32", "bfloat16")  # trainers.models.DTYPES' names (a test checks)
 PRESET_NAMES = ("tiny-qwen2", "tiny-qwen3", "tiny-qwen3-untied")
 ATTENTION = ("dense", "blocked", "fused")    # trainers.models.attention.ATTENTION_BACKENDS
 REMAT = ("none", "full", "dots")             # trainers.models.qwen.REMAT_POLICIES
 TASKS = ("copy_digits", "dataset", "jsonl")  # `jsonl`: the dataset task's former name
 REWARDS = ("math", "exact_match", "format")  # trainers.tasks.rewards.REWARDS
-
-
-def key(default, doc: str, *, ge=None, gt=None, le=None, choices=None, factory=None):
-  """A config key: its default, one line of meaning, and its constraints (checked on load,
-  shown in `mis-jax train --help` and the README's reference table)."""
-  meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "choices": choices}
-  if factory is not None:
-    return dataclasses.field(default_factory=factory, metadata=meta)
-  return dataclasses.field(default=default, metadata=meta)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,7 +127,7 @@ class TrainSection:
 
 @dataclasses.dataclass(frozen=True)
 class ParallelSection:
-  """Mesh axis sizes (`trainers.parallel`); one of them may be -1: the devices the others leave."""
+  """Mesh axis sizes (`trainers.training.parallel`); one of them may be -1: the devices the others leave."""
   data: int = key(1, "data-parallel replicas (parameters replicated)", ge=-1)
   fsdp: int = key(-1, "fully sharded data parallelism (parameters, optimiser state split); -1: the rest", ge=-1)
   tensor: int = key(1, "Megatron tensor parallelism (heads, MLP columns, vocabulary split)", ge=-1)
@@ -153,68 +142,6 @@ class CheckpointSection:
 SECTIONS = {"model": ModelSection, "task": TaskSection, "rollout": RolloutSection, "train": TrainSection,
             "parallel": ParallelSection, "checkpoint": CheckpointSection}
 _TOP = {"run_dir", "seed", "loss", *SECTIONS}
-
-
-def fields_of(section_cls) -> dict[str, tuple[dataclasses.Field, Any]]:
-  """`{name: (field, type)}` of a section, with the annotations resolved."""
-  hints = typing.get_type_hints(section_cls)
-  return {f.name: (f, hints[f.name]) for f in dataclasses.fields(section_cls)}
-
-
-def _as_int(value, where: str) -> int:
-  """Ints, integral floats and integer strings; never 1.5, a boolean or text."""
-  if isinstance(value, bool):
-    raise mis_jax.ConfigError(f"{where} must be an integer, got the boolean {value!r}")
-  if isinstance(value, str):
-    try:
-      value = float(value.strip()) if any(c in value for c in ".eE") else int(value.strip())
-    except ValueError:
-      raise mis_jax.ConfigError(f"{where} must be an integer, got the string {value!r}") from None
-  if isinstance(value, float):
-    if not (math.isfinite(value) and value.is_integer()):
-      raise mis_jax.ConfigError(f"{where} must be an integer, got {value!r}")
-    value = int(value)
-  if not isinstance(value, int):
-    raise mis_jax.ConfigError(f"{where} must be an integer, got {type(value).__name__} {value!r}")
-  return value
-
-
-def parse_value(value, typ, meta: dict, where: str):
-  """`value` checked against a key's type and constraints; returns it normalised."""
-  args = typing.get_args(typ)
-  if type(None) in args:
-    if value is None:
-      return None
-    typ = next(a for a in args if a is not type(None))
-  if typing.get_origin(typ) is tuple:  # tuple[T, ...]: a YAML list, each item a T within the key's bounds
-    if not isinstance(value, (list, tuple)):
-      raise mis_jax.ConfigError(f"{where} must be a list, got {type(value).__name__} {value!r}")
-    return tuple(parse_value(v, typing.get_args(typ)[0], meta, f"{where}[{i}]") for i, v in enumerate(value))
-  if typ is dict:
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-      raise mis_jax.ConfigError(f"{where} must be a mapping with string keys, got {type(value).__name__} {value!r}")
-    return dict(value)
-  if typ is bool:
-    value = _as_bool(value, where, None)
-  elif typ is int:
-    value = _as_int(value, where)
-  elif typ is float:
-    value = _as_float(value, where, None, allow_none=False)
-  elif typ is str:
-    choices = meta.get("choices") or ()
-    if isinstance(value, bool) and {"on", "off"} <= set(choices):
-      value = "on" if value else "off"  # YAML 1.1 reads `on` / `off` as booleans
-    if not isinstance(value, str) or not value:
-      raise mis_jax.ConfigError(f"{where} must be a non-empty string, got {type(value).__name__} {value!r}")
-  choices = meta.get("choices")
-  if choices is not None and value not in choices:
-    raise mis_jax.ConfigError(f"{where} has invalid value {value!r}; allowed values: {', '.join(choices)}")
-  for bound, ok, text in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
-                          ("le", lambda v, b: v <= b, "<=")):
-    b = meta.get(bound)
-    if b is not None and not ok(value, b):
-      raise mis_jax.ConfigError(f"{where} must be {text} {b}, got {value!r}")
-  return value
 
 
 class KeyConfigError(mis_jax.ConfigError):

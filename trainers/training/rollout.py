@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import httpx
 
-from trainers import protocol
+from trainers.serving import protocol
 
 
 class ServerError(RuntimeError):
@@ -76,7 +76,7 @@ class RolloutResult:
 def validate_sample(item: Any, *, support_width: int = 0) -> tuple[str | None, dict | None]:
   """Checks one SGLang ``/generate`` result; returns ``(error, parsed)`` (one of them None).
 
-  Parsed with the shared protocol models (``trainers.protocol``): every finish-reason form,
+  Parsed with the shared protocol models (``trainers.serving.protocol``): every finish-reason form,
   aborts with or without partial tokens, ``weight_version`` and ``weight_versions`` spans.
   With ``support_width`` (sampling-mask replay), the reply must carry one support per token
   (raises :class:`NoSamplingMask` when it carries none), each holding its token and at most

@@ -1,5 +1,5 @@
 """The HTTP side of `mis-jax serve`: a FastAPI app (the stack SGLang's own server uses) over an
-`engine.Engine`, with SGLang 0.5.23's routes, status codes and error bodies (`protocol`).
+`generation.GenerationEngine`, with SGLang 0.5.23's routes, status codes and error bodies (`protocol`).
 
 Handlers are `async`; generation and weight loading run in worker threads, so `/health`,
 `/model_info`, `/pause_generation`, `/abort_request` are answered while a batch runs.
@@ -16,8 +16,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from trainers import protocol
-from trainers.engine import Engine
+from trainers.serving import protocol
+from trainers.serving.generation import GenerationEngine
 
 FLUSH_MESSAGE = ("Cache flushed.\nPlease check backend logs for more details. (When there are "
                  "running or waiting requests, the operation will not be performed.)\n")
@@ -45,7 +45,7 @@ def _model(body: Any, model: type):
   return protocol.convert(body, model, error=_BadBody)
 
 
-def create_app(engine: Engine, *, host: str = "127.0.0.1", port: int = 0) -> FastAPI:
+def create_app(engine: GenerationEngine, *, host: str = "127.0.0.1", port: int = 0) -> FastAPI:
   app = FastAPI(title="mis-jax serve", version=protocol.PROTOCOL_VERSION,
                 docs_url=None, redoc_url=None, openapi_url=None)
   app.state.address = (host, port)

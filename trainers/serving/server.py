@@ -2,16 +2,16 @@
 
 The trainer cannot tell it from `python -m sglang.launch_server`: same routes, same request and
 response JSON, same status codes and error bodies. It serves a Hugging Face checkpoint directory
-with the jitted KV-cache sampler of `trainers.sampler`, in bfloat16 (default, like a real
+with the jitted KV-cache sampler of `trainers.serving.sampler`, in bfloat16 (default, like a real
 inference engine) or float32, optionally with weight-only int8 / fp8 Linear kernels
 (`--quantize`, `trainers.models.quantize`).
 
-By reason to change: `trainers.protocol` (the request/response schemas, shared with the
-client), `trainers.engine` (model, sampler, scheduler thread, weights, pause/abort),
-`trainers.http_app` (the FastAPI app: routes, error bodies) and this module (the command line,
+By reason to change: `trainers.serving.protocol` (the request/response schemas, shared with the
+client), `trainers.serving.generation` (model, sampler, scheduler thread, weights, pause/abort),
+`trainers.serving.http_app` (the FastAPI app: routes, error bodies) and this module (the command line,
 uvicorn, and the `EmbeddedServer` launcher).
 
-Run: `mis-jax serve --model-path DIR --port 30000` or `python -m trainers.server ...`.
+Run: `mis-jax serve --model-path DIR --port 30000` or `python -m trainers.serving.server ...`.
 """
 
 from __future__ import annotations
@@ -91,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
   except OSError as e:
     print(f"mis-jax serve: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
     return 2
-  from trainers.engine import Engine
-  from trainers.http_app import create_app
+  from trainers.serving.generation import GenerationEngine
+  from trainers.serving.http_app import create_app
   try:
-    engine = Engine(args.model_path, dtype=args.dtype, seed=args.seed, quantize=args.quantize,
+    engine = GenerationEngine(args.model_path, dtype=args.dtype, seed=args.seed, quantize=args.quantize,
                     max_batch_size=args.max_batch_size, weight_version=args.weight_version,
                     sampling_mask_max_tokens=args.sampling_mask_max_tokens)
   except ValueError as e:  # a config.json or checkpoint this server cannot load
@@ -130,7 +130,7 @@ class _Server(uvicorn.Server):
 
 
 def _protocol_version() -> str:
-  from trainers.protocol import PROTOCOL_VERSION
+  from trainers.serving.protocol import PROTOCOL_VERSION
   return PROTOCOL_VERSION
 
 

@@ -1,0 +1,38 @@
+"""The package boundaries the layout shows: serving never imports training, the trainer reaches
+the server only through the wire schema (`trainers.serving.protocol`), models and tasks import
+neither, and the library imports no trainer code."""
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _imports(package: str) -> dict[str, set[str]]:
+  out = {}
+  for path in (ROOT / package).rglob("*.py"):
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+      if isinstance(node, ast.Import):
+        names |= {a.name for a in node.names}
+      elif isinstance(node, ast.ImportFrom) and node.level == 0:
+        names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    out[str(path.relative_to(ROOT))] = names
+  return out
+
+
+def _offenders(package, forbidden, allowed=()):
+  return {f: sorted(n for n in names if n.startswith(forbidden) and n not in allowed)
+          for f, names in _imports(package).items()
+          if any(n.startswith(forbidden) and n not in allowed for n in names)}
+
+
+def test_package_boundaries():
+  assert _offenders("trainers/serving", ("trainers.training", "trainers.tasks", "trainers.cli")) == {}
+  assert _offenders("trainers/models", ("trainers.training", "trainers.serving", "trainers.tasks")) == {}
+  assert _offenders("trainers/tasks", ("trainers.training", "trainers.serving", "trainers.models")) == {}
+  assert _offenders("trainers/training", ("trainers.serving",),
+                    allowed=("trainers.serving", "trainers.serving.protocol")) == {}
+  assert _offenders("mis_jax", ("trainers",)) == {}
+  assert {p.name for p in (ROOT / "trainers").iterdir() if (p / "__init__.py").exists()} >= {
+      "training", "serving", "models", "tasks"}
