@@ -139,8 +139,19 @@ class CheckpointSection:
   max_to_keep: int = key(3, "checkpoints kept", ge=1)
 
 
+@dataclasses.dataclass(frozen=True)
+class LoggingSection:
+  """Where step metrics go besides `run_dir/metrics.jsonl` (`trainers.training.logging`)."""
+  tensorboard: bool = key(True, "TensorBoard event files in `run_dir/tensorboard` (tensorboardX, no PyTorch needed)")
+  wandb: bool = key(False, "log to Weights & Biases (needs `wandb` installed and logged in)")
+  wandb_project: str | None = key(None, "W&B project (null: `mis-jax`)")
+  wandb_run_name: str | None = key(None, "W&B run name (null: the run directory's name)")
+  progress_every: int = key(10, "when stdout is not a terminal: one progress line every k steps (a terminal gets "
+                            "a live bar)", ge=1)
+
+
 SECTIONS = {"model": ModelSection, "task": TaskSection, "rollout": RolloutSection, "train": TrainSection,
-            "parallel": ParallelSection, "checkpoint": CheckpointSection}
+            "parallel": ParallelSection, "checkpoint": CheckpointSection, "logging": LoggingSection}
 _TOP = {"run_dir", "seed", "loss", *SECTIONS}
 
 
@@ -183,6 +194,7 @@ class TrainConfig:
   parallel: ParallelSection = ParallelSection()
   loss: dict = dataclasses.field(default_factory=dict)
   checkpoint: CheckpointSection = CheckpointSection()
+  logging: LoggingSection = LoggingSection()
   source: str | None = None
 
   @classmethod

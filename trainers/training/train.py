@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -34,6 +35,7 @@ from trainers.training.config import ModelSection, TrainConfig
 from trainers.models import DTYPES, checkpoint_dir_problem, init_checkpoint, load_hf_params
 from trainers.models.config import PRESETS, ModelConfig
 from trainers.training.rollout import RolloutResult, ServerError, SGLangClient
+from trainers.training.metric_logging import MetricLogger
 from trainers.training.weight_sync import save_hf_sharded
 from trainers.training.step import ModelInputs, StepFunctions, build_step_functions
 from trainers.tasks import make_task
@@ -308,7 +310,6 @@ class Trainer:
 
   # --- the loop --------------------------------------------------------------------------
   def run(self, *, resume: bool = False, progress: bool = True, log=print) -> list[dict]:
-    from tqdm import tqdm
     if resume and self.restore_latest():
       if self.primary:
         log(f"resumed from checkpoint at step {self.step} ({self.checkpoints.directory})")
@@ -323,9 +324,8 @@ class Trainer:
     self.sync_weights()  # the servers now hold exactly the trainer's weights (version = step)
     producer = RolloutProducer(self, self.batch_index) if (r.max_staleness > 0 and self.primary) else None
     history = []
-    metrics_path = os.path.join(self.run_dir, "metrics.jsonl")
-    writer = _tensorboard(self.run_dir) if self.primary else None
-    bar = tqdm(total=self.cfg.train.steps, initial=self.step, disable=not (progress and self.primary), desc="train")
+    logger = (MetricLogger(self.run_dir, self.cfg.logging, total_steps=self.cfg.train.steps, initial_step=self.step,
+                           progress=progress) if self.primary else None)
     try:
       while self.step < self.cfg.train.steps:
         t0 = time.perf_counter()
@@ -356,25 +356,16 @@ class Trainer:
             "server_weight_version": result.samples[0].weight_version, **rollout_metrics, **sync_times,
         })
         history.append(metrics)
-        if self.primary:
-          with open(metrics_path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-          if writer is not None:
-            for k, v in metrics.items():
-              if isinstance(v, (int, float)):
-                writer.add_scalar(k, v, self.step)
-        bar.update(1)
-        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", loss=f"{metrics['loss']:.3f}",
-                        kl=f"{metrics.get('mis_k3_kl', float('nan')):.1e}")
+        if logger is not None:
+          logger.log(self.step, metrics)
     finally:
-      bar.close()
+      if logger is not None:
+        logger.close()
       if producer is not None:
         producer.close()
       self.checkpoints.close()  # waits for an in-flight async save: the last checkpoint is whole
       if self.client is not None:
         self.client.close()
-      if writer is not None:
-        writer.close()
     return history
 
 
@@ -450,6 +441,9 @@ def check_config(cfg: TrainConfig, loss_cfg: mis_jax.LossConfig):
                               "must be known before the step")
   r = cfg.rollout
   sampling_replay_width(r)
+  if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+    raise mis_jax.ConfigError("logging.wandb is true but wandb is not installed: pip install wandb, or set "
+                              "logging.wandb: false")
   if r.max_staleness > 0 and r.sync_every != 1:
     raise mis_jax.ConfigError(f"rollout.max_staleness {r.max_staleness} with rollout.sync_every {r.sync_every}: "
                               "the asynchronous loop pushes weights every step and bounds the lag by "
@@ -522,17 +516,6 @@ def _step_functions(model_cfg: ModelConfig, model: ModelSection, loss_cfg: mis_j
                               logprob_chunk=model.logprob_chunk, dtype=DTYPES[model.dtype],
                               param_dtype=DTYPES[model.param_dtype], attention=model.attention,
                               remat=model.remat)
-
-
-def _tensorboard(run_dir):
-  try:
-    from torch.utils.tensorboard import SummaryWriter  # optional: only if tensorboard is installed
-  except Exception:  # noqa: BLE001 - any import problem just means no TensorBoard
-    return None
-  try:
-    return SummaryWriter(os.path.join(run_dir, "tensorboard"))
-  except Exception:  # noqa: BLE001
-    return None
 
 
 SUMMARY_KEYS = ["reward_mean", "loss", "pg_loss", "pg_clipfrac", "ppo_kl", "grad_norm", "entropy_loss",
