@@ -26,12 +26,12 @@ from flax import nnx
 import mis_jax
 from benchmarks.memory import LOSS, MODELS, OPTIM
 from trainers.training import parallel, step as step_lib
-from trainers.models import Qwen
+from trainers.models import CausalLM
 
 
 def model_flops(cfg, tokens: int, seq_len: int) -> float:
   params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(
-      nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0))), nnx.Param)))
+      nnx.eval_shape(lambda: CausalLM(cfg, rngs=nnx.Rngs(0))), nnx.Param)))
   # q·k and p·v, causal (half), fwd + bwd (3x), per layer and head.
   attention = 3 * 2 * 2 * cfg.num_hidden_layers * cfg.num_attention_heads * cfg.head_dim * tokens * seq_len / 2
   return 6.0 * params * tokens + attention
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
   mesh = parallel.make_mesh(parallel.ParallelSection(fsdp=1), [device])
   fns = step_lib.build_step_functions(cfg, mesh, LOSS, OPTIM, dtype=jnp.bfloat16, param_dtype=jnp.float32,
                                       attention=args.attention, remat="full")
-  params = nnx.state(Qwen(cfg, rngs=nnx.Rngs(0)), nnx.Param)  # float32 master weights
+  params = nnx.state(CausalLM(cfg, rngs=nnx.Rngs(0)), nnx.Param)  # float32 master weights
   psh = fns.param_shardings
   params = jax.device_put(params, psh)
   opt_state = fns.init_opt_state(params)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trainers.models import PRESETS, Qwen, init_checkpoint, teacher_forced_logprobs
+from trainers.models import PRESETS, CausalLM, init_checkpoint, teacher_forced_logprobs
 
 # Wider than HF's 0.02 so the tiny models' next-token distributions are far from uniform and
 # sampling filters and log-prob comparisons have something to bite on.
@@ -16,8 +16,8 @@ TINY = dataclasses.replace(PRESETS["tiny-qwen3"], initializer_range=0.3)
 
 
 @pytest.fixture(scope="session")
-def tiny_model() -> Qwen:
-  return Qwen(TINY, rngs=nnx.Rngs(0))
+def tiny_model() -> CausalLM:
+  return CausalLM(TINY, rngs=nnx.Rngs(0))
 
 
 @pytest.fixture(scope="session")

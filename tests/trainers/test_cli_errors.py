@@ -169,13 +169,13 @@ def test_serve_rejects_bad_arguments_in_one_line(tmp_path, checkpoint, capsys):
   (tmp_path / "nocfg").mkdir()
   (tmp_path / "nocfg" / "model.safetensors").write_bytes(b"")
   (tmp_path / "bad").mkdir()
-  (tmp_path / "bad" / "config.json").write_text('{"model_type": "llama"}')
+  (tmp_path / "bad" / "config.json").write_text('{"model_type": "mistral"}')
   (tmp_path / "bad" / "model.safetensors").write_bytes(b"")
   cases = [
       (["--model-path", str(tmp_path / "missing")], ("--model-path", "no such directory")),
       (["--model-path", str(tmp_path / "empty")], ("--model-path", "config.json")),
       (["--model-path", str(tmp_path / "nocfg")], ("--model-path", "config.json")),
-      (["--model-path", str(tmp_path / "bad")], ("--model-path", "llama")),
+      (["--model-path", str(tmp_path / "bad")], ("--model-path", "mistral")),
       (["--model-path", checkpoint, "--port", "99999"], ("--port 99999", "0..65535")),
       (["--model-path", checkpoint, "--port", "-1"], ("--port -1",)),
       (["--model-path", checkpoint, "--max-batch-size", "0"], ("--max-batch-size 0",)),
@@ -218,7 +218,7 @@ def test_readme_config_reference_is_generated_from_the_sections():
   assert config_lib.reference_table() in readme
   # The enums the sections accept are the implementations' own.
   from trainers.models.attention import ATTENTION_BACKENDS
-  from trainers.models.qwen import REMAT_POLICIES
+  from trainers.models.decoder import REMAT_POLICIES
   assert config_lib.ATTENTION == ATTENTION_BACKENDS and config_lib.REMAT == tuple(REMAT_POLICIES)
   assert config_lib.PRESET_NAMES == tuple(sorted(PRESETS))
   from trainers.models import DTYPES

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trainers.models import (PRESETS, ModelConfig, Qwen, hf_state_dict, init_checkpoint,
+from trainers.models import (PRESETS, ModelConfig, CausalLM, hf_state_dict, init_checkpoint,
                              load_hf_checkpoint, read_hf_tensors, save_hf_checkpoint,
                              state_from_hf_tensors, teacher_forced_logprobs)
 
@@ -148,10 +148,10 @@ def test_hf_names(tiny_model):
 
 
 def test_mismatched_checkpoint_is_rejected_naming_tensors(tmp_path, tiny_model):
-  save_hf_checkpoint(Qwen(dataclasses.replace(TINY, vocab_size=80), rngs=nnx.Rngs(1)), tmp_path / "v")
+  save_hf_checkpoint(CausalLM(dataclasses.replace(TINY, vocab_size=80), rngs=nnx.Rngs(1)), tmp_path / "v")
   with pytest.raises(ValueError, match=r"shape mismatch: model\.embed_tokens\.weight"):
     state_from_hf_tensors(tiny_model, read_hf_tensors(tmp_path / "v"))
-  save_hf_checkpoint(Qwen(PRESETS["tiny-qwen2"], rngs=nnx.Rngs(1)), tmp_path / "q2")
+  save_hf_checkpoint(CausalLM(PRESETS["tiny-qwen2"], rngs=nnx.Rngs(1)), tmp_path / "q2")
   with pytest.raises(ValueError, match=r"missing: .*q_norm.*unexpected: .*q_proj\.bias"):
     state_from_hf_tensors(tiny_model, read_hf_tensors(tmp_path / "q2"))
   with pytest.raises(FileNotFoundError):
@@ -199,7 +199,7 @@ def test_config_validation_and_round_trip():
   with pytest.raises(ValueError, match="sliding"):
     ModelConfig.from_hf_dict({**d, "use_sliding_window": True})
   with pytest.raises(ValueError, match="model_type"):
-    ModelConfig.from_hf_dict({**d, "model_type": "llama"})
+    ModelConfig.from_hf_dict({**d, "model_type": "mistral", "architectures": ["MistralForCausalLM"]})
   with pytest.raises(ValueError, match="multiple"):
     dataclasses.replace(PRESETS["tiny-qwen3"], num_key_value_heads=3)
   with pytest.raises(ValueError, match="RoPE"):

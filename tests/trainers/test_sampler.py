@@ -11,7 +11,7 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainers.models import Qwen, load_hf_checkpoint
+from trainers.models import CausalLM, load_hf_checkpoint
 from trainers.serving.sampler import Sampler, SamplingOptions
 
 from conftest import TINY, sequence_logits, sequence_logprobs
@@ -138,11 +138,11 @@ def test_weight_swap_changes_samples_without_recompiling(sampler):
   before = sampler.generate(PROMPTS[:1], params)[0].output_ids
   compiled, original = sampler.num_compiled, sampler.params
   try:
-    sampler.set_params(nnx.state(Qwen(TINY, rngs=nnx.Rngs(9))))
+    sampler.set_params(nnx.state(CausalLM(TINY, rngs=nnx.Rngs(9))))
     assert sampler.generate(PROMPTS[:1], params)[0].output_ids != before
     assert sampler.num_compiled == compiled
     with pytest.raises(ValueError, match="structure, shape or dtype"):
-      sampler.set_params(nnx.state(Qwen(dataclasses.replace(TINY, vocab_size=80), rngs=nnx.Rngs(0))))
+      sampler.set_params(nnx.state(CausalLM(dataclasses.replace(TINY, vocab_size=80), rngs=nnx.Rngs(0))))
   finally:
     sampler.set_params(original)
 

@@ -44,9 +44,9 @@ def _with_supports(samples, seed=0):
 def _run(mesh, loss_cfg, sb, fns=None):
   from flax import nnx
   from trainers.training import parallel, step as step_lib
-  from trainers.models import Qwen
+  from trainers.models import CausalLM
   fns = fns or _functions(mesh, loss_cfg)
-  params = jax.device_put(nnx.state(Qwen(TINY, rngs=nnx.Rngs(0)), nnx.Param), fns.param_shardings)
+  params = jax.device_put(nnx.state(CausalLM(TINY, rngs=nnx.Rngs(0)), nnx.Param), fns.param_shardings)
   opt_state = fns.init_opt_state(params)
   put = lambda x: jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x)))
   inputs = step_lib.ModelInputs(put(sb.input_ids), put(sb.positions), put(sb.targets), support=put(sb.support))

@@ -18,7 +18,7 @@ from fake_sglang import FakeSGLang
 from helpers import cpu_process_env, free_port
 from test_train import ALGORITHMS, BASE, embedded_server, make_cfg
 from trainers.training import train as train_lib
-from trainers.models import PRESETS, Qwen, hf_state_dict, load_hf_checkpoint, read_hf_tensors
+from trainers.models import PRESETS, CausalLM, hf_state_dict, load_hf_checkpoint, read_hf_tensors
 from trainers.training.weight_sync import save_hf_sharded
 from trainers.training.rollout import SGLangClient
 
@@ -33,7 +33,7 @@ def _bits(a):
 def test_sharded_bf16_weights_load_bit_exact(tmp_path, preset):
   import torch
   import transformers
-  model = Qwen(PRESETS[preset], rngs=nnx.Rngs(3))
+  model = CausalLM(PRESETS[preset], rngs=nnx.Rngs(3))
   times = save_hf_sharded(nnx.state(model, nnx.Param), model.config, tmp_path / "w", dtype="bfloat16", num_shards=3)
   assert set(times) == {"gather_s", "write_s"}
   files = sorted(os.listdir(tmp_path / "w"))

@@ -17,7 +17,7 @@ import mis_jax
 from trainers.training import parallel, step as step_lib
 from trainers.training.batch import build_step_batch, plan_layout
 from trainers.training.config import TrainSection
-from trainers.models import PRESETS, Qwen, init_checkpoint, load_hf_checkpoint
+from trainers.models import PRESETS, CausalLM, init_checkpoint, load_hf_checkpoint
 from trainers.models.hf_io import abstract_model
 
 TINY = dataclasses.replace(PRESETS["tiny-qwen3"], initializer_range=0.3)
@@ -69,7 +69,7 @@ def _run(mesh, loss_cfg, sb, steps, fns=None, params=None):
   """`steps` updates on one step batch from the same initial weights; returns host copies of
   (params, opt_state) after each update and the per-update metrics."""
   fns = fns or _functions(mesh, loss_cfg)
-  init = nnx.state(Qwen(TINY, rngs=nnx.Rngs(0)), nnx.Param) if params is None else params
+  init = nnx.state(CausalLM(TINY, rngs=nnx.Rngs(0)), nnx.Param) if params is None else params
   params = jax.device_put(init, fns.param_shardings)
   opt_state = fns.init_opt_state(params)
   put = lambda x: jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x)))
@@ -200,7 +200,7 @@ def test_chunked_logprobs_equal_full_logits(tied):
   """The step's log-probs (hidden states + mis_jax.token_logprobs, on a mesh) equal today's
   path (full [T, V] logits, log_softmax) — values, entropy and parameter gradients."""
   cfg = dataclasses.replace(TINY, tie_word_embeddings=tied)
-  model = Qwen(cfg, rngs=nnx.Rngs(3))
+  model = CausalLM(cfg, rngs=nnx.Rngs(3))
   graphdef, params = nnx.split(model)
   sb = _step_batch(4 * ROW_LEN, 1)
   inputs = step_lib.ModelInputs(*(jnp.asarray(x[0]) for x in (sb.input_ids, sb.positions, sb.targets)))
@@ -233,7 +233,7 @@ def test_bf16_compute_is_close_to_float32():
   sb = _step_batch(4 * ROW_LEN, 1)
   inputs = step_lib.ModelInputs(*(jnp.asarray(x[0]) for x in (sb.input_ids, sb.positions, sb.targets)))
   seg = jnp.asarray(sb.batch.segment_ids[0])
-  params = nnx.state(Qwen(TINY, rngs=nnx.Rngs(0)), nnx.Param)
+  params = nnx.state(CausalLM(TINY, rngs=nnx.Rngs(0)), nnx.Param)
   valid = np.asarray(seg) >= 0
   out = {}
   for dtype in (jnp.float32, jnp.bfloat16):
@@ -259,7 +259,7 @@ def test_attention_backends_and_remat_give_the_same_gradients(attention, remat):
   sb = _step_batch(4 * ROW_LEN, 1)
   inputs = step_lib.ModelInputs(*(jnp.asarray(x[0]) for x in (sb.input_ids, sb.positions, sb.targets)))
   seg = jnp.asarray(sb.batch.segment_ids[0])
-  params = nnx.state(Qwen(TINY, rngs=nnx.Rngs(0)), nnx.Param)
+  params = nnx.state(CausalLM(TINY, rngs=nnx.Rngs(0)), nnx.Param)
 
   def grads(**kwargs):
     graphdef = nnx.graphdef(abstract_model(TINY, **kwargs))

@@ -23,22 +23,23 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
-from trainers.models.config import PRESETS, ModelConfig
-from trainers.models.qwen import Qwen
+from trainers.models import registry
+from trainers.models.config import ModelConfig
+from trainers.models.decoder import CausalLM
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Non-parameter buffers some older HF checkpoints carry; recomputed here, so skipped on load.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def _hf_name(path: tuple) -> tuple[str, bool]:
-  """HF name of an NNX parameter path (`{i}` in place of the layer index for stacked layer
-  parameters) and whether its array is transposed in HF."""
-  *module, leaf = (str(p) for p in path)
-  if module[0] == "layers":
-    module.insert(1, "{i}")
-  name = ".".join(module + ["weight" if leaf in ("kernel", "embedding") else leaf])
-  return (name if module[0] == "lm_head" else "model." + name), leaf == "kernel"
+def _name_map(config: ModelConfig | None):
+  """The architecture's HF weight-name map (`Family.hf_name`); the shared decoder's without a config."""
+  from trainers.models.decoder import hf_name
+  return hf_name if config is None else config.family.hf_name
+
+
+def _config_of(model_or_state) -> ModelConfig | None:
+  return getattr(model_or_state, "config", None)
 
 
 def _is_stacked(path: tuple) -> bool:
@@ -50,26 +51,27 @@ def param_leaves(model_or_state):
   return nnx.to_flat_state(state)
 
 
-def hf_arrays(path: tuple, x) -> dict[str, object]:
-  """`{hf_name: array in HF layout}` for one parameter (one entry per layer when stacked)."""
-  name, transpose = _hf_name(path)
+def hf_arrays(path: tuple, x, config: ModelConfig | None = None) -> dict[str, object]:
+  """`{hf_name: array in HF layout}` for one parameter (one entry per layer when stacked), by
+  `config`'s architecture's name map."""
+  name, transpose = _name_map(config)(path)
   fix = (lambda a: a.T) if transpose else (lambda a: a)
   if _is_stacked(path):
     return {name.format(i=i): fix(x[i]) for i in range(x.shape[0])}
   return {name: fix(x)}
 
 
-def hf_state_dict(model: Qwen, *, dtype: str | None = None) -> dict[str, np.ndarray]:
+def hf_state_dict(model: CausalLM, *, dtype: str | None = None) -> dict[str, np.ndarray]:
   """The model's parameters as `{hf_name: array}` in HF layout, cast to `dtype` if given."""
   out = {}
   for path, var in param_leaves(model):
     x = np.asarray(var.get_value())
-    for name, a in hf_arrays(path, x).items():
+    for name, a in hf_arrays(path, x, _config_of(model)).items():
       out[name] = np.ascontiguousarray(a.astype(DTYPES[dtype]) if dtype else a)
   return out
 
 
-def save_hf_checkpoint(model: Qwen, path: str | os.PathLike, *, dtype: str = "float32") -> None:
+def save_hf_checkpoint(model: CausalLM, path: str | os.PathLike, *, dtype: str = "float32") -> None:
   """Writes `path/config.json` and `path/model.safetensors` (`dtype`: "float32" | "bfloat16").
 
   Each file is written to a temporary name and renamed, so a server reading the directory
@@ -129,8 +131,9 @@ def checkpoint_dir_problem(path: str | os.PathLike) -> str | None:
 class _Reader:
   """Reads HF tensors, whole or a slice at a time, from a dict or from open safetensors files."""
 
-  def __init__(self, tensors=None, files=None):
+  def __init__(self, tensors=None, files=None, config: ModelConfig | None = None):
     self._tensors, self._files = tensors, files or {}
+    self.hf_name = _name_map(config)  # the architecture's weight-name map
 
   def names(self):
     return set(self._tensors) if self._tensors is not None else set(self._files)
@@ -152,7 +155,7 @@ def _check_names(model_state, reader: _Reader, tie_word_embeddings: bool) -> Non
   missing, bad, seen = [], [], set()
   for path, var in param_leaves(model_state):
     shape = tuple(var.get_value().shape)
-    name, transpose = _hf_name(path)
+    name, transpose = reader.hf_name(path)
     per_layer = shape[1:] if _is_stacked(path) else shape
     want = per_layer[::-1] if transpose else per_layer
     for hf in ([name.format(i=i) for i in range(shape[0])] if _is_stacked(path) else [name]):
@@ -173,7 +176,7 @@ def _check_names(model_state, reader: _Reader, tie_word_embeddings: bool) -> Non
 def _read_param(reader: _Reader, path: tuple, index: tuple, dtype) -> np.ndarray:
   """The block `index` (a tuple of slices in our layout) of one parameter, read from HF
   tensors without materialising the rest (stacked layers read layer by layer)."""
-  name, transpose = _hf_name(path)
+  name, transpose = reader.hf_name(path)
 
   def one(hf, idx):
     if transpose:
@@ -212,14 +215,14 @@ def _fill(abstract_state, reader: _Reader, shardings=None) -> nnx.State:
 
 
 def state_from_hf_tensors(model, tensors: dict[str, np.ndarray], *, shardings=None) -> nnx.State:
-  """The NNX parameter state of `model` (a `Qwen` or its abstract param state) filled from HF
+  """The NNX parameter state of `model` (a model or its abstract param state) filled from HF
   tensors, cast to the model's dtypes.
 
   Raises `ValueError` naming every missing, unexpected or mis-shaped tensor; `model` itself is
   never modified, so a failed load leaves it intact.
   """
   state = model if isinstance(model, nnx.State) else nnx.state(model, nnx.Param)
-  reader = _Reader(tensors=tensors)
+  reader = _Reader(tensors=tensors, config=_config_of(model))
   _check_names(state, reader, _tied(state))
   return _fill(state, reader, shardings)
 
@@ -228,9 +231,9 @@ def _tied(state) -> bool:
   return not any(str(path[0]) == "lm_head" for path, _ in param_leaves(state))
 
 
-def abstract_model(cfg: ModelConfig, **model_kwargs) -> Qwen:
-  """A `Qwen` whose parameters are `jax.ShapeDtypeStruct`s: nothing allocated."""
-  return nnx.eval_shape(lambda: Qwen(cfg, rngs=nnx.Rngs(0), **model_kwargs))
+def abstract_model(cfg: ModelConfig, **model_kwargs) -> CausalLM:
+  """The architecture's module (`registry`) with `jax.ShapeDtypeStruct` parameters: nothing allocated."""
+  return nnx.eval_shape(lambda: registry.family(cfg.model_type).module(cfg, rngs=nnx.Rngs(0), **model_kwargs))
 
 
 def load_hf_params(path: str | os.PathLike, abstract_state: nnx.State, shardings=None) -> nnx.State:
@@ -250,19 +253,20 @@ def load_hf_params(path: str | os.PathLike, abstract_state: nnx.State, shardings
     for f in files:
       h = stack.enter_context(safe_open(f, framework="numpy"))
       handles.update({name: h for name in h.keys()})
-    reader = _Reader(files=handles)
+    config_file = os.path.join(path, "config.json")
+    reader = _Reader(files=handles, config=ModelConfig.from_pretrained(path) if os.path.isfile(config_file) else None)
     _check_names(abstract_state, reader, _tied(abstract_state))
     return _fill(abstract_state, reader, shardings)
 
 
 def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                       shardings=None, **model_kwargs) -> Qwen:
-  """Builds a `Qwen` from `path/config.json` and loads its safetensors weights
-  (`load_hf_params`; `shardings` as there). `model_kwargs` go to `Qwen` (`attention`, `remat`,
+                       shardings=None, **model_kwargs) -> CausalLM:
+  """Builds the registered architecture of `path/config.json` and loads its safetensors weights
+  (`load_hf_params`; `shardings` as there). `model_kwargs` go to its module (`attention`, `remat`,
   `activation_sharding`)."""
   cfg = ModelConfig.from_pretrained(path)
   graphdef, abstract = nnx.split(abstract_model(cfg, dtype=dtype, param_dtype=param_dtype, **model_kwargs))
-  return nnx.merge(graphdef, load_hf_params(path, abstract, shardings))  # every variable of `Qwen` is a Param
+  return nnx.merge(graphdef, load_hf_params(path, abstract, shardings))  # every variable of the module is a Param
 
 
 def init_checkpoint(out: str | os.PathLike, *, preset: str = "tiny-qwen3", seed: int = 0,
@@ -271,10 +275,11 @@ def init_checkpoint(out: str | os.PathLike, *, preset: str = "tiny-qwen3", seed:
 
   Initialisation is HF's: weights `N(0, initializer_range²)`, biases 0, norms 1.
   """
+  from trainers.models.presets import PRESETS
   if config is None:
     if preset not in PRESETS:
       raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     config = PRESETS[preset]
-  model = Qwen(config, rngs=nnx.Rngs(seed))
+  model = registry.family(config.model_type).module(config, rngs=nnx.Rngs(seed))
   save_hf_checkpoint(model, out, dtype=dtype)
   return config

@@ -1,300 +1,48 @@
-"""Qwen2 / Qwen3 decoder-only transformer in Flax NNX, numerically matching Hugging Face.
+"""Qwen2 and Qwen3 (`Qwen2ForCausalLM`, `Qwen3ForCausalLM`) on the shared decoder.
 
-One forward serves training and inference:
-
-- packed training forward, `model(input_ids, positions, segment_ids)`: a token attends to the
-  earlier tokens of its own segment only (segment-aware causal mask), so one row holds several
-  sequences with no cross-attention and per-segment RoPE positions;
-- cached decoding, `model.decode(input_ids, positions, cache)`: one sequence per row, new keys
-  and values are written into a fixed-size KV cache at slot = position, and a query at
-  position `p` attends to slots `<= p`.
-
-The decoder layers are stacked (every layer parameter has a leading `num_hidden_layers` axis)
-and run by one `lax.scan`, so a 28-layer model compiles one layer body; the scan body can be
-rematerialised (`remat`: activations recomputed in the backward pass, per `REMAT_POLICIES`).
-The training forward's attention backend is `attention` (`trainers.models.attention`): `dense`
-(the reference, a `[T, T]` mask), `blocked` (flash-style, memory O(T)) or `fused` (a platform
-kernel where one exists, else `blocked`). `hidden_states` stops before the LM head so a trainer
-can compute log-probs chunk by chunk (`mis_jax.token_logprobs`) without `[T, V]` logits.
-
-Layer (pre-norm): `h = x + Attn(RMSNorm(x))`, `y = h + W_down(silu(W_gate RMSNorm(h)) * W_up RMSNorm(h))`,
-with `RMSNorm(x) = w * x / sqrt(mean(x²) + eps)` computed in float32, RoPE
-`x·cos(pθ) + rotate_half(x)·sin(pθ)`, `θ_i = theta^(-2i/head_dim)`, grouped-query attention
-`softmax(q kᵀ / sqrt(head_dim) + mask) v` with the softmax in float32, and for Qwen3 an RMSNorm
-over the head dimension of q and k before RoPE.
+The two differ from each other in two places: Qwen2 has biases on the q/k/v projections and
+no q/k norms; Qwen3 applies an RMSNorm over the head dimension to queries and keys before RoPE
+and takes `attention_bias` (q/k/v and o_proj) from the config, default False. Both use default
+RoPE and no sliding window here.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Any
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
+from trainers.models import decoder, registry
+from trainers.models.config import (DecoderFeatures, ModelConfig, common_from_hf, common_to_hf, model_type_of,
+                                    rope_type)
 
-from trainers.models.attention import ATTENTION_BACKENDS, dense_attention, packed_attention
-from trainers.models.config import ModelConfig
-
-# Activation checkpointing of the layer scan body: what the backward pass may keep.
-REMAT_POLICIES = {
-    "none": None,                                                      # keep everything
-    "full": jax.checkpoint_policies.nothing_saveable,                  # keep only layer inputs
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projections' outputs
-}
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
-class LayerCache(NamedTuple):
-  """Keys and values of every layer, `[num_layers, batch, cache_len, num_key_value_heads, head_dim]`."""
-  k: jax.Array
-  v: jax.Array
+def from_hf_dict(d: dict[str, Any]) -> ModelConfig:
+  model_type = model_type_of(d, ARCHITECTURES)
+  if d.get("use_sliding_window"):
+    raise ValueError("sliding-window attention (use_sliding_window: true) is not supported")
+  if rope_type(d) != "default":
+    raise ValueError(f"only default RoPE is supported for {model_type}, got "
+                     f"{d.get('rope_parameters') or d.get('rope_scaling')!r}")
+  fields = common_from_hf({**d, "model_type": model_type})
+  return ModelConfig(**fields, attention_bias=bool(d.get("attention_bias", False)) and model_type == "qwen3")
 
 
-def _expand(x: jax.Array, ndim: int) -> jax.Array:
-  """Lifts a trailing-axis vector to rank `ndim` (explicit, so rank promotion can stay 'raise')."""
-  return x.reshape((1,) * (ndim - x.ndim) + x.shape)
+def to_hf_dict(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
+  d = common_to_hf(cfg, ARCHITECTURES[cfg.model_type], dtype)
+  d["use_sliding_window"] = False
+  if cfg.model_type == "qwen3":
+    d["attention_bias"] = cfg.attention_bias
+  return d
 
 
-class RMSNorm(nnx.Module):
-  """`w * x / sqrt(mean(x², -1) + eps)`, normalised in float32 then cast back, as in HF."""
-
-  def __init__(self, dim: int, *, eps: float, dtype, param_dtype):
-    self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
-    self.eps = eps
-    self.dtype = dtype
-
-  def __call__(self, x: jax.Array) -> jax.Array:
-    x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-    return _expand(self.weight[...].astype(self.dtype), x.ndim) * x32.astype(self.dtype)
+def features(cfg: ModelConfig) -> DecoderFeatures:
+  qwen3 = cfg.model_type == "qwen3"
+  return DecoderFeatures(qkv_bias=not qwen3 or cfg.attention_bias, o_bias=qwen3 and cfg.attention_bias,
+                         qk_norm=qwen3)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding of `x: [B, T, H, D]` at integer `positions: [B, T]` (HF's half-split layout)."""
-  d = x.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
-  freqs = positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]
-  emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
-  cos, sin = jnp.cos(emb).astype(x.dtype), jnp.sin(emb).astype(x.dtype)
-  x1, x2 = jnp.split(x, 2, axis=-1)
-  return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
-
-
-class Attention(nnx.Module):
-
-  def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-    init = nnx.initializers.normal(cfg.initializer_range)
-    dense = lambda i, o, bias: nnx.Linear(i, o, use_bias=bias, kernel_init=init, dtype=dtype,
-                                          param_dtype=param_dtype, rngs=rngs)
-    h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    self.q_proj = dense(cfg.hidden_size, h * d, cfg.qkv_bias)
-    self.k_proj = dense(cfg.hidden_size, kv * d, cfg.qkv_bias)
-    self.v_proj = dense(cfg.hidden_size, kv * d, cfg.qkv_bias)
-    self.o_proj = dense(h * d, cfg.hidden_size, cfg.o_bias)
-    if cfg.qk_norm:
-      self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
-      self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
-    self.cfg = cfg
-    self.dtype = dtype
-
-  def __call__(self, x, positions, attend: Callable, cache: LayerCache | None):
-    """`attend(q [B, T, H, D], k, v [B, S, KV, D]) -> [B, T, H, D]`. With a (one-layer) cache,
-    the new keys/values are first written at slots `positions[:, 0] + arange(T)` and `k, v`
-    are the whole cache."""
-    cfg = self.cfg
-    b, t, _ = x.shape
-    q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
-    k = self.k_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-    v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
-    if cfg.qk_norm:
-      q, k = self.q_norm(q), self.k_norm(k)
-    q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
-    if cache is not None:
-      write = jax.vmap(lambda c, new, start: jax.lax.dynamic_update_slice(c, new, (start, 0, 0)))
-      cache = LayerCache(write(cache.k, k.astype(cache.k.dtype), positions[:, 0]),
-                         write(cache.v, v.astype(cache.v.dtype), positions[:, 0]))
-      k, v = cache.k.astype(self.dtype), cache.v.astype(self.dtype)
-    out = attend(q, k, v).reshape(b, t, -1)
-    return self.o_proj(out), cache
-
-
-class MLP(nnx.Module):
-
-  def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-    init = nnx.initializers.normal(cfg.initializer_range)
-    dense = lambda i, o: nnx.Linear(i, o, use_bias=False, kernel_init=init, dtype=dtype,
-                                    param_dtype=param_dtype, rngs=rngs)
-    self.gate_proj = dense(cfg.hidden_size, cfg.intermediate_size)
-    self.up_proj = dense(cfg.hidden_size, cfg.intermediate_size)
-    self.down_proj = dense(cfg.intermediate_size, cfg.hidden_size)
-
-  def __call__(self, x):
-    return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nnx.Module):
-
-  def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
-    norm = lambda: RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
-    self.input_layernorm = norm()
-    self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-    self.post_attention_layernorm = norm()
-    self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-
-  def __call__(self, x, positions, attend, cache):
-    h, cache = self.self_attn(self.input_layernorm(x), positions, attend, cache)
-    x = x + h
-    return x + self.mlp(self.post_attention_layernorm(x)), cache
-
-
-class Qwen(nnx.Module):
-  """Qwen2/Qwen3 causal LM. Parameters are stored in `param_dtype`, computed in `dtype`;
-  logits are always returned in float32.
-
-  Attribute names mirror HF's module tree (`model.embed_tokens`, `model.layers.{i}.self_attn.q_proj`,
-  ...), with the layers stacked: `layers.self_attn.q_proj.kernel` is `[num_layers, in, out]`,
-  so the checkpoint mapping in `hf_io` is mechanical.
-
-  Args:
-    attention: the training forward's attention backend (`ATTENTION_BACKENDS`); decoding with a
-      KV cache always uses the dense kernel.
-    remat: activation checkpointing policy of the layer scan (`REMAT_POLICIES`).
-    activation_sharding: optional `NamedSharding` of the `[B, T, hidden]` residual stream,
-      applied at every layer boundary (batch over the data axes, replicated over `tensor`).
-  """
-
-  def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
-               attention: str = "dense", remat: str = "none", activation_sharding=None,
-               rngs: nnx.Rngs):
-    if attention not in ATTENTION_BACKENDS:
-      raise ValueError(f"attention={attention!r}; allowed: {', '.join(ATTENTION_BACKENDS)}")
-    if remat not in REMAT_POLICIES:
-      raise ValueError(f"remat={remat!r}; allowed: {', '.join(REMAT_POLICIES)}")
-    self.config = cfg
-    self.dtype = dtype
-    self.attention = attention
-    self.remat = remat
-    self.activation_sharding = activation_sharding
-    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
-                                  param_dtype=param_dtype,
-                                  embedding_init=nnx.initializers.normal(cfg.initializer_range),
-                                  rngs=rngs)
-
-    @nnx.split_rngs(splits=cfg.num_hidden_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def stacked(rngs):
-      return DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-
-    self.layers = stacked(rngs)
-    self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
-    if not cfg.tie_word_embeddings:
-      self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False,
-                                kernel_init=nnx.initializers.normal(cfg.initializer_range),
-                                dtype=dtype, param_dtype=param_dtype, rngs=rngs)
-
-  def _constrain(self, x):
-    if self.activation_sharding is None:
-      return x
-    return jax.lax.with_sharding_constraint(x, self.activation_sharding)
-
-  def _layers(self, x, positions, attend, cache: LayerCache | None, *, remat: str):
-    """Runs the stacked layers with one `lax.scan` (the cache, if any, is scanned with them)."""
-    graphdef, state = nnx.split(self.layers)
-
-    def body(x, xs):
-      layer_state, layer_cache = xs
-      x, layer_cache = nnx.merge(graphdef, layer_state)(x, positions, attend, layer_cache)
-      return self._constrain(x), layer_cache
-
-    if remat != "none":
-      body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    return jax.lax.scan(body, self._constrain(x), (state, cache))
-
-  def head(self) -> tuple[jax.Array, str]:
-    """The output projection and its `mis_jax.token_logprobs` layout: the tied input embedding
-    `[V, D]` ("vd") or the `lm_head` kernel `[D, V]` ("dv"), in its parameter dtype."""
-    if self.config.tie_word_embeddings:
-      return self.embed_tokens.embedding[...], "vd"
-    return self.lm_head.kernel[...], "dv"
-
-  def hidden_states(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """Packed forward up to the final norm: `[B, T, hidden]` in the compute dtype.
-
-    Token `j` is visible to token `i` iff `segment_ids[i] == segment_ids[j]` and `j <= i`
-    (segments are contiguous within a row). Padding (`segment_ids == -1`) attends only to
-    padding, its outputs are meaningless, and it never influences real tokens.
-    """
-    _check_ids(input_ids, positions, segment_ids)
-    x, _ = self._layers(self.embed_tokens(input_ids), positions, self._packed_attend(segment_ids), None,
-                        remat=self.remat)
-    return self.norm(x)
-
-  def _packed_attend(self, segment_ids):
-    """The training forward's attention. On a mesh (`activation_sharding` set) the blocked and
-    fused kernels run per device in a `shard_map` — rows over the batch axes, heads over
-    `tensor` when the mesh has one — so each device loops over its own rows' blocks and a
-    Pallas kernel sees local arrays; dense attention is left to XLA's partitioner."""
-    backend = self.attention
-    local = lambda q, k, v, seg: packed_attention(q, k, v, seg, backend=backend)
-    sharding = self.activation_sharding
-    if sharding is None or backend == "dense":
-      return lambda q, k, v: local(q, k, v, segment_ids)
-    P = jax.sharding.PartitionSpec
-    mesh, rows = sharding.mesh, sharding.spec[0]
-    heads = "tensor" if "tensor" in mesh.axis_names and mesh.shape["tensor"] > 1 else None
-    spec = P(rows, None, heads, None)
-    attend = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(rows, None)), out_specs=spec,
-                           check_vma=False)
-    return lambda q, k, v: attend(q, k, v, segment_ids)
-
-  def _logits(self, x: jax.Array) -> jax.Array:
-    logits = self.embed_tokens.attend(x) if self.config.tie_word_embeddings else self.lm_head(x)
-    return logits.astype(jnp.float32)
-
-  def __call__(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
-    """Packed forward. All inputs `[B, T]` int32; returns logits `[B, T, vocab]` float32."""
-    return self._logits(self.hidden_states(input_ids, positions, segment_ids))
-
-  def init_cache(self, batch: int, length: int, dtype=None) -> LayerCache:
-    cfg = self.config
-    shape = (cfg.num_hidden_layers, batch, length, cfg.num_key_value_heads, cfg.head_dim)
-    return LayerCache(jnp.zeros(shape, dtype or self.dtype), jnp.zeros(shape, dtype or self.dtype))
-
-  def decode(self, input_ids: jax.Array, positions: jax.Array, cache: LayerCache):
-    """Cached forward of `input_ids: [B, T]` at contiguous `positions: [B, T]` (one sequence
-    per row). Returns `(logits [B, T, vocab] float32, updated cache)`; a query at position `p`
-    attends to cache slots `0..p`, which must hold this row's tokens at positions `0..p`."""
-    _check_ids(input_ids, positions)
-    slots = jnp.arange(cache.k.shape[2])
-    mask = slots[None, None, :] <= positions[:, :, None]
-    attend = lambda q, k, v: dense_attention(q, k, v, mask)
-    x, cache = self._layers(self.embed_tokens(input_ids), positions, attend, cache, remat="none")
-    return self._logits(self.norm(x)), LayerCache(*cache)
-
-
-def _check_ids(*arrays: jax.Array) -> None:
-  shape = arrays[0].shape
-  for a in arrays:
-    if a.ndim != 2 or a.shape != shape:
-      raise ValueError(f"expected [batch, length] int arrays of one shape, got {[x.shape for x in arrays]}")
-    if not jnp.issubdtype(a.dtype, jnp.integer):
-      raise ValueError(f"expected integer ids/positions, got {a.dtype}")
-
-
-def teacher_forced_logprobs(model: Qwen, input_ids: jax.Array, positions: jax.Array,
-                            segment_ids: jax.Array, targets: jax.Array, *,
-                            temperature: float = 1.0) -> jax.Array:
-  """Per-token `log_softmax(logits_t / temperature)[targets_t]`, float32, shape `[B, T]`.
-
-  `targets[b, t]` is the token that follows `input_ids[b, t]` in its segment (the caller shifts;
-  entries at segment ends or padding are arbitrary valid ids and should be masked downstream).
-  This is the quantity SGLang returns as `output_token_logprobs` (SPEC §11): the temperature-
-  scaled distribution, not renormalised for top-p/top-k. For a greedy rollout (temperature 0)
-  SGLang reports temperature-1 log-probs, so pass `temperature=1.0`.
-  """
-  if not temperature > 0:
-    raise ValueError(f"temperature must be > 0, got {temperature}")
-  if targets.shape != input_ids.shape:
-    raise ValueError(f"targets shape {targets.shape} != input_ids shape {input_ids.shape}")
-  logits = model(input_ids, positions, segment_ids) / temperature
-  picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  return picked - jax.nn.logsumexp(logits, axis=-1)
+FAMILY = registry.register(registry.Family(
+    name="qwen", architectures=ARCHITECTURES, from_hf_dict=from_hf_dict, to_hf_dict=to_hf_dict,
+    features=features, module=decoder.CausalLM, hf_name=decoder.hf_name, tensor_rules=decoder.TENSOR_RULES,
+    fsdp_rules=decoder.FSDP_RULES))

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from trainers.models.qwen import Qwen
+from trainers.models import CausalLM
 
 
 _GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: smaller temperatures are greedy
@@ -206,7 +206,7 @@ def _generate(graphdef, params, prompt_ids, prompt_lens, row_seeds, temperature,
 
 
 class Sampler:
-  """Batched sampling from a `Qwen` model; weights can be swapped without recompiling.
+  """Batched sampling from a decoder model (`trainers.models.CausalLM`); weights can be swapped without recompiling.
 
   Args:
     model: the policy (its `dtype` is the inference precision: bfloat16 like a real engine,
@@ -216,7 +216,7 @@ class Sampler:
     seed: seeds the generator that draws a seed for requests that bring none.
   """
 
-  def __init__(self, model: Qwen, *, eos_token_ids: Sequence[int] | None = None,
+  def __init__(self, model: CausalLM, *, eos_token_ids: Sequence[int] | None = None,
                max_batch_size: int = 64, seed: int = 0):
     self.config = model.config
     self.graphdef, self.params = nnx.split(model)

@@ -38,7 +38,7 @@ _LOOPBACK = ("127.0.0.1", "localhost")
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="mis-jax serve", description="Serve a Hugging Face Qwen2/Qwen3 checkpoint over "
+      prog="mis-jax serve", description="Serve a Hugging Face Qwen2, Qwen3 or Llama checkpoint over "
       "SGLang's native HTTP API (/generate, /update_weights_from_disk, ...).",
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--model-path", required=True, help="HF checkpoint dir (config.json + *.safetensors)")

@@ -19,16 +19,16 @@ import mis_jax
 from mis_jax import config_fields as fields_of, config_key as key, load_yaml, parse_config_value as parse_value
 
 DTYPES = ("float32", "bfloat16")  # trainers.models.DTYPES' names (a test checks)
-PRESET_NAMES = ("tiny-qwen2", "tiny-qwen3", "tiny-qwen3-untied")
+PRESET_NAMES = ("tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-untied")
 ATTENTION = ("dense", "blocked", "fused")    # trainers.models.attention.ATTENTION_BACKENDS
-REMAT = ("none", "full", "dots")             # trainers.models.qwen.REMAT_POLICIES
+REMAT = ("none", "full", "dots")             # trainers.models.decoder.REMAT_POLICIES
 TASKS = ("copy_digits", "dataset", "jsonl")  # `jsonl`: the dataset task's former name
 REWARDS = ("math", "exact_match", "format")  # trainers.tasks.rewards.REWARDS
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-  path: str | None = key(None, "an HF checkpoint dir (Qwen2/Qwen3: config.json + *.safetensors); else `preset`")
+  path: str | None = key(None, "an HF checkpoint dir (Qwen2, Qwen3 or Llama: config.json + *.safetensors); else `preset`")
   preset: str = key("tiny-qwen3", "a tiny model initialised from scratch when `path` is null", choices=PRESET_NAMES)
   initializer_range: float | None = key(None, "std of the preset's random weights (null: the preset's 0.02)", gt=0)
   init_seed: int = key(0, "seed of the preset's random weights", ge=0)

@@ -11,7 +11,8 @@ Three mesh axes, built with `jax.make_mesh` (GSPMD-style `Auto` axes):
   embedding and LM head split; activations replicated.
 
 The batch (`[micro_batches, rows, row_len]`) is split over `data × fsdp` along its rows.
-Partition rules are keyed by parameter name (`PARAM_RULES`), as MaxText's logical axis rules.
+Partition rules are keyed by parameter name and owned by the architecture (`Family.tensor_rules`,
+`fsdp_rules`; the shared decoder's in `trainers.models.decoder`), as MaxText's logical axis rules.
 """
 
 from __future__ import annotations
@@ -24,28 +25,11 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from mis_jax import ConfigError
+from trainers.models import decoder
 from trainers.training.config import ParallelSection
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
-
-# Which axis of a parameter (per layer, after the stacked layer axis) tensor parallelism
-# splits, by the last two components of its name: column-parallel projections split their
-# output features (heads, MLP columns), row-parallel ones their input features, the
-# embedding and LM head the vocabulary. Everything else (norms, o_proj's bias) is replicated
-# over `tensor`.
-PARAM_RULES = {
-    ("q_proj", "kernel"): -1, ("k_proj", "kernel"): -1, ("v_proj", "kernel"): -1,
-    ("q_proj", "bias"): -1, ("k_proj", "bias"): -1, ("v_proj", "bias"): -1,
-    ("gate_proj", "kernel"): -1, ("up_proj", "kernel"): -1,
-    ("o_proj", "kernel"): -2, ("down_proj", "kernel"): -2,
-    ("embed_tokens", "embedding"): 0, ("lm_head", "kernel"): -1,
-}
-# The embedding table is split over `fsdp` along its hidden dimension, not the (larger)
-# vocabulary: a lookup of batch-sharded ids in a vocab-sharded table makes XLA replicate the
-# whole table, a hidden-sharded one is gathered locally.
-FSDP_RULES = {("embed_tokens", "embedding"): -1}
-
 
 def mesh_shape(section: ParallelSection, num_devices: int) -> tuple[int, int, int]:
   """The resolved `(data, fsdp, tensor)` sizes of `section` for `num_devices`, or a `ConfigError`."""
@@ -84,8 +68,9 @@ def check_model(mesh: jax.sharding.Mesh, model_cfg) -> None:
                         f"choose a tensor size that divides {name}")
 
 
-def param_spec(path: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> P:
-  """The `PartitionSpec` of one parameter from its name and shape (see `PARAM_RULES`).
+def param_spec(path: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh, family=None) -> P:
+  """The `PartitionSpec` of one parameter from its name and shape, by the rules of `family`
+  (a `trainers.models.Family`; default the shared decoder's `TENSOR_RULES` / `FSDP_RULES`).
 
   Stacked layer parameters keep their layer axis whole. `tensor` takes the axis its rule
   names (when it divides); `fsdp` then takes the largest remaining axis it divides (the
@@ -97,14 +82,16 @@ def param_spec(path: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> 
   spec: list = [None] * len(shape)
   own = list(range(lead, len(shape)))
   tp, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
-  rule = PARAM_RULES.get(names[-2:])
+  tensor_rules = decoder.TENSOR_RULES if family is None else family.tensor_rules
+  fsdp_rules = decoder.FSDP_RULES if family is None else family.fsdp_rules
+  rule = tensor_rules.get(names[-2:])
   if rule is not None and tp > 1:
     axis = own[rule]
     if shape[axis] % tp == 0:
       spec[axis] = "tensor"
   if len(own) >= 2 and fsdp > 1:
     free = sorted((a for a in own if spec[a] is None and shape[a] % fsdp == 0), key=lambda a: -shape[a])
-    preferred = FSDP_RULES.get(names[-2:])
+    preferred = fsdp_rules.get(names[-2:])
     if preferred is not None and own[preferred] in free:
       free.insert(0, own[preferred])
     if free:
@@ -112,9 +99,10 @@ def param_spec(path: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh) -> 
   return P(*spec)
 
 
-def param_shardings(abstract_state: nnx.State, mesh: jax.sharding.Mesh) -> nnx.State:
-  """An `nnx.State` of `NamedSharding`s with the structure of the parameter state."""
-  flat = [(path, var.replace(NamedSharding(mesh, param_spec(path, tuple(var.get_value().shape), mesh))))
+def param_shardings(abstract_state: nnx.State, mesh: jax.sharding.Mesh, family=None) -> nnx.State:
+  """An `nnx.State` of `NamedSharding`s with the structure of the parameter state (`family`:
+  whose partition rules; default the shared decoder's)."""
+  flat = [(path, var.replace(NamedSharding(mesh, param_spec(path, tuple(var.get_value().shape), mesh, family))))
           for path, var in nnx.to_flat_state(abstract_state)]
   return nnx.from_flat_state(flat)
 

@@ -85,7 +85,7 @@ def model_logprobs(graphdef, params, inputs: ModelInputs, segment_ids, *, temper
   # The head enters in its own shards (in the compute dtype) and is all-gathered inside, so
   # its gradient leaves reduce-scattered (the transpose of all_gather), never replicated.
   head_spec = parallel.param_spec(("embed_tokens", "embedding") if layout == "vd" else ("lm_head", "kernel"),
-                                  head.shape, mesh)
+                                  head.shape, mesh, model.config.family)
 
   def local(h, w, *rest):
     for axis, names in enumerate(head_spec):
@@ -197,14 +197,14 @@ class StepFunctions:
 
 def build_step_functions(model_cfg, mesh, loss_cfg: mis_jax.LossConfig, train_cfg, *, temperature: float = 1.0,
                          logprob_chunk: int = 1024, **model_kwargs) -> StepFunctions:
-  """`StepFunctions` for a `Qwen` of `model_cfg` (`model_kwargs`: `dtype`, `param_dtype`,
+  """`StepFunctions` for the registered architecture of `model_cfg` (`model_kwargs`: `dtype`, `param_dtype`,
   `attention`, `remat`) on `mesh`: the parameter shardings from the partition rules, the
   optimiser state's from them, and the residual stream constrained to the batch split."""
   if mesh.size > 1:
     model_kwargs.setdefault("activation_sharding", parallel.activation_sharding(mesh))
   graphdef, abstract = nnx.split(abstract_model(model_cfg, **model_kwargs))
   optimizer = make_optimizer(train_cfg)
-  param_shardings = parallel.param_shardings(abstract, mesh)
+  param_shardings = parallel.param_shardings(abstract, mesh, model_cfg.family)
   opt_shardings = parallel.state_shardings(jax.eval_shape(optimizer.init, abstract), abstract, param_shardings,
                                            mesh)
   return StepFunctions(graphdef, optimizer, loss_cfg, temperature=temperature, mesh=mesh,

@@ -33,7 +33,7 @@ from trainers.training import checkpointing, distributed, parallel
 from trainers.training.batch import StepBatch, build_step_batch
 from trainers.training.config import ModelSection, TrainConfig
 from trainers.models import DTYPES, checkpoint_dir_problem, init_checkpoint, load_hf_params
-from trainers.models.config import PRESETS, ModelConfig
+from trainers.models import PRESETS, ModelConfig
 from trainers.training.rollout import RolloutResult, ServerError, SGLangClient
 from trainers.training.metric_logging import MetricLogger
 from trainers.training.weight_sync import save_hf_sharded
@@ -492,7 +492,7 @@ def _model_config(cfg: TrainConfig) -> ModelConfig:
   try:
     return ModelConfig.from_pretrained(path)
   except (ValueError, KeyError, json.JSONDecodeError) as e:
-    raise mis_jax.ConfigError(f"model.path {path!r}: config.json is not a supported Qwen2/Qwen3 config: {e}") from None
+    raise mis_jax.ConfigError(f"model.path {path!r}: config.json is not a supported config (architectures: Qwen2, Qwen3, Llama): {e}") from None
 
 
 def check_parallel(cfg: TrainConfig, devices=None) -> jax.sharding.Mesh:

@@ -62,7 +62,7 @@ def save_hf_sharded(state: nnx.State, config: ModelConfig, path: str | os.PathLi
     if x.dtype != hf_io.DTYPES[dtype]:
       x = cast(x)  # on the devices: half the bytes to gather for bf16
     full = distributed.to_host(x)
-    for name, a in hf_io.hf_arrays(p, full).items():
+    for name, a in hf_io.hf_arrays(p, full, config).items():
       weight_map[name] = files[plan[key]]
       total += a.size * itemsize
       if plan[key] % procs == me:
