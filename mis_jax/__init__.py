@@ -14,6 +14,7 @@ from mis_jax._losses import (Denominators, aggregate, kl_penalty, loss_denominat
                              ppo_token_loss, prepare_step)
 from mis_jax._packing import PackedBatch, Packing, plan_packing, split_microbatches
 from mis_jax._engine import PassOptions, pass_options
+from mis_jax._metrics import MICROBATCH_REDUCTIONS, microbatch_reduction
 from mis_jax._sampling import sampling_metrics
 from mis_jax._segments import LOG_BOUND, MaskStats, Segments
 from mis_jax._weights import compute_mis_weights, vanilla_tis_weights
@@ -28,7 +29,7 @@ __all__ = [
     "plan_packing", "policy_loss", "ppo_token_loss", "prepare_step", "resolve_correction_fn",
     "sequence_to_tokens", "split_microbatches", "vanilla_tis_weights", "LM_HEAD_LAYOUTS", "token_logprobs",
     "MaskStats", "PassOptions", "pass_options", "sampling_metrics",
-    "LOSS_FLAG_KEYS", "config_fields", "config_key", "load_yaml", "parse_config_value",
+    "MICROBATCH_REDUCTIONS", "microbatch_reduction", "LOSS_FLAG_KEYS", "config_fields", "config_key", "load_yaml", "parse_config_value",
 ]
 
 from mis_jax._sharding import batch_partition_spec, shard_batch, sharded_policy_loss  # noqa: E402

@@ -12,16 +12,21 @@ import os
 from typing import Any, Callable, Mapping
 
 
-LEVELS = ("token", "sequence", "geometric")
-DIVERGENCES = ("k1", "k2", "k3")
-AGGREGATIONS = ("token", "seq_sum", "seq_mean", "seq_max")
-TIS_MODES = ("truncate", "clip", "mask", "none")
+from mis_jax import _correction
+
+# The names each setting accepts, derived from the tables of their formulas in
+# `_correction` (a new level, mode, divergence or KL estimator is one entry there).
+LEVELS = _correction.LEVELS
+DIVERGENCES = tuple(_correction.DIVERGENCES)
+AGGREGATIONS = tuple(_correction.AGGREGATIONS)
+TIS_MODES = tuple(_correction.TIS_MODES)
+KL_TYPES = tuple(_correction.KL_ESTIMATORS)
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 DENOMINATORS = ("kept", "original")
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 
 
-from mis_jax._keys import ConfigError, _as_bool, _as_choice, _as_float, _closest, _where, load_yaml  # noqa: F401
+from mis_jax._keys import (ConfigError, _as_choice, _as_float, _closest, _where, key, load_yaml,  # noqa: F401
+                           validate_fields)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +60,9 @@ class RSCriterion:
     if not isinstance(value, Mapping):
       raise ConfigError(f"{where} must be a mapping with keys metric, agg, lower, upper; got {value!r}")
     valid = ("metric", "agg", "lower", "upper")
-    for key in value:
-      if key not in valid:
-        raise ConfigError(f"{where}: unknown key '{key}'.{_closest(str(key), valid)} Valid keys: {', '.join(valid)}")
+    for k in value:
+      if k not in valid:
+        raise ConfigError(f"{where}: unknown key '{k}'.{_closest(str(k), valid)} Valid keys: {', '.join(valid)}")
     if "metric" not in value:
       raise ConfigError(f"{where} needs 'metric' (one of {', '.join(DIVERGENCES)})")
     metric = _as_choice(value["metric"], "metric", where, DIVERGENCES)
@@ -82,17 +87,17 @@ class MISConfig:
   the resolved values are available as ``lower``, ``rs_lower`` and ``rs_upper``.
   """
 
-  use_tis: bool = True
-  use_rs: bool = False
-  tis_level: str = "token"
-  rs_level: str | None = None
-  tis_mode: str = "truncate"
-  tis_lower_bound: float | None = None
-  tis_upper_bound: float = 2.0
-  rs_lower_bound: float | None = None
-  rs_upper_bound: float | None = None
-  rs_veto_threshold: float | None = None
-  tis_batch_normalize: bool = False
+  use_tis: bool = key(True, "apply this file's IS weights and rejection")
+  use_rs: bool = key(False, "rejection sampling on the raw weights at rs_level (SPEC §4)")
+  tis_level: str = key("token", "level of the IS weights (SPEC §2)", choices=LEVELS)
+  rs_level: str | None = key(None, "level of rejection sampling (null: tis_level)", choices=LEVELS)
+  tis_mode: str = key("truncate", "how the weights are bounded (SPEC §3)", choices=TIS_MODES)
+  tis_lower_bound: float | None = key(None, "Lo (null: 1 / tis_upper_bound)")
+  tis_upper_bound: float = key(2.0, "U", gt=0)
+  rs_lower_bound: float | None = key(None, "RS lower bound (null: the IS lower bound)")
+  rs_upper_bound: float | None = key(None, "RS upper bound (null: tis_upper_bound)")
+  rs_veto_threshold: float | None = key(None, "veto threshold C in (0, 1) (null: no veto)")
+  tis_batch_normalize: bool = key(False, "divide the weights by their mean over the kept mask (SPEC §5)")
   # Extension: divergence-based rejection criteria, combined with AND (see RSCriterion).
   rs_criteria: tuple = ()
   # Where the values came from (a YAML path), for error messages only.
@@ -101,13 +106,7 @@ class MISConfig:
   def __post_init__(self):
     src = self.source
     set_ = lambda k, v: object.__setattr__(self, k, v)
-    set_("use_tis", _as_bool(self.use_tis, "use_tis", src))
-    set_("use_rs", _as_bool(self.use_rs, "use_rs", src))
-    set_("tis_batch_normalize", _as_bool(self.tis_batch_normalize, "tis_batch_normalize", src))
-    set_("tis_level", _as_choice(self.tis_level, "tis_level", src, LEVELS))
-    if self.rs_level is not None:
-      set_("rs_level", _as_choice(self.rs_level, "rs_level", src, LEVELS))
-    set_("tis_mode", _as_choice(self.tis_mode, "tis_mode", src, TIS_MODES))
+    validate_fields(self, lambda name: _where(src, name))  # types, choices, ranges of the keys
     criteria = self.rs_criteria if self.rs_criteria is not None else ()
     if isinstance(criteria, Mapping) or not isinstance(criteria, (list, tuple)):
       raise ConfigError(f"{_where(src, 'rs_criteria')} must be a list of criteria, got {criteria!r}")
@@ -116,12 +115,7 @@ class MISConfig:
     names = [c.name for c in self.rs_criteria]
     if len(set(names)) != len(names):
       raise ConfigError(f"{_where(src, 'rs_criteria')} lists a metric/agg pair twice: {names}")
-    for key in ("tis_lower_bound", "rs_lower_bound", "rs_upper_bound", "rs_veto_threshold"):
-      set_(key, _as_float(getattr(self, key), key, src, allow_none=True))
-    set_("tis_upper_bound", _as_float(self.tis_upper_bound, "tis_upper_bound", src, allow_none=False))
-
-    if self.tis_upper_bound <= 0:
-      raise ConfigError(f"{_where(src, 'tis_upper_bound')} must be > 0, got {self.tis_upper_bound}")
+    # Relations between keys.
     if not 0 <= self.lower < self.tis_upper_bound:
       raise ConfigError(
           f"{_where(src, 'tis_lower_bound')} must satisfy 0 <= tis_lower_bound < tis_upper_bound "
@@ -166,10 +160,10 @@ class MISConfig:
       where = f"{source}: " if source else ""
       raise ConfigError(f"{where}the MIS config must be a mapping of keys, got {type(values).__name__}")
     valid = cls.keys()
-    for key in values:
-      if key not in valid:
+    for name in values:
+      if name not in valid:
         raise ConfigError(
-            f"{_where(source, str(key))} is not a MIS config key.{_closest(str(key), valid)} "
+            f"{_where(source, str(name))} is not a MIS config key.{_closest(str(name), valid)} "
             f"Valid keys: {', '.join(valid)}")
     return cls(**dict(values), source=source)
 
@@ -223,24 +217,25 @@ class LossConfig:
   the file is an error.
   """
 
-  use_tis: bool | None = None
-  use_rollout_logprobs: bool = False
-  get_mismatch_metrics: bool = False
-  eps_clip: float = 0.2
-  eps_clip_high: float | None = None
-  eps_clip_c: float | None = None
-  loss_agg_mode: str = "seq-mean-token-mean"
-  denominator: str = "kept"
-  tis_clip: float = 2.0
-  tis_clip_low: float = 0.0
+  use_tis: bool | None = key(None, "rollout correction on (null: the MIS config's use_tis)")
+  use_rollout_logprobs: bool = key(False, "the rollout log-probs are the PPO anchor (bypass, REINFORCE + IS)")
+  get_mismatch_metrics: bool = key(False, "mismatch metrics without changing the loss")
+  eps_clip: float = key(0.2, "PPO clip range, in (0, 1)", gt=0)
+  eps_clip_high: float | None = key(None, "upper clip range (null: eps_clip)", gt=0)
+  eps_clip_c: float | None = key(None, "dual-clip constant (null: off)", gt=1)
+  loss_agg_mode: str = key("seq-mean-token-mean", "loss aggregation (SPEC §7)", choices=LOSS_AGG_MODES)
+  denominator: str = key("kept", "tokens the loss is divided by (SPEC §7)", choices=DENOMINATORS)
+  tis_clip: float = key(2.0, "vanilla TIS upper clip", gt=0)
+  tis_clip_low: float = key(0.0, "vanilla TIS lower clip, below tis_clip", ge=0)
   mis: MISConfig | None = None
   correction_fn: Callable | str | None = None
-  entropy_coef: float = 0.0
-  kl_coef: float = 0.0
-  kl_type: str = "k3"
+  entropy_coef: float = key(0.0, "entropy bonus coefficient", ge=0)
+  kl_coef: float = key(0.0, "KL penalty coefficient", ge=0)
+  kl_type: str = key("k3", "KL estimator (SPEC §6)", choices=KL_TYPES)
 
   def __post_init__(self):
     set_ = lambda k, v: object.__setattr__(self, k, v)
+    validate_fields(self, lambda name: _where(None, name))  # types, choices, ranges of the keys
     if self.mis is not None and not isinstance(self.mis, MISConfig):
       if isinstance(self.mis, Mapping):
         set_("mis", MISConfig.from_dict(self.mis))
@@ -250,35 +245,18 @@ class LossConfig:
     if self.use_tis is None:
       set_("use_tis", bool(file_tis))
     else:
-      set_("use_tis", _as_bool(self.use_tis, "use_tis", None))
       if file_tis is not None and file_tis != self.use_tis:
         where = self.mis.source or "the MIS config"
         raise ConfigError(
             f"use_tis={self.use_tis} (flag/argument) contradicts use_tis: {str(file_tis).lower()} "
             f"in {where}; make them agree")
-    for key in ("use_rollout_logprobs", "get_mismatch_metrics"):
-      set_(key, _as_bool(getattr(self, key), key, None))
-    for key in ("eps_clip", "tis_clip", "tis_clip_low", "entropy_coef", "kl_coef"):
-      set_(key, _as_float(getattr(self, key), key, None, allow_none=False))
-    for key in ("eps_clip_high", "eps_clip_c"):
-      set_(key, _as_float(getattr(self, key), key, None, allow_none=True))
-    set_("loss_agg_mode", _as_choice(self.loss_agg_mode, "loss_agg_mode", None, LOSS_AGG_MODES))
-    set_("denominator", _as_choice(self.denominator, "denominator", None, DENOMINATORS))
-    set_("kl_type", _as_choice(self.kl_type, "kl_type", None, KL_TYPES))
-    if self.eps_clip <= 0 or self.eps_clip >= 1:
+    # Relations between keys.
+    if self.eps_clip >= 1:
       raise ConfigError(f"key 'eps_clip' must be in (0, 1), got {self.eps_clip}")
-    if self.eps_clip_high is not None and self.eps_clip_high <= 0:
-      raise ConfigError(f"key 'eps_clip_high' must be > 0, got {self.eps_clip_high}")
-    if self.eps_clip_c is not None and self.eps_clip_c <= 1:
-      raise ConfigError(f"key 'eps_clip_c' (dual clip) must be > 1, got {self.eps_clip_c}")
-    if self.tis_clip <= 0:
-      raise ConfigError(f"key 'tis_clip' must be > 0, got {self.tis_clip}")
     if not 0 <= self.tis_clip_low < self.tis_clip:
       raise ConfigError(
           f"key 'tis_clip_low' must satisfy 0 <= tis_clip_low < tis_clip ({self.tis_clip}), "
           f"got {self.tis_clip_low}")
-    if self.entropy_coef < 0 or self.kl_coef < 0:
-      raise ConfigError("keys 'entropy_coef' and 'kl_coef' must be >= 0")
     if self.correction_fn is not None and not self.use_tis:
       raise ConfigError("key 'correction_fn' is set but use_tis is false: the correction would never run")
     # Resolve import paths now so a bad path fails before tracing.
@@ -325,9 +303,9 @@ class LossConfig:
       raise ConfigError(f"{where}a loss config must be a mapping, got {type(values).__name__}")
     values = dict(values)
     valid = cls.keys() + ("custom_config_path",)
-    for key in values:
-      if key not in valid:
-        raise ConfigError(f"{where}unknown loss key '{key}'.{_closest(str(key), valid)} Valid keys: {', '.join(valid)}")
+    for name in values:
+      if name not in valid:
+        raise ConfigError(f"{where}unknown loss key '{name}'.{_closest(str(name), valid)} Valid keys: {', '.join(valid)}")
     path = values.pop("custom_config_path", None)
     if path is not None and values.get("mis") is not None:
       raise ConfigError(f"{where}give either 'mis' or 'custom_config_path', not both")

@@ -8,12 +8,15 @@ SPEC: ``m`` trained mask, ``r = o - q`` the token log-ratio, ``B = 20``, ``n_s =
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
-from mis_jax._config import MISConfig, RSCriterion
 from mis_jax._segments import LOG_BOUND, safe_exp
+
+if TYPE_CHECKING:  # the configs import this module's tables for their names
+  from mis_jax._config import MISConfig, RSCriterion
 
 BATCH_NORM_EPS = 1e-8
 
@@ -25,16 +28,19 @@ def log_ratio(train_logprobs, rollout_logprobs, mask):
 
 # --- SPEC §2: levels ---------------------------------------------------------------------
 
-def segment_log_values(level: str, sum_r, count):
-  """Per-segment level log-value (SPEC §2), for ``sequence`` and ``geometric`` levels.
+# The per-segment levels: ``L_s`` from the segment's ``Σ_{u∈s} m_u r_u`` and ``n_s``.
+SEGMENT_LEVELS = {
+    "sequence": lambda sum_r, count: sum_r,                               # L_s = Σ m r
+    "geometric": lambda sum_r, count: sum_r / jnp.maximum(count, 1.0),    # L_s = Σ m r / max(n_s, 1)
+}
+LEVELS = ("token",) + tuple(SEGMENT_LEVELS)  # token: L_t = r_t
 
-  ``sequence``: ``L_s = Σ_{u∈s} m_u r_u``; ``geometric``: ``L_s = Σ_{u∈s} m_u r_u / max(n_s, 1)``.
-  """
-  if level == "sequence":
-    return sum_r
-  if level == "geometric":
-    return sum_r / jnp.maximum(count, 1.0)
-  raise ValueError(f"level {level!r} has no per-segment log-value")
+
+def segment_log_values(level: str, sum_r, count):
+  """Per-segment level log-value (SPEC §2), for the levels of ``SEGMENT_LEVELS``."""
+  if level not in SEGMENT_LEVELS:
+    raise ValueError(f"level {level!r} has no per-segment log-value")
+  return SEGMENT_LEVELS[level](sum_r, count)
 
 
 def level_log_values(level: str, r, sum_r, count, to_tokens):
@@ -57,23 +63,23 @@ def raw_weights(log_values):
 
 # --- SPEC §3: importance-sampling weights ------------------------------------------------
 
-def bounded_weights(w_raw, cfg: MISConfig):
-  """IS weights per ``tis_mode`` (SPEC §3) and the tokens IS keeps.
+# IS weights per ``tis_mode`` (SPEC §3): ``(w_raw, Lo, U) -> (w, keep_is)``, ``keep_is`` None
+# unless the mode rejects tokens.
+TIS_MODES = {
+    "truncate": lambda w_raw, lower, upper: (jnp.minimum(w_raw, upper), None),   # w = min(w_raw, U)
+    "clip": lambda w_raw, lower, upper: (jnp.clip(w_raw, lower, upper), None),   # w = clip(w_raw, Lo, U)
+    "mask": lambda w_raw, lower, upper: (w_raw, in_band(w_raw, lower, upper)),   # keep Lo <= w_raw <= U
+    "none": lambda w_raw, lower, upper: (jnp.ones_like(w_raw), None),            # pure rejection: w = 1
+}
 
-  ``truncate``: ``w = min(w_raw, U)``; ``clip``: ``w = clip(w_raw, Lo, U)``; ``mask``:
-  ``w = w_raw``, keeping only tokens with ``Lo <= w_raw <= U``; ``none``: ``w = 1``.
+
+def bounded_weights(w_raw, cfg: MISConfig):
+  """IS weights per ``tis_mode`` (SPEC §3, ``TIS_MODES``) and the tokens IS keeps.
 
   Returns:
     ``(w, keep_is)``: ``keep_is`` is None unless ``tis_mode`` is ``mask``.
   """
-  upper, lower = cfg.tis_upper_bound, cfg.lower
-  if cfg.tis_mode == "truncate":
-    return jnp.minimum(w_raw, upper), None
-  if cfg.tis_mode == "clip":
-    return jnp.clip(w_raw, lower, upper), None
-  if cfg.tis_mode == "mask":
-    return w_raw, in_band(w_raw, lower, upper)
-  return jnp.ones_like(w_raw), None  # "none": pure rejection, no reweighting
+  return TIS_MODES[cfg.tis_mode](w_raw, cfg.lower, cfg.tis_upper_bound)
 
 
 def in_band(value, lower: float | None, upper: float | None):
@@ -105,16 +111,26 @@ def vetoed_segments(catastrophic_counts):
 
 # --- SPEC §4.1: divergence criteria ------------------------------------------------------
 
-def divergence(metric: str, r):
-  """Per-token divergence (SPEC §4.1) on the raw, unclipped ``r``: ``k1 = -r``,
-  ``k2 = r²/2``, ``k3 = exp(clip(r, ±B)) - 1 - clip(r, ±B)`` (only k3 exponentiates, so
-  only k3 clips)."""
-  if metric == "k1":
-    return -r
-  if metric == "k2":
-    return 0.5 * r * r
+def _k3(r):
   rc = jnp.clip(r, -LOG_BOUND, LOG_BOUND)
   return jnp.exp(rc) - 1.0 - rc
+
+
+# Per-token divergences (SPEC §4.1) of the raw, unclipped ``r`` (only k3 exponentiates, so
+# only k3 clips).
+DIVERGENCES = {
+    "k1": lambda r: -r,
+    "k2": lambda r: 0.5 * r * r,
+    "k3": _k3,  # exp(clip(r, ±B)) - 1 - clip(r, ±B)
+}
+# How a criterion aggregates its divergence: per token, or per sequence over trained tokens
+# (pass 1's per-segment reduction of it: a sum or a max).
+AGGREGATIONS = {"token": None, "seq_sum": "sum", "seq_mean": "sum", "seq_max": "max"}
+
+
+def divergence(metric: str, r):
+  """Per-token divergence (SPEC §4.1): ``DIVERGENCES[metric](r)``."""
+  return DIVERGENCES[metric](r)
 
 
 def segment_divergence(crit: RSCriterion, seg_total, count):
@@ -128,6 +144,22 @@ def criterion_value(crit: RSCriterion, aggregated):
   """The value a criterion's band bounds (SPEC §4.1): the aggregated divergence for k2/k3,
   and for k1 the aggregated log-ratio ``-agg(k1)`` (bounds are on ``log(π_train/π_rollout)``)."""
   return -aggregated if crit.metric == "k1" else aggregated
+
+
+# --- SPEC §6: KL penalty to a reference policy -----------------------------------------
+
+def _low_var_kl(d):
+  dc = jnp.clip(d, -LOG_BOUND, LOG_BOUND)
+  return jnp.clip(jnp.exp(-dc) + dc - 1.0, -10.0, 10.0)
+
+
+# Per-token KL estimators of ``d = lp - ref`` (SPEC §6); `LossConfig.kl_type` takes these names.
+KL_ESTIMATORS = {
+    "k1": lambda d: d,
+    "k2": lambda d: 0.5 * d * d,
+    "k3": lambda d: safe_exp(-d) + d - 1.0,
+    "low_var_kl": _low_var_kl,  # k3 with the log-ratio clipped to ±B and the value to ±10
+}
 
 
 # --- SPEC §5: batch normalisation --------------------------------------------------------

@@ -182,6 +182,154 @@ class Chunk:
 
 # --- the engine ------------------------------------------------------------------------
 
+def _carry_key(group) -> str:  # scan carry keys must be strings
+  return "segsum:" + ",".join(group)
+
+
+class _Pass:
+  """One pass's static plan: how a chunk's contributions are computed, accumulated in the
+  carry (one bucket per segment and lane), and completed across lanes and devices."""
+
+  def __init__(self, options: PassOptions, num_segments: int, axis_name: AxisName, body):
+    self.options, self.num_segments, self.axis_name, self.body = options, num_segments, axis_name, body
+    self.lanes = options.lanes
+    self.num_buckets = num_segments * options.lanes
+
+  def contributions(self, xs):
+    """``body``'s contributions for one chunk of ``xs`` and the chunk's bucket indices.
+    Buckets and gather indices are computed per chunk (never materialised over the batch);
+    lanes are positions within the chunk modulo P (any fixed split works)."""
+    ids = xs["_ids"]
+    valid = ids >= 0
+    lane = jax.lax.iota(jnp.int32, ids.shape[0]) & (self.lanes - 1) if self.lanes > 1 else 0
+    aux = {"valid": valid, "idx": jnp.where(valid, ids * self.lanes + lane, self.num_buckets)}
+    ch = Chunk({k: v for k, v in xs.items() if not k.startswith("_")}, jnp.where(valid, ids, 0), valid,
+               self.options.paired)
+    out = self.body(ch)
+    for name, c in out.items():
+      if not isinstance(c, _REDUCERS):
+        raise TypeError(f"pass contribution {name!r} must be one of {[r.__name__ for r in _REDUCERS]}")
+    return out, aux
+
+  def seg_groups(self, out):
+    """Per-segment sums scattered together: pairs (one complex64 scatter) when paired."""
+    names = [n for n, c in out.items() if isinstance(c, SegSum)]
+    step = 2 if self.options.paired else 1
+    return [tuple(names[i:i + step]) for i in range(0, len(names), step)]
+
+  def varying(self, x):
+    """Inside shard_map the accumulators vary over the mesh axes like the data they sum."""
+    if self.axis_name is None:
+      return x
+    names = (self.axis_name,) if isinstance(self.axis_name, str) else tuple(self.axis_name)
+    return jax.lax.pcast(x, names, to="varying")
+
+  def init(self, out):
+    carry = {_carry_key(g): jnp.zeros((self.num_buckets,), jnp.complex64 if len(g) == 2 else jnp.float32)
+             for g in self.seg_groups(out)}
+    for name, c in out.items():
+      if isinstance(c, SegMax):
+        carry[name] = jnp.full((self.num_buckets,), LOWEST, jnp.float32)
+      elif isinstance(c, Total):
+        carry[name] = jnp.zeros((), jnp.float32)
+      elif isinstance(c, Max):
+        carry[name] = jnp.asarray(LOWEST, jnp.float32)
+      elif isinstance(c, Min):
+        carry[name] = jnp.asarray(HIGHEST, jnp.float32)
+    return jax.tree_util.tree_map(self.varying, carry)
+
+  def reduce(self, carry, aux, out):
+    """The carry after one chunk's contributions."""
+    new = {}
+    for group in self.seg_groups(out):
+      vals = [out[n].x.astype(jnp.float32) for n in group]
+      val = jax.lax.complex(*vals) if len(vals) == 2 else vals[0]
+      new[_carry_key(group)] = carry[_carry_key(group)].at[aux["idx"]].add(val, mode="drop")
+    for name, c in out.items():
+      acc = carry.get(name)
+      if isinstance(c, SegMax):
+        new[name] = acc.at[aux["idx"]].max(c.x.astype(jnp.float32), mode="drop")
+      elif isinstance(c, Total):
+        new[name] = acc + jnp.sum(jnp.where(aux["valid"], c.x.astype(jnp.float32), 0.0))
+      elif isinstance(c, Max):
+        new[name] = jnp.maximum(acc, jnp.max(jnp.where(aux["valid"], c.x.astype(jnp.float32), LOWEST)))
+      elif isinstance(c, Min):
+        new[name] = jnp.minimum(acc, jnp.min(jnp.where(aux["valid"], c.x.astype(jnp.float32), HIGHEST)))
+    return new
+
+  @staticmethod
+  def outputs(out):
+    return {k: c.x for k, c in out.items() if isinstance(c, Out)}
+
+  def complete(self, structure, carry) -> dict:
+    """The accumulators summed over lanes and completed across devices, one collective per kind."""
+    results = {}
+    kinds = {SegSum: [], SegMax: [], Total: [], Max: [], Min: []}
+    for name, c in structure.items():
+      if not isinstance(c, Out):
+        kinds[type(c)].append(name)
+    shape = (self.num_segments, self.lanes)
+    if kinds[SegSum]:
+      names, cols = [], []
+      for group in self.seg_groups(structure):
+        total = jnp.sum(carry[_carry_key(group)].reshape(shape), axis=1)
+        names += group
+        cols += [total.real, total.imag] if len(group) == 2 else [total]
+      seg = psum(jnp.stack(cols, axis=-1), self.axis_name)
+      results.update({n: seg[:, i] for i, n in enumerate(names)})
+    if kinds[SegMax]:
+      seg = jnp.stack([jnp.max(carry[n].reshape(shape), axis=1) for n in kinds[SegMax]], axis=-1)
+      seg = pmax(seg, self.axis_name)
+      results.update({n: seg[:, i] for i, n in enumerate(kinds[SegMax])})
+    for kind, op in ((Total, psum), (Max, pmax), (Min, pmin)):
+      if kinds[kind]:
+        vals = op(jnp.stack([carry[n] for n in kinds[kind]]), self.axis_name)
+        results.update({n: vals[i] for i, n in enumerate(kinds[kind])})
+    return results
+
+
+def _one_chunk(plan: _Pass, base: dict):
+  """The whole batch as one chunk (fully fused)."""
+  structure, aux = plan.contributions(base)
+  return structure, plan.reduce(plan.init(structure), aux, structure), plan.outputs(structure)
+
+
+def _scanned_chunks(plan: _Pass, base: dict, size: int, num: int):
+  """Chunks that divide the batch: rows of a free reshape, a ``lax.scan`` over them; outputs
+  come back as the scan's stacked results."""
+  xs = {k: v.reshape(num, size) for k, v in base.items()}
+  structure, _ = plan.contributions({k: v[0] for k, v in xs.items()})  # shapes only; dead code
+
+  def step(carry, x):
+    out, aux = plan.contributions(x)
+    return plan.reduce(carry, aux, out), plan.outputs(out)
+
+  carry, ys = jax.lax.scan(step, plan.init(structure), xs)
+  return structure, carry, {k: y.reshape(-1) for k, y in ys.items()}
+
+
+def _sliced_chunks(plan: _Pass, base: dict, size: int, num: int, n_tok: int):
+  """Chunks that do not divide the batch: dynamic slices (no padded copies) in a
+  ``fori_loop`` and a smaller last chunk; outputs are written in place."""
+  def piece(start, length):
+    return {k: jax.lax.dynamic_slice_in_dim(v, start, length) for k, v in base.items()}
+
+  structure, _ = plan.contributions(piece(0, size))  # shapes only; dead code
+  bufs = {k: plan.varying(jnp.zeros((n_tok,), x.dtype)) for k, x in plan.outputs(structure).items()}
+
+  def write(bufs, start, out):
+    return {k: jax.lax.dynamic_update_slice_in_dim(b, out[k].x, start, 0) for k, b in bufs.items()}
+
+  def step(i, state):
+    carry, bufs = state
+    out, aux = plan.contributions(piece(i * size, size))
+    return plan.reduce(carry, aux, out), write(bufs, i * size, out)
+
+  carry, bufs = jax.lax.fori_loop(0, num, step, (plan.init(structure), bufs))
+  out, aux = plan.contributions({k: v[num * size:] for k, v in base.items()})
+  return structure, plan.reduce(carry, aux, out), write(bufs, num * size, out)
+
+
 def run_pass(options: PassOptions, segment_ids, num_segments: int, axis_name: AxisName, arrays: dict,
              body) -> dict:
   """One pass over the tokens: ``body(chunk)`` -> ``{name: contribution}``.
@@ -197,133 +345,14 @@ def run_pass(options: PassOptions, segment_ids, num_segments: int, axis_name: Ax
   Returns:
     ``{name: result}``: ``[S]`` for segment reductions, scalars for totals, ``[T]`` outputs.
   """
-  n_tok = segment_ids.shape[0]
-  lanes = options.lanes
-  num_buckets = num_segments * lanes
+  plan = _Pass(options, num_segments, axis_name, body)
   base = {"_ids": segment_ids, **arrays}
-
-  def contributions(xs):
-    # Buckets and gather indices are computed per chunk (never materialised over the batch);
-    # lanes are positions within the chunk modulo P (any fixed split works).
-    ids = xs["_ids"]
-    valid = ids >= 0
-    lane = jax.lax.iota(jnp.int32, ids.shape[0]) & (lanes - 1) if lanes > 1 else 0
-    aux = {"valid": valid, "idx": jnp.where(valid, ids * lanes + lane, num_buckets)}
-    ch = Chunk({k: v for k, v in xs.items() if not k.startswith("_")}, jnp.where(valid, ids, 0), valid,
-               options.paired)
-    out = body(ch)
-    for name, c in out.items():
-      if not isinstance(c, _REDUCERS):
-        raise TypeError(f"pass contribution {name!r} must be one of {[r.__name__ for r in _REDUCERS]}")
-    return out, aux
-
-  def key(group):  # carry keys must be strings
-    return "segsum:" + ",".join(group)
-
-  def seg_groups(out):
-    names = [n for n, c in out.items() if isinstance(c, SegSum)]
-    step = 2 if options.paired else 1
-    return [tuple(names[i:i + step]) for i in range(0, len(names), step)]
-
-  def reduce(carry, aux, out):
-    new = {}
-    for group in seg_groups(out):
-      vals = [out[n].x.astype(jnp.float32) for n in group]
-      val = jax.lax.complex(*vals) if len(vals) == 2 else vals[0]
-      new[key(group)] = carry[key(group)].at[aux["idx"]].add(val, mode="drop")
-    for name, c in out.items():
-      acc = carry.get(name)
-      if isinstance(c, SegMax):
-        new[name] = acc.at[aux["idx"]].max(c.x.astype(jnp.float32), mode="drop")
-      elif isinstance(c, Total):
-        new[name] = acc + jnp.sum(jnp.where(aux["valid"], c.x.astype(jnp.float32), 0.0))
-      elif isinstance(c, Max):
-        new[name] = jnp.maximum(acc, jnp.max(jnp.where(aux["valid"], c.x.astype(jnp.float32), LOWEST)))
-      elif isinstance(c, Min):
-        new[name] = jnp.minimum(acc, jnp.min(jnp.where(aux["valid"], c.x.astype(jnp.float32), HIGHEST)))
-    return new
-
-  def varying(x):
-    # Inside shard_map the accumulators vary over the mesh axes like the data they sum.
-    if axis_name is None:
-      return x
-    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-    return jax.lax.pcast(x, names, to="varying")
-
-  def init(out):
-    carry = {key(g): jnp.zeros((num_buckets,), jnp.complex64 if len(g) == 2 else jnp.float32)
-             for g in seg_groups(out)}
-    for name, c in out.items():
-      if isinstance(c, SegMax):
-        carry[name] = jnp.full((num_buckets,), LOWEST, jnp.float32)
-      elif isinstance(c, Total):
-        carry[name] = jnp.zeros((), jnp.float32)
-      elif isinstance(c, Max):
-        carry[name] = jnp.asarray(LOWEST, jnp.float32)
-      elif isinstance(c, Min):
-        carry[name] = jnp.asarray(HIGHEST, jnp.float32)
-    return jax.tree_util.tree_map(varying, carry)
-
-  def outputs(out):
-    return {k: c.x for k, c in out.items() if isinstance(c, Out)}
-
+  n_tok = segment_ids.shape[0]
   size, num, tail = chunking(n_tok, options.chunk_tokens)
   if num == 1 and not tail:
-    structure, aux = contributions(base)
-    carry, outs = reduce(init(structure), aux, structure), outputs(structure)
+    structure, carry, outs = _one_chunk(plan, base)
   elif not tail:
-    # Chunks are rows of a free reshape; outputs come back as the scan's stacked results.
-    xs = {k: v.reshape(num, size) for k, v in base.items()}
-    structure, _ = contributions({k: v[0] for k, v in xs.items()})  # shapes only; dead code
-
-    def step(carry, x):
-      out, aux = contributions(x)
-      return reduce(carry, aux, out), outputs(out)
-
-    carry, ys = jax.lax.scan(step, init(structure), xs)
-    outs = {k: y.reshape(-1) for k, y in ys.items()}
+    structure, carry, outs = _scanned_chunks(plan, base, size, num)
   else:
-    # Chunks are dynamic slices (no padded copies) and a smaller last chunk; outputs are
-    # written in place.
-    def piece(start, length):
-      return {k: jax.lax.dynamic_slice_in_dim(v, start, length) for k, v in base.items()}
-
-    structure, _ = contributions(piece(0, size))  # shapes only; dead code
-    bufs = {k: varying(jnp.zeros((n_tok,), x.dtype)) for k, x in outputs(structure).items()}
-
-    def write(bufs, start, out):
-      return {k: jax.lax.dynamic_update_slice_in_dim(b, out[k].x, start, 0) for k, b in bufs.items()}
-
-    def step(i, state):
-      carry, bufs = state
-      out, aux = contributions(piece(i * size, size))
-      return reduce(carry, aux, out), write(bufs, i * size, out)
-
-    carry, bufs = jax.lax.fori_loop(0, num, step, (init(structure), bufs))
-    out, aux = contributions({k: v[num * size:] for k, v in base.items()})
-    carry, outs = reduce(carry, aux, out), write(bufs, num * size, out)
-
-  # Complete across lanes and devices, one collective per kind.
-  results = dict(outs)
-  kinds = {SegSum: [], SegMax: [], Total: [], Max: [], Min: []}
-  for name, c in structure.items():
-    if not isinstance(c, Out):
-      kinds[type(c)].append(name)
-  shape = (num_segments, lanes)
-  if kinds[SegSum]:
-    names, cols = [], []
-    for group in seg_groups(structure):
-      total = jnp.sum(carry[key(group)].reshape(shape), axis=1)
-      names += group
-      cols += [total.real, total.imag] if len(group) == 2 else [total]
-    seg = psum(jnp.stack(cols, axis=-1), axis_name)
-    results.update({n: seg[:, i] for i, n in enumerate(names)})
-  if kinds[SegMax]:
-    seg = jnp.stack([jnp.max(carry[n].reshape(shape), axis=1) for n in kinds[SegMax]], axis=-1)
-    seg = pmax(seg, axis_name)
-    results.update({n: seg[:, i] for i, n in enumerate(kinds[SegMax])})
-  for kind, op in ((Total, psum), (Max, pmax), (Min, pmin)):
-    if kinds[kind]:
-      vals = op(jnp.stack([carry[n] for n in kinds[kind]]), axis_name)
-      results.update({n: vals[i] for i, n in enumerate(kinds[kind])})
-  return results
+    structure, carry, outs = _sliced_chunks(plan, base, size, num, n_tok)
+  return {**outs, **plan.complete(structure, carry)}

@@ -41,25 +41,29 @@ def _closest(key: str, valid) -> str:
   return f" Did you mean '{match[0]}'?" if match else ""
 
 
-def _as_float(value: Any, key: str, source: str | None, *, allow_none: bool) -> float | None:
+def _number(value: Any, where: str, *, allow_none: bool) -> float | None:
   """Accepts ints, floats and numeric strings (YAML 1.1 reads ``1e-4`` as a string)."""
   if value is None:
     if allow_none:
       return None
-    raise ConfigError(f"{_where(source, key)} must be a number, got null")
+    raise ConfigError(f"{where} must be a number, got null")
   if isinstance(value, bool):
-    raise ConfigError(f"{_where(source, key)} must be a number, got the boolean {value!r}")
+    raise ConfigError(f"{where} must be a number, got the boolean {value!r}")
   if isinstance(value, str):
     try:
       value = float(value.strip())
     except ValueError:
-      raise ConfigError(f"{_where(source, key)} must be a number, got the string {value!r}") from None
+      raise ConfigError(f"{where} must be a number, got the string {value!r}") from None
   if not isinstance(value, (int, float)):
-    raise ConfigError(f"{_where(source, key)} must be a number, got {type(value).__name__} {value!r}")
+    raise ConfigError(f"{where} must be a number, got {type(value).__name__} {value!r}")
   value = float(value)
   if not math.isfinite(value):
-    raise ConfigError(f"{_where(source, key)} must be finite, got {value!r}")
+    raise ConfigError(f"{where} must be finite, got {value!r}")
   return value
+
+
+def _as_float(value: Any, key: str, source: str | None, *, allow_none: bool) -> float | None:
+  return _number(value, _where(source, key), allow_none=allow_none)
 
 
 def _as_bool(value: Any, key: str, source: str | None) -> bool:
@@ -73,7 +77,6 @@ def _as_choice(value: Any, key: str, source: str | None, allowed: tuple[str, ...
     raise ConfigError(
         f"{_where(source, key)} has invalid value {value!r}; allowed values: {', '.join(allowed)}")
   return value
-
 
 
 def key(default, doc: str, *, ge=None, gt=None, le=None, choices=None, factory=None):
@@ -110,7 +113,8 @@ def _as_int(value, where: str) -> int:
 
 
 def parse_value(value, typ, meta: dict, where: str):
-  """`value` checked against a key's type and constraints; returns it normalised."""
+  """`value` checked against a key's type and constraints; returns it normalised. Errors are
+  `ConfigError("<where> must ...")`, `where` naming the key as its caller writes it."""
   args = typing.get_args(typ)
   if type(None) in args:
     if value is None:
@@ -125,11 +129,12 @@ def parse_value(value, typ, meta: dict, where: str):
       raise ConfigError(f"{where} must be a mapping with string keys, got {type(value).__name__} {value!r}")
     return dict(value)
   if typ is bool:
-    value = _as_bool(value, where, None)
+    if not isinstance(value, bool):
+      raise ConfigError(f"{where} must be true or false, got {type(value).__name__} {value!r}")
   elif typ is int:
     value = _as_int(value, where)
   elif typ is float:
-    value = _as_float(value, where, None, allow_none=False)
+    value = _number(value, where, allow_none=False)
   elif typ is str:
     choices = meta.get("choices") or ()
     if isinstance(value, bool) and {"on", "off"} <= set(choices):
@@ -147,3 +152,12 @@ def parse_value(value, typ, meta: dict, where: str):
   return value
 
 
+
+
+def validate_fields(obj, where) -> None:
+  """Parses every declared field of a frozen dataclass in place (`__post_init__` of a config
+  whose fields are `key(...)`s): types, ranges and choices from their metadata. `where(name)`
+  names a field in errors. Fields without a `doc` in their metadata are left to the class."""
+  for name, (field, typ) in fields_of(type(obj)).items():
+    if "doc" in field.metadata:
+      object.__setattr__(obj, name, parse_value(getattr(obj, name), typ, field.metadata, where(name)))

@@ -8,15 +8,17 @@ jittable with the :class:`LossConfig` static. Global denominators computed once 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from mis_jax import _correction as correction
 from mis_jax import _validation
 from mis_jax._config import LossConfig, resolve_correction_fn
 from mis_jax._packing import PackedBatch
 from mis_jax._engine import PassOptions, psum
-from mis_jax._segments import LOG_BOUND, AxisName, MaskStats, Segments, masked_means, safe_exp
+from mis_jax._segments import AxisName, MaskStats, Segments, masked_means, safe_exp
 from mis_jax._weights import Correction, correct, mismatch_metrics, vanilla_core
 
 
@@ -69,18 +71,52 @@ def ppo_token_loss(logprobs, anchor_logprobs, advantages, *, eps_clip: float, ep
 
 
 def kl_penalty(logprobs, ref_logprobs, kl_type: str):
-  """Per-token KL estimators to a reference policy (SPEC §6): k1, k2, k3, low_var_kl."""
-  d = logprobs - ref_logprobs
-  if kl_type == "k1":
-    return d
-  if kl_type == "k2":
-    return 0.5 * d * d
-  if kl_type == "k3":
-    return safe_exp(-d) + d - 1.0
-  if kl_type == "low_var_kl":
-    dc = jnp.clip(d, -LOG_BOUND, LOG_BOUND)
-    return jnp.clip(jnp.exp(-dc) + dc - 1.0, -10.0, 10.0)
-  raise ValueError(f"unknown kl_type {kl_type!r}")
+  """Per-token KL estimators to a reference policy (SPEC §6): ``KL_ESTIMATORS[kl_type](lp - ref)``."""
+  if kl_type not in correction.KL_ESTIMATORS:
+    raise ValueError(f"unknown kl_type {kl_type!r}")
+  return correction.KL_ESTIMATORS[kl_type](logprobs - ref_logprobs)
+
+
+class TokenLoss(NamedTuple):
+  """One algorithm's per-token policy loss: the loss, the clip indicator, the PPO anchor (for
+  ``ppo_kl``) and extra metric rows averaged over the original mask."""
+  pg: jax.Array
+  clipfrac: jax.Array
+  anchor: jax.Array
+  over_mask: dict
+
+
+def _ppo_against(anchor, lp, adv, cfg: LossConfig):
+  return ppo_token_loss(lp, anchor, adv, eps_clip=cfg.eps_clip, eps_clip_high=cfg.clip_high,
+                        eps_clip_c=cfg.eps_clip_c)
+
+
+def _standard_ppo(lp, lp_sg, o, q, adv, weights, cfg) -> TokenLoss:
+  """``ppo(exp(lp - o))``."""
+  pg, clipfrac = _ppo_against(o, lp, adv, cfg)
+  return TokenLoss(pg, clipfrac, o, {})
+
+
+def _bypass_ppo(lp, lp_sg, o, q, adv, weights, cfg) -> TokenLoss:
+  """``ppo(exp(lp - q))``: the rollout log-probs are the anchor."""
+  pg, clipfrac = _ppo_against(q, lp, adv, cfg)
+  return TokenLoss(pg, clipfrac, q, {})
+
+
+def _decoupled_ppo(lp, lp_sg, o, q, adv, weights, cfg) -> TokenLoss:
+  """``w · ppo(exp(lp - o))`` with ``w`` from ``o - q``; ``ois = exp(lp - o)``."""
+  pg, clipfrac = _ppo_against(o, lp, adv, cfg)
+  return TokenLoss(weights * pg, clipfrac, o, {"ois": safe_exp(lp_sg - o)})
+
+
+def _reinforce_is(lp, lp_sg, o, q, adv, weights, cfg) -> TokenLoss:
+  """``-w · A · lp`` with ``w`` from ``sg(lp) - q``; no clipping."""
+  return TokenLoss(-weights * adv * lp, jnp.zeros_like(lp), q, {})
+
+
+# The algorithms of the SPEC §6 table (`LossConfig.algorithm`), each a per-token loss.
+TOKEN_LOSSES = {"ppo": _standard_ppo, "bypass_ppo": _bypass_ppo, "decoupled_ppo": _decoupled_ppo,
+                "reinforce_is": _reinforce_is}
 
 
 def aggregate(token_values, kept, segs: Segments, mode: str, dens: Denominators):
@@ -305,20 +341,10 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
   if kept_stats is None:  # without correction m' = m; precomputed kept masks are counted here
     kept_stats = mask_stats if not cfg.use_tis else segs.mask_stats(kept)
 
-  # Per-token policy loss.
-  over_mask, over_kept = {}, {}
-  if cfg.algorithm == "reinforce_is":
-    anchor = q
-    pg_tok = -weights * adv * lp
-    clipfrac = jnp.zeros_like(lp)
-  else:
-    anchor = q if cfg.algorithm == "bypass_ppo" else o
-    pg_tok, clipfrac = ppo_token_loss(lp, anchor, adv, eps_clip=cfg.eps_clip,
-                                      eps_clip_high=cfg.clip_high, eps_clip_c=cfg.eps_clip_c)
-    if cfg.algorithm == "decoupled_ppo":
-      pg_tok = weights * pg_tok
-      over_mask["ois"] = safe_exp(lp_sg - o)
-  over_kept.update(pg_clipfrac=clipfrac, ppo_kl=anchor - lp_sg)
+  # Per-token policy loss of the selected algorithm.
+  token_loss = TOKEN_LOSSES[cfg.algorithm](lp, lp_sg, o, q, adv, weights, cfg)
+  pg_tok, over_mask = token_loss.pg, token_loss.over_mask
+  over_kept = {"pg_clipfrac": token_loss.clipfrac, "ppo_kl": token_loss.anchor - lp_sg}
 
   # The loss terms, aggregated together (one stacked reduction).
   if denominators is None:

@@ -126,3 +126,38 @@ def final_weight_metrics(*, mean_after_tis_rs, factor, w_min, w_max, sum_w, sum_
       "mis_kept_token_fraction": num_kept / jnp.maximum(num_trained, 1.0),
       "mis_kept_seq_fraction": jnp.sum((seg_kept_counts > 0).astype(jnp.float32)) / jnp.maximum(num_live, 1.0),
   }
+
+
+# --- how each metric combines over the micro-batches of one step -----------------------------
+
+# Metrics reduced over the same mask in every micro-batch combine as a mean weighted by each
+# micro-batch's share of that mask: "mask" (trained tokens in token-mean, live sequences in the
+# seq-mean modes: the default), "kept" (the kept mask m'), "seqs" (live sequences). Loss terms
+# are sums ("sum": their denominators are the step's). Extremes are "min" / "max" over the
+# micro-batches that have trained tokens. ESS, a ratio of sums, is approximated by its
+# kept-weighted mean.
+MICROBATCH_REDUCTIONS = {
+    "loss": "sum", "pg_loss": "sum", "entropy_loss": "sum", "kl_loss": "sum",
+    "pg_clipfrac": "kept", "ppo_kl": "kept",
+    "mis_tis_weight_after_bound": "kept", "mis_is_ratio_mean_after_tis_rs": "kept",
+    "mis_is_ratio_mean_final": "kept", "mis_ess_ratio": "kept",
+    "mis_is_ratio_min_final": "min", "mis_is_ratio_max_final": "max",
+    "mis_rs_catastrophic_seq_fraction": "seqs", "mis_kept_seq_fraction": "seqs",
+    "sampling_kept_mass_min": "min",
+}
+
+
+def criterion_microbatch_reductions(crit: RSCriterion) -> dict:
+  """The reductions of a divergence criterion's metrics (``criterion_token_values`` and its max)."""
+  prefix = f"mis_rs_{crit.name}"
+  return {f"{prefix}_masked_fraction": "mask", f"{prefix}_mean": "mask", f"{prefix}_max": "max"}
+
+
+def microbatch_reduction(name: str) -> str:
+  """How metric ``name`` combines over micro-batches: ``MICROBATCH_REDUCTIONS``, a criterion's
+  own (``criterion_microbatch_reductions``), else "mask" (a mean over the loss mask)."""
+  if name in MICROBATCH_REDUCTIONS:
+    return MICROBATCH_REDUCTIONS[name]
+  if name.startswith("mis_rs_") and name.endswith("_max"):  # mis_rs_<metric>_<agg>_max of a criterion
+    return "max"
+  return "mask"

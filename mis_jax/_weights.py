@@ -19,6 +19,7 @@ the result, so the loss aggregation and later metrics reuse them instead of coun
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -50,6 +51,217 @@ class Correction(NamedTuple):
   kept_stats: MaskStats
 
 
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """What one correction computes (static): the config, the metric reduction, and the
+  switches derived from them."""
+
+  cfg: MISConfig | None
+  mode: str
+  mismatch: bool
+  given_batch_norm: bool  # a precomputed batch-normalisation mean is used
+
+  @property
+  def seq_mode(self) -> bool:
+    return self.mode != "token-mean"
+
+  @property
+  def tis(self) -> bool:
+    return self.cfg is not None
+
+  @property
+  def veto(self) -> bool:
+    return self.tis and self.cfg.rs_veto_threshold is not None
+
+  @property
+  def crits(self) -> tuple:
+    return self.cfg.rs_criteria if self.tis else ()
+
+  @property
+  def need_sum_r(self) -> bool:
+    """``Σ m r`` per segment: for the sequence/geometric levels and ``mis_chi2_seq``."""
+    if not self.tis:
+      return self.mismatch
+    levels = {self.cfg.tis_level} | ({self.cfg.rs_level_resolved} if self.cfg.use_rs else set())
+    return self.mismatch or bool(levels - {"token"})
+
+  @property
+  def kept_w_by_segment(self) -> bool:
+    """Kept weights summed per segment (seq-mean metrics, sequence-level batch norm), else in total."""
+    cfg = self.cfg
+    return self.tis and (self.seq_mode or (cfg.tis_batch_normalize and cfg.tis_level != "token"
+                                           and not self.given_batch_norm))
+
+
+class _SegmentStats(NamedTuple):
+  """Per-segment results of pass 1 that pass 2 and the metrics read."""
+  mask_stats: MaskStats
+  divisor: jax.Array  # N of R_m: live segments (seq-mean modes) or trained tokens
+  sum_r: jax.Array | None
+  vetoed: jax.Array | None
+  criteria: dict  # {criterion index: per-segment value} for sequence-aggregated criteria
+
+
+# --- pass 1: per-segment sums over the original mask ---------------------------------------
+
+def _segment_sums_body(plan: _Plan):
+  """``n_s``, ``Σ m r``, ``Σ m o`` and ``Σ m q`` (§8.1), catastrophic-token counts (veto) and
+  the sequence aggregates of divergence criteria, per segment."""
+  cfg = plan.cfg
+
+  def body(ch):
+    m = ch["mask"]
+    r = correction.log_ratio(ch["o"], ch["q"], m)
+    out = {"count": SegSum(m)}
+    if plan.need_sum_r:
+      out["sum_r"] = SegSum(r)
+    if plan.mismatch:
+      out["sum_o"] = SegSum(jnp.where(m, ch["o"], 0.0))
+      out["sum_q"] = SegSum(jnp.where(m, ch["q"], 0.0))
+    if plan.veto:
+      out["catastrophic"] = SegSum(correction.catastrophic_tokens(r, m, cfg.rs_veto_threshold))
+    for i, crit in enumerate(plan.crits):
+      d = correction.divergence(crit.metric, r)
+      per_segment = correction.AGGREGATIONS[crit.agg]
+      if per_segment == "sum":
+        out[f"crit{i}"] = SegSum(jnp.where(m, d, 0.0))
+      elif per_segment == "max":
+        out[f"crit{i}"] = SegMax(jnp.where(m, d, LOWEST))
+    return out
+
+  return body
+
+
+def _segment_stats(plan: _Plan, p1: dict) -> _SegmentStats:
+  mask_stats = MaskStats.from_counts(p1["count"])
+  divisor = jnp.maximum(mask_stats.num_live if plan.seq_mode else mask_stats.total, 1.0)
+  vetoed = correction.vetoed_segments(p1["catastrophic"]) if plan.veto else None
+  criteria = {i: correction.criterion_value(crit, correction.segment_divergence(crit, p1[f"crit{i}"],
+                                                                                mask_stats.counts))
+              for i, crit in enumerate(plan.crits) if crit.agg != "token"}
+  return _SegmentStats(mask_stats, divisor, p1.get("sum_r"), vetoed, criteria)
+
+
+# --- pass 2: weights, kept mask and every token-level metric --------------------------------
+
+def _is_weights(cfg: MISConfig, log_values, m, seq_mode: bool, out: dict):
+  """§3: raw and bounded IS weights, and the tokens IS keeps (with their sums for
+  ``mis_tis_weight_after_bound``)."""
+  w_raw = correction.raw_weights(log_values(cfg.tis_level))
+  w, keep_is = correction.bounded_weights(w_raw, cfg)
+  w = jnp.where(m, w, 0.0)
+  kept = m if keep_is is None else m & keep_is
+  if keep_is is not None:
+    acc = SegSum if seq_mode else Total
+    out["is_kept_w"], out["is_kept_n"] = acc(jnp.where(kept, w, 0.0)), acc(kept)
+  return w_raw, w, keep_is, kept
+
+
+def _rejection(cfg: MISConfig, w_raw, log_values, kept):
+  """§4: rejection sampling on raw (pre-bound) weights at ``rs_level``."""
+  if not cfg.use_rs:
+    return None, kept
+  rs_level = cfg.rs_level_resolved
+  w_rs_raw = w_raw if rs_level == cfg.tis_level else correction.raw_weights(log_values(rs_level))
+  return w_rs_raw, kept & correction.rs_keep(w_rs_raw, cfg)
+
+
+def _criteria(plan: _Plan, seg: _SegmentStats, ch, r, m, kept, means: dict, out: dict):
+  """§4.1: divergence criteria, AND-combined, with their metric rows."""
+  for i, crit in enumerate(plan.crits):
+    if crit.agg == "token":
+      value = correction.criterion_value(crit, correction.divergence(crit.metric, r))
+    else:
+      value = ch.broadcast(seg.criteria[i])
+    keep = correction.in_band(value, crit.lower, crit.upper)
+    kept = kept & keep
+    means.update(metrics_lib.criterion_token_values(crit, value, keep))
+    out[f"max:mis_rs_{crit.name}_max"] = Max(jnp.where(m, value, LOWEST))
+  return kept
+
+
+def _kept_weight_sums(plan: _Plan, w, kept, out: dict) -> None:
+  """Sums of the kept weights for batch normalisation, the final-weight metrics and ESS."""
+  wk = jnp.where(kept, w, 0.0)
+  out["kept_n"] = SegSum(kept)
+  if plan.kept_w_by_segment:
+    out["kept_w"] = SegSum(wk)
+  else:
+    out["sum_w"] = Total(wk)
+  out["sum_w2"] = Total(wk * w)
+  out["w_min"], out["w_max"] = Min(jnp.where(kept, w, HIGHEST)), Max(jnp.where(kept, w, LOWEST))
+  out["w"], out["kept"] = Out(w), Out(kept)
+
+
+def _token_body(plan: _Plan, seg: _SegmentStats):
+  """Pass 2: per token, the weights and kept mask (IS, RS, criteria, veto) and every metric
+  averaged over ``m`` as a weighted total (``R_m(x) = Σ_t a_t x_t / N``, ``a_t = m_t / n_{s(t)}``
+  in seq-mean modes)."""
+  cfg, count = plan.cfg, seg.mask_stats.counts
+
+  def body(ch):
+    m = ch["mask"]
+    r = correction.log_ratio(ch["o"], ch["q"], m)
+    if plan.seq_mode and plan.veto:
+      inverse, vetoed_at = ch.broadcast_two(seg.mask_stats.inverse, seg.vetoed)
+    else:
+      inverse = ch.broadcast(seg.mask_stats.inverse) if plan.seq_mode else None
+      vetoed_at = ch.broadcast(seg.vetoed) if plan.veto else None
+    a = jnp.where(m, inverse, 0.0) if plan.seq_mode else jnp.where(m, 1.0, 0.0)  # R_m weights
+    means = metrics_lib.mismatch_token_values(r) if plan.mismatch else {}  # per-token values, R_m-averaged
+    out = {}
+    if plan.tis:
+      log_values = lambda level: correction.level_log_values(level, r, seg.sum_r, count, ch.broadcast)
+      w_raw, w, keep_is, kept = _is_weights(cfg, log_values, m, plan.seq_mode, out)
+      w_rs_raw, kept = _rejection(cfg, w_raw, log_values, kept)
+      kept = _criteria(plan, seg, ch, r, m, kept, means, out)
+      catastrophic = None
+      if plan.veto:  # §4: a catastrophic token (raw log-ratio) rejects its segment
+        kept = kept & ~vetoed_at
+        catastrophic = correction.catastrophic_tokens(r, m, cfg.rs_veto_threshold)
+      means.update(metrics_lib.correction_token_values(cfg, w_raw, w, keep_is, w_rs_raw, catastrophic))
+      _kept_weight_sums(plan, w, kept, out)
+    for name, x in means.items():
+      out["mean:" + name] = Total(jnp.where(m, x.astype(jnp.float32), 0.0) * a)
+    return out
+
+  return body
+
+
+# --- after the passes: metrics over other masks, batch normalisation ------------------------
+
+def _kept_mean(plan: _Plan, w_sum, n_sum):
+  """``R`` over a mask other than ``m``, from its per-segment or total sums."""
+  if plan.seq_mode:
+    return per_segment_mean(w_sum / jnp.maximum(n_sum, 1.0), n_sum, plan.mode)
+  return w_sum / jnp.maximum(n_sum, 1.0)
+
+
+def _batch_norm_mean(plan: _Plan, p2: dict, sum_w, kept_stats: MaskStats, batch_norm_factor):
+  """§5: the batch-normalisation mean over the kept mask, globally (1 when off)."""
+  cfg = plan.cfg
+  if batch_norm_factor is not None:
+    return batch_norm_factor
+  if cfg.tis_batch_normalize and cfg.tis_level == "token":
+    return correction.batch_norm_mean_token(sum_w, kept_stats.total)
+  if cfg.tis_batch_normalize:
+    return correction.batch_norm_mean_sequence(p2["kept_w"], kept_stats.counts)
+  return 1.0
+
+
+def _correction_metrics(plan: _Plan, seg: _SegmentStats, p2: dict, metrics: dict) -> None:
+  """The §8.2 metrics not averaged over ``m`` token by token."""
+  mask_stats = seg.mask_stats
+  if "is_kept_w" in p2:
+    metrics["mis_tis_weight_after_bound"] = _kept_mean(plan, p2["is_kept_w"], p2["is_kept_n"])
+  for k, v in p2.items():
+    if k.startswith("max:"):
+      metrics[k[len("max:"):]] = jnp.where(mask_stats.total > 0, v, 0.0)
+  if plan.veto:
+    metrics["mis_rs_catastrophic_seq_fraction"] = (
+        jnp.sum((seg.vetoed & (mask_stats.counts > 0)).astype(jnp.float32)) / jnp.maximum(mask_stats.num_live, 1.0))
+
+
 def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, batch_norm_factor=None,
             mismatch: bool = True) -> Correction:
   """SPEC §2–5 and §8.1–8.2 on flat arrays, in two fused passes over the tokens.
@@ -64,142 +276,27 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
     batch_norm_factor: a precomputed batch-normalisation mean to use instead.
     mismatch: whether to compute the §8.1 mismatch metrics too.
   """
-  o = jax.lax.stop_gradient(o)
-  q = jax.lax.stop_gradient(q)
-  seq_mode = mode != "token-mean"
-  tis = cfg is not None
-  veto = tis and cfg.rs_veto_threshold is not None
-  crits = cfg.rs_criteria if tis else ()
-  levels = ({cfg.tis_level} | ({cfg.rs_level_resolved} if cfg.use_rs else set())) if tis else set()
-  need_sum_r = mismatch or bool(levels - {"token"})
-  arrays = {"o": o, "q": q, "mask": mask}
-
-  # Pass 1: per-segment sums over the original mask.
-  def pass1(ch):
-    m = ch["mask"]
-    r = correction.log_ratio(ch["o"], ch["q"], m)
-    out = {"count": SegSum(m)}
-    if need_sum_r:
-      out["sum_r"] = SegSum(r)
-    if mismatch:
-      out["sum_o"] = SegSum(jnp.where(m, ch["o"], 0.0))
-      out["sum_q"] = SegSum(jnp.where(m, ch["q"], 0.0))
-    if veto:
-      out["catastrophic"] = SegSum(correction.catastrophic_tokens(r, m, cfg.rs_veto_threshold))
-    for i, crit in enumerate(crits):
-      d = correction.divergence(crit.metric, r)
-      if crit.agg in ("seq_sum", "seq_mean"):
-        out[f"crit{i}"] = SegSum(jnp.where(m, d, 0.0))
-      elif crit.agg == "seq_max":
-        out[f"crit{i}"] = SegMax(jnp.where(m, d, LOWEST))
-    return out
-
-  p1 = segs.run_pass(arrays, pass1)
-  mask_stats = MaskStats.from_counts(p1["count"])
-  count = mask_stats.counts
-  divisor = jnp.maximum(mask_stats.num_live if seq_mode else mask_stats.total, 1.0)
-  sum_r = p1.get("sum_r")
-  vetoed = correction.vetoed_segments(p1["catastrophic"]) if veto else None
-  crit_seg = {i: correction.criterion_value(crit, correction.segment_divergence(crit, p1[f"crit{i}"], count))
-              for i, crit in enumerate(crits) if crit.agg != "token"}
-  kept_w_by_segment = tis and (seq_mode or (cfg.tis_batch_normalize and cfg.tis_level != "token"
-                                            and batch_norm_factor is None))
-
-  # Pass 2: weights, kept mask and every token-level metric.
-  def pass2(ch):
-    m = ch["mask"]
-    r = correction.log_ratio(ch["o"], ch["q"], m)
-    if seq_mode and veto:
-      inverse, vetoed_at = ch.broadcast_two(mask_stats.inverse, vetoed)
-    else:
-      inverse = ch.broadcast(mask_stats.inverse) if seq_mode else None
-      vetoed_at = ch.broadcast(vetoed) if veto else None
-    a = jnp.where(m, inverse, 0.0) if seq_mode else jnp.where(m, 1.0, 0.0)  # R_m weights
-    means = metrics_lib.mismatch_token_values(r) if mismatch else {}  # per-token values, R_m-averaged
-    out = {}
-    if tis:
-      log_values = lambda level: correction.level_log_values(level, r, sum_r, count, ch.broadcast)
-      # §3: IS weights.
-      w_raw = correction.raw_weights(log_values(cfg.tis_level))
-      w, keep_is = correction.bounded_weights(w_raw, cfg)
-      w = jnp.where(m, w, 0.0)
-      kept = m if keep_is is None else m & keep_is
-      if keep_is is not None:
-        acc = SegSum if seq_mode else Total
-        out["is_kept_w"], out["is_kept_n"] = acc(jnp.where(kept, w, 0.0)), acc(kept)
-      # §4: rejection sampling on raw (pre-bound) weights at rs_level.
-      w_rs_raw = None
-      if cfg.use_rs:
-        rs_level = cfg.rs_level_resolved
-        w_rs_raw = w_raw if rs_level == cfg.tis_level else correction.raw_weights(log_values(rs_level))
-        kept = kept & correction.rs_keep(w_rs_raw, cfg)
-      # §4.1: divergence criteria (AND-combined).
-      for i, crit in enumerate(crits):
-        if crit.agg == "token":
-          value = correction.criterion_value(crit, correction.divergence(crit.metric, r))
-        else:
-          value = ch.broadcast(crit_seg[i])
-        keep = correction.in_band(value, crit.lower, crit.upper)
-        kept = kept & keep
-        means.update(metrics_lib.criterion_token_values(crit, value, keep))
-        out[f"max:mis_rs_{crit.name}_max"] = Max(jnp.where(m, value, LOWEST))
-      # §4: veto on the raw token log-ratio; a catastrophic token rejects its segment.
-      catastrophic = None
-      if veto:
-        kept = kept & ~vetoed_at
-        catastrophic = correction.catastrophic_tokens(r, m, cfg.rs_veto_threshold)
-      means.update(metrics_lib.correction_token_values(cfg, w_raw, w, keep_is, w_rs_raw, catastrophic))
-
-      wk = jnp.where(kept, w, 0.0)
-      out["kept_n"] = SegSum(kept)
-      if kept_w_by_segment:
-        out["kept_w"] = SegSum(wk)
-      else:
-        out["sum_w"] = Total(wk)
-      out["sum_w2"] = Total(wk * w)
-      out["w_min"], out["w_max"] = Min(jnp.where(kept, w, HIGHEST)), Max(jnp.where(kept, w, LOWEST))
-      out["w"], out["kept"] = Out(w), Out(kept)
-    for name, x in means.items():
-      out["mean:" + name] = Total(jnp.where(m, x.astype(jnp.float32), 0.0) * a)
-    return out
-
-  p2 = segs.run_pass(arrays, pass2)
-  token_means = {k[len("mean:"):]: v / divisor for k, v in p2.items() if k.startswith("mean:")}
+  plan = _Plan(cfg, mode, mismatch, batch_norm_factor is not None)
+  arrays = {"o": jax.lax.stop_gradient(o), "q": jax.lax.stop_gradient(q), "mask": mask}
+  p1 = segs.run_pass(arrays, _segment_sums_body(plan))
+  seg = _segment_stats(plan, p1)
+  mask_stats, count = seg.mask_stats, seg.mask_stats.counts
+  p2 = segs.run_pass(arrays, _token_body(plan, seg))
+  token_means = {k[len("mean:"):]: v / seg.divisor for k, v in p2.items() if k.startswith("mean:")}
   metrics = {}
   if mismatch:
-    seg_values = metrics_lib.mismatch_segment_values(p1["sum_o"], p1["sum_q"], sum_r, count)
+    seg_values = metrics_lib.mismatch_segment_values(p1["sum_o"], p1["sum_q"], seg.sum_r, count)
     metrics.update(metrics_lib.mismatch_metrics(seg_values, token_means, count, mode))
-  if not tis:
+  if not plan.tis:
     return Correction(mask.astype(jnp.float32), mask, metrics, mask_stats, mask_stats)
 
-  def kept_mean(w_sum, n_sum):  # R over a mask other than m, from its per-segment or total sums
-    if seq_mode:
-      return per_segment_mean(w_sum / jnp.maximum(n_sum, 1.0), n_sum, mode)
-    return w_sum / jnp.maximum(n_sum, 1.0)
-
   metrics.update({k: v for k, v in token_means.items() if k not in metrics})
-  if "is_kept_w" in p2:
-    metrics["mis_tis_weight_after_bound"] = kept_mean(p2["is_kept_w"], p2["is_kept_n"])
-  for k, v in p2.items():
-    if k.startswith("max:"):
-      metrics[k[len("max:"):]] = jnp.where(mask_stats.total > 0, v, 0.0)
-  if veto:
-    metrics["mis_rs_catastrophic_seq_fraction"] = (
-        jnp.sum((vetoed & (count > 0)).astype(jnp.float32)) / jnp.maximum(mask_stats.num_live, 1.0))
-
-  # §5: batch normalisation over the kept mask, globally.
+  _correction_metrics(plan, seg, p2, metrics)
   kept_stats = MaskStats.from_counts(p2["kept_n"])
-  sum_w = jnp.sum(p2["kept_w"]) if kept_w_by_segment else p2["sum_w"]
-  mean_after = kept_mean(p2["kept_w"], kept_stats.counts) if seq_mode else kept_mean(sum_w, kept_stats.total)
-  if batch_norm_factor is not None:
-    mu = batch_norm_factor
-  elif cfg.tis_batch_normalize and cfg.tis_level == "token":
-    mu = correction.batch_norm_mean_token(sum_w, kept_stats.total)
-  elif cfg.tis_batch_normalize:
-    mu = correction.batch_norm_mean_sequence(p2["kept_w"], kept_stats.counts)
-  else:
-    mu = 1.0
-  factor = correction.batch_norm_factor(mu)
+  sum_w = jnp.sum(p2["kept_w"]) if plan.kept_w_by_segment else p2["sum_w"]
+  mean_after = (_kept_mean(plan, p2["kept_w"], kept_stats.counts) if plan.seq_mode
+                else _kept_mean(plan, sum_w, kept_stats.total))
+  factor = correction.batch_norm_factor(_batch_norm_mean(plan, p2, sum_w, kept_stats, batch_norm_factor))
   metrics.update(metrics_lib.final_weight_metrics(
       mean_after_tis_rs=mean_after, factor=factor, w_min=p2["w_min"], w_max=p2["w_max"], sum_w=sum_w,
       sum_w2=p2["sum_w2"], num_kept=kept_stats.total, num_trained=mask_stats.total,

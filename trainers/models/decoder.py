@@ -106,9 +106,13 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | None, theta: float) -> jax.Array:
   """Rotary embedding of `x: [B, T, H, D]` at integer `positions: [B, T]` (HF's half-split
-  layout) with the frequencies `inv_freq [D/2]` (`rope_inv_freq`)."""
+  layout) with the frequencies `inv_freq [D/2]` (`rope_inv_freq`; None: the default
+  `theta^(-2i/D)`, computed in the graph as it always was)."""
+  d = x.shape[-1]
+  if inv_freq is None:
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
   inv_freq = jnp.asarray(inv_freq, jnp.float32)
   freqs = positions.astype(jnp.float32)[:, :, None] * inv_freq[None, None, :]
   emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
@@ -147,8 +151,8 @@ class Attention(nnx.Module):
     v = self.v_proj(x).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
     if self.qk_norm:
       q, k = self.q_norm(q), self.k_norm(k)
-    inv_freq = rope_inv_freq(cfg)
-    q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+    inv_freq = rope_inv_freq(cfg) if cfg.rope_scaling is not None else None
+    q, k = rope(q, positions, inv_freq, cfg.rope_theta), rope(k, positions, inv_freq, cfg.rope_theta)
     if cache is not None:
       write = jax.vmap(lambda c, new, start: jax.lax.dynamic_update_slice(c, new, (start, 0, 0)))
       cache = LayerCache(write(cache.k, k.astype(cache.k.dtype), positions[:, 0]),

@@ -31,12 +31,6 @@ import mis_jax
 from trainers.training import parallel
 from trainers.models.hf_io import abstract_model
 
-# How step metrics combine over micro-batches (SPEC §8 metrics are per micro-batch reductions):
-ADDITIVE = frozenset({"loss", "pg_loss", "entropy_loss", "kl_loss"})  # global denominators: sums
-KEPT_MEANS = frozenset({"pg_clipfrac", "ppo_kl", "mis_is_ratio_mean_final", "mis_is_ratio_mean_after_tis_rs",
-                        "mis_tis_weight_after_bound", "mis_ess_ratio"})  # means over the kept mask
-
-
 class ModelInputs(NamedTuple):
   """Model inputs of packed rows: `input_ids`, `positions`, `targets` (next tokens), int32, and
   with sampling-mask replay `support` (`[..., K]` ids of each target's sampling support, `-1`
@@ -122,21 +116,23 @@ def _micro_batch_weights(batch: mis_jax.PackedBatch, mode: str):
 
 
 def combine_metrics(stacked: dict, weights: dict) -> dict:
-  """`[k]` micro-batch metrics → step metrics: loss terms add (their denominators are the
-  step's), `*_min`/`*_max` take the min/max over micro-batches with tokens, and means are
-  weighted by their micro-batch denominators (loss-mask tokens or sequences; kept ones for
-  means over the kept mask; sequences for `*_seq_fraction`)."""
+  """`[k]` micro-batch metrics → step metrics, each by the reduction the library declares for it
+  (`mis_jax.microbatch_reduction`): loss terms add (their denominators are the step's), extremes
+  take the min/max over micro-batches with tokens, means are weighted by their micro-batch
+  denominators (loss-mask tokens or sequences; kept ones for means over the kept mask;
+  sequences for sequence fractions)."""
   out = {}
   has = weights["mask"] > 0
   for name, v in stacked.items():
-    if name in ADDITIVE:
+    how = mis_jax.microbatch_reduction(name)
+    if how == "sum":
       out[name] = jnp.sum(v)
-    elif name.endswith(("_min", "_min_final")):
+    elif how == "min":
       out[name] = jnp.where(jnp.any(has), jnp.min(jnp.where(has, v, jnp.inf)), 0.0)
-    elif name.endswith(("_max", "_max_final")):
+    elif how == "max":
       out[name] = jnp.where(jnp.any(has), jnp.max(jnp.where(has, v, -jnp.inf)), 0.0)
     else:
-      w = weights["kept" if name in KEPT_MEANS else "seqs" if name.endswith("_seq_fraction") else "mask"]
+      w = weights[how]
       out[name] = jnp.sum(jnp.where(w > 0, v * w, 0.0)) / jnp.maximum(jnp.sum(w), 1.0)
   return out
 
