@@ -236,7 +236,6 @@ def _check_support(support_ids, support_mask, targets, vocab: int):
                      f"targets' shape {lead} in front (K: the padded support width)")
   if support_ids.shape[-1] == 0:
     raise ValueError("'support_ids' has width K=0; pass at least one column")
-  valid = support_ids >= 0
   if support_mask is not None:
     support_mask = _validation.as_array("support_mask", support_mask)
     if support_mask.dtype != jnp.bool_:
@@ -244,12 +243,17 @@ def _check_support(support_ids, support_mask, targets, vocab: int):
     if tuple(support_mask.shape) != tuple(support_ids.shape):
       raise ValueError(f"'support_mask' has shape {tuple(support_mask.shape)} but 'support_ids' has "
                        f"shape {tuple(support_ids.shape)}")
-    valid = valid & support_mask
   concrete = (_validation._is_concrete(support_ids) and _validation._is_concrete(targets)
               and (support_mask is None or _validation._is_concrete(support_mask)))
-  if concrete:  # under an outer jit these are NumPy values: stay in NumPy
-    ids = np.where(np.asarray(valid), np.asarray(support_ids), -1).astype(np.int32)
+  if concrete:  # checked (and, under an outer jit, kept) as NumPy values
+    valid = np.asarray(support_ids) >= 0
+    if support_mask is not None:
+      valid = valid & np.asarray(support_mask)
+    ids = np.where(valid, np.asarray(support_ids), -1).astype(np.int32)
   else:
+    valid = support_ids >= 0
+    if support_mask is not None:
+      valid = valid & support_mask
     ids = jnp.where(valid, support_ids, -1).astype(jnp.int32)
   if concrete and support_ids.size:
     ids_np, y = ids, np.asarray(targets)

@@ -221,3 +221,14 @@ def test_gradients_match_numpy_finite_differences():
     e[t, k] = eps
     fd = (objective(h64 + e, w64) - objective(h64 - e, w64)) / (2 * eps)
     np.testing.assert_allclose(float(dh[t, k]), fd, rtol=1e-3, atol=1e-4)
+
+
+def test_concrete_jax_arrays_closed_over_under_jit():
+  """Supports held as (concrete) jax Arrays and closed over by a jitted function are checked and
+  used as constants, as NumPy ones are."""
+  hidden, w, targets, support = _case(11)
+  want = mis_jax.token_logprobs(hidden, w, targets, support_ids=support, chunk_size=CHUNK)
+  got = jax.jit(lambda h: mis_jax.token_logprobs(h, jnp.asarray(w), jnp.asarray(targets), chunk_size=CHUNK,
+                                                 support_ids=jnp.asarray(support),
+                                                 support_mask=jnp.asarray(support >= 0)))(hidden)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
