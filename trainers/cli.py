@@ -1,4 +1,4 @@
-"""`mis-jax` command line: `train`, `serve`, `init-model`."""
+"""`mis-jax` command line: `train`, `serve`, `analyze`, `init-model`."""
 
 from __future__ import annotations
 
@@ -60,6 +60,10 @@ def train_parser() -> argparse.ArgumentParser:
   parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                       help="override a config value, e.g. --set rollout.sync_every=4 --set parallel.fsdp=8")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+  parser.add_argument("--save-rollouts", default=None, metavar="DIR",
+                      help="write each step's rollouts as Parquet records to DIR (rollout.save_dir)")
+  parser.add_argument("--load-rollouts", default=None, metavar="DIR",
+                      help="train from the records in DIR with no server (rollout.load_dir)")
   group = parser.add_argument_group(
       "several processes (jax.distributed; one command per host, one global mesh; default from "
       "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
@@ -100,7 +104,9 @@ def resolve_train_config(args):
     config_lib.set_override(raw, assignment)
     explicit[assignment.partition("=")[0]] = assignment
   origins = {path: f"--set {assignment}" for path, assignment in explicit.items()}
-  for flag, path, value in (("--run-dir", "run_dir", args.run_dir), ("--steps", "train.steps", args.steps)):
+  for flag, path, value in (("--run-dir", "run_dir", args.run_dir), ("--steps", "train.steps", args.steps),
+                            ("--save-rollouts", "rollout.save_dir", args.save_rollouts),
+                            ("--load-rollouts", "rollout.load_dir", args.load_rollouts)):
     if value is None:
       continue
     if path in explicit and str(value) != explicit[path].partition("=")[2]:
@@ -151,7 +157,7 @@ def _train(argv: list[str] | None = None) -> int:
     say(f"asynchronous rollouts: samples at most {cfg.rollout.max_staleness} weight version(s) old, "
         f"servers paused with {cfg.rollout.pause_mode!r} during a sync")
   try:
-    if args.sglang_url or not primary:  # only process 0 talks to (and starts) a server
+    if args.sglang_url or not primary or cfg.rollout.load_dir:  # only process 0 talks to (and starts) a server
       trainer = train.Trainer(cfg, loss_cfg, urls=args.sglang_url, task=task)
       history = trainer.run(resume=args.resume, progress=not args.no_progress, log=say)
     else:
@@ -171,7 +177,13 @@ def _train(argv: list[str] | None = None) -> int:
   return 0
 
 
+def _analyze(argv: list[str]) -> int:
+  from trainers.training import analysis
+  return analysis.main(argv)
+
+
 _COMMANDS = {
+    "analyze": (_analyze, "report the train-rollout mismatch of saved rollout records"),
     "serve": (_serve, "serve an HF checkpoint over SGLang's native HTTP API"),
     "init-model": (_init_model, "write a tiny random HF checkpoint (tests, demo)"),
     "train": (_train, "RL training with rollout correction on SGLang rollouts"),

@@ -107,6 +107,10 @@ class RolloutSection:
   backoff_s: float = key(0.5, "first retry delay (doubles each retry)", ge=0)
   health_attempts: int = key(30, "/health polls (with backoff) before giving up at start", ge=1)
   max_rejected_fraction: float = key(0.25, "more malformed samples than this in a step stops the run", ge=0, le=1)
+  save_dir: str | None = key(None, "write each step's rollouts as Parquet records here (`--save-rollouts`; README: "
+                             "Rollout records)")
+  load_dir: str | None = key(None, "train from saved rollout records, the same steps in the same order, with no "
+                             "server (`--load-rollouts`)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,8 @@ from trainers.training.batch import StepBatch, build_step_batch
 from trainers.training.config import ModelSection, TrainConfig
 from trainers.models import DTYPES, checkpoint_dir_problem, init_checkpoint, load_hf_params
 from trainers.models import PRESETS, ModelConfig
-from trainers.training.rollout import RolloutResult, ServerError, SGLangClient
+from trainers.training.rollout import RolloutResult, Sample, ServerError, SGLangClient
+from trainers.training import rollout_records
 from trainers.training.metric_logging import MetricLogger
 from trainers.training.weight_sync import save_hf_sharded
 from trainers.training.step import ModelInputs, StepFunctions, build_step_functions
@@ -121,9 +122,11 @@ class Trainer:
     self.step = 0
     self.num_old_logprob_passes = 0  # bypass and REINFORCE-IS never recompute (tested)
     self.primary = distributed.is_primary()  # owns the HTTP client and the logs
+    self.replay = r.load_dir  # train from saved rollout records: no server at all
     self.client = (SGLangClient(urls, timeout_s=r.timeout_s, max_retries=r.max_retries, backoff_s=r.backoff_s,
                                 max_concurrency=r.max_concurrency, prompts_per_request=r.prompts_per_request)
-                   if self.primary else None)
+                   if self.primary and not self.replay else None)
+    self._old_logprobs = None  # the step's recomputed old log-probs (device), for the records
     self.checkpoints = checkpointing.Checkpointer(os.path.join(self.run_dir, "checkpoints"),
                                                   max_to_keep=cfg.checkpoint.max_to_keep)
     self.num_segments = r.prompts_per_step * r.n
@@ -169,6 +172,9 @@ class Trainer:
 
   def rollout(self) -> tuple[list, RolloutResult]:
     """The synchronous rollout of this step, the same on every process."""
+    if self.replay:
+      return self.replayed_rollout()
+
     def produce():
       return self.check_rollout(self.generate(self.batch_index)).to_json()
     result = RolloutResult.from_json(self._primary(produce))
@@ -176,10 +182,27 @@ class Trainer:
     self.batch_index += 1
     return prompts, result
 
+  def replayed_rollout(self) -> tuple[None, RolloutResult]:
+    """Step `step + 1`'s rollouts from the saved records (every process reads them)."""
+    cols, _ = rollout_records.read_step(rollout_records.step_path(self.replay, self.step + 1))
+    masks = cols.get("sampling_mask") or [None] * len(cols["step"])
+    samples = [Sample(prompt_index=int(g), prompt_ids=tuple(p), response_ids=tuple(r), rollout_logprobs=tuple(q),
+                      finish_reason=f, text="", weight_version=v,
+                      sampling_mask=None if m is None else tuple(tuple(x) for x in m))
+               for g, p, r, q, f, v, m in zip(cols["group"], cols["prompt_ids"], cols["response_ids"],
+                                                cols["rollout_logprobs"], cols["finish_reason"], cols["weight_version"],
+                                                masks)]
+    self._replayed_rewards = np.asarray(cols["reward"], np.float32)
+    self.batch_index += 1
+    return None, RolloutResult(samples=samples, num_requested=len(samples))
+
   def build_batch(self, prompts, result: RolloutResult) -> StepBatch:
     samples = result.samples
-    rewards = np.array([self.task.reward(prompts[s.prompt_index], s.response_ids, s.text) for s in samples],
-                       np.float32)
+    if prompts is None:  # replayed records carry their rewards
+      rewards = self._replayed_rewards
+    else:
+      rewards = np.array([self.task.reward(prompts[s.prompt_index], s.response_ids, s.text) for s in samples],
+                         np.float32)
     groups = np.array([s.prompt_index for s in samples], np.int32)
     t = self.cfg.train
     return build_step_batch(samples, rewards, self.advantages(rewards, groups), groups,
@@ -220,6 +243,7 @@ class Trainer:
     if self.loss_cfg.needs_old_logprobs:
       batch = batch.replace(old_logprobs=self._logprobs(self.params, inputs, batch.segment_ids))
       self.num_old_logprob_passes += 1
+    self._old_logprobs = batch.old_logprobs
     if self.ref_params is not None:
       batch = batch.replace(ref_logprobs=self._logprobs(self.ref_params, inputs, batch.segment_ids))
     # The correction depends only on o and q, fixed for the whole step: prepare it once.
@@ -245,7 +269,11 @@ class Trainer:
   # --- weights, checkpoints --------------------------------------------------------------
   def sync_weights(self):
     """Every process writes its share of the sharded HF checkpoint (`save_hf_sharded`), then
-    process 0 updates all servers concurrently. Phase times land in `self.sync_times`."""
+    process 0 updates all servers concurrently. Phase times land in `self.sync_times`. A replay
+    from records has no server: nothing to sync."""
+    if self.replay:
+      self.sync_times = {}
+      return
     path = os.path.join(self.run_dir, "weights", f"step_{self.step}")
     times = save_hf_sharded(self.params, self.model_config, path, dtype=self.weight_dtype)
 
@@ -261,6 +289,34 @@ class Trainer:
       old = sorted((d for d in os.listdir(root) if d.startswith("step_")), key=lambda d: int(d[5:]))[:-2]
       for d in old:
         shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+  def save_records(self, sb: StepBatch, result: RolloutResult, prompts) -> None:
+    """This step's rollouts as `rollout.save_dir/step_NNNNNN.parquet` (rollout_records), written
+    by process 0 (every process gathers the old log-probs with it)."""
+    old = None
+    if self._old_logprobs is not None:
+      responses = [len(s.response_ids) for s in result.samples]
+      old = [seq[-n:].tolist() for seq, n in zip(sb.per_sequence(distributed.to_host(self._old_logprobs)), responses)]
+    if not self.primary:
+      return
+    samples = result.samples
+    columns = {
+        "step": [self.step] * len(samples), "sample": list(range(len(samples))),
+        "group": [s.prompt_index for s in samples], "prompt_ids": [list(s.prompt_ids) for s in samples],
+        "response_ids": [list(s.response_ids) for s in samples],
+        "rollout_logprobs": [list(s.rollout_logprobs) for s in samples], "reward": sb.rewards.tolist(),
+        "advantage": [float(a[0]) for a in sb.per_sequence(sb.batch.advantages)],
+        "finish_reason": [s.finish_reason for s in samples],
+        "weight_version": [str(s.weight_version) for s in samples],
+    }
+    if old is not None:
+      columns["old_logprobs"] = old
+    if self.support_width:
+      columns["sampling_mask"] = [[list(m) for m in s.sampling_mask] for s in samples]
+    meta = {"sampling_params": self.sampling_params() if prompts is not None else None,
+            "batch_index": self.batch_index - 1, "temperature": self.temperature,
+            "config": dataclasses.asdict(self.cfg), "loss": _loss_dict(self.loss_cfg)}
+    rollout_records.write_step(self.cfg.rollout.save_dir, self.step, columns, meta)
 
   def save_checkpoint(self):
     self.checkpoints.save(self.step, {"params": self.params, "opt_state": self.opt_state},
@@ -317,19 +373,23 @@ class Trainer:
       raise TrainingError(f"{self.run_dir} already holds checkpoints (latest step "
                           f"{self.checkpoints.latest_step()}): pass --resume, or choose another run_dir")
     r = self.cfg.rollout
+    if self.primary and self.replay:
+      log(f"replaying rollout records from {self.replay} (no server)")
     if self.primary and self.support_width:
       log(f"sampling replay on (top_k {r.top_k}, top_p {r.top_p}, min_p {r.min_p}): behaviour log-probs from the "
           "server's sampling masks; log-probs, entropy and KL over each token's support")
-    self._primary(lambda: self.client.wait_until_healthy(attempts=r.health_attempts, backoff_s=r.backoff_s))
+    if not self.replay:
+      self._primary(lambda: self.client.wait_until_healthy(attempts=r.health_attempts, backoff_s=r.backoff_s))
     self.sync_weights()  # the servers now hold exactly the trainer's weights (version = step)
-    producer = RolloutProducer(self, self.batch_index) if (r.max_staleness > 0 and self.primary) else None
+    producer = (RolloutProducer(self, self.batch_index)
+                if (r.max_staleness > 0 and self.primary and not self.replay) else None)
     history = []
     logger = (MetricLogger(self.run_dir, self.cfg.logging, total_steps=self.cfg.train.steps, initial_step=self.step,
                            progress=progress) if self.primary else None)
     try:
       while self.step < self.cfg.train.steps:
         t0 = time.perf_counter()
-        if r.max_staleness > 0:
+        if r.max_staleness > 0 and not self.replay:
           prompts, result, rollout_metrics = self.async_rollout(producer)
         else:
           prompts, result = self.rollout()
@@ -339,6 +399,8 @@ class Trainer:
         metrics = self.train_on(sb)
         t2 = time.perf_counter()
         self.step += 1
+        if r.save_dir:
+          self.save_records(sb, result, prompts)
         sync_times = {}
         if self.step % r.sync_every == 0:
           self.sync_weights()
@@ -459,6 +521,8 @@ def check_config(cfg: TrainConfig, loss_cfg: mis_jax.LossConfig):
     task = make_task(cfg.task, vocab_size=model_cfg.vocab_size, model_path=cfg.model.path)
   except (ValueError, TypeError, FileNotFoundError) as e:  # they name the key, file, row and column
     raise mis_jax.ConfigError(f"task ({cfg.task.name}): {e}") from None
+  if r.load_dir:
+    check_records(cfg, model_cfg)
   max_new = cfg.rollout.max_new_tokens or getattr(task, "max_new_tokens", None) or 128
   longest = getattr(task, "max_prompt_len", None)
   if longest is not None and longest + max_new - 1 > cfg.train.row_len:
@@ -467,6 +531,30 @@ def check_config(cfg: TrainConfig, loss_cfg: mis_jax.LossConfig):
         f"max_new_tokens ({max_new}) - 1: such a sequence could not be packed; raise train.row_len to "
         f">= {longest + max_new - 1} or lower rollout.max_new_tokens")
   return task
+
+
+def check_records(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
+  """Every record file a replay will read exists and fits the model and the config (a
+  `ConfigError` naming the file and the column otherwise), before anything is trained."""
+  r = cfg.rollout
+  if r.save_dir and os.path.abspath(r.save_dir) == os.path.abspath(r.load_dir):
+    raise mis_jax.ConfigError(f"rollout.save_dir and rollout.load_dir are the same directory {r.load_dir!r}")
+  try:
+    steps = rollout_records.list_steps(r.load_dir)
+    missing = [k for k in range(1, cfg.train.steps + 1) if k not in steps]
+    if missing:
+      raise rollout_records.RecordError(
+          f"rollout records {r.load_dir!r} have no {os.path.basename(rollout_records.step_path(r.load_dir, missing[0]))} "
+          f"(they cover steps {min(steps)}..{max(steps)}); lower train.steps to {missing[0] - 1} or less")
+    for k in range(1, cfg.train.steps + 1):
+      cols, _ = rollout_records.read_step(steps[k])
+      rollout_records.check_fits(steps[k], cols, vocab_size=model_cfg.vocab_size, row_len=cfg.train.row_len,
+                                 max_samples=r.prompts_per_step * r.n, max_groups=r.prompts_per_step)
+      if sampling_replay_width(r) and cols.get("sampling_mask") is None:
+        raise rollout_records.RecordError(f"{steps[k]}: missing column 'sampling_mask', which sampling replay "
+                                          "needs (set rollout.sampling_replay: off to replay without it)")
+  except rollout_records.RecordError as e:
+    raise mis_jax.ConfigError(str(e)) from None
 
 
 def check_url(url: str) -> None:
@@ -516,6 +604,16 @@ def _step_functions(model_cfg: ModelConfig, model: ModelSection, loss_cfg: mis_j
                               logprob_chunk=model.logprob_chunk, dtype=DTYPES[model.dtype],
                               param_dtype=DTYPES[model.param_dtype], attention=model.attention,
                               remat=model.remat)
+
+
+def _loss_dict(loss_cfg: mis_jax.LossConfig) -> dict:
+  """A JSON-able view of the loss config (the MIS config as its keys, a function as its path)."""
+  out = {}
+  for f in dataclasses.fields(loss_cfg):
+    v = getattr(loss_cfg, f.name)
+    out[f.name] = v.to_dict() if isinstance(v, mis_jax.MISConfig) else v if v is None or isinstance(
+        v, (bool, int, float, str)) else repr(v)
+  return out
 
 
 SUMMARY_KEYS = ["reward_mean", "loss", "pg_loss", "pg_clipfrac", "ppo_kl", "grad_norm", "entropy_loss",

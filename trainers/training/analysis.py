@@ -1,0 +1,249 @@
+"""`mis-jax analyze DIR`: the train–rollout mismatch of saved rollout records, offline.
+
+Reads the records of a run (`rollout_records`), takes the trainer's log-probs from their
+`old_logprobs` column or recomputes them with `--model PATH` (teacher-forced, at the run's
+sampling temperature), and writes `report.md`, `report.json` and PNG figures:
+
+- the distribution of the token log-ratio `r = log π_train − log π_rollout` (quantiles, histogram);
+- the mismatch by position in the response and by response length;
+- the tokens that carry most of it (total `|r|` by token id);
+- the mismatch metrics of the reference page (`mis_jax.compute_mis_weights` without correction);
+- for a grid of settings (IS level × bound `C` in truncate and mask modes, veto thresholds), the
+  fraction of tokens truncated or masked, the tokens and sequences kept, and the effective sample
+  size left — so thresholds are chosen from one's own data.
+
+Every weight and metric is computed by the library (`compute_mis_weights` on the records packed
+one sequence per segment); this module only arranges the records and the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+from trainers.training import rollout_records
+
+BOUNDS = (1.5, 2.0, 5.0, 10.0)
+VETO_THRESHOLDS = (1e-2, 1e-4, 1e-6)
+QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
+
+
+def load(directory: str, steps: tuple[int, int] | None = None) -> tuple[list[dict], dict]:
+  """Per-sequence rows of the chosen steps (`steps`: inclusive range) and the last file's metadata."""
+  files = rollout_records.list_steps(directory)
+  chosen = [k for k in sorted(files) if steps is None or steps[0] <= k <= steps[1]]
+  if not chosen:
+    raise rollout_records.RecordError(f"rollout records {directory!r}: no step in {steps[0]}..{steps[1]}")
+  rows, meta = [], {}
+  for k in chosen:
+    cols, meta = rollout_records.read_step(files[k])
+    for i in range(len(cols["step"])):
+      rows.append({name: cols[name][i] for name in cols})
+  return rows, meta
+
+
+def trainer_logprobs(rows: list[dict], model_path: str, temperature: float) -> None:
+  """Fills each row's `old_logprobs` with `model_path`'s teacher-forced log-probs (float32)."""
+  import jax.numpy as jnp
+  from trainers.models import load_hf_checkpoint, teacher_forced_logprobs
+  model = load_hf_checkpoint(model_path)
+  width = max(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)
+  width = 1 << max(width - 1, 0).bit_length()  # one compiled shape
+  import flax.nnx as nnx
+  tf = nnx.jit(teacher_forced_logprobs, static_argnames="temperature")
+  for r in rows:
+    seq = list(r["prompt_ids"]) + list(r["response_ids"])
+    ids = np.zeros((1, width), np.int32)
+    ids[0, :len(seq)] = seq
+    seg = np.full((1, width), -1, np.int32)
+    seg[0, :len(seq)] = 0
+    pos = np.arange(width, dtype=np.int32)[None]
+    lp = np.asarray(tf(model, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg), jnp.roll(jnp.asarray(ids), -1, 1),
+                       temperature=temperature))[0]
+    p, n = len(r["prompt_ids"]), len(r["response_ids"])
+    r["old_logprobs"] = lp[p - 1:p - 1 + n].tolist()
+
+
+def packed(rows: list[dict]):
+  """The response tokens of every row as one flat batch: `(o, q, mask, segment_ids, num_segments)`,
+  one segment per sequence."""
+  o = np.concatenate([np.asarray(r["old_logprobs"], np.float32) for r in rows])
+  q = np.concatenate([np.asarray(r["rollout_logprobs"], np.float32) for r in rows])
+  seg = np.concatenate([np.full(len(r["response_ids"]), i, np.int32) for i, r in enumerate(rows)])
+  return o, q, np.ones(o.shape, bool), seg, len(rows)
+
+
+def _metrics(o, q, mask, seg, num_segments, cfg, mode):
+  import mis_jax
+  _, _, metrics = mis_jax.compute_mis_weights(o, q, mask, seg, cfg, num_segments=num_segments, metric_reduction=mode)
+  return {k: float(v) for k, v in metrics.items()}
+
+
+def settings_grid(o, q, mask, seg, num_segments, mode) -> list[dict]:
+  """What each setting would do to these records (the library's own metrics of it)."""
+  import mis_jax
+  out = []
+  for level in mis_jax.LEVELS:
+    for bound in BOUNDS:
+      for tis_mode in ("truncate", "mask"):
+        m = _metrics(o, q, mask, seg, num_segments,
+                     mis_jax.MISConfig(tis_level=level, tis_mode=tis_mode, tis_upper_bound=bound), mode)
+        affected = (m["mis_tis_truncate_fraction"] if tis_mode == "truncate"
+                    else m["mis_tis_mask_fraction_low"] + m["mis_tis_mask_fraction_high"])
+        out.append({"setting": f"{level} {tis_mode} C={bound:g}", "level": level, "tis_mode": tis_mode,
+                    "bound": bound, "affected_token_fraction": affected,
+                    "kept_token_fraction": m["mis_kept_token_fraction"],
+                    "kept_seq_fraction": m["mis_kept_seq_fraction"], "ess_ratio": m["mis_ess_ratio"]})
+  for threshold in VETO_THRESHOLDS:
+    m = _metrics(o, q, mask, seg, num_segments, mis_jax.MISConfig(rs_veto_threshold=threshold), mode)
+    out.append({"setting": f"veto C={threshold:g}", "level": "token", "tis_mode": "truncate", "bound": 2.0,
+                "veto": threshold, "affected_token_fraction": m["mis_rs_catastrophic_token_fraction"],
+                "kept_token_fraction": m["mis_kept_token_fraction"], "kept_seq_fraction": m["mis_kept_seq_fraction"],
+                "ess_ratio": m["mis_ess_ratio"]})
+  return out
+
+
+def analyze(rows: list[dict], mode: str = "seq-mean-token-mean") -> dict:
+  """The report's numbers (see the module doc)."""
+  import mis_jax
+  o, q, mask, seg, num_segments = packed(rows)
+  r = (o - q).astype(np.float64)
+  k3 = np.exp(np.clip(r, -20, 20)) - np.clip(r, -20, 20) - 1
+  lengths = np.array([len(x["response_ids"]) for x in rows])
+  positions = np.concatenate([np.arange(n) for n in lengths])
+  by_position = [{"position": int(p), "tokens": int((positions == p).sum()), "mean_abs_log_ratio":
+                  float(np.abs(r[positions == p]).mean()), "mean_k3": float(k3[positions == p].mean())}
+                 for p in range(int(lengths.max()))]
+  seq_k3 = np.array([k3[seg == i].mean() for i in range(num_segments)])
+  by_length = [{"length": int(n), "sequences": int((lengths == n).sum()), "mean_k3": float(seq_k3[lengths == n].mean())}
+               for n in np.unique(lengths)]
+  tokens = np.concatenate([np.asarray(x["response_ids"]) for x in rows])
+  total = np.abs(r).sum()
+  ids, inverse = np.unique(tokens, return_inverse=True)
+  abs_by_id = np.bincount(inverse, weights=np.abs(r))
+  top = np.argsort(-abs_by_id)[:10]
+  top_tokens = [{"token_id": int(ids[i]), "count": int((inverse == i).sum()), "mean_log_ratio":
+                 float(r[inverse == i].mean()), "share_of_abs_log_ratio": float(abs_by_id[i] / max(total, 1e-30))}
+                for i in top]
+  return {
+      "sequences": int(num_segments), "tokens": int(r.size), "metric_reduction": mode,
+      "log_ratio": {"mean": float(r.mean()), "std": float(r.std()), "mean_abs": float(np.abs(r).mean()),
+                    "fraction_abs_above_0.1": float((np.abs(r) > 0.1).mean()),
+                    "quantiles": {str(p): float(np.quantile(r, p)) for p in QUANTILES}},
+      "mismatch_metrics": _metrics(o, q, mask, seg, num_segments, mis_jax.MISConfig(use_tis=False), mode),
+      "by_position": by_position, "by_length": by_length, "top_tokens": top_tokens,
+      "settings": settings_grid(o, q, mask, seg, num_segments, mode),
+  }
+
+
+def figures(rows: list[dict], report: dict, out: str) -> list[str]:
+  """PNG figures of the log-ratio distribution and the mismatch by position and by length."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  o, q, *_ = packed(rows)
+  r = o - q
+  os.makedirs(os.path.join(out, "figures"), exist_ok=True)
+  paths = []
+  fig, axes = plt.subplots(1, 3, figsize=(13, 3.4))
+  axes[0].hist(r, bins=60, color="tab:blue")
+  axes[0].set(title="token log-ratio log π_train − log π_rollout", xlabel="r", ylabel="tokens", yscale="log")
+  pos = report["by_position"]
+  axes[1].plot([p["position"] for p in pos], [p["mean_abs_log_ratio"] for p in pos], marker="o", ms=3)
+  axes[1].set(title="mean |r| by response position", xlabel="position", ylabel="mean |r|")
+  lens = report["by_length"]
+  axes[2].plot([x["length"] for x in lens], [x["mean_k3"] for x in lens], marker="o", ms=3, color="tab:red")
+  axes[2].set(title="sequence mean k3 by response length", xlabel="response tokens", ylabel="mean k3")
+  fig.tight_layout()
+  path = os.path.join(out, "figures", "mismatch.png")
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  paths.append(path)
+  grid = [s for s in report["settings"] if "veto" not in s]
+  fig, ax = plt.subplots(figsize=(6.5, 3.4))
+  for level in sorted({s["level"] for s in grid}):
+    for tis_mode, style in (("truncate", "-"), ("mask", "--")):
+      pts = [s for s in grid if s["level"] == level and s["tis_mode"] == tis_mode]
+      ax.plot([s["bound"] for s in pts], [s["affected_token_fraction"] for s in pts], style, marker="o", ms=3,
+              label=f"{level} {tis_mode}")
+  ax.set(xscale="log", xlabel="bound C", ylabel="tokens truncated / masked", title="what each setting would do")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  path = os.path.join(out, "figures", "settings.png")
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  paths.append(path)
+  return paths
+
+
+def markdown(report: dict, figure_paths: list[str], source: str) -> str:
+  lr = report["log_ratio"]
+  lines = [f"# Rollout mismatch report: {source}", "",
+           f"{report['sequences']} sequences, {report['tokens']} response tokens; metrics reduced "
+           f"`{report['metric_reduction']}`.", "", "## Token log-ratio `r = log π_train − log π_rollout`", "",
+           f"mean {lr['mean']:.4g}, std {lr['std']:.4g}, mean |r| {lr['mean_abs']:.4g}, "
+           f"share with |r| > 0.1: {lr['fraction_abs_above_0.1']:.2%}", "",
+           "| quantile | " + " | ".join(lr["quantiles"]) + " |", "|---" * (len(lr["quantiles"]) + 1) + "|",
+           "| r | " + " | ".join(f"{v:.3g}" for v in lr["quantiles"].values()) + " |", ""]
+  lines += [f"![{os.path.basename(p)}](figures/{os.path.basename(p)})" for p in figure_paths] + [""]
+  lines += ["## Mismatch metrics (the reference page's)", "", "| metric | value |", "|---|---|"]
+  lines += [f"| `{k}` | {v:.4g} |" for k, v in report["mismatch_metrics"].items()] + [""]
+  lines += ["## Tokens carrying the most mismatch", "", "| token id | count | mean r | share of Σ|r| |",
+            "|---|---|---|---|"]
+  lines += [f"| {t['token_id']} | {t['count']} | {t['mean_log_ratio']:.3g} | {t['share_of_abs_log_ratio']:.1%} |"
+            for t in report["top_tokens"]] + [""]
+  lines += ["## What each setting would do", "",
+            "| setting | tokens truncated / masked / vetoed | kept tokens | kept sequences | ESS ratio |",
+            "|---|---|---|---|---|"]
+  lines += [f"| {s['setting']} | {s['affected_token_fraction']:.2%} | {s['kept_token_fraction']:.2%} | "
+            f"{s['kept_seq_fraction']:.2%} | {s['ess_ratio']:.3f} |" for s in report["settings"]]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = argparse.ArgumentParser(prog="mis-jax analyze", description=__doc__.splitlines()[0],
+                                   formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("records", metavar="DIR", help="a rollout record directory (rollout.save_dir)")
+  parser.add_argument("--model", default=None, metavar="PATH",
+                      help="an HF checkpoint to recompute the trainer's log-probs with (needed when the records "
+                      "have no old_logprobs column)")
+  parser.add_argument("--out", default=None, help="report directory (default: DIR/report)")
+  parser.add_argument("--steps", default=None, metavar="A:B", help="an inclusive step range (default: all)")
+  parser.add_argument("--metric-reduction", default=None, choices=("token-mean", "seq-mean-token-mean",
+                                                                    "seq-mean-token-sum"),
+                      help="how metrics are reduced (default: the run's loss_agg_mode)")
+  args = parser.parse_args(argv)
+  steps = None
+  if args.steps:
+    try:
+      a, b = (int(x) for x in args.steps.split(":"))
+      steps = (a, b)
+    except ValueError:
+      print(f"mis-jax analyze: --steps {args.steps!r} must look like A:B (an inclusive step range)", file=sys.stderr)
+      return 2
+  try:
+    rows, meta = load(args.records, steps)
+    if any(r.get("old_logprobs") is None for r in rows):
+      if args.model is None:
+        raise rollout_records.RecordError(f"{args.records}: the records have no column 'old_logprobs' (the run's "
+                                          "algorithm did not recompute them); pass --model PATH to recompute them")
+      trainer_logprobs(rows, args.model, float(meta.get("temperature", 1.0)))
+  except (rollout_records.RecordError, FileNotFoundError, ValueError) as e:
+    print(f"mis-jax analyze: {e}", file=sys.stderr)
+    return 2
+  mode = args.metric_reduction or (meta.get("loss") or {}).get("loss_agg_mode") or "seq-mean-token-mean"
+  report = analyze(rows, mode)
+  out = args.out or os.path.join(args.records, "report")
+  os.makedirs(out, exist_ok=True)
+  paths = figures(rows, report, out)
+  with open(os.path.join(out, "report.json"), "w") as f:
+    json.dump(report, f, indent=1)
+  with open(os.path.join(out, "report.md"), "w") as f:
+    f.write(markdown(report, paths, args.records))
+  print(f"mis-jax analyze: {report['sequences']} sequences, {report['tokens']} tokens -> "
+        f"{os.path.join(out, 'report.md')}")
+  return 0
