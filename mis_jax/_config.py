@@ -25,8 +25,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 DENOMINATORS = ("kept", "original")
 
 
-from mis_jax._keys import (ConfigError, _as_choice, _as_float, _closest, _where, key, load_yaml,  # noqa: F401
-                           validate_fields)
+from mis_jax._keys import ConfigError, _closest, _where, key, load_yaml, validate_fields  # noqa: F401
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,10 +43,10 @@ class RSCriterion:
   veto). Either bound may be None; at least one is required.
   """
 
-  metric: str
-  agg: str = "token"
-  lower: float | None = None
-  upper: float | None = None
+  metric: str = key(None, "the divergence (SPEC §4.1)", choices=DIVERGENCES)
+  agg: str = key("token", "per token, or per sequence over trained tokens", choices=AGGREGATIONS)
+  lower: float | None = key(None, "the band's lower bound (null: none)")
+  upper: float | None = key(None, "the band's upper bound (null: none)")
 
   @property
   def name(self) -> str:
@@ -65,17 +64,16 @@ class RSCriterion:
         raise ConfigError(f"{where}: unknown key '{k}'.{_closest(str(k), valid)} Valid keys: {', '.join(valid)}")
     if "metric" not in value:
       raise ConfigError(f"{where} needs 'metric' (one of {', '.join(DIVERGENCES)})")
-    metric = _as_choice(value["metric"], "metric", where, DIVERGENCES)
-    agg = _as_choice(value.get("agg", "token"), "agg", where, AGGREGATIONS)
-    lower = _as_float(value.get("lower"), "lower", where, allow_none=True)
-    upper = _as_float(value.get("upper"), "upper", where, allow_none=True)
+    crit = cls(**dict(value))
+    validate_fields(crit, lambda name: _where(where, name))  # types and choices of the keys
+    metric, lower, upper = crit.metric, crit.lower, crit.upper
     if lower is None and upper is None:
       raise ConfigError(f"{where} needs a 'lower' or an 'upper' bound")
     if lower is not None and upper is not None and lower > upper:
       raise ConfigError(f"{where}: lower ({lower}) > upper ({upper})")
     if metric != "k1" and upper is not None and upper < 0:
       raise ConfigError(f"{where}: {metric} is >= 0, so upper must be >= 0, got {upper}")
-    return cls(metric=metric, agg=agg, lower=lower, upper=upper)
+    return crit
 
 
 @dataclasses.dataclass(frozen=True)

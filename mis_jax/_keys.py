@@ -62,23 +62,6 @@ def _number(value: Any, where: str, *, allow_none: bool) -> float | None:
   return value
 
 
-def _as_float(value: Any, key: str, source: str | None, *, allow_none: bool) -> float | None:
-  return _number(value, _where(source, key), allow_none=allow_none)
-
-
-def _as_bool(value: Any, key: str, source: str | None) -> bool:
-  if isinstance(value, bool):
-    return value
-  raise ConfigError(f"{_where(source, key)} must be true or false, got {type(value).__name__} {value!r}")
-
-
-def _as_choice(value: Any, key: str, source: str | None, allowed: tuple[str, ...]) -> str:
-  if not isinstance(value, str) or value not in allowed:
-    raise ConfigError(
-        f"{_where(source, key)} has invalid value {value!r}; allowed values: {', '.join(allowed)}")
-  return value
-
-
 def key(default, doc: str, *, ge=None, gt=None, le=None, choices=None, factory=None):
   """A config key: its default, one line of meaning, and its constraints (checked on load,
   shown in `mis-jax train --help` and the README's reference table)."""

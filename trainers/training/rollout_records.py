@@ -34,7 +34,6 @@ import os
 import re
 import tempfile
 
-import numpy as np
 
 FORMAT_VERSION = 1
 METADATA_KEY = b"mis_jax"
