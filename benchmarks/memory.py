@@ -41,7 +41,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import mis_jax  # noqa: E402
-from trainers import parallel, step as step_lib  # noqa: E402
+from trainers.training import parallel, step as step_lib  # noqa: E402
 from trainers.training.config import TrainSection  # noqa: E402
 from trainers.models import ModelConfig  # noqa: E402
 from trainers.models.hf_io import abstract_model  # noqa: E402

@@ -42,3 +42,16 @@ def test_nothing_outside_the_library_imports_a_private_module():
   offenders = [str(p.relative_to(ROOT)) for folder in ("trainers", "benchmarks", "notebooks")
                for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".ipynb") and pattern.search(p.read_text())]
   assert offenders == []
+
+
+def test_every_module_imports():
+  """Every module of the trainer and the benchmarks imports (a stale import path fails here, not
+  when someone runs a benchmark)."""
+  import importlib
+  names = []
+  for folder in ("trainers", "benchmarks"):
+    for path in (ROOT / folder).rglob("*.py"):
+      parts = path.relative_to(ROOT).with_suffix("").parts
+      names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+  for name in sorted(names):
+    importlib.import_module(name)
