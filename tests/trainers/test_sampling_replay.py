@@ -210,3 +210,9 @@ def test_replay_with_asynchronous_rollouts(f32_server, tmp_path):
   assert [h["step"] for h in history] == [1, 2] and all(h["sampling_replay"] == 1.0 for h in history)
   assert history[0]["mis_k3_kl"] < 1e-9 and abs(history[0]["sampling_ratio_mean_replay"] - 1) < 1e-5
   assert all(np.isfinite(h["loss"]) for h in history)
+
+
+def test_shipped_sampling_replay_config():
+  from trainers.training.config import TrainConfig
+  cfg = TrainConfig.from_yaml("configs/sampling_replay.yaml")
+  assert cfg.rollout.sampling_replay == "on" and train_lib.sampling_replay_width(cfg.rollout) == 20
