@@ -260,6 +260,15 @@ class LossConfig:
     # Resolve import paths now so a bad path fails before tracing.
     resolve_correction_fn(self.correction_fn)
 
+  def to_dict(self) -> dict[str, Any]:
+    """The keys as JSON-able values (the MIS config as its keys, a correction function as its
+    import path or repr)."""
+    out = {k: getattr(self, k) for k in self.keys()}
+    out["mis"] = None if self.mis is None else self.mis.to_dict()
+    if self.correction_fn is not None and not isinstance(self.correction_fn, str):
+      out["correction_fn"] = repr(self.correction_fn)
+    return out
+
   @property
   def clip_high(self) -> float:
     return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high

@@ -30,7 +30,9 @@ def _logits(h, w, layout: str, temperature: float):
 
 
 def _chunked(x, num_chunks: int, chunk: int):
-  """``[T, ...] -> [num_chunks, chunk, ...]``, zero-padding the tail (a no-op if none)."""
+  """``[T, ...] -> [num_chunks, chunk, ...]``, zero-padding the tail (a no-op if none); None stays None."""
+  if x is None:
+    return None
   pad = num_chunks * chunk - x.shape[0]
   if pad:
     x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
@@ -38,6 +40,8 @@ def _chunked(x, num_chunks: int, chunk: int):
 
 
 def _unchunked(x, num_tokens: int):
+  if x is None:
+    return None
   return jnp.reshape(x, (-1,) + x.shape[2:])[:num_tokens]
 
 
@@ -65,8 +69,8 @@ def _support_lse(z, member):
 def _token_logprobs(hidden, lm_head, targets, support, temperature, chunk_size, layout, with_entropy,
                     with_support, with_mass):
   """Flat core: ``hidden [T, D]``, ``lm_head`` (same dtype), ``targets [T]`` int32 in range,
-  ``support [T, K]`` int32 (``-1`` padded; a ``[T, 1]`` dummy without ``with_support``).
-  Returns ``(logprobs, entropy, kept_logmass)``; the last two are zeros when not asked for."""
+  ``support [T, K]`` int32 (``-1`` padded) or None. Returns ``(logprobs, entropy,
+  kept_logmass)``, the last two None when not asked for."""
   out, _ = _token_logprobs_fwd(hidden, lm_head, targets, support, temperature, chunk_size, layout,
                                with_entropy, with_support, with_mass)
   return out
@@ -81,26 +85,24 @@ def _token_logprobs_fwd(hidden, lm_head, targets, support, temperature, chunk_si
     h, y, ids = xs
     z = _logits(h, lm_head, layout, temperature)
     lse = jax.nn.logsumexp(z, axis=-1)
-    if with_support:
-      member = _support_member(ids, vocab)
-      lse_s = _support_lse(z, member)
-    else:
-      lse_s = lse
-    lp = jnp.take_along_axis(z, y[:, None], axis=-1)[:, 0] - lse_s
-    ent = jnp.zeros_like(lse)
+    member = _support_member(ids, vocab) if with_support else None
+    lse_s = _support_lse(z, member) if with_support else None  # None: the support is everything
+    norm = lse if lse_s is None else lse_s
+    lp = jnp.take_along_axis(z, y[:, None], axis=-1)[:, 0] - norm
+    ent = None
     if with_entropy:
-      log_q = z - lse_s[:, None]
+      log_q = z - norm[:, None]
       # -Σ q log q over the support, with log q = z - lse_S exact (no cancellation).
       terms = jnp.exp(log_q) * log_q
-      ent = -jnp.sum(jnp.where(member, terms, 0.0) if with_support else terms, axis=-1)
+      ent = -jnp.sum(terms if member is None else jnp.where(member, terms, 0.0), axis=-1)
     return None, (lp, lse, lse_s, ent)
 
   _, (lp, lse, lse_s, ent) = jax.lax.scan(
       body, None, (_chunked(hidden, num_chunks, chunk), _chunked(targets, num_chunks, chunk),
                    _chunked(support, num_chunks, chunk)))
-  mass = lse_s - lse if with_mass else jnp.zeros_like(lse)
+  mass = (lse_s - lse if with_support else jnp.zeros_like(lse)) if with_mass else None
   out = tuple(_unchunked(x, num_tokens) for x in (lp, ent, mass))
-  # Residuals are O(T): the inputs themselves plus per-token lse, lse_S and entropy (chunked).
+  # Residuals are O(T): the inputs themselves plus per-token lse (and lse_S, entropy when used).
   return out, (hidden, lm_head, targets, support, lse, lse_s, ent)
 
 
@@ -111,14 +113,14 @@ def _token_logprobs_bwd(temperature, chunk_size, layout, with_entropy, with_supp
   num_chunks, chunk = _num_chunks(num_tokens, chunk_size)
   # Padded rows get zero cotangents, hence dz = 0 exactly (every factor below is finite):
   # they add nothing to dW, and their dh rows are sliced off.
-  g_lp, g_ent, g_mass = (_chunked(x.astype(jnp.float32), num_chunks, chunk) for x in g)
+  g_lp, g_ent, g_mass = (None if x is None else _chunked(x.astype(jnp.float32), num_chunks, chunk) for x in g)
   vocab_ids = jnp.arange(vocab, dtype=jnp.int32)[None, :]
 
   def body(dw, xs):
     h, y, ids, lse_c, lse_s_c, ent_c, g_lp_c, g_ent_c, g_mass_c = xs
     z = _logits(h, lm_head, layout, temperature)
     # q: the distribution renormalised over the support (p itself without one).
-    log_q = z - lse_s_c[:, None]
+    log_q = z - (lse_c if lse_s_c is None else lse_s_c)[:, None]
     q = jnp.exp(log_q)
     if with_support:
       member = _support_member(ids, vocab)
@@ -128,7 +130,7 @@ def _token_logprobs_bwd(temperature, chunk_size, layout, with_entropy, with_supp
     dz = g_lp_c[:, None] * ((vocab_ids == y[:, None]).astype(jnp.float32) - q)
     if with_entropy:
       dz = dz - g_ent_c[:, None] * q * (log_q + ent_c[:, None])
-    if with_mass:
+    if with_mass and with_support:  # without a support the kept log-mass is the constant 0
       dz = dz + g_mass_c[:, None] * (q - jnp.exp(z - lse_c[:, None]))
     if temperature != 1.0:
       dz = dz / temperature
@@ -245,16 +247,11 @@ def _check_support(support_ids, support_mask, targets, vocab: int):
                        f"shape {tuple(support_ids.shape)}")
   concrete = (_validation._is_concrete(support_ids) and _validation._is_concrete(targets)
               and (support_mask is None or _validation._is_concrete(support_mask)))
-  if concrete:  # checked (and, under an outer jit, kept) as NumPy values
-    valid = np.asarray(support_ids) >= 0
-    if support_mask is not None:
-      valid = valid & np.asarray(support_mask)
-    ids = np.where(valid, np.asarray(support_ids), -1).astype(np.int32)
-  else:
-    valid = support_ids >= 0
-    if support_mask is not None:
-      valid = valid & support_mask
-    ids = jnp.where(valid, support_ids, -1).astype(jnp.int32)
+  xp = np if concrete else jnp  # concrete inputs are checked (and, under an outer jit, kept) in NumPy
+  valid = xp.asarray(support_ids) >= 0
+  if support_mask is not None:
+    valid = valid & xp.asarray(support_mask)
+  ids = xp.where(valid, xp.asarray(support_ids), -1).astype(np.int32)
   if concrete and support_ids.size:
     ids_np, y = ids, np.asarray(targets)
     if ids_np.max() >= vocab:
@@ -349,19 +346,16 @@ def token_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, chunk_
   if support_mask is not None and support_ids is None:
     raise ValueError("'support_mask' was given without 'support_ids'")
   lead = tuple(hidden.shape[:-1])
-  num_tokens = math.prod(lead)
   with_support = support_ids is not None
+  flat_support = None
   if with_support:
     ids = _check_support(support_ids, support_mask, targets, vocab)
-    flat_support = jnp.reshape(ids, (num_tokens, ids.shape[-1]))
-  else:
-    flat_support = jnp.full((num_tokens, 1), -1, jnp.int32)
+    flat_support = jnp.reshape(ids, (math.prod(lead), ids.shape[-1]))
   dtype = _compute_dtype(hidden.dtype, lm_head.dtype)
   flat_hidden = jnp.reshape(hidden, (-1, hidden.shape[-1])).astype(dtype)
   flat_targets = jnp.clip(jnp.reshape(targets, (-1,)).astype(jnp.int32), 0, vocab - 1)
   lp, ent, mass = _token_logprobs(flat_hidden, jnp.asarray(lm_head).astype(dtype), flat_targets,
                                   flat_support, temperature, chunk_size, lm_head_layout,
                                   return_entropy, with_support, bool(return_kept_mass))
-  outs = [lp] + ([ent] if return_entropy else []) + ([mass] if return_kept_mass else [])
-  outs = [jnp.reshape(x, lead) for x in outs]
+  outs = [jnp.reshape(x, lead) for x in (lp, ent, mass) if x is not None]
   return outs[0] if len(outs) == 1 else tuple(outs)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from mis_jax._config import LOSS_AGG_MODES
-from mis_jax._segments import LOG_BOUND, Segments, masked_means, safe_exp
+from mis_jax import _correction as correction
+from mis_jax import _validation
+from mis_jax._segments import Segments, masked_means, safe_exp
 
 RATIO_BAND = 0.1  # "outside" = |ratio - 1| > 0.1, the band the reference measurements use
 
@@ -38,27 +39,22 @@ def sampling_metrics(logprobs, kept_logmass, rollout_logprobs, loss_mask, segmen
   Every ``exp`` is ``exp(clip(·, ±B))``. Arrays share one shape; ``segment_ids`` is ``-1`` at
   padding. Returns float32 scalars.
   """
-  if metric_reduction not in LOSS_AGG_MODES:
-    raise ValueError(f"metric_reduction={metric_reduction!r} is invalid; allowed values: {', '.join(LOSS_AGG_MODES)}")
-  shapes = {name: jnp.shape(x) for name, x in (("logprobs", logprobs), ("kept_logmass", kept_logmass),
-                                                ("rollout_logprobs", rollout_logprobs), ("loss_mask", loss_mask))}
-  for name, shape in shapes.items():
-    if shape != jnp.shape(segment_ids):
-      raise ValueError(f"shape mismatch: '{name}' has shape {shape} but 'segment_ids' has shape "
-                       f"{jnp.shape(segment_ids)}; all per-token arrays must have the same shape")
+  arrays = _validation.check_token_arrays(
+      {"segment_ids": segment_ids, "logprobs": logprobs, "kept_logmass": kept_logmass,
+       "rollout_logprobs": rollout_logprobs, "loss_mask": loss_mask},
+      float_keys=("logprobs", "kept_logmass", "rollout_logprobs"))
+  _validation.check_segments(segment_ids, num_segments)
+  _validation.check_choice("metric_reduction", metric_reduction)
   segs = Segments(segment_ids, num_segments, axis_name)
-  flat = lambda x: jnp.reshape(jnp.asarray(x), (-1,))
-  mask = flat(loss_mask).astype(bool) & segs.valid
-  lp_s, log_m, q = (flat(x).astype(jnp.float32) for x in (logprobs, kept_logmass, rollout_logprobs))
+  mask = _validation.flat_mask(arrays["loss_mask"], segs.valid)
+  lp_s, log_m, q = (_validation.flat_float(arrays[k]) for k in ("logprobs", "kept_logmass", "rollout_logprobs"))
   stats = segs.mask_stats(mask)
-  replay = safe_exp(lp_s - q)
-  r_full = jnp.clip(lp_s + log_m - q, -LOG_BOUND, LOG_BOUND)
-  full = jnp.exp(r_full)
-  mass = safe_exp(log_m)
-  outside = lambda r: (jnp.abs(r - 1.0) > RATIO_BAND).astype(jnp.float32)
+  replay, full, mass = safe_exp(lp_s - q), safe_exp(lp_s + log_m - q), safe_exp(log_m)
+  outside = lambda ratio: (jnp.abs(ratio - 1.0) > RATIO_BAND).astype(jnp.float32)
   values = {"sampling_kept_mass_mean": mass, "sampling_ratio_mean_replay": replay,
             "sampling_ratio_outside_replay": outside(replay), "sampling_ratio_mean_full": full,
-            "sampling_ratio_outside_full": outside(full), "sampling_k3_kl_full": full - r_full - 1.0}
+            "sampling_ratio_outside_full": outside(full),
+            "sampling_k3_kl_full": correction.divergence("k3", lp_s + log_m - q)}
   out = masked_means([(mask, stats, values)], segs, metric_reduction)
   out["sampling_kept_mass_min"] = segs.masked_min(mass, mask, stats)
   return out

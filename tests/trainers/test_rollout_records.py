@@ -168,3 +168,16 @@ def test_missing_steps_and_missing_directory(tmp_path, capsys):
                    "--load-rollouts", str(tmp_path / "nowhere")])
   assert code == 2 and "no such directory" in capsys.readouterr().err
   assert cli.main(["analyze", str(tmp_path / "nowhere")]) == 2
+
+
+def test_analyze_recomputes_trainer_logprobs_with_a_model(tmp_path):
+  """`--model`: the example run's step-1 old log-probs came from its initial weights (the demo's
+  preset, initializer_range 0.1, init seed 0); recomputed from that checkpoint they match."""
+  import dataclasses
+  from trainers.models import PRESETS
+  init_checkpoint(tmp_path / "init", config=dataclasses.replace(PRESETS["tiny-qwen3"], initializer_range=0.1), seed=0)
+  rows, meta = analysis.load(os.path.join(ROOT, "data", "rollout_records_example"), steps=(1, 1))
+  recorded = [r.pop("old_logprobs") for r in rows]
+  analysis.trainer_logprobs(rows, str(tmp_path / "init"), float(meta["temperature"]), batch_rows=48)
+  for want, row in zip(recorded, rows):
+    np.testing.assert_allclose(row["old_logprobs"], want, atol=2e-5)

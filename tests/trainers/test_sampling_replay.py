@@ -8,7 +8,6 @@ configs that cannot replay are clear errors."""
 import json
 import types
 
-import jax
 import numpy as np
 import pytest
 
@@ -20,8 +19,9 @@ from trainers.models import init_checkpoint
 from trainers.training.rollout import ServerError
 from trainers.serving.server import EmbeddedServer
 
-from test_step import ALGORITHMS, ROW_LEN, TINY, _assert_metrics_close, _assert_trees_close, _functions, _mesh, \
-    _samples, _step_batch
+from test_step import ALGORITHMS, ROW_LEN, TINY, _assert_metrics_close, _assert_trees_close, _functions, _mesh, _samples, \
+    _step_batch
+from test_step import _run as run_steps
 from test_train import make_cfg
 
 K = 6  # support width of the step-level tests
@@ -42,20 +42,9 @@ def _with_supports(samples, seed=0):
 
 
 def _run(mesh, loss_cfg, sb, fns=None):
-  from flax import nnx
-  from trainers.training import parallel, step as step_lib
-  from trainers.models import CausalLM
-  fns = fns or _functions(mesh, loss_cfg)
-  params = jax.device_put(nnx.state(CausalLM(TINY, rngs=nnx.Rngs(0)), nnx.Param), fns.param_shardings)
-  opt_state = fns.init_opt_state(params)
-  put = lambda x: jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x)))
-  inputs = step_lib.ModelInputs(put(sb.input_ids), put(sb.positions), put(sb.targets), support=put(sb.support))
-  batch = jax.tree.map(put, sb.batch)
-  if loss_cfg.needs_old_logprobs:
-    batch = batch.replace(old_logprobs=fns.logprobs(params, inputs, batch.segment_ids))
-  prepared, dens, step_metrics = fns.prepare(batch)
-  params, opt_state, metrics = fns.train(params, opt_state, inputs, prepared, dens)
-  return jax.tree.map(np.asarray, (params, opt_state)), {k: float(v) for k, v in {**metrics, **step_metrics}.items()}
+  """test_step's run of one update (the supports go in the model inputs): `(state, metrics)`."""
+  states, history, _ = run_steps(mesh, loss_cfg, sb, 1, fns)
+  return states[0], history[0]
 
 
 def _assert_metrics_match(got, want):

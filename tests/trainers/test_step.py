@@ -73,7 +73,8 @@ def _run(mesh, loss_cfg, sb, steps, fns=None, params=None):
   params = jax.device_put(init, fns.param_shardings)
   opt_state = fns.init_opt_state(params)
   put = lambda x: jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x)))
-  inputs = step_lib.ModelInputs(put(sb.input_ids), put(sb.positions), put(sb.targets))
+  inputs = step_lib.ModelInputs(put(sb.input_ids), put(sb.positions), put(sb.targets),
+                                support=None if sb.support is None else put(sb.support))
   batch = jax.tree.map(put, sb.batch)
   states, history = [], []
   for _ in range(steps):

@@ -25,6 +25,7 @@ from safetensors.numpy import load_file, save_file
 
 from trainers.models import registry
 from trainers.models.config import ModelConfig
+from trainers.models import decoder
 from trainers.models.decoder import CausalLM
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -34,8 +35,7 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 def _name_map(config: ModelConfig | None):
   """The architecture's HF weight-name map (`Family.hf_name`); the shared decoder's without a config."""
-  from trainers.models.decoder import hf_name
-  return hf_name if config is None else config.family.hf_name
+  return decoder.hf_name if config is None else config.family.hf_name
 
 
 def _config_of(model_or_state) -> ModelConfig | None:
@@ -236,15 +236,20 @@ def abstract_model(cfg: ModelConfig, **model_kwargs) -> CausalLM:
   return nnx.eval_shape(lambda: registry.family(cfg.model_type).module(cfg, rngs=nnx.Rngs(0), **model_kwargs))
 
 
-def load_hf_params(path: str | os.PathLike, abstract_state: nnx.State, shardings=None) -> nnx.State:
+def load_hf_params(path: str | os.PathLike, abstract_state: nnx.State, shardings=None,
+                   config: ModelConfig | None = None) -> nnx.State:
   """The parameter state with the structure, shapes and dtypes of `abstract_state`, read from
   the `*.safetensors` files in `path`.
 
   `shardings`: an `nnx.State` of `jax.sharding.Sharding`s with the same structure
   (`trainers.training.parallel.param_shardings`); each device then reads only its own block of every
   tensor from the files (no full copy on one device). Default: everything on the first device.
+  `config`: the checkpoint's architecture (its HF weight names); default read from
+  `path/config.json` when there is one.
   Raises `ValueError` naming every missing, unexpected or mis-shaped tensor before reading any.
   """
+  if config is None and os.path.isfile(os.path.join(path, "config.json")):
+    config = ModelConfig.from_pretrained(path)
   files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
   if not files:
     raise FileNotFoundError(f"no *.safetensors file in {path}")
@@ -253,8 +258,7 @@ def load_hf_params(path: str | os.PathLike, abstract_state: nnx.State, shardings
     for f in files:
       h = stack.enter_context(safe_open(f, framework="numpy"))
       handles.update({name: h for name in h.keys()})
-    config_file = os.path.join(path, "config.json")
-    reader = _Reader(files=handles, config=ModelConfig.from_pretrained(path) if os.path.isfile(config_file) else None)
+    reader = _Reader(files=handles, config=config)
     _check_names(abstract_state, reader, _tied(abstract_state))
     return _fill(abstract_state, reader, shardings)
 
@@ -266,7 +270,7 @@ def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, param_dtyp
   `activation_sharding`)."""
   cfg = ModelConfig.from_pretrained(path)
   graphdef, abstract = nnx.split(abstract_model(cfg, dtype=dtype, param_dtype=param_dtype, **model_kwargs))
-  return nnx.merge(graphdef, load_hf_params(path, abstract, shardings))  # every variable of the module is a Param
+  return nnx.merge(graphdef, load_hf_params(path, abstract, shardings, config=cfg))  # every variable of the module is a Param
 
 
 def init_checkpoint(out: str | os.PathLike, *, preset: str = "tiny-qwen3", seed: int = 0,

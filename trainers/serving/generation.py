@@ -36,7 +36,6 @@ from trainers.models.quantize import QUANTIZATIONS, quantize_params
 from trainers.serving.sampler import Completion, Sampler, SamplingOptions
 
 
-
 @dataclasses.dataclass
 class _Job:
   request: protocol.NormalizedGenerate

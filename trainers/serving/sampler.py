@@ -97,24 +97,22 @@ class Completion:
   sampling_mask_logprobs: list[list[float]] | None = None
 
 
-
-
 def _bucket(n: int, minimum: int) -> int:
   return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
 def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, *, mask_width: int = 0):
-  """One row: `logits [V]` float32 → `(token, log_softmax(logits / T)[token], behaviour
-  log-prob, support ids [W], support log-probs [W], support size)`.
+  """One row: `logits [V]` float32 → `(token, log_softmax(logits / T)[token], support)`, with
+  `support` `{ids [W], logprobs [W], size}` when `mask_width` > 0, else None.
 
   The kept set ("support") is a prefix of the vocabulary sorted by descending probability
   (ties in id order), as SGLang's sampler: top-k by rank, top-p on the cumulative mass of the
   full sorted distribution (`<=` as SGLang, so top_p = 1 keeps everything even where the
   cumulative sum rounds to 1 early), min-p against the top probability. The token is drawn
-  from `softmax(logp restricted to the support)`; its behaviour log-prob is
-  `logp[token] - logsumexp(logp[support])` (SGLang's `output_token_sampling_logprobs`). The
-  support's first `mask_width` ids (sorted order, `-1` past its size) and their renormalised
-  log-probs are returned for `return_sampling_mask` (width 0: none).
+  from `softmax(logp restricted to the support)`. For `return_sampling_mask`, the support's
+  first `mask_width` ids (sorted order, `-1` past its size) and their renormalised log-probs
+  `logp[v] - logsumexp(logp[support])` (the sampled token's is SGLang's
+  `output_token_sampling_logprobs`).
   """
   vocab = logits.shape[-1]
   logp = jax.nn.log_softmax(logits / temperature)
@@ -129,15 +127,13 @@ def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, *, mask_wi
   in_support = jnp.zeros((vocab,), bool).at[order].set(rank < size)
   masked = jnp.where(in_support, logp, -jnp.inf)
   token = jax.random.categorical(key, masked)
-  lse_support = jax.nn.logsumexp(masked)
-  behaviour = logp[token] - lse_support
-  if mask_width:
-    first = rank[:mask_width] < size
-    ids = jnp.where(first, order[:mask_width], -1)
-    support_lp = jnp.where(first, sorted_logp[:mask_width] - lse_support, 0.0)
-  else:
-    ids, support_lp = jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.float32)
-  return token, logp[token], behaviour, ids.astype(jnp.int32), support_lp, size.astype(jnp.int32)
+  if not mask_width:
+    return token, logp[token], None
+  first = rank[:mask_width] < size
+  support = {"ids": jnp.where(first, order[:mask_width], -1).astype(jnp.int32),
+             "logprobs": jnp.where(first, sorted_logp[:mask_width] - jax.nn.logsumexp(masked), 0.0),
+             "size": size.astype(jnp.int32)}
+  return token, logp[token], support
 
 
 def _generate(graphdef, params, prompt_ids, prompt_lens, row_seeds, temperature, top_p, top_k,
@@ -146,10 +142,10 @@ def _generate(graphdef, params, prompt_ids, prompt_lens, row_seeds, temperature,
   """Rows `[B]`; `prompt_ids [B, P]` right-padded; `row_seeds [B]` uint32.
 
   Returns a dict: `output_ids [B, num_steps]`, `logprobs [B, num_steps]` (full vocabulary),
-  `sampling_logprobs [B, num_steps]` (behaviour: renormalised over the support), `lengths [B]`,
-  `stopped [B]`, `prompt_lp [B, P]` (entry `t`: log-prob of prompt token `t + 1`; zeros without
-  `prompt_logprobs`), and with `mask_width > 0` `support [B, num_steps, W]` (ids, `-1` padded),
-  `support_lp [B, num_steps, W]` and `support_size [B, num_steps]`.
+  `lengths [B]`, `stopped [B]`, `prompt_lp [B, P]` (entry `t`: log-prob of prompt token `t + 1`;
+  zeros without `prompt_logprobs`), and with `mask_width > 0` `support [B, num_steps, W]` (ids,
+  `-1` padded), `support_lp [B, num_steps, W]` (renormalised over the support) and
+  `support_size [B, num_steps]`.
   """
   model = nnx.merge(graphdef, params)
   batch, prompt_len = prompt_ids.shape
@@ -175,14 +171,13 @@ def _generate(graphdef, params, prompt_ids, prompt_lens, row_seeds, temperature,
   def body(state):
     step, logits, cache, out, lengths, done, stopped = state
     step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
-    token, lp, behaviour, ids, support_lp, size = sample(logits.astype(jnp.float32), step_keys, temperature,
-                                                         top_p, top_k, min_p)
+    token, lp, support = sample(logits.astype(jnp.float32), step_keys, temperature, top_p, top_k, min_p)
     active = ~done
-    new = {"output_ids": jnp.where(active, token, 0), "logprobs": jnp.where(active, lp, 0.0),
-           "sampling_logprobs": jnp.where(active, behaviour, 0.0)}
+    new = {"output_ids": jnp.where(active, token, 0), "logprobs": jnp.where(active, lp, 0.0)}
     if mask_width:
-      new.update(support=jnp.where(active[:, None], ids, -1), support_lp=jnp.where(active[:, None], support_lp, 0.0),
-                 support_size=jnp.where(active, size, 0))
+      new.update(support=jnp.where(active[:, None], support["ids"], -1),
+                 support_lp=jnp.where(active[:, None], support["logprobs"], 0.0),
+                 support_size=jnp.where(active, support["size"], 0))
     out = {k: v.at[:, step].set(new[k]) for k, v in out.items()}
     lengths = lengths + active.astype(jnp.int32)
     hit = active & jnp.any(token[:, None] == stop_ids, axis=-1)
@@ -193,8 +188,7 @@ def _generate(graphdef, params, prompt_ids, prompt_lens, row_seeds, temperature,
     return step + 1, next_logits[:, 0], cache, out, lengths, done, stopped
 
   out = {"output_ids": jnp.zeros((batch, num_steps), jnp.int32),
-         "logprobs": jnp.zeros((batch, num_steps), jnp.float32),
-         "sampling_logprobs": jnp.zeros((batch, num_steps), jnp.float32)}
+         "logprobs": jnp.zeros((batch, num_steps), jnp.float32)}
   if mask_width:
     out.update(support=jnp.full((batch, num_steps, mask_width), -1, jnp.int32),
                support_lp=jnp.zeros((batch, num_steps, mask_width), jnp.float32),
@@ -311,9 +305,10 @@ class Sampler:
       extra = {}
       if p.sampling_mask:
         sizes = out["support_size"][b, :n]
-        extra = dict(sampling_logprobs=out["sampling_logprobs"][b, :n].tolist(),
-                     sampling_mask=[out["support"][b, t, :k].tolist() for t, k in enumerate(sizes)],
-                     sampling_mask_logprobs=[out["support_lp"][b, t, :k].tolist() for t, k in enumerate(sizes)])
+        masks = [out["support"][b, t, :k].tolist() for t, k in enumerate(sizes)]
+        support_lps = [out["support_lp"][b, t, :k].tolist() for t, k in enumerate(sizes)]
+        extra = dict(sampling_mask=masks, sampling_mask_logprobs=support_lps,  # the token's is its behaviour log-prob
+                     sampling_logprobs=[lps[m.index(tok)] for tok, m, lps in zip(out_ids.tolist(), masks, support_lps)])
       completions.append(Completion(
           i, j, len(prompt), out_ids.tolist(), out["logprobs"][b, :n].tolist(), finish,
           out["prompt_lp"][b, :len(prompt) - 1].tolist() if prompt_logprobs else None, **extra))

@@ -46,26 +46,28 @@ def load(directory: str, steps: tuple[int, int] | None = None) -> tuple[list[dic
   return rows, meta
 
 
-def trainer_logprobs(rows: list[dict], model_path: str, temperature: float) -> None:
-  """Fills each row's `old_logprobs` with `model_path`'s teacher-forced log-probs (float32)."""
+def trainer_logprobs(rows: list[dict], model_path: str, temperature: float, *, batch_rows: int = 64) -> None:
+  """Fills each row's `old_logprobs` with `model_path`'s teacher-forced log-probs (float32), one
+  sequence per batch row, `batch_rows` rows per call of one jitted forward."""
   import jax.numpy as jnp
+  from flax import nnx
   from trainers.models import load_hf_checkpoint, teacher_forced_logprobs
   model = load_hf_checkpoint(model_path)
-  width = max(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows)
-  width = 1 << max(width - 1, 0).bit_length()  # one compiled shape
-  import flax.nnx as nnx
-  tf = nnx.jit(teacher_forced_logprobs, static_argnames="temperature")
-  for r in rows:
-    seq = list(r["prompt_ids"]) + list(r["response_ids"])
-    ids = np.zeros((1, width), np.int32)
-    ids[0, :len(seq)] = seq
-    seg = np.full((1, width), -1, np.int32)
-    seg[0, :len(seq)] = 0
-    pos = np.arange(width, dtype=np.int32)[None]
-    lp = np.asarray(tf(model, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg), jnp.roll(jnp.asarray(ids), -1, 1),
-                       temperature=temperature))[0]
-    p, n = len(r["prompt_ids"]), len(r["response_ids"])
-    r["old_logprobs"] = lp[p - 1:p - 1 + n].tolist()
+  forward = nnx.jit(teacher_forced_logprobs, static_argnames="temperature")
+  seqs = [list(r["prompt_ids"]) + list(r["response_ids"]) for r in rows]
+  width = 1 << max(max(map(len, seqs)) - 1, 0).bit_length()  # one compiled shape
+  for start in range(0, len(rows), batch_rows):
+    chunk = seqs[start:start + batch_rows]
+    ids = np.zeros((batch_rows, width), np.int32)
+    seg = np.full((batch_rows, width), -1, np.int32)
+    for i, seq in enumerate(chunk):
+      ids[i, :len(seq)], seg[i, :len(seq)] = seq, 0
+    pos = np.broadcast_to(np.arange(width, dtype=np.int32), ids.shape)
+    lp = np.asarray(forward(model, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg),
+                            jnp.asarray(np.roll(ids, -1, axis=1)), temperature=temperature))
+    for i, r in enumerate(rows[start:start + batch_rows]):
+      p, n = len(r["prompt_ids"]), len(r["response_ids"])
+      r["old_logprobs"] = lp[i, p - 1:p - 1 + n].tolist()
 
 
 def packed(rows: list[dict]):
@@ -78,9 +80,12 @@ def packed(rows: list[dict]):
 
 
 def _metrics(o, q, mask, seg, num_segments, cfg, mode):
+  """`compute_mis_weights`' metrics under jit (one compile per setting, as the README advises)."""
+  import jax
   import mis_jax
-  _, _, metrics = mis_jax.compute_mis_weights(o, q, mask, seg, cfg, num_segments=num_segments, metric_reduction=mode)
-  return {k: float(v) for k, v in metrics.items()}
+  fn = jax.jit(lambda o, q: mis_jax.compute_mis_weights(o, q, mask, seg, cfg, num_segments=num_segments,
+                                                          metric_reduction=mode)[2])
+  return {k: float(v) for k, v in fn(o, q).items()}
 
 
 def settings_grid(o, q, mask, seg, num_segments, mode) -> list[dict]:
@@ -115,20 +120,23 @@ def analyze(rows: list[dict], mode: str = "seq-mean-token-mean") -> dict:
   k3 = np.exp(np.clip(r, -20, 20)) - np.clip(r, -20, 20) - 1
   lengths = np.array([len(x["response_ids"]) for x in rows])
   positions = np.concatenate([np.arange(n) for n in lengths])
-  by_position = [{"position": int(p), "tokens": int((positions == p).sum()), "mean_abs_log_ratio":
-                  float(np.abs(r[positions == p]).mean()), "mean_k3": float(k3[positions == p].mean())}
-                 for p in range(int(lengths.max()))]
-  seq_k3 = np.array([k3[seg == i].mean() for i in range(num_segments)])
-  by_length = [{"length": int(n), "sequences": int((lengths == n).sum()), "mean_k3": float(seq_k3[lengths == n].mean())}
-               for n in np.unique(lengths)]
+  # Sums by group with one bincount each (no pass over the tokens per group).
+  count_at = np.bincount(positions)
+  abs_at, k3_at = np.bincount(positions, np.abs(r)), np.bincount(positions, k3)
+  by_position = [{"position": p, "tokens": int(count_at[p]), "mean_abs_log_ratio": float(abs_at[p] / count_at[p]),
+                  "mean_k3": float(k3_at[p] / count_at[p])} for p in range(len(count_at))]
+  seq_k3 = np.bincount(seg, k3, minlength=num_segments) / lengths
+  lens, which = np.unique(lengths, return_inverse=True)
+  seqs_of_len, k3_of_len = np.bincount(which), np.bincount(which, seq_k3)
+  by_length = [{"length": int(n), "sequences": int(seqs_of_len[i]), "mean_k3": float(k3_of_len[i] / seqs_of_len[i])}
+               for i, n in enumerate(lens)]
   tokens = np.concatenate([np.asarray(x["response_ids"]) for x in rows])
   total = np.abs(r).sum()
   ids, inverse = np.unique(tokens, return_inverse=True)
-  abs_by_id = np.bincount(inverse, weights=np.abs(r))
+  count_of, abs_by_id, r_by_id = np.bincount(inverse), np.bincount(inverse, np.abs(r)), np.bincount(inverse, r)
   top = np.argsort(-abs_by_id)[:10]
-  top_tokens = [{"token_id": int(ids[i]), "count": int((inverse == i).sum()), "mean_log_ratio":
-                 float(r[inverse == i].mean()), "share_of_abs_log_ratio": float(abs_by_id[i] / max(total, 1e-30))}
-                for i in top]
+  top_tokens = [{"token_id": int(ids[i]), "count": int(count_of[i]), "mean_log_ratio": float(r_by_id[i] / count_of[i]),
+                 "share_of_abs_log_ratio": float(abs_by_id[i] / max(total, 1e-30))} for i in top]
   return {
       "sequences": int(num_segments), "tokens": int(r.size), "metric_reduction": mode,
       "log_ratio": {"mean": float(r.mean()), "std": float(r.std()), "mean_abs": float(np.abs(r).mean()),

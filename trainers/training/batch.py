@@ -67,6 +67,7 @@ class StepBatch:
   positions: np.ndarray
   targets: np.ndarray
   rewards: np.ndarray
+  advantages: np.ndarray  # per sequence
   response_lengths: np.ndarray
   groups: np.ndarray
   packing: mis_jax.Packing
@@ -116,6 +117,7 @@ def build_step_batch(samples, rewards, advantages, groups, *, num_segments: int,
       num_segments=num_segments)
   return StepBatch(batch=batch, input_ids=pack(inputs, 0, np.int32), positions=shaped(packing.positions),
                    targets=pack(targets, 0, np.int32), rewards=np.asarray(rewards, np.float32),
+                   advantages=np.asarray(advantages, np.float32),
                    response_lengths=np.array([len(s.response_ids) for s in samples]),
                    groups=np.asarray(groups, np.int32), packing=packing, layout=layout,
                    support=(packing.pack(supports, -1, np.int32).reshape(layout.shape + (support_width,))

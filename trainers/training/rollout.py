@@ -58,6 +58,7 @@ class RolloutResult:
   num_aborted: int = 0
   num_rejected: int = 0
   rejection_reasons: list[str] = dataclasses.field(default_factory=list)
+  rewards: list[float] | None = None  # recorded with the samples (a replay of rollout records)
 
   def to_json(self) -> dict:
     """A JSON-able copy (broadcast from process 0 to the other trainer processes)."""

@@ -32,8 +32,8 @@ import glob
 import json
 import os
 import re
-import tempfile
 
+from trainers.models import hf_io
 
 FORMAT_VERSION = 1
 METADATA_KEY = b"mis_jax"
@@ -75,15 +75,7 @@ def write_step(directory: str, step: int, columns: dict, metadata: dict) -> str:
   table = table.replace_schema_metadata({METADATA_KEY: json.dumps({"format_version": FORMAT_VERSION, **metadata})})
   os.makedirs(directory, exist_ok=True)
   dest = step_path(directory, step)
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".parquet")
-  os.close(fd)
-  try:
-    pq.write_table(table, tmp)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, dest)
-  except BaseException:
-    os.unlink(tmp)
-    raise
+  hf_io.atomic_write(dest, lambda tmp: pq.write_table(table, tmp))
   return dest
 
 

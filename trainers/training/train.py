@@ -29,17 +29,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import mis_jax
-from trainers.training import checkpointing, distributed, parallel
+from trainers.models import DTYPES, PRESETS, ModelConfig, checkpoint_dir_problem, init_checkpoint, load_hf_params
+from trainers.tasks import make_task
+from trainers.training import checkpointing, distributed, parallel, rollout_records
 from trainers.training.batch import StepBatch, build_step_batch
 from trainers.training.config import ModelSection, TrainConfig
-from trainers.models import DTYPES, checkpoint_dir_problem, init_checkpoint, load_hf_params
-from trainers.models import PRESETS, ModelConfig
-from trainers.training.rollout import RolloutResult, Sample, ServerError, SGLangClient
-from trainers.training import rollout_records
 from trainers.training.metric_logging import MetricLogger
-from trainers.training.weight_sync import save_hf_sharded
+from trainers.training.rollout import RolloutResult, Sample, ServerError, SGLangClient
 from trainers.training.step import ModelInputs, StepFunctions, build_step_functions
-from trainers.tasks import make_task
+from trainers.training.weight_sync import save_hf_sharded
 
 
 def initial_weights_dir(cfg: TrainConfig) -> str:
@@ -115,7 +113,7 @@ class Trainer:
     self.fns = _step_functions(model_cfg, cfg.model, loss_cfg, self.temperature, cfg.train, self.mesh)
     self.graphdef = self.fns.graphdef
     # Each device reads its own shards of the HF tensors: no full copy anywhere.
-    self.params = load_hf_params(weights, self.fns.abstract_params, self.fns.param_shardings)
+    self.params = load_hf_params(weights, self.fns.abstract_params, self.fns.param_shardings, config=model_cfg)
     self.ref_params = jax.tree_util.tree_map(jnp.copy, self.params) if loss_cfg.kl_coef > 0 else None
     self._logprobs = self.fns.logprobs
     self.opt_state = self.fns.init_opt_state(self.params)
@@ -123,6 +121,7 @@ class Trainer:
     self.num_old_logprob_passes = 0  # bypass and REINFORCE-IS never recompute (tested)
     self.primary = distributed.is_primary()  # owns the HTTP client and the logs
     self.replay = r.load_dir  # train from saved rollout records: no server at all
+    self.asynchronous = r.max_staleness > 0 and not self.replay  # a replay is always synchronous
     self.client = (SGLangClient(urls, timeout_s=r.timeout_s, max_retries=r.max_retries, backoff_s=r.backoff_s,
                                 max_concurrency=r.max_concurrency, prompts_per_request=r.prompts_per_request)
                    if self.primary and not self.replay else None)
@@ -192,14 +191,13 @@ class Trainer:
                for g, p, r, q, f, v, m in zip(cols["group"], cols["prompt_ids"], cols["response_ids"],
                                                 cols["rollout_logprobs"], cols["finish_reason"], cols["weight_version"],
                                                 masks)]
-    self._replayed_rewards = np.asarray(cols["reward"], np.float32)
     self.batch_index += 1
-    return None, RolloutResult(samples=samples, num_requested=len(samples))
+    return None, RolloutResult(samples=samples, num_requested=len(samples), rewards=cols["reward"])
 
   def build_batch(self, prompts, result: RolloutResult) -> StepBatch:
     samples = result.samples
-    if prompts is None:  # replayed records carry their rewards
-      rewards = self._replayed_rewards
+    if result.rewards is not None:  # replayed records carry their rewards
+      rewards = np.asarray(result.rewards, np.float32)
     else:
       rewards = np.array([self.task.reward(prompts[s.prompt_index], s.response_ids, s.text) for s in samples],
                          np.float32)
@@ -305,7 +303,7 @@ class Trainer:
         "group": [s.prompt_index for s in samples], "prompt_ids": [list(s.prompt_ids) for s in samples],
         "response_ids": [list(s.response_ids) for s in samples],
         "rollout_logprobs": [list(s.rollout_logprobs) for s in samples], "reward": sb.rewards.tolist(),
-        "advantage": [float(a[0]) for a in sb.per_sequence(sb.batch.advantages)],
+        "advantage": sb.advantages.tolist(),
         "finish_reason": [s.finish_reason for s in samples],
         "weight_version": [str(s.weight_version) for s in samples],
     }
@@ -315,7 +313,7 @@ class Trainer:
       columns["sampling_mask"] = [[list(m) for m in s.sampling_mask] for s in samples]
     meta = {"sampling_params": self.sampling_params() if prompts is not None else None,
             "batch_index": self.batch_index - 1, "temperature": self.temperature,
-            "config": dataclasses.asdict(self.cfg), "loss": _loss_dict(self.loss_cfg)}
+            "config": dataclasses.asdict(self.cfg), "loss": self.loss_cfg.to_dict()}
     rollout_records.write_step(self.cfg.rollout.save_dir, self.step, columns, meta)
 
   def save_checkpoint(self):
@@ -381,15 +379,14 @@ class Trainer:
     if not self.replay:
       self._primary(lambda: self.client.wait_until_healthy(attempts=r.health_attempts, backoff_s=r.backoff_s))
     self.sync_weights()  # the servers now hold exactly the trainer's weights (version = step)
-    producer = (RolloutProducer(self, self.batch_index)
-                if (r.max_staleness > 0 and self.primary and not self.replay) else None)
+    producer = RolloutProducer(self, self.batch_index) if (self.asynchronous and self.primary) else None
     history = []
     logger = (MetricLogger(self.run_dir, self.cfg.logging, total_steps=self.cfg.train.steps, initial_step=self.step,
                            progress=progress) if self.primary else None)
     try:
       while self.step < self.cfg.train.steps:
         t0 = time.perf_counter()
-        if r.max_staleness > 0 and not self.replay:
+        if self.asynchronous:
           prompts, result, rollout_metrics = self.async_rollout(producer)
         else:
           prompts, result = self.rollout()
@@ -604,16 +601,6 @@ def _step_functions(model_cfg: ModelConfig, model: ModelSection, loss_cfg: mis_j
                               logprob_chunk=model.logprob_chunk, dtype=DTYPES[model.dtype],
                               param_dtype=DTYPES[model.param_dtype], attention=model.attention,
                               remat=model.remat)
-
-
-def _loss_dict(loss_cfg: mis_jax.LossConfig) -> dict:
-  """A JSON-able view of the loss config (the MIS config as its keys, a function as its path)."""
-  out = {}
-  for f in dataclasses.fields(loss_cfg):
-    v = getattr(loss_cfg, f.name)
-    out[f.name] = v.to_dict() if isinstance(v, mis_jax.MISConfig) else v if v is None or isinstance(
-        v, (bool, int, float, str)) else repr(v)
-  return out
 
 
 SUMMARY_KEYS = ["reward_mean", "loss", "pg_loss", "pg_clipfrac", "ppo_kl", "grad_norm", "entropy_loss",
