@@ -29,6 +29,7 @@ class DecoderFeatures:
   o_bias: bool = False  # a bias on o_proj
   mlp_bias: bool = False  # biases on gate/up/down projections
   qk_norm: bool = False  # RMSNorm over the head dimension of q and k before RoPE
+  moe: bool = False  # a mixture-of-experts block (router + experts, `trainers.models.moe`) in place of the MLP
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,16 @@ class ModelConfig:
   eos_token_id: tuple[int, ...] = ()
   rope_scaling: RopeScaling | None = None
   mlp_bias: bool = False  # Llama
+  # Mixture of experts (Qwen3-MoE): 0 experts is a dense model.
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = False  # renormalise the top-k gate weights to sum to 1
+  router_aux_loss_coef: float = 0.0  # HF's load-balancing coefficient (kept for the round trip)
+
+  @property
+  def is_moe(self) -> bool:
+    return self.num_experts > 0
 
   def __post_init__(self):
     from trainers.models import registry
@@ -71,6 +82,12 @@ class ModelConfig:
                        f"num_key_value_heads ({self.num_key_value_heads})")
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+    if self.num_experts:
+      for name in ("num_experts_per_tok", "moe_intermediate_size"):
+        if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+          raise ValueError(f"{name} must be a positive int for a mixture-of-experts model, got {getattr(self, name)!r}")
+      if self.num_experts_per_tok > self.num_experts:
+        raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})")
 
   @property
   def family(self):

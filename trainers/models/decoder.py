@@ -44,6 +44,7 @@ from flax import nnx
 
 from trainers.models.attention import ATTENTION_BACKENDS, dense_attention, packed_attention
 from trainers.models.config import ModelConfig
+from trainers.models.moe import MOE_DISPATCH, SparseMoeBlock, load_balancing_loss
 
 # Activation checkpointing of the layer scan body: what the backward pass may keep.
 REMAT_POLICIES = {
@@ -51,6 +52,13 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,                  # keep only layer inputs
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projections' outputs
 }
+
+
+class Routing(NamedTuple):
+  """A mixture-of-experts forward's routing: `native [B, T, num_layers, k]` int32 (each layer's
+  router top-k, whatever was replayed) and HF's load-balancing `aux_loss` (float32 scalar)."""
+  native: jax.Array
+  aux_loss: jax.Array
 
 
 class LayerCache(NamedTuple):
@@ -179,17 +187,25 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, moe_dispatch: str = "grouped", rngs: nnx.Rngs):
     norm = lambda: RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
     self.input_layernorm = norm()
     self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.post_attention_layernorm = norm()
-    self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.is_moe = cfg.features.moe
+    if self.is_moe:
+      self.mlp = SparseMoeBlock(cfg, dtype=dtype, param_dtype=param_dtype, dispatch=moe_dispatch, rngs=rngs)
+    else:
+      self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x, positions, attend, cache):
+  def __call__(self, x, positions, attend, cache, replay=None, valid=None):
+    """Returns `(x, cache, routing)`; `routing` is a `moe.LayerRouting` for a MoE layer, else None."""
     h, cache = self.self_attn(self.input_layernorm(x), positions, attend, cache)
     x = x + h
-    return x + self.mlp(self.post_attention_layernorm(x)), cache
+    if self.is_moe:
+      y, routing = self.mlp(self.post_attention_layernorm(x), replay, valid)
+      return x + y, cache, routing
+    return x + self.mlp(self.post_attention_layernorm(x)), cache, None
 
 
 class CausalLM(nnx.Module):
@@ -206,15 +222,19 @@ class CausalLM(nnx.Module):
     remat: activation checkpointing policy of the layer scan (`REMAT_POLICIES`).
     activation_sharding: optional `NamedSharding` of the `[B, T, hidden]` residual stream,
       applied at every layer boundary (batch over the data axes, replicated over `tensor`).
+    moe_dispatch: a mixture-of-experts model's expert computation (`trainers.models.moe`):
+      `grouped` (sorted by expert, `ragged_dot`) or `dense` (every expert on every token).
   """
 
   def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
                attention: str = "dense", remat: str = "none", activation_sharding=None,
-               rngs: nnx.Rngs):
+               moe_dispatch: str = "grouped", rngs: nnx.Rngs):
     if attention not in ATTENTION_BACKENDS:
       raise ValueError(f"attention={attention!r}; allowed: {', '.join(ATTENTION_BACKENDS)}")
     if remat not in REMAT_POLICIES:
       raise ValueError(f"remat={remat!r}; allowed: {', '.join(REMAT_POLICIES)}")
+    if moe_dispatch not in MOE_DISPATCH:
+      raise ValueError(f"moe_dispatch={moe_dispatch!r}; allowed: {', '.join(MOE_DISPATCH)}")
     self.config = cfg
     self.dtype = dtype
     self.attention = attention
@@ -228,7 +248,7 @@ class CausalLM(nnx.Module):
     @nnx.split_rngs(splits=cfg.num_hidden_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def stacked(rngs):
-      return DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+      return DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, moe_dispatch=moe_dispatch, rngs=rngs)
 
     self.layers = stacked(rngs)
     self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
@@ -242,18 +262,42 @@ class CausalLM(nnx.Module):
       return x
     return jax.lax.with_sharding_constraint(x, self.activation_sharding)
 
-  def _layers(self, x, positions, attend, cache: LayerCache | None, *, remat: str):
-    """Runs the stacked layers with one `lax.scan` (the cache, if any, is scanned with them)."""
+  def _layers(self, x, positions, attend, cache: LayerCache | None, *, remat: str, replay=None, valid=None):
+    """Runs the stacked layers with one `lax.scan` (the cache and the replayed routing
+    `[num_layers, B, T, k]`, if any, are scanned with them). Returns `(x, cache, routing)`,
+    `routing` a `moe.LayerRouting` with a leading layer axis (None for a dense model)."""
     graphdef, state = nnx.split(self.layers)
 
     def body(x, xs):
-      layer_state, layer_cache = xs
-      x, layer_cache = nnx.merge(graphdef, layer_state)(x, positions, attend, layer_cache)
-      return self._constrain(x), layer_cache
+      layer_state, layer_cache, layer_replay = xs
+      x, layer_cache, routing = nnx.merge(graphdef, layer_state)(x, positions, attend, layer_cache, layer_replay,
+                                                                 valid)
+      return self._constrain(x), (layer_cache, routing)
 
     if remat != "none":
       body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    return jax.lax.scan(body, self._constrain(x), (state, cache))
+    x, (cache, routing) = jax.lax.scan(body, self._constrain(x), (state, cache, replay))
+    return x, cache, routing
+
+  def _routing(self, routing, valid) -> Routing:
+    num_tokens = jnp.sum(valid.astype(jnp.float32))
+    return Routing(jnp.moveaxis(routing.native, 0, 2),
+                   load_balancing_loss(routing.counts, routing.probs, num_tokens))
+
+  def _replay(self, routing: jax.Array | None, shape) -> jax.Array | None:
+    """Replayed experts `[B, T, num_layers, k]` → the scan's `[num_layers, B, T, k]`."""
+    if routing is None:
+      return None
+    cfg = self.config
+    if not cfg.is_moe:
+      raise ValueError("routing replay needs a mixture-of-experts model; this one is dense")
+    want = tuple(shape) + (cfg.num_hidden_layers, cfg.num_experts_per_tok)
+    if tuple(routing.shape) != want:
+      raise ValueError(f"routing has shape {tuple(routing.shape)}, expected [batch, length, num_hidden_layers, "
+                       f"num_experts_per_tok] = {list(want)}")
+    if not jnp.issubdtype(routing.dtype, jnp.integer):
+      raise ValueError(f"routing must hold integer expert ids, got {routing.dtype}")
+    return jnp.moveaxis(routing.astype(jnp.int32), 2, 0)
 
   def head(self) -> tuple[jax.Array, str]:
     """The output projection and its `mis_jax.token_logprobs` layout: the tied input embedding
@@ -262,17 +306,29 @@ class CausalLM(nnx.Module):
       return self.embed_tokens.embedding[...], "vd"
     return self.lm_head.kernel[...], "dv"
 
-  def hidden_states(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  def hidden_states(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array, *,
+                    routing: jax.Array | None = None, return_routing: bool = False):
     """Packed forward up to the final norm: `[B, T, hidden]` in the compute dtype.
 
     Token `j` is visible to token `i` iff `segment_ids[i] == segment_ids[j]` and `j <= i`
     (segments are contiguous within a row). Padding (`segment_ids == -1`) attends only to
     padding, its outputs are meaningless, and it never influences real tokens.
+
+    Mixture of experts: `routing [B, T, num_hidden_layers, k]` replays recorded experts
+    (rows whose first entry is -1 route natively; `trainers.models.moe`); with
+    `return_routing` the result is `(hidden, Routing)`.
     """
     _check_ids(input_ids, positions, segment_ids)
-    x, _ = self._layers(self.embed_tokens(input_ids), positions, self._packed_attend(segment_ids), None,
-                        remat=self.remat)
-    return self.norm(x)
+    valid = segment_ids >= 0
+    x, _, layer_routing = self._layers(self.embed_tokens(input_ids), positions, self._packed_attend(segment_ids),
+                                       None, remat=self.remat, replay=self._replay(routing, input_ids.shape),
+                                       valid=valid)
+    hidden = self.norm(x)
+    if not return_routing:
+      return hidden
+    if layer_routing is None:
+      raise ValueError("return_routing needs a mixture-of-experts model; this one is dense")
+    return hidden, self._routing(layer_routing, valid)
 
   def _packed_attend(self, segment_ids):
     """The training forward's attention. On a mesh (`activation_sharding` set) the blocked and
@@ -305,16 +361,23 @@ class CausalLM(nnx.Module):
     shape = (cfg.num_hidden_layers, batch, length, cfg.num_key_value_heads, cfg.head_dim)
     return LayerCache(jnp.zeros(shape, dtype or self.dtype), jnp.zeros(shape, dtype or self.dtype))
 
-  def decode(self, input_ids: jax.Array, positions: jax.Array, cache: LayerCache):
+  def decode(self, input_ids: jax.Array, positions: jax.Array, cache: LayerCache, *, return_routing: bool = False):
     """Cached forward of `input_ids: [B, T]` at contiguous `positions: [B, T]` (one sequence
     per row). Returns `(logits [B, T, vocab] float32, updated cache)`; a query at position `p`
-    attends to cache slots `0..p`, which must hold this row's tokens at positions `0..p`."""
+    attends to cache slots `0..p`, which must hold this row's tokens at positions `0..p`.
+    With `return_routing` (mixture of experts) also each token's experts per layer,
+    `[B, T, num_hidden_layers, k]` int32 (the engine's own routing, in its dtype)."""
     _check_ids(input_ids, positions)
     slots = jnp.arange(cache.k.shape[2])
     mask = slots[None, None, :] <= positions[:, :, None]
     attend = lambda q, k, v: dense_attention(q, k, v, mask)
-    x, cache = self._layers(self.embed_tokens(input_ids), positions, attend, cache, remat="none")
-    return self._logits(self.norm(x)), LayerCache(*cache)
+    x, cache, routing = self._layers(self.embed_tokens(input_ids), positions, attend, cache, remat="none")
+    out = self._logits(self.norm(x)), LayerCache(*cache)
+    if not return_routing:
+      return out
+    if routing is None:
+      raise ValueError("return_routing needs a mixture-of-experts model; this one is dense")
+    return out + (jnp.moveaxis(routing.native, 0, 2),)
 
 
 def _check_ids(*arrays: jax.Array) -> None:
@@ -354,6 +417,8 @@ def hf_name(path: tuple) -> tuple[str, bool]:
   *module, leaf = (str(p) for p in path)
   if module[0] == "layers":
     module.insert(1, "{i}")
+  if "experts" in module:  # a mixture-of-experts layer's `[L, E, in, out]` expert kernels
+    module.insert(module.index("experts") + 1, "{e}")
   name = ".".join(module + ["weight" if leaf in ("kernel", "embedding") else leaf])
   return (name if module[0] == "lm_head" else "model." + name), leaf == "kernel"
 

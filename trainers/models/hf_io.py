@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import itertools
 import json
 import os
 import tempfile
@@ -42,8 +43,19 @@ def _config_of(model_or_state) -> ModelConfig | None:
   return getattr(model_or_state, "config", None)
 
 
-def _is_stacked(path: tuple) -> bool:
-  return str(path[0]) == "layers"
+def _lead(name: str) -> int:
+  """Leading stacked axes of a parameter: one per placeholder of its HF name (`{i}`: the layer,
+  `{e}`: the expert of a mixture-of-experts layer, `[L, E, ...]`)."""
+  return ("{i}" in name) + ("{e}" in name)
+
+
+def _stacked_names(name: str, shape: tuple, lead_index=None) -> list[tuple[str, tuple[int, ...]]]:
+  """`(HF name, leading index)` of every per-layer (per-expert) tensor of a stacked parameter;
+  `lead_index`: ranges of the leading axes to cover (default all)."""
+  lead = _lead(name)
+  ranges = lead_index or [range(n) for n in shape[:lead]]
+  keys = ("i", "e")[:lead]
+  return [(name.format(**dict(zip(keys, idx))), idx) for idx in itertools.product(*ranges)]
 
 
 def param_leaves(model_or_state):
@@ -56,9 +68,7 @@ def hf_arrays(path: tuple, x, config: ModelConfig | None = None) -> dict[str, ob
   `config`'s architecture's name map."""
   name, transpose = _name_map(config)(path)
   fix = (lambda a: a.T) if transpose else (lambda a: a)
-  if _is_stacked(path):
-    return {name.format(i=i): fix(x[i]) for i in range(x.shape[0])}
-  return {name: fix(x)}
+  return {hf: fix(x[idx]) for hf, idx in _stacked_names(name, x.shape)}
 
 
 def hf_state_dict(model: CausalLM, *, dtype: str | None = None) -> dict[str, np.ndarray]:
@@ -134,19 +144,38 @@ class _Reader:
   def __init__(self, tensors=None, files=None, config: ModelConfig | None = None):
     self._tensors, self._files = tensors, files or {}
     self.hf_name = _name_map(config)  # the architecture's weight-name map
+    # Tensors stored fused in the files, read as the per-tensor names the model asks for
+    # (`Family.hf_views`: transformers 5.x's fused experts): name → (stored name, view).
+    views = getattr(config.family, "hf_views", None) if config is not None else None
+    self._views = views(self._stored_names(), self._stored_shape) if views else {}
 
-  def names(self):
+  def _stored_names(self):
     return set(self._tensors) if self._tensors is not None else set(self._files)
 
-  def shape(self, name):
+  def _stored_shape(self, name):
     if self._tensors is not None:
       return tuple(self._tensors[name].shape)
     return tuple(self._files[name].get_slice(name).get_shape())
 
-  def read(self, name, index):
+  def _stored_read(self, name, index):
     if self._tensors is not None:
       return np.asarray(self._tensors[name][index])
     return np.asarray(self._files[name].get_slice(name)[index])
+
+  def names(self):
+    stored = self._stored_names() - {real for real, _ in self._views.values()}
+    return stored | set(self._views)
+
+  def shape(self, name):
+    if name in self._views:
+      return self._views[name][1].shape
+    return self._stored_shape(name)
+
+  def read(self, name, index):
+    if name in self._views:
+      real, view = self._views[name]
+      return self._stored_read(real, view.index(index))
+    return self._stored_read(name, index)
 
 
 def _check_names(model_state, reader: _Reader, tie_word_embeddings: bool) -> None:
@@ -156,9 +185,9 @@ def _check_names(model_state, reader: _Reader, tie_word_embeddings: bool) -> Non
   for path, var in param_leaves(model_state):
     shape = tuple(var.get_value().shape)
     name, transpose = reader.hf_name(path)
-    per_layer = shape[1:] if _is_stacked(path) else shape
+    per_layer = shape[_lead(name):]
     want = per_layer[::-1] if transpose else per_layer
-    for hf in ([name.format(i=i) for i in range(shape[0])] if _is_stacked(path) else [name]):
+    for hf, _ in _stacked_names(name, shape):
       seen.add(hf)
       if hf not in names:
         missing.append(hf)
@@ -183,9 +212,11 @@ def _read_param(reader: _Reader, path: tuple, index: tuple, dtype) -> np.ndarray
       return reader.read(hf, (idx[1], idx[0])).T
     return reader.read(hf, idx)
 
-  if _is_stacked(path):
-    layers = range(*index[0].indices(10**9))  # slice of the layer axis (stop is always set)
-    block = np.stack([one(name.format(i=i), index[1:]) for i in layers])
+  lead = _lead(name)
+  if lead:  # slices of the stacked axes (their stops are always set)
+    ranges = [range(*s.indices(10**9)) for s in index[:lead]]
+    parts = [one(hf, index[lead:]) for hf, _ in _stacked_names(name, (), ranges)]
+    block = np.stack(parts).reshape(tuple(len(r) for r in ranges) + parts[0].shape)
   else:
     block = one(name, index)
   return np.asarray(block).astype(dtype)

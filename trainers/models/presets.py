@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from trainers.models import llama, qwen  # noqa: F401 - the architectures the presets use are registered
+from trainers.models import llama, qwen, qwen_moe  # noqa: F401 - the architectures the presets use are registered
 from trainers.models.config import ModelConfig, RopeScaling
 
 
@@ -24,4 +24,7 @@ PRESETS: dict[str, ModelConfig] = {
     # Llama 3.1's RoPE scaling, compressed to the tiny context (original 64 of 512 positions).
     "tiny-llama3": _tiny("llama", tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=500000.0,
                          rope_scaling=RopeScaling("llama3", 8.0, 1.0, 4.0, 64)),
+    # Qwen3-MoE in miniature: 8 experts, top-2, renormalised (as Qwen3-30B-A3B), expert FFN 32.
+    "tiny-qwen3-moe": _tiny("qwen3_moe", tie_word_embeddings=False, intermediate_size=128, num_experts=8,
+                            num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
 }

@@ -29,6 +29,9 @@ class Family:
     hf_name: parameter path → `(HF name with "{i}" for the layer, transposed?)`.
     tensor_rules, fsdp_rules: partition rules keyed by the last two components of a parameter
       path (`trainers.training.parallel.param_spec`).
+    hf_views: optional `(stored names, shape_of) -> {name: (stored name, view)}`: tensors a
+      checkpoint may store fused, read as the per-tensor names of `hf_name` (`view.shape`,
+      `view.index(index) -> stored index`).
   """
 
   name: str
@@ -40,6 +43,7 @@ class Family:
   hf_name: Callable[[tuple], tuple[str, bool]]
   tensor_rules: dict
   fsdp_rules: dict
+  hf_views: Callable | None = None
 
 
 def register(family: Family) -> Family:

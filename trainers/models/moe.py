@@ -1,0 +1,142 @@
+"""The mixture-of-experts block of Qwen3-MoE (`Qwen3MoeSparseMoeBlock`), with routing replay.
+
+Per token `x` (after the post-attention norm), as Hugging Face computes it:
+
+    logits = x W_gateᵀ                     (the router, in the compute dtype)
+    p      = softmax(float32(logits))       (float32 whatever the model dtype)
+    S      = top-k of p                     (the token's experts, in top-k order)
+    w_e    = p_e (/ Σ_{e' ∈ S} p_e' when norm_topk_prob), cast to the compute dtype
+    y      = Σ_{e ∈ S} w_e · W_down,e (silu(W_gate,e x) ⊙ W_up,e x)
+
+**Routing replay** (R3 / R2): given recorded experts `r` (`[..., k]` int32; a row whose first
+entry is `-1` has no record and routes natively), `S = r` and the gate weights are recomputed
+from the *current* router at those experts (`w_e = p_e`, renormalised per `norm_topk_prob`),
+so the output is what the recorded routing gives and the router keeps its gradient.
+
+Two dispatch paths compute `y` (`MOE_DISPATCH`), equal up to float rounding in values and
+gradients:
+
+- `dense`: every expert on every token (`[E, N, ffn]` intermediates), weighted by the gates
+  (zero off `S`). The reference; right for tiny models and CPU.
+- `grouped`: the `N·k` (token, expert) pairs sorted by expert and run through
+  `jax.lax.ragged_dot` (one grouped matmul per projection), then unsorted and summed over k.
+  Memory `O(N·k·(hidden + ffn))`, never `[N, E, ffn]`.
+
+Every layer also reports its native top-k (what the router would pick; the routing-mismatch
+metrics compare it with a rollout's) and the load-balancing statistics of HF's
+`load_balancing_loss_func` (expert counts and mean router probabilities over real tokens).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+MOE_DISPATCH = ("dense", "grouped")
+
+
+class LayerRouting(NamedTuple):
+  """One layer's routing of `[B, T]` tokens."""
+  native: jax.Array  # [B, T, k] int32: the router's own top-k (in top-k order)
+  counts: jax.Array  # [E] float32: (token, slot) assignments per expert over real tokens (native top-k)
+  probs: jax.Array  # [E] float32: Σ over real tokens of the router probabilities
+
+
+class ExpertWeights(nnx.Module):
+  """One projection of all experts: `kernel [E, in, out]` (HF: `experts.{e}.<name>.weight`, `[out, in]`)."""
+
+  def __init__(self, num_experts: int, fan_in: int, fan_out: int, *, init, param_dtype, rngs: nnx.Rngs):
+    self.kernel = nnx.Param(init(rngs.params(), (num_experts, fan_in, fan_out), param_dtype))
+
+
+class Experts(nnx.Module):
+
+  def __init__(self, cfg, *, param_dtype, rngs: nnx.Rngs):
+    init = nnx.initializers.normal(cfg.initializer_range)
+    e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    self.gate_proj = ExpertWeights(e, h, f, init=init, param_dtype=param_dtype, rngs=rngs)
+    self.up_proj = ExpertWeights(e, h, f, init=init, param_dtype=param_dtype, rngs=rngs)
+    self.down_proj = ExpertWeights(e, f, h, init=init, param_dtype=param_dtype, rngs=rngs)
+
+
+def route(probs: jax.Array, k: int, norm_topk_prob: bool, replay: jax.Array | None, dtype):
+  """`(experts [N, k] int32, gate weights [N, k] in dtype, native [N, k])` from float32 router
+  probabilities `[N, E]`, replaying `replay [N, k]` where its first entry is `>= 0`."""
+  _, native = jax.lax.top_k(probs, k)
+  native = native.astype(jnp.int32)
+  experts = native if replay is None else jnp.where(replay[:, :1] >= 0, replay, native)
+  w = jnp.take_along_axis(probs, experts, axis=-1)
+  if norm_topk_prob:
+    w = w / jnp.sum(w, axis=-1, keepdims=True)
+  return experts, w.astype(dtype), native
+
+
+def dense_dispatch(x, experts, weights, wg, wu, wd):
+  """Every expert on every token; `x [N, H]`, `experts/weights [N, k]`, kernels `[E, in, out]`."""
+  num_experts = wg.shape[0]
+  gate = jnp.einsum("nh,ehf->enf", x, wg)
+  up = jnp.einsum("nh,ehf->enf", x, wu)
+  y = jnp.einsum("enf,efh->enh", jax.nn.silu(gate) * up, wd)
+  combine = jnp.sum(jax.nn.one_hot(experts, num_experts, dtype=weights.dtype) * weights[..., None], axis=1)  # [N, E]
+  return jnp.einsum("enh,ne->nh", y, combine)
+
+
+def grouped_dispatch(x, experts, weights, wg, wu, wd):
+  """The `N·k` (token, expert) pairs sorted by expert through `jax.lax.ragged_dot`."""
+  n, k = experts.shape
+  num_experts = wg.shape[0]
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  rows = x[order // k]  # [N·k, H], grouped by expert
+  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  gate = jax.lax.ragged_dot(rows, wg, sizes)
+  up = jax.lax.ragged_dot(rows, wu, sizes)
+  y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, wd, sizes)  # [N·k, H]
+  unsorted = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(n, k, -1)
+  return jnp.sum(unsorted * weights[..., None], axis=1)
+
+
+class SparseMoeBlock(nnx.Module):
+  """Router (`gate`, HF `mlp.gate.weight [E, H]`) and experts; see the module doc."""
+
+  def __init__(self, cfg, *, dtype, param_dtype, dispatch: str = "grouped", rngs: nnx.Rngs):
+    if dispatch not in MOE_DISPATCH:
+      raise ValueError(f"moe_dispatch={dispatch!r}; allowed: {', '.join(MOE_DISPATCH)}")
+    self.gate = nnx.Linear(cfg.hidden_size, cfg.num_experts, use_bias=False,
+                           kernel_init=nnx.initializers.normal(cfg.initializer_range), dtype=dtype,
+                           param_dtype=param_dtype, rngs=rngs)
+    self.experts = Experts(cfg, param_dtype=param_dtype, rngs=rngs)
+    self.top_k = cfg.num_experts_per_tok
+    self.norm_topk_prob = cfg.norm_topk_prob
+    self.dispatch = dispatch
+    self.dtype = dtype
+
+  def __call__(self, x: jax.Array, replay: jax.Array | None = None, valid: jax.Array | None = None):
+    """`x [B, T, H]`, `replay [B, T, k]` or None, `valid [B, T]` bool (real tokens, for the
+    load-balancing statistics) → `(y [B, T, H], LayerRouting)`."""
+    b, t, h = x.shape
+    flat = x.reshape(b * t, h)
+    probs = jax.nn.softmax(self.gate(flat).astype(jnp.float32), axis=-1)
+    experts, weights, native = route(probs, self.top_k, self.norm_topk_prob,
+                                     None if replay is None else replay.reshape(b * t, -1), self.dtype)
+    kernels = [p.kernel[...].astype(self.dtype) for p in (self.experts.gate_proj, self.experts.up_proj,
+                                                            self.experts.down_proj)]
+    fn = dense_dispatch if self.dispatch == "dense" else grouped_dispatch
+    y = fn(flat.astype(self.dtype), experts, weights, *kernels)
+    real = (jnp.ones((b * t,), bool) if valid is None else valid.reshape(-1))[:, None]
+    num_experts = probs.shape[-1]
+    counts = jnp.sum(jnp.where(real[..., None], jax.nn.one_hot(native, num_experts, dtype=jnp.float32), 0.0),
+                     axis=(0, 1))
+    prob_sums = jnp.sum(jnp.where(real, probs, 0.0), axis=0)
+    return y.reshape(b, t, h), LayerRouting(native.reshape(b, t, -1), counts, prob_sums)
+
+
+def load_balancing_loss(counts: jax.Array, probs: jax.Array, num_tokens: jax.Array) -> jax.Array:
+  """HF's `load_balancing_loss_func` from per-layer statistics `[L, E]` over `num_tokens` real
+  tokens: `E · Σ_e (Σ_l counts_le / (L·N)) · (Σ_l probs_le / (L·N))`."""
+  layers, num_experts = counts.shape
+  denom = jnp.maximum(layers * num_tokens.astype(jnp.float32), 1.0)
+  return num_experts * jnp.sum((jnp.sum(counts, 0) / denom) * (jnp.sum(probs, 0) / denom))
