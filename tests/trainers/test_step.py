@@ -279,8 +279,8 @@ def test_invalid_mesh_is_a_config_error():
     parallel.mesh_shape(parallel.ParallelSection(data=2, fsdp=2, tensor=1), 8)
   with pytest.raises(mis_jax.ConfigError, match="parallel.tensor must be a positive int"):
     parallel.mesh_shape(parallel.ParallelSection(tensor=0), 8)
-  assert parallel.mesh_shape(parallel.ParallelSection(), 8) == (1, 8, 1)
-  assert parallel.mesh_shape(parallel.ParallelSection(data=2, tensor=2), 8) == (2, 2, 2)
+  assert parallel.mesh_shape(parallel.ParallelSection(), 8) == (1, 8, 1, 1)
+  assert parallel.mesh_shape(parallel.ParallelSection(data=2, tensor=2), 8) == (2, 2, 1, 2)
   with pytest.raises(mis_jax.ConfigError, match=r"parallel.tensor=8 does not divide the model's num_attention_heads \(4\)"):
     parallel.check_model(_mesh((1, 1, 8)), TINY)
   with pytest.raises(mis_jax.ConfigError, match=r"num_key_value_heads \(2\)"):

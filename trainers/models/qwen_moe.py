@@ -4,7 +4,9 @@ family) on the shared decoder, its MLP replaced by a mixture-of-experts block in
 
 Attention is Qwen3's (q/k RMSNorm, optional `attention_bias`). The HF config names the expert
 count `num_experts` (transformers 4.x, SGLang) or `num_local_experts` (transformers 5.x); both
-are read and both written. Layouts that mix dense and MoE layers (`mlp_only_layers`,
+are read and both written. The shared partition rules apply inside an expert (its FFN columns
+split over `tensor`); the expert axis of `[L, E, in, out]` is split over the mesh's `expert`
+axis (`trainers.training.parallel.param_spec`). Layouts that mix dense and MoE layers (`mlp_only_layers`,
 `decoder_sparse_step > 1`) are refused: the stacked layer scan needs one layer structure, and
 the published checkpoints of this family are MoE in every layer.
 
@@ -102,13 +104,9 @@ def hf_views(names, shape_of) -> dict:
   return views
 
 
-# Tensor parallelism inside an expert splits its FFN columns (gate/up) and rows (down); the
-# expert axis itself is split by the `expert` mesh axis (`trainers.training.parallel`).
-TENSOR_RULES = {**decoder.TENSOR_RULES, ("gate_proj", "kernel"): -1, ("up_proj", "kernel"): -1,
-                ("down_proj", "kernel"): -2}
 
 
 FAMILY = registry.register(registry.Family(
     name="qwen3_moe", architectures=ARCHITECTURES, from_hf_dict=from_hf_dict, to_hf_dict=to_hf_dict,
-    features=features, module=decoder.CausalLM, hf_name=decoder.hf_name, tensor_rules=TENSOR_RULES,
+    features=features, module=decoder.CausalLM, hf_name=decoder.hf_name, tensor_rules=decoder.TENSOR_RULES,
     fsdp_rules=decoder.FSDP_RULES, hf_views=hf_views))

@@ -54,11 +54,16 @@ class GenerationEngine:
   `dtype`: parameters and compute of the served model. `quantize`: `"int8"` / `"fp8"` serve
   weight-only quantised Linear kernels (`trainers.models.quantize`, per-output-channel scales
   computed from the checkpoint's values), re-quantised at every weight update.
+  `enable_return_routed_experts` (SGLang's `--enable-return-routed-experts`): a mixture-of-
+  experts model returns, for requests with `return_routed_experts`, the experts its router
+  chose (in the served dtype) at every position; without it, or for a dense model, such
+  requests are answered without them, as SGLang does (its capturer does not exist then).
   """
 
   def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0,
                max_batch_size: int = 64, weight_version: str = "default", quantize: str = "none",
-               sampling_mask_max_tokens: int = protocol.SAMPLING_MASK_MAX_TOKENS):
+               sampling_mask_max_tokens: int = protocol.SAMPLING_MASK_MAX_TOKENS,
+               enable_return_routed_experts: bool = False):
     if dtype not in DTYPES:
       raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if quantize not in QUANTIZATIONS:
@@ -66,6 +71,7 @@ class GenerationEngine:
     if sampling_mask_max_tokens < 1:
       raise ValueError(f"sampling_mask_max_tokens must be positive, got {sampling_mask_max_tokens}")
     self.sampling_mask_max_tokens = sampling_mask_max_tokens
+    self.enable_return_routed_experts = enable_return_routed_experts
     self.model_path = os.path.abspath(model_path)
     self.dtype = dtype
     self.quantize = quantize
@@ -157,8 +163,9 @@ class GenerationEngine:
         completions = []
         if work:
           items = [jobs[k].request.items[i] for k, i in work]
+          routed = self.enable_return_routed_experts and self.config.is_moe
           completions = self.sampler.generate(
-              [it.input_ids for it in items], [_engine_params(it, self.config.max_position_embeddings)
+              [it.input_ids for it in items], [_engine_params(it, self.config.max_position_embeddings, routed)
                                                for it in items],
               prompt_logprobs=any(it.return_logprob and it.logprob_start_len >= 0 for it in items))
       done = dict(zip(work, completions))
@@ -218,12 +225,16 @@ class GenerationEngine:
     if item.return_sampling_mask:  # top_k <= the cap was checked, so no support overflows it
       mask = (c.sampling_mask, c.sampling_mask_logprobs if item.sampling_logprobs_mode == "support"
               else c.sampling_logprobs)
+    routed = None
+    if c.routed_experts is not None:
+      routed = protocol.encode_routed_experts(c.routed_experts[item.routed_experts_start_len:])
     shown = c.output_ids
     if kind == "stop" and not aborted and not item.sampling.no_stop_trim and shown:
       shown = shown[:-1]  # SGLang trims the matched stop token from the text (not output_ids)
     meta = protocol.meta_info(rid=item.rid, finish_reason=finish, prompt_tokens=c.prompt_tokens,
                               weight_version=version, completion_tokens=len(c.output_ids),
-                              e2e_latency=latency, sent_ts=now, logprobs=logprobs, sampling_mask=mask)
+                              e2e_latency=latency, sent_ts=now, logprobs=logprobs, sampling_mask=mask,
+                              routed_experts=routed)
     return {"text": self._decode(shown, item.sampling.skip_special_tokens),
             "output_ids": c.output_ids, "meta_info": meta}
 
@@ -346,10 +357,11 @@ class GenerationEngine:
         "enable_deterministic_inference": True, "incremental_streaming_output": False,
         "disaggregation_mode": "null", "internal_states": [self.internal_state()],
         "sampling_mask_max_tokens": self.sampling_mask_max_tokens,
+        "enable_return_routed_experts": self.enable_return_routed_experts,
         "version": protocol.PROTOCOL_VERSION, "frontend": "mis-jax"}
 
 
-def _engine_params(item: protocol.Item, context: int) -> SamplingOptions:
+def _engine_params(item: protocol.Item, context: int, routed_experts: bool = False) -> SamplingOptions:
   """A validated protocol item's sampling params → the sampler's."""
   s, prompt_len = item.sampling, len(item.input_ids)
   top_k = -1 if s.top_k is None or s.top_k >= protocol.TOP_K_ALL else s.top_k
@@ -357,7 +369,8 @@ def _engine_params(item: protocol.Item, context: int) -> SamplingOptions:
   return SamplingOptions(temperature=float(s.temperature), top_p=float(s.top_p), top_k=top_k,
                         min_p=float(s.min_p), max_new_tokens=max_new,
                         stop_token_ids=tuple(s.stop_token_ids or ()), ignore_eos=bool(s.ignore_eos),
-                        n=1, seed=s.sampling_seed, sampling_mask=item.return_sampling_mask)
+                        n=1, seed=s.sampling_seed, sampling_mask=item.return_sampling_mask,
+                        routed_experts=routed_experts and item.return_routed_experts)
 
 
 def _load_tokenizer(path: str):

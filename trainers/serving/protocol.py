@@ -20,12 +20,14 @@ them with `parse_generate_response` and every error shape with `error_message`.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import math
 import uuid
 from typing import Annotated, Any, Literal, Sequence
 
 import msgspec
+import numpy as np
 
 PROTOCOL_VERSION = "0.5.23"  # the SGLang release whose protocol this module follows
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
@@ -133,6 +135,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
   images_config: Any = None
   routed_experts_start_len: int = 0
   return_sampling_mask: bool | list[bool] | None = None
+  # Not in api_types.py either; GenerateReqInput reads it (one bool for the whole batch).
+  return_routed_experts: bool = False
   # Not in api_types.py (its contract ignores the key); SGLang's GenerateReqInput reads it.
   sampling_logprobs_mode: str | list[str | None] | None = None
   modalities: list[str | None] | None = None
@@ -228,6 +232,8 @@ class Item:
   return_text_in_logprobs: bool
   return_sampling_mask: bool = False
   sampling_logprobs_mode: str | None = None  # None: "selected"
+  return_routed_experts: bool = False
+  routed_experts_start_len: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,7 +364,9 @@ def normalize_generate(req: GenerateRequest, *, encode=None) -> NormalizedGenera
                         logprob_start_len=int(per_prompt["logprob_start_len"][i]),
                         return_text_in_logprobs=bool(req.return_text_in_logprobs),
                         return_sampling_mask=bool(per_prompt["return_sampling_mask"][i]),
-                        sampling_logprobs_mode=per_prompt["sampling_logprobs_mode"][i]))
+                        sampling_logprobs_mode=per_prompt["sampling_logprobs_mode"][i],
+                        return_routed_experts=bool(req.return_routed_experts),
+                        routed_experts_start_len=int(req.routed_experts_start_len)))
   return NormalizedGenerate(items=items, is_single=is_single, stream=bool(req.stream))
 
 
@@ -410,6 +418,14 @@ def validate_item(item: Item, *, vocab_size: int, context_length: int,
     raise RequestError(
         f"req.logprob_start_len={item.logprob_start_len} is higher than the number of input tokens "
         f"len(req.origin_input_ids)={num_input}. Please use a smaller logprob_start_len.")
+  if item.return_routed_experts:  # the scheduler's checks (SGLang aborts the request: HTTP 400)
+    start = item.routed_experts_start_len
+    if start < 0:
+      raise RequestError(f"recv_req.routed_experts_start_len={start} is lower than 0. Please use a non-negative "
+                         "routed_experts_start_len.")
+    if start > num_input:
+      raise RequestError(f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
+                         f"len(req.origin_input_ids)={num_input}. Please use a smaller routed_experts_start_len.")
   if item.sampling_logprobs_mode is not None and not item.return_sampling_mask:
     raise RequestError("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
   if item.sampling_logprobs_mode not in (None,) + SAMPLING_LOGPROBS_MODES:
@@ -456,11 +472,13 @@ def logprob_entries(values: Sequence[float | None], ids: Sequence[int], texts=No
 def meta_info(*, rid: str, finish_reason: dict, prompt_tokens: int | None, weight_version: str,
               completion_tokens: int, e2e_latency: float, sent_ts: float,
               logprobs: tuple[list, list] | None = None, running: bool = True,
-              sampling_mask: tuple[list, list] | None = None) -> dict:
+              sampling_mask: tuple[list, list] | None = None, routed_experts: str | None = None) -> dict:
   """`meta_info` with SGLang 0.5.23's keys in its order. `logprobs`: (input entries, output
   entries) when `return_logprob`. `sampling_mask`: (kept ids per output token, their
   `output_token_sampling_logprobs`) when `return_sampling_mask`. `running=False`: a request
-  aborted in the waiting queue (no `prompt_tokens`, SGLang's shorter form)."""
+  aborted in the waiting queue (no `prompt_tokens`, SGLang's shorter form). `routed_experts`:
+  the base64 of the request's routed experts (`encode_routed_experts`), added after the rest
+  as SGLang's tokenizer manager adds it."""
   spans = [{"version": weight_version, "start": 0, "end": completion_tokens}]
   if not running:
     meta = {"id": rid, "finish_reason": finish_reason, "weight_version": weight_version,
@@ -480,7 +498,36 @@ def meta_info(*, rid: str, finish_reason: dict, prompt_tokens: int | None, weigh
                 output_token_sampling_mask_length=len(sampling_mask[0]))
   meta.update(reasoning_tokens=0, completion_tokens=completion_tokens, cached_tokens=0,
               weight_versions=spans, e2e_latency=e2e_latency, response_sent_to_client_ts=sent_ts)
+  if routed_experts is not None:
+    meta["routed_experts"] = routed_experts
   return meta
+
+
+def encode_routed_experts(experts) -> str:
+  """`[rows, num_hidden_layers, num_experts_per_tok]` expert ids → SGLang's wire form: the
+  base64 of their row-major int32 bytes."""
+  return base64.b64encode(np.ascontiguousarray(experts, dtype="<i4").tobytes()).decode("ascii")
+
+
+ROUTED_EXPERTS_DTYPES = {"int32": "<i4", "int16": "<i2", "int64": "<i8", "uint8": "u1", "int8": "i1"}
+
+
+def decode_routed_experts(value: str, num_layers: int, top_k: int, dtype: str | None = None):
+  """SGLang's `meta_info["routed_experts"]` → int32 `[rows, num_layers, top_k]`; `dtype`:
+  `meta_info["routed_experts_dtype"]` when the server sends one (default int32). Raises
+  `ContractError` when the bytes do not decode or do not fit the shape."""
+  if dtype is not None and dtype not in ROUTED_EXPERTS_DTYPES:
+    raise ContractError(f"routed_experts_dtype {dtype!r} is not one of {', '.join(ROUTED_EXPERTS_DTYPES)}")
+  try:
+    raw = base64.b64decode(value, validate=True)
+  except (ValueError, TypeError) as e:
+    raise ContractError(f"routed_experts is not base64: {e}") from None
+  flat = np.frombuffer(raw, dtype=ROUTED_EXPERTS_DTYPES[dtype or "int32"])
+  per_row = num_layers * top_k
+  if flat.size % per_row:
+    raise ContractError(f"routed_experts holds {flat.size} ids, not a multiple of num_hidden_layers x "
+                        f"num_experts_per_tok = {num_layers} x {top_k}")
+  return flat.astype(np.int32).reshape(-1, num_layers, top_k)
 
 
 # Error bodies, by the stage that raises them (SGLang's http_server).
@@ -533,6 +580,8 @@ class MetaInfo(msgspec.Struct, kw_only=True):
   output_token_sampling_mask: list[list[int]] | None = None
   output_token_sampling_logprobs: list[Any] | None = None  # selected: floats; support: lists
   output_token_sampling_mask_length: int | None = None
+  routed_experts: str | None = None  # base64 int32 [seqlen - 1 - start, layers, top_k]
+  routed_experts_dtype: str | None = None
 
 
 class GenerateResult(msgspec.Struct, kw_only=True):
@@ -548,7 +597,8 @@ def parse_generate_result(item: Any) -> GenerateResult:
 
 def generate_body(prompts: Sequence[Sequence[int]], sampling_params: dict, *, n: int = 1,
                   seeds: Sequence[int] | None = None, return_logprob: bool = True,
-                  rid: str | None = None, return_sampling_mask: bool = False) -> dict:
+                  rid: str | None = None, return_sampling_mask: bool = False,
+                  return_routed_experts: bool = False) -> dict:
   """A `/generate` body for `n` samples of every prompt, valid for SGLang's contract.
 
   With `seeds` (one per sample, prompt-major), each sample is sent as its own batch entry with
@@ -562,6 +612,8 @@ def generate_body(prompts: Sequence[Sequence[int]], sampling_params: dict, *, n:
   body: dict[str, Any] = {"return_logprob": return_logprob}
   if return_sampling_mask:  # the behaviour log-prob of each token and its support (selected mode)
     body["return_sampling_mask"] = True
+  if return_routed_experts:  # every position's experts, per layer (R3)
+    body["return_routed_experts"] = True
   if seeds is None:
     body["input_ids"] = [list(map(int, p)) for p in prompts]
     body["sampling_params"] = dict(params, n=n)

@@ -56,6 +56,7 @@ class SamplingOptions:
   n: int = 1
   seed: int | None = None
   sampling_mask: bool = False  # return each output token's support (needs a finite top_k or greedy)
+  routed_experts: bool = False  # return every position's experts per layer (a mixture-of-experts model)
 
   def __post_init__(self):
     if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
@@ -95,6 +96,9 @@ class Completion:
   sampling_logprobs: list[float] | None = None
   sampling_mask: list[list[int]] | None = None
   sampling_mask_logprobs: list[list[float]] | None = None
+  # With `routed_experts`: int32 `[prompt + completion - 1, num_hidden_layers, k]`, row i the
+  # experts that routed the token at position i (the last sampled token never ran).
+  routed_experts: np.ndarray | None = None
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -138,20 +142,22 @@ def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, *, mask_wi
 
 def _generate(graphdef, params, prompt_ids, prompt_lens, row_seeds, temperature, top_p, top_k,
               min_p, max_new, stop_ids, *, num_steps: int, prompt_logprobs: bool = False,
-              mask_width: int = 0):
+              mask_width: int = 0, routed_experts: bool = False):
   """Rows `[B]`; `prompt_ids [B, P]` right-padded; `row_seeds [B]` uint32.
 
   Returns a dict: `output_ids [B, num_steps]`, `logprobs [B, num_steps]` (full vocabulary),
   `lengths [B]`, `stopped [B]`, `prompt_lp [B, P]` (entry `t`: log-prob of prompt token `t + 1`;
   zeros without `prompt_logprobs`), and with `mask_width > 0` `support [B, num_steps, W]` (ids,
   `-1` padded), `support_lp [B, num_steps, W]` (renormalised over the support) and
-  `support_size [B, num_steps]`.
+  `support_size [B, num_steps]`; with `routed_experts`, `prompt_routes [B, P, L, k]` (the
+  prefill's experts) and `routes [B, num_steps, L, k]` (those of the token fed at each step).
   """
   model = nnx.merge(graphdef, params)
   batch, prompt_len = prompt_ids.shape
   cache = model.init_cache(batch, prompt_len + num_steps)
   positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
-  all_logits, cache = model.decode(prompt_ids, positions, cache)
+  routing = {"return_routing": True} if routed_experts else {}
+  all_logits, cache, *prompt_routes = model.decode(prompt_ids, positions, cache, **routing)
   if prompt_logprobs:
     lp = jax.nn.log_softmax(all_logits.astype(jnp.float32) / temperature[:, None, None], axis=-1)
     nxt = jnp.concatenate([prompt_ids[:, 1:], jnp.zeros_like(prompt_ids[:, :1])], axis=1)
@@ -178,13 +184,15 @@ def _generate(graphdef, params, prompt_ids, prompt_lens, row_seeds, temperature,
       new.update(support=jnp.where(active[:, None], support["ids"], -1),
                  support_lp=jnp.where(active[:, None], support["logprobs"], 0.0),
                  support_size=jnp.where(active, support["size"], 0))
-    out = {k: v.at[:, step].set(new[k]) for k, v in out.items()}
+    out = dict(out, **{k: out[k].at[:, step].set(v) for k, v in new.items()})
     lengths = lengths + active.astype(jnp.int32)
     hit = active & jnp.any(token[:, None] == stop_ids, axis=-1)
     stopped = stopped | hit
     done = done | hit | (lengths >= max_new)
-    next_logits, cache = model.decode(token[:, None].astype(jnp.int32),
-                                      (prompt_lens + step)[:, None], cache)
+    next_logits, cache, *routes = model.decode(token[:, None].astype(jnp.int32),
+                                               (prompt_lens + step)[:, None], cache, **routing)
+    if routed_experts:
+      out = dict(out, routes=out["routes"].at[:, step].set(routes[0][:, 0]))
     return step + 1, next_logits[:, 0], cache, out, lengths, done, stopped
 
   out = {"output_ids": jnp.zeros((batch, num_steps), jnp.int32),
@@ -193,9 +201,14 @@ def _generate(graphdef, params, prompt_ids, prompt_lens, row_seeds, temperature,
     out.update(support=jnp.full((batch, num_steps, mask_width), -1, jnp.int32),
                support_lp=jnp.zeros((batch, num_steps, mask_width), jnp.float32),
                support_size=jnp.zeros((batch, num_steps), jnp.int32))
+  if routed_experts:
+    cfg = model.config
+    out["routes"] = jnp.zeros((batch, num_steps, cfg.num_hidden_layers, cfg.num_experts_per_tok), jnp.int32)
   init = (jnp.int32(0), logits, cache, out, jnp.zeros((batch,), jnp.int32),
           max_new <= 0, jnp.zeros((batch,), bool))
   _, _, _, out, lengths, _, stopped = jax.lax.while_loop(cond, body, init)
+  if routed_experts:
+    out["prompt_routes"] = prompt_routes[0]
   return dict(out, lengths=lengths, stopped=stopped, prompt_lp=prompt_lp)
 
 
@@ -218,7 +231,7 @@ class Sampler:
     self.max_batch_size = _bucket(max_batch_size, 1)
     self._rng = np.random.default_rng(seed)
     self._generate = jax.jit(functools.partial(_generate, self.graphdef),
-                             static_argnames=("num_steps", "prompt_logprobs", "mask_width"))
+                             static_argnames=("num_steps", "prompt_logprobs", "mask_width", "routed_experts"))
 
   def set_params(self, params: nnx.State) -> None:
     """Swaps the weights (same structure, shapes and dtypes: nothing recompiles)."""
@@ -294,9 +307,12 @@ class Sampler:
     masked = [b for b, r in enumerate(rows) if r[3].sampling_mask]
     # Greedy rows (top_k 1) and finite top-k bound the support; the width is bucketed.
     mask_width = _bucket(max(int(top_k[b]) for b in masked), 1) if masked else 0
+    routed = any(r[3].routed_experts for r in rows)
+    if routed and not self.config.is_moe:
+      raise ValueError("routed experts were asked of a dense model")
     out = jax.device_get(self._generate(
         self.params, ids, lens, seeds, temp, top_p, top_k, min_p, max_new, stop,
-        num_steps=num_steps, prompt_logprobs=prompt_logprobs, mask_width=mask_width))
+        num_steps=num_steps, prompt_logprobs=prompt_logprobs, mask_width=mask_width, routed_experts=routed))
     completions = []
     for b, (i, j, prompt, p, _, _) in enumerate(rows):
       n = int(out["lengths"][b])
@@ -309,6 +325,9 @@ class Sampler:
         support_lps = [out["support_lp"][b, t, :k].tolist() for t, k in enumerate(sizes)]
         extra = dict(sampling_mask=masks, sampling_mask_logprobs=support_lps,  # the token's is its behaviour log-prob
                      sampling_logprobs=[lps[m.index(tok)] for tok, m, lps in zip(out_ids.tolist(), masks, support_lps)])
+      if p.routed_experts:  # positions 0 .. len(prompt) + n - 2: the prompt's, then the fed tokens'
+        seq = np.concatenate([out["prompt_routes"][b, :len(prompt)], out["routes"][b, :n]])
+        extra["routed_experts"] = seq[:len(prompt) + n - 1]
       completions.append(Completion(
           i, j, len(prompt), out_ids.tolist(), out["logprobs"][b, :n].tolist(), finish,
           out["prompt_lp"][b, :len(prompt) - 1].tolist() if prompt_logprobs else None, **extra))

@@ -38,7 +38,7 @@ _LOOPBACK = ("127.0.0.1", "localhost")
 
 def build_parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog="mis-jax serve", description="Serve a Hugging Face Qwen2, Qwen3 or Llama checkpoint over "
+      prog="mis-jax serve", description="Serve a Hugging Face Qwen2, Qwen3, Qwen3-MoE or Llama checkpoint over "
       "SGLang's native HTTP API (/generate, /update_weights_from_disk, ...).",
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--model-path", required=True, help="HF checkpoint dir (config.json + *.safetensors)")
@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--sampling-mask-max-tokens", type=int, default=4096,
                       help="largest sampling support a request may ask for with return_sampling_mask "
                       "(its top_k must not exceed it), as SGLang")
+  parser.add_argument("--enable-return-routed-experts", action="store_true",
+                      help="a mixture-of-experts model returns each position's experts per layer to requests "
+                      "with return_routed_experts (SGLang's flag; needed for routing replay, R3)")
   parser.add_argument("--verbose", action="store_true", help="log every HTTP request")
   return parser
 
@@ -96,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
   try:
     engine = GenerationEngine(args.model_path, dtype=args.dtype, seed=args.seed, quantize=args.quantize,
                     max_batch_size=args.max_batch_size, weight_version=args.weight_version,
-                    sampling_mask_max_tokens=args.sampling_mask_max_tokens)
+                    sampling_mask_max_tokens=args.sampling_mask_max_tokens,
+                    enable_return_routed_experts=args.enable_return_routed_experts)
   except ValueError as e:  # a config.json or checkpoint this server cannot load
     print(f"mis-jax serve: --model-path {args.model_path!r}: {e}", file=sys.stderr)
     return 2

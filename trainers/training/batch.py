@@ -4,7 +4,7 @@ Each sequence is prompt + response; the model sees `seq[:-1]` and predicts `seq[
 response token `j` sits at input position `len(prompt) - 1 + j`. Sequences are packed
 first-fit-decreasing into rows of `row_len` tokens (SPEC §1) and the rows are laid out as
 `[micro_batches, rows_per_micro_batch, row_len]`, where a micro-batch holds at most
-`tokens_per_micro_batch` tokens per device of the `data × fsdp` batch axes.
+`tokens_per_micro_batch` tokens per device of the `data × fsdp × expert` batch axes.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class StepBatch:
   packing: mis_jax.Packing
   layout: Layout
   support: np.ndarray | None = None  # [micro_batches, rows, row_len, K] int32, -1 padded (sampling replay)
+  routing: np.ndarray | None = None  # [micro_batches, rows, row_len, layers, k] int32, -1: no record (routed experts)
 
   def per_sequence(self, token_array) -> list[np.ndarray]:
     """A `[micro_batches, rows, row_len]` per-token array → one array per sequence."""
@@ -84,11 +85,14 @@ class StepBatch:
 
 
 def build_step_batch(samples, rewards, advantages, groups, *, num_segments: int, row_len: int,
-                     tokens_per_micro_batch: int, batch_devices: int, support_width: int = 0) -> StepBatch:
+                     tokens_per_micro_batch: int, batch_devices: int, support_width: int = 0,
+                     routing=None) -> StepBatch:
   """Packs `samples` (with `prompt_ids`, `response_ids`, `rollout_logprobs`) and their
   per-sequence `advantages` into a :class:`StepBatch`. With `support_width` (sampling-mask
   replay) each response token's `sampling_mask` is packed into `support` (`-1` elsewhere:
-  prompt tokens and padding are over the whole vocabulary)."""
+  prompt tokens and padding are over the whole vocabulary). With `routing` (a `RoutingSpec`:
+  routed experts asked for) each sample's `routed_experts` row i lands at its input position i
+  (`-1` on padding: routed natively)."""
   inputs, targets, masks, q, supports = [], [], [], [], []
   for s in samples:
     seq = np.array(s.prompt_ids + s.response_ids, np.int32)
@@ -109,6 +113,10 @@ def build_step_batch(samples, rewards, advantages, groups, *, num_segments: int,
                        batch_devices=batch_devices)
   packing = mis_jax.plan_packing(lengths, row_len, num_rows=layout.num_rows)
   shaped = lambda x: np.asarray(x).reshape(layout.shape)
+  routes = None
+  if routing is not None:
+    per_seq = [np.asarray(s.routed_experts, np.int32) for s in samples]
+    routes = packing.pack(per_seq, -1, np.int32).reshape(layout.shape + (routing.num_layers, routing.top_k))
   pack = lambda xs, fill, dtype: shaped(packing.pack(xs, fill, dtype))
   advs = [np.full(n, a, np.float32) for n, a in zip(lengths, advantages)]
   batch = mis_jax.PackedBatch(
@@ -121,4 +129,4 @@ def build_step_batch(samples, rewards, advantages, groups, *, num_segments: int,
                    response_lengths=np.array([len(s.response_ids) for s in samples]),
                    groups=np.asarray(groups, np.int32), packing=packing, layout=layout,
                    support=(packing.pack(supports, -1, np.int32).reshape(layout.shape + (support_width,))
-                            if support_width else None))
+                            if support_width else None), routing=routes)

@@ -22,13 +22,16 @@ DTYPES = ("float32", "bfloat16")  # trainers.models.DTYPES' names (a test checks
 PRESET_NAMES = ("tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-untied")
 ATTENTION = ("dense", "blocked", "fused")    # trainers.models.attention.ATTENTION_BACKENDS
 REMAT = ("none", "full", "dots")             # trainers.models.decoder.REMAT_POLICIES
+MOE_DISPATCH = ("dense", "grouped")          # trainers.models.moe.MOE_DISPATCH
+ROUTING_REPLAY = ("none", "r3", "r2")
 TASKS = ("copy_digits", "dataset", "jsonl")  # `jsonl`: the dataset task's former name
 REWARDS = ("math", "exact_match", "format")  # trainers.tasks.rewards.REWARDS
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelSection:
-  path: str | None = key(None, "an HF checkpoint dir (Qwen2, Qwen3 or Llama: config.json + *.safetensors); else `preset`")
+  path: str | None = key(None, "an HF checkpoint dir (Qwen2, Qwen3, Qwen3-MoE or Llama: config.json + *.safetensors); "
+                         "else `preset`")
   preset: str = key("tiny-qwen3", "a tiny model initialised from scratch when `path` is null", choices=PRESET_NAMES)
   initializer_range: float | None = key(None, "std of the preset's random weights (null: the preset's 0.02)", gt=0)
   init_seed: int = key(0, "seed of the preset's random weights", ge=0)
@@ -38,6 +41,8 @@ class ModelSection:
                        choices=ATTENTION)
   remat: str = key("full", "activation checkpointing of the layer scan", choices=REMAT)
   logprob_chunk: int = key(1024, "tokens per chunk of the LM head (`mis_jax.token_logprobs`)", ge=1)
+  moe_dispatch: str = key("grouped", "mixture of experts: `grouped` (tokens sorted by expert, ragged_dot) or `dense` "
+                          "(every expert on every token: the small-model reference)", choices=MOE_DISPATCH)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +95,12 @@ class RolloutSection:
   sampling_mask_max_tokens: int = key(4096, "largest support accepted (as SGLang's --sampling-mask-max-tokens); "
                                       "top_k must not exceed it", ge=1)
   max_new_tokens: int | None = key(None, "response length cap (null: the task's)", ge=1)
+  routing_replay: str = key("none", "mixture of experts: `r3` replays the server's routed experts (SGLang "
+                            "--enable-return-routed-experts) in the old-log-prob pass and every training forward; "
+                            "`r2` replays the trainer's own old-pass routing in the training forwards",
+                            choices=ROUTING_REPLAY)
+  record_routing: bool | None = key(None, "ask the server for routed experts and log the routing-mismatch metrics "
+                                    "(null: with r3)")
   server_dtype: str = key("bfloat16", "embedded server precision", choices=DTYPES)
   server_quantize: str = key("none", "embedded server's weight-only quantisation of Linear kernels (per-channel "
                              "scales, on top of `server_dtype`)", choices=("none", "int8", "fp8"))
@@ -127,6 +138,7 @@ class TrainSection:
   row_len: int = key(64, "tokens per packed row (>= the longest prompt + response)", ge=2)
   advantage_estimator: str = key("grpo", "per-group advantages (SPEC §6.1)", choices=tuple(mis_jax.ESTIMATORS))
   exclude_rejected_from_baseline: bool = key(False, "sequences rejected whole leave their group's baseline (SPEC §6.1)")
+  router_aux_loss_coef: float = key(0.0, "mixture of experts: weight of HF's load-balancing loss (RL recipes: 0)", ge=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +147,8 @@ class ParallelSection:
   data: int = key(1, "data-parallel replicas (parameters replicated)", ge=-1)
   fsdp: int = key(-1, "fully sharded data parallelism (parameters, optimiser state split); -1: the rest", ge=-1)
   tensor: int = key(1, "Megatron tensor parallelism (heads, MLP columns, vocabulary split)", ge=-1)
+  expert: int = key(1, "expert parallelism: a mixture-of-experts model's experts split over it (it also splits the "
+                    "batch, as fsdp does)", ge=-1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,16 +1,20 @@
 """The device mesh and where every array lives on it (the trainer's `parallel` section).
 
-Three mesh axes, built with `jax.make_mesh` (GSPMD-style `Auto` axes):
+Four mesh axes, built with `jax.make_mesh` (GSPMD-style `Auto` axes):
 
 - `data`: plain data parallelism — parameters replicated, the batch split;
 - `fsdp`: fully sharded data parallelism — the batch split *and* every matrix parameter (and
   its optimiser state and gradient accumulator) split along its largest dimension; XLA
   all-gathers a layer's weights when it runs and reduce-scatters its gradients;
+- `expert`: expert parallelism (a mixture-of-experts model) — every expert's weights live on
+  one `1/expert` slice of the axis (the expert dimension of `[L, E, ...]` kernels split), and
+  the batch is split over it too, as over `fsdp`; XLA moves the tokens' hidden states to the
+  experts' devices and back;
 - `tensor`: Megatron tensor parallelism — q/k/v, gate and up projections split by output
   columns (heads / MLP columns), o and down projections by input rows, the vocabulary of the
   embedding and LM head split; activations replicated.
 
-The batch (`[micro_batches, rows, row_len]`) is split over `data × fsdp` along its rows.
+The batch (`[micro_batches, rows, row_len]`) is split over `data × fsdp × expert` along its rows.
 Partition rules are keyed by parameter name and owned by the architecture (`Family.tensor_rules`,
 `fsdp_rules`; the shared decoder's in `trainers.models.decoder`), as MaxText's logical axis rules.
 """
@@ -28,18 +32,19 @@ from mis_jax import ConfigError
 from trainers.models import decoder
 from trainers.training.config import ParallelSection
 
-AXES = ("data", "fsdp", "tensor")
-BATCH_AXES = ("data", "fsdp")
+AXES = ("data", "fsdp", "expert", "tensor")
+BATCH_AXES = ("data", "fsdp", "expert")
 
-def mesh_shape(section: ParallelSection, num_devices: int) -> tuple[int, int, int]:
-  """The resolved `(data, fsdp, tensor)` sizes of `section` for `num_devices`, or a `ConfigError`."""
+
+def mesh_shape(section: ParallelSection, num_devices: int) -> tuple[int, int, int, int]:
+  """The resolved `(data, fsdp, expert, tensor)` sizes of `section` for `num_devices`, or a `ConfigError`."""
   sizes = {a: getattr(section, a) for a in AXES}
   for axis, n in sizes.items():
     if isinstance(n, bool) or not isinstance(n, int) or (n < 1 and n != -1):
       raise ConfigError(f"parallel.{axis} must be a positive int or -1 (the rest of the devices), got {n!r}")
   free = [a for a, n in sizes.items() if n == -1]
   if len(free) > 1:
-    raise ConfigError(f"only one of parallel.{{data,fsdp,tensor}} may be -1, got {', '.join(free)}")
+    raise ConfigError(f"only one of parallel.{{data,fsdp,expert,tensor}} may be -1, got {', '.join(free)}")
   fixed = math.prod(n for n in sizes.values() if n != -1)
   if num_devices % fixed:
     given = " x ".join(f"{a}={n}" for a, n in sizes.items() if n != -1)
@@ -47,9 +52,9 @@ def mesh_shape(section: ParallelSection, num_devices: int) -> tuple[int, int, in
   if free:
     sizes[free[0]] = num_devices // fixed
   elif fixed != num_devices:
-    raise ConfigError(f"parallel: data x fsdp x tensor = {fixed} but there are {num_devices} devices "
+    raise ConfigError(f"parallel: data x fsdp x expert x tensor = {fixed} but there are {num_devices} devices "
                       "(set one axis to -1 to take the rest)")
-  return sizes["data"], sizes["fsdp"], sizes["tensor"]
+  return sizes["data"], sizes["fsdp"], sizes["expert"], sizes["tensor"]
 
 
 def make_mesh(section: ParallelSection, devices=None) -> jax.sharding.Mesh:
@@ -59,9 +64,18 @@ def make_mesh(section: ParallelSection, devices=None) -> jax.sharding.Mesh:
 
 
 def check_model(mesh: jax.sharding.Mesh, model_cfg) -> None:
-  """Tensor parallelism splits heads and MLP columns: they must divide evenly."""
-  tp = mesh.shape["tensor"]
-  for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+  """Tensor parallelism splits heads and MLP (expert FFN) columns, expert parallelism the
+  experts: they must divide evenly; an `expert` axis needs a mixture-of-experts model."""
+  tp, ep = mesh.shape["tensor"], mesh.shape["expert"]
+  if ep > 1:
+    if not model_cfg.is_moe:
+      raise ConfigError(f"parallel.expert={ep} needs a mixture-of-experts model; {model_cfg.model_type} is dense "
+                        "(use fsdp or data for the devices)")
+    if model_cfg.num_experts % ep:
+      raise ConfigError(f"parallel.expert={ep} does not divide the model's num_experts ({model_cfg.num_experts})")
+  names = ("num_attention_heads", "num_key_value_heads",
+           "moe_intermediate_size" if model_cfg.is_moe else "intermediate_size")
+  for name in names:
     n = getattr(model_cfg, name)
     if n % tp:
       raise ConfigError(f"parallel.tensor={tp} does not divide the model's {name} ({n}); "
@@ -72,7 +86,8 @@ def param_spec(path: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh, fam
   """The `PartitionSpec` of one parameter from its name and shape, by the rules of `family`
   (a `trainers.models.Family`; default the shared decoder's `TENSOR_RULES` / `FSDP_RULES`).
 
-  Stacked layer parameters keep their layer axis whole. `tensor` takes the axis its rule
+  Stacked layer parameters keep their layer axis whole; a mixture-of-experts kernel
+  (`[L, E, in, out]`) has its expert axis split over `expert`. `tensor` takes the axis its rule
   names (when it divides); `fsdp` then takes the largest remaining axis it divides (the
   embedding's hidden axis: `FSDP_RULES`), for every parameter with at least two axes of its
   own (vectors stay replicated: tiny).
@@ -80,6 +95,11 @@ def param_spec(path: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh, fam
   names = tuple(str(p) for p in path)
   lead = 1 if names[0] == "layers" else 0
   spec: list = [None] * len(shape)
+  if "experts" in names:
+    ep = mesh.shape["expert"] if "expert" in mesh.axis_names else 1
+    if ep > 1 and shape[lead] % ep == 0:
+      spec[lead] = "expert"
+    lead += 1
   own = list(range(lead, len(shape)))
   tp, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
   tensor_rules = decoder.TENSOR_RULES if family is None else family.tensor_rules
@@ -122,17 +142,17 @@ def state_shardings(abstract_tree, params_abstract, params_shardings, mesh):
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, ndim: int = 3) -> NamedSharding:
-  """`[micro_batches, rows, ...]` arrays: rows split over `data × fsdp`."""
+  """`[micro_batches, rows, ...]` arrays: rows split over `data × fsdp × expert`."""
   return NamedSharding(mesh, P(None, BATCH_AXES, *([None] * (ndim - 2))))
 
 
 def activation_sharding(mesh: jax.sharding.Mesh) -> NamedSharding:
-  """The `[rows, row_len, hidden]` residual stream: rows over `data × fsdp`, replicated over `tensor`."""
+  """The `[rows, row_len, hidden]` residual stream: rows over `data × fsdp × expert`, replicated over `tensor`."""
   return NamedSharding(mesh, P(BATCH_AXES, None, None))
 
 
 def batch_devices(mesh: jax.sharding.Mesh) -> int:
-  return mesh.shape["data"] * mesh.shape["fsdp"]
+  return mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
 
 
 def sharding_mismatches(tree, shardings) -> list[str]:

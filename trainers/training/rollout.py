@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
 import httpx
+import numpy as np
 
 from trainers.serving import protocol
 
@@ -27,6 +28,18 @@ class ServerError(RuntimeError):
 
 class NoSamplingMask(ServerError):
   """Sampling masks were asked for and the server returned none: it cannot replay them."""
+
+
+class NoRoutedExperts(ServerError):
+  """Routed experts were asked for and the server returned none (or ones that do not fit the model)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingSpec:
+  """What routed experts must look like: `[rows, num_layers, top_k]` ids in `[0, num_experts)`."""
+  num_layers: int
+  top_k: int
+  num_experts: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +57,9 @@ class Sample:
   # With sampling-mask replay: each response token's support (kept ids); `rollout_logprobs`
   # are then the behaviour log-probs, renormalised over it.
   sampling_mask: tuple[tuple[int, ...], ...] | None = None
+  # With routed experts (MoE, R3): int32 `[len(prompt) + len(response) - 1, layers, k]`, row i
+  # the experts the server routed the token at position i to.
+  routed_experts: np.ndarray | None = dataclasses.field(default=None, compare=False)
 
   @property
   def oldest_version(self) -> str | None:
@@ -62,19 +78,53 @@ class RolloutResult:
 
   def to_json(self) -> dict:
     """A JSON-able copy (broadcast from process 0 to the other trainer processes)."""
-    return {"samples": [dataclasses.astuple(s) for s in self.samples], "num_requested": self.num_requested,
+    return {"samples": [tuple(getattr(s, f.name) for f in dataclasses.fields(Sample) if f.name != "routed_experts")
+                        + (_routing_json(s.routed_experts),) for s in self.samples],
+            "num_requested": self.num_requested,
             "num_aborted": self.num_aborted, "num_rejected": self.num_rejected,
             "rejection_reasons": self.rejection_reasons[:20]}
 
   @classmethod
   def from_json(cls, d: dict) -> "RolloutResult":
     samples = [Sample(p, tuple(ids), tuple(resp), tuple(lps), fin, text, ver, tuple(tuple(x) for x in spans),
-                      None if masks is None else tuple(tuple(m) for m in masks))
-               for p, ids, resp, lps, fin, text, ver, spans, masks in d["samples"]]
+                      None if masks is None else tuple(tuple(m) for m in masks), _routing_from_json(routed))
+               for p, ids, resp, lps, fin, text, ver, spans, masks, routed in d["samples"]]
     return cls(samples, d["num_requested"], d["num_aborted"], d["num_rejected"], list(d["rejection_reasons"]))
 
 
-def validate_sample(item: Any, *, support_width: int = 0) -> tuple[str | None, dict | None]:
+def _routing_json(x):
+  return None if x is None else [protocol.encode_routed_experts(x), *x.shape[1:]]
+
+
+def _routing_from_json(x):
+  return None if x is None else protocol.decode_routed_experts(x[0], x[1], x[2])
+
+
+def decode_sample_routing(meta, num_tokens: int, routing: RoutingSpec) -> np.ndarray:
+  """A reply's `routed_experts` → `[num_tokens - 1, layers, k]` int32; raises
+  :class:`NoRoutedExperts` when there are none or they do not fit the model."""
+  if meta.routed_experts is None:
+    raise NoRoutedExperts("the reply has no meta_info.routed_experts although return_routed_experts was requested: "
+                          "start the SGLang server with --enable-return-routed-experts (mis-jax serve takes the same "
+                          "flag), or set rollout.routing_replay: none and rollout.record_routing: false")
+  try:
+    experts = protocol.decode_routed_experts(meta.routed_experts, routing.num_layers, routing.top_k,
+                                             meta.routed_experts_dtype)
+  except protocol.ContractError as e:
+    raise NoRoutedExperts(f"routed experts do not fit the model (num_hidden_layers {routing.num_layers}, "
+                          f"num_experts_per_tok {routing.top_k}): {e}") from None
+  if experts.shape[0] != num_tokens - 1:
+    raise NoRoutedExperts(f"routed experts have {experts.shape[0]} rows for a sequence of {num_tokens} tokens "
+                          f"(expected {num_tokens - 1} rows of [num_hidden_layers {routing.num_layers}, "
+                          f"num_experts_per_tok {routing.top_k}]): the server's model differs from the trainer's")
+  if experts.size and (experts.min() < 0 or experts.max() >= routing.num_experts):
+    raise NoRoutedExperts(f"routed experts hold ids outside [0, {routing.num_experts}) (min {experts.min()}, max "
+                          f"{experts.max()}): the server's model differs from the trainer's")
+  return experts
+
+
+def validate_sample(item: Any, *, support_width: int = 0, routing: RoutingSpec | None = None,
+                    prompt_len: int = 0) -> tuple[str | None, dict | None]:
   """Checks one SGLang ``/generate`` result; returns ``(error, parsed)`` (one of them None).
 
   Parsed with the shared protocol models (``trainers.serving.protocol``): every finish-reason form,
@@ -82,6 +132,8 @@ def validate_sample(item: Any, *, support_width: int = 0) -> tuple[str | None, d
   With ``support_width`` (sampling-mask replay), the reply must carry one support per token
   (raises :class:`NoSamplingMask` when it carries none), each holding its token and at most
   ``support_width`` ids; the parsed log-probs are then ``output_token_sampling_logprobs``.
+  With ``routing`` (routed experts asked for), the reply must carry them for its
+  ``prompt_len`` + response tokens (raises :class:`NoRoutedExperts` otherwise).
   """
   if not isinstance(item, dict):
     return f"sample is {type(item).__name__}, not an object", None
@@ -143,7 +195,8 @@ def validate_sample(item: Any, *, support_width: int = 0) -> tuple[str | None, d
   # The version that generated the last token (SGLang reports spans when weights changed
   # mid-sample); `weight_version` alone otherwise.
   version = meta.weight_versions[-1].version if meta.weight_versions else meta.weight_version
-  return None, {"aborted": False, "ids": tuple(ids), "logprobs": tuple(values), "finish": kind,
+  routed = None if routing is None else decode_sample_routing(meta, prompt_len + len(ids), routing)
+  return None, {"routed_experts": routed,"aborted": False, "ids": tuple(ids), "logprobs": tuple(values), "finish": kind,
                 "text": result.text if isinstance(result.text, str) else "",
                 "weight_version": version,
                 "weight_versions": tuple((s.version, s.start, s.end) for s in meta.weight_versions),
@@ -231,11 +284,13 @@ class SGLangClient:
 
   # --- generation ----------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], sampling_params: dict, *, n: int = 1,
-               seed: int | None = None, support_width: int = 0) -> RolloutResult:
+               seed: int | None = None, support_width: int = 0, routing: RoutingSpec | None = None) -> RolloutResult:
     """``n`` samples for every prompt; results come back prompt-major (SPEC §11). With
     ``seed``, sample ``k`` (prompt-major) is sent with ``sampling_seed = sample_seeds(seed)[k]``.
     With ``support_width > 0`` the servers are asked for sampling masks (``return_sampling_mask``)
-    and each sample carries its supports and behaviour log-probs (:func:`validate_sample`)."""
+    and each sample carries its supports and behaviour log-probs (:func:`validate_sample`).
+    With ``routing`` they are asked for routed experts (``return_routed_experts``), which each
+    sample carries."""
     chunks = [list(range(i, min(i + self.prompts_per_request, len(prompts))))
               for i in range(0, len(prompts), self.prompts_per_request)]
 
@@ -244,7 +299,8 @@ class SGLangClient:
     def call(idx):
       seeds = None if seed is None else sample_seeds(seed, len(idx), n, offset=idx[0] * n)
       body = protocol.generate_body([prompts[i] for i in idx], sampling_params, n=n, seeds=seeds,
-                                    return_sampling_mask=support_width > 0)
+                                    return_sampling_mask=support_width > 0,
+                                    return_routed_experts=routing is not None)
       url = self.urls[next(self._next)]
       return idx, url, self._request("POST", url, "/generate", body)
 
@@ -258,9 +314,10 @@ class SGLangClient:
       for j, item in enumerate(out):
         p = idx[j // n]
         try:
-          error, parsed = validate_sample(item, support_width=support_width)
-        except NoSamplingMask as e:
-          raise NoSamplingMask(f"{url}/generate: {e}") from None
+          error, parsed = validate_sample(item, support_width=support_width, routing=routing,
+                                          prompt_len=len(prompts[p]))
+        except (NoSamplingMask, NoRoutedExperts) as e:
+          raise type(e)(f"{url}/generate: {e}") from None
         if error is not None:
           result.num_rejected += 1
           result.rejection_reasons.append(error)
@@ -271,7 +328,8 @@ class SGLangClient:
                                        rollout_logprobs=parsed["logprobs"], finish_reason=parsed["finish"],
                                        text=parsed["text"], weight_version=parsed["weight_version"],
                                        weight_versions=parsed["weight_versions"],
-                                       sampling_mask=parsed["sampling_mask"]))
+                                       sampling_mask=parsed["sampling_mask"],
+                                       routed_experts=parsed["routed_experts"]))
     return result
 
   # --- weight sync ---------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The jitted training step: micro-batched loss and gradient, Optax update, on a device mesh.
 
 `StepFunctions` holds three jitted functions over a step's batch laid out as
-`[micro_batches, rows, row_len]` (rows split over `data × fsdp`):
+`[micro_batches, rows, row_len]` (rows split over `data × fsdp × expert`):
 
 - `logprobs(params, inputs, segment_ids)`: teacher-forced log-probs (the old or reference
   policy's), one micro-batch at a time;
@@ -34,11 +34,14 @@ from trainers.models.hf_io import abstract_model
 class ModelInputs(NamedTuple):
   """Model inputs of packed rows: `input_ids`, `positions`, `targets` (next tokens), int32, and
   with sampling-mask replay `support` (`[..., K]` ids of each target's sampling support, `-1`
-  padded; an empty row is the whole vocabulary): every log-prob is then over the support."""
+  padded; an empty row is the whole vocabulary): every log-prob is then over the support; and
+  with routing replay `routing` (`[..., num_hidden_layers, k]` experts of each input token of
+  a mixture-of-experts model, `-1` where nothing is recorded: routed natively)."""
   input_ids: jax.Array
   positions: jax.Array
   targets: jax.Array
   support: jax.Array | None = None
+  routing: jax.Array | None = None
 
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
@@ -52,18 +55,35 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
 
 
 def model_logprobs(graphdef, params, inputs: ModelInputs, segment_ids, *, temperature: float,
-                   chunk_size: int, entropy: bool, mesh=None, kept_mass: bool = False):
+                   chunk_size: int, entropy: bool, mesh=None, kept_mass: bool = False, routing_out: bool = False):
   """Per-token `log_softmax(logits / temperature)[targets]` (and entropy), float32 `[B, T]`,
   from the model's final hidden states with `mis_jax.token_logprobs` (no `[T, V]` logits).
   With `inputs.support`, log-probs and entropy are over each token's sampling support and
   `kept_mass` adds the kept log-mass (outputs: log-probs, then entropy, then kept log-mass).
+  A mixture-of-experts model replays `inputs.routing` when given; `routing_out` appends its
+  `trainers.models.Routing` (the native top-k per layer and the load-balancing loss).
 
   On a mesh the head runs in a `shard_map`: each device takes its own rows (and, when the row
   length divides, a `1/tensor` share of their tokens) against the LM head all-gathered in the
   compute dtype; the head's gradient is reduce-scattered back to its shards.
   """
   model = nnx.merge(graphdef, params)
-  hidden = model.hidden_states(inputs.input_ids, inputs.positions, segment_ids)
+  routing = None
+  if model.config.is_moe:
+    hidden, routing = model.hidden_states(inputs.input_ids, inputs.positions, segment_ids, routing=inputs.routing,
+                                          return_routing=True)
+  else:
+    hidden = model.hidden_states(inputs.input_ids, inputs.positions, segment_ids, routing=inputs.routing)
+  out = _head_logprobs(model, hidden, inputs, temperature=temperature, chunk_size=chunk_size, entropy=entropy,
+                       mesh=mesh, kept_mass=kept_mass)
+  if not routing_out:
+    return out
+  if routing is None:
+    raise ValueError("routing_out needs a mixture-of-experts model")
+  return (out if isinstance(out, tuple) else (out,)) + (routing,)
+
+
+def _head_logprobs(model, hidden, inputs: ModelInputs, *, temperature, chunk_size, entropy, mesh, kept_mass):
   head, layout = model.head()
   head = head.astype(hidden.dtype)
   with_support = inputs.support is not None
@@ -141,7 +161,8 @@ class StepFunctions:
   """The jitted step functions of one (model, loss, optimiser, mesh) setup; see the module doc."""
 
   def __init__(self, graphdef, optimizer, loss_cfg: mis_jax.LossConfig, *, temperature: float, mesh,
-               param_shardings, opt_shardings, logprob_chunk: int = 1024, abstract_params=None):
+               param_shardings, opt_shardings, logprob_chunk: int = 1024, abstract_params=None,
+               router_aux_loss_coef: float = 0.0):
     self.mesh, self.loss_cfg, self.graphdef, self.abstract_params = mesh, loss_cfg, graphdef, abstract_params
     self.optimizer = optimizer
     self.param_shardings, self.opt_shardings = param_shardings, opt_shardings
@@ -153,11 +174,29 @@ class StepFunctions:
     def logprobs(params, inputs, segment_ids):
       return jax.lax.map(lambda xs: lp(params, xs[0], xs[1], entropy=False), (inputs, segment_ids))
 
+    def logprobs_routing(params, inputs, segment_ids):
+      """Log-probs and each input token's native experts `[..., num_hidden_layers, k]` (MoE)."""
+      def one(xs):
+        logp, routing = lp(params, xs[0], xs[1], entropy=False, routing_out=True)
+        return logp, routing.native
+      return jax.lax.map(one, (inputs, segment_ids))
+
+    aux_coef = float(router_aux_loss_coef)
+
     def train(params, opt_state, inputs, batch, dens):
+      num_tokens = jnp.maximum(jnp.sum((batch.segment_ids >= 0).astype(jnp.float32)), 1.0)
+
       def loss_fn(p, mb_inputs, mb_batch):
         replay = mb_inputs.support is not None
-        logp, ent, *mass = lp(p, mb_inputs, mb_batch.segment_ids, entropy=True, kept_mass=replay)
+        logp, ent, *rest = lp(p, mb_inputs, mb_batch.segment_ids, entropy=True, kept_mass=replay,
+                              routing_out=aux_coef > 0)
+        mass = rest[:1] if replay else []
         loss, metrics = mis_jax.policy_loss(logp, mb_batch, loss_cfg, entropy=ent, denominators=dens)
+        if aux_coef > 0:  # HF's load-balancing loss per micro-batch, token-weighted over the step
+          aux = rest[-1].aux_loss
+          share = jnp.sum((mb_batch.segment_ids >= 0).astype(jnp.float32)) / num_tokens
+          loss = loss + aux_coef * aux * share
+          metrics["router_aux_loss"] = jax.lax.stop_gradient(aux)
         if replay:  # kept mass and the ratio with / without renormalisation (first epoch: o = lp)
           metrics.update(mis_jax.sampling_metrics(
               jax.lax.stop_gradient(logp), jax.lax.stop_gradient(mass[0]), mb_batch.rollout_logprobs,
@@ -185,6 +224,7 @@ class StepFunctions:
       return params, opt_state, metrics
 
     self.logprobs = jax.jit(logprobs, out_shardings=batch_sh)
+    self.logprobs_routing = jax.jit(logprobs_routing, out_shardings=(batch_sh, parallel.batch_sharding(mesh, 5)))
     self.prepare = jax.jit(lambda batch: mis_jax.prepare_step(batch, loss_cfg))
     self.train = jax.jit(train, donate_argnums=(0, 1),
                          out_shardings=(param_shardings, opt_shardings, replicated))
@@ -205,4 +245,5 @@ def build_step_functions(model_cfg, mesh, loss_cfg: mis_jax.LossConfig, train_cf
                                            mesh)
   return StepFunctions(graphdef, optimizer, loss_cfg, temperature=temperature, mesh=mesh,
                        param_shardings=param_shardings, opt_shardings=opt_shardings, logprob_chunk=logprob_chunk,
-                       abstract_params=abstract)
+                       abstract_params=abstract,
+                       router_aux_loss_coef=getattr(train_cfg, "router_aux_loss_coef", 0.0) if model_cfg.is_moe else 0.0)

@@ -35,7 +35,7 @@ from trainers.training import checkpointing, distributed, parallel, rollout_reco
 from trainers.training.batch import StepBatch, build_step_batch
 from trainers.training.config import ModelSection, TrainConfig
 from trainers.training.metric_logging import MetricLogger
-from trainers.training.rollout import RolloutResult, Sample, ServerError, SGLangClient
+from trainers.training.rollout import RolloutResult, RoutingSpec, Sample, ServerError, SGLangClient
 from trainers.training.step import ModelInputs, StepFunctions, build_step_functions
 from trainers.training.weight_sync import save_hf_sharded
 
@@ -88,6 +88,39 @@ def sampling_replay_width(r) -> int:
   return r.top_k
 
 
+def routing_setup(r, model_cfg: ModelConfig) -> tuple[str, RoutingSpec | None]:
+  """`(routing_replay, spec)` of the `rollout` section for this model, checked: `spec` (what the
+  server's routed experts must look like) when they are asked for — with `r3`, or with
+  `record_routing` for the routing-mismatch metrics — else None."""
+  record = r.routing_replay == "r3" if r.record_routing is None else r.record_routing
+  if r.routing_replay == "r3" and not record:
+    raise mis_jax.ConfigError("rollout.routing_replay r3 replays the server's routed experts: "
+                              "rollout.record_routing cannot be false with it")
+  if (r.routing_replay != "none" or record) and not model_cfg.is_moe:
+    what = f"rollout.routing_replay {r.routing_replay}" if r.routing_replay != "none" else "rollout.record_routing"
+    raise mis_jax.ConfigError(f"{what} needs a mixture-of-experts model; {model_cfg.model_type} is dense (set "
+                              "rollout.routing_replay: none, rollout.record_routing: null)")
+  spec = (RoutingSpec(model_cfg.num_hidden_layers, model_cfg.num_experts_per_tok, model_cfg.num_experts)
+          if record else None)
+  return r.routing_replay, spec
+
+
+def routing_metrics(native: np.ndarray, recorded: np.ndarray) -> dict[str, float]:
+  """Routing mismatch between the trainer's native top-k and the rollout's, over the positions
+  with a record (`recorded[..., 0, 0] >= 0`); both `[..., num_layers, k]`. Experts are compared
+  as sets: `routing_mismatch_frac` over (token, layer) choices, `routing_mismatch_token_frac`
+  over tokens (any layer differs), and `routing_mismatch_layer/{l}` per layer."""
+  has = recorded[..., 0, 0] >= 0
+  a, b = np.sort(native[has], axis=-1), np.sort(recorded[has], axis=-1)  # [n, L, k]
+  differ = np.any(a != b, axis=-1)  # [n, L]
+  out = {"routing_mismatch_frac": float(differ.mean()) if differ.size else 0.0,
+         "routing_mismatch_token_frac": float(differ.any(axis=-1).mean()) if differ.size else 0.0,
+         "routing_positions": float(has.sum())}
+  for layer in range(native.shape[-2]):
+    out[f"routing_mismatch_layer/{layer}"] = float(differ[:, layer].mean()) if differ.size else 0.0
+  return out
+
+
 class TrainingError(RuntimeError):
   """The run stopped cleanly: the message says why; the last checkpoint is intact."""
 
@@ -109,6 +142,7 @@ class Trainer:
 
     weights = initial_weights_dir(cfg)
     model_cfg = self.model_config = ModelConfig.from_pretrained(weights)
+    self.routing_replay, self.routing_spec = routing_setup(r, model_cfg)
     self.max_new_tokens = r.max_new_tokens or getattr(self.task, "max_new_tokens", None) or 128
     self.fns = _step_functions(model_cfg, cfg.model, loss_cfg, self.temperature, cfg.train, self.mesh)
     self.graphdef = self.fns.graphdef
@@ -155,7 +189,8 @@ class Trainer:
     """Rollout batch `batch` from the servers (process 0): its prompts and per-sample seeds
     depend on (seed, batch) only."""
     return self.client.generate([p.ids for p in self.prompts(batch)], self.sampling_params(), n=self.cfg.rollout.n,
-                                seed=self.cfg.seed * 100_003 + batch, support_width=self.support_width)
+                                seed=self.cfg.seed * 100_003 + batch, support_width=self.support_width,
+                                routing=self.routing_spec)
 
   def check_rollout(self, result: RolloutResult) -> RolloutResult:
     r = self.cfg.rollout
@@ -185,12 +220,16 @@ class Trainer:
     """Step `step + 1`'s rollouts from the saved records (every process reads them)."""
     cols, _ = rollout_records.read_step(rollout_records.step_path(self.replay, self.step + 1))
     masks = cols.get("sampling_mask") or [None] * len(cols["step"])
+    spec = self.routing_spec
+    routed = (cols.get("routed_experts") if spec else None) or [None] * len(cols["step"])
     samples = [Sample(prompt_index=int(g), prompt_ids=tuple(p), response_ids=tuple(r), rollout_logprobs=tuple(q),
                       finish_reason=f, text="", weight_version=v,
-                      sampling_mask=None if m is None else tuple(tuple(x) for x in m))
-               for g, p, r, q, f, v, m in zip(cols["group"], cols["prompt_ids"], cols["response_ids"],
-                                                cols["rollout_logprobs"], cols["finish_reason"], cols["weight_version"],
-                                                masks)]
+                      sampling_mask=None if m is None else tuple(tuple(x) for x in m),
+                      routed_experts=None if e is None else np.asarray(e, np.int32).reshape(-1, spec.num_layers,
+                                                                                           spec.top_k))
+               for g, p, r, q, f, v, m, e in zip(cols["group"], cols["prompt_ids"], cols["response_ids"],
+                                                   cols["rollout_logprobs"], cols["finish_reason"],
+                                                   cols["weight_version"], masks, routed)]
     self.batch_index += 1
     return None, RolloutResult(samples=samples, num_requested=len(samples), rewards=cols["reward"])
 
@@ -206,7 +245,8 @@ class Trainer:
     return build_step_batch(samples, rewards, self.advantages(rewards, groups), groups,
                             num_segments=self.num_segments, row_len=t.row_len,
                             tokens_per_micro_batch=t.tokens_per_micro_batch,
-                            batch_devices=parallel.batch_devices(self.mesh), support_width=self.support_width)
+                            batch_devices=parallel.batch_devices(self.mesh), support_width=self.support_width,
+                            routing=self.routing_spec)
 
   def advantages(self, rewards, groups, in_baseline=None) -> np.ndarray:
     return np.asarray(mis_jax.compute_advantages(rewards, groups, num_groups=self.cfg.rollout.prompts_per_step,
@@ -231,19 +271,33 @@ class Trainer:
     return jax.make_array_from_callback(x.shape, parallel.batch_sharding(self.mesh, x.ndim), lambda idx: x[idx])
 
   def device_batch(self, sb: StepBatch) -> tuple[ModelInputs, mis_jax.PackedBatch]:
-    """The step batch placed on the mesh (rows over `data × fsdp`)."""
+    """The step batch placed on the mesh (rows over `data × fsdp × expert`)."""
     inputs = ModelInputs(*(self._on_mesh(x) for x in (sb.input_ids, sb.positions, sb.targets)),
-                         support=None if sb.support is None else self._on_mesh(sb.support))
+                         support=None if sb.support is None else self._on_mesh(sb.support),
+                         routing=None if sb.routing is None or self.routing_replay != "r3" else self._on_mesh(sb.routing))
     return inputs, jax.tree.map(self._on_mesh, sb.batch)
 
   def train_on(self, sb: StepBatch) -> dict:
     inputs, batch = self.device_batch(sb)
-    if self.loss_cfg.needs_old_logprobs:
+    routing = {}
+    if self.routing_replay == "r2" or sb.routing is not None:
+      # One pass gives the old log-probs (with r3: under the rollout's routing) and the trainer's
+      # native routing: the metrics compare it with the rollout's, r2 replays it from here on.
+      old, native = self.fns.logprobs_routing(self.params, inputs, batch.segment_ids)
+      if sb.routing is not None:
+        routing = routing_metrics(distributed.to_host(native), sb.routing)
+      if self.loss_cfg.needs_old_logprobs:
+        batch = batch.replace(old_logprobs=old)
+        self.num_old_logprob_passes += 1
+      if self.routing_replay == "r2":
+        inputs = inputs._replace(routing=native)
+    elif self.loss_cfg.needs_old_logprobs:
       batch = batch.replace(old_logprobs=self._logprobs(self.params, inputs, batch.segment_ids))
       self.num_old_logprob_passes += 1
     self._old_logprobs = batch.old_logprobs
-    if self.ref_params is not None:
-      batch = batch.replace(ref_logprobs=self._logprobs(self.ref_params, inputs, batch.segment_ids))
+    if self.ref_params is not None:  # the reference model routes natively
+      batch = batch.replace(ref_logprobs=self._logprobs(self.ref_params, inputs._replace(routing=None),
+                                                        batch.segment_ids))
     # The correction depends only on o and q, fixed for the whole step: prepare it once.
     prepared, dens, step_metrics = self.fns.prepare(batch)
     excluded = None
@@ -257,6 +311,7 @@ class Trainer:
         metrics = {name: float(v) for name, v in {**epoch_metrics, **step_metrics}.items()}
     metrics["micro_batches"] = sb.layout.micro_batches
     metrics["sampling_replay"] = float(sb.support is not None)  # log-probs, entropy and KL over the support
+    metrics.update(routing)
     if excluded is not None:
       metrics["num_excluded_from_baseline"] = excluded
     if not all(np.isfinite(v) for v in metrics.values()):
@@ -311,6 +366,8 @@ class Trainer:
       columns["old_logprobs"] = old
     if self.support_width:
       columns["sampling_mask"] = [[list(m) for m in s.sampling_mask] for s in samples]
+    if self.routing_spec is not None:
+      columns["routed_experts"] = [s.routed_experts.reshape(-1).tolist() for s in samples]
     meta = {"sampling_params": self.sampling_params() if prompts is not None else None,
             "batch_index": self.batch_index - 1, "temperature": self.temperature,
             "config": dataclasses.asdict(self.cfg), "loss": self.loss_cfg.to_dict()}
@@ -373,6 +430,12 @@ class Trainer:
     r = self.cfg.rollout
     if self.primary and self.replay:
       log(f"replaying rollout records from {self.replay} (no server)")
+    if self.primary and self.routing_spec is not None:
+      what = {"r3": "replayed (R3) in the old-log-prob pass and every training forward", "r2": "compared with the "
+              "trainer's; the trainer's old-pass routing is replayed (R2)", "none": "compared with the trainer's"}
+      log(f"routed experts from the server: {what[self.routing_replay]}")
+    elif self.primary and self.routing_replay == "r2":
+      log("routing replay R2: the old-log-prob pass's routing is replayed in every training forward")
     if self.primary and self.support_width:
       log(f"sampling replay on (top_k {r.top_k}, top_p {r.top_p}, min_p {r.min_p}): behaviour log-probs from the "
           "server's sampling masks; log-probs, entropy and KL over each token's support")
@@ -500,6 +563,9 @@ def check_config(cfg: TrainConfig, loss_cfg: mis_jax.LossConfig):
                               "must be known before the step")
   r = cfg.rollout
   sampling_replay_width(r)
+  routing_setup(r, _model_config(cfg))
+  if cfg.train.router_aux_loss_coef > 0 and not _model_config(cfg).is_moe:
+    raise mis_jax.ConfigError("train.router_aux_loss_coef is for mixture-of-experts models; this one is dense")
   if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
     raise mis_jax.ConfigError("logging.wandb is true but wandb is not installed: pip install wandb, or set "
                               "logging.wandb: false")
@@ -550,6 +616,21 @@ def check_records(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
       if sampling_replay_width(r) and cols.get("sampling_mask") is None:
         raise rollout_records.RecordError(f"{steps[k]}: missing column 'sampling_mask', which sampling replay "
                                           "needs (set rollout.sampling_replay: off to replay without it)")
+      _, spec = routing_setup(r, model_cfg)
+      if spec is not None:
+        experts = cols.get("routed_experts")
+        if experts is None:
+          raise rollout_records.RecordError(f"{steps[k]}: missing column 'routed_experts', which routing replay r3 "
+                                            "and record_routing need (set rollout.routing_replay: none, "
+                                            "record_routing: null)")
+        per = spec.num_layers * spec.top_k
+        for i, (e, p_ids, r_ids) in enumerate(zip(experts, cols["prompt_ids"], cols["response_ids"])):
+          want = (len(p_ids) + len(r_ids) - 1) * per
+          if e is None or len(e) != want or (want and not 0 <= min(e) <= max(e) < spec.num_experts):
+            raise rollout_records.RecordError(
+                f"{steps[k]} row {i}: column 'routed_experts' has {0 if e is None else len(e)} ids, expected "
+                f"{want} in [0, {spec.num_experts}) (tokens - 1 rows x num_hidden_layers {spec.num_layers} x "
+                f"num_experts_per_tok {spec.top_k})")
   except rollout_records.RecordError as e:
     raise mis_jax.ConfigError(str(e)) from None
 
@@ -577,7 +658,8 @@ def _model_config(cfg: TrainConfig) -> ModelConfig:
   try:
     return ModelConfig.from_pretrained(path)
   except (ValueError, KeyError, json.JSONDecodeError) as e:
-    raise mis_jax.ConfigError(f"model.path {path!r}: config.json is not a supported config (architectures: Qwen2, Qwen3, Llama): {e}") from None
+    raise mis_jax.ConfigError(f"model.path {path!r}: config.json is not a supported config (architectures: Qwen2, "
+                              f"Qwen3, Qwen3-MoE, Llama): {e}") from None
 
 
 def check_parallel(cfg: TrainConfig, devices=None) -> jax.sharding.Mesh:
@@ -600,7 +682,7 @@ def _step_functions(model_cfg: ModelConfig, model: ModelSection, loss_cfg: mis_j
   return build_step_functions(model_cfg, mesh, loss_cfg, train_cfg, temperature=temperature,
                               logprob_chunk=model.logprob_chunk, dtype=DTYPES[model.dtype],
                               param_dtype=DTYPES[model.param_dtype], attention=model.attention,
-                              remat=model.remat)
+                              remat=model.remat, **({"moe_dispatch": model.moe_dispatch} if model_cfg.is_moe else {}))
 
 
 SUMMARY_KEYS = ["reward_mean", "loss", "pg_loss", "pg_clipfrac", "ppo_kl", "grad_norm", "entropy_loss",
