@@ -1,5 +1,6 @@
 """Per-device memory of the full training step for Qwen3-1.7B and Qwen3-8B shapes, compiled for
-8 simulated CPU devices and read from XLA's `memory_analysis()` (nothing is run or allocated).
+8 simulated CPU devices, and for the Qwen3-30B-A3B mixture of experts on 8 and 16, read from
+XLA's `memory_analysis()` (nothing is run or allocated).
 
     python -m benchmarks.memory [--quick] [--json PATH]     (make bench-memory)
 
@@ -14,6 +15,12 @@ Two steps, side by side, per model and tokens per device:
   accumulators FSDP-sharded over the 8 devices, bf16 compute with float32 master weights,
   blocked (flash-style) attention, full remat of the layer scan, log-probs and entropy chunk by
   chunk with `mis_jax.token_logprobs`, parameters and optimiser state donated.
+
+Qwen3-30B-A3B (48 layers, hidden 2048, 128 experts top-8, expert FFN 768, 32/4 heads) runs
+the `after` step with an `expert` mesh axis of 8 (experts split 8 ways, everything else over
+`fsdp × expert`), on 8 devices and on 16 (`fsdp` 2 × `expert` 8), once per expert dispatch:
+`grouped` (tokens sorted by expert through `ragged_dot`) against the straightforward `dense`
+(every expert on every token).
 
 Both are the decoupled-PPO loss of the reference MIS config on one micro-batch of
 `tokens_per_device` tokens per device (one row of that length per device). `per_device_bytes`
@@ -33,7 +40,7 @@ import time
 import jax
 
 if __name__ == "__main__":
-  jax.config.update("jax_num_cpu_devices", 8)
+  jax.config.update("jax_num_cpu_devices", 16)
 
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
@@ -54,8 +61,18 @@ MODELS = {
                             num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                             max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False),
 }
+MOE_MODELS = {
+    "qwen3-30b-a3b": ModelConfig(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
+                                 intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                                 num_key_value_heads=4, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
+                                 tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
+                                 moe_intermediate_size=768, norm_topk_prob=True),
+}
+# (devices, mesh) of the MoE cases: the expert axis 8, the rest fsdp.
+MOE_MESHES = {8: parallel.ParallelSection(fsdp=1, expert=8), 16: parallel.ParallelSection(fsdp=2, expert=8)}
+MOE_TOKENS = 16384
 TOKENS = (16384, 32768)
-TARGETS_GB = {("qwen3-1.7b", 16384): 14.0, ("qwen3-8b", 32768): 60.0}
+TARGETS_GB = {("qwen3-1.7b", 16384): 14.0, ("qwen3-8b", 32768): 60.0, ("qwen3-30b-a3b", 16384, 8): 110.0}
 QUICK_MODEL = dataclasses.replace(MODELS["qwen3-1.7b"], num_hidden_layers=2, vocab_size=8192)
 LOSS = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig.from_yaml("configs/mis.yaml"))
 OPTIM = TrainSection()
@@ -82,10 +99,10 @@ def _analysis(compiled) -> dict:
   return out
 
 
-def after_step(cfg: ModelConfig, tokens: int, devices) -> dict:
-  mesh = parallel.make_mesh(parallel.ParallelSection(fsdp=-1), devices)
+def after_step(cfg: ModelConfig, tokens: int, devices, section=None, **model_kwargs) -> dict:
+  mesh = parallel.make_mesh(section or parallel.ParallelSection(fsdp=-1), devices)
   fns = step_lib.build_step_functions(cfg, mesh, LOSS, OPTIM, logprob_chunk=1024, dtype=jnp.bfloat16,
-                                      param_dtype=jnp.float32, attention="blocked", remat="full")
+                                      param_dtype=jnp.float32, attention="blocked", remat="full", **model_kwargs)
   abstract, psh, osh, optimizer = fns.abstract_params, fns.param_shardings, fns.opt_shardings, fns.optimizer
   params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, psh)
   opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -128,10 +145,12 @@ def main(argv=None) -> int:
   parser.add_argument("--json", default="benchmarks/results/memory.json")
   parser.add_argument("--models", nargs="*", default=sorted(MODELS))
   parser.add_argument("--steps", nargs="*", default=["before", "after"])
+  parser.add_argument("--moe", nargs="*", default=sorted(MOE_MODELS), help="mixture-of-experts models to measure")
   args = parser.parse_args(argv)
-  devices = jax.devices()
-  if len(devices) != 8:
-    raise SystemExit(f"needs 8 devices (got {len(devices)}); run as `python -m benchmarks.memory`")
+  all_devices = jax.devices()
+  if len(all_devices) != 16:
+    raise SystemExit(f"needs 16 devices (got {len(all_devices)}); run as `python -m benchmarks.memory`")
+  devices = all_devices[:8]
   cases = ([("quick-1.7b-2layers", QUICK_MODEL, 2048)] if args.quick else
            [(name, MODELS[name], t) for name in args.models for t in TOKENS])
   records = []
@@ -153,6 +172,28 @@ def main(argv=None) -> int:
             f"{gb('temp_bytes'):9.2f} {gb('alias_bytes'):9.2f} {gb('per_device_bytes'):14.2f} "
             f"{rec['compile_s']:9.1f}" + (f"   (target <= {target:g} GB)" if "target_bytes" in rec else ""),
             flush=True)
+  if not args.quick:
+    print(f"\n{'MoE model':20s} {'tokens/dev':>10s} {'devices':>7s} {'mesh':>14s} {'dispatch':>8s} {'args GB':>8s} "
+          f"{'out GB':>8s} {'temp GB':>9s} {'alias GB':>9s} {'per-device GB':>14s} {'compile s':>9s}")
+  for name in ([] if args.quick else args.moe):
+    cfg = MOE_MODELS[name]
+    for num, section in MOE_MESHES.items():
+      for dispatch in ("grouped", "dense"):
+        t0 = time.perf_counter()
+        mesh_desc = f"fsdp{section.fsdp}xexpert{section.expert}"
+        rec = {"model": name, "tokens_per_device": MOE_TOKENS, "step": "after", "devices": num, "mesh": mesh_desc,
+               "moe_dispatch": dispatch, "backend": jax.default_backend(), "loss": "decoupled PPO, configs/mis.yaml",
+               **after_step(cfg, MOE_TOKENS, all_devices[:num], section, moe_dispatch=dispatch)}
+        rec["compile_s"] = round(time.perf_counter() - t0, 1)
+        target = TARGETS_GB.get((name, MOE_TOKENS, num))
+        if target:
+          rec["target_bytes"] = int(target * 1e9)
+        records.append(rec)
+        gb = lambda k: rec[k] / 1e9
+        print(f"{name:20s} {MOE_TOKENS:10d} {num:7d} {mesh_desc:>14s} {dispatch:>8s} {gb('argument_bytes'):8.2f} "
+              f"{gb('output_bytes'):8.2f} {gb('temp_bytes'):9.2f} {gb('alias_bytes'):9.2f} "
+              f"{gb('per_device_bytes'):14.2f} {rec['compile_s']:9.1f}"
+              + (f"   (target <= {target:g} GB)" if target else ""), flush=True)
   if args.json and not args.quick:
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:

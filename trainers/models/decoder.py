@@ -187,14 +187,16 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, moe_dispatch: str = "grouped", rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, moe_dispatch: str = "grouped",
+               activation_sharding=None, rngs: nnx.Rngs):
     norm = lambda: RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
     self.input_layernorm = norm()
     self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.post_attention_layernorm = norm()
     self.is_moe = cfg.features.moe
     if self.is_moe:
-      self.mlp = SparseMoeBlock(cfg, dtype=dtype, param_dtype=param_dtype, dispatch=moe_dispatch, rngs=rngs)
+      self.mlp = SparseMoeBlock(cfg, dtype=dtype, param_dtype=param_dtype, dispatch=moe_dispatch,
+                                activation_sharding=activation_sharding, rngs=rngs)
     else:
       self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
@@ -248,7 +250,8 @@ class CausalLM(nnx.Module):
     @nnx.split_rngs(splits=cfg.num_hidden_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def stacked(rngs):
-      return DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, moe_dispatch=moe_dispatch, rngs=rngs)
+      return DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, moe_dispatch=moe_dispatch,
+                          activation_sharding=activation_sharding, rngs=rngs)
 
     self.layers = stacked(rngs)
     self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)

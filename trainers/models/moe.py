@@ -13,14 +13,28 @@ entry is `-1` has no record and routes natively), `S = r` and the gate weights a
 from the *current* router at those experts (`w_e = p_e`, renormalised per `norm_topk_prob`),
 so the output is what the recorded routing gives and the router keeps its gradient.
 
-Two dispatch paths compute `y` (`MOE_DISPATCH`), equal up to float rounding in values and
+Three dispatch paths compute `y` (`MOE_DISPATCH`), equal up to float rounding in values and
 gradients:
 
 - `dense`: every expert on every token (`[E, N, ffn]` intermediates), weighted by the gates
   (zero off `S`). The reference; right for tiny models and CPU.
-- `grouped`: the `N·k` (token, expert) pairs sorted by expert and run through
-  `jax.lax.ragged_dot` (one grouped matmul per projection), then unsorted and summed over k.
-  Memory `O(N·k·(hidden + ffn))`, never `[N, E, ffn]`.
+- `grouped`: the `N·k` (token, expert) pairs sorted by expert, each expert's group padded to a
+  multiple of a block of `b` rows, and the blocks run in a `lax.map` (vectorised a few blocks
+  at a time), each block against its one expert's weights; then unsorted and summed over k.
+  Memory `O((N·k + E·b)·(hidden + ffn))` whatever the backend, never `[N, E, ffn]`; at most
+  `E·b` padding rows of extra work.
+- `ragged_dot`: the sorted pairs through `jax.lax.ragged_dot` (one grouped matmul per
+  projection). A native grouped GEMM where the backend has one (TPU); XLA:CPU lowers it to a
+  masked dense product over all experts (`[N·k, E·hidden]`), so on CPU it is the largest.
+
+On a device mesh (the model's `activation_sharding`), the experts run in a `shard_map`: each
+device takes its own tokens (rows over the batch axes) and its layer's expert weights, stored
+split over the `expert` axis (and their FFN over `tensor`), are all-gathered over `expert` at
+the layer (their gradients reduce-scattered back), so every device computes only its own
+tokens' expert FFNs and nothing global (a sort or a dispatch over all devices' tokens) is ever
+built. At Qwen3-30B-A3B's shape and 16k tokens per device the bytes gathered per layer (the
+experts, 1.2 GB in bf16) are those an all-to-all token dispatch would move (1.0 GB there and
+back); a token-dispatch path is not implemented.
 
 Every layer also reports its native top-k (what the router would pick; the routing-mismatch
 metrics compare it with a rollout's) and the load-balancing statistics of HF's
@@ -35,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-MOE_DISPATCH = ("dense", "grouped")
+MOE_DISPATCH = ("dense", "grouped", "ragged_dot")
 
 
 class LayerRouting(NamedTuple):
@@ -84,7 +98,47 @@ def dense_dispatch(x, experts, weights, wg, wu, wd):
   return jnp.einsum("enh,ne->nh", y, combine)
 
 
-def grouped_dispatch(x, experts, weights, wg, wu, wd):
+def block_size(num_pairs: int, num_experts: int, largest: int = 128) -> int:
+  """Rows per block of the `grouped` path: the power of two at or above the mean group size
+  `N·k / E`, in [8, largest] (padding costs at most `E·b` rows)."""
+  mean = max(1, -(-num_pairs // num_experts))
+  return int(min(largest, max(8, 1 << (mean - 1).bit_length())))
+
+
+def grouped_dispatch(x, experts, weights, wg, wu, wd, *, block: int | None = None, blocks_at_once: int = 8):
+  """The `N·k` pairs sorted by expert, padded per expert to blocks of `block` rows, each block
+  through its expert's FFN in a `lax.map` (`blocks_at_once` vectorised)."""
+  n, k = experts.shape
+  num_experts, hidden = wg.shape[0], wg.shape[1]
+  pairs = n * k
+  b = block or block_size(pairs, num_experts)
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  sorted_e = flat[order]
+  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  padded = (sizes + b - 1) // b * b
+  start = jnp.cumsum(sizes) - sizes
+  padded_start = jnp.cumsum(padded) - padded
+  dest = padded_start[sorted_e] + jnp.arange(pairs, dtype=jnp.int32) - start[sorted_e]  # sorted pair → padded row
+  num_blocks = -(-(pairs + num_experts * (b - 1)) // b)  # a static bound on the padded rows
+  rows = jnp.zeros((num_blocks * b, hidden), x.dtype).at[dest].set(x[order // k], unique_indices=True)
+  ends = jnp.cumsum(padded)
+  block_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(num_blocks) * b, side="right"),
+                             num_experts - 1).astype(jnp.int32)  # blocks past the data: zero rows
+
+  @jax.checkpoint  # the backward pass recomputes a block (never keeps every block's gathered weights)
+  def ffn(args):
+    xb, e = args
+    return (jax.nn.silu(xb @ wg[e]) * (xb @ wu[e])) @ wd[e]
+
+  out = jax.lax.map(ffn, (rows.reshape(num_blocks, b, hidden), block_expert),
+                    batch_size=min(blocks_at_once, num_blocks))
+  y = out.reshape(num_blocks * b, hidden)[dest]  # sorted pairs
+  unsorted = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(n, k, -1)
+  return jnp.sum(unsorted * weights[..., None], axis=1)
+
+
+def ragged_dot_dispatch(x, experts, weights, wg, wu, wd):
   """The `N·k` (token, expert) pairs sorted by expert through `jax.lax.ragged_dot`."""
   n, k = experts.shape
   num_experts = wg.shape[0]
@@ -102,7 +156,8 @@ def grouped_dispatch(x, experts, weights, wg, wu, wd):
 class SparseMoeBlock(nnx.Module):
   """Router (`gate`, HF `mlp.gate.weight [E, H]`) and experts; see the module doc."""
 
-  def __init__(self, cfg, *, dtype, param_dtype, dispatch: str = "grouped", rngs: nnx.Rngs):
+  def __init__(self, cfg, *, dtype, param_dtype, dispatch: str = "grouped", activation_sharding=None,
+               rngs: nnx.Rngs):
     if dispatch not in MOE_DISPATCH:
       raise ValueError(f"moe_dispatch={dispatch!r}; allowed: {', '.join(MOE_DISPATCH)}")
     self.gate = nnx.Linear(cfg.hidden_size, cfg.num_experts, use_bias=False,
@@ -113,6 +168,7 @@ class SparseMoeBlock(nnx.Module):
     self.norm_topk_prob = cfg.norm_topk_prob
     self.dispatch = dispatch
     self.dtype = dtype
+    self.activation_sharding = activation_sharding
 
   def __call__(self, x: jax.Array, replay: jax.Array | None = None, valid: jax.Array | None = None):
     """`x [B, T, H]`, `replay [B, T, k]` or None, `valid [B, T]` bool (real tokens, for the
@@ -124,7 +180,9 @@ class SparseMoeBlock(nnx.Module):
                                      None if replay is None else replay.reshape(b * t, -1), self.dtype)
     kernels = [p.kernel[...].astype(self.dtype) for p in (self.experts.gate_proj, self.experts.up_proj,
                                                             self.experts.down_proj)]
-    fn = dense_dispatch if self.dispatch == "dense" else grouped_dispatch
+    fn = DISPATCH[self.dispatch]
+    if self.activation_sharding is not None:
+      fn = _on_mesh(fn, self.activation_sharding)
     y = fn(flat.astype(self.dtype), experts, weights, *kernels)
     real = (jnp.ones((b * t,), bool) if valid is None else valid.reshape(-1))[:, None]
     num_experts = probs.shape[-1]
@@ -132,6 +190,29 @@ class SparseMoeBlock(nnx.Module):
                      axis=(0, 1))
     prob_sums = jnp.sum(jnp.where(real, probs, 0.0), axis=0)
     return y.reshape(b, t, h), LayerRouting(native.reshape(b, t, -1), counts, prob_sums)
+
+
+DISPATCH = {"dense": dense_dispatch, "grouped": grouped_dispatch, "ragged_dot": ragged_dot_dispatch}
+
+
+def _on_mesh(dispatch, sharding):
+  """`dispatch` per device in a `shard_map`: its own tokens (rows over the batch axes of
+  `sharding`), the experts all-gathered over `expert`, their FFN split over `tensor` (the down
+  projection's partial sums added with a `psum`)."""
+  P = jax.sharding.PartitionSpec
+  mesh, rows = sharding.mesh, sharding.spec[0]
+  ep = "expert" if "expert" in mesh.axis_names and mesh.shape["expert"] > 1 else None
+  tp = "tensor" if "tensor" in mesh.axis_names and mesh.shape["tensor"] > 1 else None
+
+  def local(x, experts, weights, wg, wu, wd):
+    if ep is not None:
+      wg, wu, wd = (jax.lax.all_gather(w, ep, axis=0, tiled=True) for w in (wg, wu, wd))
+    y = dispatch(x, experts, weights, wg, wu, wd)
+    return y if tp is None else jax.lax.psum(y, tp)
+
+  tokens = P(rows, None)
+  return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, P(ep, None, tp), P(ep, None, tp),
+                                                   P(ep, tp, None)), out_specs=tokens, check_vma=False)
 
 
 def load_balancing_loss(counts: jax.Array, probs: jax.Array, num_tokens: jax.Array) -> jax.Array:

@@ -22,7 +22,7 @@ DTYPES = ("float32", "bfloat16")  # trainers.models.DTYPES' names (a test checks
 PRESET_NAMES = ("tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-untied")
 ATTENTION = ("dense", "blocked", "fused")    # trainers.models.attention.ATTENTION_BACKENDS
 REMAT = ("none", "full", "dots")             # trainers.models.decoder.REMAT_POLICIES
-MOE_DISPATCH = ("dense", "grouped")          # trainers.models.moe.MOE_DISPATCH
+MOE_DISPATCH = ("dense", "grouped", "ragged_dot")  # trainers.models.moe.MOE_DISPATCH
 ROUTING_REPLAY = ("none", "r3", "r2")
 TASKS = ("copy_digits", "dataset", "jsonl")  # `jsonl`: the dataset task's former name
 REWARDS = ("math", "exact_match", "format")  # trainers.tasks.rewards.REWARDS
@@ -41,8 +41,9 @@ class ModelSection:
                        choices=ATTENTION)
   remat: str = key("full", "activation checkpointing of the layer scan", choices=REMAT)
   logprob_chunk: int = key(1024, "tokens per chunk of the LM head (`mis_jax.token_logprobs`)", ge=1)
-  moe_dispatch: str = key("grouped", "mixture of experts: `grouped` (tokens sorted by expert, ragged_dot) or `dense` "
-                          "(every expert on every token: the small-model reference)", choices=MOE_DISPATCH)
+  moe_dispatch: str = key("grouped", "mixture of experts: `grouped` (tokens sorted by expert, blocks per expert), "
+                          "`ragged_dot` (jax.lax.ragged_dot: native on TPU, dense on CPU) or `dense` (every expert "
+                          "on every token: the small-model reference)", choices=MOE_DISPATCH)
 
 
 @dataclasses.dataclass(frozen=True)

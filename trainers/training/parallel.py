@@ -90,18 +90,24 @@ def param_spec(path: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh, fam
   (`[L, E, in, out]`) has its expert axis split over `expert`. `tensor` takes the axis its rule
   names (when it divides); `fsdp` then takes the largest remaining axis it divides (the
   embedding's hidden axis: `FSDP_RULES`), for every parameter with at least two axes of its
-  own (vectors stay replicated: tiny).
+  own (vectors stay replicated: tiny). With an `expert` axis, the parameters that are not
+  experts' (attention, router, embeddings) are split over `fsdp × expert` the same way, as
+  MaxText does: that axis splits the batch, so it shards them like FSDP.
   """
   names = tuple(str(p) for p in path)
   lead = 1 if names[0] == "layers" else 0
   spec: list = [None] * len(shape)
+  ep = mesh.shape["expert"] if "expert" in mesh.axis_names else 1
+  shard_axes: str | tuple = "fsdp"
   if "experts" in names:
-    ep = mesh.shape["expert"] if "expert" in mesh.axis_names else 1
     if ep > 1 and shape[lead] % ep == 0:
       spec[lead] = "expert"
     lead += 1
+  elif ep > 1:  # the other parameters are split over `expert` too, as over fsdp (it splits the batch)
+    shard_axes = ("fsdp", "expert") if mesh.shape["fsdp"] > 1 else "expert"
   own = list(range(lead, len(shape)))
-  tp, fsdp = mesh.shape["tensor"], mesh.shape["fsdp"]
+  tp = mesh.shape["tensor"]
+  fsdp = math.prod(mesh.shape[a] for a in ((shard_axes,) if isinstance(shard_axes, str) else shard_axes))
   tensor_rules = decoder.TENSOR_RULES if family is None else family.tensor_rules
   fsdp_rules = decoder.FSDP_RULES if family is None else family.fsdp_rules
   rule = tensor_rules.get(names[-2:])
@@ -115,7 +121,7 @@ def param_spec(path: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh, fam
     if preferred is not None and own[preferred] in free:
       free.insert(0, own[preferred])
     if free:
-      spec[free[0]] = "fsdp"
+      spec[free[0]] = shard_axes
   return P(*spec)
 
 
