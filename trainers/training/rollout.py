@@ -282,6 +282,22 @@ class SGLangClient:
   def model_info(self, url: str | None = None) -> dict:
     return self._request("GET", url or self.urls[0], "/model_info")
 
+  def check_routed_experts(self, routing: RoutingSpec) -> None:
+    """Asks every server for one token with ``return_routed_experts``; raises
+    :class:`NoRoutedExperts` (naming the URL and the flag) if one returns none or ones that
+    do not fit the model."""
+    for url in self.urls:
+      body = protocol.generate_body([[0]], {"max_new_tokens": 1, "temperature": 0.0}, return_routed_experts=True)
+      reply = self._request("POST", url, "/generate", body)
+      reply = reply[0] if isinstance(reply, list) and reply else reply
+      try:
+        result = protocol.parse_generate_result(reply)
+        decode_sample_routing(result.meta_info, 1 + len(result.output_ids or []), routing)
+      except protocol.ContractError as e:
+        raise NoRoutedExperts(f"{url}/generate: malformed reply to a routed-experts probe: {e}") from None
+      except NoRoutedExperts as e:
+        raise NoRoutedExperts(f"{url}/generate: {e}") from None
+
   # --- generation ----------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], sampling_params: dict, *, n: int = 1,
                seed: int | None = None, support_width: int = 0, routing: RoutingSpec | None = None) -> RolloutResult:

@@ -441,6 +441,8 @@ class Trainer:
           "server's sampling masks; log-probs, entropy and KL over each token's support")
     if not self.replay:
       self._primary(lambda: self.client.wait_until_healthy(attempts=r.health_attempts, backoff_s=r.backoff_s))
+      if self.routing_spec is not None:  # a server without routed experts is found before any step
+        self._primary(lambda: self.client.check_routed_experts(self.routing_spec))
     self.sync_weights()  # the servers now hold exactly the trainer's weights (version = step)
     producer = RolloutProducer(self, self.batch_index) if (self.asynchronous and self.primary) else None
     history = []
