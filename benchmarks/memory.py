@@ -19,8 +19,9 @@ Two steps, side by side, per model and tokens per device:
 Qwen3-30B-A3B (48 layers, hidden 2048, 128 experts top-8, expert FFN 768, 32/4 heads) runs
 the `after` step with an `expert` mesh axis of 8 (experts split 8 ways, everything else over
 `fsdp × expert`), on 8 devices and on 16 (`fsdp` 2 × `expert` 8), once per expert dispatch:
-`grouped` (tokens sorted by expert through `ragged_dot`) against the straightforward `dense`
-(every expert on every token).
+`grouped` (pairs sorted by expert, in per-expert blocks) against the straightforward `dense`
+(every expert on every token) and `ragged_dot` (which XLA:CPU lowers to a masked product over
+all experts: its CPU figure is not a TPU's, where the op is native).
 
 Both are the decoupled-PPO loss of the reference MIS config on one micro-batch of
 `tokens_per_device` tokens per device (one row of that length per device). `per_device_bytes`
@@ -178,7 +179,7 @@ def main(argv=None) -> int:
   for name in ([] if args.quick else args.moe):
     cfg = MOE_MODELS[name]
     for num, section in MOE_MESHES.items():
-      for dispatch in ("grouped", "dense"):
+      for dispatch in ("grouped", "ragged_dot", "dense"):
         t0 = time.perf_counter()
         mesh_desc = f"fsdp{section.fsdp}xexpert{section.expert}"
         rec = {"model": name, "tokens_per_device": MOE_TOKENS, "step": "after", "devices": num, "mesh": mesh_desc,

@@ -8,6 +8,10 @@ CI-sized version of the same pipeline):
 - **Mismatch settings** (`SETTINGS`): the embedded server's precision and weight-only
   quantisation (`trainers.models.quantize`) against a float32 trainer, and staleness
   (`sync_every`): fp32 (no mismatch), bf16, fp8 weights, fp8 weights synced every 4 steps.
+- **Mixture of experts** (`MOE`, `--design moe`): the tiny Qwen3-MoE preset (8 experts, top-2)
+  under a bf16 and an fp8 engine, standard PPO, token TIS and MIS each without and with
+  rollout routing replay (`+ R3`); every run records the server's routed experts, so the
+  router disagreement (`routing_mismatch_frac`, `..._token_frac`) is measured in every arm.
 - **Seeds**: each seed draws its own initial weights (`init_seed`), prompts and sampling seeds;
   every arm and setting sees the same seeds (a paired design).
 
@@ -35,10 +39,18 @@ import mis_jax
 
 # Per-step metrics kept for every run (absent ones are recorded as null).
 RECORDED = ("reward_mean", "mis_k3_kl", "train_rollout_logprob_abs_diff", "grad_norm",
-            "mis_kept_token_fraction", "response_length", "pg_clipfrac")
+            "mis_kept_token_fraction", "response_length", "pg_clipfrac", "routing_mismatch_frac",
+            "routing_mismatch_token_frac")
+R3 = " + R3"  # an arm name ending with it replays the server's routed experts (rollout.routing_replay r3)
 
 
 def arms() -> dict[str, mis_jax.LossConfig]:
+  """The loss of every arm; `<arm> + R3` is `<arm>` with routing replay (MoE designs)."""
+  base = _base_arms()
+  return {**base, **{name + R3: base[name] for name in ("standard PPO", "decoupled + token TIS", "decoupled + MIS")}}
+
+
+def _base_arms() -> dict[str, mis_jax.LossConfig]:
   token_tis = mis_jax.MISConfig(tis_level="token", tis_mode="truncate", tis_upper_bound=2.0)
   return {
       "standard PPO": mis_jax.LossConfig(),
@@ -72,7 +84,7 @@ SETTINGS = {
 class Design:
   """What one experiment runs. The full design's step budget and learning rate were chosen
   from pilot runs so that no arm saturates (max reward 1.25) or fails within the budget."""
-  arms: tuple[str, ...] = tuple(arms())
+  arms: tuple[str, ...] = tuple(_base_arms())
   settings: tuple[str, ...] = ("fp32", "bf16", "fp8", "fp8, sync 4", "fp8, sync 8")
   # Settings run with the first arm only, to measure their mismatch (standard PPO recomputes
   # the trainer's log-probs, so it reports mis_k3_kl).
@@ -86,6 +98,7 @@ class Design:
   num_digits: int = 3
   initializer_range: float = 0.1
   final_window: int = 5  # "reward at the step budget": mean over its last steps
+  preset: str = "tiny-qwen3"  # the model (trainers.models.PRESETS); a MoE preset records routed experts
 
   def __post_init__(self):
     unknown = [a for a in self.arms if a not in arms()]
@@ -107,6 +120,9 @@ FULL = Design()
 # between weight pushes. Uncorrected vs corrected, five seeds.
 STRESS = Design(arms=("standard PPO", "bypass PPO", "decoupled + MIS"), settings=("fp8, sync 8",), probe_settings=(),
                 learning_rate=1e-2, num_digits=6)
+MOE = Design(arms=("standard PPO", "standard PPO" + R3, "decoupled + token TIS", "decoupled + token TIS" + R3,
+                   "decoupled + MIS", "decoupled + MIS" + R3),
+             settings=("bf16", "fp8"), probe_settings=(), preset="tiny-qwen3-moe")
 QUICK = Design(arms=("standard PPO", "decoupled + MIS"), settings=("fp8, sync 4",), probe_settings=(),
                seeds=(0, 1), steps=4,
                prompts_per_step=4, n=4, ppo_epochs=1, final_window=2)
@@ -116,12 +132,17 @@ def _init_dir(out: str, design: Design, seed: int) -> str:
   from trainers.models import PRESETS, init_checkpoint
   path = os.path.join(out, "init", f"seed{seed}")
   if not os.path.isfile(os.path.join(path, "model.safetensors")):
-    config = dataclasses.replace(PRESETS["tiny-qwen3"], initializer_range=design.initializer_range)
+    config = dataclasses.replace(PRESETS[design.preset], initializer_range=design.initializer_range)
     init_checkpoint(path, config=config, seed=seed)
   return path
 
 
-def _train_config(out: str, design: Design, setting: Setting, seed: int, run_dir: str):
+def _is_moe(design: Design) -> bool:
+  from trainers.models import PRESETS
+  return PRESETS[design.preset].is_moe
+
+
+def _train_config(out: str, design: Design, setting: Setting, seed: int, run_dir: str, arm: str = ""):
   from trainers.training.config import TrainConfig
   # One path for every seed's initial weights, so that every run of an arm has the same config
   # apart from the seed and reuses the step functions compiled for the first one.
@@ -129,13 +150,15 @@ def _train_config(out: str, design: Design, setting: Setting, seed: int, run_dir
   shutil.rmtree(start, ignore_errors=True)
   shutil.copytree(_init_dir(out, design, seed), start)
   every = setting.sync_every * max(1, design.steps // setting.sync_every)
+  routing = ({"routing_replay": "r3" if arm.endswith(R3) else "none", "record_routing": True}
+             if _is_moe(design) else {})
   row_len = max(16, 1 << (2 * design.num_digits + 2).bit_length())  # prompt k + 2, response k + 1
   return TrainConfig.from_dict({
       "run_dir": run_dir, "seed": seed,
       "model": {"path": start},
       "task": {"name": "copy_digits", "num_digits": design.num_digits},
       "rollout": {"prompts_per_step": design.prompts_per_step, "n": design.n, "sync_every": setting.sync_every,
-                  "server_dtype": setting.server_dtype, "server_quantize": setting.server_quantize},
+                  "server_dtype": setting.server_dtype, "server_quantize": setting.server_quantize, **routing},
       "train": {"steps": design.steps, "learning_rate": design.learning_rate, "ppo_epochs": design.ppo_epochs,
                 "tokens_per_micro_batch": 128 * row_len, "row_len": row_len},
       "checkpoint": {"every": every, "max_to_keep": 1}})
@@ -166,12 +189,13 @@ def run_experiment(out: str, design: Design = FULL, *, resume: bool = False, log
     if not todo:
       continue
     with EmbeddedServer(_init_dir(out, design, design.seeds[0]), dtype=setting.server_dtype,
-                        quantize=setting.server_quantize, seed=0) as server:
+                        quantize=setting.server_quantize, seed=0,
+                        extra_args=("--enable-return-routed-experts",) if _is_moe(design) else ()) as server:
       for arm, seed in todo:
         run_dir = os.path.join(out, "runs", "tmp")
         shutil.rmtree(run_dir, ignore_errors=True)
         t0 = time.perf_counter()
-        cfg = _train_config(out, design, setting, seed, run_dir)
+        cfg = _train_config(out, design, setting, seed, run_dir, arm)
         history = Trainer(cfg, loss_cfgs[arm], urls=[server.url]).run(progress=False, log=lambda *_: None)
         record = {"arm": arm, "setting": setting_name, "seed": seed, "seconds": time.perf_counter() - t0,
                   "step": [h["step"] for h in history]}
@@ -322,6 +346,31 @@ def mismatch_table(results: dict, arm: str = "standard PPO") -> str:
   return "\n".join(lines)
 
 
+def routing_table(results: dict) -> str:
+  """MoE designs: per setting and arm, the router disagreement the trainer measures against the
+  server's routed experts (fraction of (token, layer) choices and of tokens with any layer
+  differing) and `mis_k3_kl`, at step 1 and over all steps, mean [95% CI] over seeds."""
+  def cell(values, fmt):
+    if len(values) < 2:
+      return format(float(np.mean(values)), fmt)
+    m, lo, hi = t_interval(values)
+    return f"{m:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
+
+  lines = ["| setting | arm | router choices differing, step 1 | tokens differing, step 1 | routing differing, all "
+           "steps | mis_k3_kl, step 1 | mis_k3_kl, all steps |", "|---|---|---|---|---|---|---|"]
+  for setting in results["design"]["settings"]:
+    for arm in results["design"]["arms"]:
+      runs = [r for r in results["runs"] if r["setting"] == setting and r["arm"] == arm]
+      if not runs or runs[0].get("routing_mismatch_frac", [None])[0] is None:
+        continue
+      frac, tok, k3 = ([r[k] for r in runs] for k in ("routing_mismatch_frac", "routing_mismatch_token_frac",
+                                                       "mis_k3_kl"))
+      lines.append(f"| {setting} | {arm} | {cell([x[0] for x in frac], '.2%')} | {cell([x[0] for x in tok], '.2%')} | "
+                   f"{cell([np.mean(x) for x in frac], '.2%')} | {cell([x[0] for x in k3], '.2e')} | "
+                   f"{cell([np.mean(x) for x in k3], '.2e')} |")
+  return "\n".join(lines)
+
+
 def _bands(runs, key):
   y = np.array([[np.nan if v is None else v for v in r[key]] for r in runs], float)
   mean = np.nanmean(y, axis=0)
@@ -400,10 +449,18 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", default="runs/mismatch", help="results.json and the figures go here")
   parser.add_argument("--quick", action="store_true", help="the CI-sized design (seconds, not an hour)")
+  parser.add_argument("--design", choices=("default", "moe"), default="default",
+                      help="default: the grid (OUT) and the collapse search (OUT/stress); moe: the mixture-of-experts "
+                      "arm (OUT/moe)")
   parser.add_argument("--resume", action="store_true", help="keep the runs OUT/results.json already has")
   args = parser.parse_args(argv)
   # The full experiment is the grid (OUT) and the collapse search (OUT/stress).
-  designs = [(args.out, QUICK)] if args.quick else [(args.out, FULL), (os.path.join(args.out, "stress"), STRESS)]
+  if args.quick:
+    designs = [(args.out, QUICK)]
+  elif args.design == "moe":
+    designs = [(os.path.join(args.out, "moe"), MOE)]
+  else:
+    designs = [(args.out, FULL), (os.path.join(args.out, "stress"), STRESS)]
   for out, design in designs:
     results = run_experiment(out, design, resume=args.resume)
     for key in ("reward_mean", "mis_k3_kl", "grad_norm"):
@@ -412,6 +469,9 @@ def main(argv=None):
     print(summary_table(results))
     print()
     print(mismatch_table(results))
+    if _is_moe(design):
+      print()
+      print(routing_table(results))
     print(f"\n{len(results['runs'])} runs in {results['seconds_total']:.0f} s; wrote {out}/results.json "
           "and figures")
 
