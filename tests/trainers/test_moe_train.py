@@ -172,3 +172,11 @@ def test_routed_experts_that_do_not_fit_the_model_stop_the_run():
   assert validate_sample(other, routing=spec, prompt_len=3)[1]["routed_experts"].reshape(-1).tolist() == \
       (np.arange(16) % 8).tolist()
   assert issubclass(NoRoutedExperts, ServerError)
+
+
+def test_shipped_moe_config():
+  from trainers.training.config import TrainConfig
+  cfg = TrainConfig.from_yaml("configs/moe_r3.yaml")
+  train_lib.check_config(cfg, mis_jax.loss_config_from_args({}, base=cfg.loss))
+  assert PRESETS[cfg.model.preset].is_moe and cfg.rollout.routing_replay == "r3"
+  assert train_lib.routing_setup(cfg.rollout, PRESETS[cfg.model.preset])[1] == RoutingSpec(2, 2, 8)

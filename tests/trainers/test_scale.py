@@ -266,3 +266,37 @@ def test_async_config_rules(tmp_path):
   cfg = TrainConfig.from_yaml("configs/async.yaml")
   assert (cfg.rollout.max_staleness, cfg.rollout.pause_mode) == (1, "retract")
   assert mis_jax.loss_config_from_args({}, base=cfg.loss).algorithm == "decoupled_ppo"
+
+
+@pytest.mark.slow
+@pytest.mark.multihost
+def test_moe_routing_replay_two_processes_equal_one(tmp_path):
+  """A Qwen3-MoE with R3 on an expert axis (fsdp 2 x expert 4): 1 process x 8 devices vs 2
+  processes x 4 devices for 2 steps — the routed experts reach process 1 through the rollout
+  broadcast, and metrics (routing mismatch included) and the pushed weights agree."""
+  from trainers.models import init_checkpoint
+  from trainers.serving.server import EmbeddedServer
+  weights = tmp_path / "moe-init"
+  init_checkpoint(weights, preset="tiny-qwen3-moe", seed=1)
+  raw = json.loads(json.dumps(BASE))
+  raw["model"] = {"path": str(weights)}
+  raw["train"].update(steps=2, adam_eps=1e-4)
+  raw["rollout"].update(server_dtype="float32", routing_replay="r3")
+  raw["parallel"] = {"fsdp": 2, "expert": 4}
+  config = tmp_path / "cfg.yaml"
+  config.write_text(json.dumps(raw))
+  with EmbeddedServer(str(weights), dtype="float32", seed=0, extra_args=("--enable-return-routed-experts",)) as srv:
+    _wait(_launch(config, srv.url, tmp_path / "one", 1))
+    _wait(_launch(config, srv.url, tmp_path / "two", 2))
+  one, two = _metrics(tmp_path / "one"), _metrics(tmp_path / "two")
+  assert sorted(one) == sorted(two) == [1, 2]
+  for step in one:
+    assert one[step]["reward_mean"] == two[step]["reward_mean"], step
+    assert one[step]["routing_mismatch_frac"] == two[step]["routing_mismatch_frac"] == 0.0
+    for key in ("loss", "grad_norm", "mis_k3_kl", "entropy_loss"):
+      np.testing.assert_allclose(two[step][key], one[step][key], rtol=1e-4, atol=2e-5, err_msg=f"{step} {key}")
+  w_one = read_hf_tensors(tmp_path / "one" / "weights" / "step_2")
+  w_two = read_hf_tensors(tmp_path / "two" / "weights" / "step_2")
+  assert sorted(w_one) == sorted(w_two) and "model.layers.1.mlp.experts.7.up_proj.weight" in w_one
+  for k in w_one:
+    np.testing.assert_allclose(w_two[k], w_one[k], rtol=1e-4, atol=1e-5 * np.abs(w_one[k]).max(), err_msg=k)

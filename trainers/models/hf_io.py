@@ -3,7 +3,10 @@
 The NNX module tree mirrors HF's, so a parameter's HF name is its path with a `model.` prefix
 (`lm_head` excepted), `embedding`/`kernel` renamed `weight`, and Linear kernels transposed
 (flax stores `[in, out]`, torch `[out, in]`). Layer parameters are stacked (`layers.mlp.up_proj.kernel`
-is `[num_layers, in, out]`): layer `i` of it is HF's `model.layers.{i}.mlp.up_proj.weight`.
+is `[num_layers, in, out]`): layer `i` of it is HF's `model.layers.{i}.mlp.up_proj.weight`; a
+mixture-of-experts kernel `layers.mlp.experts.up_proj.kernel` is `[num_layers, num_experts, in,
+out]`, its `[i, e]` block HF's `model.layers.{i}.mlp.experts.{e}.up_proj.weight` (fused
+checkpoints are read through `Family.hf_views`).
 Loading reads each device's block of each tensor straight from the files (`safe_open` slices). Save followed by load is bit-exact in the saved
 dtype.
 """

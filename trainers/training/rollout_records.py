@@ -20,6 +20,7 @@ replaces that step's file and never duplicates it. One row per sample:
 | `weight_version` | string | the server's weight version of its last token |
 | `old_logprobs` | list<float32> | the trainer's recomputed log-probs, when the algorithm computed them |
 | `sampling_mask` | list<list<int32>> | each response token's sampling support, with sampling replay |
+| `routed_experts` | list<int32> | MoE with routed experts (R3, `record_routing`): the server's experts of every position but the last, row-major `[prompt + response - 1, num_hidden_layers, num_experts_per_tok]` |
 
 The file's metadata key `mis_jax` holds JSON: the format version, the run's sampling parameters,
 task, loss and trainer configs, and the rollout batch index the step consumed. pyarrow, pandas
