@@ -9,8 +9,8 @@ kernels get one scale per layer and output channel), with `amax = max_in |W|` pe
     fp8:  s = amax / 448,  W_q = float8_e4m3fn(W / s)                      (448: e4m3fn's max)
     served weight  W' = W_q * s, computed in float32, then cast to the engine's dtype
 
-Embeddings, norms and biases are left in the engine's dtype, as in SGLang's weight-only
-schemes. The served model computes `x @ W'`, which is what a fused dequantising kernel
+Embeddings, norms, biases and a mixture of experts' router are left in the engine's dtype, as
+in SGLang's weight-only schemes. The served model computes `x @ W'`, which is what a fused dequantising kernel
 computes too (up to the order of the scale multiply); memory is not saved here, the numbers
 are the point. An all-zero channel gets scale 1 (its weights stay 0).
 """
@@ -47,8 +47,10 @@ def quantize_kernel(w, method: str) -> np.ndarray:
 
 
 def is_quantized_param(path: tuple) -> bool:
-  """Linear kernels are quantised; embeddings, norm weights and biases are not."""
-  return str(path[-1]) == "kernel"
+  """Linear kernels are quantised (a mixture of experts' expert kernels `[L, E, in, out]` per
+  layer, expert and output channel); embeddings, norm weights, biases and the MoE router
+  (`mlp.gate`, which SGLang's Qwen3-MoE keeps unquantised under fp8) are not."""
+  return str(path[-1]) == "kernel" and not (len(path) >= 2 and str(path[-2]) == "gate")
 
 
 def quantize_params(state: nnx.State, method: str, *, dtype=jnp.float32) -> nnx.State:
