@@ -74,7 +74,7 @@ def test_bad_design_names_the_field():
 COMMITTED = os.path.join(os.path.dirname(__file__), "..", "..", "notebooks", "figures", "mismatch")
 
 
-@pytest.mark.parametrize("sub, design", [("", mismatch.FULL), ("stress", mismatch.STRESS)])
+@pytest.mark.parametrize("sub, design", [("", mismatch.FULL), ("stress", mismatch.STRESS), ("moe", mismatch.MOE)])
 def test_committed_results_are_the_full_design(sub, design):
   """notebooks/figures/mismatch (the grid) and its stress/ (the collapse search) hold complete
   runs of the current designs, and their summaries are what `summarize` computes from the runs."""
@@ -88,6 +88,9 @@ def test_committed_results_are_the_full_design(sub, design):
   assert json.loads(json.dumps(mismatch.summarize(results))) == results["summary"]
   for name in ("curves_reward_mean.png", "curves_mis_k3_kl.png", "curves_grad_norm.png", "intervals.png"):
     assert os.path.isfile(os.path.join(COMMITTED, sub, name))
+  if design.preset.endswith("moe"):  # the router disagreement was measured in every arm, with or without R3
+    assert all(None not in r["routing_mismatch_frac"] for r in results["runs"])
+    assert "| fp8 | decoupled + MIS + R3 |" in mismatch.routing_table(results)
 
 
 @pytest.mark.slow
