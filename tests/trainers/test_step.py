@@ -275,7 +275,7 @@ def test_invalid_mesh_is_a_config_error():
     parallel.mesh_shape(parallel.ParallelSection(data=3), 8)
   with pytest.raises(mis_jax.ConfigError, match="only one of"):
     parallel.mesh_shape(parallel.ParallelSection(data=-1, fsdp=-1), 8)
-  with pytest.raises(mis_jax.ConfigError, match=r"data x fsdp x tensor = 4 but there are 8"):
+  with pytest.raises(mis_jax.ConfigError, match=r"data x fsdp x expert x tensor = 4 but there are 8"):
     parallel.mesh_shape(parallel.ParallelSection(data=2, fsdp=2, tensor=1), 8)
   with pytest.raises(mis_jax.ConfigError, match="parallel.tensor must be a positive int"):
     parallel.mesh_shape(parallel.ParallelSection(tensor=0), 8)

@@ -224,8 +224,8 @@ def test_mesh_runs_match_one_device_and_resume_on_the_mesh(server, tmp_path):
     trainer = train_lib.Trainer(make_cfg(tmp_path, name, parallel=parallel_cfg), loss_cfg, urls=[server.url],
                                 devices=devices)
     runs[name] = trainer.run(progress=False)
-    assert dict(trainer.mesh.shape) == {"one": {"data": 1, "fsdp": 1, "tensor": 1},
-                                        "data2-fsdp4": {"data": 2, "fsdp": 4, "tensor": 1}}[name]
+    assert dict(trainer.mesh.shape) == {"one": {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1},
+                                        "data2-fsdp4": {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}}[name]
   for name in ("data2-fsdp4",):
     for got, want in zip(runs[name], runs["one"]):
       assert got["reward_mean"] == want["reward_mean"], name

@@ -135,7 +135,7 @@ class TrainSection:
   max_grad_norm: float = key(1.0, "global-norm gradient clipping", gt=0)
   adam_eps: float = key(1e-8, "AdamW epsilon", gt=0)
   ppo_epochs: int = key(1, "optimiser updates per step on the same batch", ge=1)
-  tokens_per_micro_batch: int = key(4096, "tokens per device (of data x fsdp) in one micro-batch; >= row_len", ge=1)
+  tokens_per_micro_batch: int = key(4096, "tokens per device (of data x fsdp x expert) in one micro-batch; >= row_len", ge=1)
   row_len: int = key(64, "tokens per packed row (>= the longest prompt + response)", ge=2)
   advantage_estimator: str = key("grpo", "per-group advantages (SPEC §6.1)", choices=tuple(mis_jax.ESTIMATORS))
   exclude_rejected_from_baseline: bool = key(False, "sequences rejected whole leave their group's baseline (SPEC §6.1)")
