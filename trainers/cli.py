@@ -163,7 +163,7 @@ def _train(argv: list[str] | None = None) -> int:
     else:
       with EmbeddedServer(train.initial_weights_dir(cfg), dtype=cfg.rollout.server_dtype, seed=cfg.seed,
                           quantize=cfg.rollout.server_quantize,
-                          extra_args=("--enable-return-routed-experts",)) as server:
+                          extra_args=("--enable-return-routed-experts", "--weight-version", "0")) as server:
         print(f"embedded SGLang-protocol server on {server.url} ({cfg.rollout.server_dtype})")
         trainer = train.Trainer(cfg, loss_cfg, urls=[server.url], task=task)
         history = trainer.run(resume=args.resume, progress=not args.no_progress)

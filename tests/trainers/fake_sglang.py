@@ -3,6 +3,13 @@
 It speaks the native routes the trainer uses with random (but well-formed) completions, and
 injects one fault on request: 5xx or 4xx on /generate, malformed samples, failed weight
 syncs, or death after a number of generations. It records every request it receives.
+
+With `upstream` (a real server's URL) it is a proxy instead: every request goes to the real
+server, and the fault changes what the trainer sees — `shift_logprobs` (each response token
+gets the next token's log-prob: a server that garbles its output), `no_model_info` (only
+`/get_model_info` and `/get_server_info`, without `weight_version`, as sglang-jax),
+`no_update_route` (no `/update_weights_from_disk`), `no_weight_version` (replies without
+`weight_version` / `weight_versions`).
 """
 
 import json
@@ -15,8 +22,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 class FakeSGLang:
 
   def __init__(self, *, fault: str | None = None, after: int = 0, vocab=(3, 13), generate_delay_s: float = 0.0,
-               update_delay_s: float = 0.0):
-    self.fault, self.after, self.vocab = fault, after, vocab
+               update_delay_s: float = 0.0, upstream: str | None = None):
+    self.fault, self.after, self.vocab, self.upstream = fault, after, vocab, upstream
     self.generate_delay_s, self.update_delay_s = generate_delay_s, update_delay_s
     self.events: list[tuple[str, float, float]] = []  # (route, start, end) of timed requests
     self.requests: list[tuple[str, str]] = []
@@ -74,8 +81,41 @@ class FakeSGLang:
         self.end_headers()
         self.wfile.write(data)
 
+      def _proxy(self, method, body=None):
+        import httpx
+        f = fake.fault
+        if f == "no_model_info" and self.path in ("/model_info", "/server_info"):
+          return self._reply(404, {"detail": "Not Found"})
+        if f == "no_update_route" and self.path == "/update_weights_from_disk":
+          return self._reply(404, {"detail": "Not Found"})
+        path = {"/get_model_info": "/model_info", "/get_server_info": "/server_info"}.get(self.path, self.path)
+        r = httpx.request(method, fake.upstream + path, json=body, timeout=120)
+        try:
+          out = r.json() if r.content else None
+        except ValueError:  # a text body (/flush_cache): passed on as it is
+          self.send_response(r.status_code)
+          self.send_header("Content-Length", str(len(r.content)))
+          self.end_headers()
+          self.wfile.write(r.content)
+          return
+        if f == "no_model_info" and isinstance(out, dict):
+          out.pop("weight_version", None)
+        if self.path == "/generate" and r.status_code == 200:
+          for item in out if isinstance(out, list) else [out]:
+            meta = item["meta_info"]
+            if f == "shift_logprobs":
+              lps = meta["output_token_logprobs"]
+              values = [e[0] for e in lps[1:]] + [lps[0][0]]
+              meta["output_token_logprobs"] = [[v, *e[1:]] for v, e in zip(values, lps)]
+            if f == "no_weight_version":
+              meta.pop("weight_version", None)
+              meta.pop("weight_versions", None)
+        return self._reply(r.status_code, out)
+
       def do_GET(self):
         fake.requests.append(("GET", self.path))
+        if fake.upstream:
+          return self._proxy("GET")
         if self.path == "/health":
           return self._reply(200, {})
         if self.path == "/model_info":
@@ -86,6 +126,8 @@ class FakeSGLang:
       def do_POST(self):
         fake.requests.append(("POST", self.path))
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if fake.upstream:
+          return self._proxy("POST", body)
         if self.path == "/generate":
           fake.generate_calls += 1
           start = time.perf_counter()
@@ -108,6 +150,8 @@ class FakeSGLang:
             out += [fake._sample(rng, sp["max_new_tokens"], p * n + j) for j in range(n)]
           return self._reply(200, out)
         if self.path == "/update_weights_from_disk":
+          if "model_path" not in body:  # SGLang's request model requires it (the trainer's route probe)
+            return self._reply(400, {"error": {"message": "model_path: field required"}})
           start = time.perf_counter()
           time.sleep(fake.update_delay_s)
           fake.events.append(("update", start, time.perf_counter()))

@@ -72,7 +72,8 @@ def test_weight_sync_reaches_four_servers_concurrently():
 
 
 def _timed_trainer(tmp_path, name, url, train_delay_s, **rollout):
-  cfg = make_cfg(tmp_path, name, rollout={"prompts_per_request": 16, **rollout}, train={"steps": 4})
+  cfg = make_cfg(tmp_path, name, rollout={"prompts_per_request": 16, "mismatch_check": False, **rollout},
+                 train={"steps": 4})
   trainer = train_lib.Trainer(cfg, DECOUPLED, urls=[url])
   train_on = trainer.train_on
 
@@ -111,14 +112,14 @@ def test_asynchronous_loop_overlaps_generation_and_training(tmp_path):
 
 def test_samples_older_than_the_bound_are_dropped_and_counted(tmp_path):
   with FakeSGLang(fault="stale_versions") as fake:  # reports weights 2 versions behind
-    history = train_lib.Trainer(make_cfg(tmp_path, "k2", rollout={"max_staleness": 2}, train={"steps": 4}),
+    history = train_lib.Trainer(make_cfg(tmp_path, "k2", rollout={"max_staleness": 2, "mismatch_check": False}, train={"steps": 4}),
                                 DECOUPLED, urls=[fake.url]).run(progress=False)
     # Generated ahead (asynchronously) by a lagging server: the older samples are dropped and
     # counted, the trained ones are exactly at the bound.
     assert [h["rollout/staleness_max"] for h in history] == [0, 1, 2, 2]  # 0, 1: versions 0, 0, ...
     assert all(h["rollout/staleness_mean"] <= 2 for h in history)
     fake.weight_version = "init"
-    trainer = train_lib.Trainer(make_cfg(tmp_path, "k1", rollout={"max_staleness": 1}, train={"steps": 6}),
+    trainer = train_lib.Trainer(make_cfg(tmp_path, "k1", rollout={"max_staleness": 1, "mismatch_check": False}, train={"steps": 6}),
                                 DECOUPLED, urls=[fake.url])
     with pytest.raises(train_lib.TrainingError, match="no sample within max_staleness 1"):
       trainer.run(progress=False)
@@ -127,7 +128,8 @@ def test_samples_older_than_the_bound_are_dropped_and_counted(tmp_path):
 
 
 def test_asynchronous_faults_stop_cleanly_and_resume(tmp_path):
-  cfg = lambda name, steps: make_cfg(tmp_path, name, rollout={"max_staleness": 1}, train={"steps": steps})
+  cfg = lambda name, steps: make_cfg(tmp_path, name, rollout={"max_staleness": 1, "mismatch_check": False},
+                                     train={"steps": steps})
   # A server dying mid-generation: the producer's error stops the run at that batch.
   with FakeSGLang(fault="die_after", after=3) as fake:
     trainer = train_lib.Trainer(cfg("dies", 6), DECOUPLED, urls=[fake.url])

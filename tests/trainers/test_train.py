@@ -89,6 +89,9 @@ def _model_info(url):
 
 
 def _trainer(tmp_path, url, **sections):
+  """A trainer for the fake server: its random log-probs are another model's, so the mismatch
+  sanity check is off."""
+  sections["rollout"] = {"mismatch_check": False, **sections.get("rollout", {})}
   return train_lib.Trainer(make_cfg(tmp_path, **sections), mis_jax.LossConfig(), urls=[url])
 
 
@@ -141,7 +144,8 @@ def test_weight_sync_failure_is_retried_then_stops(tmp_path, fault, pattern):
   with FakeSGLang(fault=fault) as fake:
     with pytest.raises(train_lib.TrainingError, match=rf"weight sync at step 0 failed: .*3 attempts: .*{pattern}"):
       _trainer(tmp_path, fake.url).run(progress=False)
-    assert fake.requests.count(("POST", "/update_weights_from_disk")) == 3
+    # One empty-body probe of the route before training, then the 3 attempts of the step-0 push.
+    assert fake.requests.count(("POST", "/update_weights_from_disk")) == 1 + 3
     assert fake.requests[-1] == ("POST", "/continue_generation")  # never left paused
 
 
@@ -151,7 +155,8 @@ def test_server_dying_mid_run_keeps_the_last_checkpoint(tmp_path):
     with pytest.raises(ServerError, match="HTTP 503"):
       trainer.run(progress=False)
     assert {p for _, p in fake.requests} <= {"/health", "/generate", "/pause_generation", "/flush_cache",
-                                             "/update_weights_from_disk", "/model_info", "/continue_generation"}
+                                             "/update_weights_from_disk", "/model_info", "/continue_generation",
+                                             "/server_info", "/get_server_info"}
   resumed = _trainer(tmp_path, FakeSGLang().url, train={"steps": 3})
   assert resumed.restore_latest() and resumed.step == 2
   with pytest.raises(train_lib.TrainingError, match="already holds checkpoints"):

@@ -110,8 +110,13 @@ class RolloutSection:
                               "versions old (0: the synchronous loop)", ge=0)
   pause_mode: str = key("abort", "/pause_generation mode during a weight sync (retract keeps in-flight "
                                  "requests for after the update)", choices=("abort", "retract", "in_place"))
-  weight_dtype: str | None = key(None, "dtype of the HF weights pushed to the servers (null: server_dtype, "
-                                       "bfloat16 by default)", choices=DTYPES)
+  weight_dtype: str | None = key(None, "dtype of the HF weights pushed to the servers (null: the dtype the server "
+                                       "reports in /server_info, else server_dtype)", choices=DTYPES)
+  initial_sync: str = key("auto", "push the starting weights before step 1: `auto` = unless every server already "
+                          "serves model.path (its /model_info model_path) and the run is not resumed; `always`; "
+                          "`never` (a resume always pushes)", choices=("auto", "always", "never"))
+  mismatch_check: bool = key(True, "stop when server and trainer hold the same weights yet their log-probs differ "
+                             "far beyond numerics (README: the mismatch sanity check)")
   max_concurrency: int = key(4, "HTTP requests in flight", ge=1)
   prompts_per_request: int = key(8, "prompts batched into one /generate request", ge=1)
   timeout_s: float = key(120.0, "HTTP timeout per request", gt=0)

@@ -23,7 +23,12 @@ from trainers.serving import protocol
 
 
 class ServerError(RuntimeError):
-  """The server could not be used (unreachable, failing, or rejecting requests)."""
+  """The server could not be used (unreachable, failing, or rejecting requests). `status`: the
+  HTTP status of a rejected request (4xx), else None."""
+
+  def __init__(self, message: str, status: int | None = None):
+    super().__init__(message)
+    self.status = status
 
 
 class NoSamplingMask(ServerError):
@@ -255,7 +260,8 @@ class SGLangClient:
           except ValueError:
             return resp.text
         if resp.status_code < 500:
-          raise ServerError(f"{url}{path} rejected the request (HTTP {resp.status_code}): {_message(resp)}")
+          raise ServerError(f"{url}{path} rejected the request (HTTP {resp.status_code}): {_message(resp)}",
+                            status=resp.status_code)
         last = f"HTTP {resp.status_code}: {_message(resp)}"
       if attempt < self.max_retries:
         time.sleep(delay)
@@ -280,7 +286,34 @@ class SGLangClient:
         raise ServerError(f"SGLang server at {url} is unreachable after {attempts} attempts ({last})")
 
   def model_info(self, url: str | None = None) -> dict:
-    return self._request("GET", url or self.urls[0], "/model_info")
+    """`GET /model_info`, or `/get_model_info` where the first is missing (HTTP 404: older SGLang
+    releases and sglang-jax have only the second, without `weight_version`)."""
+    return self._get_either(url or self.urls[0], "/model_info", "/get_model_info")
+
+  def server_info(self, url: str | None = None) -> dict:
+    """`GET /server_info` (or `/get_server_info`): the server's arguments (`dtype`, ...)."""
+    return self._get_either(url or self.urls[0], "/server_info", "/get_server_info")
+
+  def _get_either(self, url: str, path: str, fallback: str) -> dict:
+    try:
+      out = self._request("GET", url, path)
+    except ServerError as e:
+      if e.status not in (404, 405):
+        raise
+      out = self._request("GET", url, fallback)
+    return out if isinstance(out, dict) else {}
+
+  def has_weight_update_route(self, url: str) -> bool:
+    """Whether `url` has `POST /update_weights_from_disk`, asked with an empty body (a request
+    that route rejects as malformed, HTTP 4xx other than 404/405, without loading anything)."""
+    try:
+      self._request("POST", url, "/update_weights_from_disk", {})
+    except ServerError as e:
+      if e.status in (404, 405):
+        return False
+      if e.status is None:
+        raise
+    return True
 
   def check_routed_experts(self, routing: RoutingSpec) -> None:
     """Asks every server for one token with ``return_routed_experts``; raises
@@ -381,8 +414,8 @@ class SGLangClient:
           continue
         if isinstance(reply, dict) and reply.get("success"):
           info = self.model_info(url)
-          if str(info.get("weight_version")) == weight_version:
-            break
+          if str(info.get("weight_version")) == weight_version or "weight_version" not in info:
+            break  # confirmed (a server whose model info has no weight_version: its success reply)
           last = f"weight_version is {info.get('weight_version')!r} after the update, expected {weight_version!r}"
         else:
           last = reply.get("message") if isinstance(reply, dict) else repr(reply)

@@ -121,6 +121,13 @@ def routing_metrics(native: np.ndarray, recorded: np.ndarray) -> dict[str, float
   return out
 
 
+# The mismatch sanity check's limits (mean |Δ log p| over response tokens, mis_k3_kl) when server
+# and trainer hold the same weights. Measured on the tiny models (README): float32 on both sides
+# 3e-7 / 0; bf16 engine 7e-3–1.2e-2 / 4e-5–7e-4; fp8 weights 5e-2–6e-2 / 2e-3–4e-3; a batch
+# garbled by sglang-jax's overlap scheduler 1.78 / 1.23; log-probs shifted by one token ~2 / ~1.
+MISMATCH_LIMITS = {"float32": (1e-3, 1e-4), "low": (0.25, 0.1)}
+
+
 class TrainingError(RuntimeError):
   """The run stopped cleanly: the message says why; the last checkpoint is intact."""
 
@@ -163,7 +170,10 @@ class Trainer:
     self.checkpoints = checkpointing.Checkpointer(os.path.join(self.run_dir, "checkpoints"),
                                                   max_to_keep=cfg.checkpoint.max_to_keep)
     self.num_segments = r.prompts_per_step * r.n
-    self.weight_dtype = r.weight_dtype or r.server_dtype
+    self.weight_dtype = r.weight_dtype or r.server_dtype  # refined from the servers' /server_info at start
+    self.server_dtype, self.server_quantized = r.server_dtype, r.server_quantize != "none"
+    self.served_version = 0  # the step whose weights the servers hold (the trainer's bookkeeping)
+    self._warned_versions = False
     self.batch_index = 0  # rollout batches consumed (= step, unless a stale batch was skipped)
     self.sync_times: dict[str, float] = {}
 
@@ -188,9 +198,11 @@ class Trainer:
   def generate(self, batch: int) -> RolloutResult:
     """Rollout batch `batch` from the servers (process 0): its prompts and per-sample seeds
     depend on (seed, batch) only."""
-    return self.client.generate([p.ids for p in self.prompts(batch)], self.sampling_params(), n=self.cfg.rollout.n,
-                                seed=self.cfg.seed * 100_003 + batch, support_width=self.support_width,
-                                routing=self.routing_spec)
+    version = self.served_version
+    result = self.client.generate([p.ids for p in self.prompts(batch)], self.sampling_params(), n=self.cfg.rollout.n,
+                                  seed=self.cfg.seed * 100_003 + batch, support_width=self.support_width,
+                                  routing=self.routing_spec)
+    return self._own_versions(result, version)
 
   def check_rollout(self, result: RolloutResult) -> RolloutResult:
     r = self.cfg.rollout
@@ -319,6 +331,107 @@ class Trainer:
       raise TrainingError(f"step {self.step}: non-finite metrics {bad}; stopping before using these weights")
     return metrics
 
+  # --- the servers before step 1 -----------------------------------------------------------
+  def server_facts(self) -> dict:
+    """What the servers say before training (process 0): whether every one serves the
+    trainer's starting weights (`/model_info`'s `model_path` is `model.path`, or the preset's
+    initial directory), the dtype the first reports (`/server_info`), and the URLs without a
+    weight-update route."""
+    start = os.path.realpath(initial_weights_dir(self.cfg))
+    serves_start, dtypes, quantized = True, set(), False
+    for url in self.client.urls:
+      info = self.client.model_info(url)
+      path = info.get("model_path")
+      serves_start &= isinstance(path, str) and os.path.realpath(path) == start
+      try:
+        sinfo = self.client.server_info(url)
+      except ServerError:
+        sinfo = {}
+      dtypes.add(sinfo.get("dtype"))
+      quantized |= sinfo.get("quantization") not in (None, "none", "")
+    missing = [url for url in self.client.urls if not self.client.has_weight_update_route(url)]
+    dtype = dtypes.pop() if len(dtypes) == 1 else None
+    return {"serves_start": serves_start, "dtype": dtype if dtype in DTYPES else None, "quantized": quantized,
+            "missing_update_route": missing}
+
+  def prepare_servers(self, *, resumed: bool, log=print) -> bool:
+    """Decides the first weight push (`rollout.initial_sync`) and the pushed dtype, and checks
+    that every server can load weights when the run will push any. Returns whether to push now.
+
+    `auto` skips the push when the run is not resumed and every server reports `model.path`
+    (or the preset's initial directory) as its `model_path`: it loaded the very checkpoint the
+    trainer starts from, so a push would write the same values (cast to the same dtype). A
+    resume always pushes (the servers must get the restored weights)."""
+    r = self.cfg.rollout
+    facts = self._primary(self.server_facts)
+    self.server_dtype = facts["dtype"] or r.server_dtype
+    self.server_quantized = facts["quantized"] or r.server_quantize != "none"
+    self.weight_dtype = r.weight_dtype or self.server_dtype
+    push = resumed or r.initial_sync == "always" or (r.initial_sync == "auto" and not facts["serves_start"])
+    first_sync = self.step + r.sync_every - self.step % r.sync_every  # the loop's first push
+    will_sync = push or first_sync <= self.cfg.train.steps
+    if facts["missing_update_route"] and will_sync:
+      when = "the resumed weights before step 1" if resumed else (
+          "the starting weights before step 1" if push else f"the weights after step {first_sync}")
+      raise TrainingError(
+          f"{', '.join(facts['missing_update_route'])} has no /update_weights_from_disk route (HTTP 404), so it "
+          f"cannot load {when}. Settings that need no weight push: start the server on model.path with "
+          f"rollout.initial_sync: auto (or never) and rollout.sync_every > train.steps (every step then trains on "
+          f"rollouts of the starting weights: decoupled PPO corrects the growing staleness), or train from records "
+          f"(rollout.load_dir)")
+    if self.primary:
+      if not push:
+        log(f"initial weight push skipped (rollout.initial_sync {r.initial_sync}): "
+            + ("every server already serves the starting weights" if facts["serves_start"] else "as configured"))
+      if facts["missing_update_route"]:
+        log(f"{', '.join(facts['missing_update_route'])} cannot load new weights; none will be pushed in "
+            f"{self.cfg.train.steps} steps (rollout.sync_every {r.sync_every})")
+    return push
+
+  def mismatch_limits(self) -> tuple[float, float, str]:
+    """`(max mean |Δ log p|, max mis_k3_kl, what)` for the sanity check, by dtype pair: float32
+    on both sides (no quantisation) vs anything lower (`MISMATCH_LIMITS`)."""
+    exact = (self.server_dtype == "float32" and not self.server_quantized and self.weight_dtype == "float32"
+             and self.cfg.model.dtype == "float32")
+    key = "float32" if exact else "low"
+    pair = (f"server {self.server_dtype}{' quantised' if self.server_quantized else ''}, trainer "
+            f"{self.cfg.model.dtype}")
+    return (*MISMATCH_LIMITS[key], pair)
+
+  def check_mismatch(self, metrics: dict, result: RolloutResult) -> None:
+    """When the servers held the trainer's weights for this step's samples (all fresh), a
+    mismatch far beyond numerics stops the run before anything is saved or pushed."""
+    if not self.cfg.rollout.mismatch_check or self.replay:
+      return
+    if self.served_version != self.step or any(s.oldest_version != str(self.step) for s in result.samples):
+      return
+    max_abs, max_k3, pair = self.mismatch_limits()
+    diff, k3 = metrics.get("train_rollout_logprob_abs_diff"), metrics.get("mis_k3_kl")
+    if diff is None or k3 is None or (diff <= max_abs and k3 <= max_k3):
+      return
+    raise TrainingError(
+        f"step {self.step + 1}: the server and the trainer hold the same weights, yet their log-probs differ far "
+        f"beyond numerics: mean |Δ log p| {diff:.3g} (limit {max_abs:g}), mis_k3_kl {k3:.3g} (limit {max_k3:g}) for "
+        f"{pair}. Likely causes: the server runs another model or tokenizer than model.path, or an engine bug that "
+        f"garbles batches (e.g. sglang-jax's overlap scheduler: start it with --disable-overlap-schedule). Nothing "
+        f"of this step was saved or pushed; set rollout.mismatch_check: false to train anyway")
+
+  def _own_versions(self, result: RolloutResult, version: int) -> RolloutResult:
+    """Samples whose server reports no usable weight version (none, or not a step number such as
+    SGLang's "default") get the trainer's own bookkeeping: `version`, the last it pushed."""
+    bad = [s for s in result.samples if not str(s.weight_version).isdigit()]
+    if not bad:
+      return result
+    if not self._warned_versions:
+      self._warned_versions = True
+      warnings.warn(f"the server's replies carry no usable weight_version ({bad[0].weight_version!r}): using the "
+                    f"trainer's own bookkeeping (the version it last pushed)")
+    own = str(version)
+    samples = [dataclasses.replace(s, weight_version=own, weight_versions=tuple((own, a, b) for _, a, b in
+                                                                                 s.weight_versions))
+               if not str(s.weight_version).isdigit() else s for s in result.samples]
+    return dataclasses.replace(result, samples=samples)
+
   # --- weights, checkpoints --------------------------------------------------------------
   def sync_weights(self):
     """Every process writes its share of the sharded HF checkpoint (`save_hf_sharded`), then
@@ -336,6 +449,7 @@ class Trainer:
       except ServerError as e:
         raise TrainingError(f"weight sync at step {self.step} failed: {e}") from None
     times.update(self._primary(update))
+    self.served_version = self.step
     self.sync_times = {f"sync/{k}": v for k, v in times.items()}
     if self.primary:  # keep the newest few weight directories (the servers may still read the current one)
       root = os.path.join(self.run_dir, "weights")
@@ -443,7 +557,12 @@ class Trainer:
       self._primary(lambda: self.client.wait_until_healthy(attempts=r.health_attempts, backoff_s=r.backoff_s))
       if self.routing_spec is not None:  # a server without routed experts is found before any step
         self._primary(lambda: self.client.check_routed_experts(self.routing_spec))
-    self.sync_weights()  # the servers now hold exactly the trainer's weights (version = step)
+      push = self.prepare_servers(resumed=self.step > 0, log=log)
+    else:
+      push = False
+    if push:
+      self.sync_weights()  # the servers now hold exactly the trainer's weights (version = step)
+    self.served_version = self.step
     producer = RolloutProducer(self, self.batch_index) if (self.asynchronous and self.primary) else None
     history = []
     logger = (MetricLogger(self.run_dir, self.cfg.logging, total_steps=self.cfg.train.steps, initial_step=self.step,
@@ -459,6 +578,7 @@ class Trainer:
         t1 = time.perf_counter()
         sb = self.build_batch(prompts, result)
         metrics = self.train_on(sb)
+        self.check_mismatch(metrics, result)
         t2 = time.perf_counter()
         self.step += 1
         if r.save_dir:
