@@ -198,9 +198,17 @@ def _objective(model, ids, pos, seg, routing=None):
   return jnp.sum(jnp.where(seg >= 0, lp, 0.0))
 
 
-def _value_and_grad(model, *args):
+_GRAD = {}
+
+
+def _value_and_grad(model, ids, pos, seg, routing=None):
+  """Jitted per model structure (one compile per dispatch and replay/no-replay)."""
   graphdef, params = nnx.split(model)
-  return jax.value_and_grad(lambda p: _objective(nnx.merge(graphdef, p), *args))(params)
+  key = (graphdef, routing is None)
+  if key not in _GRAD:
+    _GRAD[key] = jax.jit(jax.value_and_grad(
+        lambda p, ids, pos, seg, r: _objective(nnx.merge(graphdef, p), ids, pos, seg, r)))
+  return _GRAD[key](params, ids, pos, seg, routing)
 
 
 def test_replaying_the_native_routing_changes_nothing_and_other_experts_train_the_router():

@@ -180,3 +180,14 @@ def test_shipped_moe_config():
   train_lib.check_config(cfg, mis_jax.loss_config_from_args({}, base=cfg.loss))
   assert PRESETS[cfg.model.preset].is_moe and cfg.rollout.routing_replay == "r3"
   assert train_lib.routing_setup(cfg.rollout, PRESETS[cfg.model.preset])[1] == RoutingSpec(2, 2, 8)
+
+
+@pytest.mark.parametrize("algo", ["bypass_ppo", "reinforce_is"])
+def test_r3_with_the_other_algorithms(algo, moe_server, tmp_path):
+  """R3 needs no old-log-prob pass of the algorithm (bypass, REINFORCE + IS): the routing pass
+  still measures the mismatch, and the replayed routing reaches every training forward."""
+  from test_train import ALGORITHMS
+  model_path, srv = moe_server
+  cfg = _cfg(tmp_path, model_path, algo, routing_replay="r3")
+  (h1, h2) = train_lib.Trainer(cfg, mis_jax.LossConfig(**ALGORITHMS[algo]), urls=[srv.url]).run(progress=False)
+  assert h1["routing_mismatch_frac"] == 0 and h1["mis_k3_kl"] < 1e-9 and np.isfinite(h2["loss"])
