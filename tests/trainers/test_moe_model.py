@@ -344,3 +344,33 @@ def test_expert_axis_config_errors():
   spec = parallel.param_spec(("layers", "self_attn", "q_proj", "kernel"), (2, 64, 64),
                              parallel.make_mesh(parallel.ParallelSection(fsdp=2, expert=4), jax.devices()))
   assert spec == jax.sharding.PartitionSpec(None, ("fsdp", "expert"), None)
+
+
+def test_the_load_balancing_loss_joins_the_step_when_asked(moe_step_setup):
+  """`train.router_aux_loss_coef`: the step's loss gains coef · HF's aux loss (token-weighted
+  over micro-batches), logged as `router_aux_loss`; 0 (the default) leaves the step as it was."""
+  ts, sb = moe_step_setup
+  mesh = parallel.make_mesh(parallel.ParallelSection(data=1, fsdp=1, tensor=1, expert=1), jax.devices()[:1])
+  loss_cfg = ts.ALGORITHMS["reinforce_is"]
+  params0 = nnx.state(CausalLM(MOE, rngs=nnx.Rngs(0)), nnx.Param)
+  out = {}
+  for coef in (0.0, 0.5):
+    optim = dataclasses.replace(ts.OPTIM, router_aux_loss_coef=coef)
+    fns = step_lib.build_step_functions(MOE, mesh, loss_cfg, optim, temperature=0.9, logprob_chunk=8,
+                                        attention="blocked", remat="full", moe_dispatch="grouped")
+    params = jax.device_put(jax.tree.map(jnp.copy, params0), fns.param_shardings)  # the step donates them
+    inputs = step_lib.ModelInputs(*(jnp.asarray(x) for x in (sb.input_ids, sb.positions, sb.targets)))
+    batch = jax.tree.map(jnp.asarray, sb.batch)
+    prepared, dens, _ = fns.prepare(batch)
+    _, _, metrics = fns.train(params, fns.init_opt_state(params), inputs, prepared, dens)
+    out[coef] = {k: float(v) for k, v in metrics.items()}
+  assert "router_aux_loss" not in out[0.0] and out[0.5]["router_aux_loss"] > 0
+  # The aux loss of each micro-batch, weighted by its real tokens, is what the step added.
+  model = CausalLM(MOE, rngs=nnx.Rngs(0))
+  seg = np.asarray(sb.batch.segment_ids)
+  tokens = [(seg[m] >= 0).sum() for m in range(seg.shape[0])]
+  aux = [float(model.hidden_states(jnp.asarray(sb.input_ids[m]), jnp.asarray(sb.positions[m]), jnp.asarray(seg[m]),
+                                   return_routing=True)[1].aux_loss) for m in range(seg.shape[0])]
+  want = sum(a * t for a, t in zip(aux, tokens)) / sum(tokens)
+  np.testing.assert_allclose(out[0.5]["loss"] - out[0.0]["loss"], 0.5 * want, rtol=1e-4)
+  assert out[0.5]["grad_norm"] != out[0.0]["grad_norm"]

@@ -196,6 +196,7 @@ class StepFunctions:
           aux = rest[-1].aux_loss
           share = jnp.sum((mb_batch.segment_ids >= 0).astype(jnp.float32)) / num_tokens
           loss = loss + aux_coef * aux * share
+          metrics["loss"] = metrics["loss"] + jax.lax.stop_gradient(aux_coef * aux * share)  # what is optimised
           metrics["router_aux_loss"] = jax.lax.stop_gradient(aux)
         if replay:  # kept mass and the ratio with / without renormalisation (first epoch: o = lp)
           metrics.update(mis_jax.sampling_metrics(
