@@ -80,14 +80,14 @@ def _venv_python() -> str:
 
 
 @contextlib.contextmanager
-def sglang_jax_server(model_path: str, *extra: str):
+def sglang_jax_server(model_path: str, *extra: str, flags=FLAGS):
   python = _venv_python()
   port = free_port()
   env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
   env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=os.path.join(CACHE, "jax-cache-sglang-jax"))
   log = open(os.path.join(os.path.dirname(model_path), f"sglang-jax-{port}.log"), "w")
   proc = subprocess.Popen([python, "-m", "sgl_jax.launch_server", "--model-path", model_path, "--host", "127.0.0.1",
-                           "--port", str(port), *FLAGS, *extra], env=env, stdout=log, stderr=subprocess.STDOUT,
+                           "--port", str(port), *flags, *extra], env=env, stdout=log, stderr=subprocess.STDOUT,
                           start_new_session=True)
   url = f"http://127.0.0.1:{port}"
   try:
@@ -172,3 +172,37 @@ def test_the_clients_other_calls(real_server):
     # /health_generate (its no-logprob request in a log-prob batch kills its scheduler).
   finally:
     client.close()
+
+
+def _write_tokenizer(path: str, vocab_size: int) -> None:
+  """A word-level tokenizer over the tiny vocabulary (ids 0/1/2 pad/bos/eos): sglang-jax returns
+  routed experts only through its detokenizer (with `--skip-tokenizer-init` the reply cannot
+  be encoded: HTTP 500)."""
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  from transformers import PreTrainedTokenizerFast
+  vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i for i in range(3, vocab_size)}}
+  core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+  core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                          unk_token="<pad>").save_pretrained(path)
+
+
+def test_routing_replay_r3_against_sglang_jax(tmp_path):
+  """A tiny Qwen3-MoE served by sglang-jax with --enable-return-routed-experts: its routed
+  experts (SGLang's wire format, computed by another implementation) are replayed by the
+  trainer; with float32 on both sides step 1 has no routing mismatch and k3 0."""
+  config = dataclasses.replace(PRESETS["tiny-qwen3-moe"], head_dim=128, num_attention_heads=2, num_key_value_heads=1,
+                               initializer_range=0.1)
+  path = str(tmp_path / "moe")
+  init_checkpoint(path, config=config, seed=0)
+  _write_tokenizer(path, config.vocab_size)
+  flags = [f for f in FLAGS if f != "--skip-tokenizer-init"]
+  with sglang_jax_server(path, "--enable-return-routed-experts", flags=flags) as url:
+    cfg = make_cfg(tmp_path, "r3", model={"path": path},
+                   rollout={"server_dtype": "float32", "max_new_tokens": 4, "sync_every": 3, "routing_replay": "r3"},
+                   train={"steps": 1, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 3})
+    loss = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(use_rs=True, tis_mode="mask"))
+    with pytest.warns(UserWarning, match="carry no usable weight_version"):
+      (h,) = train_lib.Trainer(cfg, loss, urls=[url]).run(progress=False)
+  assert h["routing_positions"] > 0 and h["routing_mismatch_frac"] == 0
+  assert h["mis_k3_kl"] < 1e-8 and h["train_rollout_logprob_abs_diff"] < 1e-4
