@@ -147,7 +147,7 @@ class Trainer:
     self.temperature = r.temperature if r.temperature > 0 else 1.0  # greedy: SGLang reports T=1
     self.support_width = sampling_replay_width(r)  # 0: no sampling-mask replay
 
-    weights = initial_weights_dir(cfg)
+    weights = self.start_dir = initial_weights_dir(cfg)  # collective: every process, here
     model_cfg = self.model_config = ModelConfig.from_pretrained(weights)
     self.routing_replay, self.routing_spec = routing_setup(r, model_cfg)
     self.max_new_tokens = r.max_new_tokens or getattr(self.task, "max_new_tokens", None) or 128
@@ -337,7 +337,7 @@ class Trainer:
     trainer's starting weights (`/model_info`'s `model_path` is `model.path`, or the preset's
     initial directory), the dtype the first reports (`/server_info`), and the URLs without a
     weight-update route."""
-    start = os.path.realpath(initial_weights_dir(self.cfg))
+    start = os.path.realpath(self.start_dir)  # (process 0 only: no collective in here)
     serves_start, dtypes, quantized = True, set(), False
     for url in self.client.urls:
       info = self.client.model_info(url)
