@@ -1,4 +1,4 @@
-"""The decoder-only transformer every registered architecture shares (Qwen2, Qwen3, Llama),
+"""The decoder-only transformer every registered architecture shares (Qwen2, Qwen3, Qwen3-MoE, Llama),
 in Flax NNX, numerically matching Hugging Face. An architecture module (`qwen.py`, `llama.py`)
 maps its HF config onto `ModelConfig` and registers itself (`registry.py`); the blocks here
 (RMSNorm, RoPE with its scalings, grouped-query attention, the SwiGLU MLP) are reused by all.
