@@ -98,6 +98,20 @@ def dense_dispatch(x, experts, weights, wg, wu, wd):
   return jnp.einsum("enh,ne->nh", y, combine)
 
 
+def _sorted_pairs(experts, num_experts: int):
+  """The `N·k` (token, expert) pairs in expert order: `(order [N·k], their experts, sizes [E])`."""
+  flat = experts.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  return order, flat[order], jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+
+
+def _combine(y_sorted, order, weights):
+  """Per-pair outputs in expert order → `Σ_k w · y` per token."""
+  n, k = weights.shape
+  unsorted = jnp.zeros_like(y_sorted).at[order].set(y_sorted, unique_indices=True).reshape(n, k, -1)
+  return jnp.sum(unsorted * weights[..., None], axis=1)
+
+
 def block_size(num_pairs: int, num_experts: int, largest: int = 128) -> int:
   """Rows per block of the `grouped` path: the power of two at or above the mean group size
   `N·k / E`, in [8, largest] (padding costs at most `E·b` rows)."""
@@ -112,10 +126,7 @@ def grouped_dispatch(x, experts, weights, wg, wu, wd, *, block: int | None = Non
   num_experts, hidden = wg.shape[0], wg.shape[1]
   pairs = n * k
   b = block or block_size(pairs, num_experts)
-  flat = experts.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  sorted_e = flat[order]
-  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  order, sorted_e, sizes = _sorted_pairs(experts, num_experts)
   padded = (sizes + b - 1) // b * b
   start = jnp.cumsum(sizes) - sizes
   padded_start = jnp.cumsum(padded) - padded
@@ -133,24 +144,16 @@ def grouped_dispatch(x, experts, weights, wg, wu, wd, *, block: int | None = Non
 
   out = jax.lax.map(ffn, (rows.reshape(num_blocks, b, hidden), block_expert),
                     batch_size=min(blocks_at_once, num_blocks))
-  y = out.reshape(num_blocks * b, hidden)[dest]  # sorted pairs
-  unsorted = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(n, k, -1)
-  return jnp.sum(unsorted * weights[..., None], axis=1)
+  return _combine(out.reshape(num_blocks * b, hidden)[dest], order, weights)
 
 
 def ragged_dot_dispatch(x, experts, weights, wg, wu, wd):
   """The `N·k` (token, expert) pairs sorted by expert through `jax.lax.ragged_dot`."""
-  n, k = experts.shape
-  num_experts = wg.shape[0]
-  flat = experts.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  rows = x[order // k]  # [N·k, H], grouped by expert
-  sizes = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
+  order, _, sizes = _sorted_pairs(experts, wg.shape[0])
+  rows = x[order // experts.shape[1]]  # [N·k, H], grouped by expert
   gate = jax.lax.ragged_dot(rows, wg, sizes)
   up = jax.lax.ragged_dot(rows, wu, sizes)
-  y = jax.lax.ragged_dot(jax.nn.silu(gate) * up, wd, sizes)  # [N·k, H]
-  unsorted = jnp.zeros_like(y).at[order].set(y, unique_indices=True).reshape(n, k, -1)
-  return jnp.sum(unsorted * weights[..., None], axis=1)
+  return _combine(jax.lax.ragged_dot(jax.nn.silu(gate) * up, wd, sizes), order, weights)
 
 
 class SparseMoeBlock(nnx.Module):

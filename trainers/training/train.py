@@ -685,8 +685,9 @@ def check_config(cfg: TrainConfig, loss_cfg: mis_jax.LossConfig):
                               "must be known before the step")
   r = cfg.rollout
   sampling_replay_width(r)
-  routing_setup(r, _model_config(cfg))
-  if cfg.train.router_aux_loss_coef > 0 and not _model_config(cfg).is_moe:
+  model_cfg = _model_config(cfg)  # config.json read once
+  routing_setup(r, model_cfg)
+  if cfg.train.router_aux_loss_coef > 0 and not model_cfg.is_moe:
     raise mis_jax.ConfigError("train.router_aux_loss_coef is for mixture-of-experts models; this one is dense")
   if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
     raise mis_jax.ConfigError("logging.wandb is true but wandb is not installed: pip install wandb, or set "
@@ -701,7 +702,6 @@ def check_config(cfg: TrainConfig, loss_cfg: mis_jax.LossConfig):
                   "see the README's asynchronous-rollouts section")
   if os.path.isfile(cfg.run_dir):
     raise mis_jax.ConfigError(f"run_dir {cfg.run_dir!r} is a file; it must be a directory (or not exist yet)")
-  model_cfg = _model_config(cfg)
   try:
     task = make_task(cfg.task, vocab_size=model_cfg.vocab_size, model_path=cfg.model.path)
   except (ValueError, TypeError, FileNotFoundError) as e:  # they name the key, file, row and column
@@ -731,6 +731,7 @@ def check_records(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
       raise rollout_records.RecordError(
           f"rollout records {r.load_dir!r} have no {os.path.basename(rollout_records.step_path(r.load_dir, missing[0]))} "
           f"(they cover steps {min(steps)}..{max(steps)}); lower train.steps to {missing[0] - 1} or less")
+    _, spec = routing_setup(r, model_cfg)
     for k in range(1, cfg.train.steps + 1):
       cols, _ = rollout_records.read_step(steps[k])
       rollout_records.check_fits(steps[k], cols, vocab_size=model_cfg.vocab_size, row_len=cfg.train.row_len,
@@ -738,7 +739,6 @@ def check_records(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
       if sampling_replay_width(r) and cols.get("sampling_mask") is None:
         raise rollout_records.RecordError(f"{steps[k]}: missing column 'sampling_mask', which sampling replay "
                                           "needs (set rollout.sampling_replay: off to replay without it)")
-      _, spec = routing_setup(r, model_cfg)
       if spec is not None:
         experts = cols.get("routed_experts")
         if experts is None:
