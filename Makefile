@@ -4,12 +4,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-all test-fast demo bench bench-memory bench-replay clean
+.PHONY: venv test test-all test-fast demo example-tunix bench bench-memory bench-replay clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[all,test]'
+	$(PY) -m pip install -q -e '.[all,tunix,test]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -26,6 +26,9 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)  ## the trainer on the embedded server (toy task); a fresh run dir each time
 	$(PY) -m trainers.cli train --config configs/demo.yaml --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
+
+example-tunix: $(STAMP)  ## tunix GRPO with mis_jax's correction on a tiny Qwen3 (examples/tunix_grpo_mis.py)
+	$(PY) examples/tunix_grpo_mis.py --steps 8 --mis configs/mis.yaml
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run

@@ -1,0 +1,310 @@
+"""mis_jax inside tunix's GRPO, against the real google-tunix package (the `tunix` extra).
+
+A tiny tunix Qwen3 on one CPU device, tunix's vanilla sampler, one training step per learner
+(SGD, so a parameter change is the gradient times the learning rate):
+
+* on-policy: MISGRPOLearner (decoupled PPO + sequence MIS with rejection) moves the weights as
+  stock tunix GRPO does, KL to a reference included;
+* injected mismatch (rollout log-probs perturbed at the engine): the learner's weights, loss
+  and logged metrics equal mis_jax called directly on the same tokens, packed, for decoupled
+  PPO + MIS and for token TIS;
+* temperature 0.7: the recomputed old log-probs equal the sampler's to float32 rounding, where
+  tunix's own old log-probs (temperature 1) do not;
+* an engine that returns no log-probs stops training before any update, naming the engine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import AxisType
+
+from tunix.models.qwen3 import model as qwen3
+from tunix.rl import algo_core, common
+from tunix.rl import rl_cluster as rl_cluster_lib
+from tunix.rl.grpo import grpo_learner
+from tunix.rl.rollout import base_rollout
+
+import mis_jax
+from mis_jax.integrations import tunix as mis_tunix
+
+LR = 0.05
+TEMPERATURE = 0.7
+PROMPTS = np.array(["1+2=", "3+4="])
+MODEL = qwen3.ModelConfig(num_layers=2, vocab_size=34, embed_dim=32, hidden_dim=64, num_heads=2, head_dim=16,
+                          num_kv_heads=1, rope_theta=10000, norm_eps=1e-6, use_tied_embedding=False)
+MIS = mis_jax.MISConfig(tis_level="sequence", use_rs=True, tis_upper_bound=2.0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def tunix_numpy_rules():
+  """tunix relies on JAX's standard promotion rules; the suite's are strict (conftest)."""
+  old = jax.config.jax_numpy_dtype_promotion, jax.config.jax_numpy_rank_promotion
+  jax.config.update("jax_numpy_dtype_promotion", "standard")
+  jax.config.update("jax_numpy_rank_promotion", "allow")
+  yield
+  jax.config.update("jax_numpy_dtype_promotion", old[0])
+  jax.config.update("jax_numpy_rank_promotion", old[1])
+
+
+class CharTokenizer:
+  """0 pad, 1 bos, 2 eos, then one id per character (tunix's tokenizer protocol)."""
+
+  chars = "0123456789+=abcdefghijklmnopqrstu"
+
+  def encode(self, text, **kw):
+    return [1] + [3 + self.chars.index(c) for c in text]
+
+  def decode(self, ids, **kw):
+    return "".join(self.chars[i - 3] for i in ids if i >= 3)
+
+  def bos_id(self):
+    return 1
+
+  def eos_id(self):
+    return 2
+
+  def pad_id(self):
+    return 0
+
+
+def reward(prompts, completions, **kw):
+  return [float(sum(c in "13579" for c in text)) for text in completions]
+
+
+def make_cluster(*, with_reference=False):
+  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:1])
+  with jax.set_mesh(mesh):
+    actor = qwen3.Qwen3(MODEL, rngs=nnx.Rngs(0))
+    reference = qwen3.Qwen3(MODEL, rngs=nnx.Rngs(1)) if with_reference else actor
+  rollout = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8, temperature=TEMPERATURE,
+                                       top_p=1.0, kv_cache_size=32)
+  config = rl_cluster_lib.ClusterConfig(
+      role_to_mesh={rl_cluster_lib.Role.ACTOR: mesh, rl_cluster_lib.Role.REFERENCE: mesh,
+                    rl_cluster_lib.Role.ROLLOUT: mesh},
+      rollout_engine="vanilla", offload_to_cpu=False,
+      training_config=rl_cluster_lib.RLTrainingConfig(actor_optimizer=optax.sgd(LR), eval_every_n_steps=1000,
+                                                      max_steps=1),
+      rollout_config=rollout)
+  return rl_cluster_lib.RLCluster(actor=actor, reference=reference, tokenizer=CharTokenizer(), cluster_config=config)
+
+
+def params(cluster):
+  return jax.tree.map(np.asarray, nnx.state(cluster.actor_trainer.model, nnx.Param).to_pure_dict())
+
+
+def record_examples(learner):
+  """Keeps what the learner's rollout stage hands the training step."""
+  examples = []
+  produce = learner._generate_and_compute_advantage
+
+  def recording(*args, **kwargs):
+    example = produce(*args, **kwargs)
+    examples.append(example)
+    return example
+
+  learner._generate_and_compute_advantage = recording
+  return examples
+
+
+def perturb_rollout_logprobs(cluster, scale=0.3, seed=0):
+  """The engine reports log-probs off by N(0, scale²) per token: a train–inference mismatch."""
+  generate = cluster.rollout.generate
+  rng = np.random.default_rng(seed)
+
+  def perturbed(*args, **kwargs):
+    out = generate(*args, **kwargs)
+    out.logprobs = [np.asarray(lp) + rng.normal(0.0, scale, np.shape(lp)).astype(np.float32) for lp in out.logprobs]
+    return out
+
+  cluster.rollout.generate = perturbed
+
+
+def logged(cluster, name):
+  return cluster.actor_trainer.metrics_logger.get_metric_history("actor", name, "train")
+
+
+def train_one_step(learner):
+  learner.train([{"prompts": PROMPTS}])
+
+
+def packed_direct_loss(model, example, loss_cfg):
+  """mis_jax called directly: the completions packed end to end into one flat row of tokens."""
+  lp = common.compute_per_token_logps(*nnx.split(model), prompt_tokens=example.prompt_ids,
+                                      completion_tokens=example.completion_ids, pad_id=0, eos_id=2,
+                                      stop_gradient=False, temperature=TEMPERATURE)
+  mask = np.asarray(example.completion_mask).astype(bool)
+  rows, cols = np.nonzero(mask)
+  take = lambda x: jnp.asarray(x)[rows, cols]
+  batch = mis_jax.PackedBatch(
+      segment_ids=jnp.asarray(rows, jnp.int32), loss_mask=jnp.ones(len(rows), bool),
+      advantages=jnp.asarray(np.asarray(example.advantages)[rows], jnp.float32),
+      rollout_logprobs=take(example.rollout_per_token_logps), old_logprobs=take(example.old_per_token_logps),
+      num_segments=mask.shape[0])
+  entropy = jnp.zeros(len(rows), jnp.float32)
+  return mis_jax.policy_loss(take(lp), batch, loss_cfg, entropy=entropy)
+
+
+def test_on_policy_equals_stock_grpo():
+  stock_cluster, ours_cluster = make_cluster(with_reference=True), make_cluster(with_reference=True)
+  before = params(stock_cluster)
+  stock = grpo_learner.GRPOLearner(stock_cluster, grpo_learner.GRPOConfig(num_generations=2, beta=0.04,
+                                                                          kl_loss_mode="low_var_kl"), [reward])
+  ours = mis_tunix.MISGRPOLearner(ours_cluster, mis_tunix.MISGRPOConfig(
+      num_generations=2, beta=0.04, kl_loss_mode="low_var_kl", use_tis=True, mis=MIS), [reward])
+  stock_examples, our_examples = record_examples(stock), record_examples(ours)
+  train_one_step(stock)
+  train_one_step(ours)
+  np.testing.assert_array_equal(stock_examples[0].completion_ids, our_examples[0].completion_ids)
+  assert float(np.std(np.asarray(our_examples[0].advantages))) > 0  # a real gradient
+  # No mismatch: the sampler's log-probs are the trainer's to float32 rounding.
+  q, o = np.asarray(our_examples[0].rollout_per_token_logps), np.asarray(our_examples[0].old_per_token_logps)
+  mask = np.asarray(our_examples[0].completion_mask).astype(bool)
+  assert np.max(np.abs(q - o)[mask]) < 1e-4
+  assert logged(ours_cluster, "mis_kept_seq_fraction")[0] == 1.0
+  # The same step: the gradients (parameter change / LR) agree leaf by leaf.
+  grads = lambda c: jax.tree.map(lambda a, b: (a - b) / LR, before, params(c))
+  stock_grads, our_grads = grads(stock_cluster), grads(ours_cluster)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-6), stock_grads, our_grads)
+  assert max(float(np.max(np.abs(g))) for g in jax.tree.leaves(our_grads)) > 1e-3
+  np.testing.assert_allclose(logged(ours_cluster, "loss"), stock_cluster.actor_trainer.metrics_logger
+                             .get_metric_history("actor", "loss", "train"), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(logged(ours_cluster, "kl"), logged(stock_cluster, "kl"), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("settings", [
+    pytest.param(dict(use_tis=True, mis=MIS), id="decoupled_ppo-mis"),
+    pytest.param(dict(use_tis=True, tis_clip=1.5), id="token_tis"),
+])
+def test_injected_mismatch_equals_mis_jax_directly(settings):
+  cluster = make_cluster()
+  before = nnx.clone(cluster.actor_trainer.model)
+  config = mis_tunix.MISGRPOConfig(num_generations=2, beta=0.0, **settings)
+  learner = mis_tunix.MISGRPOLearner(cluster, config, [reward])
+  assert config.loss_config.algorithm == "decoupled_ppo"
+  perturb_rollout_logprobs(cluster)
+  examples = record_examples(learner)
+  train_one_step(learner)
+  example = examples[0]
+  (loss, metrics), grads = nnx.value_and_grad(
+      lambda m: packed_direct_loss(m, example, config.loss_config), has_aux=True)(before)
+  # The mismatch is real and the correction acts.
+  assert metrics["mis_k3_kl"] > 1e-3
+  if "mis_is_ratio_mean_final" in metrics:
+    assert abs(float(metrics["mis_is_ratio_mean_final"]) - 1.0) > 1e-3
+  expected = jax.tree.map(lambda p, g: np.asarray(p) - LR * np.asarray(g),
+                          nnx.state(before, nnx.Param).to_pure_dict(), grads.to_pure_dict())
+  jax.tree.map(lambda e, a: np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6), expected, params(cluster))
+  np.testing.assert_allclose(logged(cluster, "loss")[0], float(loss), rtol=1e-5, atol=1e-7)
+  for name, value in metrics.items():
+    if name in ("loss", "entropy_loss"):  # the direct call passed no entropy
+      continue
+    np.testing.assert_allclose(logged(cluster, name)[0], float(value), rtol=1e-5, atol=1e-6, err_msg=name)
+  assert set(learner.metric_names) >= set(metrics) - {"loss"}
+
+
+def test_temperature_old_logprobs_match_the_sampler():
+  cluster = make_cluster()
+  learner = mis_tunix.MISGRPOLearner(cluster, mis_tunix.MISGRPOConfig(num_generations=2, beta=0.0), [reward])
+  learner._rollout_micro_batch_size = learner._compute_logps_micro_batch_size = len(PROMPTS)  # set by train()
+  example = learner._generate_and_compute_advantage({"prompts": list(np.repeat(PROMPTS, 2))})
+  mask = np.asarray(example.completion_mask).astype(bool)
+  q, o = np.asarray(example.rollout_per_token_logps), np.asarray(example.old_per_token_logps)
+  assert mask.sum() > 4
+  assert np.max(np.abs(o - q)[mask]) < 1e-4  # float32 rounding (decode with a KV cache vs one forward)
+  # tunix's own old log-probs ignore the temperature: off by far more than rounding.
+  stock = np.asarray(cluster.rollout.get_per_token_logps(example.prompt_ids, example.completion_ids))
+  assert np.max(np.abs(stock - q)[mask]) > 0.05
+
+
+def test_an_engine_without_logprobs_stops_before_any_update():
+  cluster = make_cluster()
+  before = params(cluster)
+  learner = mis_tunix.MISGRPOLearner(cluster, mis_tunix.MISGRPOConfig(num_generations=2, beta=0.0,
+                                                                      use_tis=True), [reward])
+  assert cluster.cluster_config.rollout_config.return_logprobs  # the learner asked for them
+  generate = cluster.rollout.generate
+
+  def without_logprobs(*args, **kwargs):
+    out = generate(*args, **kwargs)
+    out.logprobs = None
+    return out
+
+  cluster.rollout.generate = without_logprobs
+  with pytest.raises(mis_tunix.MissingRolloutLogprobs, match="'vanilla' rollout engine returned no log-probs"):
+    train_one_step(learner)
+  jax.tree.map(np.testing.assert_array_equal, before, params(cluster))
+
+
+def test_the_stock_learner_cannot_feed_the_correction():
+  """The loss is registered by name; with tunix's own learner it has no rollout log-probs."""
+  cluster = make_cluster()
+  config = mis_tunix.MISGRPOConfig(num_generations=2, beta=0.0, use_tis=True)
+  learner = grpo_learner.GRPOLearner(cluster, config, [reward])
+  with pytest.raises(mis_tunix.MissingRolloutLogprobs, match="MISGRPOLearner"):
+    train_one_step(learner)
+
+
+def test_sglang_jax_hint_and_misalignment_errors():
+  out = base_rollout.RolloutOutput(text=["a"], logits=None, tokens=[np.array([3, 4])],
+                                   left_padded_prompt_tokens=np.zeros((1, 2), int), logprobs=None)
+  with pytest.raises(mis_tunix.MissingRolloutLogprobs, match="sglang_jax rollout never returns them"):
+    mis_tunix.rollout_logprobs(out, np.zeros((1, 4), int), engine="sglang_jax")
+  out.logprobs = [np.array([-1.0])]
+  with pytest.raises(ValueError, match="completion 0: .* 1 log-probs for 2 tokens"):
+    mis_tunix.rollout_logprobs(out, np.zeros((1, 4), int))
+  out.logprobs = [np.array([-1.0, np.nan])]
+  with pytest.raises(ValueError, match="log-prob at token 1 is nan"):
+    mis_tunix.rollout_logprobs(out, np.zeros((1, 4), int))
+  out.logprobs = [np.array([-1.0, -2.0])]
+  np.testing.assert_array_equal(mis_tunix.rollout_logprobs(out, np.zeros((1, 4), int)), [[-1.0, -2.0, 0.0, 0.0]])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(loss_agg_mode="sequence-mean-token-scale"), "loss_agg_mode='sequence-mean-token-scale'"),
+    (dict(loss_algo="gspo-token"), "loss_algo='gspo-token'"),
+    (dict(kl_loss_mode="kl", kl_clamp_value=10.0), "kl_clamp_value=10.0"),
+    (dict(epsilon=1.5), "epsilon must be in"),
+    (dict(epsilon_c=0.5), "epsilon_c"),
+    (dict(policy_loss_fn="grpo"), "policy_loss_fn must be 'mis_jax'"),
+    (dict(mis={"tis_levle": "token"}), "tis_levle"),
+    (dict(use_tis=False, mis={"use_tis": True}), "contradicts"),
+])
+def test_config_errors_name_the_key(kwargs, match):
+  with pytest.raises(mis_jax.ConfigError, match=match):
+    mis_tunix.MISGRPOConfig(num_generations=2, **kwargs)
+
+
+def test_config_maps_tunix_settings_and_reads_a_mis_yaml(tmp_path):
+  path = tmp_path / "mis.yaml"
+  path.write_text("use_tis: true\ntis_level: sequence\nuse_rs: true\ntis_upper_bound: 3.0\n")
+  config = mis_tunix.MISGRPOConfig(num_generations=2, epsilon=0.1, epsilon_high=0.3, beta=0.01,
+                                   kl_loss_mode="mse_kl", loss_agg_mode="token-mean", mis=str(path),
+                                   use_rollout_logprobs=True)
+  cfg = config.loss_config
+  assert (cfg.algorithm, cfg.eps_clip, cfg.clip_high, cfg.kl_coef, cfg.kl_type, cfg.loss_agg_mode) == (
+      "reinforce_is", 0.1, 0.3, 0.01, "k2", "token-mean")
+  assert cfg.mis.tis_upper_bound == 3.0 and cfg.mis.source == str(path)
+  with pytest.raises(mis_jax.ConfigError, match="max_seq_token_per_tpu"):
+    cluster = make_cluster()
+    object.__setattr__(cluster.cluster_config.training_config, "max_seq_token_per_tpu", 64)
+    mis_tunix.MISGRPOLearner(cluster, config, [reward])
+
+
+def test_the_example_runs_and_shows_the_bf16_sampler_mismatch(capsys):
+  """`make example-tunix` runs examples/tunix_grpo_mis.py; here 2 of its steps, in-process."""
+  import importlib.util
+  import pathlib
+  path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "tunix_grpo_mis.py"
+  spec = importlib.util.spec_from_file_location("tunix_grpo_mis", path)
+  example = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(example)
+  history = example.main(["--steps", "2", "--mis", str(path.parents[1] / "configs" / "mis.yaml")])
+  assert len(history["mis_k3_kl"]) == 2
+  assert history["train_rollout_logprob_abs_diff"][0] > 1e-4  # bfloat16 engine vs float32 trainer
+  assert "mis_kept_token_fraction" in capsys.readouterr().out
