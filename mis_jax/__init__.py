@@ -1,6 +1,7 @@
 """mis_jax: rollout correction (TIS/MIS, rejection sampling, veto, decoupled PPO) in pure JAX.
 
-Pure, jittable functions over packed sequences; see README.md and SPEC §1–10.
+Pure, jittable functions over packed sequences. Docstrings cite the behaviour contract as
+``contract §N``: section N of ``docs/contract.md`` (the docs site's "Behaviour contract" page).
 """
 
 from mis_jax._advantages import ESTIMATORS, compute_advantages, sequence_to_tokens

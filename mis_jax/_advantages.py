@@ -1,4 +1,4 @@
-"""Group-relative advantages from per-sequence rewards (SPEC §6.1).
+"""Group-relative advantages from per-sequence rewards (contract §6.1).
 
 Rewards are per sequence; each prompt is sampled ``n`` times (a group). Group statistics use
 ``jax.ops.segment_sum`` over group ids, so groups of different sizes need no padding.

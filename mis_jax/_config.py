@@ -1,4 +1,4 @@
-"""Frozen, validated configuration: the MIS YAML file (SPEC §9) and the loss knobs.
+"""Frozen, validated configuration: the MIS YAML file (contract §9) and the loss knobs.
 
 Everything here runs in Python, once, before anything is traced. Errors name the file
 (when there is one), the key and the allowed values, and suggest the closest valid key.
@@ -34,7 +34,7 @@ class RSCriterion:
 
   Per trained token, with the raw, unclipped ``r = log π_train - log π_rollout``: ``k1 = -r``,
   ``k2 = r²/2``, ``k3 = exp(clip(r, ±20)) - 1 - clip(r, ±20)`` (only k3 exponentiates, so only
-  k3 clips; SPEC §4.1). ``agg`` reduces it per token (``token``) or
+  k3 clips; contract §4.1). ``agg`` reduces it per token (``token``) or
   per sequence over trained tokens (``seq_sum``, ``seq_mean``, ``seq_max``; the sequence is
   kept or rejected whole). A token is kept iff ``lower <= value <= upper`` where ``value`` is
   the aggregated divergence for k2/k3 and, for k1, the aggregated **log-ratio**
@@ -43,7 +43,7 @@ class RSCriterion:
   veto). Either bound may be None; at least one is required.
   """
 
-  metric: str = key(None, "the divergence (SPEC §4.1)", choices=DIVERGENCES)
+  metric: str = key(None, "the divergence (contract §4.1)", choices=DIVERGENCES)
   agg: str = key("token", "per token, or per sequence over trained tokens", choices=AGGREGATIONS)
   lower: float | None = key(None, "the band's lower bound (null: none)")
   upper: float | None = key(None, "the band's upper bound (null: none)")
@@ -78,24 +78,24 @@ class RSCriterion:
 
 @dataclasses.dataclass(frozen=True)
 class MISConfig:
-  """Masked/truncated importance sampling and rejection sampling settings (SPEC §2–5).
+  """Masked/truncated importance sampling and rejection sampling settings (contract §2–5).
 
   The keys are those of the reference page's ``mis.yaml``. Bounds left ``None`` take the
-  defaults of SPEC §3–4 (``tis_lower_bound = 1/tis_upper_bound``, RS bounds = TIS bounds);
+  defaults of contract §3–4 (``tis_lower_bound = 1/tis_upper_bound``, RS bounds = TIS bounds);
   the resolved values are available as ``lower``, ``rs_lower`` and ``rs_upper``.
   """
 
   use_tis: bool = key(True, "apply this file's IS weights and rejection")
-  use_rs: bool = key(False, "rejection sampling on the raw weights at rs_level (SPEC §4)")
-  tis_level: str = key("token", "level of the IS weights (SPEC §2)", choices=LEVELS)
+  use_rs: bool = key(False, "rejection sampling on the raw weights at rs_level (contract §4)")
+  tis_level: str = key("token", "level of the IS weights (contract §2)", choices=LEVELS)
   rs_level: str | None = key(None, "level of rejection sampling (null: tis_level)", choices=LEVELS)
-  tis_mode: str = key("truncate", "how the weights are bounded (SPEC §3)", choices=TIS_MODES)
+  tis_mode: str = key("truncate", "how the weights are bounded (contract §3)", choices=TIS_MODES)
   tis_lower_bound: float | None = key(None, "Lo (null: 1 / tis_upper_bound)")
   tis_upper_bound: float = key(2.0, "U", gt=0)
   rs_lower_bound: float | None = key(None, "RS lower bound (null: the IS lower bound)")
   rs_upper_bound: float | None = key(None, "RS upper bound (null: tis_upper_bound)")
   rs_veto_threshold: float | None = key(None, "veto threshold C in (0, 1) (null: no veto)")
-  tis_batch_normalize: bool = key(False, "divide the weights by their mean over the kept mask (SPEC §5)")
+  tis_batch_normalize: bool = key(False, "divide the weights by their mean over the kept mask (contract §5)")
   # Extension: divergence-based rejection criteria, combined with AND (see RSCriterion).
   rs_criteria: tuple = ()
   # Where the values came from (a YAML path), for error messages only.
@@ -129,7 +129,7 @@ class MISConfig:
           f"{_where(src, 'rs_veto_threshold')} must be in (0, 1) (typical 1e-4 … 1e-6), "
           f"got {self.rs_veto_threshold}")
 
-  # Resolved bounds (SPEC §3–4 defaults).
+  # Resolved bounds (contract §3–4 defaults).
   @property
   def lower(self) -> float:
     return 1.0 / self.tis_upper_bound if self.tis_lower_bound is None else self.tis_lower_bound
@@ -208,7 +208,7 @@ def resolve_correction_fn(spec: Callable | str | None) -> Callable | None:
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-  """Policy-loss settings (SPEC §6–7). Hashable, so it can be a static jit argument.
+  """Policy-loss settings (contract §6–7). Hashable, so it can be a static jit argument.
 
   ``use_tis`` left ``None`` takes its value from the MIS config (a file that sets
   ``use_tis: true`` turns correction on without the flag); an explicit value that contradicts
@@ -221,15 +221,15 @@ class LossConfig:
   eps_clip: float = key(0.2, "PPO clip range, in (0, 1)", gt=0)
   eps_clip_high: float | None = key(None, "upper clip range (null: eps_clip)", gt=0)
   eps_clip_c: float | None = key(None, "dual-clip constant (null: off)", gt=1)
-  loss_agg_mode: str = key("seq-mean-token-mean", "loss aggregation (SPEC §7)", choices=LOSS_AGG_MODES)
-  denominator: str = key("kept", "tokens the loss is divided by (SPEC §7)", choices=DENOMINATORS)
+  loss_agg_mode: str = key("seq-mean-token-mean", "loss aggregation (contract §7)", choices=LOSS_AGG_MODES)
+  denominator: str = key("kept", "tokens the loss is divided by (contract §7)", choices=DENOMINATORS)
   tis_clip: float = key(2.0, "vanilla TIS upper clip", gt=0)
   tis_clip_low: float = key(0.0, "vanilla TIS lower clip, below tis_clip", ge=0)
   mis: MISConfig | None = None
   correction_fn: Callable | str | None = None
   entropy_coef: float = key(0.0, "entropy bonus coefficient", ge=0)
   kl_coef: float = key(0.0, "KL penalty coefficient", ge=0)
-  kl_type: str = key("k3", "KL estimator (SPEC §6)", choices=KL_TYPES)
+  kl_type: str = key("k3", "KL estimator (contract §6)", choices=KL_TYPES)
 
   def __post_init__(self):
     set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -275,7 +275,7 @@ class LossConfig:
 
   @property
   def algorithm(self) -> str:
-    """The SPEC §6 table row selected by the two flags."""
+    """The contract §6 table row selected by the two flags."""
     return {
         (False, False): "ppo",
         (True, False): "bypass_ppo",
@@ -285,7 +285,7 @@ class LossConfig:
 
   @property
   def needs_old_logprobs(self) -> bool:
-    """Whether the trainer must recompute old log-probs (SPEC §6 table, last column)."""
+    """Whether the trainer must recompute old log-probs (contract §6 table, last column)."""
     return not self.use_rollout_logprobs
 
   @property

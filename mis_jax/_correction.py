@@ -1,8 +1,8 @@
-"""What the ``mis`` correction computes: the formulas of SPEC §2–5 as small pure functions.
+"""What the ``mis`` correction computes: the formulas of contract §2–5 as small pure functions.
 
 Each works elementwise on tokens (``[C]`` or ``[T]`` arrays) or on segments (``[S]``); none
-knows about chunks, scatters or devices (that is :mod:`mis_jax._engine`). Notation of the
-SPEC: ``m`` trained mask, ``r = o - q`` the token log-ratio, ``B = 20``, ``n_s = Σ_{t∈s} m_t``.
+knows about chunks, scatters or devices (that is :mod:`mis_jax._engine`).
+Notation (docs/contract.md): ``m`` trained mask, ``r = o - q`` the token log-ratio, ``B = 20``, ``n_s = Σ_{t∈s} m_t``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def log_ratio(train_logprobs, rollout_logprobs, mask):
   return jnp.where(mask, train_logprobs - rollout_logprobs, 0.0)
 
 
-# --- SPEC §2: levels ---------------------------------------------------------------------
+# --- contract §2: levels ---------------------------------------------------------------------
 
 # The per-segment levels: ``L_s`` from the segment's ``Σ_{u∈s} m_u r_u`` and ``n_s``.
 SEGMENT_LEVELS = {
@@ -37,14 +37,14 @@ LEVELS = ("token",) + tuple(SEGMENT_LEVELS)  # token: L_t = r_t
 
 
 def segment_log_values(level: str, sum_r, count):
-  """Per-segment level log-value (SPEC §2), for the levels of ``SEGMENT_LEVELS``."""
+  """Per-segment level log-value (contract §2), for the levels of ``SEGMENT_LEVELS``."""
   if level not in SEGMENT_LEVELS:
     raise ValueError(f"level {level!r} has no per-segment log-value")
   return SEGMENT_LEVELS[level](sum_r, count)
 
 
 def level_log_values(level: str, r, sum_r, count, to_tokens):
-  """Level log-values ``L_t`` at every token (SPEC §2).
+  """Level log-values ``L_t`` at every token (contract §2).
 
   ``token``: ``L_t = r_t``; ``sequence``: ``L_t = Σ_{u∈s} m_u r_u``; ``geometric``:
   ``L_t = Σ_{u∈s} m_u r_u / max(Σ_{u∈s} m_u, 1)``, the same value for every token of the
@@ -57,13 +57,13 @@ def level_log_values(level: str, r, sum_r, count, to_tokens):
 
 
 def raw_weights(log_values):
-  """``w_raw = exp(clip(L, -B, B))`` (SPEC §2; the clip comes after aggregation)."""
+  """``w_raw = exp(clip(L, -B, B))`` (contract §2; the clip comes after aggregation)."""
   return safe_exp(log_values)
 
 
-# --- SPEC §3: importance-sampling weights ------------------------------------------------
+# --- contract §3: importance-sampling weights ------------------------------------------------
 
-# IS weights per ``tis_mode`` (SPEC §3): ``(w_raw, Lo, U) -> (w, keep_is)``, ``keep_is`` None
+# IS weights per ``tis_mode`` (contract §3): ``(w_raw, Lo, U) -> (w, keep_is)``, ``keep_is`` None
 # unless the mode rejects tokens.
 TIS_MODES = {
     "truncate": lambda w_raw, lower, upper: (jnp.minimum(w_raw, upper), None),   # w = min(w_raw, U)
@@ -74,7 +74,7 @@ TIS_MODES = {
 
 
 def bounded_weights(w_raw, cfg: MISConfig):
-  """IS weights per ``tis_mode`` (SPEC §3, ``TIS_MODES``) and the tokens IS keeps.
+  """IS weights per ``tis_mode`` (contract §3, ``TIS_MODES``) and the tokens IS keeps.
 
   Returns:
     ``(w, keep_is)``: ``keep_is`` is None unless ``tis_mode`` is ``mask``.
@@ -92,31 +92,31 @@ def in_band(value, lower: float | None, upper: float | None):
   return keep
 
 
-# --- SPEC §4: rejection sampling and veto ------------------------------------------------
+# --- contract §4: rejection sampling and veto ------------------------------------------------
 
 def rs_keep(w_rs_raw, cfg: MISConfig):
-  """RS keep decision (SPEC §4): ``lo_rs <= w_rs_raw <= hi_rs`` on the raw weight at ``rs_level``."""
+  """RS keep decision (contract §4): ``lo_rs <= w_rs_raw <= hi_rs`` on the raw weight at ``rs_level``."""
   return in_band(w_rs_raw, cfg.rs_lower, cfg.rs_upper)
 
 
 def catastrophic_tokens(r, mask, veto_threshold: float):
-  """Veto (SPEC §4): a token is catastrophic iff ``m_t = 1`` and ``r_t < log C`` (raw ``r``)."""
+  """Veto (contract §4): a token is catastrophic iff ``m_t = 1`` and ``r_t < log C`` (raw ``r``)."""
   return mask & (r < math.log(veto_threshold))
 
 
 def vetoed_segments(catastrophic_counts):
-  """Veto (SPEC §4): a segment with any catastrophic token is rejected whole."""
+  """Veto (contract §4): a segment with any catastrophic token is rejected whole."""
   return catastrophic_counts > 0
 
 
-# --- SPEC §4.1: divergence criteria ------------------------------------------------------
+# --- contract §4.1: divergence criteria ------------------------------------------------------
 
 def _k3(r):
   rc = jnp.clip(r, -LOG_BOUND, LOG_BOUND)
   return jnp.exp(rc) - 1.0 - rc
 
 
-# Per-token divergences (SPEC §4.1) of the raw, unclipped ``r`` (only k3 exponentiates, so
+# Per-token divergences (contract §4.1) of the raw, unclipped ``r`` (only k3 exponentiates, so
 # only k3 clips).
 DIVERGENCES = {
     "k1": lambda r: -r,
@@ -129,7 +129,7 @@ AGGREGATIONS = {"token": None, "seq_sum": "sum", "seq_mean": "sum", "seq_max": "
 
 
 def divergence(metric: str, r):
-  """Per-token divergence (SPEC §4.1): ``DIVERGENCES[metric](r)``."""
+  """Per-token divergence (contract §4.1): ``DIVERGENCES[metric](r)``."""
   return DIVERGENCES[metric](r)
 
 
@@ -141,19 +141,19 @@ def segment_divergence(crit: RSCriterion, seg_total, count):
 
 
 def criterion_value(crit: RSCriterion, aggregated):
-  """The value a criterion's band bounds (SPEC §4.1): the aggregated divergence for k2/k3,
+  """The value a criterion's band bounds (contract §4.1): the aggregated divergence for k2/k3,
   and for k1 the aggregated log-ratio ``-agg(k1)`` (bounds are on ``log(π_train/π_rollout)``)."""
   return -aggregated if crit.metric == "k1" else aggregated
 
 
-# --- SPEC §6: KL penalty to a reference policy -----------------------------------------
+# --- contract §6: KL penalty to a reference policy -----------------------------------------
 
 def _low_var_kl(d):
   dc = jnp.clip(d, -LOG_BOUND, LOG_BOUND)
   return jnp.clip(jnp.exp(-dc) + dc - 1.0, -10.0, 10.0)
 
 
-# Per-token KL estimators of ``d = lp - ref`` (SPEC §6); `LossConfig.kl_type` takes these names.
+# Per-token KL estimators of ``d = lp - ref`` (contract §6); `LossConfig.kl_type` takes these names.
 KL_ESTIMATORS = {
     "k1": lambda d: d,
     "k2": lambda d: 0.5 * d * d,
@@ -162,15 +162,15 @@ KL_ESTIMATORS = {
 }
 
 
-# --- SPEC §5: batch normalisation --------------------------------------------------------
+# --- contract §5: batch normalisation --------------------------------------------------------
 
 def batch_norm_mean_token(sum_kept_weights, num_kept):
-  """Token level (SPEC §5): ``μ = Σ_t w_t m'_t / Σ_t m'_t``."""
+  """Token level (contract §5): ``μ = Σ_t w_t m'_t / Σ_t m'_t``."""
   return sum_kept_weights / jnp.maximum(num_kept, 1.0)
 
 
 def batch_norm_mean_sequence(seg_kept_weights, seg_kept_counts):
-  """Sequence/geometric levels (SPEC §5): ``μ`` = mean over segments with a kept token of the
+  """Sequence/geometric levels (contract §5): ``μ`` = mean over segments with a kept token of the
   segment's common weight ``Σ_{t∈s} w_t m'_t / Σ_{t∈s} m'_t``."""
   has = seg_kept_counts > 0
   common = seg_kept_weights / jnp.maximum(seg_kept_counts, 1.0)
@@ -178,11 +178,11 @@ def batch_norm_mean_sequence(seg_kept_weights, seg_kept_counts):
 
 
 def batch_norm_factor(mu):
-  """The factor weights are divided by (SPEC §5): ``μ`` if ``μ > 1e-8``, else 1."""
+  """The factor weights are divided by (contract §5): ``μ`` if ``μ > 1e-8``, else 1."""
   mu = jnp.asarray(mu, jnp.float32)
   return jnp.where(mu > BATCH_NORM_EPS, mu, 1.0)
 
 
 def stop_gradient_weights(w, mask):
-  """``w ← sg(w) · m`` (SPEC §3): weights never carry gradient and are 0 off the mask."""
+  """``w ← sg(w) · m`` (contract §3): weights never carry gradient and are 0 off the mask."""
   return jnp.where(mask, jax.lax.stop_gradient(w), 0.0)

@@ -8,7 +8,7 @@ batch and returns the global results. How it runs is fixed by a frozen, hashable
 :func:`pass_options` resolves it from where the inputs live and their shapes. Nothing here
 reads the environment or keeps module-level state.
 
-The tricks, each kept because it pays on ``make bench`` (README "Performance"):
+The tricks, each kept because it pays on ``make bench`` (docs/performance.md):
 
 - chunks (``chunk_tokens``): on XLA:CPU a pass that runs chunk by chunk keeps every
   intermediate of its body in cache instead of materialising it over the batch (~3x);

@@ -1,10 +1,10 @@
-"""Command-line flags of SPEC §9 and their resolution into a :class:`LossConfig`.
+"""Command-line flags of contract §9 and their resolution into a :class:`LossConfig`.
 
 Flags left unset stay ``None`` so an explicit flag can be told from a default. A MIS config
 file that sets ``use_tis: true`` turns correction on without ``--use-tis``; ``--use-tis``
 with a file that says ``use_tis: false`` is an error naming both, and so is any flag whose
 value differs from the same key in the base values (a trainer config's ``loss`` section):
-SPEC §9, never a silent override.
+contract §9, never a silent override.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ _CHOICES = {"loss_agg_mode": LOSS_AGG_MODES, "denominator": DENOMINATORS, "kl_ty
 
 
 def add_loss_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-  """Adds the rollout-correction flags of SPEC §9 to ``parser``."""
-  g = parser.add_argument_group("rollout correction (SPEC §9)")
+  """Adds the rollout-correction flags of contract §9 to ``parser``."""
+  g = parser.add_argument_group("rollout correction (contract §9)")
   g.add_argument("--use-tis", action="store_true", default=None,
                  help="apply importance sampling / rejection sampling to the loss")
   g.add_argument("--use-rollout-logprobs", action="store_true", default=None,

@@ -64,7 +64,7 @@ def _number(value: Any, where: str, *, allow_none: bool) -> float | None:
 
 def key(default, doc: str, *, ge=None, gt=None, le=None, choices=None, factory=None):
   """A config key: its default, one line of meaning, and its constraints (checked on load,
-  shown in `mis-jax train --help` and the README's reference table)."""
+  shown in `mis-jax train --help` and docs/reference/config.md)."""
   meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "choices": choices}
   if factory is not None:
     return dataclasses.field(default_factory=factory, metadata=meta)

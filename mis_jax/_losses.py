@@ -1,4 +1,4 @@
-"""Policy losses of the SPEC §6 table, aggregation and global denominators (SPEC §6–8).
+"""Policy losses of the contract §6 table, aggregation and global denominators (contract §6–8).
 
 ``policy_loss`` is differentiable in ``logprobs`` only (everything else is stop-gradient) and
 jittable with the :class:`LossConfig` static. Global denominators computed once per step
@@ -24,7 +24,7 @@ from mis_jax._weights import Correction, correct, mismatch_metrics, vanilla_core
 
 @dataclasses.dataclass(frozen=True)
 class Denominators:
-  """Global loss denominators of one optimisation step (SPEC §7).
+  """Global loss denominators of one optimisation step (contract §7).
 
   Attributes:
     seg_tokens: ``[num_segments]`` float32, ``Σ_{t∈s} D_t`` for every segment.
@@ -51,7 +51,7 @@ jax.tree_util.register_dataclass(Denominators, data_fields=["seg_tokens", "num_t
 
 def ppo_token_loss(logprobs, anchor_logprobs, advantages, *, eps_clip: float, eps_clip_high: float,
                    eps_clip_c: float | None = None):
-  """Clipped PPO per-token loss and clip indicator (SPEC §6).
+  """Clipped PPO per-token loss and clip indicator (contract §6).
 
   ``ratio = exp(clip(lp - anchor, ±20))``;
   ``ℓ = max(-ratio·A, -clip(ratio, 1 - eps_clip, 1 + eps_clip_high)·A)``; with dual clip
@@ -71,7 +71,7 @@ def ppo_token_loss(logprobs, anchor_logprobs, advantages, *, eps_clip: float, ep
 
 
 def kl_penalty(logprobs, ref_logprobs, kl_type: str):
-  """Per-token KL estimators to a reference policy (SPEC §6): ``KL_ESTIMATORS[kl_type](lp - ref)``."""
+  """Per-token KL estimators to a reference policy (contract §6): ``KL_ESTIMATORS[kl_type](lp - ref)``."""
   if kl_type not in correction.KL_ESTIMATORS:
     raise ValueError(f"unknown kl_type {kl_type!r}")
   return correction.KL_ESTIMATORS[kl_type](logprobs - ref_logprobs)
@@ -114,13 +114,13 @@ def _reinforce_is(lp, lp_sg, o, q, adv, weights, cfg) -> TokenLoss:
   return TokenLoss(-weights * adv * lp, jnp.zeros_like(lp), q, {})
 
 
-# The algorithms of the SPEC §6 table (`LossConfig.algorithm`), each a per-token loss.
+# The algorithms of the contract §6 table (`LossConfig.algorithm`), each a per-token loss.
 TOKEN_LOSSES = {"ppo": _standard_ppo, "bypass_ppo": _bypass_ppo, "decoupled_ppo": _decoupled_ppo,
                 "reinforce_is": _reinforce_is}
 
 
 def aggregate(token_values, kept, segs: Segments, mode: str, dens: Denominators):
-  """Aggregates per-token losses over the kept mask with global denominators (SPEC §7).
+  """Aggregates per-token losses over the kept mask with global denominators (contract §7).
 
   ``token_values`` is ``[T]`` (returns a scalar), a list of K ``[T]`` arrays or ``[T, K]``
   (returns ``[K]``). Every mode is a weighted token sum: ``Σ_t x_t m'_t / D`` (token-mean,
@@ -229,7 +229,7 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
   and kept mask are attached to the returned batch (so batch normalisation is over the step).
   For REINFORCE with rollout IS the weights depend on the current log-probs and are computed
   inside :func:`policy_loss`; denominators are returned only when they do not depend on them
-  (``denominator: original``), else None (SPEC §7).
+  (``denominator: original``), else None (contract §7).
 
   Returns:
     ``(batch, denominators, metrics)``: the batch with ``is_weights``/``kept_mask`` set where
@@ -270,16 +270,17 @@ def loss_denominators(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: Ax
 def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None,
                 axis_name: AxisName = None, *, denominators: Denominators | None = None,
                 batch_norm_factor=None, pass_options: PassOptions | None = None):
-  """Policy loss of the algorithm selected by ``use_rollout_logprobs`` × ``use_tis`` (SPEC §6).
+  """Policy loss of the algorithm selected by ``use_rollout_logprobs`` × ``use_tis`` (contract §6).
 
   | use_rollout_logprobs | use_tis | algorithm        | per-token loss                          |
+  |----------------------|---------|------------------|-----------------------------------------|
   | False                | False   | standard PPO     | ``ppo(exp(lp - o))``                    |
   | True                 | False   | bypass PPO       | ``ppo(exp(lp - q))``                    |
   | False                | True    | decoupled PPO    | ``w · ppo(exp(lp - o))``, w from o - q  |
   | True                 | True    | REINFORCE + IS   | ``-w · A · lp``, w from sg(lp) - q      |
 
   The per-token loss is aggregated over the kept mask ``m'`` by ``loss_agg_mode`` with the
-  ``denominator`` of SPEC §7; ``loss = pg_loss - entropy_coef·entropy_loss + kl_coef·kl_loss``
+  ``denominator`` of contract §7; ``loss = pg_loss - entropy_coef·entropy_loss + kl_coef·kl_loss``
   where the extra terms are aggregated the same way and never weighted by IS.
 
   Args:
@@ -295,7 +296,7 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
       of ``batch.segment_ids``.
 
   Returns:
-    ``(loss, metrics)``: a float32 scalar and a dict of float32 scalars (SPEC §8 names).
+    ``(loss, metrics)``: a float32 scalar and a dict of float32 scalars (contract §8 names).
   """
   arrays = _check_batch(logprobs, batch, loss_cfg, entropy, denominators)
   cfg = loss_cfg
@@ -316,7 +317,7 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
   adv, q, o, ref = flat("advantages"), flat("rollout_logprobs"), flat("old_logprobs"), flat("ref_logprobs")
   metrics = {}
 
-  # Correction stage, and mismatch monitoring whenever rollout log-probs are present (SPEC
+  # Correction stage, and mismatch monitoring whenever rollout log-probs are present (contract
   # §8.1). Mismatch monitoring reads o, or sg(lp) when there are no old log-probs; the
   # correction reads o in decoupled PPO and sg(lp) in REINFORCE, so when those are the same
   # log-probs the correction's own passes compute the mismatch metrics.

@@ -1,6 +1,6 @@
-"""The metrics of SPEC §8.1 (mismatch monitoring) and §8.2 (the ``mis`` correction).
+"""The metrics of contract §8.1 (mismatch monitoring) and §8.2 (the ``mis`` correction).
 
-Each metric is ``R_mask(x)`` of a per-token or per-segment value ``x`` (SPEC §8). The
+Each metric is ``R_mask(x)`` of a per-token or per-segment value ``x`` (contract §8). The
 functions here say what ``x`` is; the passes of :mod:`mis_jax._weights` reduce it (a
 per-token value over the original mask ``m`` as one weighted total, a per-segment value with
 :func:`mis_jax._segments.per_segment_mean`). Every ``exp`` is ``exp(clip(·, -B, B))``.
@@ -18,14 +18,14 @@ MISMATCH_NAMES = ("mis_training_log_ppl", "mis_training_ppl", "mis_rollout_log_p
                   "mis_chi2_seq", "train_rollout_logprob_abs_diff")
 
 
-# --- SPEC §8.1: mismatch monitoring --------------------------------------------------------
+# --- contract §8.1: mismatch monitoring --------------------------------------------------------
 
 def mismatch_token_values(r) -> dict:
-  """Per-token rows of SPEC §8.1, each averaged over ``m`` by ``R_m``.
+  """Per-token rows of contract §8.1, each averaged over ``m`` by ``R_m``.
 
   ``mis_k3_kl``: ``exp(r) - r - 1``; ``mis_chi2_token``: ``exp(r)² - 1`` (so its mean is
   ``mean_m(exp(r)²) - 1``); ``train_rollout_logprob_abs_diff``: ``|o - q|``; ``r`` is clipped
-  to ±B where it is exponentiated (SPEC §12.10), raw in ``|o - q|``.
+  to ±B where it is exponentiated (contract §12.10), raw in ``|o - q|``.
   """
   rc = jnp.clip(r, -LOG_BOUND, LOG_BOUND)
   return {"mis_k3_kl": jnp.exp(rc) - rc - 1.0, "mis_chi2_token": jnp.exp(2.0 * rc) - 1.0,
@@ -33,7 +33,7 @@ def mismatch_token_values(r) -> dict:
 
 
 def mismatch_segment_values(sum_o, sum_q, sum_r, count) -> dict:
-  """Per-segment rows of SPEC §8.1 from the segment's sums over ``m``.
+  """Per-segment rows of contract §8.1 from the segment's sums over ``m``.
 
   With ``mean_m(x) = Σ_{t∈s} m_t x_t / max(n_s, 1)``: ``mis_training_log_ppl = -mean_m(o)``,
   ``mis_training_ppl = exp(clip(-mean_m(o), ±B))``, ``mis_rollout_log_ppl = -mean_m(q)``,
@@ -61,16 +61,16 @@ def mismatch_segment_values(sum_o, sum_q, sum_r, count) -> dict:
 
 
 def mismatch_metrics(seg_values: dict, token_means: dict, count, mode: str) -> dict:
-  """The SPEC §8.1 table, in its order, from :func:`mismatch_segment_values` (reduced here)
+  """The contract §8.1 table, in its order, from :func:`mismatch_segment_values` (reduced here)
   and the reduced :func:`mismatch_token_values` (``token_means``)."""
   return {name: per_segment_mean(seg_values[name], count, mode) if name in seg_values else token_means[name]
           for name in MISMATCH_NAMES}
 
 
-# --- SPEC §8.2: correction metrics -----------------------------------------------------------
+# --- contract §8.2: correction metrics -----------------------------------------------------------
 
 def correction_token_values(cfg: MISConfig, w_raw, w, keep_is, w_rs_raw, catastrophic) -> dict:
-  """Per-token rows of SPEC §8.2 averaged over the original mask ``m`` (fractions use strict
+  """Per-token rows of contract §8.2 averaged over the original mask ``m`` (fractions use strict
   ``<``/``>``).
 
   ``mis_tis_weight_before_bound``: ``w_raw``; ``mis_tis_weight_after_bound``: the bounded
@@ -106,7 +106,7 @@ def criterion_token_values(crit: RSCriterion, value, keep) -> dict:
 
 def final_weight_metrics(*, mean_after_tis_rs, factor, w_min, w_max, sum_w, sum_w2, num_kept, num_trained,
                          seg_kept_counts, num_live) -> dict:
-  """SPEC §8.2 rows of the weights that multiply the loss, over the kept mask ``m'``.
+  """contract §8.2 rows of the weights that multiply the loss, over the kept mask ``m'``.
 
   ``mis_is_ratio_mean_after_tis_rs = R_{m'}(w)`` before normalisation; ``mis_batch_norm_factor
   = μ``; ``mis_is_ratio_{mean,min,max}_final``: ``R_{m'}``, global min and max of ``w / μ``

@@ -1,4 +1,4 @@
-"""Packed batches (SPEC §1): the pytree that losses consume, and the host-side packer.
+"""Packed batches (contract §1): the pytree that losses consume, and the host-side packer.
 
 Sequences are packed first-fit-decreasing into fixed-length rows. Segment ``i`` is the
 ``i``-th input sequence, padding has segment id ``-1``, and positions restart at 0 in every

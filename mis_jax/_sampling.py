@@ -25,7 +25,7 @@ def sampling_metrics(logprobs, kept_logmass, rollout_logprobs, loss_mask, segmen
   With ``lp_S`` the trainer's log-probs over the support, ``log M`` the kept log-mass (both from
   :func:`mis_jax.token_logprobs` with ``support_ids`` and ``return_kept_mass``), ``lp = lp_S +
   log M`` the full-vocabulary log-prob and ``q`` the engine's behaviour log-probs (SGLang's
-  ``output_token_sampling_logprobs``), each reduced by ``R_m`` of SPEC §8 over the loss mask:
+  ``output_token_sampling_logprobs``), each reduced by ``R_m`` of contract §8 over the loss mask:
 
   - ``sampling_kept_mass_mean`` = ``R_m(M)``, ``sampling_kept_mass_min`` = ``min_m M``;
   - ``sampling_ratio_mean_replay`` = ``R_m(exp(lp_S - q))``, ``sampling_ratio_outside_replay`` =

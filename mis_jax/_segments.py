@@ -1,4 +1,4 @@
-"""Segment reductions over packed sequences, global across devices (SPEC §1, §8, §10).
+"""Segment reductions over packed sequences, global across devices (contract §1, §8, §10).
 
 Every per-token array is flattened to ``[T]``. Per-segment sums are scatter-adds over
 ``segment_ids`` (padding id ``-1`` is dropped), completed across mesh axes with ``psum`` (so a
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from mis_jax._engine import (HIGHEST, LOWEST, AxisName, PassOptions, SegMax, SegSum, Total, pass_options, pmax,
                              pmin, psum, run_pass)
 
-# Safety bound on log values before exp (SPEC notation B).
+# Safety bound on log values before exp (the contract's notation B, docs/contract.md).
 LOG_BOUND = 20.0
 
 __all__ = ["LOG_BOUND", "MaskStats", "Segments", "masked_means", "per_segment_mean", "safe_exp"]
@@ -136,7 +136,7 @@ class Segments:
     glob = pmax(jnp.max(jnp.where(mask, x, LOWEST)), self.axis_name)
     return jnp.where(stats.total > 0, glob, 0.0)
 
-  # --- mask-aware means (SPEC §8 reduction R_mask) -------------------------------------
+  # --- mask-aware means (contract §8 reduction R_mask) -------------------------------------
   def metric_weights(self, mask: jax.Array, stats: MaskStats, mode: str):
     """Per-token weights ``a_t`` and a global divisor ``N`` with ``R_mask(x) = Σ_t a_t x_t / N``.
 
@@ -148,7 +148,7 @@ class Segments:
     return jnp.where(mask, self.broadcast(stats.inverse), 0.0), stats.num_live
 
   def reduce(self, x: jax.Array, mask: jax.Array, stats: MaskStats, mode: str) -> jax.Array:
-    """``R_mask(x)`` of SPEC §8 (0 when the mask is empty).
+    """``R_mask(x)`` of contract §8 (0 when the mask is empty).
 
     ``token-mean``: ``Σ x·mask / Σ mask``. Seq-mean modes: the mean, over segments with a
     non-empty mask, of each segment's masked mean.
@@ -157,7 +157,7 @@ class Segments:
 
 
 def masked_means(groups, segs: Segments, mode: str) -> dict:
-  """Many ``R_mask(x)`` (SPEC §8) at once, completed with a single ``psum``.
+  """Many ``R_mask(x)`` (contract §8) at once, completed with a single ``psum``.
 
   Args:
     groups: a list of ``(mask, stats, {name: x})``: flat bool mask, its :class:`MaskStats`

@@ -1,4 +1,4 @@
-"""A ready-made ``shard_map`` around :func:`policy_loss` (SPEC §10).
+"""A ready-made ``shard_map`` around :func:`policy_loss` (contract §10).
 
 The packed batch is sharded along rows over the data axis (whole rows, so whole segments per
 device when segments don't span rows: data parallelism) and optionally along columns over a

@@ -1,4 +1,4 @@
-"""The ``mis`` correction (SPEC §2–5) with its metrics (SPEC §8.1–8.2), and vanilla TIS.
+"""The ``mis`` correction (contract §2–5) with its metrics (contract §8.1–8.2), and vanilla TIS.
 
 ``compute_mis_weights`` is the ``mis`` correction function; ``vanilla_tis_weights`` is the
 built-in one used when no MIS config is given. Both are pure and jittable; configs are static.
@@ -39,7 +39,7 @@ class Correction(NamedTuple):
   Attributes:
     weights: float32 stop-gradient weights, 0 outside the mask.
     kept: the kept mask ``m'`` (bool).
-    metrics: dict of float32 scalars (SPEC §8 names).
+    metrics: dict of float32 scalars (contract §8 names).
     mask_stats: :class:`MaskStats` of the original mask ``m``.
     kept_stats: :class:`MaskStats` of ``m'``.
   """
@@ -264,7 +264,7 @@ def _correction_metrics(plan: _Plan, seg: _SegmentStats, p2: dict, metrics: dict
 
 def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, batch_norm_factor=None,
             mismatch: bool = True) -> Correction:
-  """SPEC §2–5 and §8.1–8.2 on flat arrays, in two fused passes over the tokens.
+  """contract §2–5 and §8.1–8.2 on flat arrays, in two fused passes over the tokens.
 
   Args:
     o, q: float32 ``[T]`` train/rollout log-probs (stop-gradient here).
@@ -306,7 +306,7 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
 
 
 def mismatch_metrics(train_logprobs, rollout_logprobs, mask, segs: Segments, mode: str):
-  """The SPEC §8.1 mismatch-monitoring metrics alone (flat float32 inputs, original mask).
+  """The contract §8.1 mismatch-monitoring metrics alone (flat float32 inputs, original mask).
 
   Returns ``(metrics, mask_stats)``: the metrics and the :class:`MaskStats` of ``mask``
   counted on the way.
@@ -318,7 +318,7 @@ def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids
                         num_segments: int, axis_name: AxisName = None,
                         metric_reduction: str = "seq-mean-token-mean",
                         batch_norm_factor=None, pass_options: PassOptions | None = None):
-  """The ``mis`` correction: IS weights, kept mask and metrics (SPEC §2–5, §8.1–8.2).
+  """The ``mis`` correction: IS weights, kept mask and metrics (contract §2–5, §8.1–8.2).
 
   With ``r_t = o_t - q_t`` and the level log-value ``L_t`` (token: ``r_t``; sequence:
   ``Σ_s m r``; geometric: ``Σ_s m r / max(Σ_s m, 1)``), ``w_raw = exp(clip(L, ±20))`` is
@@ -339,7 +339,7 @@ def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids
     num_segments: static upper bound on segment ids.
     axis_name: mesh axis name(s) when called inside ``shard_map``; reductions are global.
     metric_reduction: ``seq-mean-token-mean`` (default), ``seq-mean-token-sum`` (same
-      reduction) or ``token-mean``: how per-token metrics are reduced (SPEC §8).
+      reduction) or ``token-mean``: how per-token metrics are reduced (contract §8).
     batch_norm_factor: a precomputed batch-normalisation mean to use instead of computing it
       (for micro-batches whose weights depend on the current policy).
     pass_options: how the token passes run (static); default
@@ -349,7 +349,7 @@ def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids
   Returns:
     ``(weights, kept_mask, metrics)``: float32 weights (stop-gradient, zero where
     ``loss_mask`` is 0), the kept mask in ``loss_mask``'s dtype, and a dict of float32
-    scalars named as in SPEC §8.1–8.2.
+    scalars named as in contract §8.1–8.2.
   """
   arrays = _validation.check_token_arrays(
       {"train_logprobs": train_logprobs, "rollout_logprobs": rollout_logprobs,
@@ -369,7 +369,7 @@ def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids
 
 
 def vanilla_core(o, q, mask, tis_clip: float, tis_clip_low: float):
-  """Built-in vanilla TIS on flat arrays (SPEC §6): ``w = clip(exp(r), tis_clip_low, tis_clip)``.
+  """Built-in vanilla TIS on flat arrays (contract §6): ``w = clip(exp(r), tis_clip_low, tis_clip)``.
 
   Returns ``(weights, values)``: the mask is unchanged; ``values`` are the per-token rows of
   the metrics ``tis`` (``exp(r)``), ``tis_clipfrac`` (``[w != exp(r)]``) and ``tis_abs``
@@ -386,7 +386,7 @@ def vanilla_tis_weights(train_logprobs, rollout_logprobs, loss_mask, *, tis_clip
                         tis_clip_low: float = 0.0, segment_ids=None, num_segments: int | None = None,
                         axis_name: AxisName = None, metric_reduction: str = "token-mean",
                         pass_options: PassOptions | None = None):
-  """Built-in vanilla truncated IS (SPEC §6): ``w = clip(exp(o - q), tis_clip_low, tis_clip)``.
+  """Built-in vanilla truncated IS (contract §6): ``w = clip(exp(o - q), tis_clip_low, tis_clip)``.
 
   The mask is unchanged. Metrics: ``tis`` (mean raw ratio), ``tis_clipfrac`` (share of tokens
   whose value the clip changed), ``tis_abs`` (mean ``|exp(r) - 1|``), reduced over the mask by

@@ -1,4 +1,4 @@
-"""An independent NumPy oracle of SPEC §2–8: plain Python loops over a list of sequences.
+"""An independent NumPy oracle of contract §2–8: plain Python loops over a list of sequences.
 
 Nothing here imports mis_jax. Every sequence is a dict of 1-D float64 arrays
 (``o``, ``q``, ``m``, ``adv``, ``lp``, optional ``ref``, ``ent``). Configs are plain dicts.
@@ -16,7 +16,7 @@ def sexp(x):
 
 
 def reduce(values, masks, mode):
-  """R_mask of SPEC §8 over lists of per-sequence arrays."""
+  """R_mask of contract §8 over lists of per-sequence arrays."""
   if mode == "token-mean":
     num = sum(float(np.sum(np.where(m, x, 0.0))) for x, m in zip(values, masks))
     den = sum(float(np.sum(m)) for m in masks)
@@ -52,7 +52,7 @@ def mismatch(seqs, mode):
     mq = float(np.mean(q[m])) if m.any() else 0.0
     full = lambda v: np.full(n, v)
     per["mis_training_log_ppl"].append(full(-mo))
-    per["mis_training_ppl"].append(full(float(sexp(-mo))))  # SPEC §8.1: exp clips
+    per["mis_training_ppl"].append(full(float(sexp(-mo))))  # contract §8.1: exp clips
     per["mis_rollout_log_ppl"].append(full(-mq))
     per["mis_rollout_ppl"].append(full(float(sexp(-mq))))
     per["mis_kl"].append(q - o)
@@ -218,7 +218,7 @@ def kl_term(lp, ref, kl_type):
 
 
 def aggregate(vals, kept, dmasks, mode):
-  """SPEC §7 aggregation with D given per sequence."""
+  """contract §7 aggregation with D given per sequence."""
   if mode == "token-mean":
     return sum(float(np.sum(v[k])) for v, k in zip(vals, kept)) / max(sum(float(d.sum()) for d in dmasks), 1.0)
   total, n = 0.0, 0
@@ -232,7 +232,7 @@ def aggregate(vals, kept, dmasks, mode):
 
 
 def policy_loss(seqs, lc):
-  """Loss and metrics of SPEC §6–8 for a dict loss config ``lc``."""
+  """Loss and metrics of contract §6–8 for a dict loss config ``lc``."""
   mode = lc.get("loss_agg_mode", "seq-mean-token-mean")
   use_tis, use_roll = lc.get("use_tis", False), lc.get("use_rollout_logprobs", False)
   eps, eps_hi = lc.get("eps_clip", 0.2), lc.get("eps_clip_high") or lc.get("eps_clip", 0.2)

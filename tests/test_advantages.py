@@ -1,4 +1,4 @@
-"""GRPO / Dr.GRPO / RLOO advantages against a plain loop over groups (SPEC §6.1)."""
+"""GRPO / Dr.GRPO / RLOO advantages against a plain loop over groups (contract §6.1)."""
 
 import numpy as np
 import pytest

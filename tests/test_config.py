@@ -1,4 +1,4 @@
-"""Config loading, validation, flags and every bad-input error (SPEC §9)."""
+"""Config loading, validation, flags and every bad-input error (contract §9)."""
 
 import argparse
 import os

@@ -1,4 +1,4 @@
-"""policy_loss against the NumPy oracle, hand-worked numbers and invariants (SPEC §6–8)."""
+"""policy_loss against the NumPy oracle, hand-worked numbers and invariants (contract §6–8)."""
 
 import itertools
 

@@ -1,4 +1,4 @@
-"""Packer (first-fit-decreasing), its inverse and the PackedBatch pytree (SPEC §1)."""
+"""Packer (first-fit-decreasing), its inverse and the PackedBatch pytree (contract §1)."""
 
 import jax
 import numpy as np

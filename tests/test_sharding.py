@@ -1,4 +1,4 @@
-"""Sharded == single device on 8 simulated CPU devices (SPEC §10): loss, every metric and the
+"""Sharded == single device on 8 simulated CPU devices (contract §10): loss, every metric and the
 gradient w.r.t. replicated parameters of a small Flax NNX model, under every algorithm, for
 data parallelism (rows over devices) and sequence parallelism (segments split across
 devices), on meshes 8, 4x2 and 2x4."""

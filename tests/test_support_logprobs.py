@@ -153,7 +153,7 @@ def test_input_checks():
 
 
 def _numpy_sampling_metrics(lp_s, log_m, q, mask, seg, mode):
-  """A NumPy loop over sequences of mis_jax.sampling_metrics' definitions (SPEC §8's R_m)."""
+  """A NumPy loop over sequences of mis_jax.sampling_metrics' definitions (contract §8's R_m)."""
   values = {"sampling_kept_mass_mean": np.exp(log_m), "sampling_ratio_mean_replay": np.exp(lp_s - q),
             "sampling_ratio_mean_full": np.exp(lp_s + log_m - q)}
   values["sampling_ratio_outside_replay"] = (np.abs(values["sampling_ratio_mean_replay"] - 1) > 0.1) * 1.0

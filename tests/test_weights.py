@@ -1,4 +1,4 @@
-"""compute_mis_weights / vanilla_tis_weights against the NumPy oracle (SPEC §2–5, §8)."""
+"""compute_mis_weights / vanilla_tis_weights against the NumPy oracle (contract §2–5, §8)."""
 
 import itertools
 

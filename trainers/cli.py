@@ -35,7 +35,7 @@ def _serve(argv: list[str]) -> int:
 
 def _config_epilog() -> str:
   from trainers.training import config as config_lib
-  lines = ["config keys (YAML sections, or --set SECTION.KEY=VALUE; the README's reference table):"]
+  lines = ["config keys (YAML sections, or --set SECTION.KEY=VALUE; docs/reference/config.md):"]
   for section, cls in config_lib.SECTIONS.items():
     for name, (field, _) in config_lib.fields_of(cls).items():
       default = "null" if field.default is None else field.default

@@ -20,10 +20,10 @@ What :class:`MISGRPOLearner` does on top of tunix's learner:
 * recomputes the old policy's log-probs (``o``) with the trainer's current weights **at the
   sampling temperature** (tunix's own path ignores it), once per rollout batch;
 * computes the loss with :func:`mis_jax.policy_loss` over tunix's padded batch (each row one
-  segment, the completion mask the loss mask): any row of the SPEC §6 table — standard PPO,
+  segment, the completion mask the loss mask): any row of the contract §6 table — standard PPO,
   bypass PPO, decoupled PPO, REINFORCE + IS — with vanilla TIS or a ``mis.yaml`` correction,
   or standard PPO with mismatch metrics only;
-* logs every metric :func:`mis_jax.policy_loss` returns (the names of SPEC §8: ``mis_k3_kl``,
+* logs every metric :func:`mis_jax.policy_loss` returns (the names of contract §8: ``mis_k3_kl``,
   ``mis_is_ratio_mean_final``, ...) through tunix's metrics logger, plus tunix's ``kl``.
 
 The loss is also registered in tunix's policy-loss registry as ``"mis_jax"``
@@ -174,7 +174,7 @@ def _loss_config(algo_config, *, use_tis, use_rollout_logprobs, get_mismatch_met
 
 @dataclasses.dataclass(kw_only=True)
 class MISGRPOConfig(grpo_learner.GRPOConfig):
-  """tunix's :class:`GRPOConfig` plus mis_jax's loss settings (SPEC §6–7, §9).
+  """tunix's :class:`GRPOConfig` plus mis_jax's loss settings (contract §6–7, §9).
 
   Attributes (in addition to tunix's):
     use_rollout_logprobs: the rollout log-probs are the PPO anchor (bypass PPO, or REINFORCE +
@@ -182,9 +182,9 @@ class MISGRPOConfig(grpo_learner.GRPOConfig):
     use_tis: rollout correction on; None takes the MIS config's ``use_tis`` (False without one).
       On without ``mis`` it is vanilla token TIS (``tis_clip``, ``tis_clip_low``).
     mis: a :class:`mis_jax.MISConfig`, a mapping of its keys or the path of a ``mis.yaml``.
-    get_mismatch_metrics: log the mismatch metrics (SPEC §8.1) even with correction off.
+    get_mismatch_metrics: log the mismatch metrics (contract §8.1) even with correction off.
     tis_clip, tis_clip_low: vanilla TIS clip range.
-    denominator: ``kept`` or ``original`` tokens as the loss denominator (SPEC §7).
+    denominator: ``kept`` or ``original`` tokens as the loss denominator (contract §7).
     epsilon_high, epsilon_c: upper PPO clip and dual-clip constant (None: ``epsilon``, off).
     entropy_coef: entropy bonus coefficient (tunix's GRPO has none).
 

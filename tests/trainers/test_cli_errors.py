@@ -1,6 +1,6 @@
 """Bad input to `mis-jax train` and `mis-jax serve`: for every config key (wrong type, out of
 range, invalid choice), every flag/config contradiction, bad paths, URLs and ports — exit
-status 2, one line naming the key, no traceback, nothing started or written. The README's
+status 2, one line naming the key, no traceback, nothing started or written. The docs'
 config reference is generated from the typed sections, and `--help` shows every default."""
 
 import os
@@ -213,9 +213,9 @@ def test_help_lists_every_option_and_config_key_with_its_default(capsys):
     assert option in serve_help and f"(default: {default})" in serve_help
 
 
-def test_readme_config_reference_is_generated_from_the_sections():
-  readme = open(os.path.join(os.path.dirname(__file__), "..", "..", "README.md")).read()
-  assert config_lib.reference_table() in readme
+def test_docs_config_reference_is_generated_from_the_sections():
+  page = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "reference", "config.md")).read()
+  assert config_lib.reference_table() in page
   # The enums the sections accept are the implementations' own.
   from trainers.models.attention import ATTENTION_BACKENDS
   from trainers.models.decoder import REMAT_POLICIES

@@ -1,5 +1,5 @@
 """`mis-jax serve` over real HTTP: one server subprocess per module on a free 127.0.0.1 port
-(`--port 0`, read back from its first line), driven like an SGLang 0.5.23 server (SPEC §11):
+(`--port 0`, read back from its first line), driven like an SGLang 0.5.23 server (contract §11):
 response shapes and key order, seeds, output and prompt log-probs against the model's own
 teacher-forced log-probs, weight updates, pause/continue/abort, every bad request with SGLang's
 status and body shape, and the JSON of requests and responses checked against SGLang's own

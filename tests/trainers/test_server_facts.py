@@ -146,6 +146,6 @@ def test_mismatch_limits_by_dtype_pair(start, tmp_path):
   assert trainer.mismatch_limits()[:2] == train_lib.MISMATCH_LIMITS["float32"]
   trainer.server_dtype = "bfloat16"
   assert trainer.mismatch_limits() == (*train_lib.MISMATCH_LIMITS["low"], "server bfloat16, trainer float32")
-  # Measured mismatches sit well inside, garbled ones far outside (README: the sanity check).
+  # Measured mismatches sit well inside, garbled ones far outside (docs/guides/trainer.md: the sanity check).
   low_abs, low_k3 = train_lib.MISMATCH_LIMITS["low"]
   assert 6e-2 * 4 <= low_abs < 1.78 and 4.3e-3 * 20 < low_k3 < 1.23

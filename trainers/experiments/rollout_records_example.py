@@ -1,6 +1,6 @@
 """Writes `data/rollout_records_example/`: the rollout records of a short demo run (6 steps of
 `configs/demo.yaml`: a bf16 embedded server, decoupled PPO with the reference MIS config) and the
-`mis-jax analyze` report of them (README: Rollout records).
+`mis-jax analyze` report of them (docs/guides/records.md).
 
     python -m trainers.experiments.rollout_records_example [--out data/rollout_records_example]
 """

@@ -399,7 +399,7 @@ def teacher_forced_logprobs(model: CausalLM, input_ids: jax.Array, positions: ja
 
   `targets[b, t]` is the token that follows `input_ids[b, t]` in its segment (the caller shifts;
   entries at segment ends or padding are arbitrary valid ids and should be masked downstream).
-  This is the quantity SGLang returns as `output_token_logprobs` (SPEC §11): the temperature-
+  This is the quantity SGLang returns as `output_token_logprobs` (contract §11): the temperature-
   scaled distribution, not renormalised for top-p/top-k. For a greedy rollout (temperature 0)
   SGLang reports temperature-1 log-probs, so pass `temperature=1.0`.
   """

@@ -2,7 +2,7 @@
 
 Per row and step, with logits `z` (float32 even when the model computes in bfloat16):
 
-    logp = log_softmax(z / T)                      # the reported log-prob (SPEC §11)
+    logp = log_softmax(z / T)                      # the reported log-prob (contract §11)
     keep = top-k ∧ top-p ∧ min-p filter of softmax(z / T)
     token ~ Categorical(softmax(logp restricted to keep))
 

@@ -1,4 +1,4 @@
-"""`mis-jax serve`: an HTTP server speaking SGLang 0.5.23's native protocol (SPEC §11).
+"""`mis-jax serve`: an HTTP server speaking SGLang 0.5.23's native protocol (contract §11).
 
 The trainer cannot tell it from `python -m sglang.launch_server`: same routes, same request and
 response JSON, same status codes and error bodies. It serves a Hugging Face checkpoint directory

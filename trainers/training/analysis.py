@@ -80,7 +80,7 @@ def packed(rows: list[dict]):
 
 
 def _metrics(o, q, mask, seg, num_segments, cfg, mode):
-  """`compute_mis_weights`' metrics under jit (one compile per setting, as the README advises)."""
+  """`compute_mis_weights`' metrics under jit (one compile per setting, as the library guide advises)."""
   import jax
   import mis_jax
   fn = jax.jit(lambda o, q: mis_jax.compute_mis_weights(o, q, mask, seg, cfg, num_segments=num_segments,

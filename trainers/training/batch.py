@@ -2,7 +2,7 @@
 
 Each sequence is prompt + response; the model sees `seq[:-1]` and predicts `seq[1:]`, so
 response token `j` sits at input position `len(prompt) - 1 + j`. Sequences are packed
-first-fit-decreasing into rows of `row_len` tokens (SPEC §1) and the rows are laid out as
+first-fit-decreasing into rows of `row_len` tokens (contract §1) and the rows are laid out as
 `[micro_batches, rows_per_micro_batch, row_len]`, where a micro-batch holds at most
 `tokens_per_micro_batch` tokens per device of the `data × fsdp × expert` batch axes.
 """

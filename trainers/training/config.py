@@ -57,7 +57,7 @@ class TaskSection:
                                "`messages` / `prompt`); token ids, chat messages or text")
   answer_key: str | None = key(None, "dataset: ground-truth column (null: the first of `reward_model.ground_truth` / "
                                "`answer` / `solution` / `ground_truth`)")
-  reward_fn: str | None = key(None, "dataset: `math`, `exact_match`, `format` (README: Datasets) or "
+  reward_fn: str | None = key(None, "dataset: `math`, `exact_match`, `format` (docs/guides/trainer.md: Datasets) or "
                               "`pkg.mod:fn(record, response_ids, text) -> float`")
   tokenizer: str | None = key(None, "dataset: HF tokenizer directory (null: `model.path`)")
   chat_template: bool | None = key(None, "dataset: render text prompts as one user message with the tokenizer's chat "
@@ -116,7 +116,7 @@ class RolloutSection:
                           "serves model.path (its /model_info model_path) and the run is not resumed; `always`; "
                           "`never` (a resume always pushes)", choices=("auto", "always", "never"))
   mismatch_check: bool = key(True, "stop when server and trainer hold the same weights yet their log-probs differ "
-                             "far beyond numerics (README: the mismatch sanity check)")
+                             "far beyond numerics (docs/guides/trainer.md: the mismatch sanity check)")
   max_concurrency: int = key(4, "HTTP requests in flight", ge=1)
   prompts_per_request: int = key(8, "prompts batched into one /generate request", ge=1)
   timeout_s: float = key(120.0, "HTTP timeout per request", gt=0)
@@ -124,8 +124,8 @@ class RolloutSection:
   backoff_s: float = key(0.5, "first retry delay (doubles each retry)", ge=0)
   health_attempts: int = key(30, "/health polls (with backoff) before giving up at start", ge=1)
   max_rejected_fraction: float = key(0.25, "more malformed samples than this in a step stops the run", ge=0, le=1)
-  save_dir: str | None = key(None, "write each step's rollouts as Parquet records here (`--save-rollouts`; README: "
-                             "Rollout records)")
+  save_dir: str | None = key(None, "write each step's rollouts as Parquet records here (`--save-rollouts`; "
+                             "docs/guides/records.md)")
   load_dir: str | None = key(None, "train from saved rollout records, the same steps in the same order, with no "
                              "server (`--load-rollouts`)")
 
@@ -142,8 +142,8 @@ class TrainSection:
   ppo_epochs: int = key(1, "optimiser updates per step on the same batch", ge=1)
   tokens_per_micro_batch: int = key(4096, "tokens per device (of data x fsdp x expert) in one micro-batch; >= row_len", ge=1)
   row_len: int = key(64, "tokens per packed row (>= the longest prompt + response)", ge=2)
-  advantage_estimator: str = key("grpo", "per-group advantages (SPEC §6.1)", choices=tuple(mis_jax.ESTIMATORS))
-  exclude_rejected_from_baseline: bool = key(False, "sequences rejected whole leave their group's baseline (SPEC §6.1)")
+  advantage_estimator: str = key("grpo", "per-group advantages (contract §6.1)", choices=tuple(mis_jax.ESTIMATORS))
+  exclude_rejected_from_baseline: bool = key(False, "sequences rejected whole leave their group's baseline (contract §6.1)")
   router_aux_loss_coef: float = key(0.0, "mixture of experts: weight of HF's load-balancing loss (RL recipes: 0)", ge=0)
 
 
@@ -282,7 +282,7 @@ class TrainConfig:
 
 
 def reference_table() -> str:
-  """The README's config reference: every section key with its default and meaning."""
+  """The docs' config reference (docs/reference/config.md): every section key with its default and meaning."""
   rows = ["| key | default | meaning |", "|---|---|---|",
           "| `run_dir` | `runs/default` | metrics, checkpoints, weights (must not be a file) |",
           "| `seed` | `0` | seeds prompts, sampling and init |",

@@ -1,4 +1,4 @@
-"""Where the trainer talks to the SGLang server(s): generation and weight sync (SPEC §11).
+"""Where the trainer talks to the SGLang server(s): generation and weight sync (contract §11).
 
 Only the configured URLs are ever contacted. Transient faults (connection errors, timeouts,
 HTTP 5xx) are retried a bounded number of times with exponential backoff; HTTP 4xx is not
@@ -334,7 +334,7 @@ class SGLangClient:
   # --- generation ----------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], sampling_params: dict, *, n: int = 1,
                seed: int | None = None, support_width: int = 0, routing: RoutingSpec | None = None) -> RolloutResult:
-    """``n`` samples for every prompt; results come back prompt-major (SPEC §11). With
+    """``n`` samples for every prompt; results come back prompt-major (contract §11). With
     ``seed``, sample ``k`` (prompt-major) is sent with ``sampling_seed = sample_seeds(seed)[k]``.
     With ``support_width > 0`` the servers are asked for sampling masks (``return_sampling_mask``)
     and each sample carries its supports and behaviour log-probs (:func:`validate_sample`).
@@ -384,7 +384,7 @@ class SGLangClient:
   # --- weight sync ---------------------------------------------------------------------
   def update_weights_from_disk(self, model_path: str, weight_version: str, *, attempts: int = 3,
                                pause_mode: str = "abort") -> dict[str, float]:
-    """SPEC §11 sequence on every server, all servers concurrently: pause (``pause_mode``:
+    """contract §11 sequence on every server, all servers concurrently: pause (``pause_mode``:
     ``abort`` ends in-flight requests, ``retract`` keeps them for after the update), flush,
     update, verify, continue.
 

@@ -2,11 +2,11 @@
 mesh → weight sync → Orbax checkpoints.
 
 One step: sample ``prompts_per_step × n`` completions from the server(s); score them; GRPO
-advantages per prompt group (SPEC §6.1); pack prompt+response into micro-batched rows
+advantages per prompt group (contract §6.1); pack prompt+response into micro-batched rows
 (`trainers.training.batch`); recompute old log-probs only when the algorithm needs them (standard and
 decoupled PPO); ``ppo_epochs`` calls of the jitted step (`trainers.training.step`: gradients accumulated
-over the micro-batches with global denominators, SPEC §7, and the Optax update in one
-program); push the new weights every ``sync_every`` steps (SPEC §11); checkpoint every
+over the micro-batches with global denominators, contract §7, and the Optax update in one
+program); push the new weights every ``sync_every`` steps (contract §11); checkpoint every
 ``checkpoint.every`` steps. Parameters, optimiser state and the batch live on the mesh of the
 ``parallel`` section (`trainers.training.parallel`).
 """
@@ -69,7 +69,7 @@ def sampling_replay_width(r) -> int:
     if truncated:
       warnings.warn("rollout.sampling_replay is off with truncated sampling (top_p < 1, top_k > 0 or min_p > 0): "
                     "the server's log-probs are over the whole vocabulary while it samples from the truncated "
-                    "distribution, so the IS ratio is biased by the kept mass (SPEC §11)")
+                    "distribution, so the IS ratio is biased by the kept mass (contract §11)")
     return 0
   if r.temperature == 0:
     raise mis_jax.ConfigError("rollout.sampling_replay on with greedy sampling (rollout.temperature 0): every "
@@ -122,7 +122,7 @@ def routing_metrics(native: np.ndarray, recorded: np.ndarray) -> dict[str, float
 
 
 # The mismatch sanity check's limits (mean |Δ log p| over response tokens, mis_k3_kl) when server
-# and trainer hold the same weights. Measured on the tiny models (README): float32 on both sides
+# and trainer hold the same weights. Measured on the tiny models (docs/guides/trainer.md): float32 on both sides
 # 3e-7 / 0; bf16 engine 7e-3–1.2e-2 / 4e-5–7e-4; fp8 weights 5e-2–6e-2 / 2e-3–4e-3; a batch
 # garbled by sglang-jax's overlap scheduler 1.78 / 1.23; log-probs shifted by one token ~2 / ~1.
 MISMATCH_LIMITS = {"float32": (1e-3, 1e-4), "low": (0.25, 0.1)}
@@ -266,7 +266,7 @@ class Trainer:
                                                  in_baseline=in_baseline))
 
   def exclude_rejected_from_baseline(self, sb: StepBatch, prepared: mis_jax.PackedBatch):
-    """SPEC §6.1 option: sequences the correction rejects whole leave their group's baseline.
+    """contract §6.1 option: sequences the correction rejects whole leave their group's baseline.
 
     ``prepared`` comes from :func:`mis_jax.prepare_step` (its ``kept_mask`` is the step's).
     The rejected sequences' own advantage no longer matters (they carry no kept token); the
@@ -699,7 +699,7 @@ def check_config(cfg: TrainConfig, loss_cfg: mis_jax.LossConfig):
   if r.max_staleness > 0 and loss_cfg.algorithm != "decoupled_ppo":
     warnings.warn(f"rollout.max_staleness {r.max_staleness} with {loss_cfg.algorithm}: only decoupled PPO "
                   "(old log-probs recomputed, behaviour = the server's) corrects for stale rollouts; "
-                  "see the README's asynchronous-rollouts section")
+                  "see docs/guides/multihost.md, asynchronous rollouts")
   if os.path.isfile(cfg.run_dir):
     raise mis_jax.ConfigError(f"run_dir {cfg.run_dir!r} is a file; it must be a directory (or not exist yet)")
   try:

@@ -1,0 +1,28 @@
+"""A griffe extension for the API pages: the docstrings' Sphinx roles (:class:`X`, :func:`x`,
+:mod:`m`, ...) become links to the API page where ``X`` is a public ``mis_jax`` name, and inline
+code otherwise, so ``help()`` and the site both read well."""
+
+from __future__ import annotations
+
+import re
+
+import griffe
+
+import mis_jax
+
+ROLE = re.compile(r":(?:class|func|mod|data|meth|attr|obj|exc):`~?([^`]+)`")
+PUBLIC = set(mis_jax.__all__)
+
+
+def _replace(match: re.Match) -> str:
+  name = match.group(1)
+  short = name.removeprefix("mis_jax.")
+  if short in PUBLIC:
+    return f"[`{short}`][mis_jax.{short}]"
+  return f"`{name}`"
+
+
+class SphinxRoles(griffe.Extension):
+  def on_instance(self, *, node, obj, agent, **kwargs) -> None:
+    if obj.docstring is not None:
+      obj.docstring.value = ROLE.sub(_replace, obj.docstring.value)
