@@ -208,9 +208,13 @@ def test_injected_mismatch_equals_mis_jax_directly(settings):
   assert set(learner.metric_names) >= set(metrics) - {"loss"}
 
 
-def test_temperature_old_logprobs_match_the_sampler():
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_temperature_old_logprobs_match_the_sampler(num_iterations):
+  """With num_iterations 2 tunix itself asks the cluster for old log-probs (the learner's
+  temperature-aware replacement answers); with 1 the learner computes them."""
   cluster = make_cluster()
-  learner = mis_tunix.MISGRPOLearner(cluster, mis_tunix.MISGRPOConfig(num_generations=2, beta=0.0), [reward])
+  learner = mis_tunix.MISGRPOLearner(cluster, mis_tunix.MISGRPOConfig(
+      num_generations=2, beta=0.0, num_iterations=num_iterations), [reward])
   learner._rollout_micro_batch_size = learner._compute_logps_micro_batch_size = len(PROMPTS)  # set by train()
   example = learner._generate_and_compute_advantage({"prompts": list(np.repeat(PROMPTS, 2))})
   mask = np.asarray(example.completion_mask).astype(bool)
@@ -297,14 +301,14 @@ def test_config_maps_tunix_settings_and_reads_a_mis_yaml(tmp_path):
 
 
 def test_the_example_runs_and_shows_the_bf16_sampler_mismatch(capsys):
-  """`make example-tunix` runs examples/tunix_grpo_mis.py; here 2 of its steps, in-process."""
+  """`make example-tunix` runs examples/tunix_grpo_mis.py; here its first step, in-process."""
   import importlib.util
   import pathlib
   path = pathlib.Path(__file__).resolve().parents[2] / "examples" / "tunix_grpo_mis.py"
   spec = importlib.util.spec_from_file_location("tunix_grpo_mis", path)
   example = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(example)
-  history = example.main(["--steps", "2", "--mis", str(path.parents[1] / "configs" / "mis.yaml")])
-  assert len(history["mis_k3_kl"]) == 2
+  history = example.main(["--steps", "1", "--mis", str(path.parents[1] / "configs" / "mis.yaml")])
+  assert len(history["mis_k3_kl"]) == 1
   assert history["train_rollout_logprob_abs_diff"][0] > 1e-4  # bfloat16 engine vs float32 trainer
   assert "mis_kept_token_fraction" in capsys.readouterr().out

@@ -57,7 +57,7 @@ class TaskSection:
                                "`messages` / `prompt`); token ids, chat messages or text")
   answer_key: str | None = key(None, "dataset: ground-truth column (null: the first of `reward_model.ground_truth` / "
                                "`answer` / `solution` / `ground_truth`)")
-  reward_fn: str | None = key(None, "dataset: `math`, `exact_match`, `format` (docs/guides/trainer.md: Datasets) or "
+  reward_fn: str | None = key(None, "dataset: `math`, `exact_match`, `format` (docs/guides/datasets.md) or "
                               "`pkg.mod:fn(record, response_ids, text) -> float`")
   tokenizer: str | None = key(None, "dataset: HF tokenizer directory (null: `model.path`)")
   chat_template: bool | None = key(None, "dataset: render text prompts as one user message with the tokenizer's chat "
