@@ -92,10 +92,12 @@ def _oracle_sequences(rows):
 
 
 def test_analysis_equals_a_numpy_loop_on_the_committed_example(tmp_path):
+  """`mis-jax analyze` on the committed records (one analysis: its report.json is checked)."""
   example = os.path.join(ROOT, "data", "rollout_records_example")
   rows, meta = analysis.load(example)
   mode = meta["loss"]["loss_agg_mode"]
-  report = analysis.analyze(rows, mode)
+  assert cli.main(["analyze", example, "--out", str(tmp_path / "report")]) == 0
+  report = json.loads((tmp_path / "report" / "report.json").read_text())
   seqs = _oracle_sequences(rows)
   want = oracle.mismatch(seqs, mode)
   for name, value in want.items():
@@ -112,11 +114,10 @@ def test_analysis_equals_a_numpy_loop_on_the_committed_example(tmp_path):
     np.testing.assert_allclose(got["kept_seq_fraction"], m["mis_kept_seq_fraction"], atol=1e-6)
     np.testing.assert_allclose(got["ess_ratio"], m["mis_ess_ratio"], rtol=1e-4)
   # The report renders from the committed records.
-  assert cli.main(["analyze", example, "--out", str(tmp_path / "report")]) == 0
   text = (tmp_path / "report" / "report.md").read_text()
   assert "## What each setting would do" in text and "mis_k3_kl" in text
   assert {p.name for p in (tmp_path / "report" / "figures").iterdir()} == {"mismatch.png", "settings.png"}
-  assert json.loads((tmp_path / "report" / "report.json").read_text())["tokens"] == r.size
+  assert report["tokens"] == r.size
 
 
 def _copy_records(tmp_path, edit=None, name="bad"):
