@@ -151,15 +151,21 @@ def packed_direct_loss(model, example, loss_cfg):
 
 
 def test_on_policy_equals_stock_grpo():
+  """Also: tunix's own learner given the loss by name (`policy_loss_fn="mis_jax"`) takes the
+  same step as with its own "grpo" loss (standard PPO either way)."""
   stock_cluster, ours_cluster = make_cluster(with_reference=True), make_cluster(with_reference=True)
+  by_name_cluster = make_cluster(with_reference=True)
   before = params(stock_cluster)
   stock = grpo_learner.GRPOLearner(stock_cluster, grpo_learner.GRPOConfig(num_generations=2, beta=0.04,
                                                                           kl_loss_mode="low_var_kl"), [reward])
   ours = mis_tunix.MISGRPOLearner(ours_cluster, mis_tunix.MISGRPOConfig(
       num_generations=2, beta=0.04, kl_loss_mode="low_var_kl", use_tis=True, mis=MIS), [reward])
+  by_name = grpo_learner.GRPOLearner(by_name_cluster, grpo_learner.GRPOConfig(
+      num_generations=2, beta=0.04, kl_loss_mode="low_var_kl", policy_loss_fn=mis_tunix.LOSS_NAME), [reward])
   stock_examples, our_examples = record_examples(stock), record_examples(ours)
   train_one_step(stock)
   train_one_step(ours)
+  train_one_step(by_name)
   np.testing.assert_array_equal(stock_examples[0].completion_ids, our_examples[0].completion_ids)
   assert float(np.std(np.asarray(our_examples[0].advantages))) > 0  # a real gradient
   # No mismatch: the sampler's log-probs are the trainer's to float32 rounding.
@@ -171,6 +177,8 @@ def test_on_policy_equals_stock_grpo():
   grads = lambda c: jax.tree.map(lambda a, b: (a - b) / LR, before, params(c))
   stock_grads, our_grads = grads(stock_cluster), grads(ours_cluster)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-6), stock_grads, our_grads)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-6), stock_grads,
+               grads(by_name_cluster))
   assert max(float(np.max(np.abs(g))) for g in jax.tree.leaves(our_grads)) > 1e-3
   np.testing.assert_allclose(logged(ours_cluster, "loss"), stock_cluster.actor_trainer.metrics_logger
                              .get_metric_history("actor", "loss", "train"), rtol=1e-5, atol=1e-7)
