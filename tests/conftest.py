@@ -40,3 +40,17 @@ settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True
 settings.register_profile("dev", max_examples=25, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
+
+
+# The longest files first (measured durations, longest first): `--dist loadfile` hands whole
+# files to the two workers in collection order, so a long file collected last would leave one
+# worker running it alone at the end. Within a file, and among the rest, the order is unchanged.
+LONGEST_FIRST = ("trainers/test_step.py", "trainers/test_moe_model.py", "trainers/test_moe_train.py",
+                 "trainers/test_sampling_replay.py", "trainers/test_sglang_jax.py", "trainers/test_train.py",
+                 "integrations/test_tunix.py", "test_notebooks.py", "trainers/test_rollout_records.py",
+                 "trainers/test_experiment.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(rank)))
