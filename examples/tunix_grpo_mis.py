@@ -11,7 +11,6 @@ script are marked `# mis_jax`. Every step prints the mismatch and correction met
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 
 import jax

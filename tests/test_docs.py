@@ -5,13 +5,13 @@ README and the guides show exist and validate."""
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 import shlex
 import subprocess
 import sys
 
-import pytest
 import yaml
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -135,8 +135,7 @@ def test_the_trainer_commands_and_the_readme_config_validate(tmp_path):
 
 def test_the_site_builds_strict(tmp_path):
   out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                       cwd=ROOT, capture_output=True, text=True, env={"NO_MKDOCS_2_WARNING": "1",
-                                                                      **__import__("os").environ})
+                       cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
   assert out.returncode == 0, out.stderr[-3000:]
   api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
   for name in ("policy_loss", "compute_mis_weights", "MISConfig", "MISGRPOLearner", "sharded_policy_loss"):

@@ -73,7 +73,8 @@ except ImportError as e:  # pragma: no cover - the message is the point
       f"mis_jax.integrations.tunix needs google-tunix ({e}); install it with "
       "pip install 'mis_jax[tunix]'") from e
 
-from mis_jax import ConfigError, LossConfig, MISConfig, PackedBatch, microbatch_reduction, policy_loss
+from mis_jax import (ConfigError, LossConfig, MISConfig, PackedBatch, kl_penalty, microbatch_reduction,
+                     policy_loss)
 
 __all__ = ["LOSS_NAME", "TESTED_TUNIX", "MISGRPOConfig", "MISGRPOLearner", "MISTrainExample",
            "MissingRolloutLogprobs", "loss_config_for", "mis_policy_loss_fn", "padded_batch",
@@ -292,13 +293,12 @@ def mis_policy_loss_fn(model, train_example, algo_config, pad_id, eos_id, **kwar
   batch = padded_batch(train_example, cfg, rollout_logprobs=q, old_logprobs=o, ref_logprobs=ref)
   loss, aux = policy_loss(lp, batch, cfg, entropy=entropy)
   aux = dict(aux)
-  if "kl" not in aux:  # tunix's GRPOLearner logs "kl": the token mean of its KL estimator
-    if ref is None:
-      aux["kl"] = jnp.zeros((), jnp.float32)
-    else:
-      kl = common.compute_kl_divergence(lp, ref, algo_config.kl_loss_mode)
-      mask = batch.loss_mask
-      aux["kl"] = jnp.sum(jnp.where(mask, kl, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+  # tunix's GRPOLearner logs "kl": the token mean of the KL estimator (ours, the mapped kl_type).
+  if batch.ref_logprobs is None:
+    aux["kl"] = jnp.zeros((), jnp.float32)
+  else:
+    kl = kl_penalty(lp, batch.ref_logprobs, cfg.kl_type)
+    aux["kl"] = jnp.sum(jnp.where(batch.loss_mask, kl, 0.0)) / jnp.maximum(jnp.sum(batch.loss_mask), 1)
   return loss, aux
 
 
@@ -367,7 +367,7 @@ class MISGRPOLearner(grpo_learner.GRPOLearner):
     cfg = algo_config.loss_config
     self._engine = _engine_name(rl_cluster)
     self._needs_old = cfg.needs_old_logprobs or algo_config.num_iterations > 1
-    self.metric_names = _metric_names(cfg, with_old=self._needs_old, with_ref=algo_config.beta != 0.0)
+    self.metric_names = _metric_names(cfg, with_old=self._needs_old)
     reductions = {"max": np.max, "min": np.min}
     self.rl_cluster.actor_trainer.with_rl_metrics_to_log(
         {name: reductions.get(microbatch_reduction(name), np.mean) for name in self.metric_names})
@@ -417,7 +417,7 @@ class MISGRPOLearner(grpo_learner.GRPOLearner):
     return MISTrainExample(**fields)
 
 
-def _metric_names(cfg: LossConfig, *, with_old: bool, with_ref: bool) -> list[str]:
+def _metric_names(cfg: LossConfig, *, with_old: bool) -> list[str]:
   """The names of the metrics :func:`mis_policy_loss_fn` returns for this config that tunix
   must log (read off an abstract evaluation of the loss, so they are always the loss's own)."""
   shape = (2, 3)
@@ -426,7 +426,7 @@ def _metric_names(cfg: LossConfig, *, with_old: bool, with_ref: bool) -> list[st
   def run():
     batch = PackedBatch(segment_ids=jnp.zeros(shape, jnp.int32), loss_mask=jnp.ones(shape, bool),
                         advantages=z, rollout_logprobs=z, old_logprobs=z if with_old else None,
-                        ref_logprobs=z if cfg.kl_coef > 0 and with_ref else None, num_segments=2)
+                        ref_logprobs=z if cfg.kl_coef > 0 else None, num_segments=2)
     return policy_loss(z, batch, cfg, entropy=z)[1]
 
   # tunix's trainer logs "loss" itself.
