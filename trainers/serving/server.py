@@ -41,6 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
       prog="mis-jax serve", description="Serve a Hugging Face Qwen2, Qwen3, Qwen3-MoE or Llama checkpoint over "
       "SGLang's native HTTP API (/generate, /update_weights_from_disk, ...).",
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  parser.add_argument("--engine", default="embedded", choices=("embedded", "sglang-jax"),
+                      help="embedded: this package's engine; sglang-jax: sglang-jax's own server (single-process "
+                      "mode, from its Python >= 3.12 venv, created once) with the SGLang routes it lacks added "
+                      "(weight updates, /model_info, weight_version); its own flags go after `--`")
   parser.add_argument("--model-path", required=True, help="HF checkpoint dir (config.json + *.safetensors)")
   parser.add_argument("--host", default="127.0.0.1", choices=_LOOPBACK,
                       help="loopback only: the server has no authentication")
@@ -59,12 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--enable-return-routed-experts", action="store_true",
                       help="a mixture-of-experts model returns each position's experts per layer to requests "
                       "with return_routed_experts (SGLang's flag; needed for routing replay, R3)")
-  parser.add_argument("--verbose", action="store_true", help="log every HTTP request")
+  parser.add_argument("--verbose", action="store_true", help="log every HTTP request (sglang-jax: show its log)")
   return parser
 
 
-def check_args(args) -> str | None:
+_EMBEDDED_ONLY = ("quantize", "max_batch_size", "sampling_mask_max_tokens")
+
+
+def check_args(args, extra: tuple[str, ...] = ()) -> str | None:
   """The first problem with the parsed arguments, as one line naming the option, or None."""
+  parser = build_parser()
+  if args.engine == "embedded" and extra:
+    return f"arguments after `--` ({' '.join(extra)}) are for --engine sglang-jax"
+  if args.engine == "sglang-jax":
+    given = [k for k in _EMBEDDED_ONLY if getattr(args, k) != parser.get_default(k)]
+    if given:
+      flag = "--" + given[0].replace("_", "-")
+      return (f"{flag} is an option of the embedded engine; sglang-jax takes its own flags after `--` "
+              "(e.g. -- --quantization ...)")
   if not 0 <= args.port <= 65535:
     return f"--port {args.port} must be in 0..65535 (0 picks a free port)"
   if args.max_batch_size < 1:
@@ -82,11 +98,16 @@ def check_args(args) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-  args = build_parser().parse_args(argv)
-  problem = check_args(args)
+  argv = list(sys.argv[1:] if argv is None else argv)
+  extra = tuple(argv[argv.index("--") + 1:]) if "--" in argv else ()
+  args = build_parser().parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+  problem = check_args(args, extra)
   if problem:
     print(f"mis-jax serve: {problem}", file=sys.stderr)
     return 2
+  if args.engine == "sglang-jax":
+    from trainers.serving import sglang_jax
+    return sglang_jax.serve(args, extra + ("--random-seed", str(args.seed)) if args.seed else extra)
   try:  # bind first: a busy port is a one-line error before the model loads
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -402,13 +402,17 @@ class SGLangClient:
     t_pause = time.perf_counter()
     self._request("POST", url, "/pause_generation", {"mode": pause_mode})
     try:
-      self._request("POST", url, "/flush_cache", {})
+      try:
+        self._request("POST", url, "/flush_cache", {})
+      except ServerError as e:  # SGLang refuses while retracted requests wait; the update flushes itself
+        if e.status != 400:
+          raise
       last = None
       t_load = time.perf_counter()
       for _ in range(attempts):
         try:  # SGLang answers a failed update with success: false (HTTP 400): retry it
           reply = self._request("POST", url, "/update_weights_from_disk",
-                                {"model_path": model_path, "weight_version": weight_version})
+                                {"model_path": model_path, "weight_version": weight_version, "flush_cache": True})
         except ServerError as e:
           last = str(e)
           continue

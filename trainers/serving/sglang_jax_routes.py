@@ -1,0 +1,385 @@
+"""sglang-jax's own HTTP server with the SGLang 0.5.23 routes and fields it lacks, in process.
+
+Runs inside the sglang-jax venv (Python >= 3.12), started by `mis-jax serve --engine sglang-jax`
+(`trainers.serving.sglang_jax`) as `python -P this_file.py [--weight-version V] <sglang-jax flags>`.
+It imports nothing but the standard library and what sglang-jax itself installs (a test checks).
+
+sglang-jax 0.1.0rc0 serves `/generate` with log-probs and routed experts but cannot take new
+weights over HTTP. In its single-process mode the scheduler runs in this process, so this
+module adds, over sglang-jax's own model loader and model runner (its scheduler, kernels,
+sampler and generation are untouched):
+
+- `POST /update_weights_from_disk`: SGLang's request (`model_path`, `weight_version`,
+  `abort_all_requests`, `flush_cache`, ...) and reply (`success`, `message`,
+  `num_paused_requests`; HTTP 400 on failure). The checkpoint is loaded by sglang-jax's loader
+  into a new model on the runner's mesh, checked leaf by leaf against the served one (missing
+  tensors, shapes, dtypes), then its leaves replace `model_runner.model_state_leaves` in the
+  scheduler thread between two batches, and the prefix cache is flushed (its KV came from the
+  old weights). A bad directory leaves the old weights serving.
+  As in SGLang, an update while generation is not paused waits for the requests in flight and
+  holds new ones back; while paused it proceeds at once.
+- `meta_info.weight_version` on every `/generate` result, and `weight_versions` spans
+  (`{"version", "start", "end"}` over the completion tokens) for a request that an update
+  (with `pause_generation` `retract` or `in_place`) split between two versions.
+- `GET /model_info` (SGLang's keys, `weight_version` among them) and `GET /get_weight_version`.
+"""
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import copy
+import json
+import logging
+import os
+import queue
+import sys
+import time
+
+logger = logging.getLogger("mis_jax.sglang_jax_routes")
+
+# config.json keys whose change would make a checkpoint another model than the one served.
+_SAME_MODEL_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings",
+                    "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+RETRACT_REFUSED = (
+    "pause_generation mode 'retract' is refused here: sglang-jax 0.1.0rc0 drops the requests of a prefill batch "
+    "that has run but is not yet merged into its running batch (Scheduler.pause_generation resets last_batch), so "
+    "those requests never finish. Use mode 'in_place' (requests keep running across a weight update, their "
+    "weight_versions spans record the switch) or 'abort' (rollout.pause_mode in the trainer)")
+
+
+def _trim_logprobs(item: dict, meta: dict) -> None:
+  """sglang-jax 0.1.0rc0 sends a non-streaming request's output every 50 tokens, but for a
+  request with `return_logprob` alone it never advances the log-prob offset of those sends
+  (`scheduler_output_processor_mixin`, `return_output_logprob_only`), so a completion of
+  n > 50 tokens comes back with its log-probs repeated (50 + 100 + ... + n entries), the last
+  send being the whole list. Where the last n entries are exactly the output tokens, they are
+  that list: keep them (SGLang's contract: one entry per output token). Anything else is left
+  as it came (the trainer's client rejects it)."""
+  ids, lps = item.get("output_ids"), meta.get("output_token_logprobs")
+  if not isinstance(ids, list) or not isinstance(lps, list) or len(lps) <= len(ids) or not ids:
+    return
+  tail = lps[-len(ids):]
+  if all(isinstance(e, (list, tuple)) and len(e) > 1 and e[1] == t for e, t in zip(tail, ids)):
+    meta["output_token_logprobs"] = tail
+
+
+class _Gate:
+  """SGLang's model-update lock: generate requests are readers, an update is the writer (it waits
+  for the readers in flight and holds new ones back). Lives on the server's event loop."""
+
+  def __init__(self):
+    self._cond = asyncio.Condition()
+    self._readers = 0
+    self._writer = False
+
+  @contextlib.asynccontextmanager
+  async def reader(self):
+    async with self._cond:
+      await self._cond.wait_for(lambda: not self._writer)
+      self._readers += 1
+    try:
+      yield
+    finally:
+      async with self._cond:
+        self._readers -= 1
+        self._cond.notify_all()
+
+  @contextlib.asynccontextmanager
+  async def writer(self):
+    async with self._cond:
+      await self._cond.wait_for(lambda: not self._writer)
+      self._writer = True
+      await self._cond.wait_for(lambda: self._readers == 0)
+    try:
+      yield
+    finally:
+      async with self._cond:
+        self._writer = False
+        self._cond.notify_all()
+
+
+class WeightUpdates:
+  """The added routes and their state: the served weight version, the span bookkeeping, and the
+  hook that runs weight swaps in the scheduler thread between two batches."""
+
+  def __init__(self, weight_version: str):
+    self.weight_version = weight_version
+    self.tokenizer_manager = None
+    self.scheduler = None
+    self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # swaps for the scheduler thread
+    # rid -> [(version before a swap, completion tokens generated before it)], for the spans.
+    self._splits: dict[str, list[tuple[str, int]]] = {}
+    self._gate = None
+
+  # ---- wiring -------------------------------------------------------------------------------
+  def attach(self, tokenizer_manager, scheduler) -> None:
+    """Hooks into the engine once it is built: the generate path (versions, the update gate)
+    and the scheduler loop's request step (swaps run there, between two batches)."""
+    self.tokenizer_manager, self.scheduler = tokenizer_manager, scheduler
+    generate = tokenizer_manager.generate_request
+
+    async def generate_request(obj, request=None):
+      if self._gate is None:
+        self._gate = _Gate()
+      async with self._gate.reader():
+        async for out in generate(obj, request):
+          for item in out if isinstance(out, list) else [out]:
+            self._stamp(item)
+          yield out
+    tokenizer_manager.generate_request = generate_request
+
+    process = scheduler.process_input_requests
+
+    def process_input_requests(recv_reqs):
+      out = process(recv_reqs)  # first: what was received is queued, a pause message applied
+      later = []
+      while True:
+        try:
+          job = self._jobs.get_nowait()
+        except queue.Empty:
+          break
+        if not job():
+          later.append(job)
+      for job in later:
+        self._jobs.put(job)
+      return out
+    scheduler.process_input_requests = process_input_requests  # read by the loop every iteration
+
+  @property
+  def model_runner(self):
+    worker = self.scheduler.tp_worker
+    return getattr(worker, "worker", worker).model_runner
+
+  def _stamp(self, item) -> None:
+    """`weight_version` (the version of the last token) and, for a request split by an update,
+    `weight_versions` spans, in one result's `meta_info`."""
+    meta = item.get("meta_info") if isinstance(item, dict) else None
+    if not isinstance(meta, dict):
+      return
+    finished = meta.get("finish_reason") is not None
+    splits = (self._splits.pop if finished else self._splits.get)(meta.get("id"), None) or []
+    n = meta.get("completion_tokens")
+    n = len(item.get("output_ids") or ()) if n is None else n
+    _trim_logprobs(item, meta)
+    spans, start = [], 0
+    for version, boundary in [*splits, (self.weight_version, n)]:
+      end = min(boundary, n)
+      if spans and spans[-1]["version"] == version:
+        spans[-1]["end"] = max(spans[-1]["end"], end)
+      elif end > start or (not spans and end == n):
+        spans.append({"version": version, "start": start, "end": end})
+      start = max(start, end)
+    meta["weight_version"] = spans[-1]["version"]
+    if len(spans) > 1:
+      meta["weight_versions"] = spans
+
+  # ---- the update -----------------------------------------------------------------------------
+  def _check_config(self, path: str) -> None:
+    """The checkpoint at `path` is the served architecture (a ValueError naming the key otherwise)."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+      raise ValueError(f"{path!r} has no config.json")
+    with open(config_file) as f:
+      new = json.load(f)
+    served = self.model_runner.model_config.hf_config.to_dict()
+    # sglang-jax reads num_experts; transformers 5 writes num_local_experts.
+    for d in (new, served):
+      if "num_local_experts" in d and "num_experts" not in d:
+        d["num_experts"] = d["num_local_experts"]
+    diff = [f"{k} {new.get(k)!r} (served: {served.get(k)!r})" for k in _SAME_MODEL_KEYS
+            if new.get(k) != served.get(k)]
+    if new.get("architectures") != served.get("architectures"):
+      diff.insert(0, f"architectures {new.get('architectures')!r} (served: {served.get('architectures')!r})")
+    if diff:
+      raise ValueError(f"config.json differs from the served model in {'; '.join(diff)}")
+
+  def _load(self, path: str) -> list:
+    """The state leaves of `path` loaded by sglang-jax's own loader on the runner's mesh, in the
+    served model's tree order, checked against the served leaves (ValueError otherwise)."""
+    import jax
+    from flax import nnx
+
+    self._check_config(path)
+    runner = self.model_runner
+    model_config = copy.copy(runner.model_config)  # the loader writes model_path into it
+    model_config.model_path = path
+    model = runner.model_loader.load_model(model_config=model_config)
+    leaves, treedef = jax.tree_util.tree_flatten(nnx.split(model)[1])
+    if treedef != runner._model_state_def:  # noqa: SLF001 - the runner's own record of its tree
+      raise ValueError("the loaded model's parameter tree differs from the served model's")
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.split(model)[1])[0]]
+    out = []
+    for name, new, old in zip(paths, leaves, runner.model_state_leaves):
+      if isinstance(new, jax.ShapeDtypeStruct):
+        if isinstance(old, jax.ShapeDtypeStruct) or old.shape == (0,):  # a placeholder in the served model too
+          out.append(old)
+          continue
+        raise ValueError(f"missing tensor for {name} (shape {tuple(new.shape)}) in {path!r}")
+      if new.shape != old.shape or new.dtype != old.dtype:
+        raise ValueError(f"{name}: loaded {new.dtype}{list(new.shape)}, served {old.dtype}{list(old.shape)}")
+      if getattr(new, "sharding", None) != getattr(old, "sharding", None):
+        new = jax.device_put(new, old.sharding)  # the compiled forward's layout: no recompilation
+      out.append(new)
+    jax.block_until_ready(out)
+    return out
+
+  def _swap(self, leaves: list, version: str | None, flush: bool) -> str:
+    """In the scheduler thread, between two batches: the new leaves in place, the version
+    recorded for the requests in flight (their spans), the prefix cache flushed."""
+    scheduler, runner = self.scheduler, self.model_runner
+    live = {}
+    for batch in (scheduler.running_batch, scheduler.cur_batch):
+      for info in getattr(batch, "reqs_info", None) or ():
+        for req in info.reqs or ():
+          live[req.rid] = len(req.output_ids)
+    for req in scheduler.waiting_queue:
+      live[req.rid] = len(req.output_ids)
+    for rid in list(self.tokenizer_manager.rid_to_state):  # a finished result not yet sent: all old
+      self._splits.setdefault(rid, []).append((self.weight_version, live.get(rid, 1 << 62)))
+    runner.model_state_leaves = leaves
+    if version is not None:
+      self.weight_version = version
+    if not flush:
+      return ""
+    running = sum(len(info.reqs or ()) for info in getattr(scheduler.running_batch, "reqs_info", None) or ())
+    if running:  # paused in place: they keep their KV; every prefix they do not hold goes
+      cache = scheduler.tree_cache
+      if cache is not None and not getattr(cache, "disable", False):
+        from sgl_jax.srt.mem_cache.base_prefix_cache import EvictParams
+        cache.evict(EvictParams(num_tokens=1 << 62, dp_rank=0))
+      return f" {running} requests paused in place keep their cache; the rest of the prefix cache was evicted."
+    # Requests retracted by pause_generation hold no KV (they are prefilled again): set them
+    # aside so that sglang-jax's own flush clears the tree, the pools and the batch state.
+    waiting, scheduler.waiting_queue = scheduler.waiting_queue, []
+    try:
+      ok, message, _ = scheduler.flush_cache()
+    finally:
+      scheduler.waiting_queue = waiting + scheduler.waiting_queue
+    return "" if ok else f" The cache was not flushed: {message}"
+
+  async def update(self, body: dict) -> tuple[bool, str, int]:
+    path = body["model_path"]
+    version = body.get("weight_version")
+    tm = self.tokenizer_manager
+    if body.get("abort_all_requests"):
+      tm.abort_request(abort_all=True)
+    loop = asyncio.get_running_loop()
+    if self._gate is None:
+      self._gate = _Gate()
+    async with contextlib.AsyncExitStack() as stack:
+      if not tm.is_pause:  # SGLang: an update waits for the requests in flight unless paused
+        await stack.enter_async_context(self._gate.writer())
+      t0 = time.perf_counter()
+      try:
+        leaves = await loop.run_in_executor(None, self._load, path)
+      except Exception as e:  # noqa: BLE001 - any failure leaves the old weights serving
+        logger.warning("update_weights_from_disk %s failed: %s", path, e)
+        return False, f"Failed to load weights from {path!r}: {type(e).__name__}: {e}", 0
+      done: concurrent.futures.Future = concurrent.futures.Future()
+
+      def job() -> bool:
+        """False: not yet (a retract / in_place pause not yet applied by the scheduler)."""
+        if tm.is_pause and tm.rid_to_state and not self.scheduler._engine_paused:  # noqa: SLF001
+          return False
+        try:
+          done.set_result(self._swap(leaves, version, bool(body.get("flush_cache", True))))
+        except BaseException as e:  # noqa: BLE001 - reported to the request
+          done.set_exception(e)
+        return True
+      self._jobs.put(job)
+      note = await asyncio.wrap_future(done)
+    tm.model_path = os.path.abspath(path)  # /model_info and /get_model_info, as SGLang
+    message = "Succeeded to update model weights."
+    if version is not None:
+      message += f" Weight version updated to {version}."
+    logger.info("weights from %s in %.2f s, version %s", path, time.perf_counter() - t0, self.weight_version)
+    return True, message + note, 0
+
+  # ---- routes -------------------------------------------------------------------------------------
+  def add_routes(self, app) -> None:
+    from fastapi import Request
+    from fastapi.responses import ORJSONResponse
+
+    def bad_request(message: str):
+      return ORJSONResponse({"object": "error", "message": message, "type": "Bad Request", "param": None,
+                             "code": 400}, status_code=400)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request):
+      try:
+        body = await request.json()
+      except ValueError as e:
+        return bad_request(f"the body is not JSON: {e}")
+      if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
+        return bad_request("model_path: Field required (a string)")
+      if body.get("weight_version") is not None and not isinstance(body["weight_version"], str):
+        return bad_request("weight_version: Input should be a valid string")
+      success, message, paused = await self.update(body)
+      return ORJSONResponse({"success": success, "message": message, "num_paused_requests": paused},
+                            status_code=200 if success else 400)
+
+    async def pause_generation(request: Request):
+      try:
+        body = await request.json()
+      except ValueError:
+        body = {}
+      mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
+      if mode == "retract":
+        return bad_request(RETRACT_REFUSED)
+      from sgl_jax.srt.managers.io_struct import PauseGenerationReqInput
+      await self.tokenizer_manager.pause_generation(PauseGenerationReqInput(mode=mode))
+      return ORJSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+    # Ahead of sglang-jax's own /pause_generation: the same call, minus the mode that loses requests.
+    app.router.add_api_route("/pause_generation", pause_generation, methods=["POST"])
+    app.router.routes.insert(0, app.router.routes.pop())
+
+    @app.get("/model_info")
+    async def model_info():
+      tm = self.tokenizer_manager
+      args = tm.server_args
+      hf = self.model_runner.model_config.hf_config
+      return {"model_path": tm.model_path, "tokenizer_path": args.tokenizer_path,
+              "served_model_name": getattr(args, "served_model_name", None) or tm.model_path,
+              "is_generation": tm.is_generation, "preferred_sampling_params": args.preferred_sampling_params,
+              "weight_version": self.weight_version, "load_format": args.load_format,
+              "has_image_understanding": False, "has_audio_understanding": False,
+              "model_type": getattr(hf, "model_type", None), "architectures": getattr(hf, "architectures", None)}
+
+    @app.get("/get_weight_version")
+    @app.get("/weight_version")
+    async def get_weight_version():
+      return {"weight_version": self.weight_version}
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(add_help=False)
+  parser.add_argument("--weight-version", default="default")  # SGLang's flag; sglang-jax has none
+  ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+
+  from sgl_jax.srt.entrypoints import http_server
+  from sgl_jax.srt.server_args import ServerArgs
+  from sgl_jax.srt.utils import kill_process_tree
+
+  server_args = ServerArgs.from_cli(rest)
+  server_args.enable_single_process = True  # the scheduler in this process: its runner is reachable
+  updates = WeightUpdates(ours.weight_version)
+  launch = http_server._launch_subprocesses_or_threads  # noqa: SLF001
+
+  def launch_and_attach(server_args, port_args=None):
+    tokenizer_manager, template_manager, info = launch(server_args, port_args)
+    updates.attach(tokenizer_manager, info["scheduler"])
+    return tokenizer_manager, template_manager, info
+  http_server._launch_subprocesses_or_threads = launch_and_attach  # noqa: SLF001
+  updates.add_routes(http_server.app)
+  try:
+    http_server.launch(server_args)
+  finally:
+    kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+  main()
