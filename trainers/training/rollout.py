@@ -331,6 +331,22 @@ class SGLangClient:
       except NoRoutedExperts as e:
         raise NoRoutedExperts(f"{url}/generate: {e}") from None
 
+  def check_sampling_masks(self, sampling_params: dict, support_width: int) -> None:
+    """Asks every server for one token with ``return_sampling_mask`` under the run's sampling
+    params; raises :class:`NoSamplingMask` (naming the URL and `rollout.sampling_replay: off`)
+    if one returns no masks, before any step."""
+    params = {**sampling_params, "max_new_tokens": 1}
+    for url in self.urls:
+      body = protocol.generate_body([[0]], params, return_sampling_mask=True)
+      reply = self._request("POST", url, "/generate", body)
+      reply = reply[0] if isinstance(reply, list) and reply else reply
+      try:
+        error, _ = validate_sample(reply, support_width=support_width, prompt_len=1)
+      except NoSamplingMask as e:
+        raise NoSamplingMask(f"{url}/generate: {e}") from None
+      if error is not None:
+        raise NoSamplingMask(f"{url}/generate: malformed reply to a sampling-mask probe: {error}")
+
   # --- generation ----------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], sampling_params: dict, *, n: int = 1,
                seed: int | None = None, support_width: int = 0, routing: RoutingSpec | None = None) -> RolloutResult:

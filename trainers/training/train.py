@@ -557,6 +557,8 @@ class Trainer:
       self._primary(lambda: self.client.wait_until_healthy(attempts=r.health_attempts, backoff_s=r.backoff_s))
       if self.routing_spec is not None:  # a server without routed experts is found before any step
         self._primary(lambda: self.client.check_routed_experts(self.routing_spec))
+      if self.support_width:  # so is one without sampling masks
+        self._primary(lambda: self.client.check_sampling_masks(self.sampling_params(), self.support_width))
       push = self.prepare_servers(resumed=self.step > 0, log=log)
     else:
       push = False
