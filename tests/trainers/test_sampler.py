@@ -133,6 +133,25 @@ def test_no_recompilation_within_a_bucket(sampler):
   assert sampler.num_compiled == before
 
 
+def test_prefill_and_decode_trace_once_per_bucket(tiny_model, monkeypatch):
+  """chex guards the embedded server's program (prefill and the decode loop, one jitted
+  function): requests of other lengths, sampling settings, seeds, stop ids and weights inside one
+  bucket reuse it; a longer prompt is a new bucket and traces once."""
+  import chex
+  from trainers.serving import sampler as sampler_mod
+  monkeypatch.setattr(sampler_mod, "_generate", chex.assert_max_traces(sampler_mod._generate, n=2))
+  fresh = Sampler(tiny_model, max_batch_size=4)
+  for prompt, params in (([1, 2, 3], SamplingOptions(max_new_tokens=5, seed=0)),
+                         ([1] * 15, SamplingOptions(max_new_tokens=16, temperature=0.3, seed=1)),
+                         ([4, 5], SamplingOptions(max_new_tokens=2, top_p=0.5, top_k=4, seed=2, stop_token_ids=(3, 4))),
+                         ([1] * 20, SamplingOptions(max_new_tokens=9, seed=3)),  # prompt bucket 32: the 2nd trace
+                         ([1] * 30, SamplingOptions(max_new_tokens=12, min_p=0.1, seed=4))):
+    fresh.generate([prompt], params)
+  fresh.set_params(nnx.state(CausalLM(TINY, rngs=nnx.Rngs(9))))
+  fresh.generate([[7, 8]], SamplingOptions(max_new_tokens=3, seed=5))
+  assert fresh.num_compiled == 2
+
+
 def test_weight_swap_changes_samples_without_recompiling(sampler):
   params = SamplingOptions(temperature=0.0, max_new_tokens=8, ignore_eos=True)
   before = sampler.generate(PROMPTS[:1], params)[0].output_ids
@@ -222,6 +241,29 @@ def test_sampling_masks_equal_the_support_from_the_logits(sampler, tiny_model, t
       np.testing.assert_allclose(lp, np.log(p[tok] / mass), atol=5e-5)
       np.testing.assert_allclose(support_lp, np.log(p[want] / mass), atol=5e-5)
   _check_against_oracle(tiny_model, PROMPTS, outs, 1.3, atol=5e-5)
+
+
+def test_sampling_masks_when_top_k_reaches_the_vocabulary():
+  """top_k >= vocab is "every token" (how a user asks for top-p or min-p alone, since masks need a
+  finite top_k): the support width is bucketed to 128 but never past the vocabulary, here 96 (not
+  a power of two). top_k 80 is past the largest bucket below 96 (64). Greedy, top-p, min-p and
+  their mixes in one batch, each mask equal to the support from the logits."""
+  model = CausalLM(dataclasses.replace(TINY, vocab_size=96), rngs=nnx.Rngs(3))
+  rows = [(1.2, 96, 1.0, 0.0), (1.2, 96, 0.9, 0.0), (1.2, 96, 1.0, 0.05), (1.2, 80, 0.95, 0.02),
+          (1.2, 500, 1.0, 0.0), (0.0, 96, 1.0, 0.0)]  # temperature, top_k, top_p, min_p
+  params = [SamplingOptions(temperature=t, top_k=k, top_p=p, min_p=m, max_new_tokens=4, seed=i, ignore_eos=True,
+                            sampling_mask=True) for i, (t, k, p, m) in enumerate(rows)]
+  outs = Sampler(model, max_batch_size=8).generate([PROMPTS[0]] * len(rows), params)
+  for c, (t, k, p, m) in zip(outs, rows):
+    logits = sequence_logits(model, PROMPTS[0] + c.output_ids)[len(PROMPTS[0]) - 1:-1]
+    for row, tok, mask, lp in zip(logits, c.output_ids, c.sampling_mask, c.sampling_logprobs):
+      if t == 0.0:
+        assert mask == [tok] and lp == 0.0
+        continue
+      want, probs = numpy_support(row, t, p, k, m)
+      assert mask == want and tok in mask
+      np.testing.assert_allclose(lp, np.log(probs[tok] / probs[want].sum()), atol=5e-5)
+  assert len(outs[0].sampling_mask[0]) == 96  # top_k = vocab, nothing else: the whole vocabulary
 
 
 def test_greedy_mask_is_the_token_with_log_prob_zero(sampler):

@@ -601,6 +601,22 @@ def test_return_sampling_mask(server, api_types, mode):
                                np.concatenate([np.ravel(v) for v in values]), rtol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["selected", "support"])
+def test_sampling_mask_with_top_k_at_or_past_the_vocabulary(server, mode):
+  """top_k = vocab (64) or past it means every token, as in SGLang: top-p alone bounds the support."""
+  for top_k in (64, 100):
+    body = {"input_ids": PROMPT, "return_logprob": True, "return_sampling_mask": True, "sampling_logprobs_mode": mode,
+            "sampling_params": {"max_new_tokens": 3, "temperature": 1.0, "top_k": top_k, "top_p": 0.9,
+                                "ignore_eos": True, "sampling_seed": 1}}
+    out = _post(server, body)
+    meta = out["meta_info"]
+    for tok, mask, value in zip(out["output_ids"], meta["output_token_sampling_mask"],
+                                meta["output_token_sampling_logprobs"]):
+      assert tok in mask and 1 <= len(mask) <= 64
+      if mode == "support":
+        np.testing.assert_allclose(np.logaddexp.reduce(value), 0.0, atol=1e-5)
+
+
 def test_greedy_sampling_mask(server):
   out = _post(server, {"input_ids": PROMPT, "return_sampling_mask": True,
                        "sampling_params": {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}})

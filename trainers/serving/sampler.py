@@ -305,8 +305,9 @@ class Sampler:
       top_p[b], min_p[b], max_new[b] = p.top_p, p.min_p, p.max_new_tokens
       stop[b, :len(stop_ids)] = stop_ids
     masked = [b for b, r in enumerate(rows) if r[3].sampling_mask]
-    # Greedy rows (top_k 1) and finite top-k bound the support; the width is bucketed.
-    mask_width = _bucket(max(int(top_k[b]) for b in masked), 1) if masked else 0
+    # Greedy rows (top_k 1) and finite top-k bound the support; the width is bucketed, and never
+    # past the vocabulary (top_k >= vocab is "every token", as in SGLang).
+    mask_width = min(_bucket(max(int(top_k[b]) for b in masked), 1), self.config.vocab_size) if masked else 0
     routed = any(r[3].routed_experts for r in rows)
     if routed and not self.config.is_moe:
       raise ValueError("routed experts were asked of a dense model")
