@@ -236,3 +236,21 @@ def test_user_correction_function(spec):
     num += float(np.sum(1.5 * np.maximum(-a * ratio, -a * np.clip(ratio, 0.8, 1.2))))
     den += int(kept.sum())
   np.testing.assert_allclose(float(loss), num / den, rtol=1e-5)
+
+
+def test_the_loss_pass_traces_once_for_every_batch_of_a_shape():
+  """chex guards the jitted loss pass (weights, masks, loss, metrics and its gradient): batches of
+  one packed shape with other sequences, lengths, live counts and mismatches reuse one trace."""
+  import chex
+  cfg = loss_cfg("decoupled_ppo", "reference")
+
+  @jax.jit
+  @chex.assert_max_traces(n=1)
+  def step(lp, batch):
+    return jax.value_and_grad(lambda x: mis_jax.policy_loss(x, batch, cfg)[0])(lp), mis_jax.policy_loss(lp, batch, cfg)[1]
+
+  for seed, n_seqs in ((2, 9), (3, 5), (4, 12)):
+    seqs = random_seqs(np.random.default_rng(seed), n_seqs=n_seqs, mismatch=0.1 * seed, with_ref=True)
+    batch, extra, _ = pack(seqs, row_len=16, num_rows=8, num_segments=16)
+    (value, grad), metrics = step(extra["lp"], batch)
+    assert np.isfinite(float(value)) and np.all(np.isfinite(np.asarray(grad)))

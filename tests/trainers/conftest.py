@@ -54,3 +54,51 @@ def sequence_logits(model, seq) -> np.ndarray:
   """Full-forward float32 logits `[len(seq), vocab]`."""
   ids, pos, seg = _padded(seq)
   return np.asarray(_logits(model, ids, pos, seg)[0, :len(seq)])
+
+
+class StepTraces:
+  """Counts the traces of the trainer's jitted step functions (`trainers.training.step._jit`), per
+  input signature (shapes, dtypes and static values): a function must trace once per shape
+  bucket and never again. This is the trace counter where chex cannot reach: the trainer's
+  buckets vary with each step's samples, and `chex.assert_max_traces` bounds a function's total
+  (keyed by its source, so not per bucket)."""
+
+  def __init__(self):
+    self.traces: dict[str, list] = {}  # function name -> the signatures it traced, in order
+    self.calls: dict[str, int] = {}
+
+  def jit(self, fn, **kwargs):
+    import jax
+    name = fn.__name__
+
+    def traced(*args):
+      key = str(jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else x, args))
+      seen = self.traces.setdefault(name, [])
+      assert key not in seen, f"{name} traced again for a signature it had compiled: {key[:300]}"
+      seen.append(key)
+      return fn(*args)
+
+    compiled = jax.jit(traced, **kwargs)
+
+    def call(*args):
+      self.calls[name] = self.calls.get(name, 0) + 1
+      return compiled(*args)
+    return call
+
+  def check(self, *names, reused=("train",)):
+    """Each of `names` traced each signature once; those in `reused` also ran more often than
+    they traced (a compiled program was reused, so the guard was exercised)."""
+    for name in names:
+      sigs = self.traces.get(name, [])
+      assert sigs, f"{name} never traced"
+      assert len(sigs) == len(set(sigs)), f"{name} traced a signature twice"
+      if name in reused:
+        assert self.calls[name] > len(sigs), f"{name}: {self.calls[name]} calls, {len(sigs)} traces"
+
+
+@pytest.fixture
+def step_traces(monkeypatch):
+  from trainers.training import step
+  traces = StepTraces()
+  monkeypatch.setattr(step, "_jit", traces.jit)
+  return traces

@@ -95,7 +95,7 @@ def _cfg(tmp_path, model_path, name, **rollout):
                   train={"steps": 2, "ppo_epochs": 2, "row_len": 16, "tokens_per_micro_batch": 16})
 
 
-def test_r3_with_a_float32_engine_leaves_no_routing_mismatch(moe_server, tmp_path):
+def test_r3_with_a_float32_engine_leaves_no_routing_mismatch(moe_server, tmp_path, step_traces):
   model_path, srv = moe_server
   cfg = _cfg(tmp_path, model_path, "r3", routing_replay="r3", save_dir=str(tmp_path / "records"))
   trainer = train_lib.Trainer(cfg, DECOUPLED, urls=[srv.url])
@@ -106,6 +106,7 @@ def test_r3_with_a_float32_engine_leaves_no_routing_mismatch(moe_server, tmp_pat
   assert all(np.array_equal(a.routed_experts, b.routed_experts) for a, b in zip(again.samples, result.samples))
   history = train_lib.Trainer(cfg, DECOUPLED, urls=[srv.url]).run(progress=False)
   assert [h["step"] for h in history] == [1, 2] and history[0]["micro_batches"] > 1
+  step_traces.check("train", "prepare", "logprobs_routing")  # once per shape bucket (MoE, R3)
   for h in history:
     assert h["routing_mismatch_frac"] == 0 and h["routing_mismatch_token_frac"] == 0
     assert h["routing_mismatch_layer/0"] == 0 and h["routing_positions"] > 0

@@ -181,7 +181,7 @@ def test_configs_that_cannot_replay_are_errors(sets, needle, tmp_path, capsys):
   assert not run_dir.exists()
 
 
-def test_replay_with_asynchronous_rollouts(f32_server, tmp_path):
+def test_replay_with_asynchronous_rollouts(f32_server, tmp_path, step_traces):
   """Async producer (max_staleness 1): samples one version old are trained with their own
   supports; the masks survive the JSON broadcast that feeds other trainer processes."""
   model_path, srv = f32_server
@@ -197,6 +197,7 @@ def test_replay_with_asynchronous_rollouts(f32_server, tmp_path):
   assert again.samples == result.samples
   history = trainer.run(progress=False)
   assert [h["step"] for h in history] == [1, 2] and all(h["sampling_replay"] == 1.0 for h in history)
+  step_traces.check("train", "prepare", "logprobs", reused=())  # once per shape bucket, supports included
   assert history[0]["mis_k3_kl"] < 1e-9 and abs(history[0]["sampling_ratio_mean_replay"] - 1) < 1e-5
   assert all(np.isfinite(h["loss"]) for h in history)
 

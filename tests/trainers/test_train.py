@@ -61,7 +61,7 @@ def server(tmp_path_factory):
 
 
 @pytest.mark.parametrize("algo", ALGORITHMS)
-def test_end_to_end_each_algorithm(algo, server, tmp_path):
+def test_end_to_end_each_algorithm(algo, server, tmp_path, step_traces):
   loss_cfg = mis_jax.LossConfig(**ALGORITHMS[algo])
   trainer = train_lib.Trainer(make_cfg(tmp_path), loss_cfg, urls=[server.url])
   if not loss_cfg.needs_old_logprobs:
@@ -71,6 +71,8 @@ def test_end_to_end_each_algorithm(algo, server, tmp_path):
   history = trainer.run(progress=False)
   assert [h["step"] for h in history] == [1, 2, 3]
   assert trainer.num_old_logprob_passes == (3 if loss_cfg.needs_old_logprobs else 0)
+  # The step, the loss pass and the old-log-prob pass trace once per shape bucket, never again.
+  step_traces.check("train", "prepare", *(["logprobs"] if loss_cfg.needs_old_logprobs else []))
   for h in history:
     assert np.isfinite(h["loss"]) and np.isfinite(h["grad_norm"]) and h["num_samples"] == 16
     assert {"mis_kl", "mis_k3_kl", "train_rollout_logprob_abs_diff", "reward_mean", "tokens_per_s"} <= set(h)

@@ -157,6 +157,11 @@ def combine_metrics(stacked: dict, weights: dict) -> dict:
   return out
 
 
+def _jit(fn, **kwargs):
+  """`jax.jit`, the one place the step functions are compiled (the tests wrap it to count traces)."""
+  return jax.jit(fn, **kwargs)
+
+
 class StepFunctions:
   """The jitted step functions of one (model, loss, optimiser, mesh) setup; see the module doc."""
 
@@ -224,11 +229,13 @@ class StepFunctions:
         params = optax.apply_updates(params, updates)
       return params, opt_state, metrics
 
-    self.logprobs = jax.jit(logprobs, out_shardings=batch_sh)
-    self.logprobs_routing = jax.jit(logprobs_routing, out_shardings=(batch_sh, parallel.batch_sharding(mesh, 5)))
-    self.prepare = jax.jit(lambda batch: mis_jax.prepare_step(batch, loss_cfg))
-    self.train = jax.jit(train, donate_argnums=(0, 1),
-                         out_shardings=(param_shardings, opt_shardings, replicated))
+    self.logprobs = _jit(logprobs, out_shardings=batch_sh)
+    self.logprobs_routing = _jit(logprobs_routing, out_shardings=(batch_sh, parallel.batch_sharding(mesh, 5)))
+    def prepare(batch):
+      return mis_jax.prepare_step(batch, loss_cfg)
+
+    self.prepare = _jit(prepare)
+    self.train = _jit(train, donate_argnums=(0, 1), out_shardings=(param_shardings, opt_shardings, replicated))
     self.init_opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)
 
 
