@@ -42,6 +42,7 @@ ROUTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_jax_ro
 CPU_DEFAULTS = {
     "--device": "cpu", "--attention-backend": "native", "--grammar-backend": "none", "--random-seed": "0",
     "--max-total-tokens": "4096", "--max-running-requests": "64", "--mem-fraction-static": "0.05",
+    "--watchdog-timeout": "3600",  # its default 300 s: a CPU's first compile of a 28-layer model takes longer
 }
 CPU_SWITCHES = ("--disable-precompile", "--skip-server-warmup", "--disable-overlap-schedule",
                 "--enable-deterministic-sampling")
@@ -271,3 +272,26 @@ def serve(args, extra: tuple[str, ...]) -> int:
               file=sys.stderr)
         return 1
   return 0
+
+
+TUNIX = "google-tunix==0.1.7"  # shares the venv with sglang-jax (tunix resolves with its flax 0.12.4)
+
+
+def main(argv: list[str] | None = None) -> int:
+  """`python -m trainers.serving.sglang_jax --prepare [--tunix]`: creates the sglang-jax venv (and
+  installs tunix 0.1.7 into it) when missing, prints its interpreter; `make test` runs it first."""
+  import argparse
+  parser = argparse.ArgumentParser(prog="python -m trainers.serving.sglang_jax", description=main.__doc__)
+  parser.add_argument("--prepare", action="store_true", required=True)
+  parser.add_argument("--tunix", action="store_true", help=f"also {TUNIX} (the tunix + sglang-jax path)")
+  args = parser.parse_args(argv)
+  try:
+    print(venv_python(extra=(TUNIX,) if args.tunix else ()))
+  except EngineUnavailable as e:
+    print(f"sglang-jax: {e}", file=sys.stderr)
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -34,6 +34,7 @@ import logging
 import os
 import queue
 import sys
+import threading
 import time
 
 logger = logging.getLogger("mis_jax.sglang_jax_routes")
@@ -120,6 +121,10 @@ class WeightUpdates:
     """Hooks into the engine once it is built: the generate path (versions, the update gate)
     and the scheduler loop's request step (swaps run there, between two batches)."""
     self.tokenizer_manager, self.scheduler = tokenizer_manager, scheduler
+    # Its watchdog (a batch stuck past --watchdog-timeout) sends SIGQUIT to the scheduler's parent
+    # process: in single-process mode that is whoever launched the engine (a trainer, a test).
+    # The engine's own process handles SIGQUIT by stopping itself: aim there.
+    scheduler.parent_process = type(scheduler.parent_process)(os.getpid())
     generate = tokenizer_manager.generate_request
 
     async def generate_request(obj, request=None):
@@ -355,6 +360,18 @@ class WeightUpdates:
       return {"weight_version": self.weight_version}
 
 
+def _stop_with_parent(kill_process_tree) -> None:
+  """The engine never outlives what started it: once its parent is gone (this process was
+  re-parented), it stops itself, whatever killed the parent (a SIGKILL leaves no time to clean up)."""
+  parent = os.getppid()
+
+  def watch():
+    while os.getppid() == parent:
+      time.sleep(1.0)
+    kill_process_tree(os.getpid(), include_parent=True)
+  threading.Thread(target=watch, daemon=True, name="mis-jax-parent-watch").start()
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(add_help=False)
   parser.add_argument("--weight-version", default="default")  # SGLang's flag; sglang-jax has none
@@ -364,6 +381,7 @@ def main(argv: list[str] | None = None) -> None:
   from sgl_jax.srt.server_args import ServerArgs
   from sgl_jax.srt.utils import kill_process_tree
 
+  _stop_with_parent(kill_process_tree)
   server_args = ServerArgs.from_cli(rest)
   server_args.enable_single_process = True  # the scheduler in this process: its runner is reachable
   updates = WeightUpdates(ours.weight_version)
