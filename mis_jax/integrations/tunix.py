@@ -310,8 +310,9 @@ def rollout_logprobs(output, completion_ids, *, engine: str = "rollout") -> np.n
   the engine returned none, ValueError naming the sample on any misalignment.
   """
   if output is None or output.logprobs is None:
-    hint = ("tunix 0.1.7's sglang_jax rollout never returns them; use rollout_engine='vanilla' "
-            "or 'vllm'" if engine == "sglang_jax" else
+    hint = ("tunix 0.1.7's sglang_jax rollout never returns them; use rollout_engine="
+            "mis_jax.integrations.tunix_sglang_jax.SglangJaxRollout (the same engine, its log-probs "
+            "kept), 'vanilla' or 'vllm'" if engine == "sglang_jax" else
             "the engine must honour RolloutConfig.return_logprobs=True (tunix's vanilla and vllm "
             "engines do)")
     raise MissingRolloutLogprobs(

@@ -311,3 +311,34 @@ def test_the_example_runs_and_shows_the_bf16_sampler_mismatch(capsys):
   assert len(history["mis_k3_kl"]) == 1
   assert history["train_rollout_logprob_abs_diff"][0] > 1e-4  # bfloat16 engine vs float32 trainer
   assert "mis_kept_token_fraction" in capsys.readouterr().out
+
+
+def test_tunix_grpo_with_sglang_jax_and_its_logprobs(tmp_path):
+  """tunix 0.1.7 and sglang-jax 0.1.0rc0 share sglang-jax's venv (Python >= 3.12): the example's
+  GRPO samples with sglang-jax in process (`tunix_sglang_jax.SglangJaxRollout`), tunix swaps the
+  weights into its model runner after every step, and MISGRPOLearner trains with the engine's
+  own log-probs (`make example-tunix-sglang-jax`)."""
+  import json
+  import os
+  import subprocess
+
+  from trainers.serving import sglang_jax
+  try:
+    python = sglang_jax.venv_python(extra=(sglang_jax.TUNIX,))
+  except sglang_jax.EngineUnavailable as e:
+    if os.environ.get("CI") == "true":
+      pytest.fail(f"sglang-jax + tunix must run in CI: {e}")
+    pytest.skip(str(e))
+  out = tmp_path / "history.json"
+  env = {**sglang_jax.engine_env(), "PYTHONPATH": str(EXAMPLE.parents[1])}
+  done = subprocess.run([python, str(EXAMPLE), "--sglang-jax", "--steps", "2", "--json", str(out),
+                         "--workdir", str(tmp_path / "engine"), "--mis", str(EXAMPLE.parents[1] / "configs" / "mis.yaml")],
+                        env=env, capture_output=True, text=True, timeout=900, cwd=EXAMPLE.parents[1])
+  assert done.returncode == 0, done.stderr[-3000:]
+  history = json.loads(out.read_text())
+  assert history["sampler"] == "sglang-jax" and len(history["mis_k3_kl"]) == 2
+  # The engine's log-probs reached the loss: finite, and not the trainer's own (tunix's Qwen3
+  # and sglang-jax's compute different log-probs from the same float32 weights).
+  diffs = history["train_rollout_logprob_abs_diff"]
+  assert all(np.isfinite(diffs)) and all(d > 1e-3 for d in diffs), diffs
+  assert all(0 < k <= 1 for k in history["mis_kept_token_fraction"])
