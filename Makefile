@@ -1,10 +1,13 @@
 # Every target creates/reuses the local virtual environment .venv; nothing is installed by hand.
+# One venv, extended as needed: `make demo` installs what the demo runs (the trainer and the
+# embedded server), the other targets everything (the tests, tunix, the docs tools, torch).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: venv test test-all test-fast demo docs example-tunix bench bench-memory bench-replay clean
+.PHONY: venv engine test test-all test-fast demo docs example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -12,19 +15,29 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[all,tunix,docs,test]'
 	touch $(STAMP)
 
+$(DEMO_STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -f $(STAMP) -a $(STAMP) -nt pyproject.toml || $(PY) -m pip install -q -e '.[train,serve]'
+	touch $(DEMO_STAMP)
+
 venv: $(STAMP)
 
+# sglang-jax's own venv (Python >= 3.12, ~/.cache/mis_jax; tunix installed beside it), created once:
+# the real-engine tests need it, and a missing one fails here, before the suite.
+engine: $(STAMP)
+	$(PY) -m trainers.serving.sglang_jax --prepare --tunix
+
 # Two workers (the CI machine has 2 cores); whole files per worker keep module fixtures (servers) shared.
-test: $(STAMP)
+test: $(STAMP) engine
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not multihost" tests
 
-test-all: $(STAMP)  ## everything, the 2-process trainer run included
+test-all: $(STAMP) engine  ## everything, the 2-process trainer run included
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
 
-demo: $(STAMP)  ## the trainer on the embedded server (toy task); a fresh run dir each time
+demo: $(DEMO_STAMP)  ## the trainer on the embedded server (toy task); a fresh run dir each time
 	$(PY) -m trainers.cli train --config configs/demo.yaml --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
 docs: $(STAMP)  ## the docs site into site/, strict: a broken link, anchor or docstring fails the build
@@ -32,6 +45,10 @@ docs: $(STAMP)  ## the docs site into site/, strict: a broken link, anchor or do
 
 example-tunix: $(STAMP)  ## tunix GRPO with mis_jax's correction on a tiny Qwen3 (examples/tunix_grpo_mis.py)
 	$(PY) examples/tunix_grpo_mis.py --steps 8 --mis configs/mis.yaml
+
+example-tunix-sglang-jax: $(STAMP) engine  ## the same with sglang-jax as tunix's sampler, its log-probs kept (its venv)
+	PYTHONPATH=. JAX_PLATFORMS=cpu $$($(PY) -m trainers.serving.sglang_jax --prepare --tunix) examples/tunix_grpo_mis.py \
+	    --sglang-jax --steps 8 --mis configs/mis.yaml
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
@@ -41,6 +58,9 @@ bench-memory: $(STAMP)  ## compiled per-device memory of the training step, 8 si
 
 bench-replay: $(STAMP)  ## truncated sampling vs sampling-mask replay on the embedded server (the table in docs/guides/trainer.md)
 	$(PY) -m benchmarks.sampling_replay
+
+bench-engines: $(STAMP) engine  ## sglang-jax vs mis-jax serve: tokens/s and weight-sync time (docs/performance.md)
+	$(PY) -m benchmarks.engines
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -46,8 +46,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # files to the two workers in collection order, so a long file collected last would leave one
 # worker running it alone at the end. Within a file, and among the rest, the order is unchanged.
 LONGEST_FIRST = ("trainers/test_step.py", "trainers/test_moe_model.py", "trainers/test_moe_train.py",
-                 "trainers/test_sampling_replay.py", "trainers/test_sglang_jax.py", "trainers/test_train.py",
-                 "integrations/test_tunix.py", "test_notebooks.py", "trainers/test_rollout_records.py",
+                 "trainers/test_sampling_replay.py", "integrations/test_tunix.py", "trainers/test_sglang_jax.py",
+                 "trainers/test_train.py", "test_notebooks.py", "trainers/test_rollout_records.py",
                  "trainers/test_experiment.py")
 
 
