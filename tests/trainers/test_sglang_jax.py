@@ -226,9 +226,9 @@ def test_routing_replay_r3_with_a_push_every_step(tmp_path):
   with start(path, tmp_path, dtype="float32", enable_return_routed_experts=True) as server:
     cfg = make_cfg(tmp_path, "r3", model={"path": path},
                    rollout={"server_dtype": "float32", "max_new_tokens": 4, "sync_every": 1, "routing_replay": "r3"},
-                   train={"steps": 3, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 3})
+                   train={"steps": 5, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 5})
     history = train_lib.Trainer(cfg, LOSS, urls=[server.url]).run(progress=False)
-  assert [h["server_weight_version"] for h in history] == ["0", "1", "2"]
+  assert [h["server_weight_version"] for h in history] == ["0", "1", "2", "3", "4"]
   for h in history:
     assert h["routing_positions"] > 0 and h["routing_mismatch_frac"] == 0, h
     assert h["mis_k3_kl"] < 1e-6 and h["train_rollout_logprob_abs_diff"] < 1e-4, h
