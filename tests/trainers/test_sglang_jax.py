@@ -94,7 +94,6 @@ def test_the_trainer_pushes_its_weights_after_every_step(real_server, checkpoint
   info = httpx.get(real_server + "/model_info").json()
   assert info["weight_version"] == "10" and info["model_path"] == os.path.join(cfg.run_dir, "weights", "step_10")
   assert history[-1]["reward_mean"] != history[0]["reward_mean"]  # it trained (and the engine followed)
-  print([f"{h['mis_k3_kl']:.1e}" for h in history])
 
 
 def test_an_update_serves_exactly_the_new_weights(real_server, checkpoints):
