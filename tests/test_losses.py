@@ -247,10 +247,10 @@ def test_the_loss_pass_traces_once_for_every_batch_of_a_shape():
   @jax.jit
   @chex.assert_max_traces(n=1)
   def step(lp, batch):
-    return jax.value_and_grad(lambda x: mis_jax.policy_loss(x, batch, cfg)[0])(lp), mis_jax.policy_loss(lp, batch, cfg)[1]
+    return jax.value_and_grad(lambda x: mis_jax.policy_loss(x, batch, cfg), has_aux=True)(lp)
 
   for seed, n_seqs in ((2, 9), (3, 5), (4, 12)):
     seqs = random_seqs(np.random.default_rng(seed), n_seqs=n_seqs, mismatch=0.1 * seed, with_ref=True)
     batch, extra, _ = pack(seqs, row_len=16, num_rows=8, num_segments=16)
-    (value, grad), metrics = step(extra["lp"], batch)
+    (value, metrics), grad = step(extra["lp"], batch)
     assert np.isfinite(float(value)) and np.all(np.isfinite(np.asarray(grad)))

@@ -63,6 +63,8 @@ class SglangJaxRollout(sglang_jax_rollout.SglangJaxRollout):
   included, is tunix's own.
   """
 
+  # tunix builds a custom rollout with `rollout_actor=...` by keyword; the parent names that
+  # argument differently, so this signature is tunix's contract, not a redundant override.
   def __init__(self, rollout_actor, tokenizer, mesh, rollout_config: base_rollout.RolloutConfig):
     super().__init__(rollout_actor, tokenizer, mesh, rollout_config)
 
