@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import signal
 import sys
 
 
@@ -88,13 +90,14 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 
 
 def resolve_train_config(args):
-  """`(TrainConfig, LossConfig, task)` from the parsed flags: YAML < --set < dedicated flags, every
-  value typed and range-checked, then the checks across keys and against the machine (paths,
-  URLs, the mesh, the task) — all before anything starts. Raises `ConfigError`."""
+  """`(TrainConfig, task)` from the parsed flags: YAML < --set < dedicated flags, every value typed
+  and range-checked (the loss flags over the config's `loss` section, a contradiction an error),
+  then the checks across keys and against the machine (paths, URLs, the mesh, the task) — all
+  before anything starts. Raises `ConfigError`."""
   import mis_jax
   from mis_jax import load_yaml
+  from trainers.training import checks
   from trainers.training import config as config_lib
-  from trainers.training import train
 
   raw = load_yaml(args.config, "trainer config") or {}
   if not isinstance(raw, dict):
@@ -113,11 +116,16 @@ def resolve_train_config(args):
       raise mis_jax.ConfigError(f"{flag} {value} contradicts --set {explicit[path]}; remove one of them")
     config_lib.assign(raw, path, value)
     origins[path] = f"{flag} {value}"
+  raw_loss = raw.pop("loss", None) or {}
   cfg = config_lib.TrainConfig.from_dict(raw, source=args.config, origins=origins)
-  loss_cfg = mis_jax.loss_config_from_args(args, base=cfg.loss)
+  if not isinstance(raw_loss, dict):
+    raise mis_jax.ConfigError(f"{args.config}: loss must be a mapping of keys, got {type(raw_loss).__name__} "
+                              f"{raw_loss!r}")
+  # The loss flags over the config's loss section: a flag that contradicts it is an error naming both.
+  cfg = cfg.replace(loss=mis_jax.loss_config_from_args(args, base=raw_loss))
   for url in args.sglang_url:
-    train.check_url(url)
-  return cfg, loss_cfg, train.check_config(cfg, loss_cfg)
+    checks.check_url(url)
+  return cfg, checks.check_config(cfg)
 
 
 def _train(argv: list[str] | None = None) -> int:
@@ -126,7 +134,7 @@ def _train(argv: list[str] | None = None) -> int:
   import jax
 
   import mis_jax
-  from trainers.training import distributed, train
+  from trainers.training import checks, distributed, train
   from trainers.models.attention import resolve_attention_backend
   from trainers.training.rollout import ServerError
   from trainers.serving.server import EmbeddedServer
@@ -140,15 +148,15 @@ def _train(argv: list[str] | None = None) -> int:
   distributed.initialize(settings, heartbeat_timeout_s=args.heartbeat_timeout)  # before any device is used
   primary = distributed.is_primary()
   try:
-    cfg, loss_cfg, task = resolve_train_config(args)
-    mesh = train.check_parallel(cfg)  # an invalid mesh is an error before any server starts
+    cfg, task = resolve_train_config(args)
+    mesh = checks.check_parallel(cfg)  # an invalid mesh is an error before any server starts
   except mis_jax.ConfigError as e:
     print(f"mis-jax train: {e}", file=sys.stderr)
     return 2
 
   attention, reason = resolve_attention_backend(cfg.model.attention)
   say = print if primary else (lambda *a, **k: None)
-  say(f"algorithm: {loss_cfg.algorithm} (correction: {loss_cfg.correction}); run dir: {os.path.abspath(cfg.run_dir)}")
+  say(f"algorithm: {cfg.loss.algorithm} (correction: {cfg.loss.correction}); run dir: {os.path.abspath(cfg.run_dir)}")
   say(f"mesh: {dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} device(s) in "
       f"{jax.process_count()} process(es); model {cfg.model.dtype} compute, {cfg.model.param_dtype} weights, "
       f"attention {attention}{f' ({reason})' if reason else ''}, remat {cfg.model.remat}")
@@ -157,16 +165,16 @@ def _train(argv: list[str] | None = None) -> int:
     say(f"asynchronous rollouts: samples at most {cfg.rollout.max_staleness} weight version(s) old, "
         f"servers paused with {cfg.rollout.pause_mode!r} during a sync")
   try:
-    if args.sglang_url or not primary or cfg.rollout.load_dir:  # only process 0 talks to (and starts) a server
-      trainer = train.Trainer(cfg, loss_cfg, urls=args.sglang_url, task=task)
-      history = trainer.run(resume=args.resume, progress=not args.no_progress, log=say)
-    else:
-      with EmbeddedServer(train.initial_weights_dir(cfg), dtype=cfg.rollout.server_dtype, seed=cfg.seed,
-                          quantize=cfg.rollout.server_quantize,
-                          extra_args=("--enable-return-routed-experts", "--weight-version", "0")) as server:
+    with contextlib.ExitStack() as running:  # the embedded server stops however the run ends
+      urls = args.sglang_url
+      if not urls and primary and not cfg.rollout.load_dir:  # only process 0 talks to (and starts) a server
+        server = running.enter_context(EmbeddedServer(
+            train.initial_weights_dir(cfg), dtype=cfg.rollout.server_dtype, seed=cfg.seed,
+            quantize=cfg.rollout.server_quantize, extra_args=("--enable-return-routed-experts", "--weight-version", "0")))
         print(f"embedded SGLang-protocol server on {server.url} ({cfg.rollout.server_dtype})")
-        trainer = train.Trainer(cfg, loss_cfg, urls=[server.url], task=task)
-        history = trainer.run(resume=args.resume, progress=not args.no_progress)
+        urls = [server.url]
+      trainer = train.Trainer(cfg, urls=urls, task=task)
+      history = trainer.run(resume=args.resume, progress=not args.no_progress, log=say)
   except mis_jax.ConfigError as e:
     print(f"mis-jax train: {e}", file=sys.stderr)
     return 2
@@ -175,6 +183,11 @@ def _train(argv: list[str] | None = None) -> int:
     return 1
   if primary:
     train.print_summary(history, cfg)
+  if trainer.preempted:  # a clean stop on SIGTERM / SIGINT: status 0, and --resume continues
+    got = trainer.preemption.signal
+    what = f"checkpoint of step {trainer.step} saved" if trainer.step else "nothing trained yet"
+    say(f"\nmis-jax train: preempted by {signal.Signals(got).name if got else 'another process'} after step "
+        f"{trainer.step}: {what}; --resume continues from it")
   return 0
 
 

@@ -109,12 +109,13 @@ def test_run_dir_flag_against_an_explicit_set(tmp_path, capsys):
 def test_agreeing_flags_and_overrides_of_the_file_are_fine():
   args = cli.train_parser().parse_args(["--eps-clip", "0.2", "--steps", "7", "--set", "loss.eps_clip=0.2",
                                         "--set", "train.steps=7"])
-  cfg, loss_cfg, _ = cli.resolve_train_config(args)
+  cfg, _ = cli.resolve_train_config(args)
+  loss_cfg = cfg.loss
   assert cfg.train.steps == 7 and loss_cfg.eps_clip == 0.2
-  cfg, _, _ = cli.resolve_train_config(cli.train_parser().parse_args(["--steps", "9"]))  # the file says 150
+  cfg, _ = cli.resolve_train_config(cli.train_parser().parse_args(["--steps", "9"]))  # the file says 150
   assert cfg.train.steps == 9
   # YAML 1.1 reads 1e-3 as a string: still a number; an integral float is an int.
-  cfg, _, _ = cli.resolve_train_config(cli.train_parser().parse_args(["--set", "train.learning_rate=1e-3",
+  cfg, _ = cli.resolve_train_config(cli.train_parser().parse_args(["--set", "train.learning_rate=1e-3",
                                                                    "--set", "train.row_len=128.0"]))
   assert cfg.train.learning_rate == 1e-3 and cfg.train.row_len == 128 and isinstance(cfg.train.row_len, int)
 
@@ -151,10 +152,10 @@ def test_paths_urls_and_cross_key_checks(tmp_path, capsys):
 
 def test_few_sequences_for_many_devices_is_a_warning():
   args = cli.train_parser().parse_args(["--set", "rollout.prompts_per_step=1", "--set", "rollout.n=2"])
-  cfg, _, _ = cli.resolve_train_config(args)
-  from trainers.training import train
+  cfg, _ = cli.resolve_train_config(args)
+  from trainers.training import checks
   with pytest.warns(UserWarning, match="2 sequences for 8 batch devices"):
-    train.check_parallel(cfg)
+    checks.check_parallel(cfg)
 
 
 @pytest.fixture(scope="module")

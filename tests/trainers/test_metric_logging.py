@@ -62,11 +62,11 @@ def test_wandb_when_asked(tmp_path, monkeypatch):
 
 def test_wandb_missing_is_a_config_error(tmp_path, monkeypatch):
   import importlib.util
-  from trainers.training import train as train_lib
+  from trainers.training import checks
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
   with pytest.raises(mis_jax.ConfigError, match="logging.wandb is true but wandb is not installed"):
-    train_lib.check_config(make_cfg(tmp_path, logging={"wandb": True}), mis_jax.LossConfig())
+    checks.check_config(make_cfg(tmp_path, logging={"wandb": True}))
 
 
 def test_tensorboard_writer_needs_no_pytorch(tmp_path):

@@ -17,7 +17,7 @@ from trainers import cli
 from trainers.models import PRESETS, init_checkpoint, load_hf_checkpoint
 from trainers.serving import protocol
 from trainers.serving.server import EmbeddedServer
-from trainers.training import train as train_lib
+from trainers.training import checks, train as train_lib
 from trainers.training.rollout import NoRoutedExperts, RoutingSpec, ServerError, validate_sample
 
 MOE = PRESETS["tiny-qwen3-moe"]
@@ -99,7 +99,7 @@ def test_r3_with_a_float32_engine_leaves_no_routing_mismatch(moe_server, tmp_pat
   model_path, srv = moe_server
   cfg = _cfg(tmp_path, model_path, "r3", routing_replay="r3", save_dir=str(tmp_path / "records"))
   trainer = train_lib.Trainer(cfg, DECOUPLED, urls=[srv.url])
-  result = trainer.generate(0)
+  result = trainer.servers.generate([p.ids for p in trainer.prompts(0)], 0)
   s = result.samples[0]
   assert s.routed_experts.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, 2, 2)
   again = type(result).from_json(json.loads(json.dumps(result.to_json())))  # the multi-process broadcast
@@ -178,9 +178,9 @@ def test_routed_experts_that_do_not_fit_the_model_stop_the_run():
 def test_shipped_moe_config():
   from trainers.training.config import TrainConfig
   cfg = TrainConfig.from_yaml("configs/moe_r3.yaml")
-  train_lib.check_config(cfg, mis_jax.loss_config_from_args({}, base=cfg.loss))
+  checks.check_config(cfg)
   assert PRESETS[cfg.model.preset].is_moe and cfg.rollout.routing_replay == "r3"
-  assert train_lib.routing_setup(cfg.rollout, PRESETS[cfg.model.preset])[1] == RoutingSpec(2, 2, 8)
+  assert checks.routing_setup(cfg.rollout, PRESETS[cfg.model.preset])[1] == RoutingSpec(2, 2, 8)
 
 
 @pytest.mark.parametrize("algo", ["bypass_ppo", "reinforce_is"])

@@ -14,7 +14,7 @@ import pytest
 import mis_jax
 from fake_sglang import FakeSGLang
 from trainers import cli
-from trainers.training import train as train_lib
+from trainers.training import checks, train as train_lib
 from trainers.models import init_checkpoint
 from trainers.training.rollout import ServerError
 from trainers.serving.server import EmbeddedServer
@@ -191,7 +191,7 @@ def test_replay_with_asynchronous_rollouts(f32_server, tmp_path, step_traces):
                  train={"steps": 2, "ppo_epochs": 1, "row_len": 16})
   loss_cfg = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(use_rs=True, tis_mode="mask"))
   trainer = train_lib.Trainer(cfg, loss_cfg, urls=[srv.url])
-  result = trainer.generate(0)
+  result = trainer.servers.generate([p.ids for p in trainer.prompts(0)], 0)
   assert all(s.sampling_mask is not None and len(s.sampling_mask) == len(s.response_ids) for s in result.samples)
   again = type(result).from_json(json.loads(json.dumps(result.to_json())))
   assert again.samples == result.samples
@@ -205,4 +205,4 @@ def test_replay_with_asynchronous_rollouts(f32_server, tmp_path, step_traces):
 def test_shipped_sampling_replay_config():
   from trainers.training.config import TrainConfig
   cfg = TrainConfig.from_yaml("configs/sampling_replay.yaml")
-  assert cfg.rollout.sampling_replay == "on" and train_lib.sampling_replay_width(cfg.rollout) == 20
+  assert cfg.rollout.sampling_replay == "on" and checks.sampling_replay_width(cfg.rollout) == 20

@@ -17,7 +17,7 @@ import mis_jax
 from fake_sglang import FakeSGLang
 from helpers import cpu_process_env, free_port
 from test_train import ALGORITHMS, BASE, embedded_server, make_cfg
-from trainers.training import train as train_lib
+from trainers.training import checks, train as train_lib
 from trainers.models import PRESETS, CausalLM, hf_state_dict, load_hf_checkpoint, read_hf_tensors
 from trainers.training.weight_sync import save_hf_sharded
 from trainers.training.rollout import SGLangClient
@@ -260,14 +260,14 @@ def test_bad_process_flags_are_one_line_errors(flags, fragment, capsys):
 
 def test_async_config_rules(tmp_path):
   with pytest.raises(mis_jax.ConfigError, match="rollout.max_staleness 1 with rollout.sync_every 2"):
-    train_lib.check_config(make_cfg(tmp_path, rollout={"max_staleness": 1, "sync_every": 2},
-                                    checkpoint={"every": 2}), DECOUPLED)
+    checks.check_config(make_cfg(tmp_path, rollout={"max_staleness": 1, "sync_every": 2},
+                                 checkpoint={"every": 2}))
   with pytest.warns(UserWarning, match="only decoupled PPO .* corrects for stale rollouts"):
-    train_lib.check_config(make_cfg(tmp_path, rollout={"max_staleness": 1}), mis_jax.LossConfig())
+    checks.check_config(make_cfg(tmp_path, rollout={"max_staleness": 1}))
   from trainers.training.config import TrainConfig
   cfg = TrainConfig.from_yaml("configs/async.yaml")
   assert (cfg.rollout.max_staleness, cfg.rollout.pause_mode) == (1, "retract")
-  assert mis_jax.loss_config_from_args({}, base=cfg.loss).algorithm == "decoupled_ppo"
+  assert cfg.loss.algorithm == "decoupled_ppo"
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from fake_sglang import FakeSGLang
 from test_train import make_cfg
 from trainers.models import init_checkpoint
 from trainers.serving.server import EmbeddedServer
-from trainers.training import train as train_lib
+from trainers.training import servers as servers_lib, train as train_lib
 
 DECOUPLED = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(use_rs=True, tis_mode="mask"))
 
@@ -56,7 +56,7 @@ def test_auto_skips_the_first_push_only_when_the_server_serves_the_starting_weig
     (h,) = trainer.run(progress=False)
     assert _pushes(proxy) == ["/update_weights_from_disk"]  # the route probe only (an empty, rejected body)
     assert h["server_weight_version"] == "0" and h["mis_k3_kl"] < 1e-9  # the server's own load of model.path
-    assert trainer.weight_dtype == "float32"  # what the server reports in /server_info
+    assert trainer.servers.weight_dtype == "float32"  # what the server reports in /server_info
     proxy.requests.clear()
     train_lib.Trainer(_cfg(tmp_path, path, "always", steps=1, sync_every=5, initial_sync="always"), DECOUPLED,
                       urls=[proxy.url]).run(progress=False)
@@ -142,10 +142,11 @@ def test_the_sanity_check_stops_a_server_that_shifts_log_probs_by_one_token(star
 def test_mismatch_limits_by_dtype_pair(start, tmp_path):
   path, srv = start
   trainer = train_lib.Trainer(_cfg(tmp_path, path, "limits"), DECOUPLED, urls=[srv.url])
-  trainer.server_dtype, trainer.server_quantized, trainer.weight_dtype = "float32", False, "float32"
-  assert trainer.mismatch_limits()[:2] == train_lib.MISMATCH_LIMITS["float32"]
-  trainer.server_dtype = "bfloat16"
-  assert trainer.mismatch_limits() == (*train_lib.MISMATCH_LIMITS["low"], "server bfloat16, trainer float32")
+  servers = trainer.servers
+  servers.server_dtype, servers.server_quantized, servers.weight_dtype = "float32", False, "float32"
+  assert servers.mismatch_limits()[:2] == servers_lib.MISMATCH_LIMITS["float32"]
+  servers.server_dtype = "bfloat16"
+  assert servers.mismatch_limits() == (*servers_lib.MISMATCH_LIMITS["low"], "server bfloat16, trainer float32")
   # Measured mismatches sit well inside, garbled ones far outside (docs/guides/trainer.md: the sanity check).
-  low_abs, low_k3 = train_lib.MISMATCH_LIMITS["low"]
+  low_abs, low_k3 = servers_lib.MISMATCH_LIMITS["low"]
   assert 6e-2 * 4 <= low_abs < 1.78 and 4.3e-3 * 20 < low_k3 < 1.23

@@ -26,7 +26,7 @@ from trainers.models import PRESETS, init_checkpoint
 from trainers.serving import sglang_jax
 from trainers.serving.server import EmbeddedServer
 from trainers.training import rollout_records
-from trainers.training import train as train_lib
+from trainers.training import servers as servers_lib, train as train_lib
 from trainers.training.rollout import NoSamplingMask, SGLangClient
 
 MODEL = dataclasses.replace(PRESETS["tiny-qwen3"], head_dim=128, num_attention_heads=2, num_key_value_heads=1,
@@ -187,7 +187,7 @@ def test_the_clients_other_calls(real_server, checkpoints):
 
 
 def test_bfloat16_engine_stays_in_the_bf16_band(checkpoints, tmp_path):
-  low_diff, low_k3 = train_lib.MISMATCH_LIMITS["low"]
+  low_diff, low_k3 = servers_lib.MISMATCH_LIMITS["low"]
   with start(checkpoints["start"], tmp_path, dtype="bfloat16") as server:
     cfg = make_cfg(tmp_path, "bf16", model={"path": checkpoints["start"]},
                    rollout={"server_dtype": "bfloat16", "max_new_tokens": 4, "sync_every": 1},

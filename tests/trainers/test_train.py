@@ -22,7 +22,7 @@ BASE = {
     "model": {"preset": "tiny-qwen3", "initializer_range": 0.1},
     "task": {"name": "copy_digits", "num_digits": 3},
     "rollout": {"prompts_per_step": 4, "n": 4, "max_retries": 1, "backoff_s": 0.01, "health_attempts": 2,
-                "timeout_s": 60},
+                "timeout_s": 60, "server_restart_timeout_s": 0},  # fault tests: a dead server stops the run
     "train": {"steps": 3, "tokens_per_micro_batch": 64, "row_len": 32, "ppo_epochs": 2, "learning_rate": 3e-3},
     "checkpoint": {"every": 1, "max_to_keep": 2},
 }
@@ -172,14 +172,16 @@ def test_rejected_sequences_leave_the_baseline(tmp_path):
   with FakeSGLang() as fake:  # random log-probs: large mismatch, many rejections
     trainer = train_lib.Trainer(make_cfg(tmp_path, train={"steps": 1, "exclude_rejected_from_baseline": True}),
                                 mis_jax.LossConfig(use_tis=True, mis=mis), urls=[fake.url])
-    trainer.client.wait_until_healthy(attempts=2)
-    prompts, result = trainer.rollout()
+    trainer.servers.client.wait_until_healthy(attempts=2)
+    trainer.source.start(0)
+    rollout = trainer.source.next(0)
+    prompts, result = rollout.prompts, rollout.result
     sb = trainer.build_batch(prompts, result)
     inputs, batch = trainer.device_batch(sb)
     batch = batch.replace(old_logprobs=trainer._logprobs(trainer.params, inputs, batch.segment_ids))
     prepared = trainer.fns.prepare(batch)[0]
     new_batch, excluded = trainer.exclude_rejected_from_baseline(sb, prepared)
-    trainer.client.close()
+    trainer.servers.close()
   kept = [k.any() for k in sb.per_sequence(
       mis_jax.compute_mis_weights(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, batch.segment_ids,
                                   mis, num_segments=trainer.num_segments)[1])]
@@ -214,7 +216,7 @@ def test_config_errors(tmp_path):
 @pytest.mark.parametrize("name", sorted(os.listdir("configs/train")))
 def test_shipped_trainer_configs_validate(name):
   cfg = TrainConfig.from_yaml(os.path.join("configs/train", name))
-  loss = mis_jax.loss_config_from_args({}, base=cfg.loss)
+  loss = cfg.loss
   assert loss.algorithm in name.replace("-", "_")
 
 

@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="a mixture-of-experts model returns each position's experts per layer to requests "
                       "with return_routed_experts (SGLang's flag; needed for routing replay, R3)")
   parser.add_argument("--verbose", action="store_true", help="log every HTTP request (sglang-jax: show its log)")
+  parser.add_argument("--exit-with-parent", action="store_true",
+                      help="shut down once the process that started this one is gone, however it ended (the "
+                      "trainer's embedded server; sglang-jax always does)")
   return parser
 
 
@@ -132,12 +135,29 @@ def main(argv: list[str] | None = None) -> int:
   precision = args.dtype if args.quantize == "none" else f"{args.quantize} weights, {args.dtype}"
   print(f"mis-jax serve: {engine.config.model_type} from {engine.model_path} ({precision}, "
         f"SGLang {_protocol_version()} protocol) on http://{host}:{port}", flush=True)
+  if args.exit_with_parent:
+    _exit_with_parent(server)
   try:
     server.run(sockets=[sock])  # SIGINT / SIGTERM: graceful shutdown
   finally:
     engine.close()
     sock.close()
   return 0
+
+
+def _exit_with_parent(server: "_Server", grace_s: float = 10.0) -> None:
+  """A thread that shuts the server down once this process is re-parented (its parent died, even
+  by SIGKILL or an abort that ran no cleanup), and ends the process if that takes over `grace_s`."""
+  import os
+  parent = os.getppid()
+
+  def watch():
+    while os.getppid() == parent:
+      time.sleep(0.5)
+    server.handle_exit(signal.SIGTERM, None)
+    time.sleep(grace_s)
+    os._exit(1)
+  threading.Thread(target=watch, daemon=True, name="mis-jax-parent-watch").start()
 
 
 class _Server(uvicorn.Server):
@@ -163,7 +183,8 @@ class EmbeddedServer:
   """`mis-jax serve` in a subprocess, for a trainer (or a test) that has no SGLang server.
 
   Use as a context manager, or call `close()`: `with EmbeddedServer(dir) as server: server.url`.
-  The port defaults to 0 (a free one, read back from the server's first line, no race).
+  The port defaults to 0 (a free one, read back from the server's first line, no race). The server
+  never outlives this process: it shuts itself down when it is re-parented (`--exit-with-parent`).
   """
 
   def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0, port: int = 0,
@@ -174,7 +195,7 @@ class EmbeddedServer:
     self.process = subprocess.Popen(
         [sys.executable, "-m", "trainers.cli", "serve", "--model-path", str(model_path), "--dtype", dtype,
          "--seed", str(seed), "--port", str(port), "--max-batch-size", str(max_batch_size),
-         "--quantize", quantize, *extra_args],
+         "--quantize", quantize, "--exit-with-parent", *extra_args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     self.log: collections.deque[str] = collections.deque(maxlen=200)  # the server's last lines
     self._url: list[str] = []

@@ -2,15 +2,19 @@
 
 Saves are asynchronous; Orbax writes each step to a temporary directory and renames it when
 complete, so ``latest_step`` never returns a half-written checkpoint (a run killed mid-save
-resumes from the previous one).
+resumes from the previous one). A save that fails (a read-only or full directory) stops the run
+with a `TrainingError` naming the step and the directory; the previous checkpoint stays whole.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import jax
 import orbax.checkpoint as ocp
+
+from trainers.training.errors import TrainingError
 
 
 class Checkpointer:
@@ -22,8 +26,21 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(self.directory, options=options)
 
   def save(self, step: int, state, meta: dict) -> None:
-    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                     meta=ocp.args.JsonSave(meta)))
+    with self._failures(f"the checkpoint of step {step}"):
+      self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                       meta=ocp.args.JsonSave(meta)))
+
+  @contextlib.contextmanager
+  def _failures(self, what: str):
+    """An Orbax failure (here, or of the previous asynchronous save, which surfaces here) as a
+    `TrainingError` that says what is left."""
+    try:
+      yield
+    except (OSError, ValueError, RuntimeError) as e:
+      kept = self._manager.latest_step()
+      raise TrainingError(f"{what} could not be written to {self.directory}: {type(e).__name__}: {e}. "
+                          + (f"The last whole checkpoint is step {kept}." if kept is not None else
+                             "There is no whole checkpoint yet.")) from None
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -39,8 +56,11 @@ class Checkpointer:
     return out["state"], out["meta"]
 
   def wait(self) -> None:
-    self._manager.wait_until_finished()
+    with self._failures("the last checkpoint"):
+      self._manager.wait_until_finished()
 
   def close(self) -> None:
-    self._manager.wait_until_finished()
-    self._manager.close()
+    try:
+      self.wait()
+    finally:
+      self._manager.close()

@@ -3,7 +3,7 @@
 Sections: ``model``, ``task``, ``rollout``, ``train``, ``parallel``, ``loss``, ``checkpoint`` plus
 ``run_dir`` and ``seed``. Unknown keys are errors naming the file, the section and the closest valid key.
 ``loss`` takes the keys of :class:`mis_jax.LossConfig` and ``custom_config_path`` (the MIS
-YAML). Every key has a type and constraints (`key(...)`), checked on load: an int is never
+YAML), and is parsed into one: ``TrainConfig.loss`` is a typed `LossConfig`. Every key has a type and constraints (`key(...)`), checked on load: an int is never
 1.5 or text, numbers are in range, enums are one of their values.
 """
 
@@ -123,6 +123,9 @@ class RolloutSection:
   max_retries: int = key(3, "retries of a failed request (connection errors, timeouts, 5xx)", ge=0)
   backoff_s: float = key(0.5, "first retry delay (doubles each retry)", ge=0)
   health_attempts: int = key(30, "/health polls (with backoff) before giving up at start", ge=1)
+  server_restart_timeout_s: float = key(600.0, "when no server can serve a step (connection errors or 5xx past the "
+                                        "retries): wait this long for one to answer /health again, push it the "
+                                        "served weights and redo the step (0: stop at once)", ge=0)
   max_rejected_fraction: float = key(0.25, "more malformed samples than this in a step stops the run", ge=0, le=1)
   save_dir: str | None = key(None, "write each step's rollouts as Parquet records here (`--save-rollouts`; "
                              "docs/guides/records.md)")
@@ -216,7 +219,7 @@ class TrainConfig:
   rollout: RolloutSection = RolloutSection()
   train: TrainSection = TrainSection()
   parallel: ParallelSection = ParallelSection()
-  loss: dict = dataclasses.field(default_factory=dict)
+  loss: mis_jax.LossConfig = mis_jax.LossConfig()
   checkpoint: CheckpointSection = CheckpointSection()
   logging: LoggingSection = LoggingSection()
   source: str | None = None
@@ -251,7 +254,7 @@ class TrainConfig:
           raise KeyConfigError(name, str(e)) from None
     if d.get("loss") is not None and not isinstance(d["loss"], dict):
       raise mis_jax.ConfigError(f"loss must be a mapping of keys, got {type(d['loss']).__name__} {d['loss']!r}")
-    kwargs["loss"] = dict(d.get("loss") or {})
+    kwargs["loss"] = mis_jax.loss_config_from_args({}, base=dict(d.get("loss") or {}))
     cfg = cls(**kwargs)
     cfg.validate()
     return cfg
@@ -262,6 +265,12 @@ class TrainConfig:
 
   def replace(self, **changes) -> "TrainConfig":
     return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict:
+    """The config as JSON-able values (the loss section as `LossConfig.to_dict`)."""
+    out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    return {k: v.to_dict() if k == "loss" else dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+            for k, v in out.items()}
 
   def validate(self) -> None:
     """Checks across keys (single keys are checked on load)."""

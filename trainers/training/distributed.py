@@ -74,7 +74,12 @@ def broadcast_json(value: Any) -> Any:
 
 
 class PrimaryError(RuntimeError):
-  """What failed on process 0 (every process raises it with the same message)."""
+  """What failed on process 0 (every process raises it with the same message); `kind`: the
+  class name of the original exception."""
+
+  def __init__(self, message: str, kind: str = ""):
+    super().__init__(message)
+    self.kind = kind
 
 
 def on_primary(fn: Callable[[], Any], *, errors=(Exception,)) -> Any:
@@ -87,11 +92,19 @@ def on_primary(fn: Callable[[], Any], *, errors=(Exception,)) -> Any:
     try:
       outcome = {"ok": fn()}
     except errors as e:
-      outcome = {"error": str(e)}
+      outcome = {"error": str(e), "kind": type(e).__name__}
   outcome = broadcast_json(outcome)
   if "error" in outcome:
-    raise PrimaryError(outcome["error"])
+    raise PrimaryError(outcome["error"], outcome["kind"])
   return outcome["ok"]
+
+
+def any_process(flag: bool) -> bool:
+  """Whether `flag` is true on any process (every process gets the same answer)."""
+  if jax.process_count() == 1:
+    return flag
+  from jax.experimental import multihost_utils
+  return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).any())
 
 
 def to_host(x) -> np.ndarray:

@@ -16,6 +16,7 @@ PROGRESS_KEYS = ("reward_mean", "loss", "mis_k3_kl")
 
 class MetricLogger:
   """Process 0's sinks for one run. `log(step, metrics)` after every step; `close()` at the end.
+  `metrics.jsonl` keeps only its rows up to `initial_step` (each step logged once across resumes).
 
   Args:
     run_dir: the run directory (`metrics.jsonl`, `tensorboard/`).
@@ -28,6 +29,7 @@ class MetricLogger:
   def __init__(self, run_dir: str, logging_cfg, *, total_steps: int, initial_step: int = 0, progress: bool = True,
                stream=None):
     self.path = os.path.join(run_dir, "metrics.jsonl")
+    _keep_rows_up_to(self.path, initial_step)
     self.cfg = logging_cfg
     self.stream = stream or sys.stdout
     self.total, self.start_step, self.t0 = total_steps, initial_step, time.perf_counter()
@@ -64,6 +66,28 @@ class MetricLogger:
       self.tensorboard.close()
     if self.wandb is not None:
       self.wandb.finish()
+
+
+def _keep_rows_up_to(path: str, step: int) -> None:
+  """Drops the rows of `metrics.jsonl` past `step` (the step a run starts or resumes from), and a
+  last line cut short by a kill: every step appears once, written by the run that trained it."""
+  if not os.path.isfile(path):
+    return
+  with open(path) as f:
+    lines = f.read().splitlines()
+  kept = []
+  for line in lines:
+    try:
+      row = json.loads(line)
+    except ValueError:
+      continue
+    if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+      kept.append(line)
+  if len(kept) != len(lines):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+      f.write("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
 
 
 def _isatty(stream) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
@@ -29,6 +30,10 @@ class ServerError(RuntimeError):
   def __init__(self, message: str, status: int | None = None):
     super().__init__(message)
     self.status = status
+
+
+class ServerUnavailable(ServerError):
+  """A server failed past its retries (connection errors, timeouts, HTTP 5xx): down or restarting."""
 
 
 class NoSamplingMask(ServerError):
@@ -239,7 +244,39 @@ class SGLangClient:
     self._http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=max_concurrency,
                                                                      max_keepalive_connections=max_concurrency))
     self._pool = ThreadPoolExecutor(max_workers=max_concurrency)
-    self._next = itertools.cycle(range(len(self.urls)))
+    self._next = itertools.count()
+    self._down: set[str] = set()  # servers that failed past their retries, until readmitted
+    self._lock = threading.Lock()
+
+  # --- which servers are up ------------------------------------------------------------
+  def live_urls(self) -> list[str]:
+    with self._lock:
+      return [u for u in self.urls if u not in self._down]
+
+  def down_urls(self) -> list[str]:
+    with self._lock:
+      return [u for u in self.urls if u in self._down]
+
+  def mark_down(self, url: str) -> None:
+    with self._lock:
+      self._down.add(url)
+
+  def readmit(self, url: str) -> None:
+    with self._lock:
+      self._down.discard(url)
+
+  def is_healthy(self, url: str, timeout_s: float = 5.0) -> bool:
+    """One `/health` poll: 200 within `timeout_s`."""
+    try:
+      return self._http.get(url + "/health", timeout=timeout_s).status_code == 200
+    except httpx.TransportError:
+      return False
+
+  def _pick(self) -> str:
+    live = self.live_urls()
+    if not live:
+      raise ServerUnavailable(f"every server is down ({', '.join(self.urls)})")
+    return live[next(self._next) % len(live)]
 
   def close(self):
     self._pool.shutdown(wait=True)
@@ -266,7 +303,7 @@ class SGLangClient:
       if attempt < self.max_retries:
         time.sleep(delay)
         delay *= 2
-    raise ServerError(f"{url}{path} failed after {self.max_retries + 1} attempts: {last}")
+    raise ServerUnavailable(f"{url}{path} failed after {self.max_retries + 1} attempts: {last}")
 
   # --- health --------------------------------------------------------------------------
   def wait_until_healthy(self, *, attempts: int = 30, backoff_s: float = 0.5, max_backoff_s: float = 5.0):
@@ -366,8 +403,14 @@ class SGLangClient:
       body = protocol.generate_body([prompts[i] for i in idx], sampling_params, n=n, seeds=seeds,
                                     return_sampling_mask=support_width > 0,
                                     return_routed_experts=routing is not None)
-      url = self.urls[next(self._next)]
-      return idx, url, self._request("POST", url, "/generate", body)
+      while True:  # a server down past its retries: the chunk goes to a live one
+        url = self._pick()
+        try:
+          return idx, url, self._request("POST", url, "/generate", body)
+        except ServerUnavailable as e:
+          self.mark_down(url)
+          if not self.live_urls():
+            raise ServerUnavailable(f"{e} (no other server is up)") from None
 
     result = RolloutResult(samples=[], num_requested=len(prompts) * n)
     for idx, url, out in self._pool.map(call, chunks):
@@ -399,19 +442,33 @@ class SGLangClient:
 
   # --- weight sync ---------------------------------------------------------------------
   def update_weights_from_disk(self, model_path: str, weight_version: str, *, attempts: int = 3,
-                               pause_mode: str = "abort") -> dict[str, float]:
+                               pause_mode: str = "abort", urls: Sequence[str] | None = None) -> dict[str, float]:
     """contract §11 sequence on every server, all servers concurrently: pause (``pause_mode``:
     ``abort`` ends in-flight requests, ``retract`` keeps them for after the update), flush,
     update, verify, continue.
 
-    Retries the update a bounded number of times; raises :class:`ServerError` if a server
-    keeps answering ``success: false`` or its ``weight_version`` does not change, so training
-    never goes on against unknown weights. Returns ``{"server_load_s": slowest update call,
-    "servers_paused_s": slowest pause-to-continue}``.
+    ``urls``: those servers only (default: every live one). Retries the update a bounded number
+    of times; raises :class:`ServerError` if a server keeps answering ``success: false`` or its
+    ``weight_version`` does not change, so training never goes on against unknown weights. A
+    server that fails past its retries is marked down (it gets the weights when readmitted);
+    :class:`ServerUnavailable` when none took them. Returns ``{"server_load_s": slowest update
+    call, "servers_paused_s": slowest pause-to-continue}``.
     """
-    with ThreadPoolExecutor(max_workers=len(self.urls)) as pool:
-      times = list(pool.map(lambda url: self._update_one(url, model_path, weight_version, attempts, pause_mode),
-                            self.urls))
+    targets = list(urls) if urls is not None else self.live_urls()
+    if not targets:
+      raise ServerUnavailable(f"every server is down ({', '.join(self.urls)})")
+
+    def update(url):
+      try:
+        return self._update_one(url, model_path, weight_version, attempts, pause_mode)
+      except ServerUnavailable as e:
+        self.mark_down(url)
+        return e
+    with ThreadPoolExecutor(max_workers=len(targets)) as pool:
+      outcomes = list(pool.map(update, targets))
+    times = [t for t in outcomes if not isinstance(t, ServerUnavailable)]
+    if not times:
+      raise outcomes[0]
     return {"server_load_s": max(t[0] for t in times), "servers_paused_s": max(t[1] for t in times)}
 
   def _update_one(self, url, model_path, weight_version, attempts, pause_mode) -> tuple[float, float]:

@@ -84,14 +84,22 @@ def list_steps(directory: str) -> dict[int, str]:
   """`{step: file}` of a record directory; a missing directory or one without records is an error."""
   if not os.path.isdir(directory):
     raise RecordError(f"rollout records {directory!r}: no such directory")
+  for path in sorted(glob.glob(os.path.join(directory, "*.parquet"))):
+    if _NAME.match(os.path.basename(path)) is None:
+      raise RecordError(f"{path}: not a rollout record file name (expected step_NNNNNN.parquet)")
+  found = _step_files(directory)
+  if not found:
+    raise RecordError(f"rollout records {directory!r}: no step_NNNNNN.parquet file")
+  return found
+
+
+def _step_files(directory: str) -> dict[int, str]:
+  """`{step: file}` of the record files in `directory` (other files ignored)."""
   found = {}
   for path in sorted(glob.glob(os.path.join(directory, "*.parquet"))):
     m = _NAME.match(os.path.basename(path))
-    if m is None:
-      raise RecordError(f"{path}: not a rollout record file name (expected step_NNNNNN.parquet)")
-    found[int(m.group(1))] = path
-  if not found:
-    raise RecordError(f"rollout records {directory!r}: no step_NNNNNN.parquet file")
+    if m is not None:
+      found[int(m.group(1))] = path
   return found
 
 
@@ -160,3 +168,61 @@ def check_fits(path: str, cols: dict, *, vocab_size: int, row_len: int, max_samp
     if not 0 <= group < max_groups:
       raise RecordError(f"{path} row {i}: column 'group' is {group}, outside 0..{max_groups - 1} "
                         "(rollout.prompts_per_step)")
+
+
+class RecordWriter:
+  """A run's records (`rollout.save_dir`): process 0 writes step `k`'s file after step `k`;
+  every process takes part in gathering the recomputed old log-probs. `start(step)` removes the
+  files past the step a run resumes from, so each step is recorded once, by the run that trained
+  it. `meta`: what every file's metadata carries besides the step's batch."""
+
+  def __init__(self, directory: str, *, meta: dict, support_width: int = 0, routing: bool = False):
+    self.directory, self.meta, self.support_width, self.routing = directory, meta, support_width, routing
+
+  def start(self, step: int) -> None:
+    from trainers.training import distributed
+    if distributed.is_primary() and os.path.isdir(self.directory):
+      for k, path in _step_files(self.directory).items():
+        if k > step:
+          os.remove(path)
+
+  def write(self, step: int, sb, rollout, old_logprobs) -> None:
+    """Step `step`'s samples (`rollout`), their rewards and advantages (`sb`, the step batch)
+    and, when the algorithm computed them, the old log-probs (a device array over `sb`'s rows)."""
+    from trainers.training import distributed
+    samples = rollout.result.samples
+    old = None
+    if old_logprobs is not None:
+      responses = [len(s.response_ids) for s in samples]
+      old = [seq[-n:].tolist() for seq, n in zip(sb.per_sequence(distributed.to_host(old_logprobs)), responses)]
+    if not distributed.is_primary():
+      return
+    columns = {
+        "step": [step] * len(samples), "sample": list(range(len(samples))),
+        "group": [s.prompt_index for s in samples], "prompt_ids": [list(s.prompt_ids) for s in samples],
+        "response_ids": [list(s.response_ids) for s in samples],
+        "rollout_logprobs": [list(s.rollout_logprobs) for s in samples], "reward": sb.rewards.tolist(),
+        "advantage": sb.advantages.tolist(),
+        "finish_reason": [s.finish_reason for s in samples],
+        "weight_version": [str(s.weight_version) for s in samples],
+    }
+    if old is not None:
+      columns["old_logprobs"] = old
+    if self.support_width:
+      columns["sampling_mask"] = [[list(m) for m in s.sampling_mask] for s in samples]
+    if self.routing:
+      columns["routed_experts"] = [s.routed_experts.reshape(-1).tolist() for s in samples]
+    meta = {**self.meta, "batch_index": rollout.batch}
+    if rollout.prompts is None:  # replayed records: no sampling of this run's
+      meta["sampling_params"] = None
+    write_step(self.directory, step, columns, meta)
+
+
+class NoRecords:
+  """No `rollout.save_dir`: nothing is written."""
+
+  def start(self, step: int) -> None:
+    pass
+
+  def write(self, step: int, sb, rollout, old_logprobs) -> None:
+    pass

@@ -1,0 +1,193 @@
+"""The trainer's config checks: everything that can be wrong with the resolved config, the
+files it names, the mesh and the task is found here, before a server starts or anything compiles
+(a `ConfigError` naming the key and the value). `sampling_replay_width` and `routing_setup` also
+return what the trainer builds from their sections."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import urllib.parse
+import warnings
+
+import jax
+
+import mis_jax
+from trainers.models import PRESETS, ModelConfig, checkpoint_dir_problem
+from trainers.tasks import make_task
+from trainers.training import parallel, rollout_records
+from trainers.training.config import TrainConfig
+from trainers.training.rollout import RoutingSpec
+
+
+def sampling_replay_width(r) -> int:
+  """The support width of sampling-mask replay for the `rollout` section (0: off), checked.
+
+  Sampling is truncated when it is not greedy and top-k, top-p or min-p cuts the vocabulary.
+  `auto` replays exactly then, `on` always (it needs truncated, non-greedy sampling), `off`
+  never (with a warning when sampling is truncated: the IS ratio is then biased by the kept
+  mass). SGLang returns masks only for a finite `top_k` no larger than its
+  `--sampling-mask-max-tokens`: `top_k` is the static support width of every step."""
+  truncated = r.temperature > 0 and (r.top_p < 1 or r.top_k > 0 or r.min_p > 0)
+  mode = r.sampling_replay
+  if mode == "off" or (mode == "auto" and not truncated):
+    if truncated:
+      warnings.warn("rollout.sampling_replay is off with truncated sampling (top_p < 1, top_k > 0 or min_p > 0): "
+                    "the server's log-probs are over the whole vocabulary while it samples from the truncated "
+                    "distribution, so the IS ratio is biased by the kept mass (contract §11)")
+    return 0
+  if r.temperature == 0:
+    raise mis_jax.ConfigError("rollout.sampling_replay on with greedy sampling (rollout.temperature 0): every "
+                              "renormalised log-prob is 0 and nothing is learned; use temperature > 0 or "
+                              "sampling_replay: off")
+  if r.top_k < 1:
+    what = "untruncated sampling" if not truncated else f"rollout.top_p {r.top_p}, min_p {r.min_p}"
+    raise mis_jax.ConfigError(
+        f"rollout.sampling_replay {mode} ({what}) needs a finite rollout.top_k: SGLang returns sampling masks "
+        f"only for 1 < top_k <= --sampling-mask-max-tokens, and top_k bounds the replayed support; set e.g. "
+        f"rollout.top_k: 50, or rollout.sampling_replay: off")
+  if r.top_k > r.sampling_mask_max_tokens:
+    raise mis_jax.ConfigError(f"rollout.top_k {r.top_k} exceeds rollout.sampling_mask_max_tokens "
+                              f"{r.sampling_mask_max_tokens}: the replayed support would not fit; lower top_k or "
+                              "raise sampling_mask_max_tokens (and the server's --sampling-mask-max-tokens)")
+  return r.top_k
+
+
+def routing_setup(r, model_cfg: ModelConfig) -> tuple[str, RoutingSpec | None]:
+  """`(routing_replay, spec)` of the `rollout` section for this model, checked: `spec` (what the
+  server's routed experts must look like) when they are asked for — with `r3`, or with
+  `record_routing` for the routing-mismatch metrics — else None."""
+  record = r.routing_replay == "r3" if r.record_routing is None else r.record_routing
+  if r.routing_replay == "r3" and not record:
+    raise mis_jax.ConfigError("rollout.routing_replay r3 replays the server's routed experts: "
+                              "rollout.record_routing cannot be false with it")
+  if (r.routing_replay != "none" or record) and not model_cfg.is_moe:
+    what = f"rollout.routing_replay {r.routing_replay}" if r.routing_replay != "none" else "rollout.record_routing"
+    raise mis_jax.ConfigError(f"{what} needs a mixture-of-experts model; {model_cfg.model_type} is dense (set "
+                              "rollout.routing_replay: none, rollout.record_routing: null)")
+  spec = (RoutingSpec(model_cfg.num_hidden_layers, model_cfg.num_experts_per_tok, model_cfg.num_experts)
+          if record else None)
+  return r.routing_replay, spec
+
+
+def check_config(cfg: TrainConfig):
+  """Checks across sections (the loss among them), the files they name, and the task, before
+  anything is built or started: a `ConfigError` naming the key and the value. Sequences that
+  would not fit a row are an error. Returns the task (built to check it)."""
+  loss_cfg = cfg.loss
+  if cfg.train.exclude_rejected_from_baseline and (loss_cfg.algorithm != "decoupled_ppo" or loss_cfg.mis is None):
+    raise mis_jax.ConfigError("train.exclude_rejected_from_baseline needs decoupled PPO with a MIS config "
+                              "(use_tis: true, use_rollout_logprobs: false, a mis section): the rejection "
+                              "must be known before the step")
+  r = cfg.rollout
+  sampling_replay_width(r)
+  model_cfg = model_config(cfg)  # config.json read once
+  routing_setup(r, model_cfg)
+  if cfg.train.router_aux_loss_coef > 0 and not model_cfg.is_moe:
+    raise mis_jax.ConfigError("train.router_aux_loss_coef is for mixture-of-experts models; this one is dense")
+  if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
+    raise mis_jax.ConfigError("logging.wandb is true but wandb is not installed: pip install wandb, or set "
+                              "logging.wandb: false")
+  if r.max_staleness > 0 and r.sync_every != 1:
+    raise mis_jax.ConfigError(f"rollout.max_staleness {r.max_staleness} with rollout.sync_every {r.sync_every}: "
+                              "the asynchronous loop pushes weights every step and bounds the lag by "
+                              "max_staleness; set sync_every to 1")
+  if r.max_staleness > 0 and loss_cfg.algorithm != "decoupled_ppo":
+    warnings.warn(f"rollout.max_staleness {r.max_staleness} with {loss_cfg.algorithm}: only decoupled PPO "
+                  "(old log-probs recomputed, behaviour = the server's) corrects for stale rollouts; "
+                  "see docs/guides/multihost.md, asynchronous rollouts")
+  if os.path.isfile(cfg.run_dir):
+    raise mis_jax.ConfigError(f"run_dir {cfg.run_dir!r} is a file; it must be a directory (or not exist yet)")
+  try:
+    task = make_task(cfg.task, vocab_size=model_cfg.vocab_size, model_path=cfg.model.path)
+  except (ValueError, TypeError, FileNotFoundError) as e:  # they name the key, file, row and column
+    raise mis_jax.ConfigError(f"task ({cfg.task.name}): {e}") from None
+  if r.load_dir:
+    check_records(cfg, model_cfg)
+  max_new = cfg.rollout.max_new_tokens or getattr(task, "max_new_tokens", None) or 128
+  longest = getattr(task, "max_prompt_len", None)
+  if longest is not None and longest + max_new - 1 > cfg.train.row_len:
+    raise mis_jax.ConfigError(
+        f"train.row_len ({cfg.train.row_len}) is shorter than the longest prompt ({longest} tokens) + "
+        f"max_new_tokens ({max_new}) - 1: such a sequence could not be packed; raise train.row_len to "
+        f">= {longest + max_new - 1} or lower rollout.max_new_tokens")
+  return task
+
+
+def check_records(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
+  """Every record file a replay will read exists and fits the model and the config (a
+  `ConfigError` naming the file and the column otherwise), before anything is trained."""
+  r = cfg.rollout
+  if r.save_dir and os.path.abspath(r.save_dir) == os.path.abspath(r.load_dir):
+    raise mis_jax.ConfigError(f"rollout.save_dir and rollout.load_dir are the same directory {r.load_dir!r}")
+  try:
+    steps = rollout_records.list_steps(r.load_dir)
+    missing = [k for k in range(1, cfg.train.steps + 1) if k not in steps]
+    if missing:
+      raise rollout_records.RecordError(
+          f"rollout records {r.load_dir!r} have no {os.path.basename(rollout_records.step_path(r.load_dir, missing[0]))} "
+          f"(they cover steps {min(steps)}..{max(steps)}); lower train.steps to {missing[0] - 1} or less")
+    _, spec = routing_setup(r, model_cfg)
+    for k in range(1, cfg.train.steps + 1):
+      cols, _ = rollout_records.read_step(steps[k])
+      rollout_records.check_fits(steps[k], cols, vocab_size=model_cfg.vocab_size, row_len=cfg.train.row_len,
+                                 max_samples=r.prompts_per_step * r.n, max_groups=r.prompts_per_step)
+      if sampling_replay_width(r) and cols.get("sampling_mask") is None:
+        raise rollout_records.RecordError(f"{steps[k]}: missing column 'sampling_mask', which sampling replay "
+                                          "needs (set rollout.sampling_replay: off to replay without it)")
+      if spec is not None:
+        experts = cols.get("routed_experts")
+        if experts is None:
+          raise rollout_records.RecordError(f"{steps[k]}: missing column 'routed_experts', which routing replay r3 "
+                                            "and record_routing need (set rollout.routing_replay: none, "
+                                            "record_routing: null)")
+        per = spec.num_layers * spec.top_k
+        for i, (e, p_ids, r_ids) in enumerate(zip(experts, cols["prompt_ids"], cols["response_ids"])):
+          want = (len(p_ids) + len(r_ids) - 1) * per
+          if e is None or len(e) != want or (want and not 0 <= min(e) <= max(e) < spec.num_experts):
+            raise rollout_records.RecordError(
+                f"{steps[k]} row {i}: column 'routed_experts' has {0 if e is None else len(e)} ids, expected "
+                f"{want} in [0, {spec.num_experts}) (tokens - 1 rows x num_hidden_layers {spec.num_layers} x "
+                f"num_experts_per_tok {spec.top_k})")
+  except rollout_records.RecordError as e:
+    raise mis_jax.ConfigError(str(e)) from None
+
+
+def check_url(url: str) -> None:
+  """An SGLang base URL: http(s)://HOST[:PORT][/path]."""
+  parsed = urllib.parse.urlparse(url)
+  try:
+    port = parsed.port
+  except ValueError:
+    port = -1
+  if parsed.scheme not in ("http", "https") or not parsed.hostname or port == -1:
+    raise mis_jax.ConfigError(f"--sglang-url {url!r} is not a valid server URL; expected http(s)://HOST:PORT")
+
+
+def model_config(cfg: TrainConfig) -> ModelConfig:
+  """The architecture of ``model.path`` (checked: a directory with config.json and
+  safetensors), or of ``model.preset``."""
+  path = cfg.model.path
+  if not path:
+    return PRESETS[cfg.model.preset]
+  problem = checkpoint_dir_problem(path)
+  if problem:
+    raise mis_jax.ConfigError(f"model.path {path!r}: {problem}")
+  try:
+    return ModelConfig.from_pretrained(path)
+  except (ValueError, KeyError, json.JSONDecodeError) as e:
+    raise mis_jax.ConfigError(f"model.path {path!r}: config.json is not a supported config (architectures: Qwen2, "
+                              f"Qwen3, Qwen3-MoE, Llama): {e}") from None
+
+
+def check_parallel(cfg: TrainConfig, devices=None) -> jax.sharding.Mesh:
+  """The mesh of ``cfg.parallel`` checked against the devices and the model (a `ConfigError`
+  otherwise), before any server starts or anything compiles."""
+  mesh = parallel.make_mesh(cfg.parallel, devices)
+  parallel.check_model(mesh, model_config(cfg))
+  r = cfg.rollout
+  if r.prompts_per_step * r.n < parallel.batch_devices(mesh):
+    warnings.warn(f"rollout.prompts_per_step x n = {r.prompts_per_step * r.n} sequences for "
+                  f"{parallel.batch_devices(mesh)} batch devices (data x fsdp): some devices get only padding")
+  return mesh

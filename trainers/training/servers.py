@@ -1,0 +1,315 @@
+"""The rollout servers from the trainer's side: what it asks them before step 1 (health, routed
+experts and sampling masks, the initial weight push), the weights it pushes after each step,
+the mismatch sanity check, and the wait for a server that went away (contract §11).
+
+`Servers` talks to SGLang servers over HTTP (`trainers.training.rollout.SGLangClient`, on
+process 0); `NoServers` stands in for them when the rollouts are replayed from records. The loop
+calls the same methods on either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+import warnings
+
+from trainers.models import DTYPES
+from trainers.training import distributed
+from trainers.training.errors import Preempted, ServersUnavailable, TrainingError, on_primary
+from trainers.training.rollout import RolloutResult, RoutingSpec, ServerError, ServerUnavailable, SGLangClient
+from trainers.training.weight_sync import save_hf_sharded
+
+# The mismatch sanity check's limits (mean |Δ log p| over response tokens, mis_k3_kl) when server
+# and trainer hold the same weights. Measured on the tiny models (docs/guides/trainer.md): float32 on both sides
+# 3e-7 / 0; bf16 engine 7e-3–1.2e-2 / 4e-5–7e-4; fp8 weights 5e-2–6e-2 / 2e-3–4e-3; a batch
+# garbled by sglang-jax's overlap scheduler 1.78 / 1.23; log-probs shifted by one token ~2 / ~1.
+MISMATCH_LIMITS = {"float32": (1e-3, 1e-4), "low": (0.25, 0.1)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """What every `/generate` of the run asks: the sampling params, `n` per prompt, the seed,
+  sampling masks (`support_width` > 0) and routed experts (`routing`)."""
+  params: dict
+  n: int
+  seed: int
+  support_width: int = 0
+  routing: RoutingSpec | None = None
+
+
+class Servers:
+  """The SGLang servers (or routers) at `urls`. Process 0 holds the HTTP client; the others take
+  part in the collective weight writes and get process 0's answers.
+
+  Bookkeeping: `served_version` is the step whose weights the servers hold, `served_path` the
+  HF directory they were loaded from (what a restarted server gets back).
+  """
+
+  def __init__(self, cfg, *, urls: list[str], start_dir: str, model_config, sampling: Sampling, log=print):
+    r = self.rollout = cfg.rollout
+    self.cfg, self.model_config, self.sampling, self.log = cfg, model_config, sampling, log
+    self.start_dir = start_dir
+    self.weights_root = os.path.join(os.path.abspath(cfg.run_dir), "weights")
+    self.client = (SGLangClient(urls, timeout_s=r.timeout_s, max_retries=r.max_retries, backoff_s=r.backoff_s,
+                                max_concurrency=r.max_concurrency, prompts_per_request=r.prompts_per_request)
+                   if distributed.is_primary() else None)
+    self.weight_dtype = r.weight_dtype or r.server_dtype  # refined from the servers' /server_info at start
+    self.server_dtype, self.server_quantized = r.server_dtype, r.server_quantize != "none"
+    self.served_version, self.served_path = 0, start_dir
+    self._warned_versions = False
+    self._unavailable_since: float | None = None  # when the current step first found no server
+    self.step_events = {"rollout/server_restarts": 0, "rollout/unavailable_s": 0.0}
+
+  # --- before step 1 -------------------------------------------------------------------------
+  def prepare(self, params, step: int, *, log=print) -> None:
+    """Health, the probes a run's options need, and the initial push: afterwards the servers hold
+    the trainer's weights (or, when the push is skipped, the very checkpoint it starts from)."""
+    r, self.log = self.rollout, log
+    on_primary(lambda: self.client.wait_until_healthy(attempts=r.health_attempts, backoff_s=r.backoff_s))
+    if self.sampling.routing is not None:  # a server without routed experts is found before any step
+      on_primary(lambda: self.client.check_routed_experts(self.sampling.routing))
+    if self.sampling.support_width:  # so is one without sampling masks
+      on_primary(lambda: self.client.check_sampling_masks(self.sampling.params, self.sampling.support_width))
+    if self._first_push(step, log=log):
+      self.push(params, step)
+    self.served_version = step
+
+  def facts(self) -> dict:
+    """What the servers say before training (process 0): whether every one serves the
+    trainer's starting weights (`/model_info`'s `model_path` is `model.path`, or the preset's
+    initial directory), the dtype the first reports (`/server_info`), and the URLs without a
+    weight-update route."""
+    start = os.path.realpath(self.start_dir)  # (process 0 only: no collective in here)
+    serves_start, dtypes, quantized = True, set(), False
+    for url in self.client.urls:
+      info = self.client.model_info(url)
+      path = info.get("model_path")
+      serves_start &= isinstance(path, str) and os.path.realpath(path) == start
+      try:
+        sinfo = self.client.server_info(url)
+      except ServerError:
+        sinfo = {}
+      dtypes.add(sinfo.get("dtype"))
+      quantized |= sinfo.get("quantization") not in (None, "none", "")
+    missing = [url for url in self.client.urls if not self.client.has_weight_update_route(url)]
+    dtype = dtypes.pop() if len(dtypes) == 1 else None
+    return {"serves_start": serves_start, "dtype": dtype if dtype in DTYPES else None, "quantized": quantized,
+            "missing_update_route": missing}
+
+  def _first_push(self, step: int, *, log=print) -> bool:
+    """Decides the first weight push (`rollout.initial_sync`) and the pushed dtype, and checks
+    that every server can load weights when the run will push any. Returns whether to push now.
+
+    `auto` skips the push when the run is not resumed and every server reports `model.path`
+    (or the preset's initial directory) as its `model_path`: it loaded the very checkpoint the
+    trainer starts from, so a push would write the same values (cast to the same dtype). A
+    resume always pushes (the servers must get the restored weights)."""
+    r, resumed = self.rollout, step > 0
+    facts = on_primary(self.facts)
+    self.server_dtype = facts["dtype"] or r.server_dtype
+    self.server_quantized = facts["quantized"] or r.server_quantize != "none"
+    self.weight_dtype = r.weight_dtype or self.server_dtype
+    push = resumed or r.initial_sync == "always" or (r.initial_sync == "auto" and not facts["serves_start"])
+    first_sync = step + r.sync_every - step % r.sync_every  # the loop's first push
+    will_sync = push or first_sync <= self.cfg.train.steps
+    if facts["missing_update_route"] and will_sync:
+      when = "the resumed weights before step 1" if resumed else (
+          "the starting weights before step 1" if push else f"the weights after step {first_sync}")
+      raise TrainingError(
+          f"{', '.join(facts['missing_update_route'])} has no /update_weights_from_disk route (HTTP 404), so it "
+          f"cannot load {when}. Settings that need no weight push: start the server on model.path with "
+          f"rollout.initial_sync: auto (or never) and rollout.sync_every > train.steps (every step then trains on "
+          f"rollouts of the starting weights: decoupled PPO corrects the growing staleness), or train from records "
+          f"(rollout.load_dir)")
+    if distributed.is_primary():
+      if not push:
+        log(f"initial weight push skipped (rollout.initial_sync {r.initial_sync}): "
+            + ("every server already serves the starting weights" if facts["serves_start"] else "as configured"))
+      if facts["missing_update_route"]:
+        log(f"{', '.join(facts['missing_update_route'])} cannot load new weights; none will be pushed in "
+            f"{self.cfg.train.steps} steps (rollout.sync_every {r.sync_every})")
+    return push
+
+  # --- rollouts ---------------------------------------------------------------------------------
+  def generate(self, prompt_ids: list, batch: int) -> RolloutResult:
+    """Rollout batch `batch` (process 0): its per-sample seeds depend on (seed, batch) only, so a
+    redone batch samples the same completions from the same weights."""
+    s, version = self.sampling, self.served_version
+    result = self.client.generate(prompt_ids, s.params, n=s.n, seed=s.seed * 100_003 + batch,
+                                  support_width=s.support_width, routing=s.routing)
+    return self._own_versions(result, version)
+
+  def _own_versions(self, result: RolloutResult, version: int) -> RolloutResult:
+    """Samples whose server reports no usable weight version (none, or not a step number such as
+    SGLang's "default") get the trainer's own bookkeeping: `version`, the last it pushed."""
+    bad = [s for s in result.samples if not str(s.weight_version).isdigit()]
+    if not bad:
+      return result
+    if not self._warned_versions:
+      self._warned_versions = True
+      warnings.warn(f"the server's replies carry no usable weight_version ({bad[0].weight_version!r}): using the "
+                    f"trainer's own bookkeeping (the version it last pushed)")
+    own = str(version)
+    samples = [dataclasses.replace(s, weight_version=own, weight_versions=tuple((own, a, b) for _, a, b in
+                                                                                 s.weight_versions))
+               if not str(s.weight_version).isdigit() else s for s in result.samples]
+    return dataclasses.replace(result, samples=samples)
+
+  # --- after each step --------------------------------------------------------------------------
+  def sync(self, params, step: int, *, preempted=lambda: False) -> dict:
+    """Pushes the weights of `step` every `rollout.sync_every` steps; its phase times."""
+    if step % self.rollout.sync_every:
+      return {}
+    while True:
+      try:
+        return self.push(params, step)
+      except ServersUnavailable as e:  # every server went away during the push: wait, then push again
+        try:
+          self.wait_for_restart(e, preempted=preempted)
+        except Preempted:
+          return {}  # the step is done; a resume pushes its weights
+
+
+  def push(self, params, step: int) -> dict:
+    """Every process writes its share of the sharded HF checkpoint (`save_hf_sharded`), then
+    process 0 updates every live server concurrently. Raises `ServersUnavailable` when none is up."""
+    path = os.path.join(self.weights_root, f"step_{step}")
+    times = save_hf_sharded(params, self.model_config, path, dtype=self.weight_dtype)
+
+    def update():
+      try:
+        return self.client.update_weights_from_disk(path, str(step), pause_mode=self.rollout.pause_mode)
+      except ServerUnavailable as e:
+        raise ServersUnavailable(f"weight sync at step {step}: {e}", e) from None
+      except ServerError as e:
+        raise TrainingError(f"weight sync at step {step} failed: {e}") from None
+    times.update(on_primary(update))
+    self.served_version, self.served_path = step, path
+    if distributed.is_primary():  # keep the newest few weight directories (the servers may still read the current one)
+      old = sorted((d for d in os.listdir(self.weights_root) if d.startswith("step_")), key=lambda d: int(d[5:]))[:-2]
+      for d in old:
+        shutil.rmtree(os.path.join(self.weights_root, d), ignore_errors=True)
+    return {f"sync/{k}": v for k, v in times.items()}
+
+  def mismatch_limits(self) -> tuple[float, float, str]:
+    """`(max mean |Δ log p|, max mis_k3_kl, what)` for the sanity check, by dtype pair: float32
+    on both sides (no quantisation) vs anything lower (`MISMATCH_LIMITS`)."""
+    exact = (self.server_dtype == "float32" and not self.server_quantized and self.weight_dtype == "float32"
+             and self.cfg.model.dtype == "float32")
+    key = "float32" if exact else "low"
+    pair = (f"server {self.server_dtype}{' quantised' if self.server_quantized else ''}, trainer "
+            f"{self.cfg.model.dtype}")
+    return (*MISMATCH_LIMITS[key], pair)
+
+  def check_mismatch(self, step: int, metrics: dict, result: RolloutResult) -> None:
+    """When the servers held the trainer's weights for this step's samples (all fresh), a
+    mismatch far beyond numerics stops the run before anything is saved or pushed."""
+    if not self.rollout.mismatch_check:
+      return
+    if self.served_version != step or any(s.oldest_version != str(step) for s in result.samples):
+      return
+    max_abs, max_k3, pair = self.mismatch_limits()
+    diff, k3 = metrics.get("train_rollout_logprob_abs_diff"), metrics.get("mis_k3_kl")
+    if diff is None or k3 is None or (diff <= max_abs and k3 <= max_k3):
+      return
+    raise TrainingError(
+        f"step {step + 1}: the server and the trainer hold the same weights, yet their log-probs differ far "
+        f"beyond numerics: mean |Δ log p| {diff:.3g} (limit {max_abs:g}), mis_k3_kl {k3:.3g} (limit {max_k3:g}) for "
+        f"{pair}. Likely causes: the server runs another model or tokenizer than model.path, or an engine bug that "
+        f"garbles batches (e.g. sglang-jax's overlap scheduler: start it with --disable-overlap-schedule). Nothing "
+        f"of this step was saved or pushed; set rollout.mismatch_check: false to train anyway")
+
+  # --- servers that go away -----------------------------------------------------------------
+  def readmit(self) -> None:
+    """Servers marked down that answer `/health` again get the served weights, then serve again
+    (the live ones carried on without them). Process 0; cheap when none is down."""
+    def readmit():
+      restarted = 0
+      for url in self.client.down_urls():
+        if self.client.is_healthy(url):
+          try:  # a restarted server holds its starting weights, not the run's
+            self.client.update_weights_from_disk(self.served_path, str(self.served_version), urls=[url],
+                                                 pause_mode=self.rollout.pause_mode)
+          except ServerError:
+            continue  # not ready after all: tried again at the next step
+          self.client.readmit(url)
+          restarted += 1
+      return restarted
+    restarted = on_primary(readmit)
+    self.step_events["rollout/server_restarts"] += restarted
+    if restarted and distributed.is_primary():
+      self.log(f"{restarted} server(s) back: they serve the weights of step {self.served_version} again")
+
+  def wait_for_restart(self, error: ServersUnavailable, *, preempted=lambda: False) -> None:
+    """No server is up: polls `/health` with backoff until one answers (then readmits it with the
+    served weights), for at most `rollout.server_restart_timeout_s` since the step first found
+    no server. A timeout of 0 stops at once, with the failure as it was. A stop asked meanwhile
+    (`preempted()`) abandons the step (`Preempted`)."""
+    timeout = self.rollout.server_restart_timeout_s
+    if timeout <= 0:
+      raise error.error
+    now = time.monotonic()
+    self._unavailable_since = self._unavailable_since or now
+    deadline = self._unavailable_since + timeout
+    if distributed.is_primary():
+      self.log(f"servers unavailable ({error}); waiting up to {deadline - now:.0f} s for them "
+               f"(rollout.server_restart_timeout_s {timeout:g})")
+
+    def wait():
+      delay = self.rollout.backoff_s or 0.5
+      while not any(self.client.is_healthy(url) for url in self.client.urls):
+        if preempted():
+          raise Preempted("a stop was asked while waiting for the servers")
+        if time.monotonic() + delay > deadline:
+          raise TrainingError(f"{error}; no server answered /health within rollout.server_restart_timeout_s "
+                              f"{timeout:g} s")
+        time.sleep(delay)
+        delay = min(delay * 2, 10.0)
+    try:
+      on_primary(wait)
+    finally:
+      self.step_events["rollout/unavailable_s"] += time.monotonic() - now
+    self.readmit()
+
+  def step_done(self) -> dict:
+    """The step's restart metrics (and a fresh wait budget for the next step)."""
+    events, self._unavailable_since = self.step_events, None
+    self.step_events = {"rollout/server_restarts": 0, "rollout/unavailable_s": 0.0}
+    return events
+
+  def close(self) -> None:
+    if self.client is not None:
+      self.client.close()
+
+
+class NoServers:
+  """The rollouts are replayed from records: no server to prepare, push to or wait for."""
+
+  served_version = 0
+
+  def __init__(self, load_dir: str, sampling: Sampling):
+    self.load_dir, self.sampling = load_dir, sampling
+
+  def prepare(self, params, step: int, *, log=print) -> None:
+    if distributed.is_primary():
+      log(f"replaying rollout records from {self.load_dir} (no server)")
+
+  def sync(self, params, step: int, *, preempted=lambda: False) -> dict:
+    return {}
+
+  def check_mismatch(self, step: int, metrics: dict, result: RolloutResult) -> None:
+    pass  # the records' weights are not the trainer's: nothing to compare
+
+  def readmit(self) -> None:
+    pass
+
+  def wait_for_restart(self, error, *, preempted=lambda: False) -> None:
+    raise error.error
+
+  def step_done(self) -> dict:
+    return {}
+
+  def close(self) -> None:
+    pass
