@@ -22,7 +22,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 class FakeSGLang:
 
   def __init__(self, *, fault: str | None = None, after: int = 0, vocab=(3, 13), generate_delay_s: float = 0.0,
-               update_delay_s: float = 0.0, upstream: str | None = None):
+               update_delay_s: float = 0.0, upstream: str | None = None, port: int = 0):
     self.fault, self.after, self.vocab, self.upstream = fault, after, vocab, upstream
     self.generate_delay_s, self.update_delay_s = generate_delay_s, update_delay_s
     self.events: list[tuple[str, float, float]] = []  # (route, start, end) of timed requests
@@ -30,7 +30,7 @@ class FakeSGLang:
     self.generate_calls = 0
     self.weight_version = "init"
     handler = self._handler()
-    self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    self.httpd = ThreadingHTTPServer(("127.0.0.1", port), handler)
     self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
     self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
     self.thread.start()

@@ -24,9 +24,12 @@ class Checkpointer:
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
                                            create=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._pending: int | None = None  # the step of a save that may still be in flight
 
   def save(self, step: int, state, meta: dict) -> None:
-    with self._failures(f"the checkpoint of step {step}"):
+    with self._failures(f"the checkpoint of step {self._pending}" if self._pending is not None else
+                        f"the checkpoint of step {step}"):
+      self._pending = step
       self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                        meta=ocp.args.JsonSave(meta)))
 
@@ -56,8 +59,9 @@ class Checkpointer:
     return out["state"], out["meta"]
 
   def wait(self) -> None:
-    with self._failures("the last checkpoint"):
+    with self._failures(f"the checkpoint of step {self._pending}"):
       self._manager.wait_until_finished()
+    self._pending = None
 
   def close(self) -> None:
     try:

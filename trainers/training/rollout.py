@@ -447,23 +447,23 @@ class SGLangClient:
     ``abort`` ends in-flight requests, ``retract`` keeps them for after the update), flush,
     update, verify, continue.
 
-    ``urls``: those servers only (default: every live one). Retries the update a bounded number
+    ``urls``: those servers only (default: every live one, or every one when none is up). Retries the update a bounded number
     of times; raises :class:`ServerError` if a server keeps answering ``success: false`` or its
     ``weight_version`` does not change, so training never goes on against unknown weights. A
     server that fails past its retries is marked down (it gets the weights when readmitted);
     :class:`ServerUnavailable` when none took them. Returns ``{"server_load_s": slowest update
     call, "servers_paused_s": slowest pause-to-continue}``.
     """
-    targets = list(urls) if urls is not None else self.live_urls()
-    if not targets:
-      raise ServerUnavailable(f"every server is down ({', '.join(self.urls)})")
+    targets = list(urls) if urls is not None else (self.live_urls() or self.urls)  # none up: try them all
 
     def update(url):
       try:
-        return self._update_one(url, model_path, weight_version, attempts, pause_mode)
+        loaded = self._update_one(url, model_path, weight_version, attempts, pause_mode)
       except ServerUnavailable as e:
         self.mark_down(url)
         return e
+      self.readmit(url)  # it holds the weights pushed to every live server
+      return loaded
     with ThreadPoolExecutor(max_workers=len(targets)) as pool:
       outcomes = list(pool.map(update, targets))
     times = [t for t in outcomes if not isinstance(t, ServerUnavailable)]

@@ -26,6 +26,7 @@ from trainers.training.weight_sync import save_hf_sharded
 # 3e-7 / 0; bf16 engine 7e-3–1.2e-2 / 4e-5–7e-4; fp8 weights 5e-2–6e-2 / 2e-3–4e-3; a batch
 # garbled by sglang-jax's overlap scheduler 1.78 / 1.23; log-probs shifted by one token ~2 / ~1.
 MISMATCH_LIMITS = {"float32": (1e-3, 1e-4), "low": (0.25, 0.1)}
+NO_RESTARTS = {"rollout/server_restarts": 0, "rollout/unavailable_s": 0.0}  # a step's metrics when none went away
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +61,7 @@ class Servers:
     self.served_version, self.served_path = 0, start_dir
     self._warned_versions = False
     self._unavailable_since: float | None = None  # when the current step first found no server
-    self.step_events = {"rollout/server_restarts": 0, "rollout/unavailable_s": 0.0}
+    self.step_events = dict(NO_RESTARTS)
 
   # --- before step 1 -------------------------------------------------------------------------
   def prepare(self, params, step: int, *, log=print) -> None:
@@ -276,7 +277,7 @@ class Servers:
   def step_done(self) -> dict:
     """The step's restart metrics (and a fresh wait budget for the next step)."""
     events, self._unavailable_since = self.step_events, None
-    self.step_events = {"rollout/server_restarts": 0, "rollout/unavailable_s": 0.0}
+    self.step_events = dict(NO_RESTARTS)
     return events
 
   def close(self) -> None:
@@ -309,7 +310,7 @@ class NoServers:
     raise error.error
 
   def step_done(self) -> dict:
-    return {}
+    return dict(NO_RESTARTS)
 
   def close(self) -> None:
     pass
