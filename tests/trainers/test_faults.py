@@ -163,9 +163,10 @@ def _signal_after(proc, run_dir, step, *signals, timeout=600):
   return proc.communicate(timeout=300)[0]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_checkpoints_the_last_step_exits_0_and_resume_logs_each_step_once(start, tmp_path, sig):
+def test_sigterm_checkpoints_the_last_step_exits_0_and_resume_logs_each_step_once(start, tmp_path):
+  """(SIGINT takes the same path: the exact-resume test below stops its run with it.)"""
   path, srv = start
+  sig = signal.SIGTERM
   config = _config(tmp_path, path, steps=5, every=4)  # the stop's checkpoint is not a periodic one
   proc = _launch(config, tmp_path / "run", url=srv.url)
   out = _signal_after(proc, tmp_path / "run", 1, sig)
@@ -218,7 +219,7 @@ def _replay(tmp_path, name, records, steps=6, every=5):
 
 
 def test_resume_after_a_signal_is_exact_and_each_step_is_logged_and_recorded_once(records, tmp_path):
-  """Records replay makes the rollouts the same: a run stopped by SIGTERM and resumed ends with
+  """Records replay makes the rollouts the same: a run stopped by SIGINT (Ctrl-C) and resumed ends with
   the uninterrupted run's parameters and optimiser state, bit for bit. Rows a killed run logged
   past its checkpoint (and a line cut short) are dropped on resume."""
   whole = train_lib.Trainer(_replay(tmp_path, "whole", records), DECOUPLED, urls=[])
@@ -227,7 +228,7 @@ def test_resume_after_a_signal_is_exact_and_each_step_is_logged_and_recorded_onc
   stopped = train_lib.Trainer(_replay(tmp_path, "stopped", records), DECOUPLED, urls=[])
   slow = stopped.train_on
   stopped.train_on = lambda sb: (time.sleep(0.3), slow(sb))[1]
-  watcher = _when_logged(tmp_path / "stopped", 2, lambda: os.kill(os.getpid(), signal.SIGTERM))
+  watcher = _when_logged(tmp_path / "stopped", 2, lambda: os.kill(os.getpid(), signal.SIGINT))
   stopped.run(progress=False)
   watcher.join()
   assert stopped.preempted and 2 <= stopped.step < 6
