@@ -235,8 +235,7 @@ class Servers:
                                                  pause_mode=self.rollout.pause_mode)
           except ServerError:
             continue  # not ready after all: tried again at the next step
-          self.client.readmit(url)
-          restarted += 1
+          restarted += 1  # (a server that took the weights is readmitted by the push)
       return restarted
     restarted = on_primary(readmit)
     self.step_events["rollout/server_restarts"] += restarted

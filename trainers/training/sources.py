@@ -194,7 +194,7 @@ class RolloutProducer:
       self._taken = batch + 1
       self._cv.notify_all()
     if isinstance(error, ServerUnavailable):
-      raise ServersUnavailable(f"rollout batch {batch}: {error}", TrainingError(f"rollout batch {batch}: {error}"))
+      raise ServersUnavailable(f"rollout batch {batch}: {error}")
     if isinstance(error, (TrainingError, ServerError)):
       raise TrainingError(f"rollout batch {batch}: {error}")
     if error is not None:
