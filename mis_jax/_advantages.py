@@ -1,62 +1,252 @@
-"""Group-relative advantages from per-sequence rewards (contract §6.1).
+"""Advantages from per-sequence rewards (contract §6.1), and OTB's per-token baseline.
 
 Rewards are per sequence; each prompt is sampled ``n`` times (a group). Group statistics use
-``jax.ops.segment_sum`` over group ids, so groups of different sizes need no padding.
+``jax.ops.segment_sum`` over group ids, so groups of different sizes need no padding. Besides
+our ``grpo``, ``dr_grpo`` and ``rloo``, verl's outcome estimators are here by their verl names.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-ESTIMATORS = ("grpo", "dr_grpo", "rloo")
+# Per-sequence estimators (compute_advantages), then the per-token one (optimal_token_baseline).
+SEQUENCE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo",
+                       "grpo_passk", "gpg", "gdpo")
+ESTIMATORS = SEQUENCE_ESTIMATORS + ("optimal_token_baseline",)
+# Estimators that read each response's token count (a length-weighted baseline or token whitening).
+NEEDS_LENGTHS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "gdpo")
 _STD_EPS = 1e-6
+_WHITEN_EPS = 1e-8
 
 
-def compute_advantages(rewards, group_ids, *, num_groups: int, estimator: str = "grpo",
-                       in_baseline=None):
-  """Per-sequence advantages.
+def _whiten_over_tokens(values, lengths):
+  """verl's ``masked_whiten`` of a per-sequence value broadcast to its ``n_i`` tokens:
+  ``(x - μ) / sqrt(var + 1e-8)`` with the token-weighted mean ``μ = Σ n x / Σ n`` and the
+  unbiased token variance ``Σ n (x - μ)² / (Σ n - 1)``."""
+  n = lengths.astype(jnp.float32)
+  total = jnp.sum(n)
+  mean = jnp.sum(n * values) / jnp.maximum(total, 1.0)
+  var = jnp.sum(n * (values - mean) ** 2) / jnp.maximum(total - 1.0, 1.0)
+  return (values - mean) * jax.lax.rsqrt(var + _WHITEN_EPS)
 
-  - ``grpo``: ``A = (R - mean_g R) / (std_g(R, ddof=1) + 1e-6)``; the division is skipped
-    for a group of one member.
-  - ``dr_grpo``: ``A = R - mean_g R``.
-  - ``rloo``: ``A_i = R_i - mean_{j≠i} R_j``; a group of one has no baseline (``A = R``).
+
+def compute_advantages(rewards, group_ids, *, num_groups: int, estimator: str = "grpo", in_baseline=None,
+                       lengths=None, reward_weights=None, norm_by_std: bool = True):
+  """Per-sequence advantages (contract §6.1).
+
+  With ``g`` a sequence's group, ``mean_g`` / ``std_g`` (``ddof=1``) over the group's baseline
+  members and ``n_g`` their number:
+
+  - ``grpo``: ``(R - mean_g R) / (std_g R + 1e-6)``; no division for a group of one.
+  - ``dr_grpo``: ``R - mean_g R``.
+  - ``rloo``: ``R_i - mean_{j≠i} R_j``; a group of one has no baseline (``A = R``).
+  - ``reinforce_plus_plus``: ``R`` whitened over the batch's tokens (verl's ``masked_whiten``:
+    each sequence weighs its token count; outcome rewards, γ = 1).
+  - ``reinforce_plus_plus_baseline``: ``R - mean_g R`` (0 baseline for a group of one), then
+    whitened over the tokens.
+  - ``opo``: ``R - Σ_g |y| R / Σ_g |y|``, the length-weighted group mean (0 for a group of one).
+  - ``grpo_passk``: only each group's best sequence learns, with ``(R_max - R_2nd) / (std_g + 1e-6)``
+    (no division without ``norm_by_std``); groups need two members.
+  - ``gpg``: ``α (R - mean_g R)``, ``α = N / #{R ≠ 0}`` over the batch (0 baseline for a group of one).
+  - ``gdpo``: rewards ``[N, K]``; ``Σ_k w_k · grpo'(R_k)`` whitened over the tokens, where
+    ``grpo'`` is verl's GRPO (a group of one: ``R / (1 + 1e-6)``; without ``norm_by_std``
+    ``R - mean_g R``), ``w`` = ``reward_weights`` (default ones).
 
   Args:
-    rewards: ``[N]`` float rewards.
+    rewards: ``[N]`` float rewards (``[N, K]`` for ``gdpo``).
     group_ids: ``[N]`` int group (prompt) of every sequence, in ``[0, num_groups)``.
     num_groups: static number of groups.
-    estimator: ``grpo`` (default), ``dr_grpo`` or ``rloo``.
+    estimator: one of ``mis_jax.SEQUENCE_ESTIMATORS`` (``optimal_token_baseline`` is per token:
+      :func:`optimal_token_baseline`).
     in_baseline: optional ``[N]`` bool; sequences with False (e.g. rejected whole by the
       correction) are left out of their group's statistics, as in verl PR #6452. They still
       receive an advantage relative to the remaining members.
+    lengths: ``[N]`` response token counts, for the estimators in :data:`NEEDS_LENGTHS`.
+    reward_weights: ``gdpo``'s ``[K]`` weights.
+    norm_by_std: ``grpo_passk`` and ``gdpo``: divide by the group's std (verl's
+      ``norm_adv_by_std_in_grpo``).
 
   Returns:
     ``[N]`` float32 advantages.
   """
-  if estimator not in ESTIMATORS:
+  if estimator not in SEQUENCE_ESTIMATORS:
+    if estimator == "optimal_token_baseline":
+      raise ValueError("estimator='optimal_token_baseline' gives per-token advantages: call "
+                       "mis_jax.optimal_token_baseline (it needs the old log-probs and Σπ² per token)")
     raise ValueError(f"estimator={estimator!r} is invalid; allowed values: {', '.join(ESTIMATORS)}")
   rewards = jnp.asarray(rewards, jnp.float32)
   group_ids = jnp.asarray(group_ids, jnp.int32)
-  if rewards.ndim != 1 or group_ids.shape != rewards.shape:
-    raise ValueError(f"rewards {rewards.shape} and group_ids {group_ids.shape} must be 1-D of one shape")
-  member = jnp.ones_like(rewards, dtype=bool) if in_baseline is None else jnp.asarray(in_baseline, bool)
-  gsum = lambda x: jax.ops.segment_sum(x, group_ids, num_segments=num_groups)[group_ids]
-  r_in = jnp.where(member, rewards, 0.0)
-  n = gsum(member.astype(jnp.float32))
-  total = gsum(r_in)
-  mean = total / jnp.maximum(n, 1.0)
+  want_ndim = 2 if estimator == "gdpo" else 1
+  if rewards.ndim not in (want_ndim, 1) or group_ids.ndim != 1 or rewards.shape[0] != group_ids.shape[0]:
+    raise ValueError(f"rewards {rewards.shape} and group_ids {group_ids.shape} must be [N] (gdpo: [N, K]) and [N]")
+  if estimator in NEEDS_LENGTHS:
+    if lengths is None:
+      raise ValueError(f"estimator={estimator!r} needs lengths= (each response's token count)")
+    lengths = jnp.asarray(lengths)
+    if lengths.shape != group_ids.shape:
+      raise ValueError(f"lengths {lengths.shape} must have group_ids' shape {group_ids.shape}")
+  member = jnp.ones(group_ids.shape, bool) if in_baseline is None else jnp.asarray(in_baseline, bool)
+  stats = _GroupStats(group_ids, num_groups, member)
+  if estimator == "gdpo":
+    return _gdpo(rewards if rewards.ndim == 2 else rewards[:, None], stats, lengths, reward_weights, norm_by_std)
+  if estimator == "reinforce_plus_plus":
+    return _whiten_over_tokens(rewards, lengths)
+  mean, n = stats.mean(rewards), stats.count()
   if estimator == "rloo":
     # Leave-one-out mean over the other baseline members.
     others = n - member.astype(jnp.float32)
-    baseline = jnp.where(others > 0, (total - r_in) / jnp.maximum(others, 1.0), 0.0)
+    total = stats.sum(rewards)
+    baseline = jnp.where(others > 0, (total - jnp.where(member, rewards, 0.0)) / jnp.maximum(others, 1.0), 0.0)
     return rewards - baseline
-  centered = rewards - mean
   if estimator == "dr_grpo":
-    return centered
-  sq = gsum(jnp.where(member, (rewards - mean) ** 2, 0.0))
-  std = jnp.sqrt(sq / jnp.maximum(n - 1.0, 1.0))
-  return jnp.where(n > 1, centered / (std + _STD_EPS), centered)
+    return rewards - mean
+  if estimator == "grpo":
+    return jnp.where(n > 1, (rewards - mean) / (stats.std(rewards) + _STD_EPS), rewards - mean)
+  verl_mean = jnp.where(n > 1, mean, 0.0)  # verl's estimators take no baseline from a group of one
+  if estimator == "reinforce_plus_plus_baseline":
+    return _whiten_over_tokens(rewards - verl_mean, lengths)
+  if estimator == "opo":
+    n_tok = lengths.astype(jnp.float32)
+    baseline = stats.sum(n_tok * rewards) / jnp.maximum(stats.sum(n_tok), 1.0)
+    return rewards - jnp.where(n > 1, baseline, 0.0)
+  if estimator == "gpg":
+    alpha = rewards.shape[0] / jnp.maximum(jnp.sum((rewards != 0).astype(jnp.float32)), 1.0)
+    return alpha * (rewards - verl_mean)
+  return _grpo_passk(rewards, stats, norm_by_std)
+
+
+class _GroupStats:
+  """Per-group statistics over the baseline members, broadcast back to the sequences."""
+
+  def __init__(self, group_ids, num_groups, member):
+    self.ids, self.num_groups, self.member = group_ids, num_groups, member
+
+  def sum(self, x):
+    return jax.ops.segment_sum(jnp.where(self.member, x, 0.0), self.ids, num_segments=self.num_groups)[self.ids]
+
+  def max(self, x, where):
+    return jax.ops.segment_max(jnp.where(where, x, -jnp.inf), self.ids, num_segments=self.num_groups)[self.ids]
+
+  def count(self):
+    return self.sum(jnp.ones(self.ids.shape, jnp.float32))
+
+  def mean(self, x):
+    return self.sum(x) / jnp.maximum(self.count(), 1.0)
+
+  def std(self, x):
+    """``ddof=1`` over the members (0 for a group of one)."""
+    return jnp.sqrt(self.sum((x - self.mean(x)) ** 2) / jnp.maximum(self.count() - 1.0, 1.0))
+
+
+def _grpo_passk(rewards, stats: _GroupStats, norm_by_std: bool):
+  """Only each group's best member (the first of equal best) gets ``R_max - R_2nd``."""
+  if not isinstance(stats.count(), jax.core.Tracer):
+    small = np.asarray(stats.count()) < 2
+    if small.any():
+      raise ValueError(f"estimator='grpo_passk' needs two baseline members per group; group "
+                       f"{int(np.asarray(stats.ids)[small][0])} has fewer")
+  idx = jnp.arange(rewards.shape[0], dtype=jnp.int32)
+  best_r = stats.max(rewards, stats.member)
+  is_best = stats.member & (rewards == best_r)
+  first = jax.ops.segment_min(jnp.where(is_best, idx, rewards.shape[0]), stats.ids,
+                              num_segments=stats.num_groups)[stats.ids]
+  best = idx == first
+  second = stats.max(rewards, stats.member & ~best)
+  gap = best_r - second
+  if norm_by_std:
+    gap = gap / (stats.std(rewards) + _STD_EPS)
+  return jnp.where(best & (stats.count() >= 2), gap, 0.0)
+
+
+def _gdpo(rewards, stats: _GroupStats, lengths, reward_weights, norm_by_std: bool):
+  k = rewards.shape[1]
+  weights = jnp.ones((k,), jnp.float32) if reward_weights is None else jnp.asarray(reward_weights, jnp.float32)
+  if weights.shape != (k,):
+    raise ValueError(f"reward_weights has shape {weights.shape}; gdpo's rewards have {k} components")
+  n = stats.count()
+  total = jnp.zeros(rewards.shape[:1], jnp.float32)
+  for j in range(k):
+    r = rewards[:, j]
+    mean = jnp.where(n > 1, stats.mean(r), 0.0)
+    std = jnp.where(n > 1, stats.std(r), 1.0)
+    total = total + weights[j] * ((r - mean) / (std + _STD_EPS) if norm_by_std else r - mean)
+  return _whiten_over_tokens(total, lengths)
+
+
+def optimal_token_baseline(rewards, group_ids, segment_ids, loss_mask, old_logprobs, sum_pi_squared, *,
+                           num_groups: int, num_segments: int, is_weights=None, handle_zero_tail: bool = True,
+                           epsilon: float = 1e-8):
+  """Optimal Token Baseline (verl's ``optimal_token_baseline``): a baseline per group and
+  response position, weighted by the path-variance proxy.
+
+  For response token ``j`` (the ``j``-th trained token of its sequence) with ``π_j = exp(o_j)``:
+  ``w_j = 1 - 2π_j + Σ_v π²`` (times ``ρ̄_j²``, the squared IS weight, under truncated IS),
+  ``W_j = Σ_{i≤j} w_i`` and, over the group's sequences that have a ``j``-th token,
+  ``B_j = Σ G_j W_j / (Σ W_j + ε)``; ``A_j = G_j - B_j`` with ``G_j = R`` (outcome rewards).
+  A group of one has no baseline. With ``handle_zero_tail``, past the second-longest response of
+  a group, its (unique) longest one gets no baseline.
+
+  Args:
+    rewards: ``[S]`` per-sequence (segment) rewards; ``group_ids``: ``[S]`` their groups.
+    segment_ids: per-token packed segment ids (-1 padding). A sequence's tokens must lie in
+      order in the flattened array (as packed rows hold them), on one device.
+    loss_mask: the trained tokens, of ``segment_ids``' shape.
+    old_logprobs: the per-token log-probs ``o`` of the sampled tokens, same shape.
+    sum_pi_squared: ``Σ_v π_v²`` per token, same shape (from :func:`mis_jax.token_logprobs`
+      with ``return_sum_pi_squared``).
+    num_groups: static count of groups.
+    num_segments: static count of segments.
+    is_weights: optional per-token IS weights ``ρ̄`` (they enter squared).
+
+  Returns:
+    float32 per-token advantages of the inputs' shape (0 off the loss mask).
+  """
+  shape = jnp.shape(segment_ids)
+  ids = jnp.reshape(jnp.asarray(segment_ids), (-1,)).astype(jnp.int32)
+  mask = jnp.reshape(jnp.asarray(loss_mask), (-1,)).astype(bool) & (ids >= 0)
+  flat = lambda x: jnp.where(mask, jnp.reshape(jnp.asarray(x), (-1,)).astype(jnp.float32), 0.0)
+  rewards = jnp.asarray(rewards, jnp.float32)
+  groups = jnp.asarray(group_ids, jnp.int32)
+  seg = jnp.where(ids >= 0, ids, num_segments)  # padding to an extra, dropped segment
+  pi = jnp.exp(jnp.minimum(flat(old_logprobs), 0.0))
+  w = 1.0 - 2.0 * pi + flat(sum_pi_squared)
+  if is_weights is not None:
+    w = w * flat(is_weights) ** 2
+  w = jnp.where(mask, w, 0.0)
+
+  def in_segment_cumsum(x):
+    """Inclusive cumulative sum within each segment (segments contiguous in flat order)."""
+    c = jnp.cumsum(x)
+    first = jax.ops.segment_min(jnp.arange(x.shape[0], dtype=jnp.int32), seg, num_segments=num_segments + 1)
+    return c - (c - x)[first[seg]]
+
+  W = in_segment_cumsum(w)
+  pos = in_segment_cumsum(mask.astype(jnp.int32)) - 1  # j: index among the trained tokens
+  length = jax.ops.segment_sum(mask.astype(jnp.int32), seg, num_segments=num_segments + 1)[:num_segments]
+  tok_group = groups[jnp.minimum(seg, num_segments - 1)]
+  G = rewards[jnp.minimum(seg, num_segments - 1)]
+  max_pos = ids.shape[0]
+  cell = jnp.where(mask, tok_group * max_pos + pos, num_groups * max_pos)
+  num = jax.ops.segment_sum(jnp.where(mask, G * W, 0.0), cell, num_segments=num_groups * max_pos + 1)
+  den = jax.ops.segment_sum(W, cell, num_segments=num_groups * max_pos + 1)
+  baseline = num[cell] / (den[cell] + epsilon)
+  # Groups of one (counting sequences with a trained token) get no baseline.
+  live = (length > 0).astype(jnp.int32)
+  group_size = jax.ops.segment_sum(live, groups, num_segments=num_groups)
+  baseline = jnp.where(group_size[tok_group] > 1, baseline, 0.0)
+  if handle_zero_tail:
+    longest = jax.ops.segment_max(jnp.where(length > 0, length, -1), groups, num_segments=num_groups)
+    n_longest = jax.ops.segment_sum(((live > 0) & (length == longest[groups])).astype(jnp.int32), groups,
+                                    num_segments=num_groups)
+    second = jax.ops.segment_max(jnp.where((length > 0) & (length < longest[groups]), length, 0), groups,
+                                 num_segments=num_groups)
+    tok_len = length[jnp.minimum(seg, num_segments - 1)]
+    tail = ((n_longest[tok_group] == 1) & (tok_len == longest[tok_group]) & (tok_len > second[tok_group])
+            & (pos >= second[tok_group]))
+    baseline = jnp.where(tail, 0.0, baseline)
+  return jnp.reshape(jnp.where(mask, G - baseline, 0.0), shape)
 
 
 def sequence_to_tokens(seq_values, segment_ids):

@@ -21,11 +21,25 @@ DIVERGENCES = tuple(_correction.DIVERGENCES)
 AGGREGATIONS = tuple(_correction.AGGREGATIONS)
 TIS_MODES = tuple(_correction.TIS_MODES)
 KL_TYPES = tuple(_correction.KL_ESTIMATORS)
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum", "seq-mean-token-sum-norm")
 DENOMINATORS = ("kept", "original")
 
 
 from mis_jax._keys import ConfigError, _closest, _where, key, load_yaml, validate_fields  # noqa: F401
+
+# verl's registered policy losses (contract §6.2), implemented in `_policy_losses`.
+POLICY_LOSSES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean",
+                 "dro", "cispo")
+# Forms without a ratio to an anchor: the only ones REINFORCE + IS (whose ratio is the IS weight) takes.
+RATIO_FREE_LOSSES = ("vanilla", "gpg")
+# Forms that select tokens by the step's advantage × log-prob covariance.
+COV_LOSSES = ("clip_cov", "kl_cov")
+
+
+def metric_reduction(loss_agg_mode: str) -> str:
+  """How metrics are reduced under a loss mode (contract §8): per token for the token modes,
+  per sequence for the seq-mean modes."""
+  return "token-mean" if loss_agg_mode in ("token-mean", "token-sum") else "seq-mean-token-mean"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,8 +234,18 @@ class LossConfig:
   get_mismatch_metrics: bool = key(False, "mismatch metrics without changing the loss")
   eps_clip: float = key(0.2, "PPO clip range, in (0, 1)", gt=0)
   eps_clip_high: float | None = key(None, "upper clip range (null: eps_clip)", gt=0)
-  eps_clip_c: float | None = key(None, "dual-clip constant (null: off)", gt=1)
+  eps_clip_c: float | None = key(None, "dual-clip constant of vanilla; DPPO's ratio truncation (null: off; DPPO: 20)", gt=1)
   loss_agg_mode: str = key("seq-mean-token-mean", "loss aggregation (contract §7)", choices=LOSS_AGG_MODES)
+  loss_scale_factor: float | None = key(None, "seq-mean-token-sum-norm's constant divisor (Dr. GRPO's: the longest response allowed)", gt=0)
+  policy_loss: str = key("vanilla", "the per-token policy loss, by verl's name (contract §6.2)", choices=POLICY_LOSSES)
+  tau_pos: float = key(1.0, "sapo: gate temperature where A > 0", gt=0)
+  tau_neg: float = key(1.05, "sapo: gate temperature where A <= 0", gt=0)
+  clip_cov_ratio: float = key(0.0002, "clip_cov: share of the step's tokens whose loss is cut", gt=0, le=1)
+  clip_cov_lb: float = key(1.0, "clip_cov: lower bound of a candidate's covariance")
+  clip_cov_ub: float = key(5.0, "clip_cov: upper bound of a candidate's covariance")
+  kl_cov_ratio: float = key(0.0002, "kl_cov: share of the step's tokens given the KL penalty", gt=0, le=1)
+  ppo_kl_coef: float = key(0.1, "kl_cov: coefficient of |lp - anchor| on the selected tokens", ge=0)
+  dro_beta: float | None = key(None, "dro: quadratic log-ratio penalty (required by dro)", gt=0)
   denominator: str = key("kept", "tokens the loss is divided by (contract §7)", choices=DENOMINATORS)
   tis_clip: float = key(2.0, "vanilla TIS upper clip", gt=0)
   tis_clip_low: float = key(0.0, "vanilla TIS lower clip, below tis_clip", ge=0)
@@ -257,8 +281,44 @@ class LossConfig:
           f"got {self.tis_clip_low}")
     if self.correction_fn is not None and not self.use_tis:
       raise ConfigError("key 'correction_fn' is set but use_tis is false: the correction would never run")
+    self._check_policy_loss()
     # Resolve import paths now so a bad path fails before tracing.
     resolve_correction_fn(self.correction_fn)
+
+  def _check_policy_loss(self):
+    """Combinations of the policy loss with the algorithm and the other keys that mean nothing."""
+    form = self.policy_loss
+    if form not in RATIO_FREE_LOSSES and self.use_rollout_logprobs and self.use_tis:
+      raise ConfigError(
+          f"policy_loss '{form}' forms a ratio to an anchor policy, but REINFORCE + IS (use_rollout_logprobs "
+          "and use_tis both true) has none: its ratio is the IS weight. Use bypass PPO (use_tis: false) to "
+          f"anchor '{form}' on the rollout log-probs, or decoupled PPO (use_rollout_logprobs: false) to anchor "
+          "it on the old log-probs with the correction's weights")
+    if self.eps_clip_c is not None and form not in ("vanilla", "dppo_tv", "dppo_kl"):
+      raise ConfigError(f"key 'eps_clip_c' is the dual clip of policy_loss 'vanilla' (and DPPO's ratio "
+                        f"truncation); policy_loss '{form}' has no use for it")
+    if form == "dro" and self.dro_beta is None:
+      raise ConfigError("policy_loss 'dro' needs key 'dro_beta' (> 0), the weight of its quadratic log-ratio "
+                        "penalty; verl has no default either")
+    if form == "clip_cov" and not self.clip_cov_lb < self.clip_cov_ub:
+      raise ConfigError(f"key 'clip_cov_lb' ({self.clip_cov_lb}) must be below 'clip_cov_ub' ({self.clip_cov_ub})")
+    if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.loss_scale_factor is None:
+      raise ConfigError("loss_agg_mode 'seq-mean-token-sum-norm' needs key 'loss_scale_factor' (Dr. GRPO's "
+                        "constant, such as the longest response allowed): a packed batch has no padded "
+                        "response length to default to, as verl's does")
+    if self.loss_scale_factor is not None and self.loss_agg_mode != "seq-mean-token-sum-norm":
+      raise ConfigError(f"key 'loss_scale_factor' is used only by loss_agg_mode 'seq-mean-token-sum-norm', "
+                        f"not '{self.loss_agg_mode}'")
+
+  @property
+  def metric_mode(self) -> str:
+    """How metrics are reduced under this loss mode (:func:`metric_reduction`)."""
+    return metric_reduction(self.loss_agg_mode)
+
+  @property
+  def uses_cov_selection(self) -> bool:
+    """Whether the policy loss selects tokens by covariance (clip_cov, kl_cov): it then needs a key."""
+    return self.policy_loss in COV_LOSSES
 
   def to_dict(self) -> dict[str, Any]:
     """The keys as JSON-able values (the MIS config as its keys, a correction function as its

@@ -12,17 +12,18 @@ from __future__ import annotations
 import argparse
 from typing import Any, Mapping
 
-from mis_jax._config import (DENOMINATORS, KL_TYPES, LOSS_AGG_MODES, ConfigError, LossConfig,
+from mis_jax._config import (DENOMINATORS, KL_TYPES, LOSS_AGG_MODES, POLICY_LOSSES, ConfigError, LossConfig,
                              MISConfig, load_yaml)
 
 # flag dest -> LossConfig key, for the value-carrying loss knobs.
 _KNOBS = {
     "eps_clip": float, "eps_clip_high": float, "eps_clip_c": float, "tis_clip": float,
     "tis_clip_low": float, "loss_agg_mode": str, "denominator": str, "entropy_coef": float,
-    "kl_coef": float, "kl_type": str,
+    "kl_coef": float, "kl_type": str, "policy_loss": str, "loss_scale_factor": float,
 }
 LOSS_FLAG_KEYS = tuple(_KNOBS)  # the LossConfig keys that have a value-carrying flag
-_CHOICES = {"loss_agg_mode": LOSS_AGG_MODES, "denominator": DENOMINATORS, "kl_type": KL_TYPES}
+_CHOICES = {"loss_agg_mode": LOSS_AGG_MODES, "denominator": DENOMINATORS, "kl_type": KL_TYPES,
+            "policy_loss": POLICY_LOSSES}
 
 
 def add_loss_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

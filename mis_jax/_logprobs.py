@@ -65,19 +65,19 @@ def _support_lse(z, member):
   return jax.nn.logsumexp(jnp.where(member, z, -jnp.inf), axis=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
 def _token_logprobs(hidden, lm_head, targets, support, temperature, chunk_size, layout, with_entropy,
-                    with_support, with_mass):
+                    with_support, with_mass, with_sum_sq):
   """Flat core: ``hidden [T, D]``, ``lm_head`` (same dtype), ``targets [T]`` int32 in range,
   ``support [T, K]`` int32 (``-1`` padded) or None. Returns ``(logprobs, entropy,
-  kept_logmass)``, the last two None when not asked for."""
+  kept_logmass, sum_pi_squared)``, the last three None when not asked for."""
   out, _ = _token_logprobs_fwd(hidden, lm_head, targets, support, temperature, chunk_size, layout,
-                               with_entropy, with_support, with_mass)
+                               with_entropy, with_support, with_mass, with_sum_sq)
   return out
 
 
 def _token_logprobs_fwd(hidden, lm_head, targets, support, temperature, chunk_size, layout,
-                        with_entropy, with_support, with_mass):
+                        with_entropy, with_support, with_mass, with_sum_sq=False):
   num_tokens, vocab = hidden.shape[0], lm_head.shape[1 if layout == "dv" else 0]
   num_chunks, chunk = _num_chunks(num_tokens, chunk_size)
 
@@ -95,25 +95,30 @@ def _token_logprobs_fwd(hidden, lm_head, targets, support, temperature, chunk_si
       # -Σ q log q over the support, with log q = z - lse_S exact (no cancellation).
       terms = jnp.exp(log_q) * log_q
       ent = -jnp.sum(terms if member is None else jnp.where(member, terms, 0.0), axis=-1)
-    return None, (lp, lse, lse_s, ent)
+    sum_sq = None
+    if with_sum_sq:  # Σ q² = exp(lse(2 log q)) over the support
+      log_q2 = 2.0 * (z - norm[:, None])
+      sum_sq = jnp.exp(jax.nn.logsumexp(log_q2 if member is None else jnp.where(member, log_q2, -jnp.inf), axis=-1))
+    return None, (lp, lse, lse_s, ent, sum_sq)
 
-  _, (lp, lse, lse_s, ent) = jax.lax.scan(
+  _, (lp, lse, lse_s, ent, sum_sq) = jax.lax.scan(
       body, None, (_chunked(hidden, num_chunks, chunk), _chunked(targets, num_chunks, chunk),
                    _chunked(support, num_chunks, chunk)))
   mass = (lse_s - lse if with_support else jnp.zeros_like(lse)) if with_mass else None
-  out = tuple(_unchunked(x, num_tokens) for x in (lp, ent, mass))
+  out = tuple(_unchunked(x, num_tokens) for x in (lp, ent, mass, sum_sq))
   # Residuals are O(T): the inputs themselves plus per-token lse (and lse_S, entropy when used).
   return out, (hidden, lm_head, targets, support, lse, lse_s, ent)
 
 
-def _token_logprobs_bwd(temperature, chunk_size, layout, with_entropy, with_support, with_mass, res,
-                        g):
+def _token_logprobs_bwd(temperature, chunk_size, layout, with_entropy, with_support, with_mass, with_sum_sq,
+                        res, g):
   hidden, lm_head, targets, support, lse, lse_s, ent = res
   num_tokens, vocab = hidden.shape[0], lm_head.shape[1 if layout == "dv" else 0]
   num_chunks, chunk = _num_chunks(num_tokens, chunk_size)
   # Padded rows get zero cotangents, hence dz = 0 exactly (every factor below is finite):
   # they add nothing to dW, and their dh rows are sliced off.
-  g_lp, g_ent, g_mass = (None if x is None else _chunked(x.astype(jnp.float32), num_chunks, chunk) for x in g)
+  # Σπ² is a statistic (OTB's baseline), not differentiated: its cotangent is dropped.
+  g_lp, g_ent, g_mass = (None if x is None else _chunked(x.astype(jnp.float32), num_chunks, chunk) for x in g[:3])
   vocab_ids = jnp.arange(vocab, dtype=jnp.int32)[None, :]
 
   def body(dw, xs):
@@ -268,7 +273,7 @@ def _check_support(support_ids, support_mask, targets, vocab: int):
 
 def token_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, chunk_size: int = 1024,
                    return_entropy: bool = False, lm_head_layout: str = "dv", support_ids=None,
-                   support_mask=None, return_kept_mass: bool = False):
+                   support_mask=None, return_kept_mass: bool = False, return_sum_pi_squared: bool = False):
   """Per-token log-probs (and entropy) of ``targets`` without materialising ``[T, V]`` logits.
 
   With ``z_t = (h_t · W) / τ`` the float32 logits of token ``t``,
@@ -333,10 +338,14 @@ def token_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, chunk_
       target outside its support gets ``z_y - lse^S`` (not a log-prob), so keep them aligned.
     support_mask: optional ``[..., K]`` bool, False for padding entries of ``support_ids``.
     return_kept_mass: also return ``kept_logmass`` (needs nothing else; 0 without a support).
+    return_sum_pi_squared: also return ``Σ_v q_tv²`` (the distribution's collision probability,
+      over the support with one), from the same chunks; OTB's path-variance proxy
+      (:func:`mis_jax.optimal_token_baseline`). It is not differentiated (a zero gradient).
 
   Returns:
-    float32 log-probs of ``hidden``'s leading shape; with ``return_entropy`` and/or
-    ``return_kept_mass`` a tuple ``(logprobs, [entropy], [kept_logmass])`` in that order.
+    float32 log-probs of ``hidden``'s leading shape; with ``return_entropy``,
+    ``return_kept_mass`` and/or ``return_sum_pi_squared`` a tuple
+    ``(logprobs, [entropy], [kept_logmass], [sum_pi_squared])`` in that order.
     Differentiable in ``hidden`` and ``lm_head`` (not in ``targets`` or the support).
   """
   hidden, lm_head, targets, temperature, chunk_size, return_entropy, vocab = _check_args(
@@ -354,8 +363,11 @@ def token_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, chunk_
   dtype = _compute_dtype(hidden.dtype, lm_head.dtype)
   flat_hidden = jnp.reshape(hidden, (-1, hidden.shape[-1])).astype(dtype)
   flat_targets = jnp.clip(jnp.reshape(targets, (-1,)).astype(jnp.int32), 0, vocab - 1)
-  lp, ent, mass = _token_logprobs(flat_hidden, jnp.asarray(lm_head).astype(dtype), flat_targets,
-                                  flat_support, temperature, chunk_size, lm_head_layout,
-                                  return_entropy, with_support, bool(return_kept_mass))
-  outs = [jnp.reshape(x, lead) for x in (lp, ent, mass) if x is not None]
+  if not isinstance(return_sum_pi_squared, (bool, np.bool_)):
+    raise TypeError(f"return_sum_pi_squared must be a bool, got {type(return_sum_pi_squared).__name__}")
+  lp, ent, mass, sum_sq = _token_logprobs(flat_hidden, jnp.asarray(lm_head).astype(dtype), flat_targets,
+                                          flat_support, temperature, chunk_size, lm_head_layout,
+                                          return_entropy, with_support, bool(return_kept_mass),
+                                          bool(return_sum_pi_squared))
+  outs = [jnp.reshape(x, lead) for x in (lp, ent, mass, sum_sq) if x is not None]
   return outs[0] if len(outs) == 1 else tuple(outs)

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from mis_jax import _correction as correction
+from mis_jax import _policy_losses
+from mis_jax._policy_losses import ppo_token_loss
 from mis_jax import _validation
 from mis_jax._config import LossConfig, resolve_correction_fn
 from mis_jax._packing import PackedBatch
@@ -49,27 +51,6 @@ jax.tree_util.register_dataclass(Denominators, data_fields=["seg_tokens", "num_t
 
 # --- per-token losses ------------------------------------------------------------------
 
-def ppo_token_loss(logprobs, anchor_logprobs, advantages, *, eps_clip: float, eps_clip_high: float,
-                   eps_clip_c: float | None = None):
-  """Clipped PPO per-token loss and clip indicator (contract §6).
-
-  ``ratio = exp(clip(lp - anchor, ±20))``;
-  ``ℓ = max(-ratio·A, -clip(ratio, 1 - eps_clip, 1 + eps_clip_high)·A)``; with dual clip
-  ``c``, where ``A < 0``: ``ℓ = min(ℓ, -c·A)``.
-
-  Returns:
-    ``(loss, clipped)``: per-token loss and a float indicator of the clipped branch winning.
-  """
-  ratio = safe_exp(logprobs - anchor_logprobs)
-  unclipped = -advantages * ratio
-  clipped = -advantages * jnp.clip(ratio, 1.0 - eps_clip, 1.0 + eps_clip_high)
-  loss = jnp.maximum(unclipped, clipped)
-  clipfrac = (clipped > unclipped).astype(jnp.float32)
-  if eps_clip_c is not None:
-    loss = jnp.where(advantages < 0, jnp.minimum(loss, -eps_clip_c * advantages), loss)
-  return loss, clipfrac
-
-
 def kl_penalty(logprobs, ref_logprobs, kl_type: str):
   """Per-token KL estimators to a reference policy (contract §6): ``KL_ESTIMATORS[kl_type](lp - ref)``."""
   if kl_type not in correction.KL_ESTIMATORS:
@@ -77,55 +58,38 @@ def kl_penalty(logprobs, ref_logprobs, kl_type: str):
   return correction.KL_ESTIMATORS[kl_type](logprobs - ref_logprobs)
 
 
-class TokenLoss(NamedTuple):
-  """One algorithm's per-token policy loss: the loss, the clip indicator, the PPO anchor (for
-  ``ppo_kl``) and extra metric rows averaged over the original mask."""
-  pg: jax.Array
-  clipfrac: jax.Array
-  anchor: jax.Array
-  over_mask: dict
+# The algorithms of the contract §6 table (`LossConfig.algorithm`): the anchor of the policy-loss
+# form (contract §6.2) and whether the correction's weights multiply it. REINFORCE + IS has no
+# anchor: its form is `-w · A · lp` (gpg's, weighted), `q` standing in for `ppo_kl`.
+ALGORITHMS = {"ppo": ("old", False), "bypass_ppo": ("rollout", False), "decoupled_ppo": ("old", True),
+              "reinforce_is": ("rollout", True)}
 
 
-def _ppo_against(anchor, lp, adv, cfg: LossConfig):
-  return ppo_token_loss(lp, anchor, adv, eps_clip=cfg.eps_clip, eps_clip_high=cfg.clip_high,
-                        eps_clip_c=cfg.eps_clip_c)
+def token_loss(cfg: LossConfig, lp, lp_sg, o, q, adv, weights, kept, segs: Segments, selected):
+  """The per-token policy loss of ``cfg``'s algorithm (contract §6) and form (§6.2).
+
+  Returns ``(pg, anchor, over_kept, over_mask)``: the weighted per-token loss, the anchor (for
+  ``ppo_kl``), metric rows over the kept mask (``pg_clipfrac`` and the form's own) and over the
+  original mask (decoupled PPO's ``ois``).
+  """
+  anchor_name, weighted = ALGORITHMS[cfg.algorithm]
+  anchor = o if anchor_name == "old" else q
+  form = "gpg" if cfg.algorithm == "reinforce_is" else cfg.policy_loss
+  out = _policy_losses.FORMS[form](_policy_losses.FormInputs(
+      lp, lp_sg, anchor, adv, kept, segs, weights if weighted else None, selected, cfg))
+  over_mask = {"ois": safe_exp(lp_sg - o)} if cfg.algorithm == "decoupled_ppo" else {}
+  return out.pg, anchor, {"pg_clipfrac": out.clipfrac, **out.over_kept}, over_mask
 
 
-def _standard_ppo(lp, lp_sg, o, q, adv, weights, cfg) -> TokenLoss:
-  """``ppo(exp(lp - o))``."""
-  pg, clipfrac = _ppo_against(o, lp, adv, cfg)
-  return TokenLoss(pg, clipfrac, o, {})
-
-
-def _bypass_ppo(lp, lp_sg, o, q, adv, weights, cfg) -> TokenLoss:
-  """``ppo(exp(lp - q))``: the rollout log-probs are the anchor."""
-  pg, clipfrac = _ppo_against(q, lp, adv, cfg)
-  return TokenLoss(pg, clipfrac, q, {})
-
-
-def _decoupled_ppo(lp, lp_sg, o, q, adv, weights, cfg) -> TokenLoss:
-  """``w · ppo(exp(lp - o))`` with ``w`` from ``o - q``; ``ois = exp(lp - o)``."""
-  pg, clipfrac = _ppo_against(o, lp, adv, cfg)
-  return TokenLoss(weights * pg, clipfrac, o, {"ois": safe_exp(lp_sg - o)})
-
-
-def _reinforce_is(lp, lp_sg, o, q, adv, weights, cfg) -> TokenLoss:
-  """``-w · A · lp`` with ``w`` from ``sg(lp) - q``; no clipping."""
-  return TokenLoss(-weights * adv * lp, jnp.zeros_like(lp), q, {})
-
-
-# The algorithms of the contract §6 table (`LossConfig.algorithm`), each a per-token loss.
-TOKEN_LOSSES = {"ppo": _standard_ppo, "bypass_ppo": _bypass_ppo, "decoupled_ppo": _decoupled_ppo,
-                "reinforce_is": _reinforce_is}
-
-
-def aggregate(token_values, kept, segs: Segments, mode: str, dens: Denominators):
+def aggregate(token_values, kept, segs: Segments, mode: str, dens: Denominators, *,
+              loss_scale_factor: float | None = None):
   """Aggregates per-token losses over the kept mask with global denominators (contract §7).
 
   ``token_values`` is ``[T]`` (returns a scalar), a list of K ``[T]`` arrays or ``[T, K]``
   (returns ``[K]``). Every mode is a weighted token sum: ``Σ_t x_t m'_t / D`` (token-mean,
   ``D = Σ D_t``), ``/ N`` (seq-mean-token-sum) or ``Σ_t x_t m'_t / n_{s(t)} / N``
-  (seq-mean-token-mean, ``n_s`` the segment's denominator count), so no scatter is needed
+  (seq-mean-token-mean, ``n_s`` the segment's denominator count), ``Σ_t x_t m'_t`` (token-sum)
+  or ``/ (N · loss_scale_factor)`` (seq-mean-token-sum-norm), so no scatter is needed
   and the backward pass is elementwise. Sums run over this device's (micro-)batch only and
   are completed with one ``psum``, so micro-batch losses add up to the full-batch loss and
   gradients flow correctly through ``shard_map``.
@@ -138,6 +102,12 @@ def aggregate(token_values, kept, segs: Segments, mode: str, dens: Denominators)
     scale = 1.0 / jnp.maximum(dens.num_tokens, 1.0)
   elif mode == "seq-mean-token-sum":
     scale = 1.0 / jnp.maximum(dens.num_seqs, 1.0)
+  elif mode == "token-sum":
+    scale = 1.0
+  elif mode == "seq-mean-token-sum-norm":
+    if loss_scale_factor is None:
+      raise ValueError("loss_agg_mode 'seq-mean-token-sum-norm' needs loss_scale_factor")
+    scale = 1.0 / (jnp.maximum(dens.num_seqs, 1.0) * loss_scale_factor)
   else:
     scale = segs.broadcast(1.0 / jnp.maximum(dens.seg_tokens, 1.0)) / jnp.maximum(dens.num_seqs, 1.0)
   local = jnp.stack([jnp.sum(jnp.where(keep, x, 0.0) * scale) for x in cols])
@@ -173,7 +143,8 @@ def _check_batch(logprobs, batch: PackedBatch, cfg: LossConfig, entropy, denomin
   if denominators is not None and not isinstance(denominators, Denominators):
     raise TypeError(f"denominators must be mis_jax.Denominators, got {type(denominators).__name__}")
   fields = {f: getattr(batch, f) for f in ("segment_ids", "loss_mask", "advantages", "rollout_logprobs",
-                                           "old_logprobs", "ref_logprobs", "is_weights", "kept_mask")}
+                                           "old_logprobs", "ref_logprobs", "is_weights", "kept_mask",
+                                           "cov_selected")}
   fields["logprobs"] = logprobs
   fields["entropy"] = entropy
   arrays = _validation.check_token_arrays(
@@ -197,7 +168,7 @@ def _run_correction(train_lp, q, mask, segs: Segments, cfg: LossConfig, segment_
   pass that counted it; those of the kept mask too where the correction counted it (``mis``),
   else (vanilla: ``m' = m``; a user function) they are counted here.
   """
-  mode = cfg.loss_agg_mode
+  mode = cfg.metric_mode
   if cfg.correction == "mis":
     return correct(train_lp, q, mask, segs, cfg.mis, mode, batch_norm_factor=batch_norm_factor,
                    mismatch=mismatch)
@@ -221,7 +192,7 @@ def _run_correction(train_lp, q, mask, segs: Segments, cfg: LossConfig, segment_
 
 
 def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisName = None,
-                 pass_options: PassOptions | None = None):
+                 pass_options: PassOptions | None = None, key: jax.Array | None = None):
   """Once-per-step work for micro-batching: IS weights, kept mask and global denominators.
 
   For standard/bypass PPO the kept mask is the loss mask. For decoupled PPO the correction
@@ -229,22 +200,26 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
   and kept mask are attached to the returned batch (so batch normalisation is over the step).
   For REINFORCE with rollout IS the weights depend on the current log-probs and are computed
   inside :func:`policy_loss`; denominators are returned only when they do not depend on them
-  (``denominator: original``), else None (contract §7).
+  (``denominator: original``), else None (contract §7). clip_cov / kl_cov pick their tokens
+  here, for the whole step (``batch.cov_selected``; clip_cov draws them with ``key``).
 
   Returns:
-    ``(batch, denominators, metrics)``: the batch with ``is_weights``/``kept_mask`` set where
-    computed, :class:`Denominators` (or None) and the correction metrics computed here.
+    ``(batch, denominators, metrics)``: the batch with ``is_weights``/``kept_mask`` (and
+    ``cov_selected``) set where computed, :class:`Denominators` (or None) and the correction
+    metrics computed here.
   """
   if not isinstance(loss_cfg, LossConfig):
     raise TypeError(f"loss_cfg must be a mis_jax.LossConfig, got {type(loss_cfg).__name__}")
+  _check_key(loss_cfg, key, batch.cov_selected)
   arrays = _validation.check_token_arrays(
-      {"segment_ids": batch.segment_ids, "loss_mask": batch.loss_mask,
+      {"segment_ids": batch.segment_ids, "loss_mask": batch.loss_mask, "advantages": batch.advantages,
        "rollout_logprobs": batch.rollout_logprobs, "old_logprobs": batch.old_logprobs},
-      float_keys=("rollout_logprobs", "old_logprobs"))
+      float_keys=("advantages", "rollout_logprobs", "old_logprobs"))
   _validation.check_segments(batch.segment_ids, batch.num_segments)
   segs = Segments(batch.segment_ids, batch.num_segments, axis_name, pass_options)
   mask = _validation.flat_mask(arrays["loss_mask"], segs.valid)
   shape = jnp.shape(batch.segment_ids)
+  dens, metrics, kept = None, {}, mask
   if loss_cfg.algorithm == "decoupled_ppo":
     if batch.old_logprobs is None or batch.rollout_logprobs is None:
       raise ValueError("decoupled PPO needs batch.old_logprobs and batch.rollout_logprobs")
@@ -253,24 +228,40 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
     result = _run_correction(o, q, mask, segs, loss_cfg, shape, None)
     batch = batch.replace(is_weights=result.weights.reshape(shape), kept_mask=result.kept.reshape(shape))
     stats = result.kept_stats if loss_cfg.denominator == "kept" else result.mask_stats
-    return batch, Denominators.from_stats(stats), result.metrics
-  if loss_cfg.algorithm == "reinforce_is" and loss_cfg.denominator == "kept":
-    return batch, None, {}
-  return batch, Denominators.from_stats(segs.mask_stats(mask)), {}
+    dens, metrics, kept = Denominators.from_stats(stats), result.metrics, result.kept
+  elif not (loss_cfg.algorithm == "reinforce_is" and loss_cfg.denominator == "kept"):
+    dens = Denominators.from_stats(segs.mask_stats(mask))
+  if loss_cfg.uses_cov_selection and batch.cov_selected is None:
+    anchor = batch.old_logprobs if ALGORITHMS[loss_cfg.algorithm][0] == "old" else batch.rollout_logprobs
+    if anchor is None:
+      raise ValueError(f"policy_loss '{loss_cfg.policy_loss}' selects tokens from the anchor log-probs: "
+                       f"algorithm '{loss_cfg.algorithm}' needs batch.{'old' if anchor is batch.old_logprobs else 'rollout'}_logprobs")
+    anchor = jnp.where(mask, _validation.flat_float(anchor), 0.0)
+    adv = jnp.where(mask, _validation.flat_float(batch.advantages), 0.0)
+    selected = _policy_losses.cov_selection(anchor, adv, kept, segs, loss_cfg, key)
+    batch = batch.replace(cov_selected=selected.reshape(shape))
+  return batch, dens, metrics
+
+
+def _check_key(cfg: LossConfig, key, selected) -> None:
+  if cfg.policy_loss == "clip_cov" and key is None and selected is None:
+    raise ValueError("policy_loss 'clip_cov' picks its tokens at random: pass key= (a jax.random key), "
+                     "or a batch whose cov_selected prepare_step set")
 
 
 def loss_denominators(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisName = None,
-                      pass_options: PassOptions | None = None):
+                      pass_options: PassOptions | None = None, key: jax.Array | None = None):
   """Global :class:`Denominators` of a full step's batch (see :func:`prepare_step`)."""
-  return prepare_step(batch, loss_cfg, axis_name=axis_name, pass_options=pass_options)[1]
+  return prepare_step(batch, loss_cfg, axis_name=axis_name, pass_options=pass_options, key=key)[1]
 
 
 # --- the loss --------------------------------------------------------------------------
 
 def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None,
                 axis_name: AxisName = None, *, denominators: Denominators | None = None,
-                batch_norm_factor=None, pass_options: PassOptions | None = None):
-  """Policy loss of the algorithm selected by ``use_rollout_logprobs`` × ``use_tis`` (contract §6).
+                batch_norm_factor=None, pass_options: PassOptions | None = None, key: jax.Array | None = None):
+  """Policy loss of the algorithm selected by ``use_rollout_logprobs`` × ``use_tis`` (contract §6)
+  and the form ``policy_loss`` (contract §6.2; ``vanilla``: PPO's clipped surrogate).
 
   | use_rollout_logprobs | use_tis | algorithm        | per-token loss                          |
   |----------------------|---------|------------------|-----------------------------------------|
@@ -281,7 +272,9 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
 
   The per-token loss is aggregated over the kept mask ``m'`` by ``loss_agg_mode`` with the
   ``denominator`` of contract §7; ``loss = pg_loss - entropy_coef·entropy_loss + kl_coef·kl_loss``
-  where the extra terms are aggregated the same way and never weighted by IS.
+  where the extra terms are aggregated the same way and never weighted by IS. Other forms
+  replace ``ppo(·)`` by theirs against the same anchor; REINFORCE + IS takes only the
+  ratio-free forms (``vanilla``, ``gpg``).
 
   Args:
     logprobs: ``lp``, current per-token log-probs (carries the gradient; any float dtype).
@@ -294,13 +287,16 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
       it must run per micro-batch (REINFORCE with rollout IS).
     pass_options: how the token passes run (static); default :func:`mis_jax.pass_options`
       of ``batch.segment_ids``.
+    key: a ``jax.random`` key for clip_cov's random token selection when the batch has no
+      ``cov_selected`` from :func:`prepare_step`.
 
   Returns:
     ``(loss, metrics)``: a float32 scalar and a dict of float32 scalars (contract §8 names).
   """
   arrays = _check_batch(logprobs, batch, loss_cfg, entropy, denominators)
+  _check_key(loss_cfg, key, batch.cov_selected)
   cfg = loss_cfg
-  mode = cfg.loss_agg_mode
+  mode = cfg.metric_mode
   shape = jnp.shape(batch.segment_ids)
   segs = Segments(batch.segment_ids, batch.num_segments, axis_name, pass_options)
   mask = _validation.flat_mask(arrays["loss_mask"], segs.valid)
@@ -342,10 +338,16 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
   if kept_stats is None:  # without correction m' = m; precomputed kept masks are counted here
     kept_stats = mask_stats if not cfg.use_tis else segs.mask_stats(kept)
 
-  # Per-token policy loss of the selected algorithm.
-  token_loss = TOKEN_LOSSES[cfg.algorithm](lp, lp_sg, o, q, adv, weights, cfg)
-  pg_tok, over_mask = token_loss.pg, token_loss.over_mask
-  over_kept = {"pg_clipfrac": token_loss.clipfrac, "ppo_kl": token_loss.anchor - lp_sg}
+  # Per-token policy loss of the selected algorithm and form.
+  selected = None
+  if cfg.uses_cov_selection:
+    if batch.cov_selected is not None:
+      selected = _validation.flat_mask(arrays["cov_selected"], kept)
+    else:
+      anchor = o if ALGORITHMS[cfg.algorithm][0] == "old" else q
+      selected = _policy_losses.cov_selection(anchor, adv, kept, segs, cfg, key)
+  pg_tok, anchor, over_kept, over_mask = token_loss(cfg, lp, lp_sg, o, q, adv, weights, kept, segs, selected)
+  over_kept = {"pg_clipfrac": over_kept.pop("pg_clipfrac"), "ppo_kl": anchor - lp_sg, **over_kept}
 
   # The loss terms, aggregated together (one stacked reduction).
   if denominators is None:
@@ -355,7 +357,8 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
     terms["entropy_loss"] = jnp.where(mask, _validation.flat_float(entropy), 0.0)
   if ref is not None:
     terms["kl_loss"] = jnp.where(mask, kl_penalty(lp, ref, cfg.kl_type), 0.0)
-  agg = aggregate(list(terms.values()), kept, segs, cfg.loss_agg_mode, denominators)
+  agg = aggregate(list(terms.values()), kept, segs, cfg.loss_agg_mode, denominators,
+                  loss_scale_factor=cfg.loss_scale_factor)
   values = dict(zip(terms, (agg[i] for i in range(len(terms)))))
   loss = values["pg_loss"]
   if entropy is not None:

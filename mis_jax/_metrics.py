@@ -139,6 +139,7 @@ def final_weight_metrics(*, mean_after_tis_rs, factor, w_min, w_max, sum_w, sum_
 MICROBATCH_REDUCTIONS = {
     "loss": "sum", "pg_loss": "sum", "entropy_loss": "sum", "kl_loss": "sum",
     "pg_clipfrac": "kept", "ppo_kl": "kept",
+    "pg_clipfrac_lower": "kept", "cov_selected_fraction": "kept", "ppo_kl_abs": "kept",
     "mis_tis_weight_after_bound": "kept", "mis_is_ratio_mean_after_tis_rs": "kept",
     "mis_is_ratio_mean_final": "kept", "mis_ess_ratio": "kept",
     "mis_is_ratio_min_final": "min", "mis_is_ratio_max_final": "max",

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 _DATA_FIELDS = ("segment_ids", "loss_mask", "advantages", "rollout_logprobs", "old_logprobs",
-                "ref_logprobs", "is_weights", "kept_mask")
+                "ref_logprobs", "is_weights", "kept_mask", "cov_selected")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +30,7 @@ class PackedBatch:
     ref_logprobs: reference-policy log-probs for the KL term (or None).
     is_weights: precomputed IS weights (from :func:`mis_jax.prepare_step`), or None.
     kept_mask: precomputed kept mask ``m'`` matching ``is_weights``, or None.
+    cov_selected: clip_cov / kl_cov's tokens of the step (from :func:`mis_jax.prepare_step`), or None.
     num_segments: static upper bound on segment ids (a Python int; not a pytree leaf).
   """
 
@@ -41,6 +42,7 @@ class PackedBatch:
   ref_logprobs: jax.Array | None = None
   is_weights: jax.Array | None = None
   kept_mask: jax.Array | None = None
+  cov_selected: jax.Array | None = None
   num_segments: int = dataclasses.field(kw_only=True)
 
   def __post_init__(self):

@@ -44,7 +44,7 @@ def sampling_metrics(logprobs, kept_logmass, rollout_logprobs, loss_mask, segmen
        "rollout_logprobs": rollout_logprobs, "loss_mask": loss_mask},
       float_keys=("logprobs", "kept_logmass", "rollout_logprobs"))
   _validation.check_segments(segment_ids, num_segments)
-  _validation.check_choice("metric_reduction", metric_reduction)
+  metric_reduction = _validation.metric_reduction(metric_reduction)
   segs = Segments(segment_ids, num_segments, axis_name)
   mask = _validation.flat_mask(arrays["loss_mask"], segs.valid)
   lp_s, log_m, q = (_validation.flat_float(arrays[k]) for k in ("logprobs", "kept_logmass", "rollout_logprobs"))

@@ -32,7 +32,8 @@ def shard_batch(mesh: Mesh, tree, *, data_axis="data", seq_axis: str | None = No
 
 def sharded_policy_loss(mesh: Mesh, loss_cfg: LossConfig, *, data_axis="data",
                         seq_axis: str | None = None) -> Callable:
-  """Builds ``f(logprobs, batch, entropy=None) -> (loss, metrics)`` under ``jax.shard_map``.
+  """Builds ``f(logprobs, batch, entropy=None, key=None) -> (loss, metrics)`` under ``jax.shard_map``
+  (``key``: clip_cov's, replicated).
 
   Per-token arrays must be ``[rows, row_len]`` with rows divisible by the data-axis size and
   ``row_len`` divisible by the sequence-axis size. Outputs are replicated scalars. The
@@ -56,7 +57,7 @@ def sharded_policy_loss(mesh: Mesh, loss_cfg: LossConfig, *, data_axis="data",
   axis_name = names if len(names) > 1 else names[0]
   spec = batch_partition_spec(data_axis if not isinstance(data_axis, list) else tuple(data_axis), seq_axis)
 
-  def loss_fn(logprobs, batch: PackedBatch, entropy=None):
+  def loss_fn(logprobs, batch: PackedBatch, entropy=None, key=None):
     _check_batch(logprobs, batch, loss_cfg, entropy, None)  # concrete checks, before tracing
     if len(batch.shape) != 2:
       raise ValueError(f"sharded_policy_loss needs [rows, row_len] arrays, got shape {batch.shape}")
@@ -67,10 +68,11 @@ def sharded_policy_loss(mesh: Mesh, loss_cfg: LossConfig, *, data_axis="data",
       raise ValueError(f"batch shape {batch.shape} must divide into the mesh: rows by {n_data} "
                        f"({data_axis}), row_len by {n_seq} ({seq_axis})")
     bspec = jax.tree_util.tree_map(lambda _: spec, batch)
-    inner = lambda lp, b, ent: policy_loss(lp, b, loss_cfg, entropy=ent, axis_name=axis_name)
+    inner = lambda lp, b, ent, k: policy_loss(lp, b, loss_cfg, entropy=ent, axis_name=axis_name, key=k)
     espec = None if entropy is None else spec
-    mapped = jax.shard_map(inner, mesh=mesh, in_specs=(spec, bspec, espec), out_specs=P())
-    return mapped(logprobs, batch, entropy)
+    mapped = jax.shard_map(inner, mesh=mesh, in_specs=(spec, bspec, espec, None if key is None else P()),
+                           out_specs=P())
+    return mapped(logprobs, batch, entropy, key)
 
   return loss_fn
 

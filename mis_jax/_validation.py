@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mis_jax._config import LOSS_AGG_MODES
+from mis_jax._config import LOSS_AGG_MODES, metric_reduction as _metric_reduction
 
 
 def _is_concrete(x) -> bool:
@@ -43,7 +43,7 @@ def check_token_arrays(arrays: Mapping[str, object], *, float_keys=()) -> dict:
       raise TypeError(f"'{key}' must be a floating-point array, got dtype {dtype}")
     if key == "segment_ids" and not jnp.issubdtype(dtype, jnp.integer):
       raise TypeError(f"'segment_ids' must be an integer array, got dtype {dtype}")
-    if key in ("loss_mask", "kept_mask") and not (
+    if key in ("loss_mask", "kept_mask", "cov_selected") and not (
         dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
       raise TypeError(f"'{key}' must be a bool, integer or float array, got dtype {dtype}")
   return arrays
@@ -69,6 +69,12 @@ def check_segments(segment_ids, num_segments) -> None:
 def check_choice(name: str, value: str, allowed=LOSS_AGG_MODES) -> None:
   if value not in allowed:
     raise ValueError(f"{name}={value!r} is invalid; allowed values: {', '.join(allowed)}")
+
+
+def metric_reduction(value: str) -> str:
+  """Checks a ``metric_reduction`` argument (any loss mode) and returns how it reduces metrics."""
+  check_choice("metric_reduction", value)
+  return _metric_reduction(value)
 
 
 def as_bool(mask):

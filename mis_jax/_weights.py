@@ -358,7 +358,7 @@ def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids
   _validation.check_segments(segment_ids, num_segments)
   if not isinstance(cfg, MISConfig):
     raise TypeError(f"cfg must be a mis_jax.MISConfig, got {type(cfg).__name__}")
-  _validation.check_choice("metric_reduction", metric_reduction)
+  metric_reduction = _validation.metric_reduction(metric_reduction)
   shape = jnp.shape(loss_mask)
   segs = Segments(segment_ids, num_segments, axis_name, pass_options)
   o, q, mask = _validation.flat_inputs(arrays, segs)
@@ -398,7 +398,7 @@ def vanilla_tis_weights(train_logprobs, rollout_logprobs, loss_mask, *, tis_clip
   arrays = {"train_logprobs": train_logprobs, "rollout_logprobs": rollout_logprobs,
             "loss_mask": loss_mask}
   if segment_ids is None:
-    if metric_reduction != "token-mean":
+    if _validation.metric_reduction(metric_reduction) != "token-mean":
       raise ValueError(f"metric_reduction={metric_reduction!r} needs segment_ids and num_segments")
     segment_ids = jnp.where(_validation.as_bool(loss_mask), 0, -1).astype(jnp.int32)
     num_segments = 1
@@ -408,7 +408,7 @@ def vanilla_tis_weights(train_logprobs, rollout_logprobs, loss_mask, *, tis_clip
     _validation.check_segments(segment_ids, num_segments)
   arrays["segment_ids"] = segment_ids
   arrays = _validation.check_token_arrays(arrays, float_keys=("train_logprobs", "rollout_logprobs"))
-  _validation.check_choice("metric_reduction", metric_reduction)
+  metric_reduction = _validation.metric_reduction(metric_reduction)
   if not 0 <= tis_clip_low < tis_clip:
     raise ValueError(f"need 0 <= tis_clip_low < tis_clip, got tis_clip_low={tis_clip_low}, tis_clip={tis_clip}")
   shape = jnp.shape(loss_mask)

@@ -217,10 +217,12 @@ def kl_term(lp, ref, kl_type):
   return np.clip(np.exp(-dc) + dc - 1, -10, 10)
 
 
-def aggregate(vals, kept, dmasks, mode):
+def aggregate(vals, kept, dmasks, mode, scale_factor=None):
   """contract §7 aggregation with D given per sequence."""
   if mode == "token-mean":
     return sum(float(np.sum(v[k])) for v, k in zip(vals, kept)) / max(sum(float(d.sum()) for d in dmasks), 1.0)
+  if mode == "token-sum":
+    return sum(float(np.sum(v[k])) for v, k in zip(vals, kept))
   total, n = 0.0, 0
   for v, k, d in zip(vals, kept, dmasks):
     if d.sum() == 0:
@@ -228,15 +230,111 @@ def aggregate(vals, kept, dmasks, mode):
     n += 1
     s = float(np.sum(v[k]))
     total += s / max(float(d.sum()), 1.0) if mode == "seq-mean-token-mean" else s
-  return total / max(n, 1)
+  total /= max(n, 1)
+  return total / scale_factor if mode == "seq-mean-token-sum-norm" else total
+
+
+def _sigmoid(x):
+  return 1.0 / (1.0 + np.exp(-x))
+
+
+def form_loss(form, s, a, A, k, w, sel, lc):
+  """One sequence's per-token loss of a verl policy-loss form (contract §6.2), written from the
+  papers' formulas: ``lp`` carries the gradient, ``lp_sg`` is its stop-gradient value, ``a`` the
+  anchor, ``k`` the kept mask, ``w`` the IS weights (None: unweighted). Returns
+  ``(loss, {metric row: per-token values})``."""
+  lp, lp_sg = np.where(k, s["lp"], 0.0), np.where(k, s["lp_sg"], 0.0)
+  lo = lc.get("eps_clip", 0.2)
+  hi = lc.get("eps_clip_high") or lo
+  c = lc.get("eps_clip_c")
+  rows = {}
+  if form == "vanilla":
+    ratio = sexp(lp - a)
+    l1, l2 = -A * ratio, -A * np.clip(ratio, 1 - lo, 1 + hi)
+    loss = np.maximum(l1, l2)
+    rows["pg_clipfrac"] = (l2 > l1).astype(float)
+    if c is not None:
+      loss = np.where(A < 0, np.minimum(loss, -c * A), loss)
+  elif form in ("dppo_tv", "dppo_kl"):
+    c = 20.0 if c is None else c
+    ratio = sexp(lp_sg - a)
+    p, pa = np.exp(lp_sg), np.exp(a)
+    if form == "dppo_tv":
+      ok = np.where(A > 0, p - pa <= hi, p - pa >= -lo)
+    else:
+      bkl = pa * np.log(pa / p) + (1 - pa) * np.log((1 - pa + 1e-8) / (1 - p + 1e-8))
+      ok = np.where(A > 0, (bkl <= hi) | (p <= pa), (bkl <= lo) | (p >= pa))
+    loss = np.where(ok, -A * np.minimum(ratio, c) * lp, 0.0)
+    rows["pg_clipfrac"] = (~ok).astype(float)
+    rows["pg_clipfrac_lower"] = (ok & (ratio > c)).astype(float)
+  elif form == "gspo":
+    n = max(k.sum(), 1)
+    log_s = np.sum((lp_sg - a)[k]) / n + lp - lp_sg
+    ratio = np.exp(np.clip(log_s, -B, 10.0))
+    l1, l2 = -A * ratio, -A * np.clip(ratio, 1 - lo, 1 + hi)
+    loss = np.maximum(l1, l2)
+    rows["pg_clipfrac"] = (l2 > l1).astype(float)
+  elif form == "sapo":
+    tau = np.where(A > 0, lc.get("tau_pos", 1.0), lc.get("tau_neg", 1.05))
+    loss = -A * _sigmoid(tau * (sexp(lp - a) - 1)) * 4 / tau
+  elif form == "gpg":
+    loss = -A * lp
+  elif form == "clip_cov":
+    ratio = sexp(lp - a)
+    loss = np.where(sel, 0.0, np.maximum(-A * ratio, -A * np.clip(ratio, 1 - lo, 1 + hi)))
+    rows["pg_clipfrac"] = sel.astype(float)
+    rows["cov_selected_fraction"] = sel.astype(float)
+  elif form == "kl_cov":
+    loss = -A * sexp(lp - a) + np.where(sel, lc.get("ppo_kl_coef", 0.1) * np.abs(lp - a), 0.0)
+    rows["cov_selected_fraction"] = sel.astype(float)
+    rows["ppo_kl_abs"] = np.abs(lp_sg - a)
+  elif form == "geo_mean":
+    n = max(k.sum(), 1)
+    d = lp - a
+    sgn = np.sign(A)
+    dmin = sgn * np.minimum(sgn * d, sgn * np.clip(d, -lo, hi))
+    seq = -(np.sum(A[k]) / n) * sexp(np.sum(dmin[k]) / n)
+    if w is not None:
+      seq *= sexp(np.sum(np.log(w[k] + 1e-10)) / n)
+    loss = np.full(len(lp), seq)
+    clipped = d != np.clip(d, -lo, hi)
+    rows["pg_clipfrac"] = (clipped & (A > 0)).astype(float)
+    rows["pg_clipfrac_lower"] = (clipped & (A < 0)).astype(float)
+    w = None
+  elif form == "dro":
+    loss = -(A * lp - 0.5 * lc["dro_beta"] * (lp - a) ** 2)
+  elif form == "cispo":
+    ratio = sexp(lp_sg - a)
+    clipped = np.clip(ratio, 1 - lo, 1 + hi)
+    loss = -clipped * A * lp
+    rows["pg_clipfrac"] = (clipped != ratio).astype(float)
+  else:
+    raise ValueError(form)
+  rows.setdefault("pg_clipfrac", np.zeros(len(lp)))
+  return (loss if w is None else w * loss), rows
+
+
+def cov_selection(seqs, anchors, K, lc):
+  """kl_cov's tokens: the max(floor(ratio·n), 1) kept tokens of the step with the largest
+  (A - mean A)(a - mean a), means over the kept tokens."""
+  flat = [(i, t) for i, k in enumerate(K) for t in np.flatnonzero(k)]
+  A = np.array([seqs[i]["adv"][t] for i, t in flat])
+  a = np.array([anchors[i][t] for i, t in flat])
+  cov = (A - A.mean()) * (a - a.mean())
+  n = max(int(np.floor(lc.get("kl_cov_ratio", 0.0002) * len(flat))), 1)
+  sel = [np.zeros(len(k), bool) for k in K]
+  for j in np.argsort(-cov, kind="stable")[:n]:
+    sel[flat[j][0]][flat[j][1]] = True
+  return sel
 
 
 def policy_loss(seqs, lc):
-  """Loss and metrics of contract §6–8 for a dict loss config ``lc``."""
-  mode = lc.get("loss_agg_mode", "seq-mean-token-mean")
+  """Loss and metrics of contract §6–8 for a dict loss config ``lc``. clip_cov's random
+  selection comes in as ``lc["cov_selected"]`` (a list of per-sequence bool arrays)."""
+  agg_mode = lc.get("loss_agg_mode", "seq-mean-token-mean")
+  mode = "token-mean" if agg_mode in ("token-mean", "token-sum") else "seq-mean-token-mean"
+  form = lc.get("policy_loss", "vanilla")
   use_tis, use_roll = lc.get("use_tis", False), lc.get("use_rollout_logprobs", False)
-  eps, eps_hi = lc.get("eps_clip", 0.2), lc.get("eps_clip_high") or lc.get("eps_clip", 0.2)
-  c = lc.get("eps_clip_c")
   metrics = {}
   masks = [s["m"] for s in seqs]
   seqs = [dict(s, lp_sg=s.get("lp_sg", s["lp"])) for s in seqs]
@@ -253,39 +351,43 @@ def policy_loss(seqs, lc):
     metrics.update(m2)
   if "q" in seqs[0]:
     metrics.update(mismatch([dict(s, o=s["o"] if "o" in s else s["lp"]) for s in seqs], mode))
-  pg, clip, anch = [], [], []
-  for s, w, m in zip(seqs, W, masks):
+  pg, clip, anch, rows = [], [], [], {}
+  anchors = [np.where(m, s["q"] if algo in ("bypass", "reinforce") else s["o"], 0.0) for s, m in zip(seqs, masks)]
+  if form == "clip_cov":
+    selected = lc["cov_selected"]
+  elif form == "kl_cov":
+    selected = cov_selection(seqs, anchors, K, lc)
+  else:
+    selected = [None] * len(seqs)
+  for s, w, m, k, anchor, sel in zip(seqs, W, masks, K, anchors, selected):
     lp = np.where(m, s["lp"], 0.0)
     A = np.where(m, s["adv"], 0.0)
     if algo == "reinforce":
-      anchor = np.where(m, s["q"], 0.0)
       pg.append(-w * A * lp)
       clip.append(np.zeros(len(m)))
     else:
-      anchor = np.where(m, s["q"] if algo == "bypass" else s["o"], 0.0)
-      ratio = sexp(lp - anchor)
-      l1 = -A * ratio
-      l2 = -A * np.clip(ratio, 1 - eps, 1 + eps_hi)
-      l = np.maximum(l1, l2)
-      clip.append((l2 > l1).astype(float))
-      if c is not None:
-        l = np.where(A < 0, np.minimum(l, -c * A), l)
-      pg.append(w * l if algo == "decoupled" else l)
-    anch.append(anchor - lp)
+      l, r = form_loss(form, s, anchor, A, k, w if algo == "decoupled" else None, sel, lc)
+      pg.append(l)
+      clip.append(r.pop("pg_clipfrac"))
+      for name, x in r.items():
+        rows.setdefault(name, []).append(x)
+    anch.append(anchor - np.where(m, s["lp_sg"], 0.0))
   if algo == "decoupled":
     metrics["ois"] = reduce([sexp(np.where(m, s["lp"] - s["o"], 0.0)) for s, m in zip(seqs, masks)], masks, mode)
   dmasks = K if lc.get("denominator", "kept") == "kept" else masks
-  pg_loss = aggregate(pg, K, dmasks, mode)
+  agg = lambda vals: aggregate(vals, K, dmasks, agg_mode, lc.get("loss_scale_factor"))
+  pg_loss = agg(pg)
   loss = pg_loss
   if "ent" in seqs[0]:
-    ent_loss = aggregate([np.where(m, s["ent"], 0.0) for s, m in zip(seqs, masks)], K, dmasks, mode)
+    ent_loss = agg([np.where(m, s["ent"], 0.0) for s, m in zip(seqs, masks)])
     loss -= lc.get("entropy_coef", 0.0) * ent_loss
     metrics["entropy_loss"] = ent_loss
   if "ref" in seqs[0]:
     kl = [np.where(m, kl_term(np.where(m, s["lp"], 0.0), np.where(m, s["ref"], 0.0), lc.get("kl_type", "k3")), 0.0)
           for s, m in zip(seqs, masks)]
-    kl_loss = aggregate(kl, K, dmasks, mode)
+    kl_loss = agg(kl)
     loss += lc.get("kl_coef", 0.0) * kl_loss
     metrics["kl_loss"] = kl_loss
   metrics.update(loss=loss, pg_loss=pg_loss, pg_clipfrac=reduce(clip, K, mode), ppo_kl=reduce(anch, K, mode))
+  metrics.update({name: reduce(x, K, mode) for name, x in rows.items()})
   return loss, metrics, W, K

@@ -255,3 +255,29 @@ def test_bad_inputs_raise(args, kwargs, error, match):
 def test_traced_temperature_raises():
   with pytest.raises(TypeError, match="temperature must be a static Python float"):
     jax.jit(lambda t: token_logprobs(_H, _W, _Y, temperature=t))(1.0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sum_pi_squared_from_the_same_chunks(temperature):
+  """OTB's Σ_v π_v², from the chunked pass, equals NumPy's over the full softmax (and over a
+  renormalised support); it leaves the other outputs and their gradients unchanged."""
+  hidden, lm_head, targets, _, _ = _inputs(seed=4)
+  lp, ent, sum_sq = token_logprobs(hidden, lm_head, targets, temperature=temperature, chunk_size=CHUNK,
+                                           return_entropy=True, return_sum_pi_squared=True)
+  z = np.asarray(hidden, np.float64) @ np.asarray(lm_head, np.float64) / temperature
+  p = np.exp(z - z.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  np.testing.assert_allclose(np.asarray(sum_sq), (p ** 2).sum(-1), rtol=1e-5)
+  lp0, ent0 = token_logprobs(hidden, lm_head, targets, temperature=temperature, chunk_size=CHUNK,
+                                     return_entropy=True)
+  np.testing.assert_array_equal(np.asarray(lp), np.asarray(lp0))
+  support = np.stack([np.asarray(targets), (np.asarray(targets) + 1) % V, (np.asarray(targets) + 5) % V], -1)
+  _, sum_sq_s = token_logprobs(hidden, lm_head, targets, temperature=temperature, chunk_size=CHUNK,
+                                       support_ids=support, return_sum_pi_squared=True)
+  ps = np.take_along_axis(p, support, -1)
+  ps /= ps.sum(-1, keepdims=True)
+  np.testing.assert_allclose(np.asarray(sum_sq_s), (ps ** 2).sum(-1), rtol=1e-5)
+  grad = lambda f: jax.grad(lambda h: jnp.sum(f(h)[0]))(hidden)
+  np.testing.assert_allclose(
+      grad(lambda h: token_logprobs(h, lm_head, targets, chunk_size=CHUNK, return_sum_pi_squared=True)),
+      grad(lambda h: (token_logprobs(h, lm_head, targets, chunk_size=CHUNK),)), rtol=1e-6)

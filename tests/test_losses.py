@@ -43,6 +43,7 @@ def run(cfg, batch=BATCH, extra=EXTRA, **kw):
   return mis_jax.policy_loss(extra["lp"], batch, cfg, entropy=extra.get("ent"), **kw)
 
 
+SCALE_FACTOR = {"seq-mean-token-sum-norm": 7.0}
 CASES = [(a, c, mode, den) for a in ALGOS
          for c in (MIS_CONFIGS if ALGOS[a][1] else ["vanilla"])
          for mode, den in itertools.product(mis_jax.LOSS_AGG_MODES, mis_jax.DENOMINATORS)]
@@ -51,7 +52,7 @@ CASES = [(a, c, mode, den) for a in ALGOS
 @pytest.mark.parametrize("algo,correction,mode,den", CASES)
 def test_policy_loss_matches_oracle(algo, correction, mode, den):
   cfg = loss_cfg(algo, correction, loss_agg_mode=mode, denominator=den, entropy_coef=0.01, kl_coef=0.05,
-                 eps_clip_high=0.28, eps_clip_c=3.0)
+                 eps_clip_high=0.28, eps_clip_c=3.0, loss_scale_factor=SCALE_FACTOR.get(mode))
   loss, metrics = run(cfg)
   want_loss, want, _, _ = oracle.policy_loss(SEQS, oracle_cfg(cfg))
   np.testing.assert_allclose(float(loss), want_loss, rtol=2e-5, atol=2e-6)
@@ -137,7 +138,8 @@ MICRO_CASES = [("ppo", "vanilla", "kept"), ("bypass_ppo", "vanilla", "kept"),
 @pytest.mark.parametrize("algo,correction,den", MICRO_CASES)
 @pytest.mark.parametrize("mode", mis_jax.LOSS_AGG_MODES)
 def test_microbatches_sum_to_full_batch(algo, correction, den, mode):
-  cfg = loss_cfg(algo, correction, loss_agg_mode=mode, denominator=den, kl_coef=0.1, entropy_coef=0.01)
+  cfg = loss_cfg(algo, correction, loss_agg_mode=mode, denominator=den, kl_coef=0.1, entropy_coef=0.01,
+                 loss_scale_factor=SCALE_FACTOR.get(mode))
   full_loss, _ = run(cfg)
   grad_full = jax.grad(lambda lp: run(cfg, extra={**EXTRA, "lp": lp})[0])(jnp.asarray(EXTRA["lp"]))
   prepared, dens, _ = mis_jax.prepare_step(BATCH, cfg)
@@ -150,7 +152,8 @@ def test_microbatches_sum_to_full_batch(algo, correction, den, mode):
     loss, g = jax.value_and_grad(f)(jnp.asarray(lp))
     total += float(loss)
     grads.append(np.asarray(g))
-  np.testing.assert_allclose(total, float(full_loss), rtol=1e-5, atol=1e-6)
+  # token-sum has no denominator: float32 sums of O(1) terms, in another order, cancel to O(1e-2).
+  np.testing.assert_allclose(total, float(full_loss), rtol=1e-5, atol=1e-5 if mode == "token-sum" else 1e-6)
   np.testing.assert_allclose(np.concatenate(grads), np.asarray(grad_full), rtol=1e-5, atol=1e-7)
 
 
@@ -193,8 +196,8 @@ def test_decoupled_with_o_equal_q_is_standard_ppo(correction):
 def test_bypass_with_o_equal_q_is_standard_ppo():
   batch = BATCH.replace(rollout_logprobs=BATCH.old_logprobs)
   for mode in mis_jax.LOSS_AGG_MODES:
-    a, ma = run(loss_cfg("ppo", loss_agg_mode=mode), batch)
-    b, mb = run(loss_cfg("bypass_ppo", loss_agg_mode=mode), batch)
+    a, ma = run(loss_cfg("ppo", loss_agg_mode=mode, loss_scale_factor=SCALE_FACTOR.get(mode)), batch)
+    b, mb = run(loss_cfg("bypass_ppo", loss_agg_mode=mode, loss_scale_factor=SCALE_FACTOR.get(mode)), batch)
     np.testing.assert_allclose(float(b), float(a), rtol=1e-6)
     assert set(ma) == set(mb)
 

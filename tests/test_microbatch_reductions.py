@@ -2,6 +2,8 @@
 every declared name is a metric the library emits, and the reductions are the ones the
 trainer's step knows."""
 
+import dataclasses
+
 import numpy as np
 
 import mis_jax
@@ -22,6 +24,10 @@ def test_declared_reductions_name_emitted_metrics():
   prepared, dens, step_metrics = mis_jax.prepare_step(batch, cfg)
   _, metrics = mis_jax.policy_loss(o, prepared, cfg, entropy=-o, denominators=dens)
   emitted = set(metrics) | set(step_metrics)
+  for form in ("dppo_tv", "kl_cov"):  # the forms' own metrics (contract §6.2)
+    form_cfg = dataclasses.replace(cfg, policy_loss=form)
+    form_prepared, form_dens, _ = mis_jax.prepare_step(batch, form_cfg)
+    emitted |= set(mis_jax.policy_loss(o, form_prepared, form_cfg, entropy=-o, denominators=form_dens)[1])
   emitted |= set(mis_jax.sampling_metrics(o, np.zeros_like(o), q, mask, seg, num_segments=4))
   assert set(mis_jax.MICROBATCH_REDUCTIONS) <= emitted, set(mis_jax.MICROBATCH_REDUCTIONS) - emitted
   assert set(mis_jax.MICROBATCH_REDUCTIONS.values()) <= {"sum", "min", "max", "mask", "kept", "seqs"}

@@ -81,7 +81,7 @@ def test_unknown_keys_suggest_the_closest(tmp_path, capsys):
 KNOB_VALUES = {"eps_clip": ("0.3", "0.2"), "eps_clip_high": ("0.3", "0.28"), "eps_clip_c": ("3.0", "2.0"),
                "tis_clip": ("3.0", "2.5"), "tis_clip_low": ("0.1", "0.2"), "loss_agg_mode": ("token-mean", "seq-mean-token-sum"),
                "denominator": ("original", "kept"), "entropy_coef": ("0.01", "0.02"), "kl_coef": ("0.1", "0.2"),
-               "kl_type": ("k1", "k2")}
+               "kl_type": ("k1", "k2"), "policy_loss": ("gspo", "cispo"), "loss_scale_factor": ("64", "128")}
 CONTRADICTIONS = [
     (["--use-tis", "--set", "loss.use_tis=false"], ("--use-tis", "loss.use_tis")),
     (["--use-rollout-logprobs", "--set", "loss.use_rollout_logprobs=false"],

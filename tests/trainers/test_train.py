@@ -199,6 +199,34 @@ def test_rejected_sequences_leave_the_baseline(tmp_path):
                       mis_jax.LossConfig(use_rollout_logprobs=True), urls=["http://127.0.0.1:9"])
 
 
+def test_policy_loss_and_optimal_token_baseline_end_to_end(server, tmp_path, step_traces):
+  """A verl policy loss with covariance selection (kl_cov), under decoupled PPO with MIS, and the
+  optimal token baseline: the run trains, its per-token advantages are verl's (a loop over the
+  step's π, Σπ² and squared IS weights), and every pass traces once per shape bucket."""
+  from test_advantages import otb_oracle
+  loss_cfg = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(**MIS), policy_loss="kl_cov", kl_cov_ratio=0.1)
+  trainer = train_lib.Trainer(make_cfg(tmp_path, train={"steps": 2, "advantage_estimator": "optimal_token_baseline"}),
+                              loss_cfg, urls=[server.url])
+  seen = []
+  token_baseline = trainer.token_baseline
+
+  def spy(sb, prepared, pi, sum_sq):
+    out = token_baseline(sb, prepared, pi, sum_sq)
+    seen.append((sb, prepared, pi, sum_sq, out.advantages))
+    return out
+  trainer.token_baseline = spy
+  history = trainer.run(progress=False)
+  assert [h["step"] for h in history] == [1, 2] and trainer.num_old_logprob_passes == 2  # π's pass gives o
+  step_traces.check("train", "prepare", "logprobs_sum_sq")
+  assert all(np.isfinite(h["loss"]) and h["cov_selected_fraction"] > 0 for h in history)
+  for sb, prepared, pi, sum_sq, adv in seen:
+    per_seq = lambda x: [a[m] for a, m in zip(sb.per_sequence(x), sb.per_sequence(prepared.loss_mask))]
+    np.testing.assert_array_equal(np.concatenate(per_seq(pi)), np.concatenate(per_seq(prepared.old_logprobs)))
+    want = otb_oracle(sb.rewards, sb.groups, per_seq(pi), per_seq(sum_sq), per_seq(prepared.is_weights))
+    for got, w in zip(per_seq(adv), want):
+      np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-5)
+
+
 def test_config_errors(tmp_path):
   with pytest.raises(mis_jax.ConfigError, match=r"unknown key 'rollout.temprature'.*Did you mean 'temperature'"):
     TrainConfig.from_dict({"rollout": {"temprature": 1.0}})

@@ -221,9 +221,9 @@ def main(argv: list[str] | None = None) -> int:
                       "have no old_logprobs column)")
   parser.add_argument("--out", default=None, help="report directory (default: DIR/report)")
   parser.add_argument("--steps", default=None, metavar="A:B", help="an inclusive step range (default: all)")
-  parser.add_argument("--metric-reduction", default=None, choices=("token-mean", "seq-mean-token-mean",
-                                                                    "seq-mean-token-sum"),
-                      help="how metrics are reduced (default: the run's loss_agg_mode)")
+  parser.add_argument("--metric-reduction", default=None, choices=("token-mean", "token-sum", "seq-mean-token-mean",
+                                                                    "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+                      help="how metrics are reduced (default: the run's loss_agg_mode's reduction)")
   args = parser.parse_args(argv)
   steps = None
   if args.steps:

@@ -80,7 +80,19 @@ def check_config(cfg: TrainConfig):
     raise mis_jax.ConfigError("train.exclude_rejected_from_baseline needs decoupled PPO with a MIS config "
                               "(use_tis: true, use_rollout_logprobs: false, a mis section): the rejection "
                               "must be known before the step")
+  estimator = cfg.train.advantage_estimator
+  if estimator == "optimal_token_baseline" and cfg.train.exclude_rejected_from_baseline:
+    raise mis_jax.ConfigError("train.exclude_rejected_from_baseline works with the per-sequence estimators; the "
+                              "optimal token baseline weighs every sequence of a group by its path variance")
+  if estimator == "gdpo":
+    raise mis_jax.ConfigError("train.advantage_estimator gdpo normalises several reward components one by one, "
+                              "and a trainer task gives one reward per sample (gdpo of one reward is grpo "
+                              "whitened over tokens); call mis_jax.compute_advantages(..., estimator='gdpo') "
+                              "with your reward components")
   r = cfg.rollout
+  if estimator == "grpo_passk" and r.n < 2:
+    raise mis_jax.ConfigError(f"train.advantage_estimator grpo_passk compares each group's best two samples: "
+                              f"rollout.n must be >= 2, got {r.n}")
   sampling_replay_width(r)
   model_cfg = model_config(cfg)  # config.json read once
   routing_setup(r, model_cfg)

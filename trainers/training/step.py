@@ -55,13 +55,15 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
 
 
 def model_logprobs(graphdef, params, inputs: ModelInputs, segment_ids, *, temperature: float,
-                   chunk_size: int, entropy: bool, mesh=None, kept_mass: bool = False, routing_out: bool = False):
+                   chunk_size: int, entropy: bool, mesh=None, kept_mass: bool = False, routing_out: bool = False,
+                   sum_sq: bool = False):
   """Per-token `log_softmax(logits / temperature)[targets]` (and entropy), float32 `[B, T]`,
   from the model's final hidden states with `mis_jax.token_logprobs` (no `[T, V]` logits).
   With `inputs.support`, log-probs and entropy are over each token's sampling support and
   `kept_mass` adds the kept log-mass (outputs: log-probs, then entropy, then kept log-mass).
   A mixture-of-experts model replays `inputs.routing` when given; `routing_out` appends its
-  `trainers.models.Routing` (the native top-k per layer and the load-balancing loss).
+  `trainers.models.Routing` (the native top-k per layer and the load-balancing loss); `sum_sq`
+  appends `Σ_v π_v²` per token (after the log-probs and entropy).
 
   On a mesh the head runs in a `shard_map`: each device takes its own rows (and, when the row
   length divides, a `1/tensor` share of their tokens) against the LM head all-gathered in the
@@ -75,7 +77,7 @@ def model_logprobs(graphdef, params, inputs: ModelInputs, segment_ids, *, temper
   else:
     hidden = model.hidden_states(inputs.input_ids, inputs.positions, segment_ids, routing=inputs.routing)
   out = _head_logprobs(model, hidden, inputs, temperature=temperature, chunk_size=chunk_size, entropy=entropy,
-                       mesh=mesh, kept_mass=kept_mass)
+                       mesh=mesh, kept_mass=kept_mass, sum_sq=sum_sq)
   if not routing_out:
     return out
   if routing is None:
@@ -83,7 +85,8 @@ def model_logprobs(graphdef, params, inputs: ModelInputs, segment_ids, *, temper
   return (out if isinstance(out, tuple) else (out,)) + (routing,)
 
 
-def _head_logprobs(model, hidden, inputs: ModelInputs, *, temperature, chunk_size, entropy, mesh, kept_mass):
+def _head_logprobs(model, hidden, inputs: ModelInputs, *, temperature, chunk_size, entropy, mesh, kept_mass,
+                   sum_sq=False):
   head, layout = model.head()
   head = head.astype(hidden.dtype)
   with_support = inputs.support is not None
@@ -91,7 +94,8 @@ def _head_logprobs(model, hidden, inputs: ModelInputs, *, temperature, chunk_siz
 
   def fn(h, w, y, support=None):
     return mis_jax.token_logprobs(h, w, y, temperature=temperature, chunk_size=chunk_size, return_entropy=entropy,
-                                  lm_head_layout=layout, support_ids=support, return_kept_mass=kept_mass)
+                                  lm_head_layout=layout, support_ids=support, return_kept_mass=kept_mass,
+                                  return_sum_pi_squared=sum_sq)
 
   args = (inputs.targets,) + ((inputs.support,) if with_support else ())
   if mesh is None or mesh.size == 1:
@@ -109,7 +113,7 @@ def _head_logprobs(model, hidden, inputs: ModelInputs, *, temperature, chunk_siz
 
   tokens = "tensor" if hidden.shape[1] % mesh.shape["tensor"] == 0 else None
   spec = P(parallel.BATCH_AXES, tokens)
-  num_out = 1 + entropy + kept_mass
+  num_out = 1 + entropy + kept_mass + sum_sq
   out_specs = (spec,) * num_out if num_out > 1 else spec
   in_specs = (P(parallel.BATCH_AXES, tokens, None), head_spec, spec) + ((P(parallel.BATCH_AXES, tokens, None),)
                                                                         if with_support else ())
@@ -179,6 +183,10 @@ class StepFunctions:
     def logprobs(params, inputs, segment_ids):
       return jax.lax.map(lambda xs: lp(params, xs[0], xs[1], entropy=False), (inputs, segment_ids))
 
+    def logprobs_sum_sq(params, inputs, segment_ids):
+      """Log-probs and `Σ_v π_v²` per token (the optimal token baseline's path variance)."""
+      return jax.lax.map(lambda xs: lp(params, xs[0], xs[1], entropy=False, sum_sq=True), (inputs, segment_ids))
+
     def logprobs_routing(params, inputs, segment_ids):
       """Log-probs and each input token's native experts `[..., num_hidden_layers, k]` (MoE)."""
       def one(xs):
@@ -207,7 +215,7 @@ class StepFunctions:
           metrics.update(mis_jax.sampling_metrics(
               jax.lax.stop_gradient(logp), jax.lax.stop_gradient(mass[0]), mb_batch.rollout_logprobs,
               mb_batch.loss_mask, mb_batch.segment_ids, num_segments=mb_batch.num_segments,
-              metric_reduction=loss_cfg.loss_agg_mode))
+              metric_reduction=loss_cfg.metric_mode))
         return loss, metrics
 
       def body(acc, xs):
@@ -215,7 +223,7 @@ class StepFunctions:
         (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb_inputs, mb_batch)
         acc = jax.tree.map(lambda a, x, s: jax.lax.with_sharding_constraint(a + x.astype(jnp.float32), s),
                            acc, g, param_shardings)
-        return acc, (metrics, _micro_batch_weights(mb_batch, loss_cfg.loss_agg_mode))
+        return acc, (metrics, _micro_batch_weights(mb_batch, loss_cfg.metric_mode))
 
       zeros = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(jnp.zeros(x.shape, jnp.float32), s),
                            params, param_shardings)
@@ -230,9 +238,10 @@ class StepFunctions:
       return params, opt_state, metrics
 
     self.logprobs = _jit(logprobs, out_shardings=batch_sh)
+    self.logprobs_sum_sq = _jit(logprobs_sum_sq, out_shardings=(batch_sh, batch_sh))
     self.logprobs_routing = _jit(logprobs_routing, out_shardings=(batch_sh, parallel.batch_sharding(mesh, 5)))
-    def prepare(batch):
-      return mis_jax.prepare_step(batch, loss_cfg)
+    def prepare(batch, key=None):  # key: clip_cov's draw
+      return mis_jax.prepare_step(batch, loss_cfg, key=key)
 
     self.prepare = _jit(prepare)
     self.train = _jit(train, donate_argnums=(0, 1), out_shardings=(param_shardings, opt_shardings, replicated))

@@ -244,16 +244,30 @@ class Trainer:
                          np.float32)
     groups = np.array([s.prompt_index for s in samples], np.int32)
     t = self.cfg.train
-    return build_step_batch(samples, rewards, self.advantages(rewards, groups), groups,
+    lengths = np.array([len(s.response_ids) for s in samples], np.int32)
+    return build_step_batch(samples, rewards, self.advantages(rewards, groups, lengths), groups,
                             num_segments=self.num_segments, row_len=t.row_len,
                             tokens_per_micro_batch=t.tokens_per_micro_batch,
                             batch_devices=parallel.batch_devices(self.mesh), support_width=self.support_width,
                             routing=self.routing_spec)
 
-  def advantages(self, rewards, groups, in_baseline=None) -> np.ndarray:
+  def advantages(self, rewards, groups, lengths, in_baseline=None) -> np.ndarray:
+    """Per-sequence advantages of `train.advantage_estimator`; the optimal token baseline's are
+    per token, computed after the old-log-prob pass (`token_baseline`): here the returns `R`."""
+    if self.cfg.train.advantage_estimator == "optimal_token_baseline":
+      return np.asarray(rewards, np.float32)
     return np.asarray(mis_jax.compute_advantages(rewards, groups, num_groups=self.cfg.rollout.prompts_per_step,
                                                  estimator=self.cfg.train.advantage_estimator,
-                                                 in_baseline=in_baseline))
+                                                 in_baseline=in_baseline, lengths=lengths))
+
+  def token_baseline(self, sb: StepBatch, prepared: mis_jax.PackedBatch, pi_logprobs, sum_sq) -> mis_jax.PackedBatch:
+    """The optimal token baseline's per-token advantages (`Σπ²` and `π` from this step's
+    policy; the correction's weights, squared, under decoupled PPO), for the whole step."""
+    pad = self.num_segments - len(sb.rewards)
+    adv = _token_baseline(np.pad(sb.rewards, (0, pad)), np.pad(sb.groups, (0, pad)), prepared.segment_ids,
+                          prepared.loss_mask, pi_logprobs, sum_sq, is_weights=prepared.is_weights,
+                          num_groups=self.cfg.rollout.prompts_per_step, num_segments=self.num_segments)
+    return prepared.replace(advantages=adv)
 
   def exclude_rejected_from_baseline(self, sb: StepBatch, prepared: mis_jax.PackedBatch):
     """contract §6.1 option: sequences the correction rejects whole leave their group's baseline.
@@ -262,7 +276,7 @@ class Trainer:
     The rejected sequences' own advantage no longer matters (they carry no kept token); the
     others' baseline stops leaking the rejected rewards (verl PR #6452)."""
     in_baseline = np.array([k.any() for k in sb.per_sequence(distributed.to_host(prepared.kept_mask))])
-    adv = self.advantages(sb.rewards, sb.groups, in_baseline)
+    adv = self.advantages(sb.rewards, sb.groups, sb.response_lengths, in_baseline)
     token_adv = sb.tokens([np.full(n, a, np.float32) for n, a in zip(sb.packing.lengths, adv)], 0.0, np.float32)
     return prepared.replace(advantages=self._on_mesh(token_adv)), int((~in_baseline).sum())
 
@@ -282,6 +296,7 @@ class Trainer:
   def train_on(self, sb: StepBatch) -> dict:
     inputs, batch = self.device_batch(sb)
     routing = {}
+    otb = self.cfg.train.advantage_estimator == "optimal_token_baseline"
     if self.routing_replay == "r2" or sb.routing is not None:
       # One pass gives the old log-probs (with r3: under the rollout's routing) and the trainer's
       # native routing: the metrics compare it with the rollout's, r2 replays it from here on.
@@ -293,18 +308,28 @@ class Trainer:
         self.num_old_logprob_passes += 1
       if self.routing_replay == "r2":
         inputs = inputs._replace(routing=native)
-    elif self.cfg.loss.needs_old_logprobs:
+    elif self.cfg.loss.needs_old_logprobs and not otb:
       batch = batch.replace(old_logprobs=self._logprobs(self.params, inputs, batch.segment_ids))
       self.num_old_logprob_passes += 1
+    if otb:  # π and Σπ² of this step's policy; the same pass gives the old log-probs where none was made
+      pi_logprobs, sum_sq = self.fns.logprobs_sum_sq(self.params, inputs, batch.segment_ids)
+      if self.cfg.loss.needs_old_logprobs and batch.old_logprobs is None:
+        batch = batch.replace(old_logprobs=pi_logprobs)
+        self.num_old_logprob_passes += 1
     self._old_logprobs = batch.old_logprobs
     if self.ref_params is not None:  # the reference model routes natively
       batch = batch.replace(ref_logprobs=self._logprobs(self.ref_params, inputs._replace(routing=None),
                                                         batch.segment_ids))
     # The correction depends only on o and q, fixed for the whole step: prepare it once.
-    prepared, dens, step_metrics = self.fns.prepare(batch)
+    key = jax.random.fold_in(jax.random.key(self.cfg.seed), self.step)  # clip_cov's draw of this step
+    prepared, dens, step_metrics = self.fns.prepare(batch, key)
     excluded = None
     if self.cfg.train.exclude_rejected_from_baseline:
       prepared, excluded = self.exclude_rejected_from_baseline(sb, prepared)
+    if otb:
+      prepared = self.token_baseline(sb, prepared, pi_logprobs, sum_sq)
+    if (otb or excluded is not None) and self.cfg.loss.uses_cov_selection:  # selected from the final advantages
+      prepared = self.fns.prepare(prepared.replace(cov_selected=None), key)[0]
     metrics: dict = {}
     for _ in range(self.cfg.train.ppo_epochs):
       self.params, self.opt_state, epoch_metrics = self.fns.train(self.params, self.opt_state, inputs, prepared,
@@ -335,6 +360,9 @@ class Trainer:
     self.params, self.opt_state, self.step = state["params"], state["opt_state"], int(meta["step"])
     self.batch_index = int(meta.get("batch_index", self.step))
     return True
+
+
+_token_baseline = jax.jit(mis_jax.optimal_token_baseline, static_argnames=("num_groups", "num_segments"))
 
 
 @functools.lru_cache(maxsize=8)
