@@ -52,6 +52,7 @@ example-tunix-sglang-jax: $(STAMP) engine  ## the same with sglang-jax as tunix'
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
+	$(PY) -m benchmarks.forms
 
 bench-memory: $(STAMP)  ## compiled per-device memory of the training step, 8 simulated devices
 	$(PY) -m benchmarks.memory

@@ -16,8 +16,9 @@ def sexp(x):
 
 
 def reduce(values, masks, mode):
-  """R_mask of contract §8 over lists of per-sequence arrays."""
-  if mode == "token-mean":
+  """R_mask of contract §8 over lists of per-sequence arrays: per token under the token modes,
+  per sequence under the seq-mean ones."""
+  if mode in ("token-mean", "token-sum"):
     num = sum(float(np.sum(np.where(m, x, 0.0))) for x, m in zip(values, masks))
     den = sum(float(np.sum(m)) for m in masks)
     return num / max(den, 1.0)

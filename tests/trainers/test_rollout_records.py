@@ -113,9 +113,24 @@ def test_analysis_equals_a_numpy_loop_on_the_committed_example(tmp_path):
     np.testing.assert_allclose(got["affected_token_fraction"], affected, atol=1e-6)
     np.testing.assert_allclose(got["kept_seq_fraction"], m["mis_kept_seq_fraction"], atol=1e-6)
     np.testing.assert_allclose(got["ess_ratio"], m["mis_ess_ratio"], rtol=1e-4)
+  # Each estimator's advantages of the recorded rewards, per step and group (a loop for grpo and
+  # rloo); the run's own estimator gives the recorded advantages back.
+  by_estimator = {a["estimator"]: a for a in report["advantages"]}
+  for estimator in ("grpo", "rloo"):
+    adv = []
+    for row in rows:
+      group = [x["reward"] for x in rows if x["step"] == row["step"] and x["group"] == row["group"]]
+      others = list(group)
+      others.remove(row["reward"])
+      adv.append((row["reward"] - np.mean(group)) / (np.std(group, ddof=1) + 1e-6) if estimator == "grpo"
+                 else row["reward"] - np.mean(others))
+    np.testing.assert_allclose(by_estimator[estimator]["mean_abs"], np.mean(np.abs(adv)), rtol=1e-4)
+    np.testing.assert_allclose(by_estimator[estimator]["zero_fraction"], np.mean(np.abs(adv) < 1e-6))
+  assert report["run_estimator"] == "grpo" and by_estimator["grpo"]["max_abs_diff_to_recorded"] < 1e-5
   # The report renders from the committed records.
   text = (tmp_path / "report" / "report.md").read_text()
   assert "## What each setting would do" in text and "mis_k3_kl" in text
+  assert "## Advantages each estimator would give these rewards" in text
   assert {p.name for p in (tmp_path / "report" / "figures").iterdir()} == {"mismatch.png", "settings.png"}
   assert report["tokens"] == r.size
 

@@ -12,6 +12,9 @@ CI-sized version of the same pipeline):
   under a bf16 and an fp8 engine, standard PPO, token TIS and MIS each without and with
   rollout routing replay (`+ R3`); every run records the server's routed experts, so the
   router disagreement (`routing_mismatch_frac`, `..._token_frac`) is measured in every arm.
+- **Policy-loss forms** (`FORMS`, `--design forms`): verl's GSPO and CISPO (contract §6.2),
+  alone and under decoupled PPO with the MIS arm's correction, beside standard PPO and that MIS
+  arm, under a bf16 and an fp8 engine.
 - **Seeds**: each seed draws its own initial weights (`init_seed`), prompts and sampling seeds;
   every arm and setting sees the same seeds (a paired design).
 
@@ -45,9 +48,23 @@ R3 = " + R3"  # an arm name ending with it replays the server's routed experts (
 
 
 def arms() -> dict[str, mis_jax.LossConfig]:
-  """The loss of every arm; `<arm> + R3` is `<arm>` with routing replay (MoE designs)."""
+  """The loss of every arm; `<arm> + R3` is `<arm>` with routing replay (MoE designs); the
+  policy-loss forms' arms (`FORMS`) after them."""
   base = _base_arms()
-  return {**base, **{name + R3: base[name] for name in ("standard PPO", "decoupled + token TIS", "decoupled + MIS")}}
+  return {**base, **{name + R3: base[name] for name in ("standard PPO", "decoupled + token TIS", "decoupled + MIS")},
+          **_form_arms(base["decoupled + MIS"].mis)}
+
+
+def _form_arms(mis: mis_jax.MISConfig) -> dict[str, mis_jax.LossConfig]:
+  """GSPO and CISPO (contract §6.2) alone (standard PPO's anchor: the recomputed old log-probs)
+  and under decoupled PPO with the MIS arm's correction. GSPO with its paper's sequence-ratio
+  clip (3e-4 / 4e-4, verl's recipe); CISPO with the default ε = 0.2 on its weight."""
+  forms = {"GSPO": dict(policy_loss="gspo", eps_clip=3e-4, eps_clip_high=4e-4), "CISPO": dict(policy_loss="cispo")}
+  out = {}
+  for name, kw in forms.items():
+    out[name] = mis_jax.LossConfig(**kw)
+    out[f"{name} + MIS"] = mis_jax.LossConfig(use_tis=True, mis=mis, **kw)
+  return out
 
 
 def _base_arms() -> dict[str, mis_jax.LossConfig]:
@@ -123,6 +140,10 @@ STRESS = Design(arms=("standard PPO", "bypass PPO", "decoupled + MIS"), settings
 MOE = Design(arms=("standard PPO", "standard PPO" + R3, "decoupled + token TIS", "decoupled + token TIS" + R3,
                    "decoupled + MIS", "decoupled + MIS" + R3),
              settings=("bf16", "fp8"), probe_settings=(), preset="tiny-qwen3-moe")
+# verl's policy-loss forms under the fresh quantised engines, alone and with MIS, beside
+# standard PPO and the MIS arm (the same seeds: the paired differences are to standard PPO).
+FORMS = Design(arms=("standard PPO", "decoupled + MIS", "GSPO", "GSPO + MIS", "CISPO", "CISPO + MIS"),
+               settings=("bf16", "fp8"), probe_settings=())
 QUICK = Design(arms=("standard PPO", "decoupled + MIS"), settings=("fp8, sync 4",), probe_settings=(),
                seeds=(0, 1), steps=4,
                prompts_per_step=4, n=4, ppo_epochs=1, final_window=2)
@@ -449,16 +470,16 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", default="runs/mismatch", help="results.json and the figures go here")
   parser.add_argument("--quick", action="store_true", help="the CI-sized design (seconds, not an hour)")
-  parser.add_argument("--design", choices=("default", "moe"), default="default",
+  parser.add_argument("--design", choices=("default", "moe", "forms"), default="default",
                       help="default: the grid (OUT) and the collapse search (OUT/stress); moe: the mixture-of-experts "
-                      "arm (OUT/moe)")
+                      "arm (OUT/moe); forms: GSPO and CISPO with and without MIS (OUT/forms)")
   parser.add_argument("--resume", action="store_true", help="keep the runs OUT/results.json already has")
   args = parser.parse_args(argv)
   # The full experiment is the grid (OUT) and the collapse search (OUT/stress).
   if args.quick:
     designs = [(args.out, QUICK)]
-  elif args.design == "moe":
-    designs = [(os.path.join(args.out, "moe"), MOE)]
+  elif args.design in ("moe", "forms"):
+    designs = [(os.path.join(args.out, args.design), {"moe": MOE, "forms": FORMS}[args.design])]
   else:
     designs = [(args.out, FULL), (os.path.join(args.out, "stress"), STRESS)]
   for out, design in designs:

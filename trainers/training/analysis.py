@@ -11,6 +11,10 @@ sampling temperature), and writes `report.md`, `report.json` and PNG figures:
 - for a grid of settings (IS level × bound `C` in truncate and mask modes, veto thresholds), the
   fraction of tokens truncated or masked, the tokens and sequences kept, and the effective sample
   size left — so thresholds are chosen from one's own data.
+- the advantages every per-sequence estimator (`mis_jax.SEQUENCE_ESTIMATORS` but `gdpo`, which
+  needs several rewards) gives the recorded rewards, step by step over the recorded groups: their
+  spread, the share of sequences left without signal, and for the run's own estimator the largest
+  difference to the recorded advantages.
 
 Every weight and metric is computed by the library (`compute_mis_weights` on the records packed
 one sequence per segment); this module only arranges the records and the report.
@@ -112,7 +116,36 @@ def settings_grid(o, q, mask, seg, num_segments, mode) -> list[dict]:
   return out
 
 
-def analyze(rows: list[dict], mode: str = "seq-mean-token-mean") -> dict:
+def advantages_report(rows: list[dict], run_estimator: str | None = None) -> list[dict]:
+  """Per sequence estimator, the advantages of the recorded rewards (each step's groups): mean,
+  std, mean |A|, the share of sequences with |A| < 1e-6 (no signal), and for `run_estimator`
+  the largest |A - recorded advantage|. `optimal_token_baseline` needs the policy's `Σπ²` per
+  token, which records do not hold; `gdpo` needs several rewards."""
+  import mis_jax
+  steps = sorted({int(r["step"]) for r in rows})
+  out = []
+  for estimator in mis_jax.SEQUENCE_ESTIMATORS:
+    if estimator == "gdpo":
+      continue
+    got, recorded = [], []
+    for k in steps:
+      step_rows = [r for r in rows if int(r["step"]) == k]
+      groups = np.array([r["group"] for r in step_rows], np.int32)
+      adv = mis_jax.compute_advantages(
+          np.array([r["reward"] for r in step_rows], np.float32), groups, num_groups=int(groups.max()) + 1,
+          estimator=estimator, lengths=np.array([len(r["response_ids"]) for r in step_rows], np.int32))
+      got.append(np.asarray(adv, np.float64))
+      recorded.append(np.array([r["advantage"] for r in step_rows], np.float64))
+    a = np.concatenate(got)
+    row = {"estimator": estimator, "mean": float(a.mean()), "std": float(a.std()), "mean_abs": float(np.abs(a).mean()),
+           "zero_fraction": float((np.abs(a) < 1e-6).mean())}
+    if estimator == run_estimator:
+      row["max_abs_diff_to_recorded"] = float(np.abs(a - np.concatenate(recorded)).max())
+    out.append(row)
+  return out
+
+
+def analyze(rows: list[dict], mode: str = "seq-mean-token-mean", run_estimator: str | None = None) -> dict:
   """The report's numbers (see the module doc)."""
   import mis_jax
   o, q, mask, seg, num_segments = packed(rows)
@@ -145,6 +178,7 @@ def analyze(rows: list[dict], mode: str = "seq-mean-token-mean") -> dict:
       "mismatch_metrics": _metrics(o, q, mask, seg, num_segments, mis_jax.MISConfig(use_tis=False), mode),
       "by_position": by_position, "by_length": by_length, "top_tokens": top_tokens,
       "settings": settings_grid(o, q, mask, seg, num_segments, mode),
+      "run_estimator": run_estimator, "advantages": advantages_report(rows, run_estimator),
   }
 
 
@@ -209,6 +243,15 @@ def markdown(report: dict, figure_paths: list[str], source: str) -> str:
             "|---|---|---|---|---|"]
   lines += [f"| {s['setting']} | {s['affected_token_fraction']:.2%} | {s['kept_token_fraction']:.2%} | "
             f"{s['kept_seq_fraction']:.2%} | {s['ess_ratio']:.3f} |" for s in report["settings"]]
+  lines += ["", "## Advantages each estimator would give these rewards", "",
+            f"Per step over the recorded groups; the run's estimator: `{report['run_estimator'] or 'unknown'}` "
+            "(its row compares with the recorded advantages). `optimal_token_baseline` needs `Σπ²` per token, "
+            "which records do not hold.", "",
+            "| estimator | mean | std | mean abs | sequences without signal | max diff to recorded |",
+            "|---|---|---|---|---|---|"]
+  lines += [f"| `{a['estimator']}` | {a['mean']:.3g} | {a['std']:.3g} | {a['mean_abs']:.3g} | {a['zero_fraction']:.1%} | "
+            + (f"{a['max_abs_diff_to_recorded']:.2g} |" if "max_abs_diff_to_recorded" in a else "— |")
+            for a in report["advantages"]]
   return "\n".join(lines) + "\n"
 
 
@@ -244,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mis-jax analyze: {e}", file=sys.stderr)
     return 2
   mode = args.metric_reduction or (meta.get("loss") or {}).get("loss_agg_mode") or "seq-mean-token-mean"
-  report = analyze(rows, mode)
+  report = analyze(rows, mode, ((meta.get("config") or {}).get("train") or {}).get("advantage_estimator"))
   out = args.out or os.path.join(args.records, "report")
   os.makedirs(out, exist_ok=True)
   paths = figures(rows, report, out)
