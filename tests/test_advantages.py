@@ -1,6 +1,7 @@
 """Advantage estimators against plain loops over groups written from verl's documentation
 (contract §6.1), and OTB's per-token baseline against a loop over groups and positions."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -182,3 +183,32 @@ def test_optimal_token_baseline_matches_loop(with_is):
   want = otb_oracle(rewards, groups, old, sumsq, isw)
   for a, b in zip(packing.unpack(np.asarray(got)), want):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_jit_equals_eager_and_otb_packed_equals_padded():
+  """Every estimator gives the same advantages jitted and eager; OTB's per-token advantages do
+  not depend on the layout (rows of 8 shared by sequences == one padded row per sequence)."""
+  rng = np.random.default_rng(7)
+  groups = np.array([0, 0, 0, 1, 1, 2, 2, 2])
+  lengths = rng.integers(1, 7, len(groups)).astype(np.int32)
+  rewards = rng.integers(0, 3, len(groups)).astype(np.float32)
+  for estimator in mis_jax.SEQUENCE_ESTIMATORS:
+    r = np.stack([rewards, rng.normal(size=len(groups)).astype(np.float32)], 1) if estimator == "gdpo" else rewards
+    fn = lambda r, g, n: mis_jax.compute_advantages(r, g, num_groups=3, estimator=estimator, lengths=n)
+    np.testing.assert_allclose(np.asarray(jax.jit(fn)(r, groups, lengths)), np.asarray(fn(r, groups, lengths)),
+                               rtol=1e-6, atol=1e-6, err_msg=estimator)
+  old = [np.log(rng.uniform(0.05, 0.95, n)).astype(np.float32) for n in lengths]
+  sumsq = [(np.exp(2 * o) + 0.1).astype(np.float32) for o in old]
+  isw = [rng.uniform(0.5, 2.0, n).astype(np.float32) for n in lengths]
+  n = len(lengths)
+  padded = mis_jax.Packing(row_len=int(lengths.max()), num_rows=n, rows=np.arange(n), offsets=np.zeros(n, np.int64),
+                           lengths=lengths)
+  outs = []
+  for packing in (mis_jax.plan_packing(lengths, 8), padded):
+    pack = lambda xs: packing.pack(xs, 0.0, np.float32)
+    fn = jax.jit(mis_jax.optimal_token_baseline, static_argnames=("num_groups", "num_segments"))
+    got = fn(rewards, groups, packing.segment_ids, packing.segment_ids >= 0, pack(old), pack(sumsq), num_groups=3,
+             num_segments=len(lengths), is_weights=pack(isw))
+    outs.append(np.concatenate(packing.unpack(np.asarray(got))))
+  np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(outs[0], np.concatenate(otb_oracle(rewards, groups, old, sumsq, isw)), rtol=1e-5, atol=1e-6)
