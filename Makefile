@@ -29,13 +29,13 @@ engine: $(STAMP)
 
 # Two workers (the CI machine has 2 cores); whole files per worker keep module fixtures (servers) shared.
 test: $(STAMP) engine
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not multihost" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not multihost and not repeat" tests
 
-test-all: $(STAMP) engine  ## everything, the 2-process trainer run included
+test-all: $(STAMP) engine  ## everything: the 2-process trainer runs and the repeats (marker repeat) included
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not repeat" tests
 
 demo: $(DEMO_STAMP)  ## the trainer on the embedded server (toy task); a fresh run dir each time
 	$(PY) -m trainers.cli train --config configs/demo.yaml --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)

@@ -8,6 +8,13 @@ import os
 import shutil
 import tempfile
 
+# The suite's programs are tiny and compiled once each: LLVM's optimisation passes cost more than
+# they save. Level 0 changes no result (XLA CPU does no fast-math; reductions keep XLA's order) and
+# cuts compile time by about 30% (test_step's micro-batch and chunked tests: 40.8 s -> 28.0 s).
+# Every process the tests start inherits it, servers and trainers included.
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
@@ -45,10 +52,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # The longest files first (measured durations, longest first): `--dist loadfile` hands whole
 # files to the two workers in collection order, so a long file collected last would leave one
 # worker running it alone at the end. Within a file, and among the rest, the order is unchanged.
-LONGEST_FIRST = ("trainers/test_step.py", "trainers/test_moe_model.py", "trainers/test_moe_train.py",
-                 "trainers/test_sampling_replay.py", "integrations/test_tunix.py", "trainers/test_sglang_jax.py",
-                 "trainers/test_train.py", "test_notebooks.py", "trainers/test_rollout_records.py",
-                 "trainers/test_experiment.py")
+LONGEST_FIRST = ("trainers/test_sglang_jax.py", "trainers/test_moe_train.py", "trainers/test_moe_model.py",
+                 "trainers/test_step.py", "trainers/test_sampling_replay.py", "trainers/test_train.py",
+                 "integrations/test_tunix.py", "trainers/test_faults.py", "test_notebooks.py", "trainers/test_server.py")
 
 
 def pytest_collection_modifyitems(config, items):

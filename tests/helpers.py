@@ -107,6 +107,7 @@ def cpu_process_env(devices: int | None = None) -> dict:
   with ``devices``, that many simulated CPU devices."""
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_NUM_CPU_DEVICES")}
   env["JAX_PLATFORMS"] = "cpu"
+  env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"  # the suite's (tests/conftest.py)
   if devices is not None:
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={devices}"
   return env

@@ -183,7 +183,7 @@ def test_shipped_moe_config():
   assert checks.routing_setup(cfg.rollout, PRESETS[cfg.model.preset])[1] == RoutingSpec(2, 2, 8)
 
 
-@pytest.mark.parametrize("algo", ["bypass_ppo", "reinforce_is"])
+@pytest.mark.parametrize("algo", ["bypass_ppo", pytest.param("reinforce_is", marks=pytest.mark.repeat)])
 def test_r3_with_the_other_algorithms(algo, moe_server, tmp_path):
   """R3 needs no old-log-prob pass of the algorithm (bypass, REINFORCE + IS): the routing pass
   still measures the mismatch, and the replayed routing reaches every training forward."""

@@ -75,7 +75,7 @@ def test_supports_are_packed_with_their_tokens():
   assert np.all((sup[mask] == targets[mask][:, None]).any(-1))  # every trained token in its support
 
 
-@pytest.mark.parametrize("algo", ["decoupled_ppo", "reinforce_is"])
+@pytest.mark.parametrize("algo", ["decoupled_ppo", pytest.param("reinforce_is", marks=pytest.mark.repeat)])
 def test_replay_step_on_a_mesh_and_micro_batches_equals_one_device(algo):
   """The whole step (parameters, Adam state, every metric, the sampling ones included) with
   supports: a (2, 2, 2) mesh == one device, and 4 micro-batches == 1."""

@@ -117,20 +117,27 @@ def single_device_runs():
   mesh = _mesh((1, 1, 1))
   # The layout the 8-device meshes use (one row per device per micro-batch): the same rows everywhere.
   sb = _step_batch(ROW_LEN, 8, _samples(40))
-  return sb, {name: _run(mesh, cfg, sb, 3)[:2] for name, cfg in ALGORITHMS.items()}
+  runs = {}
+
+  def run(name):  # computed when a mesh case first asks for it (a deselected case costs nothing)
+    if name not in runs:
+      runs[name] = _run(mesh, ALGORITHMS[name], sb, 3)[:2]
+    return runs[name]
+  return sb, run
 
 
 # Every mesh, every algorithm: decoupled PPO (the whole correction) on the 1-axis and the 3-axis
 # mesh, the other algorithms on a multi-axis one each (their loss differs, the sharded step is
 # the same program); the (2, 4) mesh runs REINFORCE + IS (its correction inside the loss).
-MESH_CASES = [("decoupled_ppo", "8"), ("decoupled_ppo", "2x2x2"), ("ppo", "2x2x2"), ("reinforce_is", "2x4")]
+MESH_CASES = [("decoupled_ppo", "8"), ("decoupled_ppo", "2x2x2"), pytest.param("ppo", "2x2x2", marks=pytest.mark.repeat),
+              ("reinforce_is", "2x4")]
 
 
 @pytest.mark.parametrize("algo,mesh_name", MESH_CASES)
 def test_mesh_step_equals_single_device(algo, mesh_name, single_device_runs):
-  sb, runs = single_device_runs
+  sb, run = single_device_runs
   assert sb.layout.micro_batches == 2  # the step accumulates over micro-batches on every mesh
-  want_states, want_history = runs[algo]
+  want_states, want_history = run(algo)
   mesh = _mesh(MESHES[mesh_name])
   states, history, (params, opt_state, fns) = _run(mesh, ALGORITHMS[algo], sb, 3)
   for i in (0, 2):  # after one and after three optimiser steps
@@ -163,7 +170,7 @@ def test_partition_rules_on_a_3d_mesh():
   assert specs8["layers/mlp/down_proj/kernel"] == P(None, "fsdp", None)           # [L, 128, 64]
 
 
-@pytest.mark.parametrize("algo", ["decoupled_ppo", "reinforce_is"])  # with and without old log-probs
+@pytest.mark.parametrize("algo", ["decoupled_ppo", pytest.param("reinforce_is", marks=pytest.mark.repeat)])  # with and without old log-probs
 def test_one_micro_batch_equals_four(algo):
   mesh = _mesh((1, 1, 1))
   one, four = _step_batch(8 * ROW_LEN, 1), _step_batch(2 * ROW_LEN, 1)
