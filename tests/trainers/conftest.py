@@ -59,7 +59,8 @@ def sequence_logits(model, seq) -> np.ndarray:
 class StepTraces:
   """Counts the traces of the trainer's jitted step functions (`trainers.training.step._jit`), per
   input signature (shapes, dtypes and static values): a function must trace once per shape
-  bucket and never again. This is the trace counter where chex cannot reach: the trainer's
+  bucket and never again (a bucket: the arrays' shapes and dtypes, so a Python value that changes
+  between calls, a static argument, is caught). This is the trace counter where chex cannot reach: the trainer's
   buckets vary with each step's samples, and `chex.assert_max_traces` bounds a function's total
   (keyed by its source, so not per bucket)."""
 
@@ -72,9 +73,13 @@ class StepTraces:
     name = fn.__name__
 
     def traced(*args):
-      key = str(jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else x, args))
+      # A shape bucket is the arrays' shapes and dtypes: a Python value (a static argument) that
+      # changes between calls of one bucket recompiles every time, so it does not make a new one.
+      key = str(jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else type(x).__name__,
+                             args))
       seen = self.traces.setdefault(name, [])
-      assert key not in seen, f"{name} traced again for a signature it had compiled: {key[:300]}"
+      assert key not in seen, (f"{name} traced again for shapes it had compiled (a Python value that changes "
+                               f"is static: it recompiles every call): {key[:300]}")
       seen.append(key)
       return fn(*args)
 
