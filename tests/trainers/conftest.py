@@ -58,10 +58,10 @@ def sequence_logits(model, seq) -> np.ndarray:
 
 class StepTraces:
   """Counts the traces of the trainer's jitted step functions (`trainers.training.step._jit`), per
-  input signature (shapes, dtypes and static values): a function must trace once per shape
-  bucket and never again (a bucket: the arrays' shapes and dtypes, so a Python value that changes
-  between calls, a static argument, is caught). This is the trace counter where chex cannot reach: the trainer's
-  buckets vary with each step's samples, and `chex.assert_max_traces` bounds a function's total
+  shape bucket (the arrays' shapes and dtypes; Python values by type only): a function must trace
+  once per bucket and never again, so a Python value that changes between calls as a static
+  argument (a recompile every call) fails. This is the trace counter where chex cannot reach: the
+  trainer's buckets vary with each step's samples, and `chex.assert_max_traces` bounds a function's total
   (keyed by its source, so not per bucket)."""
 
   def __init__(self):
