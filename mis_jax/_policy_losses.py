@@ -149,16 +149,15 @@ def _sapo(x: FormInputs) -> FormLoss:
 
 
 def _gpg(x: FormInputs) -> FormLoss:
-  """GPG: plain policy gradient ``-A · lp`` (no ratio, no clip)."""
+  """GPG: plain policy gradient ``-A · lp`` (no ratio, no clip); weighted as REINFORCE + IS's
+  ``-w·A·lp`` (the same product order, so the two are equal there to the bit)."""
   pg = -x.adv * x.lp if x.weights is None else -x.weights * x.adv * x.lp
   return FormLoss(pg, jnp.zeros_like(x.lp), {})
 
 
 def _clip_cov(x: FormInputs) -> FormLoss:
   """Clip-Cov (arXiv 2505.22617): PPO's surrogate, cut to 0 on the step's selected tokens."""
-  lo, hi = _clip_range(x.cfg)
-  ratio = safe_exp(x.lp - x.anchor)
-  pg = jnp.maximum(-x.adv * ratio, -x.adv * jnp.clip(ratio, lo, hi))
+  pg, _ = ppo_token_loss(x.lp, x.anchor, x.adv, eps_clip=x.cfg.eps_clip, eps_clip_high=x.cfg.clip_high)
   pg = jnp.where(x.selected, 0.0, pg)
   selected = x.selected.astype(jnp.float32)
   return FormLoss(_weighted(pg, x), selected, {"cov_selected_fraction": selected})
