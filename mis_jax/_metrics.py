@@ -112,7 +112,8 @@ def final_weight_metrics(*, mean_after_tis_rs, factor, w_min, w_max, sum_w, sum_
   = μ``; ``mis_is_ratio_{mean,min,max}_final``: ``R_{m'}``, global min and max of ``w / μ``
   (0 when nothing is kept); ``mis_ess_ratio = (Σ w m')² / (Σ m' · Σ w² m')`` (scale-free);
   ``mis_kept_token_fraction`` / ``mis_kept_seq_fraction``: kept share of trained tokens / of
-  live segments.
+  live segments; ``mis_masked_whole_batch``: 1 when the correction keeps no token at all (the
+  loss is then 0 with zero, finite gradients), else 0.
   """
   any_kept = num_kept > 0
   ess_den = num_kept * sum_w2
@@ -125,6 +126,7 @@ def final_weight_metrics(*, mean_after_tis_rs, factor, w_min, w_max, sum_w, sum_
       "mis_ess_ratio": jnp.where(ess_den > 0, sum_w * sum_w / jnp.where(ess_den > 0, ess_den, 1.0), 0.0),
       "mis_kept_token_fraction": num_kept / jnp.maximum(num_trained, 1.0),
       "mis_kept_seq_fraction": jnp.sum((seg_kept_counts > 0).astype(jnp.float32)) / jnp.maximum(num_live, 1.0),
+      "mis_masked_whole_batch": (~any_kept).astype(jnp.float32),
   }
 
 
@@ -145,6 +147,7 @@ MICROBATCH_REDUCTIONS = {
     "mis_is_ratio_min_final": "min", "mis_is_ratio_max_final": "max",
     "mis_rs_catastrophic_seq_fraction": "seqs", "mis_kept_seq_fraction": "seqs",
     "sampling_kept_mass_min": "min",
+    "mis_masked_whole_batch": "min",  # the step keeps nothing iff no micro-batch keeps anything
 }
 
 

@@ -187,6 +187,7 @@ def mis(seqs, cfg, mode, train_key="o"):
                               if n_kept else 0.0)
   metrics["mis_kept_token_fraction"] = n_kept / max(sum(float(m.sum()) for m in masks), 1.0)
   metrics["mis_kept_seq_fraction"] = sum(int(k.any()) for k in K) / max(live_seqs, 1)
+  metrics["mis_masked_whole_batch"] = 1.0 if n_kept == 0 else 0.0
   return W, K, metrics
 
 

@@ -257,3 +257,32 @@ def test_the_loss_pass_traces_once_for_every_batch_of_a_shape():
     batch, extra, _ = pack(seqs, row_len=16, num_rows=8, num_segments=16)
     (value, metrics), grad = step(extra["lp"], batch)
     assert np.isfinite(float(value)) and np.all(np.isfinite(np.asarray(grad)))
+
+
+@pytest.mark.parametrize("algo", ["decoupled_ppo", "reinforce_is"])
+def test_a_batch_masked_whole_gives_zero_loss_and_finite_gradients(algo):
+  """A setting that keeps no token (every ratio e^5, outside the mask band [0.5, 2]): loss 0,
+  gradients zero and finite, every metric finite, `mis_masked_whole_batch` 1, in every mode and
+  denominator, and over micro-batches (the reduction keeps it 1); a batch that keeps a token: 0."""
+  rng = np.random.default_rng(3)
+  seg = np.repeat(np.arange(4), 8).astype(np.int32)
+  q = -rng.uniform(0.1, 2.0, seg.size).astype(np.float32)
+  mis = mis_jax.MISConfig(tis_mode="mask", tis_lower_bound=0.5, tis_upper_bound=2.0)
+  for mode, den in itertools.product(mis_jax.LOSS_AGG_MODES, mis_jax.DENOMINATORS):
+    cfg = mis_jax.LossConfig(use_tis=True, mis=mis, loss_agg_mode=mode, denominator=den,
+                             use_rollout_logprobs=algo == "reinforce_is",
+                             loss_scale_factor=8.0 if mode == "seq-mean-token-sum-norm" else None)
+    for shift, whole in ((5.0, 1.0), (0.0, 0.0)):
+      o = q + shift
+      batch = mis_jax.PackedBatch(segment_ids=seg, loss_mask=np.ones(seg.size, bool),
+                                  advantages=rng.normal(size=seg.size).astype(np.float32), rollout_logprobs=q,
+                                  old_logprobs=None if algo == "reinforce_is" else o, num_segments=4)
+      prepared, dens, step_metrics = mis_jax.prepare_step(batch, cfg)
+      (loss, metrics), grad = jax.value_and_grad(
+          lambda lp: mis_jax.policy_loss(lp, prepared, cfg, denominators=dens), has_aux=True)(jnp.asarray(o))
+      metrics = {**metrics, **step_metrics}
+      assert all(np.isfinite(float(v)) for v in metrics.values()), (mode, den)
+      assert float(metrics["mis_masked_whole_batch"]) == whole, (mode, den, shift)
+      if whole:
+        assert float(loss) == 0.0 and np.all(np.asarray(grad) == 0.0), (mode, den)
+  assert mis_jax.microbatch_reduction("mis_masked_whole_batch") == "min"

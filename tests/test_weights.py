@@ -18,7 +18,7 @@ MISMATCH_KEYS = {"mis_training_log_ppl", "mis_training_ppl", "mis_rollout_log_pp
                  "mis_chi2_token", "mis_chi2_seq", "train_rollout_logprob_abs_diff"}
 FINAL_KEYS = {"mis_is_ratio_mean_after_tis_rs", "mis_batch_norm_factor", "mis_is_ratio_mean_final",
               "mis_is_ratio_min_final", "mis_is_ratio_max_final", "mis_ess_ratio",
-              "mis_kept_token_fraction", "mis_kept_seq_fraction", "mis_tis_weight_before_bound",
+              "mis_kept_token_fraction", "mis_kept_seq_fraction", "mis_masked_whole_batch", "mis_tis_weight_before_bound",
               "mis_tis_weight_after_bound"}
 MODE_KEYS = {"truncate": {"mis_tis_truncate_fraction"},
              "clip": {"mis_tis_clip_fraction_low", "mis_tis_clip_fraction_high"},

@@ -227,6 +227,29 @@ def test_policy_loss_and_optimal_token_baseline_end_to_end(server, tmp_path, ste
       np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-5)
 
 
+def test_steps_masked_whole_warn_then_stop_naming_the_setting(tmp_path):
+  """A band no token of a random-log-prob server fits: every step keeps nothing (loss 0,
+  `mis_masked_whole_batch` 1). Step 1 is a warning naming the setting and the ratios seen; the
+  second in a row (`train.max_consecutive_masked_steps: 2`) stops the run with the same, before
+  its checkpoint."""
+  mis = mis_jax.MISConfig(tis_mode="mask", tis_lower_bound=0.999, tis_upper_bound=1.001)
+  logs = []
+  with FakeSGLang() as fake:
+    cfg = make_cfg(tmp_path, train={"steps": 5, "max_consecutive_masked_steps": 2}, rollout={"mismatch_check": False})
+    trainer = train_lib.Trainer(cfg, mis_jax.LossConfig(use_tis=True, mis=mis), urls=[fake.url])
+    with pytest.raises(train_lib.TrainingError, match=r"step 2: the correction kept no token .*2 steps in a row") as stop:
+      trainer.run(progress=False, log=logs.append)
+  warnings = [line for line in logs if line.startswith("warning: step 1: the correction kept no token")]
+  assert len(warnings) == 1 and "(1 in a row; the run stops at 2)" in warnings[0], logs
+  for text in (warnings[0], str(stop.value)):
+    assert "tis_mode mask, tis_lower_bound 0.999, tis_upper_bound 1.001" in text, text
+    lo, hi = (float(x) for x in text.split("lay in [")[1].split("]")[0].split(", "))
+    assert 0 < lo <= hi and not 0.999 <= lo <= hi <= 1.001  # the ratios the band masked
+  rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows] == [1, 2] and all(r["mis_masked_whole_batch"] == 1 and r["loss"] == 0 for r in rows)
+  assert trainer.checkpoints.latest_step() == 1
+
+
 def test_config_errors(tmp_path):
   with pytest.raises(mis_jax.ConfigError, match=r"unknown key 'rollout.temprature'.*Did you mean 'temperature'"):
     TrainConfig.from_dict({"rollout": {"temprature": 1.0}})

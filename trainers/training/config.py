@@ -148,6 +148,8 @@ class TrainSection:
   advantage_estimator: str = key("grpo", "per-group advantages (contract §6.1)", choices=tuple(mis_jax.ESTIMATORS))
   exclude_rejected_from_baseline: bool = key(False, "sequences rejected whole leave their group's baseline (contract §6.1)")
   router_aux_loss_coef: float = key(0.0, "mixture of experts: weight of HF's load-balancing loss (RL recipes: 0)", ge=0)
+  max_consecutive_masked_steps: int = key(3, "steps in a row whose correction keeps no token (a warning each) before "
+                                          "the run stops, naming the setting and the ratios seen", ge=1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -110,6 +110,8 @@ class Trainer:
     self.batch_index = 0  # the rollout batch the next step takes (= step, unless stale batches were skipped)
     self.num_old_logprob_passes = 0  # bypass and REINFORCE-IS never recompute (tested)
     self._old_logprobs = None  # the step's recomputed old log-probs (device), for the records
+    self.masked_in_a_row = 0  # steps in a row whose correction kept no token
+    self.masked_ratio_range = None  # (min, max) raw IS ratio of the last such step
     self.num_segments = r.prompts_per_step * r.n
     self.checkpoints = checkpointing.Checkpointer(os.path.join(self.run_dir, "checkpoints"),
                                                   max_to_keep=cfg.checkpoint.max_to_keep)
@@ -153,6 +155,7 @@ class Trainer:
         metrics.update(self.step_metrics(sb, rollout, t0, t1, t2, time.perf_counter()))
         history.append(metrics)
         log_metrics(self.step, metrics)  # before the checkpoint: a step checkpointed is a step logged
+        self.watch_masked(metrics, log)
         if self.step % self.cfg.checkpoint.every == 0 or self.step == self.cfg.train.steps:
           self.save_checkpoint()
       self.preempted = self.step < self.cfg.train.steps
@@ -344,7 +347,34 @@ class Trainer:
     if not all(np.isfinite(v) for v in metrics.values()):
       bad = [k for k, v in metrics.items() if not np.isfinite(v)]
       raise TrainingError(f"step {self.step}: non-finite metrics {bad}; stopping before using these weights")
+    if metrics.get("mis_masked_whole_batch") == 1.0:  # what the ratios were, for the warning (rare: one pass)
+      train_lp = batch.old_logprobs if batch.old_logprobs is not None else self.fns.logprobs(
+          self.params, inputs, batch.segment_ids)
+      log_ratio = distributed.to_host(train_lp - batch.rollout_logprobs)[distributed.to_host(batch.loss_mask)]
+      self.masked_ratio_range = tuple(float(np.exp(np.clip(x, -20, 20))) for x in (log_ratio.min(), log_ratio.max()))
     return metrics
+
+  def watch_masked(self, metrics: dict, log):
+    """contract §8.2's `mis_masked_whole_batch`: a step whose correction keeps no token trains on
+    nothing (loss 0). Each one is a warning; `train.max_consecutive_masked_steps` in a row stop
+    the run, naming the setting and the ratios seen."""
+    if metrics.get("mis_masked_whole_batch", 0.0) < 1.0:
+      self.masked_in_a_row = 0
+      return
+    self.masked_in_a_row += 1
+    mis = self.cfg.loss.mis
+    defaults = mis_jax.MISConfig().to_dict()
+    setting = (", ".join(f"{k} {v}" for k, v in mis.to_dict().items() if v != defaults[k]) if mis is not None
+               else "vanilla TIS")
+    lo, hi = self.masked_ratio_range
+    what = (f"step {self.step}: the correction kept no token (loss.mis: {setting or 'the defaults'}); the step's "
+            f"raw IS ratios pi_train/pi_rollout lay in [{lo:.3g}, {hi:.3g}]")
+    limit = self.cfg.train.max_consecutive_masked_steps
+    if self.masked_in_a_row >= limit:
+      raise TrainingError(f"{what}; {limit} steps in a row kept no token (train.max_consecutive_masked_steps): "
+                          "stopping. Loosen the bounds or look at the engine's log-probs")
+    if distributed.is_primary():
+      log(f"warning: {what} ({self.masked_in_a_row} in a row; the run stops at {limit})")
 
   # --- checkpoints ---------------------------------------------------------------------
   def save_checkpoint(self):
