@@ -65,20 +65,24 @@ ALGORITHMS = {"ppo": ("old", False), "bypass_ppo": ("rollout", False), "decouple
               "reinforce_is": ("rollout", True)}
 
 
+def _anchor(cfg: LossConfig, old, rollout):
+  """The anchor of ``cfg``'s algorithm (contract §6): the old log-probs or the rollout's."""
+  return old if ALGORITHMS[cfg.algorithm][0] == "old" else rollout
+
+
 def token_loss(cfg: LossConfig, lp, lp_sg, o, q, adv, weights, kept, segs: Segments, selected):
   """The per-token policy loss of ``cfg``'s algorithm (contract §6) and form (§6.2).
 
-  Returns ``(pg, anchor, over_kept, over_mask)``: the weighted per-token loss, the anchor (for
-  ``ppo_kl``), metric rows over the kept mask (``pg_clipfrac`` and the form's own) and over the
-  original mask (decoupled PPO's ``ois``).
+  Returns ``(pg, over_kept, over_mask)``: the weighted per-token loss, metric rows over the
+  kept mask (``pg_clipfrac``, ``ppo_kl`` and the form's own) and over the original mask
+  (decoupled PPO's ``ois``).
   """
-  anchor_name, weighted = ALGORITHMS[cfg.algorithm]
-  anchor = o if anchor_name == "old" else q
+  anchor = _anchor(cfg, o, q)
   form = "gpg" if cfg.algorithm == "reinforce_is" else cfg.policy_loss
   out = _policy_losses.FORMS[form](_policy_losses.FormInputs(
-      lp, lp_sg, anchor, adv, kept, segs, weights if weighted else None, selected, cfg))
+      lp, lp_sg, anchor, adv, kept, segs, weights if ALGORITHMS[cfg.algorithm][1] else None, selected, cfg))
   over_mask = {"ois": safe_exp(lp_sg - o)} if cfg.algorithm == "decoupled_ppo" else {}
-  return out.pg, anchor, {"pg_clipfrac": out.clipfrac, **out.over_kept}, over_mask
+  return out.pg, {"pg_clipfrac": out.clipfrac, "ppo_kl": anchor - lp_sg, **out.over_kept}, over_mask
 
 
 def aggregate(token_values, kept, segs: Segments, mode: str, dens: Denominators, *,
@@ -232,10 +236,11 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
   elif not (loss_cfg.algorithm == "reinforce_is" and loss_cfg.denominator == "kept"):
     dens = Denominators.from_stats(segs.mask_stats(mask))
   if loss_cfg.uses_cov_selection and batch.cov_selected is None:
-    anchor = batch.old_logprobs if ALGORITHMS[loss_cfg.algorithm][0] == "old" else batch.rollout_logprobs
+    anchor = _anchor(loss_cfg, batch.old_logprobs, batch.rollout_logprobs)
     if anchor is None:
       raise ValueError(f"policy_loss '{loss_cfg.policy_loss}' selects tokens from the anchor log-probs: "
-                       f"algorithm '{loss_cfg.algorithm}' needs batch.{'old' if anchor is batch.old_logprobs else 'rollout'}_logprobs")
+                       f"algorithm '{loss_cfg.algorithm}' needs batch."
+                       f"{_anchor(loss_cfg, 'old_logprobs', 'rollout_logprobs')}")
     anchor = jnp.where(mask, _validation.flat_float(anchor), 0.0)
     adv = jnp.where(mask, _validation.flat_float(batch.advantages), 0.0)
     selected = _policy_losses.cov_selection(anchor, adv, kept, segs, loss_cfg, key)
@@ -344,10 +349,8 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
     if batch.cov_selected is not None:
       selected = _validation.flat_mask(arrays["cov_selected"], kept)
     else:
-      anchor = o if ALGORITHMS[cfg.algorithm][0] == "old" else q
-      selected = _policy_losses.cov_selection(anchor, adv, kept, segs, cfg, key)
-  pg_tok, anchor, over_kept, over_mask = token_loss(cfg, lp, lp_sg, o, q, adv, weights, kept, segs, selected)
-  over_kept = {"pg_clipfrac": over_kept.pop("pg_clipfrac"), "ppo_kl": anchor - lp_sg, **over_kept}
+      selected = _policy_losses.cov_selection(_anchor(cfg, o, q), adv, kept, segs, cfg, key)
+  pg_tok, over_kept, over_mask = token_loss(cfg, lp, lp_sg, o, q, adv, weights, kept, segs, selected)
 
   # The loss terms, aggregated together (one stacked reduction).
   if denominators is None:

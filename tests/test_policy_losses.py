@@ -204,16 +204,3 @@ def test_clip_cov_without_a_key_is_refused_before_tracing():
     mis_jax.prepare_step(BATCH, cfg)
   selected = mis_jax.prepare_step(BATCH, cfg, key=KEY)[0]
   mis_jax.policy_loss(EXTRA["lp"], selected, cfg, entropy=EXTRA["ent"])  # the step's selection needs no key
-
-
-def test_vanilla_is_the_default_and_unchanged():
-  """`vanilla` is the default: a config that does not name a form builds the same program. (That
-  program is the one before the forms existed: the jaxprs of prepare_step and of the loss's value
-  and gradient, 24 configs of every mode × algorithm × KL, were compared byte for byte against the
-  commit before them, ebeb8af; the comparison needs both versions, so it is not in the suite. The
-  later `mis_masked_whole_batch` metric added one output to them.)"""
-  for roll, tis in [(False, False), (True, False), (False, True), (True, True)]:
-    kw = dict(use_rollout_logprobs=roll, use_tis=tis, mis=REFERENCE if tis else None, eps_clip_c=3.0)
-    a = jax.make_jaxpr(lambda lp: run(mis_jax.LossConfig(**kw), lp))(EXTRA["lp"])
-    b = jax.make_jaxpr(lambda lp: run(mis_jax.LossConfig(**kw, policy_loss="vanilla"), lp))(EXTRA["lp"])
-    assert str(a) == str(b)
