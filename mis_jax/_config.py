@@ -27,6 +27,10 @@ DENOMINATORS = ("kept", "original")
 
 from mis_jax._keys import ConfigError, _closest, _where, key, load_yaml, validate_fields  # noqa: F401
 
+# A bound the threshold controller sets each step (contract §3.1), and the keys that take it.
+AUTO = "auto"
+AUTO_KEYS = ("tis_upper_bound", "rs_upper_bound")
+
 # verl's registered policy losses (contract §6.2), implemented in `_policy_losses`.
 POLICY_LOSSES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean",
                  "dro", "cispo")
@@ -105,11 +109,14 @@ class MISConfig:
   rs_level: str | None = key(None, "level of rejection sampling (null: tis_level)", choices=LEVELS)
   tis_mode: str = key("truncate", "how the weights are bounded (contract §3)", choices=TIS_MODES)
   tis_lower_bound: float | None = key(None, "Lo (null: 1 / tis_upper_bound)")
-  tis_upper_bound: float = key(2.0, "U", gt=0)
-  rs_lower_bound: float | None = key(None, "RS lower bound (null: the IS lower bound)")
-  rs_upper_bound: float | None = key(None, "RS upper bound (null: tis_upper_bound)")
+  tis_upper_bound: float = key(2.0, "U, or auto: set each step from a target (contract §3.1)", gt=0)
+  rs_lower_bound: float | None = key(None, "RS lower bound (null: the IS lower bound; 1 / rs_upper_bound when that is auto)")
+  rs_upper_bound: float | None = key(None, "RS upper bound (null: tis_upper_bound), or auto (contract §3.1)")
   rs_veto_threshold: float | None = key(None, "veto threshold C in (0, 1) (null: no veto)")
   tis_batch_normalize: bool = key(False, "divide the weights by their mean over the kept mask (contract §5)")
+  # The threshold controller's targets (contract §3.1), for the bounds given as `auto`.
+  target_ess_ratio: float | None = key(None, "auto truncate/clip bound: the loosest whose ESS ratio is >= this, in (0, 1)", gt=0)
+  max_masked_fraction: float | None = key(None, "auto masking band: the tightest masking at most this share, in [0, 1)", ge=0)
   # Extension: divergence-based rejection criteria, combined with AND (see RSCriterion).
   rs_criteria: tuple = ()
   # Where the values came from (a YAML path), for error messages only.
@@ -118,7 +125,13 @@ class MISConfig:
   def __post_init__(self):
     src = self.source
     set_ = lambda k, v: object.__setattr__(self, k, v)
+    auto = [k for k in AUTO_KEYS if isinstance(getattr(self, k), str) and getattr(self, k).strip().lower() == AUTO]
+    for k in auto:  # checked as numbers below with a stand-in, then put back
+      set_(k, 2.0)
     validate_fields(self, lambda name: _where(src, name))  # types, choices, ranges of the keys
+    for k in auto:
+      set_(k, AUTO)
+    self._check_auto(src)
     criteria = self.rs_criteria if self.rs_criteria is not None else ()
     if isinstance(criteria, Mapping) or not isinstance(criteria, (list, tuple)):
       raise ConfigError(f"{_where(src, 'rs_criteria')} must be a list of criteria, got {criteria!r}")
@@ -127,14 +140,14 @@ class MISConfig:
     names = [c.name for c in self.rs_criteria]
     if len(set(names)) != len(names):
       raise ConfigError(f"{_where(src, 'rs_criteria')} lists a metric/agg pair twice: {names}")
-    # Relations between keys.
-    if not 0 <= self.lower < self.tis_upper_bound:
+    # Relations between keys (an auto bound's relations are kept by the controller).
+    if not self.tis_auto and not 0 <= self.lower < self.tis_upper_bound:
       raise ConfigError(
           f"{_where(src, 'tis_lower_bound')} must satisfy 0 <= tis_lower_bound < tis_upper_bound "
           f"({self.tis_upper_bound}), got {self.lower}")
-    if self.rs_upper <= 0:
+    if not (self.tis_auto or self.rs_auto) and self.rs_upper <= 0:
       raise ConfigError(f"{_where(src, 'rs_upper_bound')} must be > 0, got {self.rs_upper}")
-    if not 0 <= self.rs_lower <= self.rs_upper:
+    if not (self.tis_auto or self.rs_auto) and not 0 <= self.rs_lower <= self.rs_upper:
       raise ConfigError(
           f"{_where(src, 'rs_lower_bound')} must satisfy 0 <= rs_lower_bound <= rs_upper_bound "
           f"({self.rs_upper}), got {self.rs_lower}")
@@ -143,7 +156,58 @@ class MISConfig:
           f"{_where(src, 'rs_veto_threshold')} must be in (0, 1) (typical 1e-4 … 1e-6), "
           f"got {self.rs_veto_threshold}")
 
-  # Resolved bounds (contract §3–4 defaults).
+  def _check_auto(self, src) -> None:
+    """The controller's keys (contract §3.1): each auto bound has the target its mode can meet,
+    and no target is given without an auto bound to meet it."""
+    where = lambda k: _where(src, k)
+    if self.tis_auto and self.tis_mode in ("truncate", "clip") and self.target_ess_ratio is None:
+      raise ConfigError(f"{where('tis_upper_bound')} is auto in tis_mode '{self.tis_mode}': give target_ess_ratio "
+                        "(the loosest bound whose ESS ratio reaches it is chosen each step)")
+    if self.tis_auto and self.tis_mode == "mask":
+      if self.target_ess_ratio is not None:
+        raise ConfigError(f"{where('target_ess_ratio')} cannot set a mask-mode bound: the ESS of the kept weights "
+                          "is not monotone in a masking bound (dropping a weight can lower it). Use "
+                          "max_masked_fraction, or tis_mode truncate/clip for an ESS target")
+      if self.max_masked_fraction is None:
+        raise ConfigError(f"{where('tis_upper_bound')} is auto in tis_mode 'mask': give max_masked_fraction "
+                          "(the tightest band masking at most that share is chosen each step)")
+    if self.tis_auto and self.tis_mode == "none":
+      raise ConfigError(f"{where('tis_upper_bound')} is auto but tis_mode 'none' uses no bound")
+    if self.rs_auto and not self.use_rs:
+      raise ConfigError(f"{where('rs_upper_bound')} is auto but use_rs is false")
+    if self.rs_auto and self.max_masked_fraction is None:
+      raise ConfigError(f"{where('rs_upper_bound')} is auto: give max_masked_fraction")
+    if (self.tis_auto and self.tis_mode != "mask" and self.use_rs and self.rs_upper_bound is None):
+      raise ConfigError(f"{where('rs_upper_bound')} must be given (a number or auto) when tis_upper_bound is auto "
+                        f"in tis_mode '{self.tis_mode}': the RS band would move with the bound the ESS target sets")
+    ess_used = self.tis_auto and self.tis_mode in ("truncate", "clip")
+    mask_used = (self.tis_auto and self.tis_mode == "mask") or self.rs_auto
+    if self.target_ess_ratio is not None and not ess_used:
+      raise ConfigError(f"{where('target_ess_ratio')} is set but no bound uses it: set tis_upper_bound: auto "
+                        "with tis_mode truncate or clip")
+    if self.max_masked_fraction is not None and not mask_used:
+      raise ConfigError(f"{where('max_masked_fraction')} is set but no bound uses it: set rs_upper_bound: auto, "
+                        "or tis_upper_bound: auto with tis_mode mask")
+    if self.target_ess_ratio is not None and not self.target_ess_ratio < 1:
+      raise ConfigError(f"{where('target_ess_ratio')} must be in (0, 1), got {self.target_ess_ratio}")
+    if self.max_masked_fraction is not None and not self.max_masked_fraction < 1:
+      raise ConfigError(f"{where('max_masked_fraction')} must be in [0, 1), got {self.max_masked_fraction}")
+    if self.tis_auto and self.tis_lower_bound is not None and self.tis_lower_bound < 0:
+      raise ConfigError(f"{where('tis_lower_bound')} must be >= 0, got {self.tis_lower_bound}")
+    if self.rs_auto and self.rs_lower_bound is not None and self.rs_lower_bound < 0:
+      raise ConfigError(f"{where('rs_lower_bound')} must be >= 0, got {self.rs_lower_bound}")
+
+  @property
+  def tis_auto(self) -> bool:
+    """Whether the controller sets ``U`` each step (contract §3.1)."""
+    return self.tis_upper_bound == AUTO
+
+  @property
+  def rs_auto(self) -> bool:
+    """Whether the controller sets the RS upper bound each step (contract §3.1)."""
+    return self.rs_upper_bound == AUTO
+
+  # Resolved bounds (contract §3–4 defaults); an auto bound resolves inside the jitted pass.
   @property
   def lower(self) -> float:
     return 1.0 / self.tis_upper_bound if self.tis_lower_bound is None else self.tis_lower_bound

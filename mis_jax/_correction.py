@@ -8,7 +8,7 @@ Notation (docs/contract.md): ``m`` trained mask, ``r = o - q`` the token log-rat
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -73,13 +73,30 @@ TIS_MODES = {
 }
 
 
-def bounded_weights(w_raw, cfg: MISConfig):
+class Bounds(NamedTuple):
+  """The resolved bounds of one step: floats, or traced scalars where the threshold controller
+  set them (contract §3.1)."""
+  tis_lower: Any
+  tis_upper: Any
+  rs_lower: Any
+  rs_upper: Any
+
+  @classmethod
+  def of(cls, cfg: MISConfig) -> "Bounds":
+    """A config's fixed bounds (contract §3–4 defaults); None for those it leaves to the controller."""
+    if cfg.tis_auto:
+      return cls(None, None, cfg.rs_lower_bound, None if cfg.rs_auto else cfg.rs_upper_bound)
+    return cls(cfg.lower, cfg.tis_upper_bound, None if cfg.rs_auto else cfg.rs_lower,
+               None if cfg.rs_auto else cfg.rs_upper)
+
+
+def bounded_weights(w_raw, cfg: MISConfig, bounds: Bounds):
   """IS weights per ``tis_mode`` (contract §3, ``TIS_MODES``) and the tokens IS keeps.
 
   Returns:
     ``(w, keep_is)``: ``keep_is`` is None unless ``tis_mode`` is ``mask``.
   """
-  return TIS_MODES[cfg.tis_mode](w_raw, cfg.lower, cfg.tis_upper_bound)
+  return TIS_MODES[cfg.tis_mode](w_raw, bounds.tis_lower, bounds.tis_upper)
 
 
 def in_band(value, lower: float | None, upper: float | None):
@@ -94,9 +111,9 @@ def in_band(value, lower: float | None, upper: float | None):
 
 # --- contract §4: rejection sampling and veto ------------------------------------------------
 
-def rs_keep(w_rs_raw, cfg: MISConfig):
+def rs_keep(w_rs_raw, bounds: Bounds):
   """RS keep decision (contract §4): ``lo_rs <= w_rs_raw <= hi_rs`` on the raw weight at ``rs_level``."""
-  return in_band(w_rs_raw, cfg.rs_lower, cfg.rs_upper)
+  return in_band(w_rs_raw, bounds.rs_lower, bounds.rs_upper)
 
 
 def catastrophic_tokens(r, mask, veto_threshold: float):

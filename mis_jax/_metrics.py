@@ -69,7 +69,7 @@ def mismatch_metrics(seg_values: dict, token_means: dict, count, mode: str) -> d
 
 # --- contract §8.2: correction metrics -----------------------------------------------------------
 
-def correction_token_values(cfg: MISConfig, w_raw, w, keep_is, w_rs_raw, catastrophic) -> dict:
+def correction_token_values(cfg: MISConfig, bounds, w_raw, w, keep_is, w_rs_raw, catastrophic) -> dict:
   """Per-token rows of contract §8.2 averaged over the original mask ``m`` (fractions use strict
   ``<``/``>``).
 
@@ -80,7 +80,7 @@ def correction_token_values(cfg: MISConfig, w_raw, w, keep_is, w_rs_raw, catastr
   [w_rs_raw < lo_rs]/[w_rs_raw > hi_rs]``; with a veto ``mis_rs_catastrophic_token_fraction``.
   ``w_rs_raw`` / ``catastrophic`` are None when RS / the veto are off.
   """
-  upper, lower = cfg.tis_upper_bound, cfg.lower
+  upper, lower = bounds.tis_upper, bounds.tis_lower
   out = {"mis_tis_weight_before_bound": w_raw}
   if keep_is is None:
     out["mis_tis_weight_after_bound"] = w
@@ -90,8 +90,8 @@ def correction_token_values(cfg: MISConfig, w_raw, w, keep_is, w_rs_raw, catastr
     out[f"mis_tis_{cfg.tis_mode}_fraction_low"] = w_raw < lower
     out[f"mis_tis_{cfg.tis_mode}_fraction_high"] = w_raw > upper
   if w_rs_raw is not None:
-    out["mis_rs_mask_fraction_low"] = w_rs_raw < cfg.rs_lower
-    out["mis_rs_mask_fraction_high"] = w_rs_raw > cfg.rs_upper
+    out["mis_rs_mask_fraction_low"] = w_rs_raw < bounds.rs_lower
+    out["mis_rs_mask_fraction_high"] = w_rs_raw > bounds.rs_upper
   if catastrophic is not None:
     out["mis_rs_catastrophic_token_fraction"] = catastrophic
   return out
@@ -147,7 +147,8 @@ MICROBATCH_REDUCTIONS = {
     "mis_is_ratio_min_final": "min", "mis_is_ratio_max_final": "max",
     "mis_rs_catastrophic_seq_fraction": "seqs", "mis_kept_seq_fraction": "seqs",
     "sampling_kept_mass_min": "min",
-    "mis_masked_whole_batch": "min",  # the step keeps nothing iff no micro-batch keeps anything
+    "mis_masked_whole_batch": "min",
+    "mis_auto_target_met": "min",  # met over the step iff met in every micro-batch  # the step keeps nothing iff no micro-batch keeps anything
 }
 
 

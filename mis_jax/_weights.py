@@ -20,11 +20,13 @@ the result, so the loss aggregation and later metrics reuse them instead of coun
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from mis_jax import _controller as controller
 from mis_jax import _correction as correction
 from mis_jax import _metrics as metrics_lib
 from mis_jax import _validation
@@ -144,11 +146,11 @@ def _segment_stats(plan: _Plan, p1: dict) -> _SegmentStats:
 
 # --- pass 2: weights, kept mask and every token-level metric --------------------------------
 
-def _is_weights(cfg: MISConfig, log_values, m, seq_mode: bool, out: dict):
+def _is_weights(cfg: MISConfig, bounds: correction.Bounds, log_values, m, seq_mode: bool, out: dict):
   """§3: raw and bounded IS weights, and the tokens IS keeps (with their sums for
   ``mis_tis_weight_after_bound``)."""
   w_raw = correction.raw_weights(log_values(cfg.tis_level))
-  w, keep_is = correction.bounded_weights(w_raw, cfg)
+  w, keep_is = correction.bounded_weights(w_raw, cfg, bounds)
   w = jnp.where(m, w, 0.0)
   kept = m if keep_is is None else m & keep_is
   if keep_is is not None:
@@ -157,23 +159,28 @@ def _is_weights(cfg: MISConfig, log_values, m, seq_mode: bool, out: dict):
   return w_raw, w, keep_is, kept
 
 
-def _rejection(cfg: MISConfig, w_raw, log_values, kept):
+def _rejection(cfg: MISConfig, bounds: correction.Bounds, w_raw, log_values, kept):
   """§4: rejection sampling on raw (pre-bound) weights at ``rs_level``."""
   if not cfg.use_rs:
     return None, kept
   rs_level = cfg.rs_level_resolved
   w_rs_raw = w_raw if rs_level == cfg.tis_level else correction.raw_weights(log_values(rs_level))
-  return w_rs_raw, kept & correction.rs_keep(w_rs_raw, cfg)
+  return w_rs_raw, kept & correction.rs_keep(w_rs_raw, bounds)
 
 
-def _criteria(plan: _Plan, seg: _SegmentStats, ch, r, m, kept, means: dict, out: dict):
-  """§4.1: divergence criteria, AND-combined, with their metric rows."""
+def _criterion_values(plan: _Plan, seg: _SegmentStats, r, to_tokens):
+  """§4.1: each divergence criterion's value at every token, with whether the token is in its band."""
   for i, crit in enumerate(plan.crits):
     if crit.agg == "token":
       value = correction.criterion_value(crit, correction.divergence(crit.metric, r))
     else:
-      value = ch.broadcast(seg.criteria[i])
-    keep = correction.in_band(value, crit.lower, crit.upper)
+      value = to_tokens(seg.criteria[i])
+    yield crit, value, correction.in_band(value, crit.lower, crit.upper)
+
+
+def _criteria(plan: _Plan, seg: _SegmentStats, ch, r, m, kept, means: dict, out: dict):
+  """§4.1: divergence criteria, AND-combined, with their metric rows."""
+  for crit, value, keep in _criterion_values(plan, seg, r, ch.broadcast):
     kept = kept & keep
     means.update(metrics_lib.criterion_token_values(crit, value, keep))
     out[f"max:mis_rs_{crit.name}_max"] = Max(jnp.where(m, value, LOWEST))
@@ -193,7 +200,7 @@ def _kept_weight_sums(plan: _Plan, w, kept, out: dict) -> None:
   out["w"], out["kept"] = Out(w), Out(kept)
 
 
-def _token_body(plan: _Plan, seg: _SegmentStats):
+def _token_body(plan: _Plan, seg: _SegmentStats, bounds: correction.Bounds):
   """Pass 2: per token, the weights and kept mask (IS, RS, criteria, veto) and every metric
   averaged over ``m`` as a weighted total (``R_m(x) = Σ_t a_t x_t / N``, ``a_t = m_t / n_{s(t)}``
   in seq-mean modes)."""
@@ -212,20 +219,81 @@ def _token_body(plan: _Plan, seg: _SegmentStats):
     out = {}
     if plan.tis:
       log_values = lambda level: correction.level_log_values(level, r, seg.sum_r, count, ch.broadcast)
-      w_raw, w, keep_is, kept = _is_weights(cfg, log_values, m, plan.seq_mode, out)
-      w_rs_raw, kept = _rejection(cfg, w_raw, log_values, kept)
+      w_raw, w, keep_is, kept = _is_weights(cfg, bounds, log_values, m, plan.seq_mode, out)
+      w_rs_raw, kept = _rejection(cfg, bounds, w_raw, log_values, kept)
       kept = _criteria(plan, seg, ch, r, m, kept, means, out)
       catastrophic = None
       if plan.veto:  # §4: a catastrophic token (raw log-ratio) rejects its segment
         kept = kept & ~vetoed_at
         catastrophic = correction.catastrophic_tokens(r, m, cfg.rs_veto_threshold)
-      means.update(metrics_lib.correction_token_values(cfg, w_raw, w, keep_is, w_rs_raw, catastrophic))
+      means.update(metrics_lib.correction_token_values(cfg, bounds, w_raw, w, keep_is, w_rs_raw, catastrophic))
       _kept_weight_sums(plan, w, kept, out)
     for name, x in means.items():
       out["mean:" + name] = Total(jnp.where(m, x.astype(jnp.float32), 0.0) * a)
     return out
 
   return body
+
+
+# --- the threshold controller: auto bounds, set from the step's own weights (§3.1) ---------
+
+def _controller_units(plan: _Plan, seg: _SegmentStats, segs: Segments, r, m, level: str, kept=None):
+  """The units a bound at ``level`` acts on: tokens (sharded) or segments (already global), with
+  their raw weights, trained multiplicity and kept multiplicity (``kept`` tokens; default ``m``)."""
+  kept = (m if kept is None else kept).astype(jnp.float32)
+  if level == "token":
+    return controller.Units(correction.raw_weights(r), m.astype(jnp.float32), kept, segs.axis_name)
+  count = seg.mask_stats.counts
+  x = correction.raw_weights(correction.segment_log_values(level, seg.sum_r, count))
+  return controller.Units(x, (count > 0).astype(jnp.float32), segs.sum(kept), None)
+
+
+def _auto_bounds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m):
+  """contract §3.1: the step's bounds, with the auto ones set by the controller, and its metrics.
+
+  Order: the RS band (its masked share, on the raw weights at ``rs_level``), then the IS bound —
+  a masking band by its masked share, or a truncate/clip bound by the ESS over the tokens the
+  RS band, the criteria and the veto keep (they do not move with it)."""
+  cfg, fixed = plan.cfg, correction.Bounds.of(plan.cfg)
+  r = correction.log_ratio(o, q, m)
+  units = functools.partial(_controller_units, plan, seg, segs, r, m)
+  metrics, met = {}, jnp.bool_(True)
+  rs_lower, rs_upper = fixed.rs_lower, fixed.rs_upper
+  if cfg.rs_auto:
+    rs_upper, share, ok = controller.masking_bound(units(cfg.rs_level_resolved), cfg.rs_lower_bound,
+                                                   cfg.max_masked_fraction)
+    metrics.update(mis_auto_rs_upper_bound=rs_upper, mis_auto_rs_masked_fraction=share)
+    met = met & ok
+  if rs_upper is not None and rs_lower is None:  # an unset RS lower bound is 1/(RS upper bound)
+    rs_lower = 1.0 / rs_upper
+  tis_lower, tis_upper = fixed.tis_lower, fixed.tis_upper
+  if cfg.tis_auto and cfg.tis_mode == "mask":
+    tis_upper, share, ok = controller.masking_bound(units(cfg.tis_level), cfg.tis_lower_bound,
+                                                    cfg.max_masked_fraction)
+    metrics["mis_auto_tis_masked_fraction"] = share
+    met = met & ok
+  elif cfg.tis_auto:
+    kept = m
+    if cfg.use_rs:
+      level_values = correction.level_log_values(cfg.rs_level_resolved, r, seg.sum_r, seg.mask_stats.counts,
+                                                 segs.broadcast)
+      kept = kept & correction.in_band(correction.raw_weights(level_values), rs_lower, rs_upper)
+    for _, _, keep in _criterion_values(plan, seg, r, segs.broadcast):
+      kept = kept & keep
+    if plan.veto:
+      kept = kept & ~segs.broadcast(seg.vetoed)
+    tis_upper, ess, ok = controller.ess_bound(units(cfg.tis_level, kept), cfg.tis_mode, cfg.tis_lower_bound,
+                                              cfg.target_ess_ratio)
+    metrics["mis_auto_ess_ratio"] = ess
+    met = met & ok
+  if cfg.tis_auto:
+    tis_lower = 1.0 / tis_upper if cfg.tis_lower_bound is None else cfg.tis_lower_bound
+    metrics["mis_auto_tis_upper_bound"] = tis_upper
+    if cfg.use_rs and cfg.rs_upper_bound is None:  # the RS band follows the IS band (mask mode)
+      rs_upper = tis_upper
+      rs_lower = tis_lower if cfg.rs_lower_bound is None else cfg.rs_lower_bound
+  metrics["mis_auto_target_met"] = met.astype(jnp.float32)
+  return correction.Bounds(tis_lower, tis_upper, rs_lower, rs_upper), metrics
 
 
 # --- after the passes: metrics over other masks, batch normalisation ------------------------
@@ -281,7 +349,12 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
   p1 = segs.run_pass(arrays, _segment_sums_body(plan))
   seg = _segment_stats(plan, p1)
   mask_stats, count = seg.mask_stats, seg.mask_stats.counts
-  p2 = segs.run_pass(arrays, _token_body(plan, seg))
+  auto_metrics = {}
+  if plan.tis and (cfg.tis_auto or cfg.rs_auto):
+    bounds, auto_metrics = _auto_bounds(plan, seg, segs, arrays["o"], arrays["q"], mask)
+  else:
+    bounds = correction.Bounds.of(cfg) if plan.tis else None
+  p2 = segs.run_pass(arrays, _token_body(plan, seg, bounds))
   token_means = {k[len("mean:"):]: v / seg.divisor for k, v in p2.items() if k.startswith("mean:")}
   metrics = {}
   if mismatch:
@@ -291,6 +364,7 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
     return Correction(mask.astype(jnp.float32), mask, metrics, mask_stats, mask_stats)
 
   metrics.update({k: v for k, v in token_means.items() if k not in metrics})
+  metrics.update(auto_metrics)
   _correction_metrics(plan, seg, p2, metrics)
   kept_stats = MaskStats.from_counts(p2["kept_n"])
   sum_w = jnp.sum(p2["kept_w"]) if plan.kept_w_by_segment else p2["sum_w"]
