@@ -183,6 +183,8 @@ def test_on_policy_equals_stock_grpo():
 @pytest.mark.parametrize("settings", [
     pytest.param(dict(use_tis=True, mis=MIS), id="decoupled_ppo-mis"),
     pytest.param(dict(use_tis=True, tis_clip=1.5), id="token_tis"),
+    pytest.param(dict(use_tis=True, mis=mis_jax.MISConfig(tis_mode="truncate", tis_upper_bound="auto",
+                                                          target_ess_ratio=0.95)), id="decoupled_ppo-auto"),
 ])
 def test_injected_mismatch_equals_mis_jax_directly(settings):
   cluster = make_cluster()
@@ -202,6 +204,8 @@ def test_injected_mismatch_equals_mis_jax_directly(settings):
     assert abs(float(metrics["mis_is_ratio_mean_final"]) - 1.0) > 1e-3
   else:  # vanilla token TIS: the clip at 1.5 changed some weights
     assert float(metrics["tis_clipfrac"]) > 0
+  if "mis_auto_tis_upper_bound" in metrics:  # the threshold controller, on tunix's batch
+    assert float(metrics["mis_auto_target_met"]) == 1.0 and float(metrics["mis_auto_ess_ratio"]) >= np.float32(0.95)
   expected = jax.tree.map(lambda p, g: np.asarray(p) - LR * np.asarray(g),
                           nnx.state(before, nnx.Param).to_pure_dict(), grads.to_pure_dict())
   jax.tree.map(lambda e, a: np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6), expected, params(cluster))

@@ -113,6 +113,19 @@ def test_analysis_equals_a_numpy_loop_on_the_committed_example(tmp_path):
     np.testing.assert_allclose(got["affected_token_fraction"], affected, atol=1e-6)
     np.testing.assert_allclose(got["kept_seq_fraction"], m["mis_kept_seq_fraction"], atol=1e-6)
     np.testing.assert_allclose(got["ess_ratio"], m["mis_ess_ratio"], rtol=1e-4)
+  # What `auto` would have chosen at each step: the token mask band by sorting each step's
+  # extremeness max(w, 1/w); the token ESS bound is the largest weight when the raw weights meet it.
+  auto = {(a["step"], a["setting"]): a for a in report["auto"]}
+  for k in sorted({int(row["step"]) for row in rows}):
+    w = np.exp(np.concatenate([s["o"] - s["q"] for s, row in zip(seqs, rows) if int(row["step"]) == k]))
+    extreme = np.sort(np.maximum(w, 1 / w))[::-1]
+    got = auto[(k, "token mask max_masked_fraction=0.01")]
+    np.testing.assert_allclose(got["bound"], max(extreme[int(np.floor(0.01 * w.size))], 1.0), rtol=1e-5)
+    assert got["target_met"] and got["reached"] <= 0.01
+    got = auto[(k, "token truncate target_ess_ratio=0.9")]
+    if w.sum() ** 2 / (w.size * (w * w).sum()) >= 0.9:
+      np.testing.assert_allclose(got["bound"], w.max(), rtol=1e-5)
+    assert got["target_met"] and got["reached"] >= 0.9
   # Each estimator's advantages of the recorded rewards, per step and group (a loop for grpo and
   # rloo); the run's own estimator gives the recorded advantages back.
   by_estimator = {a["estimator"]: a for a in report["advantages"]}
@@ -131,6 +144,7 @@ def test_analysis_equals_a_numpy_loop_on_the_committed_example(tmp_path):
   text = (tmp_path / "report" / "report.md").read_text()
   assert "## What each setting would do" in text and "mis_k3_kl" in text
   assert "## Advantages each estimator would give these rewards" in text
+  assert "## What `auto` would have chosen at each step" in text
   assert {p.name for p in (tmp_path / "report" / "figures").iterdir()} == {"mismatch.png", "settings.png"}
   assert report["tokens"] == r.size
 

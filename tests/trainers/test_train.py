@@ -305,3 +305,24 @@ def test_mesh_runs_match_one_device_and_resume_on_the_mesh(server, tmp_path):
   assert [h["step"] for h in history] == [3]
   for key in ("reward_mean", "loss", "grad_norm", "mis_k3_kl"):
     np.testing.assert_allclose(history[0][key], runs["data2-fsdp4"][2][key], rtol=1e-5, err_msg=key)
+
+
+def test_auto_bounds_hold_their_targets_at_every_step(tmp_path):
+  """The threshold controller in the trainer (contract §3.1), against a server whose log-probs are
+  another model's (a large mismatch): decoupled PPO over several micro-batches on 8 devices, the RS band set to
+  mask at most 10% of the sequences and the truncation bound to an ESS ratio of 0.8 over what it
+  keeps. Every step meets both, its bound is its own, and the ESS the loss sees is the one chosen."""
+  mis = mis_jax.MISConfig(tis_mode="truncate", tis_upper_bound="auto", target_ess_ratio=0.8, use_rs=True,
+                          rs_level="geometric", rs_upper_bound="auto", max_masked_fraction=0.1)
+  with FakeSGLang() as fake:
+    cfg = make_cfg(tmp_path, train={"steps": 3, "tokens_per_micro_batch": 16, "row_len": 16},
+                   rollout={"mismatch_check": False, "prompts_per_step": 8})
+    trainer = train_lib.Trainer(cfg, mis_jax.LossConfig(use_tis=True, mis=mis), urls=[fake.url])
+    history = trainer.run(progress=False)
+  assert [h["step"] for h in history] == [1, 2, 3] and all(h["micro_batches"] > 1 for h in history), [h.get("micro_batches") for h in history]
+  for h in history:
+    assert h["mis_auto_target_met"] == 1.0 and h["mis_auto_ess_ratio"] >= np.float32(0.8), h
+    assert h["mis_ess_ratio"] == pytest.approx(h["mis_auto_ess_ratio"], rel=1e-5)
+    assert h["mis_auto_rs_masked_fraction"] <= 0.1
+    assert 1.0 <= h["mis_auto_rs_upper_bound"] and 0 < h["mis_auto_tis_upper_bound"] and np.isfinite(h["loss"])
+  assert len({h["mis_auto_tis_upper_bound"] for h in history}) == 3  # set from each step's own ratios

@@ -11,6 +11,8 @@ sampling temperature), and writes `report.md`, `report.json` and PNG figures:
 - for a grid of settings (IS level × bound `C` in truncate and mask modes, veto thresholds), the
   fraction of tokens truncated or masked, the tokens and sequences kept, and the effective sample
   size left — so thresholds are chosen from one's own data.
+- what the threshold controller (`auto` bounds, contract §3.1) would have chosen at each recorded
+  step, for a few targets (ESS ratios, masked shares), with what each reaches;
 - the advantages every per-sequence estimator (`mis_jax.SEQUENCE_ESTIMATORS` but `gdpo`, which
   needs several rewards) gives the recorded rewards, step by step over the recorded groups: their
   spread, the share of sequences left without signal, and for the run's own estimator the largest
@@ -32,6 +34,9 @@ import numpy as np
 from trainers.training import rollout_records
 
 BOUNDS = (1.5, 2.0, 5.0, 10.0)
+# The targets of the controller's table: (level, tis_mode, target key, value).
+AUTO_TARGETS = (("token", "truncate", "target_ess_ratio", 0.9), ("sequence", "truncate", "target_ess_ratio", 0.5),
+                ("token", "mask", "max_masked_fraction", 0.01), ("geometric", "mask", "max_masked_fraction", 0.05))
 VETO_THRESHOLDS = (1e-2, 1e-4, 1e-6)
 QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
 
@@ -116,6 +121,32 @@ def settings_grid(o, q, mask, seg, num_segments, mode) -> list[dict]:
   return out
 
 
+def auto_choices(rows: list[dict], mode: str) -> list[dict]:
+  """At each recorded step, the bound `auto` would have chosen for each of `AUTO_TARGETS` from that
+  step's own ratios, and the ESS ratio / masked share and kept tokens it reaches (the library's
+  controller, as the trainer runs it once per step)."""
+  import jax
+  import mis_jax
+  steps = sorted({int(r["step"]) for r in rows})
+  batches = [packed([r for r in rows if int(r["step"]) == k]) for k in steps]
+  # Every step padded to one shape: one compiled controller per target serves all steps.
+  width, num_segments = max(b[0].size for b in batches), max(b[4] for b in batches)
+  pad = lambda x, fill: np.concatenate([x, np.full(width - x.size, fill, x.dtype)])
+  batches = [(pad(o, 0.0), pad(q, 0.0), pad(m, False), pad(seg, -1)) for o, q, m, seg, _ in batches]
+  out = []
+  for level, tis_mode, target, value in AUTO_TARGETS:  # the table is step-major below
+    cfg = mis_jax.MISConfig(tis_level=level, tis_mode=tis_mode, tis_upper_bound="auto", **{target: value})
+    run = jax.jit(lambda o, q, m, seg, cfg=cfg: mis_jax.compute_mis_weights(
+        o, q, m, seg, cfg, num_segments=num_segments, metric_reduction=mode)[2])
+    for k, batch in zip(steps, batches):
+      m = {name: float(v) for name, v in run(*batch).items()}
+      reached = m["mis_auto_ess_ratio"] if target == "target_ess_ratio" else m["mis_auto_tis_masked_fraction"]
+      out.append({"step": k, "setting": f"{level} {tis_mode} {target}={value:g}", "bound": m["mis_auto_tis_upper_bound"],
+                  "reached": reached, "target_met": bool(m["mis_auto_target_met"]),
+                  "kept_token_fraction": m["mis_kept_token_fraction"], "ess_ratio": m["mis_ess_ratio"]})
+  return sorted(out, key=lambda a: a["step"])
+
+
 def advantages_report(rows: list[dict], run_estimator: str | None = None) -> list[dict]:
   """Per sequence estimator, the advantages of the recorded rewards (each step's groups): mean,
   std, mean |A|, the share of sequences with |A| < 1e-6 (no signal), and for `run_estimator`
@@ -177,7 +208,7 @@ def analyze(rows: list[dict], mode: str = "seq-mean-token-mean", run_estimator: 
                     "quantiles": {str(p): float(np.quantile(r, p)) for p in QUANTILES}},
       "mismatch_metrics": _metrics(o, q, mask, seg, num_segments, mis_jax.MISConfig(use_tis=False), mode),
       "by_position": by_position, "by_length": by_length, "top_tokens": top_tokens,
-      "settings": settings_grid(o, q, mask, seg, num_segments, mode),
+      "settings": settings_grid(o, q, mask, seg, num_segments, mode), "auto": auto_choices(rows, mode),
       "run_estimator": run_estimator, "advantages": advantages_report(rows, run_estimator),
   }
 
@@ -243,6 +274,13 @@ def markdown(report: dict, figure_paths: list[str], source: str) -> str:
             "|---|---|---|---|---|"]
   lines += [f"| {s['setting']} | {s['affected_token_fraction']:.2%} | {s['kept_token_fraction']:.2%} | "
             f"{s['kept_seq_fraction']:.2%} | {s['ess_ratio']:.3f} |" for s in report["settings"]]
+  lines += ["", "## What `auto` would have chosen at each step", "",
+            "The threshold controller (contract §3.1) sets the bound from each step's own ratios: the loosest "
+            "whose ESS ratio reaches the target (truncate), or the tightest masking at most the share (mask).", "",
+            "| step | target | bound chosen | ESS / masked share reached | met | kept tokens | ESS ratio |",
+            "|---|---|---|---|---|---|---|"]
+  lines += [f"| {a['step']} | {a['setting']} | {a['bound']:.4g} | {a['reached']:.4g} | {'yes' if a['target_met'] else 'no'} | "
+            f"{a['kept_token_fraction']:.2%} | {a['ess_ratio']:.3f} |" for a in report["auto"]]
   lines += ["", "## Advantages each estimator would give these rewards", "",
             f"Per step over the recorded groups; the run's estimator: `{report['run_estimator'] or 'unknown'}` "
             "(its row compares with the recorded advantages). `optimal_token_baseline` needs `Σπ²` per token, "
