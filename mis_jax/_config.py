@@ -114,6 +114,9 @@ class MISConfig:
   rs_upper_bound: float | None = key(None, "RS upper bound (null: tis_upper_bound), or auto (contract §3.1)")
   rs_veto_threshold: float | None = key(None, "veto threshold C in (0, 1) (null: no veto)")
   tis_batch_normalize: bool = key(False, "divide the weights by their mean over the kept mask (contract §5)")
+  # Off-policy masks of recent papers (contract §4.2).
+  opsm_delta: float | None = key(None, "OPSM (DeepSeek-V3.2): mask negative-advantage sequences whose mean log(pi_rollout/pi_train) > this")
+  m2po_threshold: float | None = key(None, "M2PO (AReaL): mask the largest squared log-ratios until their mean over the step is <= this", gt=0)
   # The threshold controller's targets (contract §3.1), for the bounds given as `auto`.
   target_ess_ratio: float | None = key(None, "auto truncate/clip bound: the loosest whose ESS ratio is >= this, in (0, 1)", gt=0)
   max_masked_fraction: float | None = key(None, "auto masking band: the tightest masking at most this share, in [0, 1)", ge=0)

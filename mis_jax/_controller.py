@@ -149,3 +149,27 @@ def masking_bound(units: Units, lower: float | None, fraction: float):
   u = smallest_true(within, floor, cap)
   masked, total = masked_share(units, lower, u)
   return u, masked / jnp.maximum(total, 1.0), within(u)
+
+
+def m2po_cutoff(units: Units, threshold: float):
+  """M2PO (contract §4.2): the loosest cutoff ``T`` on the squared log-ratios ``x = r²`` such that
+  the tokens with ``r² <= T`` have a mean ``r²`` (their second moment) ``<= threshold`` — the
+  largest squared log-ratios go until it holds. The mean of the kept does not decrease as ``T``
+  loosens (each token let in is at least every kept one). Returns ``(T, second_moment_kept,
+  masked_share)``."""
+  c = units.count
+
+  def moments(t):
+    keep = units.x <= t
+    s = psum(jnp.stack([jnp.sum(jnp.where(keep, c * units.x, 0.0)), jnp.sum(jnp.where(keep, c, 0.0)),
+                        jnp.sum(c)]), units.axis_name)
+    return s[0], s[1], s[2]
+
+  def within(t):
+    total, n, _ = moments(t)
+    return total <= jnp.float32(threshold) * n
+
+  _, _, x_max = _extremes(units, c)
+  t = largest_true(within, jnp.float32(0.0), jnp.maximum(x_max, 0.0))
+  total, n, all_n = moments(t)
+  return t, total / jnp.maximum(n, 1.0), (all_n - n) / jnp.maximum(all_n, 1.0)

@@ -75,11 +75,12 @@ TIS_MODES = {
 
 class Bounds(NamedTuple):
   """The resolved bounds of one step: floats, or traced scalars where the threshold controller
-  set them (contract §3.1)."""
+  set them (contract §3.1); ``m2_max`` is M2PO's cutoff on ``r²`` (contract §4.2), None when off."""
   tis_lower: Any
   tis_upper: Any
   rs_lower: Any
   rs_upper: Any
+  m2_max: Any = None
 
   @classmethod
   def of(cls, cfg: MISConfig) -> "Bounds":
@@ -124,6 +125,16 @@ def catastrophic_tokens(r, mask, veto_threshold: float):
 def vetoed_segments(catastrophic_counts):
   """Veto (contract §4): a segment with any catastrophic token is rejected whole."""
   return catastrophic_counts > 0
+
+
+# --- contract §4.2: off-policy masks of recent papers ---------------------------------------
+
+def opsm_segments(sum_r, count, sum_adv, delta: float):
+  """OPSM (contract §4.2, DeepSeek-V3.2's off-policy sequence masking): a live segment is masked
+  iff its advantage is negative (``Σ m A < 0``) and its mean ``log(π_rollout/π_train)``,
+  ``-Σ m r / n_s``, exceeds ``δ``."""
+  divergence = -sum_r / jnp.maximum(count, 1.0)
+  return (count > 0) & (sum_adv < 0) & (divergence > delta)
 
 
 # --- contract §4.1: divergence criteria ------------------------------------------------------

@@ -164,7 +164,7 @@ def _check_batch(logprobs, batch: PackedBatch, cfg: LossConfig, entropy, denomin
 # --- the correction stage --------------------------------------------------------------
 
 def _run_correction(train_lp, q, mask, segs: Segments, cfg: LossConfig, segment_ids_shape,
-                    batch_norm_factor, *, mismatch: bool = False) -> Correction:
+                    batch_norm_factor, *, mismatch: bool = False, adv=None) -> Correction:
   """Runs the configured correction on flat arrays.
 
   ``mismatch``: also compute the §8.1 metrics of ``(train_lp, q)`` (in the same passes for
@@ -175,7 +175,7 @@ def _run_correction(train_lp, q, mask, segs: Segments, cfg: LossConfig, segment_
   mode = cfg.metric_mode
   if cfg.correction == "mis":
     return correct(train_lp, q, mask, segs, cfg.mis, mode, batch_norm_factor=batch_norm_factor,
-                   mismatch=mismatch)
+                   mismatch=mismatch, adv=adv)
   if mismatch:
     extra, mask_stats = mismatch_metrics(train_lp, q, mask, segs, mode)
   else:
@@ -229,7 +229,8 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
       raise ValueError("decoupled PPO needs batch.old_logprobs and batch.rollout_logprobs")
     o = _validation.flat_float(batch.old_logprobs)
     q = _validation.flat_float(batch.rollout_logprobs)
-    result = _run_correction(o, q, mask, segs, loss_cfg, shape, None)
+    result = _run_correction(o, q, mask, segs, loss_cfg, shape, None,
+                             adv=jnp.where(mask, _validation.flat_float(batch.advantages), 0.0))
     batch = batch.replace(is_weights=result.weights.reshape(shape), kept_mask=result.kept.reshape(shape))
     stats = result.kept_stats if loss_cfg.denominator == "kept" else result.mask_stats
     dens, metrics, kept = Denominators.from_stats(stats), result.metrics, result.kept
@@ -332,7 +333,8 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
     else:
       train_lp = o if cfg.algorithm == "decoupled_ppo" else lp_sg
       mismatch_done = q is not None and (cfg.algorithm == "decoupled_ppo" or o is None)
-      result = _run_correction(train_lp, q, mask, segs, cfg, shape, batch_norm_factor, mismatch=mismatch_done)
+      result = _run_correction(train_lp, q, mask, segs, cfg, shape, batch_norm_factor, mismatch=mismatch_done,
+                               adv=adv)
       weights, kept, metrics = result.weights, result.kept, result.metrics
       mask_stats, kept_stats = result.mask_stats, result.kept_stats
   if q is not None and not mismatch_done:

@@ -76,6 +76,24 @@ class _Plan:
     return self.tis and self.cfg.rs_veto_threshold is not None
 
   @property
+  def opsm(self) -> bool:
+    return self.tis and self.cfg.opsm_delta is not None
+
+  @property
+  def m2po(self) -> bool:
+    return self.tis and self.cfg.m2po_threshold is not None
+
+  @property
+  def thresholds(self) -> bool:
+    """Whether some bound or cutoff is set from the step's ratios before pass 2 (§3.1, §4.2)."""
+    return self.tis and (self.cfg.tis_auto or self.cfg.rs_auto or self.m2po)
+
+  @property
+  def rejects_segments(self) -> bool:
+    """Whether whole segments are rejected by pass 1's per-segment results (veto, OPSM)."""
+    return self.veto or self.opsm
+
+  @property
   def crits(self) -> tuple:
     return self.cfg.rs_criteria if self.tis else ()
 
@@ -85,7 +103,7 @@ class _Plan:
     if not self.tis:
       return self.mismatch
     levels = {self.cfg.tis_level} | ({self.cfg.rs_level_resolved} if self.cfg.use_rs else set())
-    return self.mismatch or bool(levels - {"token"})
+    return self.mismatch or self.opsm or bool(levels - {"token"})
 
   @property
   def kept_w_by_segment(self) -> bool:
@@ -101,7 +119,14 @@ class _SegmentStats(NamedTuple):
   divisor: jax.Array  # N of R_m: live segments (seq-mean modes) or trained tokens
   sum_r: jax.Array | None
   vetoed: jax.Array | None
+  opsm: jax.Array | None  # segments OPSM masks (§4.2)
   criteria: dict  # {criterion index: per-segment value} for sequence-aggregated criteria
+
+  @property
+  def rejected(self):
+    """Segments rejected whole by the veto or OPSM."""
+    parts = [x for x in (self.vetoed, self.opsm) if x is not None]
+    return functools.reduce(jnp.logical_or, parts) if parts else None
 
 
 # --- pass 1: per-segment sums over the original mask ---------------------------------------
@@ -122,6 +147,8 @@ def _segment_sums_body(plan: _Plan):
       out["sum_q"] = SegSum(jnp.where(m, ch["q"], 0.0))
     if plan.veto:
       out["catastrophic"] = SegSum(correction.catastrophic_tokens(r, m, cfg.rs_veto_threshold))
+    if plan.opsm:
+      out["sum_adv"] = SegSum(jnp.where(m, ch["adv"], 0.0))
     for i, crit in enumerate(plan.crits):
       d = correction.divergence(crit.metric, r)
       per_segment = correction.AGGREGATIONS[crit.agg]
@@ -141,7 +168,9 @@ def _segment_stats(plan: _Plan, p1: dict) -> _SegmentStats:
   criteria = {i: correction.criterion_value(crit, correction.segment_divergence(crit, p1[f"crit{i}"],
                                                                                 mask_stats.counts))
               for i, crit in enumerate(plan.crits) if crit.agg != "token"}
-  return _SegmentStats(mask_stats, divisor, p1.get("sum_r"), vetoed, criteria)
+  opsm = (correction.opsm_segments(p1["sum_r"], mask_stats.counts, p1["sum_adv"], plan.cfg.opsm_delta)
+          if plan.opsm else None)
+  return _SegmentStats(mask_stats, divisor, p1.get("sum_r"), vetoed, opsm, criteria)
 
 
 # --- pass 2: weights, kept mask and every token-level metric --------------------------------
@@ -209,11 +238,11 @@ def _token_body(plan: _Plan, seg: _SegmentStats, bounds: correction.Bounds):
   def body(ch):
     m = ch["mask"]
     r = correction.log_ratio(ch["o"], ch["q"], m)
-    if plan.seq_mode and plan.veto:
-      inverse, vetoed_at = ch.broadcast_two(seg.mask_stats.inverse, seg.vetoed)
+    if plan.seq_mode and plan.rejects_segments:
+      inverse, rejected_at = ch.broadcast_two(seg.mask_stats.inverse, seg.rejected)
     else:
       inverse = ch.broadcast(seg.mask_stats.inverse) if plan.seq_mode else None
-      vetoed_at = ch.broadcast(seg.vetoed) if plan.veto else None
+      rejected_at = ch.broadcast(seg.rejected) if plan.rejects_segments else None
     a = jnp.where(m, inverse, 0.0) if plan.seq_mode else jnp.where(m, 1.0, 0.0)  # R_m weights
     means = metrics_lib.mismatch_token_values(r) if plan.mismatch else {}  # per-token values, R_m-averaged
     out = {}
@@ -223,9 +252,12 @@ def _token_body(plan: _Plan, seg: _SegmentStats, bounds: correction.Bounds):
       w_rs_raw, kept = _rejection(cfg, bounds, w_raw, log_values, kept)
       kept = _criteria(plan, seg, ch, r, m, kept, means, out)
       catastrophic = None
-      if plan.veto:  # §4: a catastrophic token (raw log-ratio) rejects its segment
-        kept = kept & ~vetoed_at
+      if plan.rejects_segments:  # §4 veto: a catastrophic token (raw log-ratio) rejects its segment; §4.2 OPSM
+        kept = kept & ~rejected_at
+      if plan.veto:
         catastrophic = correction.catastrophic_tokens(r, m, cfg.rs_veto_threshold)
+      if plan.m2po:  # §4.2: the largest squared log-ratios go
+        kept = kept & (r * r <= bounds.m2_max)
       means.update(metrics_lib.correction_token_values(cfg, bounds, w_raw, w, keep_is, w_rs_raw, catastrophic))
       _kept_weight_sums(plan, w, kept, out)
     for name, x in means.items():
@@ -248,16 +280,26 @@ def _controller_units(plan: _Plan, seg: _SegmentStats, segs: Segments, r, m, lev
   return controller.Units(x, (count > 0).astype(jnp.float32), segs.sum(kept), None)
 
 
-def _auto_bounds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m):
-  """contract §3.1: the step's bounds, with the auto ones set by the controller, and its metrics.
+def _step_thresholds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m):
+  """contract §3.1 and §4.2: the step's bounds, with the auto ones set by the controller and
+  M2PO's cutoff, and their metrics.
 
-  Order: the RS band (its masked share, on the raw weights at ``rs_level``), then the IS bound —
-  a masking band by its masked share, or a truncate/clip bound by the ESS over the tokens the
-  RS band, the criteria and the veto keep (they do not move with it)."""
+  Order: M2PO's cutoff (over the trained tokens), the RS band (its masked share, on the raw
+  weights at ``rs_level``), then the IS bound — a masking band by its masked share, or a
+  truncate/clip bound by the ESS over the tokens the RS band, the criteria, the veto, OPSM and
+  M2PO keep (they do not move with it)."""
   cfg, fixed = plan.cfg, correction.Bounds.of(plan.cfg)
   r = correction.log_ratio(o, q, m)
   units = functools.partial(_controller_units, plan, seg, segs, r, m)
   metrics, met = {}, jnp.bool_(True)
+  m2_max = None
+  if plan.m2po:
+    sq = controller.Units(r * r, m.astype(jnp.float32), m.astype(jnp.float32), segs.axis_name)
+    m2_max, second_moment, share = controller.m2po_cutoff(sq, cfg.m2po_threshold)
+    metrics.update(mis_m2po_max_sq_log_ratio=m2_max, mis_m2po_second_moment=second_moment,
+                   mis_m2po_masked_fraction=share)
+  if not (cfg.tis_auto or cfg.rs_auto):
+    return fixed._replace(m2_max=m2_max), metrics
   rs_lower, rs_upper = fixed.rs_lower, fixed.rs_upper
   if cfg.rs_auto:
     rs_upper, share, ok = controller.masking_bound(units(cfg.rs_level_resolved), cfg.rs_lower_bound,
@@ -280,8 +322,10 @@ def _auto_bounds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m):
       kept = kept & correction.in_band(correction.raw_weights(level_values), rs_lower, rs_upper)
     for _, _, keep in _criterion_values(plan, seg, r, segs.broadcast):
       kept = kept & keep
-    if plan.veto:
-      kept = kept & ~segs.broadcast(seg.vetoed)
+    if plan.rejects_segments:
+      kept = kept & ~segs.broadcast(seg.rejected)
+    if plan.m2po:
+      kept = kept & (r * r <= m2_max)
     tis_upper, ess, ok = controller.ess_bound(units(cfg.tis_level, kept), cfg.tis_mode, cfg.tis_lower_bound,
                                               cfg.target_ess_ratio)
     metrics["mis_auto_ess_ratio"] = ess
@@ -293,7 +337,7 @@ def _auto_bounds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m):
       rs_upper = tis_upper
       rs_lower = tis_lower if cfg.rs_lower_bound is None else cfg.rs_lower_bound
   metrics["mis_auto_target_met"] = met.astype(jnp.float32)
-  return correction.Bounds(tis_lower, tis_upper, rs_lower, rs_upper), metrics
+  return correction.Bounds(tis_lower, tis_upper, rs_lower, rs_upper, m2_max), metrics
 
 
 # --- after the passes: metrics over other masks, batch normalisation ------------------------
@@ -325,13 +369,16 @@ def _correction_metrics(plan: _Plan, seg: _SegmentStats, p2: dict, metrics: dict
   for k, v in p2.items():
     if k.startswith("max:"):
       metrics[k[len("max:"):]] = jnp.where(mask_stats.total > 0, v, 0.0)
+  live_share = lambda segments: (jnp.sum((segments & (mask_stats.counts > 0)).astype(jnp.float32))
+                                 / jnp.maximum(mask_stats.num_live, 1.0))
   if plan.veto:
-    metrics["mis_rs_catastrophic_seq_fraction"] = (
-        jnp.sum((seg.vetoed & (mask_stats.counts > 0)).astype(jnp.float32)) / jnp.maximum(mask_stats.num_live, 1.0))
+    metrics["mis_rs_catastrophic_seq_fraction"] = live_share(seg.vetoed)
+  if plan.opsm:
+    metrics["mis_opsm_masked_seq_fraction"] = live_share(seg.opsm)
 
 
 def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, batch_norm_factor=None,
-            mismatch: bool = True) -> Correction:
+            mismatch: bool = True, adv=None) -> Correction:
   """contract §2–5 and §8.1–8.2 on flat arrays, in two fused passes over the tokens.
 
   Args:
@@ -343,15 +390,20 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
     mode: metric reduction (``token-mean`` or a seq-mean mode).
     batch_norm_factor: a precomputed batch-normalisation mean to use instead.
     mismatch: whether to compute the §8.1 mismatch metrics too.
+    adv: float32 ``[T]`` advantages, for OPSM (§4.2).
   """
   plan = _Plan(cfg, mode, mismatch, batch_norm_factor is not None)
   arrays = {"o": jax.lax.stop_gradient(o), "q": jax.lax.stop_gradient(q), "mask": mask}
+  if plan.opsm:
+    if adv is None:
+      raise ValueError("opsm_delta (OPSM) masks negative-advantage sequences: it needs the advantages")
+    arrays["adv"] = jnp.where(mask, jax.lax.stop_gradient(adv), 0.0)
   p1 = segs.run_pass(arrays, _segment_sums_body(plan))
   seg = _segment_stats(plan, p1)
   mask_stats, count = seg.mask_stats, seg.mask_stats.counts
   auto_metrics = {}
-  if plan.tis and (cfg.tis_auto or cfg.rs_auto):
-    bounds, auto_metrics = _auto_bounds(plan, seg, segs, arrays["o"], arrays["q"], mask)
+  if plan.thresholds:
+    bounds, auto_metrics = _step_thresholds(plan, seg, segs, arrays["o"], arrays["q"], mask)
   else:
     bounds = correction.Bounds.of(cfg) if plan.tis else None
   p2 = segs.run_pass(arrays, _token_body(plan, seg, bounds))
@@ -391,7 +443,7 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask, segs: Segments, mod
 def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids, cfg: MISConfig, *,
                         num_segments: int, axis_name: AxisName = None,
                         metric_reduction: str = "seq-mean-token-mean",
-                        batch_norm_factor=None, pass_options: PassOptions | None = None):
+                        batch_norm_factor=None, pass_options: PassOptions | None = None, advantages=None):
   """The ``mis`` correction: IS weights, kept mask and metrics (contract §2–5, §8.1–8.2).
 
   With ``r_t = o_t - q_t`` and the level log-value ``L_t`` (token: ``r_t``; sequence:
@@ -419,16 +471,20 @@ def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids
     pass_options: how the token passes run (static); default
       :func:`mis_jax.pass_options` of ``segment_ids`` (pass it explicitly under ``jit`` to tie
       it to where the data lives).
+    advantages: per-token advantages (same shape), needed by ``opsm_delta`` (OPSM masks
+      sequences by their advantage's sign, contract §4.2).
 
   Returns:
     ``(weights, kept_mask, metrics)``: float32 weights (stop-gradient, zero where
     ``loss_mask`` is 0), the kept mask in ``loss_mask``'s dtype, and a dict of float32
     scalars named as in contract §8.1–8.2.
   """
+  if cfg.opsm_delta is not None and advantages is None:
+    raise ValueError(f"cfg.opsm_delta={cfg.opsm_delta} (OPSM) masks negative-advantage sequences: pass advantages=")
   arrays = _validation.check_token_arrays(
       {"train_logprobs": train_logprobs, "rollout_logprobs": rollout_logprobs,
-       "loss_mask": loss_mask, "segment_ids": segment_ids},
-      float_keys=("train_logprobs", "rollout_logprobs"))
+       "loss_mask": loss_mask, "segment_ids": segment_ids, "advantages": advantages},
+      float_keys=("train_logprobs", "rollout_logprobs", "advantages"))
   _validation.check_segments(segment_ids, num_segments)
   if not isinstance(cfg, MISConfig):
     raise TypeError(f"cfg must be a mis_jax.MISConfig, got {type(cfg).__name__}")
@@ -436,8 +492,9 @@ def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids
   shape = jnp.shape(loss_mask)
   segs = Segments(segment_ids, num_segments, axis_name, pass_options)
   o, q, mask = _validation.flat_inputs(arrays, segs)
+  adv = None if advantages is None else _validation.flat_float(arrays["advantages"])
   weights, kept, metrics, _, _ = correct(o, q, mask, segs, cfg if cfg.use_tis else None, metric_reduction,
-                                         batch_norm_factor=batch_norm_factor)
+                                         batch_norm_factor=batch_norm_factor, adv=adv)
   kept = kept.astype(jnp.asarray(loss_mask).dtype)
   return weights.reshape(shape), kept.reshape(shape), metrics
 

@@ -74,7 +74,8 @@ def test_bad_design_names_the_field():
 COMMITTED = os.path.join(os.path.dirname(__file__), "..", "..", "notebooks", "figures", "mismatch")
 
 
-@pytest.mark.parametrize("sub, design", [("", mismatch.FULL), ("stress", mismatch.STRESS), ("moe", mismatch.MOE), ("forms", mismatch.FORMS)])
+@pytest.mark.parametrize("sub, design", [("", mismatch.FULL), ("stress", mismatch.STRESS), ("moe", mismatch.MOE),
+                                         ("forms", mismatch.FORMS), ("controller", mismatch.CONTROLLER)])
 def test_committed_results_are_the_full_design(sub, design):
   """notebooks/figures/mismatch (the grid) and its stress/ (the collapse search) hold complete
   runs of the current designs, and their summaries are what `summarize` computes from the runs."""
@@ -88,6 +89,14 @@ def test_committed_results_are_the_full_design(sub, design):
   assert json.loads(json.dumps(mismatch.summarize(results))) == results["summary"]
   for name in ("curves_reward_mean.png", "curves_mis_k3_kl.png", "curves_grad_norm.png", "intervals.png"):
     assert os.path.isfile(os.path.join(COMMITTED, sub, name))
+  if design is mismatch.CONTROLLER:  # the controller held its targets at every step of every seed
+    for r in results["runs"]:
+      if r["arm"] == "decoupled + auto TIS":
+        assert min(r["mis_auto_target_met"]) == 1 and min(r["mis_auto_ess_ratio"]) >= np.float32(mismatch.AUTO_ESS)
+      if r["arm"] == "decoupled + auto MIS":
+        assert min(r["mis_auto_target_met"]) == 1 and max(r["mis_auto_tis_masked_fraction"]) <= mismatch.AUTO_MASKED
+      if "auto" in r["arm"]:  # and the bound moved with the steps' ratios
+        assert max(r["mis_auto_tis_upper_bound"]) > 1.05 * min(r["mis_auto_tis_upper_bound"])
   if design.preset.endswith("moe"):  # the router disagreement was measured in every arm, with or without R3
     assert all(None not in r["routing_mismatch_frac"] for r in results["runs"])
     assert "| fp8 | decoupled + MIS + R3 |" in mismatch.routing_table(results)

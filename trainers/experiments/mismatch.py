@@ -15,6 +15,9 @@ CI-sized version of the same pipeline):
 - **Policy-loss forms** (`FORMS`, `--design forms`): verl's GSPO and CISPO (contract §6.2),
   alone and under decoupled PPO with the MIS arm's correction, beside standard PPO and that MIS
   arm, under a bf16 and an fp8 engine.
+- **Threshold controller** (`CONTROLLER`, `--design controller`): decoupled PPO with bounds
+  set each step (contract §3.1; `AUTO_ESS`, `AUTO_MASKED`) beside fixed token TIS and MIS and
+  standard PPO, under the fp8 engine; every step records the bound chosen and what it reached.
 - **Seeds**: each seed draws its own initial weights (`init_seed`), prompts and sampling seeds;
   every arm and setting sees the same seeds (a paired design).
 
@@ -43,7 +46,8 @@ import mis_jax
 # Per-step metrics kept for every run (absent ones are recorded as null).
 RECORDED = ("reward_mean", "mis_k3_kl", "train_rollout_logprob_abs_diff", "grad_norm",
             "mis_kept_token_fraction", "response_length", "pg_clipfrac", "routing_mismatch_frac",
-            "routing_mismatch_token_frac")
+            "routing_mismatch_token_frac", "mis_ess_ratio", "mis_auto_tis_upper_bound", "mis_auto_ess_ratio",
+            "mis_auto_tis_masked_fraction", "mis_auto_target_met")
 R3 = " + R3"  # an arm name ending with it replays the server's routed experts (rollout.routing_replay r3)
 
 
@@ -52,7 +56,7 @@ def arms() -> dict[str, mis_jax.LossConfig]:
   policy-loss forms' arms (`FORMS`) after them."""
   base = _base_arms()
   return {**base, **{name + R3: base[name] for name in ("standard PPO", "decoupled + token TIS", "decoupled + MIS")},
-          **_form_arms(base["decoupled + MIS"].mis)}
+          **_form_arms(base["decoupled + MIS"].mis), **_controller_arms()}
 
 
 def _form_arms(mis: mis_jax.MISConfig) -> dict[str, mis_jax.LossConfig]:
@@ -65,6 +69,22 @@ def _form_arms(mis: mis_jax.MISConfig) -> dict[str, mis_jax.LossConfig]:
     out[name] = mis_jax.LossConfig(**kw)
     out[f"{name} + MIS"] = mis_jax.LossConfig(use_tis=True, mis=mis, **kw)
   return out
+
+
+# The threshold controller's targets (contract §3.1) in the `controller` design: set so that they
+# bind under the fp8 engine (its token weights: ESS ratio 0.999 on average, down to 0.991 on the worst steps).
+AUTO_ESS, AUTO_MASKED = 0.999, 0.02
+
+
+def _controller_arms() -> dict[str, mis_jax.LossConfig]:
+  """Decoupled PPO with a bound set each step: token truncation at the loosest bound whose ESS
+  ratio is `AUTO_ESS`, and a token mask band masking the `AUTO_MASKED` most extreme tokens."""
+  return {
+      "decoupled + auto TIS": mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(
+          tis_mode="truncate", tis_upper_bound="auto", target_ess_ratio=AUTO_ESS)),
+      "decoupled + auto MIS": mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(
+          tis_mode="mask", tis_upper_bound="auto", max_masked_fraction=AUTO_MASKED)),
+  }
 
 
 def _base_arms() -> dict[str, mis_jax.LossConfig]:
@@ -144,9 +164,16 @@ MOE = Design(arms=("standard PPO", "standard PPO" + R3, "decoupled + token TIS",
 # standard PPO and the MIS arm (the same seeds: the paired differences are to standard PPO).
 FORMS = Design(arms=("standard PPO", "decoupled + MIS", "GSPO", "GSPO + MIS", "CISPO", "CISPO + MIS"),
                settings=("bf16", "fp8"), probe_settings=())
+# The threshold controller under the fp8 engine, beside fixed token TIS / MIS and no correction.
+CONTROLLER = Design(arms=("standard PPO", "decoupled + token TIS", "decoupled + MIS", "decoupled + auto TIS",
+                          "decoupled + auto MIS"), settings=("fp8",), probe_settings=())
 QUICK = Design(arms=("standard PPO", "decoupled + MIS"), settings=("fp8, sync 4",), probe_settings=(),
                seeds=(0, 1), steps=4,
                prompts_per_step=4, n=4, ppo_epochs=1, final_window=2)
+
+
+# The designs run by `--design NAME` into OUT/NAME.
+DESIGNS = {"moe": MOE, "forms": FORMS, "controller": CONTROLLER}
 
 
 def _init_dir(out: str, design: Design, seed: int) -> str:
@@ -470,16 +497,17 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--out", default="runs/mismatch", help="results.json and the figures go here")
   parser.add_argument("--quick", action="store_true", help="the CI-sized design (seconds, not an hour)")
-  parser.add_argument("--design", choices=("default", "moe", "forms"), default="default",
+  parser.add_argument("--design", choices=("default",) + tuple(DESIGNS), default="default",
                       help="default: the grid (OUT) and the collapse search (OUT/stress); moe: the mixture-of-experts "
-                      "arm (OUT/moe); forms: GSPO and CISPO with and without MIS (OUT/forms)")
+                      "arm (OUT/moe); forms: GSPO and CISPO with and without MIS (OUT/forms); controller: auto "
+                      "bounds under fp8 (OUT/controller)")
   parser.add_argument("--resume", action="store_true", help="keep the runs OUT/results.json already has")
   args = parser.parse_args(argv)
   # The full experiment is the grid (OUT) and the collapse search (OUT/stress).
   if args.quick:
     designs = [(args.out, QUICK)]
-  elif args.design in ("moe", "forms"):
-    designs = [(os.path.join(args.out, args.design), {"moe": MOE, "forms": FORMS}[args.design])]
+  elif args.design in DESIGNS:
+    designs = [(os.path.join(args.out, args.design), DESIGNS[args.design])]
   else:
     designs = [(args.out, FULL), (os.path.join(args.out, "stress"), STRESS)]
   for out, design in designs:
