@@ -141,20 +141,63 @@ def test_bad_weights_get_sglangs_error_and_the_old_weights_serve_on(real_server,
 
 
 def test_asynchronous_rollouts_through_pause_and_continue(real_server, checkpoints, tmp_path):
-  """max_staleness 1 with the engine paused in place during each push: requests keep running
-  across the update and carry SGLang's weight_versions spans."""
+  """max_staleness 2 with the engine paused in place during each push: requests keep running
+  across the update and carry SGLang's weight_versions spans; tokens more than one version old
+  leave the loss (max_token_staleness 1)."""
   cfg = make_cfg(tmp_path, "async", model={"path": checkpoints["start"]},
-                 rollout={"server_dtype": "float32", "max_new_tokens": 4, "sync_every": 1, "max_staleness": 1,
-                          "pause_mode": "in_place", "initial_sync": "always"},
+                 rollout={"server_dtype": "float32", "max_new_tokens": 4, "sync_every": 1, "max_staleness": 2,
+                          "max_token_staleness": 1, "pause_mode": "in_place", "initial_sync": "always"},
                  train={"steps": 4, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 4})
   history = train_lib.Trainer(cfg, LOSS, urls=[real_server]).run(progress=False)
   assert [h["step"] for h in history] == [1, 2, 3, 4]
-  assert all(h["rollout/staleness_max"] <= 1 and h["num_rejected"] == 0 for h in history)
+  assert all(h["rollout/staleness_max"] <= 2 and h["num_rejected"] == 0 for h in history)
+  # Per-token staleness 1: the tokens two versions old are not trained on.
+  assert all(0 <= h["rollout/stale_token_fraction"] <= 1 and np.isfinite(h["loss"]) for h in history)
+  assert history[0]["rollout/stale_token_fraction"] == 0  # step 1: nothing has moved yet
   assert history[0]["mis_k3_kl"] < 1e-6  # step 1: the starting weights on both sides
   assert httpx.get(real_server + "/get_weight_version").json() == {"weight_version": "4"}
   # retract would lose requests in sglang-jax 0.1.0rc0: refused with the reason.
   reply = httpx.post(real_server + "/pause_generation", json={"mode": "retract"}, timeout=30)
   assert reply.status_code == 400 and "in_place" in reply.json()["message"]
+
+
+def test_a_response_straddling_an_update_trains_only_its_fresh_tokens(real_server, checkpoints):
+  """rollout.max_token_staleness on a real engine: a long response paused in place across a
+  weight update comes back with two weight_versions spans; at the next step with k = 0 the tokens
+  of the old version leave the loss and those of the new one stay (every one stays as context)."""
+  import threading
+  import time
+  from trainers.training.batch import build_step_batch, fresh_tokens
+  client = SGLangClient([real_server], max_retries=0)
+  try:
+    sample = None
+    for attempt in range(4):  # the update must land while the response is being generated
+      assert _update(real_server, checkpoints["start"], "6").json()["success"]
+      out = {}
+      thread = threading.Thread(target=lambda: out.update(result=client.generate(
+          [[1, 5, 9]], {"temperature": 1.0, "max_new_tokens": 300, "ignore_eos": True}, n=1, seed=attempt)))
+      thread.start()
+      time.sleep(0.3 * (attempt + 1))
+      assert httpx.post(real_server + "/pause_generation", json={"mode": "in_place"}, timeout=30).status_code == 200
+      assert _update(real_server, checkpoints["other"], "7").json()["success"]
+      assert httpx.post(real_server + "/continue_generation", json={}, timeout=30).status_code == 200
+      thread.join(timeout=300)
+      sample = out["result"].samples[0]
+      if [v for v, _, _ in sample.weight_versions] == ["6", "7"]:
+        break
+    (_, a, b), (_, c, d) = sample.weight_versions
+    assert a == 0 and b == c and 0 < b < d == len(sample.response_ids) == 300, sample.weight_versions
+    fresh, metrics = fresh_tokens([sample], 7, 0)  # training step 8: the weights are version 7
+    assert fresh[0].tolist() == [False] * b + [True] * (300 - b)
+    assert metrics["rollout/stale_token_fraction"] == pytest.approx(b / 300)
+    assert metrics["rollout/token_staleness_q1"] >= metrics["rollout/token_staleness_q4"] == 0  # early tokens are older
+    sb = build_step_batch([sample], np.ones(1, np.float32), np.ones(1, np.float32), np.zeros(1, np.int32),
+                          num_segments=1, row_len=512, tokens_per_micro_batch=512, batch_devices=1,
+                          trained_tokens=fresh)
+    mask = sb.per_sequence(sb.batch.loss_mask)[0]
+    assert mask.sum() == 300 - b and mask[-(300 - b):].all()
+  finally:
+    client.close()
 
 
 def test_sampling_replay_stops_before_step_1(real_server, checkpoints, tmp_path):

@@ -326,3 +326,21 @@ def test_auto_bounds_hold_their_targets_at_every_step(tmp_path):
     assert h["mis_auto_rs_masked_fraction"] <= 0.1
     assert 1.0 <= h["mis_auto_rs_upper_bound"] and 0 < h["mis_auto_tis_upper_bound"] and np.isfinite(h["loss"])
   assert len({h["mis_auto_tis_upper_bound"] for h in history}) == 3  # set from each step's own ratios
+
+
+def test_steps_left_without_a_fresh_token_warn_then_stop(tmp_path):
+  """rollout.max_token_staleness 0 against a server that reports weights two versions behind (so
+  from step 2 on every token is stale): each such step trains on nothing — a warning — and the
+  second in a row stops the run, saying why, before its checkpoint."""
+  logs = []
+  with FakeSGLang(fault="stale_versions") as fake:
+    cfg = make_cfg(tmp_path, train={"steps": 5, "max_consecutive_masked_steps": 2},
+                   rollout={"mismatch_check": False, "max_token_staleness": 0})
+    trainer = train_lib.Trainer(cfg, mis_jax.LossConfig(), urls=[fake.url])
+    with pytest.raises(train_lib.TrainingError, match=r"step 3: no response token was generated within "
+                       r"rollout.max_token_staleness \(0\).*Raise rollout.max_token_staleness"):
+      trainer.run(progress=False, log=logs.append)
+  assert any(line.startswith("warning: step 2: no response token") for line in logs), logs
+  rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert [r["rollout/stale_token_fraction"] for r in rows] == [0.0, 1.0, 1.0] and rows[1]["loss"] == 0
+  assert trainer.checkpoints.latest_step() == 2

@@ -74,6 +74,7 @@ class StepBatch:
   layout: Layout
   support: np.ndarray | None = None  # [micro_batches, rows, row_len, K] int32, -1 padded (sampling replay)
   routing: np.ndarray | None = None  # [micro_batches, rows, row_len, layers, k] int32, -1: no record (routed experts)
+  metrics: dict = dataclasses.field(default_factory=dict)  # what building it measured (per-token staleness)
 
   def per_sequence(self, token_array) -> list[np.ndarray]:
     """A `[micro_batches, rows, row_len]` per-token array → one array per sequence."""
@@ -84,28 +85,60 @@ class StepBatch:
     return self.packing.pack(per_sequence, fill, dtype).reshape(self.layout.shape)
 
 
+def token_versions(sample) -> np.ndarray:
+  """The weight version that generated each response token, from SGLang's `weight_versions`
+  spans `(version, start, end)` over the completion tokens (a response that straddled an update
+  spans several); the sample's `weight_version` where no span covers a token."""
+  versions = np.full(len(sample.response_ids), int(sample.weight_version), np.int64)
+  for version, start, end in sample.weight_versions:
+    versions[start:end] = int(version)
+  return versions
+
+
+def fresh_tokens(samples, step: int, max_token_staleness: int) -> tuple[list[np.ndarray], dict]:
+  """Per sample, its response tokens generated at most `max_token_staleness` weight versions
+  before `step` (the trainer's current version): the others leave the loss and stay as context.
+  Metrics: the share of stale tokens, the mean staleness, and the mean staleness of the tokens
+  in each quarter of their response (`_q1` the first)."""
+  staleness = [step - token_versions(s) for s in samples]
+  fresh = [st <= max_token_staleness for st in staleness]
+  all_st = np.concatenate(staleness) if staleness else np.zeros(0)
+  quarter = np.concatenate([np.minimum(4 * np.arange(len(st)) // max(len(st), 1), 3) for st in staleness]
+                           ) if staleness else np.zeros(0, int)
+  metrics = {"rollout/stale_token_fraction": float(np.mean(all_st > max_token_staleness)) if all_st.size else 0.0,
+             "rollout/token_staleness_mean": float(all_st.mean()) if all_st.size else 0.0}
+  for q in range(4):
+    at = all_st[quarter == q]
+    metrics[f"rollout/token_staleness_q{q + 1}"] = float(at.mean()) if at.size else 0.0
+  return fresh, metrics
+
+
 def build_step_batch(samples, rewards, advantages, groups, *, num_segments: int, row_len: int,
                      tokens_per_micro_batch: int, batch_devices: int, support_width: int = 0,
-                     routing=None) -> StepBatch:
+                     routing=None, trained_tokens=None) -> StepBatch:
   """Packs `samples` (with `prompt_ids`, `response_ids`, `rollout_logprobs`) and their
   per-sequence `advantages` into a :class:`StepBatch`. With `support_width` (sampling-mask
   replay) each response token's `sampling_mask` is packed into `support` (`-1` elsewhere:
   prompt tokens and padding are over the whole vocabulary). With `routing` (a `RoutingSpec`:
   routed experts asked for) each sample's `routed_experts` row i lands at its input position i
-  (`-1` on padding: routed natively)."""
+  (`-1` on padding: routed natively). `trained_tokens`: per sample, which response tokens the
+  loss trains on (default all; the others stay as context)."""
   inputs, targets, masks, q, supports = [], [], [], [], []
-  for s in samples:
+  for k, s in enumerate(samples):
     seq = np.array(s.prompt_ids + s.response_ids, np.int32)
     inputs.append(seq[:-1])
     targets.append(seq[1:])
-    m = np.arange(len(seq) - 1) >= len(s.prompt_ids) - 1
+    response = np.arange(len(seq) - 1) >= len(s.prompt_ids) - 1
+    m = response.copy()
+    if trained_tokens is not None:
+      m[response] = trained_tokens[k]
     masks.append(m)
     lp = np.zeros(len(seq) - 1, np.float32)
-    lp[m] = s.rollout_logprobs
+    lp[response] = s.rollout_logprobs
     q.append(lp)
     if support_width:
       sup = np.full((len(seq) - 1, support_width), -1, np.int32)
-      for row, ids in zip(np.flatnonzero(m), s.sampling_mask):
+      for row, ids in zip(np.flatnonzero(response), s.sampling_mask):
         sup[row, :len(ids)] = ids
       supports.append(sup)
   lengths = [len(x) for x in inputs]

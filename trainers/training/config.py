@@ -108,6 +108,10 @@ class RolloutSection:
   sync_every: int = key(1, "push weights every k steps (k > 1: deliberately stale rollouts)", ge=1)
   max_staleness: int = key(0, "asynchronous rollouts: generate while training, samples at most k weight "
                               "versions old (0: the synchronous loop)", ge=0)
+  max_token_staleness: int | None = key(None, "mask from the loss the response tokens generated more than k weight "
+                                              "versions before the step (from the samples' weight_versions spans: a "
+                                              "response that straddled an update is masked in part); they stay as "
+                                              "context (null: off)", ge=0)
   pause_mode: str = key("abort", "/pause_generation mode during a weight sync (retract keeps in-flight "
                                  "requests for after the update)", choices=("abort", "retract", "in_place"))
   weight_dtype: str | None = key(None, "dtype of the HF weights pushed to the servers (null: the dtype the server "

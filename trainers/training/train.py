@@ -33,7 +33,7 @@ import numpy as np
 import mis_jax
 from trainers.models import PRESETS, DTYPES, ModelConfig, init_checkpoint, load_hf_params
 from trainers.training import checkpointing, checks, distributed, parallel
-from trainers.training.batch import StepBatch, build_step_batch
+from trainers.training.batch import StepBatch, build_step_batch, fresh_tokens
 from trainers.training.config import ModelSection, TrainConfig
 from trainers.training.errors import Preempted, ServersUnavailable, TrainingError
 from trainers.training.metric_logging import MetricLogger
@@ -212,7 +212,8 @@ class Trainer:
             "num_aborted": result.num_aborted, "num_rejected": result.num_rejected,
             "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": t3 - t0,
             "tokens_per_s": trained / max(t3 - t0, 1e-9),
-            "server_weight_version": result.samples[0].weight_version, **rollout.metrics, **self.servers.step_done()}
+            "server_weight_version": result.samples[0].weight_version, **rollout.metrics, **sb.metrics,
+            **self.servers.step_done()}
 
   def describe(self, log) -> None:
     """The options that change what the loop does, said once before step 1."""
@@ -248,11 +249,16 @@ class Trainer:
     groups = np.array([s.prompt_index for s in samples], np.int32)
     t = self.cfg.train
     lengths = np.array([len(s.response_ids) for s in samples], np.int32)
-    return build_step_batch(samples, rewards, self.advantages(rewards, groups, lengths), groups,
-                            num_segments=self.num_segments, row_len=t.row_len,
-                            tokens_per_micro_batch=t.tokens_per_micro_batch,
-                            batch_devices=parallel.batch_devices(self.mesh), support_width=self.support_width,
-                            routing=self.routing_spec)
+    trained, metrics = None, {}
+    if self.cfg.rollout.max_token_staleness is not None:  # the weights being trained are version `self.step`
+      trained, metrics = fresh_tokens(samples, self.step, self.cfg.rollout.max_token_staleness)
+    sb = build_step_batch(samples, rewards, self.advantages(rewards, groups, lengths), groups,
+                          num_segments=self.num_segments, row_len=t.row_len,
+                          tokens_per_micro_batch=t.tokens_per_micro_batch,
+                          batch_devices=parallel.batch_devices(self.mesh), support_width=self.support_width,
+                          routing=self.routing_spec, trained_tokens=trained)
+    sb.metrics.update(metrics)
+    return sb
 
   def advantages(self, rewards, groups, lengths, in_baseline=None) -> np.ndarray:
     """Per-sequence advantages of `train.advantage_estimator`; the optimal token baseline's are
@@ -351,14 +357,17 @@ class Trainer:
       train_lp = batch.old_logprobs if batch.old_logprobs is not None else self.fns.logprobs(
           self.params, inputs, batch.segment_ids)
       log_ratio = distributed.to_host(train_lp - batch.rollout_logprobs)[distributed.to_host(batch.loss_mask)]
-      self.masked_ratio_range = tuple(float(np.exp(np.clip(x, -20, 20))) for x in (log_ratio.min(), log_ratio.max()))
+      self.masked_ratio_range = (None if log_ratio.size == 0 else  # no token to train on (all stale)
+                                 tuple(float(np.exp(np.clip(x, -20, 20))) for x in (log_ratio.min(), log_ratio.max())))
     return metrics
 
   def watch_masked(self, metrics: dict, log):
     """contract §8.2's `mis_masked_whole_batch`: a step whose correction keeps no token trains on
-    nothing (loss 0). Each one is a warning; `train.max_consecutive_masked_steps` in a row stop
-    the run, naming the setting and the ratios seen."""
-    if metrics.get("mis_masked_whole_batch", 0.0) < 1.0:
+    nothing (loss 0), as does one whose every token `rollout.max_token_staleness` masked. Each one
+    is a warning; `train.max_consecutive_masked_steps` in a row stop the run, naming the setting
+    and the ratios seen."""
+    all_stale = metrics.get("rollout/stale_token_fraction", 0.0) >= 1.0  # rollout.max_token_staleness left nothing
+    if metrics.get("mis_masked_whole_batch", 0.0) < 1.0 and not all_stale:
       self.masked_in_a_row = 0
       return
     self.masked_in_a_row += 1
@@ -366,13 +375,19 @@ class Trainer:
     defaults = mis_jax.MISConfig().to_dict()
     setting = (", ".join(f"{k} {v}" for k, v in mis.to_dict().items() if v != defaults[k]) if mis is not None
                else "vanilla TIS")
-    lo, hi = self.masked_ratio_range
-    what = (f"step {self.step}: the correction kept no token (loss.mis: {setting or 'the defaults'}); the step's "
-            f"raw IS ratios pi_train/pi_rollout lay in [{lo:.3g}, {hi:.3g}]")
+    if all_stale:
+      what = (f"step {self.step}: no response token was generated within rollout.max_token_staleness "
+              f"({self.cfg.rollout.max_token_staleness}) versions of the weights trained")
+      advice = "Raise rollout.max_token_staleness, or lower rollout.max_staleness / sync_every"
+    else:
+      lo, hi = self.masked_ratio_range
+      what = (f"step {self.step}: the correction kept no token (loss.mis: {setting or 'the defaults'}); the step's "
+              f"raw IS ratios pi_train/pi_rollout lay in [{lo:.3g}, {hi:.3g}]")
+      advice = "Loosen the bounds or look at the engine's log-probs"
     limit = self.cfg.train.max_consecutive_masked_steps
     if self.masked_in_a_row >= limit:
       raise TrainingError(f"{what}; {limit} steps in a row kept no token (train.max_consecutive_masked_steps): "
-                          "stopping. Loosen the bounds or look at the engine's log-probs")
+                          f"stopping. {advice}")
     if distributed.is_primary():
       log(f"warning: {what} ({self.masked_in_a_row} in a row; the run stops at {limit})")
 
