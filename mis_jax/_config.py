@@ -64,11 +64,16 @@ class RSCriterion:
   metric: str = key(None, "the divergence (contract §4.1)", choices=DIVERGENCES)
   agg: str = key("token", "per token, or per sequence over trained tokens", choices=AGGREGATIONS)
   lower: float | None = key(None, "the band's lower bound (null: none)")
-  upper: float | None = key(None, "the band's upper bound (null: none)")
+  upper: float | None = key(None, "the band's upper bound (null: none), or auto (k2/k3: set each step, contract §3.1)")
 
   @property
   def name(self) -> str:
     return f"{self.metric}_{self.agg}"
+
+  @property
+  def auto(self) -> bool:
+    """Whether the threshold controller sets ``upper`` each step (contract §3.1)."""
+    return self.upper == AUTO
 
   @classmethod
   def from_value(cls, value, where: str) -> "RSCriterion":
@@ -82,8 +87,18 @@ class RSCriterion:
         raise ConfigError(f"{where}: unknown key '{k}'.{_closest(str(k), valid)} Valid keys: {', '.join(valid)}")
     if "metric" not in value:
       raise ConfigError(f"{where} needs 'metric' (one of {', '.join(DIVERGENCES)})")
-    crit = cls(**dict(value))
+    values = dict(value)
+    auto = isinstance(values.get("upper"), str) and values["upper"].strip().lower() == AUTO
+    if auto:  # set each step by the threshold controller (contract §3.1); checked as a number meanwhile
+      values["upper"] = 0.0
+    crit = cls(**values)
     validate_fields(crit, lambda name: _where(where, name))  # types and choices of the keys
+    if auto:
+      if crit.metric == "k1":
+        raise ConfigError(f"{where}: upper: auto needs a divergence (k2 or k3); a k1 band is on the log-ratio: "
+                          "use rs_upper_bound: auto for it")
+      object.__setattr__(crit, "upper", AUTO)
+      return crit
     metric, lower, upper = crit.metric, crit.lower, crit.upper
     if lower is None and upper is None:
       raise ConfigError(f"{where} needs a 'lower' or an 'upper' bound")
@@ -134,7 +149,6 @@ class MISConfig:
     validate_fields(self, lambda name: _where(src, name))  # types, choices, ranges of the keys
     for k in auto:
       set_(k, AUTO)
-    self._check_auto(src)
     criteria = self.rs_criteria if self.rs_criteria is not None else ()
     if isinstance(criteria, Mapping) or not isinstance(criteria, (list, tuple)):
       raise ConfigError(f"{_where(src, 'rs_criteria')} must be a list of criteria, got {criteria!r}")
@@ -143,6 +157,7 @@ class MISConfig:
     names = [c.name for c in self.rs_criteria]
     if len(set(names)) != len(names):
       raise ConfigError(f"{_where(src, 'rs_criteria')} lists a metric/agg pair twice: {names}")
+    self._check_auto(src)
     # Relations between keys (an auto bound's relations are kept by the controller).
     if not self.tis_auto and not 0 <= self.lower < self.tis_upper_bound:
       raise ConfigError(
@@ -180,17 +195,19 @@ class MISConfig:
       raise ConfigError(f"{where('rs_upper_bound')} is auto but use_rs is false")
     if self.rs_auto and self.max_masked_fraction is None:
       raise ConfigError(f"{where('rs_upper_bound')} is auto: give max_masked_fraction")
+    if self.criteria_auto and self.max_masked_fraction is None:
+      raise ConfigError(f"{where('rs_criteria')}: a criterion's upper is auto: give max_masked_fraction")
     if (self.tis_auto and self.tis_mode != "mask" and self.use_rs and self.rs_upper_bound is None):
       raise ConfigError(f"{where('rs_upper_bound')} must be given (a number or auto) when tis_upper_bound is auto "
                         f"in tis_mode '{self.tis_mode}': the RS band would move with the bound the ESS target sets")
     ess_used = self.tis_auto and self.tis_mode in ("truncate", "clip")
-    mask_used = (self.tis_auto and self.tis_mode == "mask") or self.rs_auto
+    mask_used = (self.tis_auto and self.tis_mode == "mask") or self.rs_auto or self.criteria_auto
     if self.target_ess_ratio is not None and not ess_used:
       raise ConfigError(f"{where('target_ess_ratio')} is set but no bound uses it: set tis_upper_bound: auto "
                         "with tis_mode truncate or clip")
     if self.max_masked_fraction is not None and not mask_used:
       raise ConfigError(f"{where('max_masked_fraction')} is set but no bound uses it: set rs_upper_bound: auto, "
-                        "or tis_upper_bound: auto with tis_mode mask")
+                        "a criterion's upper: auto, or tis_upper_bound: auto with tis_mode mask")
     if self.target_ess_ratio is not None and not self.target_ess_ratio < 1:
       raise ConfigError(f"{where('target_ess_ratio')} must be in (0, 1), got {self.target_ess_ratio}")
     if self.max_masked_fraction is not None and not self.max_masked_fraction < 1:
@@ -204,6 +221,11 @@ class MISConfig:
   def tis_auto(self) -> bool:
     """Whether the controller sets ``U`` each step (contract §3.1)."""
     return self.tis_upper_bound == AUTO
+
+  @property
+  def criteria_auto(self) -> bool:
+    """Whether the controller sets some divergence criterion's upper bound (contract §3.1)."""
+    return any(c.auto for c in self.rs_criteria)
 
   @property
   def rs_auto(self) -> bool:

@@ -97,11 +97,13 @@ def ess_ratio(units: Units, mode: str, lower: float | None, upper):
   return jnp.where(den > 0, s[0] * s[0] / jnp.where(den > 0, den, 1.0), 1.0)
 
 
-def masked_share(units: Units, lower: float | None, upper):
-  """The share of units (by ``count``) the band ``[lower, upper]`` masks, and the masked count
-  allowed at share ``f`` is compared against ``f · Σ count`` by the caller."""
+def masked_share(units: Units, lower: float | None, upper, *, reciprocal: bool = True):
+  """The masked count (by ``count``) of the band ``[lower, upper]`` and the total count; an unset
+  ``lower`` is ``1/upper`` (``reciprocal``) or absent."""
   c = units.count
-  out = (units.x > upper) | (units.x < _lower(lower, upper))
+  out = units.x > upper
+  if lower is not None or reciprocal:
+    out = out | (units.x < _lower(lower, upper))
   s = psum(jnp.stack([jnp.sum(jnp.where(out, c, 0.0)), jnp.sum(c)]), units.axis_name)
   return s[0], s[1]
 
@@ -127,14 +129,16 @@ def ess_bound(units: Units, mode: str, lower: float | None, target: float):
   return u, ess, ess >= target
 
 
-def masking_bound(units: Units, lower: float | None, fraction: float):
+def masking_bound(units: Units, lower: float | None, fraction: float, *, reciprocal: bool = True):
   """``max_masked_fraction`` for a masking band: the tightest ``U`` whose band
   ``[lower (or 1/U), U]`` masks at most ``fraction`` of the units (by ``count``): the most
   extreme go, no more (``⌊f · Σ count⌋`` units at most, in float32). Returns
   ``(U, masked_share_reached, met)``; ``met`` is false only when a fixed lower bound alone masks
   more (then ``U`` is the loosest, masking nothing above)."""
   on, x_min, x_max = _extremes(units, units.count)
-  if lower is None:
+  if lower is None and not reciprocal:  # an upper bound alone, on values >= 0 (a divergence)
+    floor, cap = jnp.float32(0.0), jnp.maximum(x_max, 0.0)
+  elif lower is None:
     floor, cap = jnp.float32(1.0), _symmetric_cap(x_min, x_max)
   else:
     floor = jnp.maximum(jnp.nextafter(jnp.float32(lower), jnp.float32(jnp.inf)), _SMALLEST_NORMAL)
@@ -143,11 +147,11 @@ def masking_bound(units: Units, lower: float | None, fraction: float):
   floor, cap = jnp.where(any_unit, floor, 1.0), jnp.where(any_unit, cap, 1.0)
 
   def within(u):
-    masked, total = masked_share(units, lower, u)
+    masked, total = masked_share(units, lower, u, reciprocal=reciprocal)
     return masked <= jnp.floor(jnp.float32(fraction) * total)
 
   u = smallest_true(within, floor, cap)
-  masked, total = masked_share(units, lower, u)
+  masked, total = masked_share(units, lower, u, reciprocal=reciprocal)
   return u, masked / jnp.maximum(total, 1.0), within(u)
 
 

@@ -81,14 +81,16 @@ class Bounds(NamedTuple):
   rs_lower: Any
   rs_upper: Any
   m2_max: Any = None
+  criteria_upper: tuple = ()  # per criterion of rs_criteria: its upper bound (an auto one resolved)
 
   @classmethod
   def of(cls, cfg: MISConfig) -> "Bounds":
     """A config's fixed bounds (contract §3–4 defaults); None for those it leaves to the controller."""
+    uppers = tuple(None if c.auto else c.upper for c in cfg.rs_criteria)
     if cfg.tis_auto:
-      return cls(None, None, cfg.rs_lower_bound, None if cfg.rs_auto else cfg.rs_upper_bound)
+      return cls(None, None, cfg.rs_lower_bound, None if cfg.rs_auto else cfg.rs_upper_bound, None, uppers)
     return cls(cfg.lower, cfg.tis_upper_bound, None if cfg.rs_auto else cfg.rs_lower,
-               None if cfg.rs_auto else cfg.rs_upper)
+               None if cfg.rs_auto else cfg.rs_upper, None, uppers)
 
 
 def bounded_weights(w_raw, cfg: MISConfig, bounds: Bounds):

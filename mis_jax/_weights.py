@@ -86,7 +86,7 @@ class _Plan:
   @property
   def thresholds(self) -> bool:
     """Whether some bound or cutoff is set from the step's ratios before pass 2 (§3.1, §4.2)."""
-    return self.tis and (self.cfg.tis_auto or self.cfg.rs_auto or self.m2po)
+    return self.tis and (self.cfg.tis_auto or self.cfg.rs_auto or self.cfg.criteria_auto or self.m2po)
 
   @property
   def rejects_segments(self) -> bool:
@@ -197,19 +197,20 @@ def _rejection(cfg: MISConfig, bounds: correction.Bounds, w_raw, log_values, kep
   return w_rs_raw, kept & correction.rs_keep(w_rs_raw, bounds)
 
 
-def _criterion_values(plan: _Plan, seg: _SegmentStats, r, to_tokens):
-  """§4.1: each divergence criterion's value at every token, with whether the token is in its band."""
+def _criterion_values(plan: _Plan, seg: _SegmentStats, r, to_tokens, uppers):
+  """§4.1: each divergence criterion's value at every token, with whether the token is in its
+  band (``uppers``: the criteria's upper bounds, auto ones resolved)."""
   for i, crit in enumerate(plan.crits):
     if crit.agg == "token":
       value = correction.criterion_value(crit, correction.divergence(crit.metric, r))
     else:
       value = to_tokens(seg.criteria[i])
-    yield crit, value, correction.in_band(value, crit.lower, crit.upper)
+    yield crit, value, correction.in_band(value, crit.lower, uppers[i])
 
 
-def _criteria(plan: _Plan, seg: _SegmentStats, ch, r, m, kept, means: dict, out: dict):
+def _criteria(plan: _Plan, seg: _SegmentStats, ch, r, m, kept, means: dict, out: dict, uppers):
   """§4.1: divergence criteria, AND-combined, with their metric rows."""
-  for crit, value, keep in _criterion_values(plan, seg, r, ch.broadcast):
+  for crit, value, keep in _criterion_values(plan, seg, r, ch.broadcast, uppers):
     kept = kept & keep
     means.update(metrics_lib.criterion_token_values(crit, value, keep))
     out[f"max:mis_rs_{crit.name}_max"] = Max(jnp.where(m, value, LOWEST))
@@ -250,7 +251,7 @@ def _token_body(plan: _Plan, seg: _SegmentStats, bounds: correction.Bounds):
       log_values = lambda level: correction.level_log_values(level, r, seg.sum_r, count, ch.broadcast)
       w_raw, w, keep_is, kept = _is_weights(cfg, bounds, log_values, m, plan.seq_mode, out)
       w_rs_raw, kept = _rejection(cfg, bounds, w_raw, log_values, kept)
-      kept = _criteria(plan, seg, ch, r, m, kept, means, out)
+      kept = _criteria(plan, seg, ch, r, m, kept, means, out, bounds.criteria_upper)
       catastrophic = None
       if plan.rejects_segments:  # §4 veto: a catastrophic token (raw log-ratio) rejects its segment; §4.2 OPSM
         kept = kept & ~rejected_at
@@ -284,8 +285,9 @@ def _step_thresholds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m):
   """contract §3.1 and §4.2: the step's bounds, with the auto ones set by the controller and
   M2PO's cutoff, and their metrics.
 
-  Order: M2PO's cutoff (over the trained tokens), the RS band (its masked share, on the raw
-  weights at ``rs_level``), then the IS bound — a masking band by its masked share, or a
+  Order: M2PO's cutoff (over the trained tokens), the criteria's auto upper bounds (each its
+  masked share of its units), the RS band (its masked share, on the raw weights at
+  ``rs_level``), then the IS bound — a masking band by its masked share, or a
   truncate/clip bound by the ESS over the tokens the RS band, the criteria, the veto, OPSM and
   M2PO keep (they do not move with it)."""
   cfg, fixed = plan.cfg, correction.Bounds.of(plan.cfg)
@@ -298,8 +300,24 @@ def _step_thresholds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m):
     m2_max, second_moment, share = controller.m2po_cutoff(sq, cfg.m2po_threshold)
     metrics.update(mis_m2po_max_sq_log_ratio=m2_max, mis_m2po_second_moment=second_moment,
                    mis_m2po_masked_fraction=share)
+  uppers = list(fixed.criteria_upper)
+  for i, crit in enumerate(plan.crits):  # a criterion's auto upper bound: its masked share of its units
+    if not crit.auto:
+      continue
+    if crit.agg == "token":
+      values = correction.criterion_value(crit, correction.divergence(crit.metric, r))
+      units_i = controller.Units(values, m.astype(jnp.float32), m.astype(jnp.float32), segs.axis_name)
+    else:
+      live = (seg.mask_stats.counts > 0).astype(jnp.float32)
+      units_i = controller.Units(seg.criteria[i], live, live, None)
+    uppers[i], _, ok = controller.masking_bound(units_i, crit.lower, cfg.max_masked_fraction, reciprocal=False)
+    metrics[f"mis_auto_rs_{crit.name}_upper"] = uppers[i]
+    met = met & ok
+  fixed = fixed._replace(m2_max=m2_max, criteria_upper=tuple(uppers))
   if not (cfg.tis_auto or cfg.rs_auto):
-    return fixed._replace(m2_max=m2_max), metrics
+    if cfg.criteria_auto:
+      metrics["mis_auto_target_met"] = met.astype(jnp.float32)
+    return fixed, metrics
   rs_lower, rs_upper = fixed.rs_lower, fixed.rs_upper
   if cfg.rs_auto:
     rs_upper, share, ok = controller.masking_bound(units(cfg.rs_level_resolved), cfg.rs_lower_bound,
@@ -320,7 +338,7 @@ def _step_thresholds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m):
       level_values = correction.level_log_values(cfg.rs_level_resolved, r, seg.sum_r, seg.mask_stats.counts,
                                                  segs.broadcast)
       kept = kept & correction.in_band(correction.raw_weights(level_values), rs_lower, rs_upper)
-    for _, _, keep in _criterion_values(plan, seg, r, segs.broadcast):
+    for _, _, keep in _criterion_values(plan, seg, r, segs.broadcast, fixed.criteria_upper):
       kept = kept & keep
     if plan.rejects_segments:
       kept = kept & ~segs.broadcast(seg.rejected)
@@ -337,7 +355,7 @@ def _step_thresholds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m):
       rs_upper = tis_upper
       rs_lower = tis_lower if cfg.rs_lower_bound is None else cfg.rs_lower_bound
   metrics["mis_auto_target_met"] = met.astype(jnp.float32)
-  return correction.Bounds(tis_lower, tis_upper, rs_lower, rs_upper, m2_max), metrics
+  return correction.Bounds(tis_lower, tis_upper, rs_lower, rs_upper, m2_max, fixed.criteria_upper), metrics
 
 
 # --- after the passes: metrics over other masks, batch normalisation ------------------------

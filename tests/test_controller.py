@@ -259,3 +259,45 @@ def test_bad_controller_configs_are_refused(kw, message):
   with pytest.raises(mis_jax.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")
                      .replace("[", r"\[")):
     mis_jax.MISConfig(**kw)
+
+
+@pytest.mark.parametrize("crit,fraction", [({"metric": "k3", "agg": "token"}, 0.1),
+                                           ({"metric": "k2", "agg": "seq_mean"}, 0.25),
+                                           ({"metric": "k3", "agg": "seq_max", "lower": 1e-4}, 0.3)])
+def test_a_criterion_upper_bound_set_from_its_masked_share(crit, fraction):
+  """`upper: auto` on a divergence criterion: the tightest upper bound that masks at most the
+  share of its units (tokens, or live sequences for a sequence aggregate), by sorting each
+  batch's values; the kept mask is that of the bound fixed."""
+  name = f"{crit['metric']}_{crit['agg']}"
+  for seed in SEEDS:
+    batch = _batch(seed)
+    _, kept, metrics = _run(batch, tis_upper_bound=1e6, rs_criteria=[{**crit, "upper": "auto"}],
+                            max_masked_fraction=fraction)
+    u = metrics[f"mis_auto_rs_{name}_upper"]
+    m, ids, r = _flat(batch)
+    r = r.astype(np.float64)
+    div = {"k2": 0.5 * r * r, "k3": np.exp(np.clip(r, -20, 20)) - 1 - np.clip(r, -20, 20)}[crit["metric"]]
+    if crit["agg"] == "token":
+      values = div[m]
+    else:
+      per = [div[m & (ids == s)] for s in range(batch.num_segments) if (m & (ids == s)).any()]
+      values = np.array([v.mean() if crit["agg"] == "seq_mean" else v.max() for v in per])
+    lower = crit.get("lower", -np.inf)
+    below = int(np.sum(values < lower))
+    allowed = int(np.floor(fraction * len(values)))
+    assert metrics["mis_auto_target_met"] == float(below <= allowed), f"seed {seed}"
+    if below > allowed:
+      continue
+    ordered = np.sort(values[values >= lower])[::-1]
+    np.testing.assert_allclose(u, ordered[allowed - below], rtol=1e-5, atol=1e-9, err_msg=f"seed {seed}")
+    k = np.asarray(kept).reshape(-1).astype(bool)
+    masked = (int(np.sum(m & ~k)) if crit["agg"] == "token" else  # the units it masked, off the kept mask
+              sum(1 for s in range(batch.num_segments) if (m & (ids == s)).any() and not (k & (ids == s)).any()))
+    assert masked <= allowed, f"seed {seed}"
+    if seed == SEEDS[0]:
+      _, kept_fixed, _ = _run(batch, tis_upper_bound=1e6, rs_criteria=[{**crit, "upper": float(u)}])
+      np.testing.assert_array_equal(kept, kept_fixed)
+  with pytest.raises(mis_jax.ConfigError, match="upper: auto needs a divergence"):
+    mis_jax.MISConfig(rs_criteria=[{"metric": "k1", "upper": "auto"}], max_masked_fraction=0.1)
+  with pytest.raises(mis_jax.ConfigError, match="a criterion's upper is auto: give max_masked_fraction"):
+    mis_jax.MISConfig(rs_criteria=[{**crit, "upper": "auto"}])
