@@ -29,6 +29,8 @@ def test_declared_reductions_name_emitted_metrics():
     form_prepared, form_dens, _ = mis_jax.prepare_step(batch, form_cfg)
     emitted |= set(mis_jax.policy_loss(o, form_prepared, form_cfg, entropy=-o, denominators=form_dens)[1])
   emitted |= set(mis_jax.sampling_metrics(o, np.zeros_like(o), q, mask, seg, num_segments=4))
+  auto = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(tis_upper_bound="auto", target_ess_ratio=0.9))
+  emitted |= set(mis_jax.prepare_step(batch, auto)[2])  # the threshold controller's (contract §3.1)
   assert set(mis_jax.MICROBATCH_REDUCTIONS) <= emitted, set(mis_jax.MICROBATCH_REDUCTIONS) - emitted
   assert set(mis_jax.MICROBATCH_REDUCTIONS.values()) <= {"sum", "min", "max", "mask", "kept", "seqs"}
   assert mis_jax.microbatch_reduction("mis_rs_k3_seq_max_max") == "max"
