@@ -134,12 +134,13 @@ def test_no_recompilation_within_a_bucket(sampler):
 
 
 def test_prefill_and_decode_trace_once_per_bucket(tiny_model, monkeypatch):
-  """chex guards the embedded server's program (prefill and the decode loop, one jitted
-  function): requests of other lengths, sampling settings, seeds, stop ids and weights inside one
-  bucket reuse it; a longer prompt is a new bucket and traces once."""
+  """chex guards the embedded server's programs (the prefill, and the decode loop that runs in
+  segments): requests of other lengths, sampling settings, seeds, stop ids, weights and segment
+  ends inside one bucket reuse them; a longer prompt is a new bucket and traces each once."""
   import chex
   from trainers.serving import sampler as sampler_mod
-  monkeypatch.setattr(sampler_mod, "_generate", chex.assert_max_traces(sampler_mod._generate, n=2))
+  monkeypatch.setattr(sampler_mod, "_prefill", chex.assert_max_traces(sampler_mod._prefill, n=2))
+  monkeypatch.setattr(sampler_mod, "_decode", chex.assert_max_traces(sampler_mod._decode, n=2))
   fresh = Sampler(tiny_model, max_batch_size=4)
   for prompt, params in (([1, 2, 3], SamplingOptions(max_new_tokens=5, seed=0)),
                          ([1] * 15, SamplingOptions(max_new_tokens=16, temperature=0.3, seed=1)),
@@ -149,7 +150,9 @@ def test_prefill_and_decode_trace_once_per_bucket(tiny_model, monkeypatch):
     fresh.generate([prompt], params)
   fresh.set_params(nnx.state(CausalLM(TINY, rngs=nnx.Rngs(9))))
   fresh.generate([[7, 8]], SamplingOptions(max_new_tokens=3, seed=5))
-  assert fresh.num_compiled == 2
+  monkeypatch.setattr(sampler_mod, "SEGMENT_STEPS", 4)
+  fresh.generate([[7, 8]], SamplingOptions(max_new_tokens=14, seed=6, ignore_eos=True), between=lambda: None)
+  assert fresh.num_compiled == 4  # a prefill and a decoder per bucket, however many segments
 
 
 def test_weight_swap_changes_samples_without_recompiling(sampler):
@@ -272,3 +275,28 @@ def test_greedy_mask_is_the_token_with_log_prob_zero(sampler):
   assert c.sampling_mask == [[t] for t in c.output_ids] and c.sampling_logprobs == [0.0] * 5
   with pytest.raises(ValueError, match="finite top_k"):
     SamplingOptions(top_p=0.9, sampling_mask=True)
+
+
+def test_decoding_in_segments_and_a_swap_between_them(sampler, monkeypatch):
+  """A batch decoded in segments draws what one call draws (ids and log-probs, bitwise); weights
+  swapped between segments change only what comes after, and each row records where it switched."""
+  from trainers.serving import sampler as sampler_mod
+  monkeypatch.setattr(sampler_mod, "SEGMENT_STEPS", 4)
+  params = SamplingOptions(max_new_tokens=14, seed=3, ignore_eos=True, n=2)
+  whole = sampler.generate(PROMPTS, params, version="a")
+  segmented = sampler.generate(PROMPTS, params, version="a", between=lambda: None)
+  assert [(c.output_ids, c.logprobs, c.versions) for c in whole] == [
+      (c.output_ids, c.logprobs, c.versions) for c in segmented]
+  assert all(c.versions == [("a", 0)] for c in whole)
+  other = nnx.state(CausalLM(TINY, rngs=nnx.Rngs(9)))
+  calls = []
+
+  def swap():
+    calls.append(1)
+    return (other, "b") if len(calls) == 2 else None  # after the second segment: 8 tokens
+  swapped = sampler.generate(PROMPTS, params, version="a", between=swap)
+  for c, w in zip(swapped, whole):
+    assert c.versions == [("a", 0), ("b", 8)]
+    assert c.output_ids[:8] == w.output_ids[:8] and c.logprobs[:8] == w.logprobs[:8]
+    assert c.logprobs[8:] != w.logprobs[8:]
+  assert sampler.params is not other  # the sampler's own weights are untouched by a swap

@@ -17,6 +17,7 @@ import pytest
 
 from trainers import cli
 from trainers.serving import protocol
+from trainers.serving import sampler as sampler_mod
 from trainers.models import PRESETS, init_checkpoint, load_hf_checkpoint
 from trainers.training.rollout import sample_seeds
 from trainers.serving.server import EmbeddedServer
@@ -408,6 +409,47 @@ def test_abort_of_a_running_request_keeps_its_tokens(server):
   assert len(out["output_ids"]) == out["meta_info"]["completion_tokens"] > 0  # tokens kept
   assert len(out["meta_info"]["output_token_logprobs"]) == len(out["output_ids"])
   assert "prompt_tokens" in out["meta_info"]
+
+
+def test_pause_in_place_lets_an_update_land_mid_response(server, tmp_path):
+  """SGLang's `in_place` pause: the running request stops at its next decoding segment with its
+  KV cache, the weight update lands, and after continue_generation it finishes on the new weights;
+  its weight_versions spans say where the switch fell. Its tokens before the switch are the old
+  weights' (the same seed without an update), those after are not."""
+  info = server.get("/model_info").json()
+  version, path = info["weight_version"], info["model_path"]
+  body = {"input_ids": PROMPT, "return_logprob": True,
+          "sampling_params": {"max_new_tokens": 300, "ignore_eos": True, "sampling_seed": 11}}
+  reference = _post(server, body)  # the old weights throughout
+  new_dir = tmp_path / "in_place"
+  init_checkpoint(new_dir, config=TINY, seed=5, dtype="bfloat16")
+  try:
+    for _ in range(3):  # a fast machine may finish the request before the pause lands: try again
+      t, result = _in_thread(lambda: server.post("/generate", json=body))
+      assert _wait_running(server)
+      assert server.post("/pause_generation", json={"mode": "in_place"}).status_code == 200
+      r = server.post("/update_weights_from_disk", json={"model_path": str(new_dir), "weight_version": "in-place"})
+      assert r.status_code == 200 and r.json()["success"], r.text
+      assert server.post("/continue_generation", json={}).status_code == 200
+      t.join(120)
+      out = result["value"].json()
+      spans = out["meta_info"]["weight_versions"]
+      if len(spans) == 2:
+        break
+      assert server.post("/update_weights_from_disk", json={"model_path": path, "weight_version": version}).json()["success"]
+    (first, second) = spans
+    k = first["end"]
+    assert first == {"version": version, "start": 0, "end": k} and second == {"version": "in-place", "start": k, "end": 300}
+    assert 0 < k < 300 and k % sampler_mod.SEGMENT_STEPS == 0, spans
+    assert out["meta_info"]["weight_version"] == "in-place" and len(out["output_ids"]) == 300
+    assert out["output_ids"][:k] == reference["output_ids"][:k]
+    assert out["meta_info"]["output_token_logprobs"][:k] == reference["meta_info"]["output_token_logprobs"][:k]
+    assert out["output_ids"][k:] != reference["output_ids"][k:]
+  finally:  # the module's server goes back to its weights
+    assert server.post("/update_weights_from_disk", json={"model_path": path, "weight_version": version}).json()["success"]
+  again = _post(server, body)
+  assert again["output_ids"] == reference["output_ids"] and again["meta_info"]["weight_versions"] == [
+      {"version": version, "start": 0, "end": 300}]
 
 
 def test_update_weights_from_disk(server, tmp_path, f32_model):

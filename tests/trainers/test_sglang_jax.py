@@ -163,41 +163,10 @@ def test_asynchronous_rollouts_through_pause_and_continue(real_server, checkpoin
 
 def test_a_response_straddling_an_update_trains_only_its_fresh_tokens(real_server, checkpoints):
   """rollout.max_token_staleness on a real engine: a long response paused in place across a
-  weight update comes back with two weight_versions spans; at the next step with k = 0 the tokens
-  of the old version leave the loss and those of the new one stay (every one stays as context)."""
-  import threading
-  import time
-  from trainers.training.batch import build_step_batch, fresh_tokens
-  client = SGLangClient([real_server], max_retries=0)
-  try:
-    sample = None
-    for attempt in range(4):  # the update must land while the response is being generated
-      assert _update(real_server, checkpoints["start"], "6").json()["success"]
-      out = {}
-      thread = threading.Thread(target=lambda: out.update(result=client.generate(
-          [[1, 5, 9]], {"temperature": 1.0, "max_new_tokens": 300, "ignore_eos": True}, n=1, seed=attempt)))
-      thread.start()
-      time.sleep(0.3 * (attempt + 1))
-      assert httpx.post(real_server + "/pause_generation", json={"mode": "in_place"}, timeout=30).status_code == 200
-      assert _update(real_server, checkpoints["other"], "7").json()["success"]
-      assert httpx.post(real_server + "/continue_generation", json={}, timeout=30).status_code == 200
-      thread.join(timeout=300)
-      sample = out["result"].samples[0]
-      if [v for v, _, _ in sample.weight_versions] == ["6", "7"]:
-        break
-    (_, a, b), (_, c, d) = sample.weight_versions
-    assert a == 0 and b == c and 0 < b < d == len(sample.response_ids) == 300, sample.weight_versions
-    fresh, metrics = fresh_tokens([sample], 7, 0)  # training step 8: the weights are version 7
-    assert fresh[0].tolist() == [False] * b + [True] * (300 - b)
-    assert metrics["rollout/stale_token_fraction"] == pytest.approx(b / 300)
-    assert metrics["rollout/token_staleness_q1"] >= metrics["rollout/token_staleness_q4"] == 0  # early tokens are older
-    sb = build_step_batch([sample], np.ones(1, np.float32), np.ones(1, np.float32), np.zeros(1, np.int32),
-                          num_segments=1, row_len=512, tokens_per_micro_batch=512, batch_devices=1,
-                          trained_tokens=fresh)
-    mask = sb.per_sequence(sb.batch.loss_mask)[0]
-    assert mask.sum() == 300 - b and mask[-(300 - b):].all()
-  finally:
-    client.close()
+  weight update comes back with two weight_versions spans, and only the tokens after the switch
+  are trained on (tests/trainers/test_token_staleness.py, on the embedded server too)."""
+  from test_token_staleness import check_straddling_response
+  check_straddling_response(real_server, checkpoints["start"], checkpoints["other"])
 
 
 def test_sampling_replay_stops_before_step_1(real_server, checkpoints, tmp_path):

@@ -3,7 +3,8 @@
 Requests (`protocol.NormalizedGenerate`) are queued as jobs; one scheduler thread takes every
 queued job that fits in `max_batch_size` rows and runs them as one batch on the device, so
 concurrent HTTP requests share a batch (as SGLang's continuous batching does, at request
-granularity). A weight update waits for the running batch and never changes weights under it.
+granularity). A weight update waits for the running batch and never changes weights under it,
+except across a pause in place (below).
 
 Pause and abort follow SGLang's tokenizer manager and scheduler:
 
@@ -15,7 +16,10 @@ Pause and abort follow SGLang's tokenizer manager and scheduler:
   running batch with `FINISH_ABORT`'s four keys (`"Aborted"`), keeping the tokens they made
   (the batch cannot stop early here, so that is its full output). A request id matches an
   abort by prefix, as in SGLang's scheduler. `pause("abort")` returns once nothing runs;
-  `"retract"` / `"in_place"` let the running batch finish and keep the queue for `resume()`.
+  `"retract"` lets the running batch finish and keeps the queue for `resume()`; `"in_place"`
+  stops the running batch at its next decoding segment (`sampler.SEGMENT_STEPS` tokens) with its
+  KV cache until `resume()`, so a weight update lands mid-response: the rest of each response
+  comes from the new weights, and its `weight_versions` spans say where the switch fell.
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ class GenerationEngine:
     self._running: list[_Job] = []
     self._rids: dict[str, tuple[_Job, int]] = {}  # queued or running sample → (job, item index)
     self._paused = False
+    self._pause_mode = "abort"
     self._closed = False
     self._thread = threading.Thread(target=self._loop, name="mis-jax-scheduler", daemon=True)
     self._thread.start()
@@ -167,7 +172,8 @@ class GenerationEngine:
           completions = self.sampler.generate(
               [it.input_ids for it in items], [_engine_params(it, self.config.max_position_embeddings, routed)
                                                for it in items],
-              prompt_logprobs=any(it.return_logprob and it.logprob_start_len >= 0 for it in items))
+              prompt_logprobs=any(it.return_logprob and it.logprob_start_len >= 0 for it in items),
+              version=version, between=self._between_segments)
       done = dict(zip(work, completions))
       for k, job in enumerate(jobs):
         self._finish(job, [done.get((k, i)) for i in range(len(job.aborted))], version)
@@ -176,6 +182,24 @@ class GenerationEngine:
         self._release(job)
         job.error = e
         job.done.set()
+
+  def _between_segments(self):
+    """Between two decoding segments of the running batch (the scheduler thread, holding the
+    weights): paused in place, the batch waits with its KV cache, the weights free for an
+    update, until `resume()`; then it decodes on with whatever weights are served, which its
+    samples' `weight_versions` spans record (SGLang's `pause_generation` mode `in_place`)."""
+    with self._cv:
+      if not (self._paused and self._pause_mode == "in_place") or self._closed:
+        return None
+    version = self.weight_version
+    self._weights.release()
+    try:
+      with self._cv:
+        while self._paused and self._pause_mode == "in_place" and not self._closed:
+          self._cv.wait()
+    finally:
+      self._weights.acquire()
+    return None if self.weight_version == version else (self.sampler.params, self.weight_version)
 
   def _release(self, job: _Job):
     with self._cv:
@@ -187,7 +211,7 @@ class GenerationEngine:
     self._release(job)
     latency = time.perf_counter() - job.start
     now = time.time()
-    out = [self._response(item, c, job.aborted[i], version, latency, now)
+    out = [self._response(item, c, job.aborted[i], c.versions[-1][0] if c and c.versions else version, latency, now)
            for i, (item, c) in enumerate(zip(job.request.items, completions))]
     job.result = out[0] if job.request.is_single else out
     job.done.set()
@@ -231,10 +255,13 @@ class GenerationEngine:
     shown = c.output_ids
     if kind == "stop" and not aborted and not item.sampling.no_stop_trim and shown:
       shown = shown[:-1]  # SGLang trims the matched stop token from the text (not output_ids)
+    n = len(c.output_ids)
+    spans = [{"version": v, "start": k, "end": (c.versions[j + 1][1] if j + 1 < len(c.versions) else n)}
+             for j, (v, k) in enumerate(c.versions)] or None
     meta = protocol.meta_info(rid=item.rid, finish_reason=finish, prompt_tokens=c.prompt_tokens,
-                              weight_version=version, completion_tokens=len(c.output_ids),
+                              weight_version=version, completion_tokens=n,
                               e2e_latency=latency, sent_ts=now, logprobs=logprobs, sampling_mask=mask,
-                              routed_experts=routed)
+                              routed_experts=routed, spans=spans)
     return {"text": self._decode(shown, item.sampling.skip_special_tokens),
             "output_ids": c.output_ids, "meta_info": meta}
 
@@ -251,6 +278,7 @@ class GenerationEngine:
     """SGLang's `pause_generation`; with `"abort"`, returns once no batch runs."""
     with self._cv:
       self._paused = True
+      self._pause_mode = mode
       if mode == "abort":
         self._abort_locked(lambda rid: True)
         while self._running:

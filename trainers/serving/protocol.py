@@ -472,14 +472,16 @@ def logprob_entries(values: Sequence[float | None], ids: Sequence[int], texts=No
 def meta_info(*, rid: str, finish_reason: dict, prompt_tokens: int | None, weight_version: str,
               completion_tokens: int, e2e_latency: float, sent_ts: float,
               logprobs: tuple[list, list] | None = None, running: bool = True,
-              sampling_mask: tuple[list, list] | None = None, routed_experts: str | None = None) -> dict:
+              sampling_mask: tuple[list, list] | None = None, routed_experts: str | None = None,
+              spans: list[dict] | None = None) -> dict:
   """`meta_info` with SGLang 0.5.23's keys in its order. `logprobs`: (input entries, output
   entries) when `return_logprob`. `sampling_mask`: (kept ids per output token, their
   `output_token_sampling_logprobs`) when `return_sampling_mask`. `running=False`: a request
   aborted in the waiting queue (no `prompt_tokens`, SGLang's shorter form). `routed_experts`:
   the base64 of the request's routed experts (`encode_routed_experts`), added after the rest
-  as SGLang's tokenizer manager adds it."""
-  spans = [{"version": weight_version, "start": 0, "end": completion_tokens}]
+  as SGLang's tokenizer manager adds it. `spans`: the `weight_versions` of a response generated
+  across weight updates (default: one span of `weight_version`)."""
+  spans = spans or [{"version": weight_version, "start": 0, "end": completion_tokens}]
   if not running:
     meta = {"id": rid, "finish_reason": finish_reason, "weight_version": weight_version,
             "e2e_latency": e2e_latency, "weight_versions": spans}

@@ -99,6 +99,9 @@ class Completion:
   # With `routed_experts`: int32 `[prompt + completion - 1, num_hidden_layers, k]`, row i the
   # experts that routed the token at position i (the last sampled token never ran).
   routed_experts: np.ndarray | None = None
+  # `(version, first output token)` of the weights that generated it: one entry, or one per
+  # weight update it ran across (paused in place).
+  versions: list[tuple[str, int]] = dataclasses.field(default_factory=list)
 
 
 def _bucket(n: int, minimum: int) -> int:
@@ -140,18 +143,16 @@ def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, *, mask_wi
   return token, logp[token], support
 
 
-def _generate(graphdef, params, prompt_ids, prompt_lens, row_seeds, temperature, top_p, top_k,
-              min_p, max_new, stop_ids, *, num_steps: int, prompt_logprobs: bool = False,
-              mask_width: int = 0, routed_experts: bool = False):
-  """Rows `[B]`; `prompt_ids [B, P]` right-padded; `row_seeds [B]` uint32.
-
-  Returns a dict: `output_ids [B, num_steps]`, `logprobs [B, num_steps]` (full vocabulary),
-  `lengths [B]`, `stopped [B]`, `prompt_lp [B, P]` (entry `t`: log-prob of prompt token `t + 1`;
-  zeros without `prompt_logprobs`), and with `mask_width > 0` `support [B, num_steps, W]` (ids,
-  `-1` padded), `support_lp [B, num_steps, W]` (renormalised over the support) and
-  `support_size [B, num_steps]`; with `routed_experts`, `prompt_routes [B, P, L, k]` (the
-  prefill's experts) and `routes [B, num_steps, L, k]` (those of the token fed at each step).
-  """
+def _prefill(graphdef, params, prompt_ids, prompt_lens, temperature, max_new, *, num_steps: int,
+             prompt_logprobs: bool = False, mask_width: int = 0, routed_experts: bool = False):
+  """Rows `[B]`; `prompt_ids [B, P]` right-padded. One forward over the prompts; returns the
+  decoding state (`_decode` continues it) with empty outputs: `output_ids [B, num_steps]`,
+  `logprobs [B, num_steps]` (full vocabulary), `lengths [B]`, `stopped [B]`, `prompt_lp [B, P]`
+  (entry `t`: log-prob of prompt token `t + 1`; zeros without `prompt_logprobs`), and with
+  `mask_width > 0` `support [B, num_steps, W]` (ids, `-1` padded), `support_lp [B, num_steps, W]`
+  (renormalised over the support) and `support_size [B, num_steps]`; with `routed_experts`,
+  `prompt_routes [B, P, L, k]` (the prefill's experts) and `routes [B, num_steps, L, k]` (those
+  of the token fed at each step)."""
   model = nnx.merge(graphdef, params)
   batch, prompt_len = prompt_ids.shape
   cache = model.init_cache(batch, prompt_len + num_steps)
@@ -167,34 +168,6 @@ def _generate(graphdef, params, prompt_ids, prompt_lens, row_seeds, temperature,
   # Rows are right-padded; pad keys land in slots >= prompt_len, which a query at position p
   # never sees before a generated token overwrites slot p.
   logits = jnp.take_along_axis(all_logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
-  keys = jax.vmap(jax.random.key)(row_seeds)
-  sample = jax.vmap(functools.partial(_filter_and_sample, mask_width=mask_width))
-
-  def cond(state):
-    step, _, _, _, _, done, _ = state
-    return (step < num_steps) & ~jnp.all(done)
-
-  def body(state):
-    step, logits, cache, out, lengths, done, stopped = state
-    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
-    token, lp, support = sample(logits.astype(jnp.float32), step_keys, temperature, top_p, top_k, min_p)
-    active = ~done
-    new = {"output_ids": jnp.where(active, token, 0), "logprobs": jnp.where(active, lp, 0.0)}
-    if mask_width:
-      new.update(support=jnp.where(active[:, None], support["ids"], -1),
-                 support_lp=jnp.where(active[:, None], support["logprobs"], 0.0),
-                 support_size=jnp.where(active, support["size"], 0))
-    out = dict(out, **{k: out[k].at[:, step].set(v) for k, v in new.items()})
-    lengths = lengths + active.astype(jnp.int32)
-    hit = active & jnp.any(token[:, None] == stop_ids, axis=-1)
-    stopped = stopped | hit
-    done = done | hit | (lengths >= max_new)
-    next_logits, cache, *routes = model.decode(token[:, None].astype(jnp.int32),
-                                               (prompt_lens + step)[:, None], cache, **routing)
-    if routed_experts:
-      out = dict(out, routes=out["routes"].at[:, step].set(routes[0][:, 0]))
-    return step + 1, next_logits[:, 0], cache, out, lengths, done, stopped
-
   out = {"output_ids": jnp.zeros((batch, num_steps), jnp.int32),
          "logprobs": jnp.zeros((batch, num_steps), jnp.float32)}
   if mask_width:
@@ -204,12 +177,54 @@ def _generate(graphdef, params, prompt_ids, prompt_lens, row_seeds, temperature,
   if routed_experts:
     cfg = model.config
     out["routes"] = jnp.zeros((batch, num_steps, cfg.num_hidden_layers, cfg.num_experts_per_tok), jnp.int32)
-  init = (jnp.int32(0), logits, cache, out, jnp.zeros((batch,), jnp.int32),
-          max_new <= 0, jnp.zeros((batch,), bool))
-  _, _, _, out, lengths, _, stopped = jax.lax.while_loop(cond, body, init)
-  if routed_experts:
     out["prompt_routes"] = prompt_routes[0]
-  return dict(out, lengths=lengths, stopped=stopped, prompt_lp=prompt_lp)
+  return {"step": jnp.int32(0), "logits": logits, "cache": cache, "out": out,
+          "lengths": jnp.zeros((batch,), jnp.int32), "done": max_new <= 0, "stopped": jnp.zeros((batch,), bool),
+          "prompt_lp": prompt_lp}
+
+
+def _decode(graphdef, params, state, prompt_lens, row_seeds, temperature, top_p, top_k, min_p, max_new, stop_ids,
+            until, *, mask_width: int = 0, routed_experts: bool = False):
+  """Decodes from `state` (`_prefill`'s, or an earlier `_decode`'s) until every row has finished,
+  the output is full or step `until` is reached; `row_seeds [B]` uint32. One
+  `jax.lax.while_loop`; a generation cut into several calls (weights swapped between them)
+  draws the same tokens as one call with the same weights."""
+  model = nnx.merge(graphdef, params)
+  num_steps = state["out"]["output_ids"].shape[1]
+  routing = {"return_routing": True} if routed_experts else {}
+  keys = jax.vmap(jax.random.key)(row_seeds)
+  sample = jax.vmap(functools.partial(_filter_and_sample, mask_width=mask_width))
+
+  def cond(st):
+    return (st["step"] < jnp.minimum(until, num_steps)) & ~jnp.all(st["done"])
+
+  def body(st):
+    step, out, lengths, done = st["step"], st["out"], st["lengths"], st["done"]
+    step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
+    token, lp, support = sample(st["logits"].astype(jnp.float32), step_keys, temperature, top_p, top_k, min_p)
+    active = ~done
+    new = {"output_ids": jnp.where(active, token, 0), "logprobs": jnp.where(active, lp, 0.0)}
+    if mask_width:
+      new.update(support=jnp.where(active[:, None], support["ids"], -1),
+                 support_lp=jnp.where(active[:, None], support["logprobs"], 0.0),
+                 support_size=jnp.where(active, support["size"], 0))
+    out = dict(out, **{k: out[k].at[:, step].set(v) for k, v in new.items()})
+    lengths = lengths + active.astype(jnp.int32)
+    hit = active & jnp.any(token[:, None] == stop_ids, axis=-1)
+    stopped = st["stopped"] | hit
+    done = done | hit | (lengths >= max_new)
+    next_logits, cache, *routes = model.decode(token[:, None].astype(jnp.int32),
+                                               (prompt_lens + step)[:, None], st["cache"], **routing)
+    if routed_experts:
+      out = dict(out, routes=out["routes"].at[:, step].set(routes[0][:, 0]))
+    return dict(st, step=step + 1, logits=next_logits[:, 0], cache=cache, out=out, lengths=lengths, done=done,
+                stopped=stopped)
+
+  return jax.lax.while_loop(cond, body, state)
+
+
+# Decoding steps between two chances to swap the weights of a running batch (a pause in place).
+SEGMENT_STEPS = 16
 
 
 class Sampler:
@@ -230,8 +245,9 @@ class Sampler:
     self.eos_token_ids = tuple(self.config.eos_token_id if eos_token_ids is None else eos_token_ids)
     self.max_batch_size = _bucket(max_batch_size, 1)
     self._rng = np.random.default_rng(seed)
-    self._generate = jax.jit(functools.partial(_generate, self.graphdef),
-                             static_argnames=("num_steps", "prompt_logprobs", "mask_width", "routed_experts"))
+    self._prefill = jax.jit(functools.partial(_prefill, self.graphdef),
+                            static_argnames=("num_steps", "prompt_logprobs", "mask_width", "routed_experts"))
+    self._decode = jax.jit(functools.partial(_decode, self.graphdef), static_argnames=("mask_width", "routed_experts"))
 
   def set_params(self, params: nnx.State) -> None:
     """Swaps the weights (same structure, shapes and dtypes: nothing recompiles)."""
@@ -243,12 +259,12 @@ class Sampler:
 
   @property
   def num_compiled(self) -> int:
-    """Number of programs compiled so far (one per distinct bucket)."""
-    return self._generate._cache_size()
+    """Number of programs compiled so far (a prefill and a decoder per distinct bucket)."""
+    return self._prefill._cache_size() + self._decode._cache_size()
 
   def generate(self, prompts: Sequence[Sequence[int]],
                params: SamplingOptions | Sequence[SamplingOptions], *,
-               prompt_logprobs: bool = False) -> list[Completion]:
+               prompt_logprobs: bool = False, version: str = "", between=None) -> list[Completion]:
     """Samples `params.n` completions per prompt; returns them prompt-major.
 
     A sample with seed `s` draws from key `fold_in(key(s), step)`, so a seeded request is
@@ -256,6 +272,11 @@ class Sampler:
     as in SGLang) are identical. Without a seed, every sample draws its own from this
     sampler's generator. With `prompt_logprobs`, each completion carries
     `prompt_logprobs[t]` = the log-prob of prompt token `t + 1` (length `len(prompt) - 1`).
+
+    `between`: called every `SEGMENT_STEPS` decoding steps of a running batch; it returns None,
+    or `(params, version)` to decode on with other weights (SGLang's pause in place across a
+    weight update: the KV cache of the tokens so far stays). Each completion's `versions` lists
+    `(version, first output token)` of the weights that generated it, from `version`.
     """
     if isinstance(params, SamplingOptions):
       params = [params] * len(prompts)
@@ -276,12 +297,12 @@ class Sampler:
       for j in range(p.n):
         seed = p.seed if p.seed is not None else int(self._rng.integers(0, 2**32))
         rows.append((i, j, prompt, p, seed % 2**32, stop))
-    out = []
+    out, current = [], [self.params, version]  # weights and version, as `between` swaps them
     for start in range(0, len(rows), self.max_batch_size):
-      out += self._run(rows[start:start + self.max_batch_size], prompt_logprobs)
+      out += self._run(rows[start:start + self.max_batch_size], prompt_logprobs, current, between)
     return out
 
-  def _run(self, rows, prompt_logprobs: bool) -> list[Completion]:
+  def _run(self, rows, prompt_logprobs: bool, current: list, between) -> list[Completion]:
     batch = _bucket(len(rows), 1)
     prompt_len = _bucket(max(len(r[2]) for r in rows), 16)
     num_steps = _bucket(max(r[3].max_new_tokens for r in rows), 16)
@@ -311,9 +332,27 @@ class Sampler:
     routed = any(r[3].routed_experts for r in rows)
     if routed and not self.config.is_moe:
       raise ValueError("routed experts were asked of a dense model")
-    out = jax.device_get(self._generate(
-        self.params, ids, lens, seeds, temp, top_p, top_k, min_p, max_new, stop,
-        num_steps=num_steps, prompt_logprobs=prompt_logprobs, mask_width=mask_width, routed_experts=routed))
+    state = self._prefill(current[0], ids, lens, temp, max_new, num_steps=num_steps, prompt_logprobs=prompt_logprobs,
+                          mask_width=mask_width, routed_experts=routed)
+    starts = [[(current[1], 0)] for _ in rows]  # per row: (version, first output token it generated)
+    until = 0
+    while True:
+      until = num_steps if between is None else until + SEGMENT_STEPS
+      state = self._decode(current[0], state, lens, seeds, temp, top_p, top_k, min_p, max_new, stop, np.int32(until),
+                           mask_width=mask_width, routed_experts=routed)
+      if until >= num_steps:
+        break
+      lengths, done = jax.device_get((state["lengths"], state["done"]))
+      if done.all():
+        break
+      swap = between()
+      if swap is not None:
+        current[:] = swap
+        for b in range(len(rows)):
+          if not done[b]:
+            starts[b].append((current[1], int(lengths[b])))
+    out = jax.device_get({**state["out"], "lengths": state["lengths"], "stopped": state["stopped"],
+                          "prompt_lp": state["prompt_lp"]})
     completions = []
     for b, (i, j, prompt, p, _, _) in enumerate(rows):
       n = int(out["lengths"][b])
@@ -329,7 +368,8 @@ class Sampler:
       if p.routed_experts:  # positions 0 .. len(prompt) + n - 2: the prompt's, then the fed tokens'
         seq = np.concatenate([out["prompt_routes"][b, :len(prompt)], out["routes"][b, :n]])
         extra["routed_experts"] = seq[:len(prompt) + n - 1]
+      versions = [(v, k) for v, k in starts[b] if k < n] or starts[b][:1]  # switches after its last token: none
       completions.append(Completion(
           i, j, len(prompt), out_ids.tolist(), out["logprobs"][b, :n].tolist(), finish,
-          out["prompt_lp"][b, :len(prompt) - 1].tolist() if prompt_logprobs else None, **extra))
+          out["prompt_lp"][b, :len(prompt) - 1].tolist() if prompt_logprobs else None, versions=versions, **extra))
     return completions
