@@ -335,22 +335,25 @@ class Sampler:
     state = self._prefill(current[0], ids, lens, temp, max_new, num_steps=num_steps, prompt_logprobs=prompt_logprobs,
                           mask_width=mask_width, routed_experts=routed)
     starts = [[(current[1], 0)] for _ in rows]  # per row: (version, first output token it generated)
-    until = 0
-    while True:
+    until, segment = 0, 0
+    while until < num_steps:
       until = num_steps if between is None else until + SEGMENT_STEPS
       state = self._decode(current[0], state, lens, seeds, temp, top_p, top_k, min_p, max_new, stop, np.int32(until),
                            mask_width=mask_width, routed_experts=routed)
       if until >= num_steps:
         break
-      lengths, done = jax.device_get((state["lengths"], state["done"]))
-      if done.all():
-        break
+      # Segments are dispatched without waiting for them; the host reads the rows' progress only
+      # to record a swap, and every 4 segments to stop once every row has finished.
+      segment += 1
       swap = between()
       if swap is not None:
+        lengths, done = jax.device_get((state["lengths"], state["done"]))
         current[:] = swap
         for b in range(len(rows)):
           if not done[b]:
             starts[b].append((current[1], int(lengths[b])))
+      elif segment % 4 == 0 and bool(jax.device_get(jnp.all(state["done"]))):
+        break
     out = jax.device_get({**state["out"], "lengths": state["lengths"], "stopped": state["stopped"],
                           "prompt_lp": state["prompt_lp"]})
     completions = []
