@@ -14,12 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 
 import mis_jax
 from mis_jax import _controller
 from mis_jax._segments import Segments
-from helpers import pack, random_seqs
+from helpers import pack, prepare_step_on_mesh, random_seqs
 
 SEEDS = range(6)
 
@@ -223,16 +222,7 @@ AUTO = [mis_jax.MISConfig(tis_level="token", tis_mode="truncate", tis_upper_boun
 def test_eight_devices_and_micro_batches_choose_what_one_does(cfg):
   """The bound is global: sequence parallelism on a 2x4 mesh, and the decoupled-PPO step split
   into micro-batches (the correction runs once per step in prepare_step) choose the same bound."""
-  batch = _batch(1)
-  loss_cfg = mis_jax.LossConfig(use_tis=True, mis=cfg)
-  prepared, _, metrics0 = jax.jit(lambda b: mis_jax.prepare_step(b, loss_cfg))(batch)
-  mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(AxisType.Auto,) * 2)
-  spec = mis_jax.batch_partition_spec("data", "seq")
-  mapped = jax.shard_map(lambda b: mis_jax.prepare_step(b, loss_cfg, axis_name=("data", "seq")), mesh=mesh,
-                         in_specs=(jax.tree_util.tree_map(lambda _: spec, batch),),
-                         out_specs=(jax.tree_util.tree_map(lambda _: spec, prepared), jax.sharding.PartitionSpec(),
-                                    jax.sharding.PartitionSpec()))
-  sharded, _, metrics = jax.jit(mapped)(mis_jax.shard_batch(mesh, batch, seq_axis="seq"))
+  (prepared, metrics0), (sharded, metrics) = prepare_step_on_mesh(_batch(1), mis_jax.LossConfig(use_tis=True, mis=cfg))
   assert set(metrics) == set(metrics0) and "mis_auto_tis_upper_bound" in metrics
   for k in metrics0:
     np.testing.assert_allclose(float(metrics[k]), float(metrics0[k]), rtol=1e-5, atol=1e-6, err_msg=k)

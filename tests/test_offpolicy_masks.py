@@ -8,10 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
 
 import mis_jax
-from helpers import pack, random_seqs
+from helpers import pack, prepare_step_on_mesh, random_seqs
 
 SEEDS = range(5)
 
@@ -131,18 +130,9 @@ def test_masks_compose_with_the_controller_and_reinforce():
 
 
 def test_masks_on_eight_devices_equal_one():
-  seqs = _seqs(1)
-  batch = _batch(seqs)
   loss_cfg = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(tis_upper_bound=3.0, opsm_delta=0.0,
                                                                      m2po_threshold=0.05))
-  prepared, _, metrics0 = jax.jit(lambda b: mis_jax.prepare_step(b, loss_cfg))(batch)
-  mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(AxisType.Auto,) * 2)
-  spec = mis_jax.batch_partition_spec("data", "seq")
-  mapped = jax.shard_map(lambda b: mis_jax.prepare_step(b, loss_cfg, axis_name=("data", "seq")), mesh=mesh,
-                         in_specs=(jax.tree_util.tree_map(lambda _: spec, batch),),
-                         out_specs=(jax.tree_util.tree_map(lambda _: spec, prepared), jax.sharding.PartitionSpec(),
-                                    jax.sharding.PartitionSpec()))
-  sharded, _, metrics = jax.jit(mapped)(mis_jax.shard_batch(mesh, batch, seq_axis="seq"))
+  (prepared, metrics0), (sharded, metrics) = prepare_step_on_mesh(_batch(_seqs(1)), loss_cfg)
   np.testing.assert_array_equal(np.asarray(sharded.kept_mask), np.asarray(prepared.kept_mask))
   for k in metrics0:
     np.testing.assert_allclose(float(metrics[k]), float(metrics0[k]), rtol=1e-5, atol=1e-6, err_msg=k)
