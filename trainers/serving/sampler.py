@@ -245,9 +245,18 @@ class Sampler:
     self.eos_token_ids = tuple(self.config.eos_token_id if eos_token_ids is None else eos_token_ids)
     self.max_batch_size = _bucket(max_batch_size, 1)
     self._rng = np.random.default_rng(seed)
-    self._prefill = jax.jit(functools.partial(_prefill, self.graphdef),
+    self._traces = 0
+    self._prefill = jax.jit(functools.partial(self._counted(_prefill), self.graphdef),
                             static_argnames=("num_steps", "prompt_logprobs", "mask_width", "routed_experts"))
-    self._decode = jax.jit(functools.partial(_decode, self.graphdef), static_argnames=("mask_width", "routed_experts"))
+    self._decode = jax.jit(functools.partial(self._counted(_decode), self.graphdef),
+                           static_argnames=("mask_width", "routed_experts"))
+
+  def _counted(self, fn):
+    """`fn`, counting its traces (each one a program built: `num_compiled`)."""
+    def traced(*args, **kwargs):
+      self._traces += 1
+      return fn(*args, **kwargs)
+    return traced
 
   def set_params(self, params: nnx.State) -> None:
     """Swaps the weights (same structure, shapes and dtypes: nothing recompiles)."""
@@ -259,8 +268,9 @@ class Sampler:
 
   @property
   def num_compiled(self) -> int:
-    """Number of programs compiled so far (a prefill and a decoder per distinct bucket)."""
-    return self._prefill._cache_size() + self._decode._cache_size()
+    """Number of programs built so far (a prefill and a decoder per distinct bucket), counted
+    as traces, so it does not depend on which cache serves a compiled program."""
+    return self._traces
 
   def generate(self, prompts: Sequence[Sequence[int]],
                params: SamplingOptions | Sequence[SamplingOptions], *,
