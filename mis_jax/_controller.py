@@ -97,7 +97,7 @@ def ess_ratio(units: Units, mode: str, lower: float | None, upper):
   return jnp.where(den > 0, s[0] * s[0] / jnp.where(den > 0, den, 1.0), 1.0)
 
 
-def masked_share(units: Units, lower: float | None, upper, *, reciprocal: bool = True):
+def masked_count(units: Units, lower: float | None, upper, *, reciprocal: bool = True):
   """The masked count (by ``count``) of the band ``[lower, upper]`` and the total count; an unset
   ``lower`` is ``1/upper`` (``reciprocal``) or absent."""
   c = units.count
@@ -147,11 +147,11 @@ def masking_bound(units: Units, lower: float | None, fraction: float, *, recipro
   floor, cap = jnp.where(any_unit, floor, 1.0), jnp.where(any_unit, cap, 1.0)
 
   def within(u):
-    masked, total = masked_share(units, lower, u, reciprocal=reciprocal)
+    masked, total = masked_count(units, lower, u, reciprocal=reciprocal)
     return masked <= jnp.floor(jnp.float32(fraction) * total)
 
   u = smallest_true(within, floor, cap)
-  masked, total = masked_share(units, lower, u, reciprocal=reciprocal)
+  masked, total = masked_count(units, lower, u, reciprocal=reciprocal)
   return u, masked / jnp.maximum(total, 1.0), within(u)
 
 

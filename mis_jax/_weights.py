@@ -188,15 +188,6 @@ def _is_weights(cfg: MISConfig, bounds: correction.Bounds, log_values, m, seq_mo
   return w_raw, w, keep_is, kept
 
 
-def _rejection(cfg: MISConfig, bounds: correction.Bounds, w_raw, log_values, kept):
-  """§4: rejection sampling on raw (pre-bound) weights at ``rs_level``."""
-  if not cfg.use_rs:
-    return None, kept
-  rs_level = cfg.rs_level_resolved
-  w_rs_raw = w_raw if rs_level == cfg.tis_level else correction.raw_weights(log_values(rs_level))
-  return w_rs_raw, kept & correction.rs_keep(w_rs_raw, bounds)
-
-
 def _criterion_values(plan: _Plan, seg: _SegmentStats, r, to_tokens, uppers):
   """§4.1: each divergence criterion's value at every token, with whether the token is in its
   band (``uppers``: the criteria's upper bounds, auto ones resolved)."""
@@ -208,13 +199,30 @@ def _criterion_values(plan: _Plan, seg: _SegmentStats, r, to_tokens, uppers):
     yield crit, value, correction.in_band(value, crit.lower, uppers[i])
 
 
-def _criteria(plan: _Plan, seg: _SegmentStats, ch, r, m, kept, means: dict, out: dict, uppers):
-  """§4.1: divergence criteria, AND-combined, with their metric rows."""
-  for crit, value, keep in _criterion_values(plan, seg, r, ch.broadcast, uppers):
+def _rejections(plan: _Plan, seg: _SegmentStats, bounds: correction.Bounds, r, kept, log_values, to_tokens,
+                rejected_at, w_raw=None, on_criterion=None):
+  """``kept`` ANDed with what rejection keeps: RS on the raw weights at ``rs_level`` (§4), the
+  divergence criteria (§4.1), the segments the veto or OPSM reject (§4, §4.2) and M2PO's cutoff
+  (§4.2) — the one composition pass 2 and the controller's ESS bound (§3.1) share.
+
+  ``w_raw``: the raw IS weights, reused when RS is at ``tis_level``; ``on_criterion(crit, value,
+  keep)`` sees each criterion (pass 2's metric rows). Returns ``(kept, w_rs_raw)`` (None without RS).
+  """
+  cfg, w_rs_raw = plan.cfg, None
+  if cfg.use_rs:
+    rs_level = cfg.rs_level_resolved
+    w_rs_raw = (w_raw if w_raw is not None and rs_level == cfg.tis_level
+                else correction.raw_weights(log_values(rs_level)))
+    kept = kept & correction.rs_keep(w_rs_raw, bounds)
+  for crit, value, keep in _criterion_values(plan, seg, r, to_tokens, bounds.criteria_upper):
     kept = kept & keep
-    means.update(metrics_lib.criterion_token_values(crit, value, keep))
-    out[f"max:mis_rs_{crit.name}_max"] = Max(jnp.where(m, value, LOWEST))
-  return kept
+    if on_criterion is not None:
+      on_criterion(crit, value, keep)
+  if rejected_at is not None:
+    kept = kept & ~rejected_at
+  if plan.m2po:  # §4.2: the largest squared log-ratios go
+    kept = kept & (r * r <= bounds.m2_max)
+  return kept, w_rs_raw
 
 
 def _kept_weight_sums(plan: _Plan, w, kept, out: dict) -> None:
@@ -250,15 +258,13 @@ def _token_body(plan: _Plan, seg: _SegmentStats, bounds: correction.Bounds):
     if plan.tis:
       log_values = lambda level: correction.level_log_values(level, r, seg.sum_r, count, ch.broadcast)
       w_raw, w, keep_is, kept = _is_weights(cfg, bounds, log_values, m, plan.seq_mode, out)
-      w_rs_raw, kept = _rejection(cfg, bounds, w_raw, log_values, kept)
-      kept = _criteria(plan, seg, ch, r, m, kept, means, out, bounds.criteria_upper)
-      catastrophic = None
-      if plan.rejects_segments:  # §4 veto: a catastrophic token (raw log-ratio) rejects its segment; §4.2 OPSM
-        kept = kept & ~rejected_at
-      if plan.veto:
-        catastrophic = correction.catastrophic_tokens(r, m, cfg.rs_veto_threshold)
-      if plan.m2po:  # §4.2: the largest squared log-ratios go
-        kept = kept & (r * r <= bounds.m2_max)
+
+      def criterion_rows(crit, value, keep):  # §4.1's metric rows
+        means.update(metrics_lib.criterion_token_values(crit, value, keep))
+        out[f"max:mis_rs_{crit.name}_max"] = Max(jnp.where(m, value, LOWEST))
+      kept, w_rs_raw = _rejections(plan, seg, bounds, r, kept, log_values, ch.broadcast, rejected_at, w_raw,
+                                   criterion_rows)
+      catastrophic = correction.catastrophic_tokens(r, m, cfg.rs_veto_threshold) if plan.veto else None
       means.update(metrics_lib.correction_token_values(cfg, bounds, w_raw, w, keep_is, w_rs_raw, catastrophic))
       _kept_weight_sums(plan, w, kept, out)
     for name, x in means.items():
@@ -293,11 +299,12 @@ def _step_thresholds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m):
   cfg, fixed = plan.cfg, correction.Bounds.of(plan.cfg)
   r = correction.log_ratio(o, q, m)
   units = functools.partial(_controller_units, plan, seg, segs, r, m)
+  trained = m.astype(jnp.float32)
+  token_units = lambda x: controller.Units(x, trained, trained, segs.axis_name)
   metrics, met = {}, jnp.bool_(True)
   m2_max = None
   if plan.m2po:
-    sq = controller.Units(r * r, m.astype(jnp.float32), m.astype(jnp.float32), segs.axis_name)
-    m2_max, second_moment, share = controller.m2po_cutoff(sq, cfg.m2po_threshold)
+    m2_max, second_moment, share = controller.m2po_cutoff(token_units(r * r), cfg.m2po_threshold)
     metrics.update(mis_m2po_max_sq_log_ratio=m2_max, mis_m2po_second_moment=second_moment,
                    mis_m2po_masked_fraction=share)
   uppers = list(fixed.criteria_upper)
@@ -305,8 +312,7 @@ def _step_thresholds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m):
     if not crit.auto:
       continue
     if crit.agg == "token":
-      values = correction.criterion_value(crit, correction.divergence(crit.metric, r))
-      units_i = controller.Units(values, m.astype(jnp.float32), m.astype(jnp.float32), segs.axis_name)
+      units_i = token_units(correction.criterion_value(crit, correction.divergence(crit.metric, r)))
     else:
       live = (seg.mask_stats.counts > 0).astype(jnp.float32)
       units_i = controller.Units(seg.criteria[i], live, live, None)
@@ -332,18 +338,12 @@ def _step_thresholds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m):
                                                     cfg.max_masked_fraction)
     metrics["mis_auto_tis_masked_fraction"] = share
     met = met & ok
-  elif cfg.tis_auto:
-    kept = m
-    if cfg.use_rs:
-      level_values = correction.level_log_values(cfg.rs_level_resolved, r, seg.sum_r, seg.mask_stats.counts,
-                                                 segs.broadcast)
-      kept = kept & correction.in_band(correction.raw_weights(level_values), rs_lower, rs_upper)
-    for _, _, keep in _criterion_values(plan, seg, r, segs.broadcast, fixed.criteria_upper):
-      kept = kept & keep
-    if plan.rejects_segments:
-      kept = kept & ~segs.broadcast(seg.rejected)
-    if plan.m2po:
-      kept = kept & (r * r <= m2_max)
+  elif cfg.tis_auto:  # the ESS over what rejection keeps, as pass 2 composes it
+    log_values = lambda level: correction.level_log_values(level, r, seg.sum_r, seg.mask_stats.counts,
+                                                           segs.broadcast)
+    rejected_at = segs.broadcast(seg.rejected) if plan.rejects_segments else None
+    kept, _ = _rejections(plan, seg, fixed._replace(rs_lower=rs_lower, rs_upper=rs_upper), r, m, log_values,
+                          segs.broadcast, rejected_at)
     tis_upper, ess, ok = controller.ess_bound(units(cfg.tis_level, kept), cfg.tis_mode, cfg.tis_lower_bound,
                                               cfg.target_ess_ratio)
     metrics["mis_auto_ess_ratio"] = ess
@@ -414,7 +414,8 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
   arrays = {"o": jax.lax.stop_gradient(o), "q": jax.lax.stop_gradient(q), "mask": mask}
   if plan.opsm:
     if adv is None:
-      raise ValueError("opsm_delta (OPSM) masks negative-advantage sequences: it needs the advantages")
+      raise ValueError(f"opsm_delta={cfg.opsm_delta} (OPSM) masks negative-advantage sequences: pass advantages= "
+                       "(the losses pass the batch's)")
     arrays["adv"] = jnp.where(mask, jax.lax.stop_gradient(adv), 0.0)
   p1 = segs.run_pass(arrays, _segment_sums_body(plan))
   seg = _segment_stats(plan, p1)
@@ -497,8 +498,6 @@ def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids
     ``loss_mask`` is 0), the kept mask in ``loss_mask``'s dtype, and a dict of float32
     scalars named as in contract §8.1–8.2.
   """
-  if cfg.opsm_delta is not None and advantages is None:
-    raise ValueError(f"cfg.opsm_delta={cfg.opsm_delta} (OPSM) masks negative-advantage sequences: pass advantages=")
   arrays = _validation.check_token_arrays(
       {"train_logprobs": train_logprobs, "rollout_logprobs": rollout_logprobs,
        "loss_mask": loss_mask, "segment_ids": segment_ids, "advantages": advantages},

@@ -98,7 +98,7 @@ def test_masking_bound_is_the_tightest_that_masks_at_most_f(level, lower, fracti
     below = 0 if lower is None else int(np.sum(x < np.float32(lower)))
     where = f"seed {seed}"
     units = _library_units(batch, level)
-    masked = jax.jit(lambda u: _controller.masked_share(units, lower, u)[0])
+    masked = jax.jit(lambda u: _controller.masked_count(units, lower, u)[0])
     if below > allowed:  # the fixed lower bound alone masks too much: nothing above it goes
       assert metrics["mis_auto_target_met"] == 0.0, where
       assert float(masked(u)) == below, where
@@ -207,6 +207,9 @@ def test_empty_mask_and_jit_equals_eager():
   empty = batch.replace(loss_mask=jnp.zeros_like(batch.loss_mask))
   _, _, metrics = _jitted(cfg)(empty)
   assert all(np.isfinite(float(v)) for v in metrics.values())
+  # Nothing to mask: the bound is the search's neutral 1, nothing masked, the target met.
+  assert float(metrics["mis_auto_tis_upper_bound"]) == 1.0 and float(metrics["mis_auto_tis_masked_fraction"]) == 0.0
+  assert float(metrics["mis_auto_target_met"]) == 1.0
   eager = mis_jax.compute_mis_weights(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, batch.segment_ids,
                                       cfg, num_segments=batch.num_segments, metric_reduction="token-mean")
   jitted = _jitted(cfg)(batch)

@@ -211,7 +211,7 @@ class GenerationEngine:
     self._release(job)
     latency = time.perf_counter() - job.start
     now = time.time()
-    out = [self._response(item, c, job.aborted[i], c.versions[-1][0] if c and c.versions else version, latency, now)
+    out = [self._response(item, c, job.aborted[i], c.versions[-1][0] if c else version, latency, now)
            for i, (item, c) in enumerate(zip(job.request.items, completions))]
     job.result = out[0] if job.request.is_single else out
     job.done.set()
@@ -256,8 +256,8 @@ class GenerationEngine:
     if kind == "stop" and not aborted and not item.sampling.no_stop_trim and shown:
       shown = shown[:-1]  # SGLang trims the matched stop token from the text (not output_ids)
     n = len(c.output_ids)
-    spans = [{"version": v, "start": k, "end": (c.versions[j + 1][1] if j + 1 < len(c.versions) else n)}
-             for j, (v, k) in enumerate(c.versions)] or None
+    ends = [k for _, k in c.versions[1:]] + [n]
+    spans = [{"version": v, "start": k, "end": end} for (v, k), end in zip(c.versions, ends)]
     meta = protocol.meta_info(rid=item.rid, finish_reason=finish, prompt_tokens=c.prompt_tokens,
                               weight_version=version, completion_tokens=n,
                               e2e_latency=latency, sent_ts=now, logprobs=logprobs, sampling_mask=mask,

@@ -101,7 +101,7 @@ class Completion:
   routed_experts: np.ndarray | None = None
   # `(version, first output token)` of the weights that generated it: one entry, or one per
   # weight update it ran across (paused in place).
-  versions: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+  versions: list[tuple[str, int]] = dataclasses.field(default_factory=lambda: [("", 0)])
 
 
 def _bucket(n: int, minimum: int) -> int:
