@@ -23,6 +23,7 @@ TIS_MODES = tuple(_correction.TIS_MODES)
 KL_TYPES = tuple(_correction.KL_ESTIMATORS)
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum", "seq-mean-token-sum-norm")
 DENOMINATORS = ("kept", "original")
+PROXIMAL = ("recompute", "loglinear")
 
 
 from mis_jax._keys import ConfigError, _closest, _where, key, load_yaml, validate_fields  # noqa: F401
@@ -320,6 +321,9 @@ class LossConfig:
 
   use_tis: bool | None = key(None, "rollout correction on (null: the MIS config's use_tis)")
   use_rollout_logprobs: bool = key(False, "the rollout log-probs are the PPO anchor (bypass, REINFORCE + IS)")
+  proximal: str = key("recompute", "decoupled PPO's proximal log-probs: recomputed by a forward pass, or "
+                      "interpolated from the rollout's and the current by weight versions (contract §6.3)",
+                      choices=PROXIMAL)
   get_mismatch_metrics: bool = key(False, "mismatch metrics without changing the loss")
   eps_clip: float = key(0.2, "PPO clip range, in (0, 1)", gt=0)
   eps_clip_high: float | None = key(None, "upper clip range (null: eps_clip)", gt=0)
@@ -371,6 +375,7 @@ class LossConfig:
     if self.correction_fn is not None and not self.use_tis:
       raise ConfigError("key 'correction_fn' is set but use_tis is false: the correction would never run")
     self._check_policy_loss()
+    self._check_proximal()
     # Resolve import paths now so a bad path fails before tracing.
     resolve_correction_fn(self.correction_fn)
 
@@ -398,6 +403,19 @@ class LossConfig:
     if self.loss_scale_factor is not None and self.loss_agg_mode != "seq-mean-token-sum-norm":
       raise ConfigError(f"key 'loss_scale_factor' is used only by loss_agg_mode 'seq-mean-token-sum-norm', "
                         f"not '{self.loss_agg_mode}'")
+
+  def _check_proximal(self):
+    if self.proximal == "recompute":
+      return
+    if self.algorithm != "decoupled_ppo":
+      raise ConfigError(f"proximal 'loglinear' approximates decoupled PPO's proximal (old) log-probs; algorithm "
+                        f"'{self.algorithm}' (use_tis {self.use_tis}, use_rollout_logprobs "
+                        f"{self.use_rollout_logprobs}) has none. Set use_tis: true and use_rollout_logprobs: false, "
+                        "or proximal: recompute")
+    if self.uses_cov_selection:
+      raise ConfigError(f"policy_loss '{self.policy_loss}' selects its tokens once per step from the anchor "
+                        "log-probs, which proximal 'loglinear' only knows inside the loss (they follow the "
+                        "current log-probs); use proximal: recompute")
 
   @property
   def metric_mode(self) -> str:
@@ -434,8 +452,16 @@ class LossConfig:
 
   @property
   def needs_old_logprobs(self) -> bool:
-    """Whether the trainer must recompute old log-probs (contract §6 table, last column)."""
-    return not self.use_rollout_logprobs
+    """Whether the trainer must recompute old log-probs (contract §6 table, last column; not
+    with ``proximal: loglinear``, contract §6.3)."""
+    return not self.use_rollout_logprobs and self.proximal == "recompute"
+
+  @property
+  def correction_in_loss(self) -> bool:
+    """Whether the correction's weights follow the current log-probs, so that the correction
+    runs inside :func:`mis_jax.policy_loss` (per micro-batch), not once per step in
+    :func:`mis_jax.prepare_step`: REINFORCE + IS, and decoupled PPO with ``proximal: loglinear``."""
+    return self.algorithm == "reinforce_is" or self.proximal == "loglinear"
 
   @property
   def correction(self) -> str | None:

@@ -70,6 +70,15 @@ def _anchor(cfg: LossConfig, old, rollout):
   return old if ALGORITHMS[cfg.algorithm][0] == "old" else rollout
 
 
+def loglinear_proximal(lp_sg, q, staleness):
+  """AReaL's approximate proximal log-probs (contract §6.3): ``o = q + α (sg(lp) - q)`` with
+  ``α = s / (s + 1)``, ``s`` the versions the token's behaviour policy lags the proximal one —
+  log-linear between the behaviour (version ``v - s``) and the current policy (taken as
+  ``v + 1``) at the proximal version ``v``. Fresh tokens (``s = 0``) get ``o = q``."""
+  alpha = staleness / (staleness + 1.0)
+  return q + alpha * (lp_sg - q)
+
+
 def token_loss(cfg: LossConfig, lp, lp_sg, o, q, adv, weights, kept, segs: Segments, selected):
   """The per-token policy loss of ``cfg``'s algorithm (contract §6) and form (§6.2).
 
@@ -139,22 +148,27 @@ def _check_batch(logprobs, batch: PackedBatch, cfg: LossConfig, entropy, denomin
     raise ValueError(f"entropy_coef={cfg.entropy_coef} > 0 needs the per-token entropy argument")
   if (batch.is_weights is None) != (batch.kept_mask is None):
     raise ValueError("batch.is_weights and batch.kept_mask must be given together")
-  if batch.is_weights is not None and algo == "reinforce_is":
-    raise ValueError("precomputed is_weights cannot be used with use_rollout_logprobs=True and "
-                     "use_tis=True: there the weights depend on the current log-probs")
+  if batch.is_weights is not None and cfg.correction_in_loss:
+    raise ValueError("precomputed is_weights cannot be used with use_rollout_logprobs=True and use_tis=True, "
+                     "nor with proximal='loglinear': there the weights depend on the current log-probs")
+  if cfg.proximal == "loglinear" and batch.rollout_staleness is None:
+    raise ValueError("proximal='loglinear' needs batch.rollout_staleness (the versions each token's behaviour "
+                     "policy lags the weights trained)")
   if batch.is_weights is not None and not cfg.use_tis:
     raise ValueError("batch.is_weights is set but use_tis is false")
   if denominators is not None and not isinstance(denominators, Denominators):
     raise TypeError(f"denominators must be mis_jax.Denominators, got {type(denominators).__name__}")
   fields = {f: getattr(batch, f) for f in ("segment_ids", "loss_mask", "advantages", "rollout_logprobs",
                                            "old_logprobs", "ref_logprobs", "is_weights", "kept_mask",
-                                           "cov_selected")}
+                                           "cov_selected", "rollout_staleness")}
   fields["logprobs"] = logprobs
   fields["entropy"] = entropy
   arrays = _validation.check_token_arrays(
       fields, float_keys=("logprobs", "advantages", "rollout_logprobs", "old_logprobs",
                           "ref_logprobs", "is_weights", "entropy"))
   _validation.check_segments(batch.segment_ids, batch.num_segments)
+  if cfg.proximal == "loglinear":
+    _validation.check_nonnegative("rollout_staleness", arrays["rollout_staleness"], arrays["loss_mask"])
   if denominators is not None and tuple(jnp.shape(denominators.seg_tokens)) != (batch.num_segments,):
     raise ValueError(f"denominators.seg_tokens has shape {jnp.shape(denominators.seg_tokens)}, "
                      f"expected ({batch.num_segments},)")
@@ -202,8 +216,8 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
   For standard/bypass PPO the kept mask is the loss mask. For decoupled PPO the correction
   depends only on ``o`` and ``q``, so it runs here once over the whole step and its weights
   and kept mask are attached to the returned batch (so batch normalisation is over the step).
-  For REINFORCE with rollout IS the weights depend on the current log-probs and are computed
-  inside :func:`policy_loss`; denominators are returned only when they do not depend on them
+  For REINFORCE with rollout IS, and decoupled PPO with ``proximal: loglinear``, the weights
+  depend on the current log-probs and are computed inside :func:`policy_loss`; denominators are returned only when they do not depend on them
   (``denominator: original``), else None (contract §7). clip_cov / kl_cov pick their tokens
   here, for the whole step (``batch.cov_selected``; clip_cov draws them with ``key``).
 
@@ -224,7 +238,7 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
   mask = _validation.flat_mask(arrays["loss_mask"], segs.valid)
   shape = jnp.shape(batch.segment_ids)
   dens, metrics, kept = None, {}, mask
-  if loss_cfg.algorithm == "decoupled_ppo":
+  if loss_cfg.algorithm == "decoupled_ppo" and not loss_cfg.correction_in_loss:
     if batch.old_logprobs is None or batch.rollout_logprobs is None:
       raise ValueError("decoupled PPO needs batch.old_logprobs and batch.rollout_logprobs")
     o = _validation.flat_float(batch.old_logprobs)
@@ -234,7 +248,7 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
     batch = batch.replace(is_weights=result.weights.reshape(shape), kept_mask=result.kept.reshape(shape))
     stats = result.kept_stats if loss_cfg.denominator == "kept" else result.mask_stats
     dens, metrics, kept = Denominators.from_stats(stats), result.metrics, result.kept
-  elif not (loss_cfg.algorithm == "reinforce_is" and loss_cfg.denominator == "kept"):
+  elif not (loss_cfg.correction_in_loss and loss_cfg.denominator == "kept"):
     dens = Denominators.from_stats(segs.mask_stats(mask))
   if loss_cfg.uses_cov_selection and batch.cov_selected is None:
     anchor = _anchor(loss_cfg, batch.old_logprobs, batch.rollout_logprobs)
@@ -317,12 +331,16 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
   lp = jnp.where(mask, _validation.flat_float(logprobs), 0.0)
   lp_sg = sg(lp)
   adv, q, o, ref = flat("advantages"), flat("rollout_logprobs"), flat("old_logprobs"), flat("ref_logprobs")
+  # Mismatch monitoring reads the trainer's log-probs: o, or sg(lp) when there are none (or o is
+  # only loglinear's approximation).
+  monitor = lp_sg if o is None else o
+  if cfg.proximal == "loglinear":
+    o = loglinear_proximal(lp_sg, q, flat("rollout_staleness"))
   metrics = {}
 
   # Correction stage, and mismatch monitoring whenever rollout log-probs are present (contract
-  # §8.1). Mismatch monitoring reads o, or sg(lp) when there are no old log-probs; the
-  # correction reads o in decoupled PPO and sg(lp) in REINFORCE, so when those are the same
-  # log-probs the correction's own passes compute the mismatch metrics.
+  # §8.1). The correction reads o in decoupled PPO and sg(lp) in REINFORCE, so when those are
+  # the log-probs monitored the correction's own passes compute the mismatch metrics.
   weights, kept = jnp.ones_like(lp), mask
   mask_stats = kept_stats = None  # MaskStats of m and m', once counted
   mismatch_done = False
@@ -332,13 +350,13 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
       kept = _validation.flat_mask(arrays["kept_mask"], mask)
     else:
       train_lp = o if cfg.algorithm == "decoupled_ppo" else lp_sg
-      mismatch_done = q is not None and (cfg.algorithm == "decoupled_ppo" or o is None)
+      mismatch_done = q is not None and train_lp is monitor
       result = _run_correction(train_lp, q, mask, segs, cfg, shape, batch_norm_factor, mismatch=mismatch_done,
                                adv=adv)
       weights, kept, metrics = result.weights, result.kept, result.metrics
       mask_stats, kept_stats = result.mask_stats, result.kept_stats
   if q is not None and not mismatch_done:
-    mismatch, mask_stats = mismatch_metrics(o if o is not None else lp_sg, q, mask, segs, mode)
+    mismatch, mask_stats = mismatch_metrics(monitor, q, mask, segs, mode)
     metrics = {**mismatch, **metrics}
   if mask_stats is None:
     mask_stats = segs.mask_stats(mask)

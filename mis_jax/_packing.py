@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 _DATA_FIELDS = ("segment_ids", "loss_mask", "advantages", "rollout_logprobs", "old_logprobs",
-                "ref_logprobs", "is_weights", "kept_mask", "cov_selected")
+                "ref_logprobs", "is_weights", "kept_mask", "cov_selected", "rollout_staleness")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +31,9 @@ class PackedBatch:
     is_weights: precomputed IS weights (from :func:`mis_jax.prepare_step`), or None.
     kept_mask: precomputed kept mask ``m'`` matching ``is_weights``, or None.
     cov_selected: clip_cov / kl_cov's tokens of the step (from :func:`mis_jax.prepare_step`), or None.
+    rollout_staleness: how many weight versions each token's behaviour policy (the engine's weights
+      that sampled it) lags the proximal policy (the weights being trained), ``>= 0``; read by
+      ``proximal: loglinear`` (contract §6.3), or None.
     num_segments: static upper bound on segment ids (a Python int; not a pytree leaf).
   """
 
@@ -43,6 +46,7 @@ class PackedBatch:
   is_weights: jax.Array | None = None
   kept_mask: jax.Array | None = None
   cov_selected: jax.Array | None = None
+  rollout_staleness: jax.Array | None = None
   num_segments: int = dataclasses.field(kw_only=True)
 
   def __post_init__(self):

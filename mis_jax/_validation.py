@@ -95,3 +95,12 @@ def flat_inputs(arrays, segs):
   """Flat float32 train/rollout log-probs and the bool trained mask (padding excluded)."""
   return (flat_float(arrays["train_logprobs"]), flat_float(arrays["rollout_logprobs"]),
           flat_mask(arrays["loss_mask"], segs.valid))
+
+
+def check_nonnegative(name: str, x, loss_mask) -> None:
+  """A per-token array that must be finite and ``>= 0`` on the trained tokens (when concrete)."""
+  if _is_concrete(x) and _is_concrete(loss_mask):
+    values = np.asarray(x)[np.asarray(as_bool(loss_mask))]
+    if values.size and not (np.all(np.isfinite(values)) and values.min() >= 0):
+      bad = values[~(np.isfinite(values) & (values >= 0))][0]
+      raise ValueError(f"'{name}' must be finite and >= 0 on the trained tokens, got {bad}")

@@ -340,6 +340,10 @@ def policy_loss(seqs, lc):
   metrics = {}
   masks = [s["m"] for s in seqs]
   seqs = [dict(s, lp_sg=s.get("lp_sg", s["lp"])) for s in seqs]
+  trainer_lp = [s["o"] if "o" in s else s["lp"] for s in seqs]  # what mismatch monitoring reads
+  if lc.get("proximal") == "loglinear":  # AReaL's approximate proximal policy, token by token
+    seqs = [dict(s, o=np.array([qt + st / (st + 1.0) * (lt - qt) for qt, st, lt in zip(s["q"], s["stale"], s["lp_sg"])]))
+            for s in seqs]
   W = [np.ones(len(s["m"])) for s in seqs]
   K = [m.copy() for m in masks]
   algo = {(False, False): "ppo", (True, False): "bypass", (False, True): "decoupled",
@@ -352,7 +356,7 @@ def policy_loss(seqs, lc):
       W, K, m2 = vanilla(seqs, lc.get("tis_clip", 2.0), lc.get("tis_clip_low", 0.0), mode, train_key)
     metrics.update(m2)
   if "q" in seqs[0]:
-    metrics.update(mismatch([dict(s, o=s["o"] if "o" in s else s["lp"]) for s in seqs], mode))
+    metrics.update(mismatch([dict(s, o=o) for s, o in zip(seqs, trainer_lp)], mode))
   pg, clip, anch, rows = [], [], [], {}
   anchors = [np.where(m, s["q"] if algo in ("bypass", "reinforce") else s["o"], 0.0) for s, m in zip(seqs, masks)]
   if form == "clip_cov":
