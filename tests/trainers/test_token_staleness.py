@@ -4,6 +4,7 @@ k weight versions before the step leave the loss and stay as context, read off S
 straddle a weight update (a pause in place): the embedded server here, sglang-jax in
 tests/trainers/test_sglang_jax.py."""
 
+import contextlib
 import threading
 import time
 
@@ -13,7 +14,12 @@ import pytest
 
 from trainers.models import init_checkpoint
 from trainers.serving.server import EmbeddedServer
-from trainers.training.batch import build_step_batch, fresh_tokens, token_versions
+import jax
+import mis_jax
+from fake_sglang import FakeSGLang
+from test_train import make_cfg
+from trainers.training import train as train_lib
+from trainers.training.batch import build_step_batch, fresh_tokens, token_staleness, token_versions
 from trainers.training.rollout import Sample, SGLangClient
 
 
@@ -114,3 +120,76 @@ def test_the_embedded_server_straddles_an_update_paused_in_place(tmp_path):
     init_checkpoint(path, preset="tiny-qwen3", seed=seed)
   with EmbeddedServer(paths["start"], dtype="bfloat16", seed=0) as server:
     check_straddling_response(server.url, paths["start"], paths["other"])
+
+
+def test_staleness_is_packed_per_response_token():
+  """`loss.proximal: loglinear` reads each response token's staleness from the batch: the step
+  minus the version of its span, 0 on the prompt and padding."""
+  sb = build_step_batch(SAMPLES, np.ones(4, np.float32), np.ones(4, np.float32), np.zeros(4, np.int32),
+                        num_segments=4, row_len=16, tokens_per_micro_batch=64, batch_devices=1,
+                        staleness=token_staleness(SAMPLES, 6))
+  for s, st in zip(SAMPLES, sb.per_sequence(sb.batch.rollout_staleness)):
+    n = len(s.response_ids)
+    assert st[-n:].tolist() == [6 - int(v) for v in token_versions(s)] and not st[:-n].any()
+
+
+LOGLINEAR = mis_jax.LossConfig(use_tis=True, proximal="loglinear", mis=mis_jax.MISConfig(tis_upper_bound=2.0))
+
+
+def _no_old_logprob_pass(trainer):
+  def forbidden(*args):
+    raise AssertionError("proximal loglinear must not recompute old log-probs")
+  trainer._logprobs = forbidden
+  return trainer
+
+
+@pytest.mark.filterwarnings("ignore:loss.proximal loglinear")  # the config expects fresh tokens; this server lags
+def test_loglinear_trains_on_stale_tokens_without_the_old_logprob_pass(tmp_path):
+  """Against a server two versions behind (staleness 0, 1, 2 at steps 1–3): no old-log-prob
+  pass; fresh tokens train as bypass PPO (o = q: weights 1, ois = exp(lp - q)), stale ones get
+  an interpolated proximal policy (weights move off 1)."""
+  with FakeSGLang(fault="stale_versions") as fake:
+    cfg = make_cfg(tmp_path, rollout={"mismatch_check": False}, train={"steps": 3, "ppo_epochs": 1})
+    trainer = _no_old_logprob_pass(train_lib.Trainer(cfg, LOGLINEAR, urls=[fake.url]))
+    batches = []
+    build = trainer.build_batch
+    trainer.build_batch = lambda *a, **k: batches.append(build(*a, **k)) or batches[-1]
+    history = trainer.run(progress=False)
+  assert trainer.num_old_logprob_passes == 0 and [h["step"] for h in history] == [1, 2, 3]
+  for step, (sb, h) in enumerate(zip(batches, history)):
+    stale = np.asarray(sb.batch.rollout_staleness)[np.asarray(sb.batch.loss_mask)]
+    assert stale.size and (stale == step).all(), (step, np.unique(stale))
+    assert np.isfinite(h["loss"]) and np.isfinite(h["grad_norm"])
+    if step == 0:
+      assert h["mis_tis_weight_before_bound"] == 1.0 and h["mis_tis_truncate_fraction"] == 0.0
+    else:  # o = q + α(lp - q), α = 1/2 then 2/3: log w = α(lp - q)
+      assert h["mis_tis_weight_before_bound"] != 1.0
+  # ois = exp(lp - o) = exp((1 - α)(lp - q)): the log-ratio shrinks as α grows.
+  assert abs(np.log(history[2]["ois"])) < abs(np.log(history[1]["ois"])) < abs(np.log(history[0]["ois"]))
+
+
+def test_loglinear_with_fresh_tokens_is_the_bypass_ppo_step(tmp_path):
+  """The synchronous loop (every token fresh): decoupled PPO with loglinear proximal log-probs
+  makes the same update as bypass PPO (contract §6.3) — parameters and optimiser state after
+  two steps of two epochs each."""
+  runs = {}
+  with FakeSGLang() as fake:
+    for name, loss_cfg in (("loglinear", LOGLINEAR), ("bypass", mis_jax.LossConfig(use_rollout_logprobs=True))):
+      cfg = make_cfg(tmp_path, name, rollout={"mismatch_check": False}, train={"steps": 2})
+      with pytest.warns(UserWarning, match="bypass PPO's") if name == "loglinear" else contextlib.nullcontext():
+        trainer = _no_old_logprob_pass(train_lib.Trainer(cfg, loss_cfg, urls=[fake.url]))
+      trainer.run(progress=False)
+      runs[name] = trainer
+  for name in ("params", "opt_state"):
+    a, b = (jax.tree.leaves(getattr(runs[k], name)) for k in ("loglinear", "bypass"))
+    for x, y in zip(a, b):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_loglinear_refuses_what_needs_the_weights_before_the_step(tmp_path):
+  from trainers.training import checks
+  loss = {"use_tis": True, "proximal": "loglinear", "mis": {"tis_upper_bound": 2.0}}
+  with pytest.raises(mis_jax.ConfigError, match="optimal_token_baseline.*loss.proximal: recompute"):
+    checks.check_config(make_cfg(tmp_path, loss=loss, train={"advantage_estimator": "optimal_token_baseline"}))
+  with pytest.raises(mis_jax.ConfigError, match="exclude_rejected_from_baseline needs.*loss.proximal: recompute"):
+    checks.check_config(make_cfg(tmp_path, loss=loss, train={"exclude_rejected_from_baseline": True}))

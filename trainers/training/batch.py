@@ -95,12 +95,18 @@ def token_versions(sample) -> np.ndarray:
   return versions
 
 
+def token_staleness(samples, step: int) -> list[np.ndarray]:
+  """Per sample, how many weight versions each response token's sampler lags `step` (the
+  version of the weights being trained)."""
+  return [step - token_versions(s) for s in samples]
+
+
 def fresh_tokens(samples, step: int, max_token_staleness: int) -> tuple[list[np.ndarray], dict]:
   """Per sample, its response tokens generated at most `max_token_staleness` weight versions
   before `step` (the trainer's current version): the others leave the loss and stay as context.
   Metrics: the share of stale tokens, the mean staleness, and the mean staleness of the tokens
   in each quarter of their response (`_q1` the first)."""
-  staleness = [step - token_versions(s) for s in samples]
+  staleness = token_staleness(samples, step)
   fresh = [st <= max_token_staleness for st in staleness]
   all_st = np.concatenate(staleness) if staleness else np.zeros(0)
   quarter = np.concatenate([np.minimum(4 * np.arange(len(st)) // max(len(st), 1), 3) for st in staleness]
@@ -115,15 +121,17 @@ def fresh_tokens(samples, step: int, max_token_staleness: int) -> tuple[list[np.
 
 def build_step_batch(samples, rewards, advantages, groups, *, num_segments: int, row_len: int,
                      tokens_per_micro_batch: int, batch_devices: int, support_width: int = 0,
-                     routing=None, trained_tokens=None) -> StepBatch:
+                     routing=None, trained_tokens=None, staleness=None) -> StepBatch:
   """Packs `samples` (with `prompt_ids`, `response_ids`, `rollout_logprobs`) and their
   per-sequence `advantages` into a :class:`StepBatch`. With `support_width` (sampling-mask
   replay) each response token's `sampling_mask` is packed into `support` (`-1` elsewhere:
   prompt tokens and padding are over the whole vocabulary). With `routing` (a `RoutingSpec`:
   routed experts asked for) each sample's `routed_experts` row i lands at its input position i
   (`-1` on padding: routed natively). `trained_tokens`: per sample, which response tokens the
-  loss trains on (default all; the others stay as context)."""
-  inputs, targets, masks, q, supports = [], [], [], [], []
+  loss trains on (default all; the others stay as context). `staleness`: per sample, each
+  response token's `token_staleness`, packed as `rollout_staleness` (0 elsewhere) for
+  `loss.proximal: loglinear`."""
+  inputs, targets, masks, q, supports, stale = [], [], [], [], [], []
   for k, s in enumerate(samples):
     seq = np.array(s.prompt_ids + s.response_ids, np.int32)
     inputs.append(seq[:-1])
@@ -136,6 +144,10 @@ def build_step_batch(samples, rewards, advantages, groups, *, num_segments: int,
     lp = np.zeros(len(seq) - 1, np.float32)
     lp[response] = s.rollout_logprobs
     q.append(lp)
+    if staleness is not None:
+      st = np.zeros(len(seq) - 1, np.float32)
+      st[response] = staleness[k]
+      stale.append(st)
     if support_width:
       sup = np.full((len(seq) - 1, support_width), -1, np.int32)
       for row, ids in zip(np.flatnonzero(response), s.sampling_mask):
@@ -155,6 +167,7 @@ def build_step_batch(samples, rewards, advantages, groups, *, num_segments: int,
   batch = mis_jax.PackedBatch(
       segment_ids=shaped(packing.segment_ids), loss_mask=pack(masks, False, bool),
       advantages=pack(advs, 0.0, np.float32), rollout_logprobs=pack(q, 0.0, np.float32),
+      rollout_staleness=pack(stale, 0.0, np.float32) if staleness is not None else None,
       num_segments=num_segments)
   return StepBatch(batch=batch, input_ids=pack(inputs, 0, np.int32), positions=shaped(packing.positions),
                    targets=pack(targets, 0, np.int32), rewards=np.asarray(rewards, np.float32),

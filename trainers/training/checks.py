@@ -76,11 +76,21 @@ def check_config(cfg: TrainConfig):
   anything is built or started: a `ConfigError` naming the key and the value. Sequences that
   would not fit a row are an error. Returns the task (built to check it)."""
   loss_cfg = cfg.loss
-  if cfg.train.exclude_rejected_from_baseline and (loss_cfg.algorithm != "decoupled_ppo" or loss_cfg.mis is None):
+  if cfg.train.exclude_rejected_from_baseline and (loss_cfg.algorithm != "decoupled_ppo" or loss_cfg.mis is None
+                                                   or loss_cfg.correction_in_loss):
     raise mis_jax.ConfigError("train.exclude_rejected_from_baseline needs decoupled PPO with a MIS config "
-                              "(use_tis: true, use_rollout_logprobs: false, a mis section): the rejection "
-                              "must be known before the step")
+                              "(use_tis: true, use_rollout_logprobs: false, a mis section, loss.proximal: "
+                              "recompute): the rejection must be known before the step")
   estimator = cfg.train.advantage_estimator
+  if estimator == "optimal_token_baseline" and loss_cfg.proximal == "loglinear":
+    raise mis_jax.ConfigError("train.advantage_estimator optimal_token_baseline weighs tokens by the correction's "
+                              "weights before the step and needs the forward pass that loss.proximal loglinear "
+                              "skips; use loss.proximal: recompute")
+  if loss_cfg.proximal == "loglinear" and cfg.rollout.max_staleness == 0 and cfg.rollout.sync_every == 1:
+    warnings.warn("loss.proximal loglinear with rollout.max_staleness 0 and sync_every 1: every token is sampled "
+                  "by the weights "
+                  "being trained, so the proximal log-probs are the rollout's and the loss is bypass PPO's "
+                  "(the correction's weights are 1; contract §6.3)")
   if estimator == "optimal_token_baseline" and cfg.train.exclude_rejected_from_baseline:
     raise mis_jax.ConfigError("train.exclude_rejected_from_baseline works with the per-sequence estimators; the "
                               "optimal token baseline weighs every sequence of a group by its path variance")

@@ -33,7 +33,7 @@ import numpy as np
 import mis_jax
 from trainers.models import PRESETS, DTYPES, ModelConfig, init_checkpoint, load_hf_params
 from trainers.training import checkpointing, checks, distributed, parallel
-from trainers.training.batch import StepBatch, build_step_batch, fresh_tokens
+from trainers.training.batch import StepBatch, build_step_batch, fresh_tokens, token_staleness
 from trainers.training.config import ModelSection, TrainConfig
 from trainers.training.errors import Preempted, ServersUnavailable, TrainingError
 from trainers.training.metric_logging import MetricLogger
@@ -256,7 +256,9 @@ class Trainer:
                           num_segments=self.num_segments, row_len=t.row_len,
                           tokens_per_micro_batch=t.tokens_per_micro_batch,
                           batch_devices=parallel.batch_devices(self.mesh), support_width=self.support_width,
-                          routing=self.routing_spec, trained_tokens=trained)
+                          routing=self.routing_spec, trained_tokens=trained,
+                          staleness=(token_staleness(samples, self.step) if self.cfg.loss.proximal == "loglinear"
+                                     else None))
     sb.metrics.update(metrics)
     return sb
 
