@@ -53,6 +53,7 @@ example-tunix-sglang-jax: $(STAMP) engine  ## the same with sglang-jax as tunix'
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
 	$(PY) -m benchmarks.forms
+	$(PY) -m benchmarks.proximal
 
 bench-memory: $(STAMP)  ## compiled per-device memory of the training step, 8 simulated devices
 	$(PY) -m benchmarks.memory

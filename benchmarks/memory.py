@@ -23,6 +23,10 @@ the `after` step with an `expert` mesh axis of 8 (experts split 8 ways, everythi
 (every expert on every token) and `ragged_dot` (which XLA:CPU lowers to a masked product over
 all experts: its CPU figure is not a TPU's, where the op is native).
 
+Decoupled PPO's proximal log-probs (`--proximal`, contract §6.3): per model at 16k tokens per
+device, the programs of one step with `loss.proximal: recompute` (the old-log-prob pass, then the
+step) and `loglinear` (the step alone, its correction inside the loss).
+
 Both are the decoupled-PPO loss of the reference MIS config on one micro-batch of
 `tokens_per_device` tokens per device (one row of that length per device). `per_device_bytes`
 = arguments + outputs + temporaries − aliased (donated) bytes of the compiled program on one
@@ -80,12 +84,22 @@ OPTIM = TrainSection()
 SEQ_LEN = 1024  # sequences per row: tokens_per_device / SEQ_LEN (sizes the segment count)
 
 
-def _abstract_batch(rows: int, row_len: int, num_segments: int, sharding, rep) -> tuple:
+def _abstract_batch(rows: int, row_len: int, num_segments: int, sharding, rep, loss=LOSS) -> tuple:
+  """Model inputs, the prepared batch and the denominators the step receives under `loss`: with
+  `proximal: loglinear` no old log-probs nor precomputed weights, the staleness instead, and no
+  kept-token denominators (they follow the current log-probs)."""
   sd = lambda dtype: jax.ShapeDtypeStruct((1, rows, row_len), dtype, sharding=sharding)
   inputs = step_lib.ModelInputs(sd(jnp.int32), sd(jnp.int32), sd(jnp.int32))
-  batch = mis_jax.PackedBatch(segment_ids=sd(jnp.int32), loss_mask=sd(jnp.bool_), advantages=sd(jnp.float32),
-                              rollout_logprobs=sd(jnp.float32), old_logprobs=sd(jnp.float32),
-                              is_weights=sd(jnp.float32), kept_mask=sd(jnp.bool_), num_segments=num_segments)
+  if loss.correction_in_loss:
+    batch = mis_jax.PackedBatch(segment_ids=sd(jnp.int32), loss_mask=sd(jnp.bool_), advantages=sd(jnp.float32),
+                                rollout_logprobs=sd(jnp.float32), rollout_staleness=sd(jnp.float32),
+                                num_segments=num_segments)
+  else:
+    batch = mis_jax.PackedBatch(segment_ids=sd(jnp.int32), loss_mask=sd(jnp.bool_), advantages=sd(jnp.float32),
+                                rollout_logprobs=sd(jnp.float32), old_logprobs=sd(jnp.float32),
+                                is_weights=sd(jnp.float32), kept_mask=sd(jnp.bool_), num_segments=num_segments)
+  if loss.correction_in_loss and loss.denominator == "kept":
+    return inputs, batch, None
   dens = mis_jax.Denominators(seg_tokens=jax.ShapeDtypeStruct((num_segments,), jnp.float32, sharding=rep),
                               num_tokens=jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
                               num_seqs=jax.ShapeDtypeStruct((), jnp.float32, sharding=rep))
@@ -100,17 +114,23 @@ def _analysis(compiled) -> dict:
   return out
 
 
-def after_step(cfg: ModelConfig, tokens: int, devices, section=None, **model_kwargs) -> dict:
+def after_step(cfg: ModelConfig, tokens: int, devices, section=None, *, loss=LOSS, program="train",
+               **model_kwargs) -> dict:
+  """The compiled `program` of `trainers.training.step.StepFunctions`: `train` (the step) or
+  `logprobs` (the old-log-prob pass, same inputs)."""
   mesh = parallel.make_mesh(section or parallel.ParallelSection(fsdp=-1), devices)
-  fns = step_lib.build_step_functions(cfg, mesh, LOSS, OPTIM, logprob_chunk=1024, dtype=jnp.bfloat16,
+  fns = step_lib.build_step_functions(cfg, mesh, loss, OPTIM, logprob_chunk=1024, dtype=jnp.bfloat16,
                                       param_dtype=jnp.float32, attention="blocked", remat="full", **model_kwargs)
   abstract, psh, osh, optimizer = fns.abstract_params, fns.param_shardings, fns.opt_shardings, fns.optimizer
   params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, psh)
   opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                            jax.eval_shape(optimizer.init, abstract), osh)
   rows = mesh.size
-  args = _abstract_batch(rows, tokens, rows * max(1, tokens // SEQ_LEN), parallel.batch_sharding(mesh), NamedSharding(mesh, P()))
-  return _analysis(fns.train.lower(params, opt_state, *args).compile())
+  inputs, batch, dens = _abstract_batch(rows, tokens, rows * max(1, tokens // SEQ_LEN), parallel.batch_sharding(mesh),
+                                        NamedSharding(mesh, P()), loss)
+  if program == "logprobs":
+    return _analysis(fns.logprobs.lower(params, inputs, batch.segment_ids).compile())
+  return _analysis(fns.train.lower(params, opt_state, inputs, batch, dens).compile())
 
 
 def before_step(cfg: ModelConfig, tokens: int, devices) -> dict:
@@ -140,12 +160,36 @@ def before_step(cfg: ModelConfig, tokens: int, devices) -> dict:
   return _analysis(jax.jit(step).lower(params, opt_state, *args).compile())
 
 
+PROXIMAL_TOKENS = 16384
+LOGLINEAR = mis_jax.LossConfig(use_tis=True, proximal="loglinear", mis=LOSS.mis)
+
+
+def proximal_records(name: str, cfg: ModelConfig, tokens: int, devices) -> list[dict]:
+  """Decoupled PPO's per-step programs with `loss.proximal` recompute (the old-log-prob pass, then
+  the step) and loglinear (the step alone; the correction inside the loss, contract §6.3)."""
+  out = []
+  for proximal, loss, program in (("recompute", LOSS, "logprobs"), ("recompute", LOSS, "train"),
+                                  ("loglinear", LOGLINEAR, "train")):
+    t0 = time.perf_counter()
+    rec = {"model": name, "tokens_per_device": tokens, "step": "after", "devices": len(devices),
+           "backend": jax.default_backend(), "loss": f"decoupled PPO, configs/mis.yaml, proximal {proximal}",
+           "proximal": proximal, "program": "old-logprob pass" if program == "logprobs" else "train step",
+           **after_step(cfg, tokens, devices, loss=loss, program=program)}
+    rec["compile_s"] = round(time.perf_counter() - t0, 1)
+    out.append(rec)
+    print(f"{name:20s} {tokens:10d} {proximal:>10s} {rec['program']:>18s} {rec['temp_bytes'] / 1e9:9.2f} "
+          f"{rec['per_device_bytes'] / 1e9:14.2f} {rec['compile_s']:9.1f}", flush=True)
+  return out
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="a 2-layer, 8k-vocab model at 2k tokens (seconds)")
   parser.add_argument("--json", default="benchmarks/results/memory.json")
   parser.add_argument("--models", nargs="*", default=sorted(MODELS))
   parser.add_argument("--steps", nargs="*", default=["before", "after"])
+  parser.add_argument("--proximal", nargs="*", default=sorted(MODELS),
+                      help="models whose step is compiled with the proximal log-probs recomputed and loglinear")
   parser.add_argument("--moe", nargs="*", default=sorted(MOE_MODELS), help="mixture-of-experts models to measure")
   args = parser.parse_args(argv)
   all_devices = jax.devices()
@@ -195,6 +239,11 @@ def main(argv=None) -> int:
               f"{gb('output_bytes'):8.2f} {gb('temp_bytes'):9.2f} {gb('alias_bytes'):9.2f} "
               f"{gb('per_device_bytes'):14.2f} {rec['compile_s']:9.1f}"
               + (f"   (target <= {target:g} GB)" if target else ""), flush=True)
+  if not args.quick and args.proximal:
+    print(f"\n{'decoupled PPO':20s} {'tokens/dev':>10s} {'proximal':>10s} {'program':>18s} {'temp GB':>9s} "
+          f"{'per-device GB':>14s} {'compile s':>9s}")
+  for name in ([] if args.quick else args.proximal):
+    records += proximal_records(name, MODELS[name], PROXIMAL_TOKENS, devices)
   if args.json and not args.quick:
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:

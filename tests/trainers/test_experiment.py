@@ -75,7 +75,8 @@ COMMITTED = os.path.join(os.path.dirname(__file__), "..", "..", "notebooks", "fi
 
 
 @pytest.mark.parametrize("sub, design", [("", mismatch.FULL), ("stress", mismatch.STRESS), ("moe", mismatch.MOE),
-                                         ("forms", mismatch.FORMS), ("controller", mismatch.CONTROLLER)])
+                                         ("forms", mismatch.FORMS), ("controller", mismatch.CONTROLLER),
+                                         ("proximal", mismatch.PROXIMAL)])
 def test_committed_results_are_the_full_design(sub, design):
   """notebooks/figures/mismatch (the grid) and its stress/ (the collapse search) hold complete
   runs of the current designs, and their summaries are what `summarize` computes from the runs."""
@@ -97,6 +98,13 @@ def test_committed_results_are_the_full_design(sub, design):
         assert min(r["mis_auto_target_met"]) == 1 and max(r["mis_auto_tis_masked_fraction"]) <= mismatch.AUTO_MASKED
       if "auto" in r["arm"]:  # and the bound moved with the steps' ratios
         assert max(r["mis_auto_tis_upper_bound"]) > 1.05 * min(r["mis_auto_tis_upper_bound"])
+  if design is mismatch.PROXIMAL:  # synchronous, every token is fresh: loglinear is bypass PPO whatever the bound
+    run = {(r["arm"], r["setting"], r["seed"]): r for r in results["runs"]}
+    for seed in design.seeds:
+      a, b = (run[(arm + mismatch.LOGLINEAR, "fp8", seed)] for arm in ("decoupled + token TIS", "decoupled + MIS"))
+      assert a["reward_mean"] == b["reward_mean"] and a["grad_norm"] == b["grad_norm"]
+      stale = (run[(arm + mismatch.LOGLINEAR, "fp8, sync 4", seed)] for arm in ("decoupled + token TIS", "decoupled + MIS"))
+      assert next(stale)["grad_norm"] != next(stale)["grad_norm"]  # stale tokens: the corrections differ
   if design.preset.endswith("moe"):  # the router disagreement was measured in every arm, with or without R3
     assert all(None not in r["routing_mismatch_frac"] for r in results["runs"])
     assert "| fp8 | decoupled + MIS + R3 |" in mismatch.routing_table(results)

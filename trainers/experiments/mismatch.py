@@ -18,6 +18,9 @@ CI-sized version of the same pipeline):
 - **Threshold controller** (`CONTROLLER`, `--design controller`): decoupled PPO with bounds
   set each step (contract §3.1; `AUTO_ESS`, `AUTO_MASKED`) beside fixed token TIS and MIS and
   standard PPO, under the fp8 engine; every step records the bound chosen and what it reached.
+- **Proximal policy** (`PROXIMAL`, `--design proximal`): decoupled PPO (token TIS, MIS) with
+  the old log-probs recomputed or interpolated by weight versions (`, loglinear`, contract
+  §6.3), under the fp8 engine synchronous and synced every 4 steps; `train_s` per step.
 - **Seeds**: each seed draws its own initial weights (`init_seed`), prompts and sampling seeds;
   every arm and setting sees the same seeds (a paired design).
 
@@ -47,8 +50,9 @@ import mis_jax
 RECORDED = ("reward_mean", "mis_k3_kl", "train_rollout_logprob_abs_diff", "grad_norm",
             "mis_kept_token_fraction", "response_length", "pg_clipfrac", "routing_mismatch_frac",
             "routing_mismatch_token_frac", "mis_ess_ratio", "mis_auto_tis_upper_bound", "mis_auto_ess_ratio",
-            "mis_auto_tis_masked_fraction", "mis_auto_target_met")
+            "mis_auto_tis_masked_fraction", "mis_auto_target_met", "train_s")
 R3 = " + R3"  # an arm name ending with it replays the server's routed experts (rollout.routing_replay r3)
+LOGLINEAR = ", loglinear"  # an arm name ending with it approximates the proximal policy (loss.proximal loglinear)
 
 
 def arms() -> dict[str, mis_jax.LossConfig]:
@@ -56,7 +60,9 @@ def arms() -> dict[str, mis_jax.LossConfig]:
   policy-loss forms' arms (`FORMS`) after them."""
   base = _base_arms()
   return {**base, **{name + R3: base[name] for name in ("standard PPO", "decoupled + token TIS", "decoupled + MIS")},
-          **_form_arms(base["decoupled + MIS"].mis), **_controller_arms()}
+          **_form_arms(base["decoupled + MIS"].mis), **_controller_arms(),
+          **{name + LOGLINEAR: dataclasses.replace(base[name], proximal="loglinear")
+             for name in ("decoupled + token TIS", "decoupled + MIS")}}
 
 
 def _form_arms(mis: mis_jax.MISConfig) -> dict[str, mis_jax.LossConfig]:
@@ -167,13 +173,19 @@ FORMS = Design(arms=("standard PPO", "decoupled + MIS", "GSPO", "GSPO + MIS", "C
 # The threshold controller under the fp8 engine, beside fixed token TIS / MIS and no correction.
 CONTROLLER = Design(arms=("standard PPO", "decoupled + token TIS", "decoupled + MIS", "decoupled + auto TIS",
                           "decoupled + auto MIS"), settings=("fp8",), probe_settings=())
+# Decoupled PPO's proximal policy recomputed (a forward pass per step) or interpolated by weight
+# versions (contract §6.3), under the fp8 engine synchronous (every token fresh: loglinear is bypass
+# PPO) and synced every 4 steps (tokens 0–3 versions stale).
+PROXIMAL = Design(arms=("standard PPO", "decoupled + token TIS", "decoupled + token TIS" + LOGLINEAR,
+                        "decoupled + MIS", "decoupled + MIS" + LOGLINEAR),
+                  settings=("fp8", "fp8, sync 4"), probe_settings=())
 QUICK = Design(arms=("standard PPO", "decoupled + MIS"), settings=("fp8, sync 4",), probe_settings=(),
                seeds=(0, 1), steps=4,
                prompts_per_step=4, n=4, ppo_epochs=1, final_window=2)
 
 
 # The designs run by `--design NAME` into OUT/NAME.
-DESIGNS = {"moe": MOE, "forms": FORMS, "controller": CONTROLLER}
+DESIGNS = {"moe": MOE, "forms": FORMS, "controller": CONTROLLER, "proximal": PROXIMAL}
 
 
 def _init_dir(out: str, design: Design, seed: int) -> str:
@@ -500,7 +512,7 @@ def main(argv=None):
   parser.add_argument("--design", choices=("default",) + tuple(DESIGNS), default="default",
                       help="default: the grid (OUT) and the collapse search (OUT/stress); moe: the mixture-of-experts "
                       "arm (OUT/moe); forms: GSPO and CISPO with and without MIS (OUT/forms); controller: auto "
-                      "bounds under fp8 (OUT/controller)")
+                      "bounds under fp8 (OUT/controller); proximal: the old log-probs recomputed or interpolated (OUT/proximal)")
   parser.add_argument("--resume", action="store_true", help="keep the runs OUT/results.json already has")
   args = parser.parse_args(argv)
   # The full experiment is the grid (OUT) and the collapse search (OUT/stress).
