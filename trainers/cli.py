@@ -167,7 +167,8 @@ def _train(argv: list[str] | None = None) -> int:
   try:
     with contextlib.ExitStack() as running:  # the embedded server stops however the run ends
       urls = args.sglang_url
-      if not urls and primary and not cfg.rollout.load_dir:  # only process 0 talks to (and starts) a server
+      colocated = cfg.rollout.placement == "colocated"
+      if not urls and primary and not cfg.rollout.load_dir and not colocated:  # only process 0 talks to (and starts) a server
         server = running.enter_context(EmbeddedServer(
             train.initial_weights_dir(cfg), dtype=cfg.rollout.server_dtype, seed=cfg.seed,
             quantize=cfg.rollout.server_quantize, extra_args=("--enable-return-routed-experts", "--weight-version", "0")))

@@ -30,6 +30,7 @@ import os
 import threading
 import time
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -86,6 +87,7 @@ class GenerationEngine:
       self.sampler.set_params(self._served_params(model, read_hf_tensors(model_path)))
     self.seed = seed
     self.weight_version = weight_version
+    self.released = False  # release_weights() freed the served weights (until the next update)
     self.tokenizer = _load_tokenizer(model_path)
     self._weights = threading.Lock()  # held while a batch runs and while weights change
     self._cv = threading.Condition()  # guards the queue, pause state and the rid registry
@@ -164,6 +166,9 @@ class GenerationEngine:
     work = [(k, i) for k, job in enumerate(jobs) for i, a in enumerate(job.aborted) if not a]
     try:
       with self._weights:
+        if self.released:
+          raise RuntimeError("the served weights were released (colocated, during a training step) and no update "
+                             "has brought new ones")
         version = self.weight_version
         completions = []
         if work:
@@ -333,12 +338,60 @@ class GenerationEngine:
         self.sampler.set_params(self._served_params(model, tensors))
       except ValueError as e:
         return False, f"Failed to load weights from {path!r}: {e}"
-      message = "Succeeded to update model weights."
-      if weight_version is not None:
-        self.weight_version = weight_version
-        message += f" Weight version updated to {weight_version}."
+      message = self._set_version(weight_version, "Succeeded to update model weights.")
       self.model_path = os.path.abspath(path)
+      self.released = False
     return True, message
+
+  def update_weights(self, params: nnx.State, weight_version: str | None) -> tuple[bool, str]:
+    """The in-memory counterpart of `update_weights_from_disk` (colocated rollouts): `params`, a
+    parameter state of the served architecture in any float dtype and placement (the trainer's,
+    sharded over its mesh), becomes the served weights — cast to the served dtype (read as float32
+    and quantised first, as from a checkpoint, when `quantize` says) and moved to the served
+    weights' devices. Nothing is serialised; all or nothing."""
+    with self._weights:
+      try:
+        self.sampler.set_params(self._placed(self._quantized(params)))
+      except ValueError as e:
+        return False, f"Failed to update model weights in memory: {e}"
+      self.released = False
+      return True, self._set_version(weight_version, "Succeeded to update model weights in memory.")
+
+  def _quantized(self, params: nnx.State) -> nnx.State:
+    if self.quantize == "none":
+      return params
+    f32 = nnx.from_flat_state([(path, var.replace(jnp.asarray(var.get_value(), jnp.float32)))
+                               for path, var in nnx.to_flat_state(params)])
+    return quantize_params(f32, self.quantize, dtype=DTYPES[self.dtype])
+
+  def _placed(self, params: nnx.State) -> nnx.State:
+    """`params` matched by path to the served weights, each cast to their dtype and put on their
+    devices (a resharding: the trainer's shards gathered where the engine holds its copy)."""
+    given = dict(nnx.to_flat_state(params))
+    served = nnx.to_flat_state(self.sampler.params)
+    missing = [path for path, _ in served if path not in given]
+    if missing or len(given) != len(served):
+      extra = sorted(set(given) - {path for path, _ in served})
+      raise ValueError(f"parameters differ from the served model's: missing {missing[:3]}, unexpected {extra[:3]}")
+    def put(var, value):
+      target = var.get_value()
+      # Never an alias of the caller's buffers: the trainer donates its parameters to the next step.
+      return var.replace(jax.device_put(jnp.asarray(value).astype(target.dtype), target.sharding, may_alias=False))
+    return nnx.from_flat_state([(path, put(var, given[path].get_value())) for path, var in served])
+
+  def release_weights(self) -> None:
+    """Frees the served weights' device memory (colocated: while the trainer trains on the same
+    devices); the next `update_weights` brings weights back, and until then a request fails."""
+    with self._weights:
+      self.sampler.params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                                         self.sampler.params)  # the engine's only references: freed with them
+      self.released = True
+
+  def _set_version(self, weight_version: str | None, message: str) -> str:
+    if weight_version is not None:
+      self.weight_version = weight_version
+      message += f" Weight version updated to {weight_version}."
+    return message
 
   def _served_params(self, model, tensors: dict) -> nnx.State:
     """The served parameter state from HF tensors: cast to `dtype`, or read in float32,

@@ -119,6 +119,14 @@ def check_config(cfg: TrainConfig):
     warnings.warn(f"rollout.max_staleness {r.max_staleness} with {loss_cfg.algorithm}: only decoupled PPO "
                   "(old log-probs recomputed, behaviour = the server's) corrects for stale rollouts; "
                   "see docs/guides/multihost.md, asynchronous rollouts")
+  if r.placement == "colocated":
+    if r.load_dir:
+      raise mis_jax.ConfigError("rollout.placement colocated generates rollouts in the trainer, and rollout.load_dir "
+                                "replays recorded ones: set one of them")
+    if jax.process_count() > 1:
+      raise mis_jax.ConfigError(f"rollout.placement colocated runs one engine in the trainer's process; with "
+                                f"{jax.process_count()} processes each would need its own share of the prompts, "
+                                "which is not supported yet: use rollout.placement server (SGLang servers over HTTP)")
   if os.path.isfile(cfg.run_dir):
     raise mis_jax.ConfigError(f"run_dir {cfg.run_dir!r} is a file; it must be a directory (or not exist yet)")
   try:

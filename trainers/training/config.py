@@ -102,6 +102,9 @@ class RolloutSection:
                             choices=ROUTING_REPLAY)
   record_routing: bool | None = key(None, "ask the server for routed experts and log the routing-mismatch metrics "
                                     "(null: with r3)")
+  placement: str = key("server", "where rollouts are generated: SGLang servers over HTTP (`server`; the embedded "
+                                 "one by default), or the embedded engine inside the trainer's process, on its "
+                                 "devices, weights handed over in memory (`colocated`)", choices=("server", "colocated"))
   server_dtype: str = key("bfloat16", "embedded server precision", choices=DTYPES)
   server_quantize: str = key("none", "embedded server's weight-only quantisation of Linear kernels (per-channel "
                              "scales, on top of `server_dtype`)", choices=("none", "int8", "fp8"))

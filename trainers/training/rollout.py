@@ -239,10 +239,15 @@ class SGLangClient:
     for u in self.urls:
       if not u.startswith(("http://", "https://")):
         raise ValueError(f"SGLang URL {u!r} must start with http:// or https://")
-    self.max_retries, self.backoff_s = max_retries, backoff_s
-    self.prompts_per_request = prompts_per_request
     self._http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=max_concurrency,
                                                                      max_keepalive_connections=max_concurrency))
+    self._init_requests(max_retries=max_retries, backoff_s=backoff_s, max_concurrency=max_concurrency,
+                        prompts_per_request=prompts_per_request)
+
+  def _init_requests(self, *, max_retries: int, backoff_s: float, max_concurrency: int, prompts_per_request: int):
+    """What every transport shares: retries, the request pool, round-robin and the down set."""
+    self.max_retries, self.backoff_s = max_retries, backoff_s
+    self.prompts_per_request = prompts_per_request
     self._pool = ThreadPoolExecutor(max_workers=max_concurrency)
     self._next = itertools.count()
     self._down: set[str] = set()  # servers that failed past their retries, until readmitted

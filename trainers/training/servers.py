@@ -48,14 +48,16 @@ class Servers:
   HF directory they were loaded from (what a restarted server gets back).
   """
 
-  def __init__(self, cfg, *, urls: list[str], start_dir: str, model_config, sampling: Sampling, log=print):
+  def __init__(self, cfg, *, urls: list[str], start_dir: str, model_config, sampling: Sampling, log=print,
+               client: SGLangClient | None = None):
     r = self.rollout = cfg.rollout
     self.cfg, self.model_config, self.sampling, self.log = cfg, model_config, sampling, log
     self.start_dir = start_dir
     self.weights_root = os.path.join(os.path.abspath(cfg.run_dir), "weights")
-    self.client = (SGLangClient(urls, timeout_s=r.timeout_s, max_retries=r.max_retries, backoff_s=r.backoff_s,
-                                max_concurrency=r.max_concurrency, prompts_per_request=r.prompts_per_request)
-                   if distributed.is_primary() else None)
+    self.client = client or (SGLangClient(urls, timeout_s=r.timeout_s, max_retries=r.max_retries,
+                                          backoff_s=r.backoff_s, max_concurrency=r.max_concurrency,
+                                          prompts_per_request=r.prompts_per_request)
+                             if distributed.is_primary() else None)
     self.weight_dtype = r.weight_dtype or r.server_dtype  # refined from the servers' /server_info at start
     self.server_dtype, self.server_quantized = r.server_dtype, r.server_quantize != "none"
     self.served_version, self.served_path = 0, start_dir

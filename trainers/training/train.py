@@ -7,7 +7,8 @@ collaborators chosen once from the resolved config:
 - a rollout source (`trainers.training.sources`): the servers synchronously, the servers
   asynchronously with bounded staleness, or saved records;
 - the servers' side (`trainers.training.servers`): health, the initial push, the weight push after
-  each step, the mismatch sanity check, the wait for a server that went away (or `NoServers`);
+  each step, the mismatch sanity check, the wait for a server that went away (or `NoServers`;
+  or `colocated.ColocatedEngine`: the engine in this process, weights handed over in memory);
 - a record writer (`rollout_records.RecordWriter`, or `NoRecords`), the checkpoints
   (`checkpointing`), the metric sinks (`metric_logging`) and the preemption flag (`preemption`).
 
@@ -33,6 +34,7 @@ import numpy as np
 import mis_jax
 from trainers.models import PRESETS, DTYPES, ModelConfig, init_checkpoint, load_hf_params
 from trainers.training import checkpointing, checks, distributed, parallel
+from trainers.training.colocated import ColocatedEngine
 from trainers.training.batch import StepBatch, build_step_batch, fresh_tokens, token_staleness
 from trainers.training.config import ModelSection, TrainConfig
 from trainers.training.errors import Preempted, ServersUnavailable, TrainingError
@@ -123,7 +125,13 @@ class Trainer:
       self.servers = NoServers(r.load_dir, sampling)
       self.source = RecordedRollouts(r.load_dir, self.routing_spec)
     else:
-      self.servers = Servers(cfg, urls=urls, start_dir=start_dir, model_config=model_cfg, sampling=sampling)
+      if r.placement == "colocated":
+        if urls:
+          raise mis_jax.ConfigError(f"rollout.placement colocated generates in the trainer: no server URL is used, "
+                                    f"got {', '.join(urls)}")
+        self.servers = ColocatedEngine(cfg, start_dir=start_dir, model_config=model_cfg, sampling=sampling)
+      else:
+        self.servers = Servers(cfg, urls=urls, start_dir=start_dir, model_config=model_cfg, sampling=sampling)
       self.source = (AsyncServerRollouts(self.servers, self.prompts, r.max_rejected_fraction, r.max_staleness,
                                          r.timeout_s) if r.max_staleness > 0 else
                      ServerRollouts(self.servers, self.prompts, r.max_rejected_fraction))

@@ -1,0 +1,117 @@
+"""Colocated rollouts (`rollout.placement: colocated`): the embedded engine in the trainer's
+process, its weights handed over in memory. The same run with the engine behind `mis-jax serve`
+(a real process, HTTP, safetensors on disk) is the reference: every step's samples, rewards,
+losses and the parameters after the steps are equal."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import mis_jax
+from test_train import make_cfg
+from trainers.models import init_checkpoint
+from trainers.serving.server import EmbeddedServer
+from trainers.training import train as train_lib
+
+MIS = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(tis_mode="mask", tis_lower_bound=0.5, tis_upper_bound=2.0,
+                                                             rs_veto_threshold=1e-4))
+
+
+def _run(cfg, urls, loss_cfg=MIS):
+  """A run's per-step rollouts (what the trainer took), metrics, and final parameters (host)."""
+  trainer = train_lib.Trainer(cfg, loss_cfg, urls=urls)
+  rollouts = []
+  take = trainer.source.next
+  trainer.source.next = lambda step: rollouts.append(take(step)) or rollouts[-1]
+  history = trainer.run(progress=False)
+  return trainer, rollouts, history, jax.device_get(trainer.params)
+
+
+def _assert_same_runs(a, b):
+  (_, ra, ha, pa), (_, rb, hb, pb) = a, b
+  assert len(ra) == len(rb) == len(ha) == len(hb)
+  for step, (x, y) in enumerate(zip(ra, rb)):
+    sx, sy = x.result.samples, y.result.samples
+    assert [s.response_ids for s in sx] == [s.response_ids for s in sy], f"step {step + 1}: samples differ"
+    np.testing.assert_array_equal([v for s in sx for v in s.rollout_logprobs], [v for s in sy for v in s.rollout_logprobs])
+    assert [s.weight_versions for s in sx] == [s.weight_versions for s in sy]
+    assert [s.sampling_mask for s in sx] == [s.sampling_mask for s in sy]
+    for u, v in zip(sx, sy):
+      assert (u.routed_experts is None) == (v.routed_experts is None)
+      if u.routed_experts is not None:
+        np.testing.assert_array_equal(u.routed_experts, v.routed_experts)
+  for key in ("reward_mean", "loss", "pg_loss", "grad_norm", "mis_k3_kl"):
+    np.testing.assert_allclose([h[key] for h in ha], [h[key] for h in hb], rtol=1e-6, atol=1e-9, err_msg=key)
+  for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("case", ["dense", "moe-r3-replay"])
+def test_colocated_equals_server_mode(tmp_path, case):
+  """Decoupled PPO + MIS on a bf16 engine, 3 steps of 2 epochs; the MoE case also replays the
+  engine's routed experts (R3) and its top-k sampling masks."""
+  init = str(tmp_path / "init")
+  preset = "tiny-qwen3" if case == "dense" else "tiny-qwen3-moe"
+  init_checkpoint(init, preset=preset, seed=3)
+  rollout = {"prompts_per_step": 4, "n": 4}
+  if case != "dense":
+    rollout.update(routing_replay="r3", top_k=8)
+  runs = {}
+  with EmbeddedServer(init, dtype="bfloat16", seed=0, extra_args=("--enable-return-routed-experts", "--weight-version", "0")) as server:
+    for placement in ("server", "colocated"):
+      cfg = make_cfg(tmp_path, placement, model={"path": init}, train={"steps": 3},
+                     rollout={**rollout, "placement": placement})
+      runs[placement] = _run(cfg, [server.url] if placement == "server" else [])
+  _assert_same_runs(runs["server"], runs["colocated"])
+  trainer, rollouts, history, _ = runs["colocated"]
+  assert [h["server_weight_version"] for h in history] == ["0", "1", "2"]
+  assert trainer.servers.engine.weight_version == "3"
+  assert all("sync/handover_s" in h and "sync/write_s" not in h for h in history)
+  if case != "dense":
+    assert all(s.routed_experts is not None and s.sampling_mask is not None for r in rollouts for s in r.result.samples)
+    assert all(h["sampling_replay"] == 1.0 for h in history)
+
+
+def test_float32_engine_holds_the_trainers_current_weights(tmp_path):
+  """A float32 engine colocated with a float32 trainer: at every step the rollout log-probs are
+  the trainer's to rounding (`mis_k3_kl` < 1e-6), so the weights handed over are the ones just
+  trained. The engine's copy is freed while the step trains (nothing else generates then)."""
+  cfg = make_cfg(tmp_path, model={"dtype": "float32"}, train={"steps": 3},
+                 rollout={"placement": "colocated", "server_dtype": "float32", "prompts_per_step": 4, "n": 4})
+  trainer = train_lib.Trainer(cfg, MIS, urls=[])
+  engine, train = trainer.servers.engine, trainer.fns.train
+  seen = []
+
+  def train_step(params, *args):
+    leaves = jax.tree.leaves(engine.sampler.params)
+    seen.append(engine.released and not any(isinstance(x, jax.Array) for x in leaves))
+    return train(params, *args)
+  trainer.fns.train = train_step
+  history = trainer.run(progress=False)
+  assert all(h["mis_k3_kl"] < 1e-6 for h in history), [h["mis_k3_kl"] for h in history]
+  assert [h["server_weight_version"] for h in history] == ["0", "1", "2"]
+  assert seen == [True] * 6  # 3 steps x 2 epochs, each with the engine's weights freed
+  assert not engine.released  # the last push brought them back
+
+
+def test_colocated_asynchronous_rollouts(tmp_path):
+  """The producer thread generates on the engine while the trainer trains and pushes (paused in
+  place): every trained sample is within `max_staleness` and the engine keeps its weights."""
+  cfg = make_cfg(tmp_path, train={"steps": 4, "ppo_epochs": 1},
+                 rollout={"placement": "colocated", "max_staleness": 1, "pause_mode": "in_place",
+                          "prompts_per_step": 4, "n": 4, "mismatch_check": False})
+  trainer = train_lib.Trainer(cfg, MIS, urls=[])
+  history = trainer.run(progress=False)
+  assert [h["step"] for h in history] == [1, 2, 3, 4]
+  assert all(h["rollout/staleness_max"] <= 1 for h in history) and not trainer.servers.release_between_steps
+  rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert len(rows) == 4 and trainer.servers.engine.weight_version == "4"
+
+
+def test_colocated_config_errors(tmp_path):
+  with pytest.raises(mis_jax.ConfigError, match="colocated generates in the trainer: no server URL"):
+    train_lib.Trainer(make_cfg(tmp_path, rollout={"placement": "colocated"}), MIS, urls=["http://127.0.0.1:9"])
+  with pytest.raises(mis_jax.ConfigError, match="placement"):
+    make_cfg(tmp_path, rollout={"placement": "remote"})

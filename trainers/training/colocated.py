@@ -1,0 +1,119 @@
+"""Colocated rollouts (`rollout.placement: colocated`): the embedded engine inside the trainer's
+process, on the trainer's devices, its weights handed over in memory after each step.
+
+`ColocatedEngine` is the servers' side of the loop (`trainers.training.servers.Servers`) with
+two parts swapped: its client answers SGLang's native requests from an in-process
+`GenerationEngine` (`EngineClient`: the same request bodies, replies and checks as over HTTP, so
+log-probs, sampling masks, routed experts and `weight_version` spans are the server's), and its
+weight push hands the trainer's parameters to the engine — cast to `rollout.weight_dtype` as the
+disk path would write them, then to the served dtype (quantised as `rollout.server_quantize`
+says), moved to the engine's devices — instead of writing safetensors for a server to read.
+
+Memory: the engine holds one copy of the weights in the served dtype on the first device of the
+mesh, and its KV cache lives only inside a generation call. In the synchronous loop that copy is
+freed once the step's rollouts are generated (the training step has the devices to itself) and
+the push after the step brings the new weights.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+
+from trainers.models import DTYPES
+from trainers.serving import protocol
+from trainers.serving.generation import GenerationEngine
+from trainers.training.rollout import RolloutResult, ServerError, SGLangClient
+from trainers.training.servers import Servers
+
+
+class EngineClient(SGLangClient):
+  """An `SGLangClient` whose requests an in-process `GenerationEngine` answers (no HTTP, no
+  JSON): `/generate` goes through SGLang's request decoding and normalisation (`protocol`) as
+  `mis-jax serve` does it, so a sample is what the server would have returned."""
+
+  URL = "colocated://engine"
+
+  def __init__(self, engine: GenerationEngine, *, max_concurrency: int = 4, prompts_per_request: int = 8):
+    self.engine, self.urls = engine, [self.URL]
+    self._init_requests(max_retries=0, backoff_s=0.0, max_concurrency=max_concurrency,
+                        prompts_per_request=prompts_per_request)
+
+  def _request(self, method: str, url: str, path: str, body=None):
+    engine = self.engine
+    try:
+      if path == "/generate":
+        req = protocol.decode_generate(body)
+        return engine.generate(protocol.normalize_generate(req, encode=engine.encode if engine.tokenizer else None))
+      if path in ("/model_info", "/get_model_info"):
+        return engine.model_info()
+      if path in ("/server_info", "/get_server_info"):
+        return engine.server_info("colocated", 0)
+      if path == "/pause_generation":
+        return engine.pause((body or {}).get("mode", "abort"))
+      if path == "/continue_generation":
+        return engine.resume()
+      if path in ("/health", "/flush_cache"):
+        return None
+    except (protocol.ContractError, protocol.RequestError) as e:
+      raise ServerError(f"the colocated engine rejected {path}: {e}", status=getattr(e, "status_code", 400)) from None
+    raise ServerError(f"the colocated engine has no route {method} {path}", status=404)
+
+  def is_healthy(self, url: str, timeout_s: float = 5.0) -> bool:
+    return True
+
+  def wait_until_healthy(self, **_) -> None:
+    return None  # the engine is built before the client
+
+  def has_weight_update_route(self, url: str) -> bool:
+    return True  # its weights are handed over in memory
+
+  def close(self):
+    self._pool.shutdown(wait=True)
+
+
+class ColocatedEngine(Servers):
+  """The servers' side of the loop, with the engine in this process (see the module doc)."""
+
+  def __init__(self, cfg, *, start_dir: str, model_config, sampling, log=print):
+    r = cfg.rollout
+    self.engine = GenerationEngine(start_dir, dtype=r.server_dtype, seed=cfg.seed, quantize=r.server_quantize,
+                                   weight_version="0", enable_return_routed_experts=True)
+    client = EngineClient(self.engine, max_concurrency=r.max_concurrency, prompts_per_request=r.prompts_per_request)
+    super().__init__(cfg, urls=[EngineClient.URL], start_dir=start_dir, model_config=model_config, sampling=sampling,
+                     log=log, client=client)
+    # Free the engine's weights while the trainer trains: only where every step pushes new ones
+    # and nothing generates during the step.
+    self.release_between_steps = r.sync_every == 1 and r.max_staleness == 0
+
+  def generate(self, prompt_ids: list, batch: int) -> RolloutResult:
+    result = super().generate(prompt_ids, batch)
+    if self.release_between_steps:
+      self.engine.release_weights()
+    return result
+
+  def push(self, params, step: int) -> dict:
+    """The trainer's weights of `step` into the engine, in memory: cast on the trainer's devices to
+    `weight_dtype` (what the disk path writes), then taken by the engine (served dtype,
+    quantisation, its devices) while it is paused with `rollout.pause_mode`."""
+    t0 = time.perf_counter()
+    dtype = DTYPES[self.weight_dtype]
+    state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    self.engine.pause(self.rollout.pause_mode)
+    t1 = time.perf_counter()
+    try:
+      ok, message = self.engine.update_weights(state, str(step))
+      jax.block_until_ready(self.engine.sampler.params)
+    finally:
+      self.engine.resume()
+    if not ok:
+      raise ServerError(f"weight handover at step {step} failed: {message}")
+    t2 = time.perf_counter()
+    self.served_version, self.served_path = step, None
+    return {"sync/handover_s": t2 - t1, "sync/servers_paused_s": t2 - t1, "sync/total_s": t2 - t0}
+
+  def close(self) -> None:
+    super().close()
+    self.engine.close()
