@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: venv engine test test-all test-fast demo docs example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines clean
+.PHONY: venv engine test test-all test-fast demo docs example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines bench-colocated clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -60,6 +60,9 @@ bench-memory: $(STAMP)  ## compiled per-device memory of the training step, 8 si
 
 bench-replay: $(STAMP)  ## truncated sampling vs sampling-mask replay on the embedded server (the table in docs/guides/trainer.md)
 	$(PY) -m benchmarks.sampling_replay
+
+bench-colocated: $(STAMP)  ## our step colocated and with the embedded server against tunix's GRPO (docs/performance.md)
+	$(PY) -m benchmarks.colocated
 
 bench-engines: $(STAMP) engine  ## sglang-jax vs mis-jax serve: tokens/s and weight-sync time (docs/performance.md)
 	$(PY) -m benchmarks.engines

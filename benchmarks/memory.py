@@ -160,6 +160,53 @@ def before_step(cfg: ModelConfig, tokens: int, devices) -> dict:
   return _analysis(jax.jit(step).lower(params, opt_state, *args).compile())
 
 
+# Colocated rollouts (`rollout.placement: colocated`): the engine's programs on the first device of
+# the trainer's mesh, bf16, 16 sequences of a 1024-token prompt and 1024 new tokens (32k of KV).
+COLOCATED_ROWS, COLOCATED_PROMPT, COLOCATED_NEW = 16, 1024, 1024
+
+
+def generation_programs(cfg: ModelConfig, device) -> dict:
+  """Compiled memory of the engine's prefill and decode (`trainers.serving.sampler`) on `device`,
+  bf16 weights, `COLOCATED_ROWS` rows; the KV cache lives inside them (an argument of decode)."""
+  import functools
+  from trainers.serving import sampler as sampler_lib
+  graphdef, abstract = nnx.split(abstract_model(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
+  dev = jax.sharding.SingleDeviceSharding(device)
+  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), abstract)
+  rows = COLOCATED_ROWS
+  sd = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=dev)
+  ids, lens = sd((rows, COLOCATED_PROMPT), jnp.int32), sd((rows,), jnp.int32)
+  f32, i32 = sd((rows,), jnp.float32), sd((rows,), jnp.int32)
+  prefill = jax.jit(functools.partial(sampler_lib._prefill, graphdef), static_argnames=("num_steps",))
+  lowered = prefill.lower(params, ids, lens, f32, i32, num_steps=COLOCATED_NEW)
+  state = jax.eval_shape(functools.partial(sampler_lib._prefill, graphdef, num_steps=COLOCATED_NEW),
+                         params, ids, lens, f32, i32)
+  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), state)
+  decode = jax.jit(functools.partial(sampler_lib._decode, graphdef))
+  decoded = decode.lower(params, state, lens, sd((rows,), jnp.uint32), f32, f32, i32, f32, i32,
+                         sd((rows, 4), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32, sharding=dev))
+  return {"prefill": _analysis(lowered.compile()), "decode": _analysis(decoded.compile())}
+
+
+def colocated_records(name: str, cfg: ModelConfig, tokens: int, devices) -> list[dict]:
+  """The first device's peak in each phase of a colocated step (the trainer FSDP over `devices`):
+  generation = the trainer's resident parameters and Adam state (the step's arguments but the
+  batch) + the engine's decode program (its bf16 weights, KV cache, temporaries); training = the
+  step's peak, with the engine's weights freed (the synchronous loop) or kept (asynchronous)."""
+  step = after_step(cfg, tokens, devices)
+  gen = generation_programs(cfg, devices[0])
+  weights = sum(x.size * 2 for x in jax.tree.leaves(nnx.split(abstract_model(cfg, dtype=jnp.bfloat16,
+                                                                             param_dtype=jnp.bfloat16))[1]))
+  resident = step["argument_bytes"]  # the trainer's parameters and Adam state (and a batch: under 1 MB)
+  base = {"model": name, "tokens_per_device": tokens, "devices": len(devices), "backend": jax.default_backend(),
+          "loss": "decoupled PPO, configs/mis.yaml", "placement": "colocated", "engine_weight_bytes": weights,
+          "generation_rows": COLOCATED_ROWS, "generation_prompt": COLOCATED_PROMPT, "generation_new": COLOCATED_NEW}
+  gen_peak = resident + max(gen["prefill"]["per_device_bytes"], gen["decode"]["per_device_bytes"])
+  return [{**base, "phase": "generation", "per_device_bytes": gen_peak, "engine_programs": gen},
+          {**base, "phase": "training, engine weights freed", "per_device_bytes": step["per_device_bytes"]},
+          {**base, "phase": "training, engine weights kept", "per_device_bytes": step["per_device_bytes"] + weights}]
+
+
 PROXIMAL_TOKENS = 16384
 LOGLINEAR = mis_jax.LossConfig(use_tis=True, proximal="loglinear", mis=LOSS.mis)
 
@@ -190,6 +237,8 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", nargs="*", default=["before", "after"])
   parser.add_argument("--proximal", nargs="*", default=sorted(MODELS),
                       help="models whose step is compiled with the proximal log-probs recomputed and loglinear")
+  parser.add_argument("--colocated", nargs="*", default=["qwen3-1.7b"],
+                      help="models whose colocated step (engine on the first device) is measured by phase")
   parser.add_argument("--moe", nargs="*", default=sorted(MOE_MODELS), help="mixture-of-experts models to measure")
   args = parser.parse_args(argv)
   all_devices = jax.devices()
@@ -244,6 +293,13 @@ def main(argv=None) -> int:
           f"{'per-device GB':>14s} {'compile s':>9s}")
   for name in ([] if args.quick else args.proximal):
     records += proximal_records(name, MODELS[name], PROXIMAL_TOKENS, devices)
+  if not args.quick and args.colocated:
+    print(f"\n{'colocated':20s} {'tokens/dev':>10s} {'phase':>32s} {'per-device GB':>14s}")
+  for name in ([] if args.quick else args.colocated):
+    for rec in colocated_records(name, MODELS[name], PROXIMAL_TOKENS, devices):
+      records.append(rec)
+      print(f"{name:20s} {rec['tokens_per_device']:10d} {rec['phase']:>32s} {rec['per_device_bytes'] / 1e9:14.2f}",
+            flush=True)
   if args.json and not args.quick:
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:

@@ -63,6 +63,11 @@ def initial_weights_dir(cfg: TrainConfig) -> str:
   return path
 
 
+# The advantages of a step, compiled once per batch size (eager, their few segment sums dispatch
+# op by op: several milliseconds a step at small shapes).
+_advantages = jax.jit(mis_jax.compute_advantages, static_argnames=("num_groups", "estimator", "norm_by_std"))
+
+
 def routing_metrics(native: np.ndarray, recorded: np.ndarray) -> dict[str, float]:
   """Routing mismatch between the trainer's native top-k and the rollout's, over the positions
   with a record (`recorded[..., 0, 0] >= 0`); both `[..., num_layers, k]`. Experts are compared
@@ -275,9 +280,9 @@ class Trainer:
     per token, computed after the old-log-prob pass (`token_baseline`): here the returns `R`."""
     if self.cfg.train.advantage_estimator == "optimal_token_baseline":
       return np.asarray(rewards, np.float32)
-    return np.asarray(mis_jax.compute_advantages(rewards, groups, num_groups=self.cfg.rollout.prompts_per_step,
-                                                 estimator=self.cfg.train.advantage_estimator,
-                                                 in_baseline=in_baseline, lengths=lengths))
+    return np.asarray(_advantages(rewards, groups, num_groups=self.cfg.rollout.prompts_per_step,
+                                  estimator=self.cfg.train.advantage_estimator, in_baseline=in_baseline,
+                                  lengths=lengths))
 
   def token_baseline(self, sb: StepBatch, prepared: mis_jax.PackedBatch, pi_logprobs, sum_sq) -> mis_jax.PackedBatch:
     """The optimal token baseline's per-token advantages (`Σπ²` and `π` from this step's
@@ -354,7 +359,7 @@ class Trainer:
       self.params, self.opt_state, epoch_metrics = self.fns.train(self.params, self.opt_state, inputs, prepared,
                                                                   dens)
       if not metrics:  # metrics of the first epoch: before any update of this step
-        metrics = {name: float(v) for name, v in {**epoch_metrics, **step_metrics}.items()}
+        metrics = {name: float(v) for name, v in jax.device_get({**epoch_metrics, **step_metrics}).items()}  # one transfer
     metrics["micro_batches"] = sb.layout.micro_batches
     metrics["sampling_replay"] = float(sb.support is not None)  # log-probs, entropy and KL over the support
     metrics.update(routing)
