@@ -364,10 +364,13 @@ class CausalLM(nnx.Module):
     shape = (cfg.num_hidden_layers, batch, length, cfg.num_key_value_heads, cfg.head_dim)
     return LayerCache(jnp.zeros(shape, dtype or self.dtype), jnp.zeros(shape, dtype or self.dtype))
 
-  def decode(self, input_ids: jax.Array, positions: jax.Array, cache: LayerCache, *, return_routing: bool = False):
+  def decode(self, input_ids: jax.Array, positions: jax.Array, cache: LayerCache, *, return_routing: bool = False,
+             logits_at: jax.Array | None = None):
     """Cached forward of `input_ids: [B, T]` at contiguous `positions: [B, T]` (one sequence
     per row). Returns `(logits [B, T, vocab] float32, updated cache)`; a query at position `p`
     attends to cache slots `0..p`, which must hold this row's tokens at positions `0..p`.
+    `logits_at: [B]` int: the logits of that index of each row only (`[B, 1, vocab]`: a prefill
+    needs its last prompt token's, not `T × vocab` per row).
     With `return_routing` (mixture of experts) also each token's experts per layer,
     `[B, T, num_hidden_layers, k]` int32 (the engine's own routing, in its dtype)."""
     _check_ids(input_ids, positions)
@@ -375,6 +378,8 @@ class CausalLM(nnx.Module):
     mask = slots[None, None, :] <= positions[:, :, None]
     attend = lambda q, k, v: dense_attention(q, k, v, mask)
     x, cache, routing = self._layers(self.embed_tokens(input_ids), positions, attend, cache, remat="none")
+    if logits_at is not None:
+      x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
     out = self._logits(self.norm(x)), LayerCache(*cache)
     if not return_routing:
       return out

@@ -158,7 +158,9 @@ def _prefill(graphdef, params, prompt_ids, prompt_lens, temperature, max_new, *,
   cache = model.init_cache(batch, prompt_len + num_steps)
   positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
   routing = {"return_routing": True} if routed_experts else {}
-  all_logits, cache, *prompt_routes = model.decode(prompt_ids, positions, cache, **routing)
+  # Without prompt log-probs only each row's last prompt token needs its logits.
+  last = None if prompt_logprobs else prompt_lens - 1
+  all_logits, cache, *prompt_routes = model.decode(prompt_ids, positions, cache, logits_at=last, **routing)
   if prompt_logprobs:
     lp = jax.nn.log_softmax(all_logits.astype(jnp.float32) / temperature[:, None, None], axis=-1)
     nxt = jnp.concatenate([prompt_ids[:, 1:], jnp.zeros_like(prompt_ids[:, :1])], axis=1)
@@ -167,7 +169,8 @@ def _prefill(graphdef, params, prompt_ids, prompt_lens, temperature, max_new, *,
     prompt_lp = jnp.zeros(prompt_ids.shape, jnp.float32)
   # Rows are right-padded; pad keys land in slots >= prompt_len, which a query at position p
   # never sees before a generated token overwrites slot p.
-  logits = jnp.take_along_axis(all_logits, (prompt_lens - 1)[:, None, None], axis=1)[:, 0]
+  logits = (jnp.take_along_axis(all_logits, (prompt_lens - 1)[:, None, None], axis=1) if prompt_logprobs
+            else all_logits)[:, 0]
   out = {"output_ids": jnp.zeros((batch, num_steps), jnp.int32),
          "logprobs": jnp.zeros((batch, num_steps), jnp.float32)}
   if mask_width:
