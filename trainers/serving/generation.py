@@ -127,6 +127,12 @@ class GenerationEngine:
       self._cv.notify_all()
     return job
 
+  def submit_body(self, body) -> _Job:
+    """A `/generate` JSON body through SGLang's decoding and normalisation (`protocol`), then
+    `submit`: what the HTTP route does, and the colocated client without HTTP."""
+    req = protocol.decode_generate(body)
+    return self.submit(protocol.normalize_generate(req, encode=self.encode if self.tokenizer else None))
+
   def wait(self, job: _Job):
     """The response body of a submitted job (an object for a single request, else a list)."""
     job.done.wait()

@@ -80,9 +80,7 @@ def create_app(engine: GenerationEngine, *, host: str = "127.0.0.1", port: int =
     if not isinstance(body, dict):
       raise _BadBody(f"Input should be a valid dictionary or object to extract fields from, "
                      f"got {type(body).__name__}")
-    req = protocol.decode_generate(body)
-    normalized = protocol.normalize_generate(req, encode=engine.encode if engine.tokenizer else None)
-    job = engine.submit(normalized)
+    job = engine.submit_body(body)
     return JSONResponse(await run_in_threadpool(engine.wait, job))
 
   @app.post("/update_weights_from_disk")

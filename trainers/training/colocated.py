@@ -45,8 +45,7 @@ class EngineClient(SGLangClient):
     engine = self.engine
     try:
       if path == "/generate":
-        req = protocol.decode_generate(body)
-        return engine.generate(protocol.normalize_generate(req, encode=engine.encode if engine.tokenizer else None))
+        return engine.wait(engine.submit_body(body))
       if path in ("/model_info", "/get_model_info"):
         return engine.model_info()
       if path in ("/server_info", "/get_server_info"):
