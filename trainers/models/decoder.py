@@ -277,10 +277,21 @@ class CausalLM(nnx.Module):
                                                                  valid)
       return self._constrain(x), (layer_cache, routing)
 
+    if cache is not None:  # decoding: the cache is carried and updated in place, layer by layer
+      def cached(carry, xs):
+        x, full = carry
+        layer, layer_state, layer_replay = xs
+        layer_cache = LayerCache(*(jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in full))
+        x, (layer_cache, routing) = body(x, (layer_state, layer_cache, layer_replay))
+        full = LayerCache(*(jax.lax.dynamic_update_index_in_dim(c, u, layer, 0) for c, u in zip(full, layer_cache)))
+        return (x, full), routing
+      layers = jnp.arange(cache.k.shape[0], dtype=jnp.int32)
+      (x, cache), routing = jax.lax.scan(cached, (self._constrain(x), cache), (layers, state, replay))
+      return x, cache, routing
     if remat != "none":
       body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x, (cache, routing) = jax.lax.scan(body, self._constrain(x), (state, cache, replay))
-    return x, cache, routing
+    x, (_, routing) = jax.lax.scan(body, self._constrain(x), (state, None, replay))
+    return x, None, routing
 
   def _routing(self, routing, valid) -> Routing:
     num_tokens = jnp.sum(valid.astype(jnp.float32))
