@@ -54,7 +54,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # worker running it alone at the end. Within a file, and among the rest, the order is unchanged.
 LONGEST_FIRST = ("trainers/test_sglang_jax.py", "trainers/test_moe_train.py", "trainers/test_moe_model.py",
                  "trainers/test_step.py", "trainers/test_sampling_replay.py", "trainers/test_train.py",
-                 "integrations/test_tunix.py", "trainers/test_faults.py", "test_notebooks.py", "trainers/test_server.py")
+                 "trainers/test_colocated.py", "integrations/test_tunix.py", "trainers/test_faults.py",
+                 "test_notebooks.py", "trainers/test_server.py")
 
 
 def pytest_collection_modifyitems(config, items):
