@@ -96,7 +96,7 @@ def ours(shape: Shape, placement: str, root: str) -> dict:
       "checkpoint": {"every": 1000, "max_to_keep": 1}})
   loss = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig.from_yaml(os.path.join(ROOT, "configs/mis.yaml")))
   sampling_params = train_lib.Trainer.sampling_params
-  with contextlib_server(placement, model, EmbeddedServer) as urls, mock.patch.object(
+  with _EmbeddedServerOrNone(placement, model, EmbeddedServer) as urls, mock.patch.object(
       train_lib.Trainer, "sampling_params", lambda self: {**sampling_params(self), "ignore_eos": True}):
     trainer = train_lib.Trainer(cfg, loss, urls=urls)
     stamps, take = [], trainer.source.next
@@ -113,7 +113,7 @@ def ours(shape: Shape, placement: str, root: str) -> dict:
           "micro_batches": [h["micro_batches"] for h in timed]}
 
 
-class contextlib_server:
+class _EmbeddedServerOrNone:
   """The embedded server for `server` placement (nothing for `colocated`): the URLs to give."""
 
   def __init__(self, placement, model, server_cls):
