@@ -29,6 +29,7 @@ the times.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -96,8 +97,11 @@ def ours(shape: Shape, placement: str, root: str) -> dict:
       "checkpoint": {"every": 1000, "max_to_keep": 1}})
   loss = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig.from_yaml(os.path.join(ROOT, "configs/mis.yaml")))
   sampling_params = train_lib.Trainer.sampling_params
-  with _EmbeddedServerOrNone(placement, model, EmbeddedServer) as urls, mock.patch.object(
+  with contextlib.ExitStack() as running, mock.patch.object(
       train_lib.Trainer, "sampling_params", lambda self: {**sampling_params(self), "ignore_eos": True}):
+    urls = ([running.enter_context(EmbeddedServer(model, dtype="bfloat16", seed=0,
+                                                   extra_args=("--weight-version", "0"))).url]
+            if placement == "server" else [])
     trainer = train_lib.Trainer(cfg, loss, urls=urls)
     stamps, take = [], trainer.source.next
     trainer.source.next = lambda step: stamps.append(time.perf_counter()) or take(step)
@@ -111,21 +115,6 @@ def ours(shape: Shape, placement: str, root: str) -> dict:
           "mean_response_tokens": float(np.mean([h["response_length"] for h in timed])),
           "step_s_all": [float(x) for x in times], "train_s_all": [h["train_s"] for h in timed],
           "micro_batches": [h["micro_batches"] for h in timed]}
-
-
-class _EmbeddedServerOrNone:
-  """The embedded server for `server` placement (nothing for `colocated`): the URLs to give."""
-
-  def __init__(self, placement, model, server_cls):
-    self.server = server_cls(model, dtype="bfloat16", seed=0, extra_args=("--weight-version", "0")) \
-        if placement == "server" else None
-
-  def __enter__(self):
-    return [self.server.__enter__().url] if self.server else []
-
-  def __exit__(self, *exc):
-    if self.server:
-      self.server.__exit__(*exc)
 
 
 def tunix(shape: Shape) -> dict:

@@ -185,7 +185,8 @@ def generation_programs(cfg: ModelConfig, device) -> dict:
   decode = jax.jit(functools.partial(sampler_lib._decode, graphdef))
   decoded = decode.lower(params, state, lens, sd((rows,), jnp.uint32), f32, f32, i32, f32, i32,
                          sd((rows, 4), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32, sharding=dev))
-  return {"prefill": _analysis(lowered.compile()), "decode": _analysis(decoded.compile())}
+  weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+  return {"prefill": _analysis(lowered.compile()), "decode": _analysis(decoded.compile()), "weight_bytes": weights}
 
 
 def colocated_records(name: str, cfg: ModelConfig, tokens: int, devices) -> list[dict]:
@@ -195,8 +196,7 @@ def colocated_records(name: str, cfg: ModelConfig, tokens: int, devices) -> list
   step's peak, with the engine's weights freed (the synchronous loop) or kept (asynchronous)."""
   step = after_step(cfg, tokens, devices)
   gen = generation_programs(cfg, devices[0])
-  weights = sum(x.size * 2 for x in jax.tree.leaves(nnx.split(abstract_model(cfg, dtype=jnp.bfloat16,
-                                                                             param_dtype=jnp.bfloat16))[1]))
+  weights = gen.pop("weight_bytes")
   resident = step["argument_bytes"]  # the trainer's parameters and Adam state (and a batch: under 1 MB)
   base = {"model": name, "tokens_per_device": tokens, "devices": len(devices), "backend": jax.default_backend(),
           "loss": "decoupled PPO, configs/mis.yaml", "placement": "colocated", "engine_weight_bytes": weights,

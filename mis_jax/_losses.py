@@ -350,7 +350,9 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
       kept = _validation.flat_mask(arrays["kept_mask"], mask)
     else:
       train_lp = o if cfg.algorithm == "decoupled_ppo" else lp_sg
-      mismatch_done = q is not None and train_lp is monitor
+      # The correction's passes monitor too when they read the monitored log-probs: o in decoupled
+      # PPO (recomputed, not loglinear's approximation), sg(lp) in REINFORCE without o.
+      mismatch_done = q is not None and cfg.proximal == "recompute" and (cfg.algorithm == "decoupled_ppo" or o is None)
       result = _run_correction(train_lp, q, mask, segs, cfg, shape, batch_norm_factor, mismatch=mismatch_done,
                                adv=adv)
       weights, kept, metrics = result.weights, result.kept, result.metrics

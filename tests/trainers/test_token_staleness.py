@@ -46,7 +46,7 @@ def test_token_versions_follow_the_spans():
 @pytest.mark.parametrize("k", [0, 1, 2, 3])
 def test_stale_tokens_leave_the_loss_and_stay_as_context(k):
   step = 5
-  fresh, metrics = fresh_tokens(SAMPLES, step, k)
+  fresh, metrics = fresh_tokens(token_staleness(SAMPLES, step), k)
   # A loop over every token: its staleness, its quarter of the response.
   staleness, quarters = [], {q: [] for q in range(4)}
   for s in SAMPLES:
@@ -101,7 +101,7 @@ def check_straddling_response(url, start_path, other_path):
         break
     (_, a, b), (_, c, d) = sample.weight_versions
     assert a == 0 and b == c and 0 < b < d == len(sample.response_ids) == 300, sample.weight_versions
-    fresh, metrics = fresh_tokens([sample], 7, 0)  # the step that trains version 7
+    fresh, metrics = fresh_tokens(token_staleness([sample], 7), 0)  # the step that trains version 7
     assert fresh[0].tolist() == [False] * b + [True] * (300 - b)
     assert metrics["rollout/stale_token_fraction"] == pytest.approx(b / 300)
     assert metrics["rollout/token_staleness_q1"] >= metrics["rollout/token_staleness_q4"] == 0  # early tokens are older

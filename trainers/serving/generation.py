@@ -357,7 +357,7 @@ class GenerationEngine:
     weights' devices. Nothing is serialised; all or nothing."""
     with self._weights:
       try:
-        self.sampler.set_params(self._placed(self._quantized(params)))
+        self.sampler.set_params(jax.block_until_ready(self._placed(self._quantized(params))))
       except ValueError as e:
         return False, f"Failed to update model weights in memory: {e}"
       self.released = False

@@ -101,12 +101,12 @@ def token_staleness(samples, step: int) -> list[np.ndarray]:
   return [step - token_versions(s) for s in samples]
 
 
-def fresh_tokens(samples, step: int, max_token_staleness: int) -> tuple[list[np.ndarray], dict]:
+def fresh_tokens(staleness: list[np.ndarray], max_token_staleness: int) -> tuple[list[np.ndarray], dict]:
   """Per sample, its response tokens generated at most `max_token_staleness` weight versions
-  before `step` (the trainer's current version): the others leave the loss and stay as context.
+  before the step (`staleness`: each sample's `token_staleness`): the others leave the loss and
+  stay as context.
   Metrics: the share of stale tokens, the mean staleness, and the mean staleness of the tokens
   in each quarter of their response (`_q1` the first)."""
-  staleness = token_staleness(samples, step)
   fresh = [st <= max_token_staleness for st in staleness]
   all_st = np.concatenate(staleness) if staleness else np.zeros(0)
   quarter = np.concatenate([np.minimum(4 * np.arange(len(st)) // max(len(st), 1), 3) for st in staleness]

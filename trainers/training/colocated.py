@@ -100,18 +100,18 @@ class ColocatedEngine(Servers):
     t0 = time.perf_counter()
     dtype = DTYPES[self.weight_dtype]
     state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-    self.engine.pause(self.rollout.pause_mode)
     t1 = time.perf_counter()
+    self.engine.pause(self.rollout.pause_mode)
+    t2 = time.perf_counter()
     try:
       ok, message = self.engine.update_weights(state, str(step))
-      jax.block_until_ready(self.engine.sampler.params)
     finally:
       self.engine.resume()
     if not ok:
       raise ServerError(f"weight handover at step {step} failed: {message}")
-    t2 = time.perf_counter()
+    t3 = time.perf_counter()
     self.served_version, self.served_path = step, None
-    return {"sync/handover_s": t2 - t1, "sync/servers_paused_s": t2 - t1, "sync/total_s": t2 - t0}
+    return {"sync/handover_s": t3 - t2, "sync/servers_paused_s": t3 - t1, "sync/total_s": t3 - t0}
 
   def close(self) -> None:
     super().close()

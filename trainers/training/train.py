@@ -263,15 +263,17 @@ class Trainer:
     t = self.cfg.train
     lengths = np.array([len(s.response_ids) for s in samples], np.int32)
     trained, metrics = None, {}
-    if self.cfg.rollout.max_token_staleness is not None:  # the weights being trained are version `self.step`
-      trained, metrics = fresh_tokens(samples, self.step, self.cfg.rollout.max_token_staleness)
+    r = self.cfg.rollout
+    staleness = (token_staleness(samples, self.step)  # the weights being trained are version `self.step`
+                 if r.max_token_staleness is not None or self.cfg.loss.proximal == "loglinear" else None)
+    if r.max_token_staleness is not None:
+      trained, metrics = fresh_tokens(staleness, r.max_token_staleness)
     sb = build_step_batch(samples, rewards, self.advantages(rewards, groups, lengths), groups,
                           num_segments=self.num_segments, row_len=t.row_len,
                           tokens_per_micro_batch=t.tokens_per_micro_batch,
                           batch_devices=parallel.batch_devices(self.mesh), support_width=self.support_width,
                           routing=self.routing_spec, trained_tokens=trained,
-                          staleness=(token_staleness(samples, self.step) if self.cfg.loss.proximal == "loglinear"
-                                     else None))
+                          staleness=staleness if self.cfg.loss.proximal == "loglinear" else None)
     sb.metrics.update(metrics)
     return sb
 
