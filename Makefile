@@ -22,10 +22,11 @@ $(DEMO_STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# sglang-jax's own venv (Python >= 3.12, ~/.cache/mis_jax; tunix installed beside it), created once:
+# sglang-jax's own venv (Python >= 3.12, ~/.cache/mis_jax; tunix and the trainer's requirements installed
+# beside it: colocated sglang-jax rollouts run the trainer there), created once:
 # the real-engine tests need it, and a missing one fails here, before the suite.
 engine: $(STAMP)
-	$(PY) -m trainers.serving.sglang_jax --prepare --tunix
+	$(PY) -m trainers.serving.sglang_jax --prepare --tunix --trainer
 
 # Two workers (the CI machine has 2 cores); whole files per worker keep module fixtures (servers) shared.
 test: $(STAMP) engine

@@ -128,6 +128,33 @@ def resolve_train_config(args):
   return cfg, checks.check_config(cfg)
 
 
+def _start_server(cfg, weights_dir: str):
+  """The server a run without `--sglang-url` starts: `mis-jax serve`, or sglang-jax from its venv
+  (`rollout.engine`), serving the starting weights as version "0"."""
+  import mis_jax
+  from trainers.training.rollout import ServerError
+
+  r = cfg.rollout
+  if r.engine == "sglang-jax":
+    from trainers.serving import sglang_jax
+    from trainers.training.checks import model_config
+    try:
+      server = sglang_jax.SGLangJaxServer(weights_dir, dtype=r.server_dtype, weight_version="0",
+                                          enable_return_routed_experts=model_config(cfg).is_moe,
+                                          extra=("--random-seed", str(cfg.seed)))
+    except sglang_jax.EngineUnavailable as e:
+      raise mis_jax.ConfigError(f"rollout.engine sglang-jax: {e}") from None
+    except (RuntimeError, TimeoutError) as e:
+      raise ServerError(f"sglang-jax did not start: {e}") from None
+    print(f"sglang-jax {sglang_jax.VERSION} server on {server.url} ({r.server_dtype})")
+    return server
+  from trainers.serving.server import EmbeddedServer
+  server = EmbeddedServer(weights_dir, dtype=r.server_dtype, seed=cfg.seed, quantize=r.server_quantize,
+                          extra_args=("--enable-return-routed-experts", "--weight-version", "0"))
+  print(f"embedded SGLang-protocol server on {server.url} ({r.server_dtype})")
+  return server
+
+
 def _train(argv: list[str] | None = None) -> int:
   import os
 
@@ -137,7 +164,6 @@ def _train(argv: list[str] | None = None) -> int:
   from trainers.training import checks, distributed, train
   from trainers.models.attention import resolve_attention_backend
   from trainers.training.rollout import ServerError
-  from trainers.serving.server import EmbeddedServer
 
   args = train_parser().parse_args(argv)
   try:
@@ -169,10 +195,7 @@ def _train(argv: list[str] | None = None) -> int:
       urls = args.sglang_url
       colocated = cfg.rollout.placement == "colocated"
       if not urls and primary and not cfg.rollout.load_dir and not colocated:  # only process 0 talks to (and starts) a server
-        server = running.enter_context(EmbeddedServer(
-            train.initial_weights_dir(cfg), dtype=cfg.rollout.server_dtype, seed=cfg.seed,
-            quantize=cfg.rollout.server_quantize, extra_args=("--enable-return-routed-experts", "--weight-version", "0")))
-        print(f"embedded SGLang-protocol server on {server.url} ({cfg.rollout.server_dtype})")
+        server = running.enter_context(_start_server(cfg, train.initial_weights_dir(cfg)))
         urls = [server.url]
       trainer = train.Trainer(cfg, urls=urls, task=task)
       history = trainer.run(resume=args.resume, progress=not args.no_progress, log=say)

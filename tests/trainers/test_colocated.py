@@ -115,3 +115,9 @@ def test_colocated_config_errors(tmp_path):
     train_lib.Trainer(make_cfg(tmp_path, rollout={"placement": "colocated"}), MIS, urls=["http://127.0.0.1:9"])
   with pytest.raises(mis_jax.ConfigError, match="placement"):
     make_cfg(tmp_path, rollout={"placement": "remote"})
+  # sglang-jax colocated runs its Engine in this process: here (Python 3.11) it cannot, and says where it can.
+  cfg = make_cfg(tmp_path, rollout={"placement": "colocated", "engine": "sglang-jax", "server_dtype": "float32"})
+  with pytest.raises(mis_jax.ConfigError, match=r"no sglang-jax .*run the trainer in its venv.*--prepare --trainer"):
+    train_lib.Trainer(cfg, MIS, urls=[])
+  with pytest.raises(mis_jax.ConfigError, match="server_quantize 'int8' is the embedded engine's"):
+    train_lib.Trainer(make_cfg(tmp_path, rollout={"engine": "sglang-jax", "server_quantize": "int8"}), MIS, urls=[])

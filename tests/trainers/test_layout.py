@@ -1,7 +1,7 @@
 """The package boundaries the layout shows: serving never imports training, the trainer reaches
-the server only through the wire schema (`trainers.serving.protocol`) — but for colocated rollouts,
-which host the engine in the trainer's process — models and tasks import neither, and the library
-imports no trainer code."""
+the server only through the wire schema (`trainers.serving.protocol`) — but for colocated
+rollouts, which host an engine (ours or sglang-jax's) in the trainer's process — models and
+tasks import neither, and the library imports no trainer code."""
 
 import ast
 import pathlib
@@ -35,7 +35,10 @@ def test_package_boundaries():
   # The one exception: colocated rollouts host the engine in the trainer's process.
   assert _offenders("trainers/training", ("trainers.serving",),
                     allowed=("trainers.serving", "trainers.serving.protocol")) == {
-      "trainers/training/colocated.py": ["trainers.serving.generation", "trainers.serving.generation.GenerationEngine"]}
+      "trainers/training/colocated.py": [
+          "trainers.serving.generation", "trainers.serving.generation.GenerationEngine",
+          "trainers.serving.sglang_jax", "trainers.serving.sglang_jax_routes",
+          "trainers.serving.sglang_jax_routes.InProcessEngine"]}
   assert _offenders("mis_jax", ("trainers",)) == {}
   assert {p.name for p in (ROOT / "trainers").iterdir() if (p / "__init__.py").exists()} >= {
       "training", "serving", "models", "tasks"}

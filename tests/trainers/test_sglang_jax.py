@@ -11,9 +11,11 @@ the tests; elsewhere it skips them.
 
 import ast
 import dataclasses
+import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 
 import httpx
@@ -21,7 +23,7 @@ import numpy as np
 import pytest
 
 import mis_jax
-from test_train import make_cfg
+from test_train import make_cfg, raw_cfg
 from trainers.models import PRESETS, init_checkpoint
 from trainers.serving import sglang_jax
 from trainers.serving.server import EmbeddedServer
@@ -243,6 +245,86 @@ def test_routing_replay_r3_with_a_push_every_step(tmp_path):
   for h in history:
     assert h["routing_positions"] > 0 and h["routing_mismatch_frac"] == 0, h
     assert h["mis_k3_kl"] < 1e-6 and h["train_rollout_logprob_abs_diff"] < 1e-4, h
+
+
+DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_jax_colocated_driver.py")
+
+
+def _in_engine_venv(configs: dict, tmp_path) -> dict:
+  """Runs each config through the trainer inside sglang-jax's venv (the driver); what each run
+  took and trained: `{name: (run.json, params)}`."""
+  path = tmp_path / "configs.json"
+  path.write_text(json.dumps(configs))
+  env = {**sglang_jax.engine_env(), "PYTHONPATH": os.pathsep.join([os.getcwd(), os.path.dirname(DRIVER)])}
+  done = subprocess.run([engine_python(), DRIVER, str(path), str(tmp_path / "out")], env=env, capture_output=True,
+                        text=True, timeout=900)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+  out = {}
+  for name in configs:
+    with open(tmp_path / "out" / name / "run.json") as f:
+      run = json.load(f)
+    with np.load(tmp_path / "out" / name / "params.npz") as params:
+      out[name] = (run, dict(params))
+  return out
+
+
+def test_colocated_sglang_jax_equals_its_server(checkpoints, tmp_path):
+  """sglang-jax's Engine inside the trainer's process (its venv), the trainer's weights swapped
+  into its model runner in memory after every step, against the same run with sglang-jax behind
+  its HTTP server taking them from safetensors on disk: every step's samples, log-probs and
+  versions, the metrics and the parameters after 3 steps x 2 epochs are equal; float32 engine and
+  trainer, so the rollout log-probs are the trainer's to rounding at every step (`mis_k3_kl` <
+  1e-6: the weights handed over are the ones just trained). Bad in-memory updates are refused by
+  name and leave the old weights serving."""
+  common = dict(model={"path": checkpoints["start"], "dtype": "float32"},
+                loss={"use_tis": True, "mis": {"use_rs": True, "tis_mode": "mask"}},
+                train={"steps": 3, "row_len": 16}, checkpoint={"every": 3})
+  rollout = {"engine": "sglang-jax", "server_dtype": "float32", "max_new_tokens": 4}
+  runs = _in_engine_venv({
+      "server": raw_cfg(tmp_path, "server", rollout={**rollout, "placement": "server"}, **common),
+      "colocated": {**raw_cfg(tmp_path, "colocated", rollout={**rollout, "placement": "colocated"}, **common),
+                    "errors": True}}, tmp_path)
+  (a, pa), (b, pb) = runs["server"], runs["colocated"]
+  assert a["samples"] == b["samples"]  # ids, log-probs (exact), weight_versions spans
+  assert [len(s) for s in b["samples"]] == [16, 16, 16]
+  for key in ("reward_mean", "loss", "pg_loss", "grad_norm", "mis_k3_kl", "train_rollout_logprob_abs_diff"):
+    assert [h[key] for h in a["history"]] == [h[key] for h in b["history"]], key
+  assert pa.keys() == pb.keys()
+  for name in pa:
+    np.testing.assert_array_equal(pa[name], pb[name], err_msg=name)
+  history = b["history"]
+  assert [h["server_weight_version"] for h in history] == ["0", "1", "2"]
+  assert all(h["mis_k3_kl"] < 1e-6 for h in history), [h["mis_k3_kl"] for h in history]
+  assert all("sync/handover_s" in h and "sync/write_s" not in h for h in history)
+  assert all("sync/write_s" in h for h in a["history"])
+  with open(tmp_path / "out" / "colocated" / "errors.json") as f:
+    errors = json.load(f)
+  for case, named in (("missing", "model.norm.weight"), ("extra", "model.layers.0.mlp.extra.weight"),
+                      ("shape", "norm")):
+    assert not errors[case]["ok"] and named in errors[case]["message"], errors[case]
+    assert errors[case]["version"] == "0" and errors[case]["same_reply"], errors[case]
+  assert errors["good"]["ok"] and errors["good"]["version"] == "final", errors["good"]
+
+
+def test_colocated_sglang_jax_moe_routing_replay(tmp_path):
+  """A tiny Qwen3-MoE in sglang-jax's Engine inside the trainer (float32): its routed experts
+  replayed (R3) at every step, its stacked expert weights swapped in memory from the trainer's
+  after every step — so every step routes as the trainer does and the log-probs agree (k3 0)."""
+  config = dataclasses.replace(PRESETS["tiny-qwen3-moe"], head_dim=128, num_attention_heads=2, num_key_value_heads=1,
+                               initializer_range=0.1)
+  path = str(tmp_path / "moe")
+  init_checkpoint(path, config=config, seed=0)
+  _write_tokenizer(path, config.vocab_size)
+  raw = raw_cfg(tmp_path, "moe", model={"path": path, "dtype": "float32"},
+                rollout={"engine": "sglang-jax", "placement": "colocated", "server_dtype": "float32",
+                         "max_new_tokens": 4, "routing_replay": "r3"},
+                train={"steps": 3, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 3})
+  (run, _), = _in_engine_venv({"moe": raw}, tmp_path).values()
+  assert [h["server_weight_version"] for h in run["history"]] == ["0", "1", "2"]
+  assert all(s["routed_experts"] is not None for step in run["samples"] for s in step)
+  for h in run["history"]:
+    assert h["routing_positions"] > 0 and h["routing_mismatch_frac"] == 0, h
+    assert h["mis_k3_kl"] < 1e-6, h
 
 
 def test_the_launched_code_imports_only_what_the_engine_venv_has():

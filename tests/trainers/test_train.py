@@ -36,7 +36,8 @@ ALGORITHMS = {
 }
 
 
-def make_cfg(tmp_path, name="run", **sections):
+def raw_cfg(tmp_path, name="run", **sections) -> dict:
+  """`BASE` with `sections` merged in (a dict updates its section), run_dir `tmp_path/name`."""
   raw = json.loads(json.dumps(BASE))
   for key, value in sections.items():
     if isinstance(value, dict):
@@ -44,7 +45,11 @@ def make_cfg(tmp_path, name="run", **sections):
     else:
       raw[key] = value
   raw["run_dir"] = str(tmp_path / name)
-  return TrainConfig.from_dict(raw)
+  return raw
+
+
+def make_cfg(tmp_path, name="run", **sections):
+  return TrainConfig.from_dict(raw_cfg(tmp_path, name, **sections))
 
 
 def embedded_server(tmp_path_factory, dtype):

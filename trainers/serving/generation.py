@@ -133,6 +133,10 @@ class GenerationEngine:
     req = protocol.decode_generate(body)
     return self.submit(protocol.normalize_generate(req, encode=self.encode if self.tokenizer else None))
 
+  def generate_body(self, body):
+    """A `/generate` body's reply, waited for (colocated rollouts: the caller's thread)."""
+    return self.wait(self.submit_body(body))
+
   def wait(self, job: _Job):
     """The response body of a submitted job (an object for a single request, else a list)."""
     job.done.wait()

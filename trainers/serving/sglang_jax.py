@@ -127,7 +127,8 @@ def venv_python(*, install: bool = True, extra: tuple[str, ...] = ()) -> str:
 
 def _module_of(requirement: str) -> str:
   name = requirement.split("[")[0].split("=")[0].split("<")[0].split(">")[0].strip()
-  return {"google-tunix": "tunix"}.get(name, name.replace("-", "_"))
+  return {"google-tunix": "tunix", "orbax-checkpoint": "orbax.checkpoint", "pyyaml": "yaml"}.get(
+      name, name.replace("-", "_"))
 
 
 def has_tokenizer(model_path: str) -> bool:
@@ -135,12 +136,12 @@ def has_tokenizer(model_path: str) -> bool:
                                                                     "tokenizer.model", "vocab.json"))
 
 
-def command(python: str, model_path: str, *, port: int, dtype: str = "float32", weight_version: str = "default",
-            enable_return_routed_experts: bool = False, extra: tuple[str, ...] = ()) -> list[str]:
-  """The sglang-jax command line: the CPU defaults unless `extra` sets the flag itself;
+def engine_args(model_path: str, *, dtype: str = "float32", enable_return_routed_experts: bool = False,
+                extra: tuple[str, ...] = ()) -> list[str]:
+  """sglang-jax's flags: the CPU defaults unless `extra` sets the flag itself;
   `--skip-tokenizer-init` for a checkpoint without a tokenizer (then `input_ids` only)."""
   given = {a.split("=")[0] for a in extra if a.startswith("--")}
-  args = ["--model-path", model_path, "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
+  args = ["--model-path", model_path, "--dtype", dtype]
   for flag, value in CPU_DEFAULTS.items():
     if flag not in given:
       args += [flag, value]
@@ -149,7 +150,15 @@ def command(python: str, model_path: str, *, port: int, dtype: str = "float32", 
     args.append("--skip-tokenizer-init")
   if enable_return_routed_experts:
     args.append("--enable-return-routed-experts")
-  return [python, "-P", ROUTES, "--weight-version", weight_version, *args, *extra]
+  return [*args, *extra]
+
+
+def command(python: str, model_path: str, *, port: int, dtype: str = "float32", weight_version: str = "default",
+            enable_return_routed_experts: bool = False, extra: tuple[str, ...] = ()) -> list[str]:
+  """The command line of sglang-jax's HTTP server with our routes (`engine_args`' flags)."""
+  return [python, "-P", ROUTES, "--weight-version", weight_version, "--host", "127.0.0.1", "--port", str(port),
+          *engine_args(model_path, dtype=dtype, enable_return_routed_experts=enable_return_routed_experts,
+                       extra=extra)]
 
 
 def engine_env() -> dict:
@@ -277,16 +286,31 @@ def serve(args, extra: tuple[str, ...]) -> int:
 TUNIX = "google-tunix==0.1.7"  # shares the venv with sglang-jax (tunix resolves with its flax 0.12.4)
 
 
+def trainer_requirements() -> tuple[str, ...]:
+  """What `mis-jax train` needs beside sglang-jax (colocated rollouts run the trainer in its venv):
+  this package's own requirements and its `train` extra, as installed here."""
+  import importlib.metadata
+  try:
+    requires = importlib.metadata.requires("mis_jax") or []
+  except importlib.metadata.PackageNotFoundError as e:
+    raise EngineUnavailable("mis_jax is not installed here (`make venv`): its requirements are read from its "
+                            "metadata") from e
+  return tuple(r.split(";")[0].strip() for r in requires if ";" not in r or 'extra == "train"' in r)
+
+
 def main(argv: list[str] | None = None) -> int:
-  """`python -m trainers.serving.sglang_jax --prepare [--tunix]`: creates the sglang-jax venv (and
-  installs tunix 0.1.7 into it) when missing, prints its interpreter; `make test` runs it first."""
+  """`python -m trainers.serving.sglang_jax --prepare [--tunix] [--trainer]`: creates the sglang-jax
+  venv when missing (with tunix 0.1.7, and with the trainer's requirements, when asked), prints its
+  interpreter; `make test` runs it first."""
   import argparse
   parser = argparse.ArgumentParser(prog="python -m trainers.serving.sglang_jax", description=main.__doc__)
   parser.add_argument("--prepare", action="store_true", required=True)
   parser.add_argument("--tunix", action="store_true", help=f"also {TUNIX} (the tunix + sglang-jax path)")
+  parser.add_argument("--trainer", action="store_true",
+                      help="also what `mis-jax train` needs (rollout.placement colocated with rollout.engine sglang-jax)")
   args = parser.parse_args(argv)
   try:
-    print(venv_python(extra=(TUNIX,) if args.tunix else ()))
+    print(venv_python(extra=((TUNIX,) if args.tunix else ()) + (trainer_requirements() if args.trainer else ())))
   except EngineUnavailable as e:
     print(f"sglang-jax: {e}", file=sys.stderr)
     return 1

@@ -68,6 +68,63 @@ def _trim_logprobs(item: dict, meta: dict) -> None:
     meta["output_token_logprobs"] = tail
 
 
+def _assign(loader, mappings: dict, tensors: dict) -> None:
+  """sglang-jax's `WeightLoader.load_weights_from_safetensors(mappings)` over in-memory `tensors`
+  (`{HF name: array}`) instead of files: each regular weight through the loader's own per-weight
+  transform (`_process_and_assign_weight`: transpose, reshape, KV-head padding, sharding, dtype),
+  each `__MOE_EXPERTS__` group stacked `[E, ...]` (each expert transposed when the map says, as
+  its loader does). Every weight the map names must be given, and every tensor given must have
+  a place (ValueError naming them)."""
+  import jax.numpy as jnp
+  from flax import nnx
+  from sgl_jax.srt.utils.weight_utils import WeightMapping
+
+  params = nnx.state(loader.model)
+  used, missing = set(), []
+  for key, spec in mappings.items():
+    mapping = spec if isinstance(spec, WeightMapping) else WeightMapping(target_path=spec)
+    if "*" in key or mapping.concat_axis is not None:
+      raise ValueError(f"weight map entry {key!r} (a pattern, or a tensor split over files) is not supported in memory")
+    if key.startswith("__MOE_EXPERTS__"):
+      names = list(mapping.target_path[1:])
+      absent = [n for n in names if n not in tensors]
+      if absent:
+        missing += absent
+        continue
+      w = jnp.stack([jnp.swapaxes(tensors[n], -1, -2) if mapping.transpose else jnp.asarray(tensors[n]) for n in names])
+      if mapping.physical_to_logical_map is not None:
+        w = w[jnp.asarray(mapping.physical_to_logical_map)]
+      if mapping.reshape is not None:
+        w = jnp.reshape(w, mapping.reshape)
+      if mapping.repeat is not None:
+        w = jnp.repeat(w, mapping.repeat[1], axis=mapping.repeat[0])
+      param = loader._get_param(params, mapping.target_path[0])  # noqa: SLF001 - its loader's own lookup
+      param.value = loader._shard_weight(w, mapping.sharding, _expert_mesh(loader)  # noqa: SLF001
+                                         if "expert" in mapping.sharding else None).astype(param.value.dtype)
+      used.update(names)
+    elif key in tensors:
+      loader._process_and_assign_weight(params, key, jnp.asarray(tensors[key]), mapping)  # noqa: SLF001
+      used.add(key)
+    elif not (key == "d2t" or loader._is_excluded_layer_weight(key)):  # noqa: SLF001 - as its loader skips them
+      missing.append(key)
+  if missing:
+    raise ValueError(f"{len(missing)} weights of the served model not given: {', '.join(sorted(missing)[:5])}")
+  extra = sorted(set(tensors) - used)
+  if extra:
+    raise ValueError(f"{len(extra)} tensors have no place in the served model: {', '.join(extra[:5])}")
+
+
+def _expert_mesh(loader):
+  """The (expert, tensor) mesh sglang-jax's loader places stacked experts on: the served mesh's
+  devices, `ep_size` experts groups."""
+  import jax
+  mesh = loader.mesh
+  ep = getattr(loader.model_config.hf_config, "ep_size", 1)
+  tp = mesh.shape.get("data", 1) * mesh.shape.get("tensor", 1) // ep
+  return jax.sharding.Mesh(mesh.devices.flatten().reshape(ep, tp), ("expert", "tensor"),
+                           axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+
+
 class _Gate:
   """SGLang's model-update lock: generate requests are readers, an update is the writer (it waits
   for the readers in flight and holds new ones back). Lives on the server's event loop."""
@@ -203,31 +260,61 @@ class WeightUpdates:
       raise ValueError(f"config.json differs from the served model in {'; '.join(diff)}")
 
   def _load(self, path: str) -> list:
-    """The state leaves of `path` loaded by sglang-jax's own loader on the runner's mesh, in the
-    served model's tree order, checked against the served leaves (ValueError otherwise)."""
-    import jax
-    from flax import nnx
-
+    """The state leaves of the checkpoint at `path`, loaded by sglang-jax's own loader (see `_leaves`)."""
     self._check_config(path)
     runner = self.model_runner
     model_config = copy.copy(runner.model_config)  # the loader writes model_path into it
     model_config.model_path = path
-    model = runner.model_loader.load_model(model_config=model_config)
-    leaves, treedef = jax.tree_util.tree_flatten(nnx.split(model)[1])
+    return self._leaves(runner.model_loader.load_model(model_config=model_config), repr(path))
+
+  def _load_tensors(self, tensors: dict) -> list:
+    """The state leaves of `tensors` (`{HF name: array}`, any float dtype, any devices of this
+    process), placed by sglang-jax's own weight map and per-weight transforms (transposes, KV-head
+    padding, sharding on its mesh; MoE experts stacked as its loader stacks them) into a new model
+    built as its loader builds one — with no file read (see `_leaves`)."""
+    from sgl_jax.srt.model_loader.arch import get_model_architecture
+    from sgl_jax.srt.utils import weight_utils
+
+    runner = self.model_runner
+    if getattr(runner.model_config, "quantization_config", None) is not None:
+      raise ValueError("the served model is quantised: weights are taken in memory only for an unquantised model "
+                       "(use /update_weights_from_disk)")
+    model_class, _ = get_model_architecture(runner.model_config)
+    loader_class = weight_utils.WeightLoader
+    read_files = loader_class.load_weights_from_safetensors
+    # The model's own `load_weights` builds its weight map and hands it to this method: the one
+    # place its loader reads files, here the tensors given.
+    loader_class.load_weights_from_safetensors = lambda loader, mappings, *_, **__: _assign(loader, mappings, tensors)
+    try:
+      model = runner.model_loader._get_model(model_class, runner.model_config)  # noqa: SLF001 - its build, no I/O
+    finally:
+      loader_class.load_weights_from_safetensors = read_files
+    return self._leaves(model, "the given tensors", fresh=True)
+
+  def _leaves(self, model, source: str, fresh: bool = False) -> list:
+    """`model`'s state leaves in the served model's tree order, checked against the served leaves
+    (missing tensors, shapes, dtypes: ValueError) and put in the served layout (no recompilation);
+    `fresh`: never an alias of the given arrays (a trainer donates its buffers to its next step)."""
+    import jax
+    from flax import nnx
+
+    runner = self.model_runner
+    state = nnx.split(model)[1]
+    leaves, treedef = jax.tree_util.tree_flatten(state)
     if treedef != runner._model_state_def:  # noqa: SLF001 - the runner's own record of its tree
       raise ValueError("the loaded model's parameter tree differs from the served model's")
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(nnx.split(model)[1])[0]]
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
     out = []
     for name, new, old in zip(paths, leaves, runner.model_state_leaves):
       if isinstance(new, jax.ShapeDtypeStruct):
         if isinstance(old, jax.ShapeDtypeStruct) or old.shape == (0,):  # a placeholder in the served model too
           out.append(old)
           continue
-        raise ValueError(f"missing tensor for {name} (shape {tuple(new.shape)}) in {path!r}")
+        raise ValueError(f"missing tensor for {name} (shape {tuple(new.shape)}) in {source}")
       if new.shape != old.shape or new.dtype != old.dtype:
         raise ValueError(f"{name}: loaded {new.dtype}{list(new.shape)}, served {old.dtype}{list(old.shape)}")
-      if getattr(new, "sharding", None) != getattr(old, "sharding", None):
-        new = jax.device_put(new, old.sharding)  # the compiled forward's layout: no recompilation
+      if fresh or getattr(new, "sharding", None) != getattr(old, "sharding", None):
+        new = jax.device_put(new, old.sharding, may_alias=False if fresh else None)
       out.append(new)
     jax.block_until_ready(out)
     return out
@@ -266,8 +353,10 @@ class WeightUpdates:
       scheduler.waiting_queue = waiting + scheduler.waiting_queue
     return "" if ok else f" The cache was not flushed: {message}"
 
-  async def update(self, body: dict) -> tuple[bool, str, int]:
-    path = body["model_path"]
+  async def update(self, body: dict, tensors: dict | None = None) -> tuple[bool, str, int]:
+    """SGLang's `/update_weights_from_disk` (`body`); with `tensors` (`{HF name: array}`), the same
+    update from memory (colocated rollouts: `InProcessEngine.update_weights`), `model_path` unused."""
+    path = body.get("model_path")
     version = body.get("weight_version")
     tm = self.tokenizer_manager
     if body.get("abort_all_requests"):
@@ -275,15 +364,19 @@ class WeightUpdates:
     loop = asyncio.get_running_loop()
     if self._gate is None:
       self._gate = _Gate()
+    source = f"{path!r}" if tensors is None else "memory"
     async with contextlib.AsyncExitStack() as stack:
       if not tm.is_pause:  # SGLang: an update waits for the requests in flight unless paused
         await stack.enter_async_context(self._gate.writer())
       t0 = time.perf_counter()
       try:
-        leaves = await loop.run_in_executor(None, self._load, path)
+        if tensors is None:
+          leaves = await loop.run_in_executor(None, self._load, path)
+        else:
+          leaves = await loop.run_in_executor(None, self._load_tensors, tensors)
       except Exception as e:  # noqa: BLE001 - any failure leaves the old weights serving
-        logger.warning("update_weights_from_disk %s failed: %s", path, e)
-        return False, f"Failed to load weights from {path!r}: {type(e).__name__}: {e}", 0
+        logger.warning("weight update from %s failed: %s", source, e)
+        return False, f"Failed to load weights from {source}: {type(e).__name__}: {e}", 0
       done: concurrent.futures.Future = concurrent.futures.Future()
 
       def job() -> bool:
@@ -297,12 +390,32 @@ class WeightUpdates:
         return True
       self._jobs.put(job)
       note = await asyncio.wrap_future(done)
-    tm.model_path = os.path.abspath(path)  # /model_info and /get_model_info, as SGLang
+    if tensors is None:
+      tm.model_path = os.path.abspath(path)  # /model_info and /get_model_info, as SGLang
     message = "Succeeded to update model weights."
     if version is not None:
       message += f" Weight version updated to {version}."
-    logger.info("weights from %s in %.2f s, version %s", path, time.perf_counter() - t0, self.weight_version)
+    logger.info("weights from %s in %.2f s, version %s", source, time.perf_counter() - t0, self.weight_version)
     return True, message + note, 0
+
+  def model_info(self) -> dict:
+    """SGLang's `/model_info` reply (`weight_version` among its keys)."""
+    tm = self.tokenizer_manager
+    args = tm.server_args
+    hf = self.model_runner.model_config.hf_config
+    return {"model_path": tm.model_path, "tokenizer_path": args.tokenizer_path,
+            "served_model_name": getattr(args, "served_model_name", None) or tm.model_path,
+            "is_generation": tm.is_generation, "preferred_sampling_params": args.preferred_sampling_params,
+            "weight_version": self.weight_version, "load_format": args.load_format,
+            "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": getattr(hf, "model_type", None), "architectures": getattr(hf, "architectures", None)}
+
+  async def pause(self, mode: str) -> None:
+    """`/pause_generation` as sglang-jax's own, minus the mode that loses requests (ValueError)."""
+    if mode == "retract":
+      raise ValueError(RETRACT_REFUSED)
+    from sgl_jax.srt.managers.io_struct import PauseGenerationReqInput
+    await self.tokenizer_manager.pause_generation(PauseGenerationReqInput(mode=mode))
 
   # ---- routes -------------------------------------------------------------------------------------
   def add_routes(self, app) -> None:
@@ -332,11 +445,10 @@ class WeightUpdates:
         body = await request.json()
       except ValueError:
         body = {}
-      mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
-      if mode == "retract":
-        return bad_request(RETRACT_REFUSED)
-      from sgl_jax.srt.managers.io_struct import PauseGenerationReqInput
-      await self.tokenizer_manager.pause_generation(PauseGenerationReqInput(mode=mode))
+      try:
+        await self.pause(body.get("mode", "abort") if isinstance(body, dict) else "abort")
+      except ValueError as e:
+        return bad_request(str(e))
       return ORJSONResponse({"message": "Generation paused successfully.", "status": "ok"})
     # Ahead of sglang-jax's own /pause_generation: the same call, minus the mode that loses requests.
     app.router.add_api_route("/pause_generation", pause_generation, methods=["POST"])
@@ -344,20 +456,74 @@ class WeightUpdates:
 
     @app.get("/model_info")
     async def model_info():
-      tm = self.tokenizer_manager
-      args = tm.server_args
-      hf = self.model_runner.model_config.hf_config
-      return {"model_path": tm.model_path, "tokenizer_path": args.tokenizer_path,
-              "served_model_name": getattr(args, "served_model_name", None) or tm.model_path,
-              "is_generation": tm.is_generation, "preferred_sampling_params": args.preferred_sampling_params,
-              "weight_version": self.weight_version, "load_format": args.load_format,
-              "has_image_understanding": False, "has_audio_understanding": False,
-              "model_type": getattr(hf, "model_type", None), "architectures": getattr(hf, "architectures", None)}
+      return self.model_info()
 
     @app.get("/get_weight_version")
     @app.get("/weight_version")
     async def get_weight_version():
       return {"weight_version": self.weight_version}
+
+
+class InProcessEngine:
+  """sglang-jax's `Engine` in this process (its single-process mode: scheduler and detokenizer
+  threads, its event loop on a thread of its own), with the routes above as calls: colocated
+  rollouts in the caller's process. `argv`: sglang-jax's server flags. Thread-safe: each call
+  runs on the engine's event loop, as the HTTP server's handlers do.
+
+  `generate_body(body)` is `/generate` (a body with the fields sglang-jax knows; others are ignored,
+  as its HTTP server ignores them), its reply as the HTTP server's (`weight_version` stamped);
+  `update_weights(tensors, version)` swaps in `{HF name: array}` without files."""
+
+  def __init__(self, argv: list[str], weight_version: str = "default"):
+    from sgl_jax.srt.entrypoints.engine import Engine
+    from sgl_jax.srt.server_args import ServerArgs
+
+    server_args = ServerArgs.from_cli(argv)
+    server_args.enable_single_process = True
+    server_args.enable_engine_loop_run_forever_daemon = True  # callable from any thread
+    self.engine = Engine(server_args=server_args)
+    self.updates = WeightUpdates(weight_version)
+    self.updates.attach(self.engine.tokenizer_manager, self.engine.scheduler_info["scheduler"])
+
+  def _run(self, coro):
+    return asyncio.run_coroutine_threadsafe(coro, self.engine.loop).result()
+
+  def generate_body(self, body: dict):
+    import dataclasses
+
+    from sgl_jax.srt.managers.io_struct import GenerateReqInput
+
+    known = {f.name for f in dataclasses.fields(GenerateReqInput)}
+    obj = GenerateReqInput(**{k: v for k, v in body.items() if k in known})
+    if obj.stream:
+      raise ValueError("stream: a colocated request returns its whole result")
+
+    async def first():
+      return await self.updates.tokenizer_manager.generate_request(obj, None).__anext__()
+    return self._run(first())
+
+  def pause(self, mode: str) -> None:
+    self._run(self.updates.pause(mode))
+
+  def resume(self) -> None:
+    from sgl_jax.srt.managers.io_struct import ContinueGenerationReqInput
+    self._run(self.updates.tokenizer_manager.continue_generation(ContinueGenerationReqInput()))
+
+  def update_weights(self, tensors: dict, weight_version: str | None) -> tuple[bool, str]:
+    ok, message, _ = self._run(self.updates.update({"weight_version": weight_version}, tensors=tensors))
+    return ok, message
+
+  def model_info(self) -> dict:
+    return self.updates.model_info()
+
+  def server_info(self, host: str, port: int) -> dict:
+    """`/get_server_info`: its server arguments (`dtype` among them), `host`/`port` the caller's."""
+    import dataclasses
+    return {**dataclasses.asdict(self.engine.server_args), "host": host, "port": port,
+            "weight_version": self.updates.weight_version}
+
+  def close(self) -> None:
+    self.engine.shutdown()
 
 
 def _stop_with_parent(kill_process_tree) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 import urllib.parse
 import warnings
 
@@ -71,6 +72,22 @@ def routing_setup(r, model_cfg: ModelConfig) -> tuple[str, RoutingSpec | None]:
   return r.routing_replay, spec
 
 
+def check_sglang_jax(cfg) -> None:
+  """`rollout.engine: sglang-jax`: what it cannot do, before anything starts (ConfigError)."""
+  r = cfg.rollout
+  if r.server_quantize != "none":
+    raise mis_jax.ConfigError(f"rollout.server_quantize {r.server_quantize!r} is the embedded engine's; sglang-jax "
+                              "serves the checkpoint's dtype (rollout.server_dtype): set server_quantize none")
+  if r.server_dtype not in ("float32", "bfloat16"):
+    raise mis_jax.ConfigError(f"rollout.server_dtype {r.server_dtype!r}: sglang-jax serves float32 or bfloat16")
+  if r.placement == "colocated" and importlib.util.find_spec("sgl_jax") is None:
+    raise mis_jax.ConfigError(
+        "rollout.placement colocated with rollout.engine sglang-jax runs sglang-jax's Engine in the trainer's "
+        f"process, but this Python ({sys.version.split()[0]}) has no sglang-jax (it needs Python >= 3.12 and pins "
+        "its own jax/flax): run the trainer in its venv, e.g. `PYTHONPATH=. $(python -m trainers.serving.sglang_jax "
+        "--prepare --trainer) -m trainers.cli train ...` (docs/guides/trainer.md, colocated rollouts)")
+
+
 def check_config(cfg: TrainConfig):
   """Checks across sections (the loss among them), the files they name, and the task, before
   anything is built or started: a `ConfigError` naming the key and the value. Sequences that
@@ -127,6 +144,8 @@ def check_config(cfg: TrainConfig):
       raise mis_jax.ConfigError(f"rollout.placement colocated runs one engine in the trainer's process; with "
                                 f"{jax.process_count()} processes each would need its own share of the prompts, "
                                 "which is not supported yet: use rollout.placement server (SGLang servers over HTTP)")
+  if r.engine == "sglang-jax":
+    check_sglang_jax(cfg)
   if os.path.isfile(cfg.run_dir):
     raise mis_jax.ConfigError(f"run_dir {cfg.run_dir!r} is a file; it must be a directory (or not exist yet)")
   try:

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from trainers.models import DTYPES
+from trainers.models.hf_io import hf_arrays, param_leaves
 from trainers.serving import protocol
 from trainers.serving.generation import GenerationEngine
 from trainers.training.rollout import RolloutResult, ServerError, SGLangClient
@@ -30,13 +31,14 @@ from trainers.training.servers import Servers
 
 
 class EngineClient(SGLangClient):
-  """An `SGLangClient` whose requests an in-process `GenerationEngine` answers (no HTTP, no
-  JSON): `/generate` goes through SGLang's request decoding and normalisation (`protocol`) as
-  `mis-jax serve` does it, so a sample is what the server would have returned."""
+  """An `SGLangClient` whose requests an engine in this process answers (no HTTP, no JSON):
+  `engine.generate_body(body)` decodes and normalises a `/generate` body as its server does, so a
+  sample is what the server would have returned. `engine`: a `GenerationEngine`, or sglang-jax's
+  (`sglang_jax_routes.InProcessEngine`)."""
 
   URL = "colocated://engine"
 
-  def __init__(self, engine: GenerationEngine, *, max_concurrency: int = 4, prompts_per_request: int = 8):
+  def __init__(self, engine, *, max_concurrency: int = 4, prompts_per_request: int = 8):
     self.engine, self.urls = engine, [self.URL]
     self._init_requests(max_retries=0, backoff_s=0.0, max_concurrency=max_concurrency,
                         prompts_per_request=prompts_per_request)
@@ -45,7 +47,7 @@ class EngineClient(SGLangClient):
     engine = self.engine
     try:
       if path == "/generate":
-        return engine.wait(engine.submit_body(body))
+        return engine.generate_body(body)
       if path in ("/model_info", "/get_model_info"):
         return engine.model_info()
       if path in ("/server_info", "/get_server_info"):
@@ -56,7 +58,7 @@ class EngineClient(SGLangClient):
         return engine.resume()
       if path in ("/health", "/flush_cache"):
         return None
-    except (protocol.ContractError, protocol.RequestError) as e:
+    except ValueError as e:  # the engine's request errors (SGLang's 400s)
       raise ServerError(f"the colocated engine rejected {path}: {e}", status=getattr(e, "status_code", 400)) from None
     raise ServerError(f"the colocated engine has no route {method} {path}", status=404)
 
@@ -74,18 +76,26 @@ class EngineClient(SGLangClient):
 
 
 class ColocatedEngine(Servers):
-  """The servers' side of the loop, with the engine in this process (see the module doc)."""
+  """The servers' side of the loop, with the embedded engine in this process (see the module doc)."""
 
   def __init__(self, cfg, *, start_dir: str, model_config, sampling, log=print):
+    self.engine = self._start_engine(cfg, start_dir, model_config)
     r = cfg.rollout
-    self.engine = GenerationEngine(start_dir, dtype=r.server_dtype, seed=cfg.seed, quantize=r.server_quantize,
-                                   weight_version="0", enable_return_routed_experts=True)
     client = EngineClient(self.engine, max_concurrency=r.max_concurrency, prompts_per_request=r.prompts_per_request)
     super().__init__(cfg, urls=[EngineClient.URL], start_dir=start_dir, model_config=model_config, sampling=sampling,
                      log=log, client=client)
     # Free the engine's weights while the trainer trains: only where every step pushes new ones
     # and nothing generates during the step.
     self.release_between_steps = r.sync_every == 1 and r.max_staleness == 0
+
+  @staticmethod
+  def _start_engine(cfg, start_dir: str, model_config):
+    r = cfg.rollout
+    return GenerationEngine(start_dir, dtype=r.server_dtype, seed=cfg.seed, quantize=r.server_quantize,
+                            weight_version="0", enable_return_routed_experts=True)
+
+  def _handover(self, params, version: str) -> tuple[bool, str]:
+    return self.engine.update_weights(params, version)
 
   def generate(self, prompt_ids: list, batch: int) -> RolloutResult:
     result = super().generate(prompt_ids, batch)
@@ -104,7 +114,7 @@ class ColocatedEngine(Servers):
     self.engine.pause(self.rollout.pause_mode)
     t2 = time.perf_counter()
     try:
-      ok, message = self.engine.update_weights(state, str(step))
+      ok, message = self._handover(state, str(step))
     finally:
       self.engine.resume()
     if not ok:
@@ -116,3 +126,29 @@ class ColocatedEngine(Servers):
   def close(self) -> None:
     super().close()
     self.engine.close()
+
+
+class SGLangJaxColocated(ColocatedEngine):
+  """`rollout.engine: sglang-jax` colocated: sglang-jax's `Engine` in this process (its
+  single-process mode; this process must run in its venv, Python >= 3.12), its log-probs and
+  routed experts as its server returns them, the trainer's weights swapped into its model runner
+  in memory as HF-named arrays placed by its own weight map (`InProcessEngine.update_weights`).
+  Its weights and preallocated KV pool stay resident between steps."""
+
+  def __init__(self, cfg, **kwargs):
+    super().__init__(cfg, **kwargs)
+    self.release_between_steps = False
+
+  @staticmethod
+  def _start_engine(cfg, start_dir: str, model_config):
+    from trainers.serving import sglang_jax
+    from trainers.serving.sglang_jax_routes import InProcessEngine  # in sglang-jax's venv only (checks.py)
+    args = sglang_jax.engine_args(start_dir, dtype=cfg.rollout.server_dtype,
+                                  enable_return_routed_experts=model_config.is_moe,
+                                  extra=("--random-seed", str(cfg.seed)))
+    return InProcessEngine(args, weight_version="0")
+
+  def _handover(self, params, version: str) -> tuple[bool, str]:
+    tensors = {name: a for path, var in param_leaves(params)
+               for name, a in hf_arrays(path, var.get_value(), self.model_config).items()}
+    return self.engine.update_weights(tensors, version)

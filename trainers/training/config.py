@@ -105,6 +105,10 @@ class RolloutSection:
   placement: str = key("server", "where rollouts are generated: SGLang servers over HTTP (`server`; the embedded "
                                  "one by default), or the embedded engine inside the trainer's process, on its "
                                  "devices, weights handed over in memory (`colocated`)", choices=("server", "colocated"))
+  engine: str = key("embedded", "the engine that generates: this package's (`embedded`: `mis-jax serve`, or in "
+                    "process when colocated) or sglang-jax (`sglang-jax`: its server from its venv, or, colocated, "
+                    "its Engine in the trainer's process — run the trainer in its venv, docs/guides/trainer.md)",
+                    choices=("embedded", "sglang-jax"))
   server_dtype: str = key("bfloat16", "embedded server precision", choices=DTYPES)
   server_quantize: str = key("none", "embedded server's weight-only quantisation of Linear kernels (per-channel "
                              "scales, on top of `server_dtype`)", choices=("none", "int8", "fp8"))

@@ -34,7 +34,7 @@ import numpy as np
 import mis_jax
 from trainers.models import PRESETS, DTYPES, ModelConfig, init_checkpoint, load_hf_params
 from trainers.training import checkpointing, checks, distributed, parallel
-from trainers.training.colocated import ColocatedEngine
+from trainers.training.colocated import ColocatedEngine, SGLangJaxColocated
 from trainers.training.batch import StepBatch, build_step_batch, fresh_tokens, token_staleness
 from trainers.training.config import ModelSection, TrainConfig
 from trainers.training.errors import Preempted, ServersUnavailable, TrainingError
@@ -134,7 +134,8 @@ class Trainer:
         if urls:
           raise mis_jax.ConfigError(f"rollout.placement colocated generates in the trainer: no server URL is used, "
                                     f"got {', '.join(urls)}")
-        self.servers = ColocatedEngine(cfg, start_dir=start_dir, model_config=model_cfg, sampling=sampling)
+        engine = SGLangJaxColocated if r.engine == "sglang-jax" else ColocatedEngine
+        self.servers = engine(cfg, start_dir=start_dir, model_config=model_cfg, sampling=sampling)
       else:
         self.servers = Servers(cfg, urls=urls, start_dir=start_dir, model_config=model_cfg, sampling=sampling)
       self.source = (AsyncServerRollouts(self.servers, self.prompts, r.max_rejected_fraction, r.max_staleness,

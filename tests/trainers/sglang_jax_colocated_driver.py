@@ -1,0 +1,97 @@
+"""Runs in sglang-jax's venv, started by tests/trainers/test_sglang_jax.py: the trainer on each
+config of a JSON list, with sglang-jax colocated (`rollout.placement: colocated`) or behind its
+HTTP server (`server`: started here from the same starting weights), each run's rollouts (as
+the trainer took them), metrics and final parameters written for the test to compare.
+
+  python sglang_jax_colocated_driver.py CONFIGS.json OUT_DIR
+
+Also, with `"errors": true` in a config, after its run: in-memory updates the engine must
+refuse (a missing tensor, a tensor with no place, a wrong shape), and the reply that follows
+each (greedy, so comparable), written to `errors.json`.
+"""
+
+import contextlib
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+
+from trainers.serving import sglang_jax
+from trainers.training import train as train_lib
+from trainers.training.config import TrainConfig
+
+GREEDY = {"input_ids": [[1, 5, 9, 12], [1, 7, 30]], "return_logprob": True,
+          "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}}
+
+
+def _run(raw: dict, out: str) -> None:
+  errors = raw.pop("errors", False)
+  cfg = TrainConfig.from_dict(raw)
+  r = cfg.rollout
+  with contextlib.ExitStack() as stack:
+    urls = []
+    if r.placement == "server":
+      server = stack.enter_context(sglang_jax.SGLangJaxServer(
+          cfg.model.path, dtype=r.server_dtype, weight_version="0", extra=("--random-seed", str(cfg.seed))))
+      urls = [server.url]
+    trainer = train_lib.Trainer(cfg, urls=urls)
+    rollouts = []
+    take = trainer.source.next
+    trainer.source.next = lambda step: rollouts.append(take(step)) or rollouts[-1]
+    history = trainer.run(progress=False)
+    if errors:
+      _refusals(trainer, out)
+  samples = [[{"response_ids": list(map(int, s.response_ids)),
+               "rollout_logprobs": [float(v) for v in s.rollout_logprobs],
+               "weight_versions": s.weight_versions,
+               "routed_experts": None if s.routed_experts is None else np.asarray(s.routed_experts).tolist()}
+              for s in x.result.samples] for x in rollouts]
+  with open(os.path.join(out, "run.json"), "w") as f:
+    json.dump({"samples": samples, "history": history}, f, default=float)
+  leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(trainer.params))[0]
+  np.savez(os.path.join(out, "params.npz"), **{jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves})
+
+
+def _refusals(trainer, out: str) -> None:
+  """A fresh in-process engine on the starting weights takes three bad in-memory updates (each
+  refused, the old weights serving on), then the trainer's final weights."""
+  from trainers.serving.sglang_jax_routes import InProcessEngine
+  from trainers.models.hf_io import hf_arrays, param_leaves
+
+  tensors = {name: a for path, var in param_leaves(trainer.params)
+             for name, a in hf_arrays(path, var.get_value(), trainer.model_config).items()}
+  engine = InProcessEngine(sglang_jax.engine_args(trainer.cfg.model.path, dtype="float32"), weight_version="0")
+  try:
+    before = engine.generate_body(dict(GREEDY))
+    bad = {"missing": {k: v for k, v in tensors.items() if k != "model.norm.weight"},
+           "extra": {**tensors, "model.layers.0.mlp.extra.weight": tensors["model.norm.weight"]},
+           "shape": {**tensors, "model.norm.weight": tensors["model.norm.weight"][:-1]}}
+    report = {}
+    for name, given in bad.items():
+      ok, message = engine.update_weights(given, "bad")
+      after = engine.generate_body(dict(GREEDY))
+      report[name] = {"ok": ok, "message": message, "version": engine.model_info()["weight_version"],
+                      "same_reply": [a["output_ids"] for a in after] == [b["output_ids"] for b in before]
+                      and [a["meta_info"]["output_token_logprobs"] for a in after]
+                      == [b["meta_info"]["output_token_logprobs"] for b in before]}
+    ok, message = engine.update_weights(tensors, "final")
+    report["good"] = {"ok": ok, "message": message, "version": engine.model_info()["weight_version"]}
+  finally:
+    engine.close()
+  with open(os.path.join(out, "errors.json"), "w") as f:
+    json.dump(report, f)
+
+
+def main() -> None:
+  configs, root = sys.argv[1], sys.argv[2]
+  with open(configs) as f:
+    for name, raw in json.load(f).items():
+      out = os.path.join(root, name)
+      os.makedirs(out, exist_ok=True)
+      _run(raw, out)
+
+
+if __name__ == "__main__":
+  main()
