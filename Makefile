@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: venv engine test test-all test-fast demo docs example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines bench-colocated clean
+.PHONY: venv engine test test-all test-fast demo demo-sglang-jax docs example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines bench-colocated bench-colocated-sglang-jax clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ test-fast: $(STAMP)
 demo: $(DEMO_STAMP)  ## the trainer on the embedded server (toy task); a fresh run dir each time
 	$(PY) -m trainers.cli train --config configs/demo.yaml --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
+demo-sglang-jax: $(STAMP) engine  ## the demo's task with sglang-jax's Engine colocated in the trainer (its venv)
+	PYTHONPATH=. JAX_PLATFORMS=cpu $$($(PY) -m trainers.serving.sglang_jax --prepare --trainer) -m trainers.cli train \
+	    --config configs/sglang_jax.yaml --run-dir runs/demo-sglang-jax-$$(date +%Y%m%d-%H%M%S)
+
 docs: $(STAMP)  ## the docs site into site/, strict: a broken link, anchor or docstring fails the build
 	$(PY) -m mkdocs build --strict --site-dir site
 
@@ -64,6 +68,10 @@ bench-replay: $(STAMP)  ## truncated sampling vs sampling-mask replay on the emb
 
 bench-colocated: $(STAMP)  ## our step colocated and with the embedded server against tunix's GRPO (docs/performance.md)
 	$(PY) -m benchmarks.colocated
+
+bench-colocated-sglang-jax: $(STAMP) engine  ## the same with sglang-jax generating for every contender (its venv)
+	PYTHONPATH=. JAX_PLATFORMS=cpu $$($(PY) -m trainers.serving.sglang_jax --prepare --tunix --trainer) \
+	    -m benchmarks.colocated --engine sglang-jax
 
 bench-engines: $(STAMP) engine  ## sglang-jax vs mis-jax serve: tokens/s and weight-sync time (docs/performance.md)
 	$(PY) -m benchmarks.engines

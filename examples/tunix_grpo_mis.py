@@ -69,7 +69,7 @@ class BF16Rollout(vanilla_rollout.VanillaRollout):
         head_dim=cfg.head_dim))
 
 
-def sglang_jax_rollout(model_cfg, workdir: str):
+def sglang_jax_rollout(model_cfg, workdir: str, chars: str = CharTokenizer.chars, eos_id: int = 2):
   """tunix's sglang-jax rollout keeping the engine's log-probs, on a config.json (and a character
   tokenizer, which sglang-jax detokenizes with) matching the tunix model; its weights come from
   the actor (tunix's load_checkpoint), so the engine starts from random ("dummy") ones."""
@@ -88,10 +88,10 @@ def sglang_jax_rollout(model_cfg, workdir: str):
         "num_key_value_heads": model_cfg.num_kv_heads, "head_dim": model_cfg.head_dim,
         "rope_theta": model_cfg.rope_theta, "rms_norm_eps": model_cfg.norm_eps, "max_position_embeddings": 64,
         "tie_word_embeddings": model_cfg.use_tied_embedding, "torch_dtype": "float32", "bos_token_id": 1,
-        "eos_token_id": 2, "pad_token_id": 0, "attention_bias": False, "hidden_act": "silu"}
+        "eos_token_id": eos_id, "pad_token_id": 0, "attention_bias": False, "hidden_act": "silu"}
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump(hf, f)
-  vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{c: 3 + i for i, c in enumerate(CharTokenizer.chars)}}
+  vocab = {"<pad>": 0, "<s>": 1, "</s>": eos_id, **{c: 3 + i for i, c in enumerate(chars)}}
   core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
   core.decoder = decoders.Fuse()
   PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",

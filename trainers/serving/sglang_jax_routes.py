@@ -114,6 +114,12 @@ def _assign(loader, mappings: dict, tensors: dict) -> None:
     raise ValueError(f"{len(extra)} tensors have no place in the served model: {', '.join(extra[:5])}")
 
 
+def _placeholder(leaf) -> bool:
+  """A served state leaf that holds no weights (sglang-jax keeps some as shapes or empty arrays)."""
+  import jax
+  return isinstance(leaf, jax.ShapeDtypeStruct) or leaf.shape == (0,)
+
+
 def _expert_mesh(loader):
   """The (expert, tensor) mesh sglang-jax's loader places stacked experts on: the served mesh's
   devices, `ep_size` experts groups."""
@@ -172,6 +178,7 @@ class WeightUpdates:
     # rid -> [(version before a swap, completion tokens generated before it)], for the spans.
     self._splits: dict[str, list[tuple[str, int]]] = {}
     self._gate = None
+    self._transfer = None  # (served leaves it fills, compiled program), for in-memory updates
 
   # ---- wiring -------------------------------------------------------------------------------
   def attach(self, tokenizer_manager, scheduler) -> None:
@@ -260,41 +267,84 @@ class WeightUpdates:
       raise ValueError(f"config.json differs from the served model in {'; '.join(diff)}")
 
   def _load(self, path: str) -> list:
-    """The state leaves of the checkpoint at `path`, loaded by sglang-jax's own loader (see `_leaves`)."""
+    """The state leaves of the checkpoint at `path`, loaded by sglang-jax's own loader, checked
+    against the served ones (see `_checked`) and put in the served layout (no recompilation)."""
+    import jax
+
     self._check_config(path)
     runner = self.model_runner
     model_config = copy.copy(runner.model_config)  # the loader writes model_path into it
     model_config.model_path = path
-    return self._leaves(runner.model_loader.load_model(model_config=model_config), repr(path))
+    leaves = self._checked(runner.model_loader.load_model(model_config=model_config), repr(path))
+    out = [old if new is None else new if new.sharding == old.sharding else jax.device_put(new, old.sharding)
+           for new, old in zip(leaves, runner.model_state_leaves)]
+    return jax.block_until_ready(out)
 
   def _load_tensors(self, tensors: dict) -> list:
     """The state leaves of `tensors` (`{HF name: array}`, any float dtype, any devices of this
     process), placed by sglang-jax's own weight map and per-weight transforms (transposes, KV-head
-    padding, sharding on its mesh; MoE experts stacked as its loader stacks them) into a new model
-    built as its loader builds one — with no file read (see `_leaves`)."""
-    from sgl_jax.srt.model_loader.arch import get_model_architecture
-    from sgl_jax.srt.utils import weight_utils
+    padding, its mesh's sharding; MoE experts stacked as its loader stacks them) into a model of
+    the served architecture — no file read — and checked against the served leaves (`_checked`).
+
+    All of it is one compiled program (traced once per set of names, shapes and dtypes), whose
+    outputs are new buffers in the served layout: never the given arrays (a trainer donates its
+    buffers to its next step)."""
+    import jax
 
     runner = self.model_runner
     if getattr(runner.model_config, "quantization_config", None) is not None:
       raise ValueError("the served model is quantised: weights are taken in memory only for an unquantised model "
                        "(use /update_weights_from_disk)")
-    model_class, _ = get_model_architecture(runner.model_config)
-    loader_class = weight_utils.WeightLoader
-    read_files = loader_class.load_weights_from_safetensors
-    # The model's own `load_weights` builds its weight map and hands it to this method: the one
-    # place its loader reads files, here the tensors given.
-    loader_class.load_weights_from_safetensors = lambda loader, mappings, *_, **__: _assign(loader, mappings, tensors)
-    try:
-      model = runner.model_loader._get_model(model_class, runner.model_config)  # noqa: SLF001 - its build, no I/O
-    finally:
-      loader_class.load_weights_from_safetensors = read_files
-    return self._leaves(model, "the given tensors", fresh=True)
+    served = runner.model_state_leaves
+    if self._transfer is None:
+      placed = [i for i, old in enumerate(served) if not _placeholder(old)]
+      self._transfer = (placed, jax.jit(self._transferred(placed), out_shardings=[served[i].sharding for i in placed]))
+    placed, transfer = self._transfer
+    out = list(served)
+    for i, leaf in zip(placed, transfer(tensors)):
+      out[i] = leaf
+    return jax.block_until_ready(out)
 
-  def _leaves(self, model, source: str, fresh: bool = False) -> list:
-    """`model`'s state leaves in the served model's tree order, checked against the served leaves
-    (missing tensors, shapes, dtypes: ValueError) and put in the served layout (no recompilation);
-    `fresh`: never an alias of the given arrays (a trainer donates its buffers to its next step)."""
+  def _transferred(self, placed: list[int]):
+    """`tensors -> [leaf i for i in placed]` (see `_load_tensors`), to be traced."""
+    from flax import nnx
+    import jax.numpy as jnp
+    from sgl_jax.srt.utils import weight_utils
+
+    runner = self.model_runner
+    graphdef, state = nnx.split(self._abstract_model())
+
+    def transfer(tensors: dict) -> list:
+      model = nnx.merge(graphdef, state, copy=True)  # Variables of this trace
+      loader_class = weight_utils.WeightLoader
+      read_files = loader_class.load_weights_from_safetensors
+      # The model's own `load_weights` builds its weight map and hands it to this method: the
+      # one place its loader reads files, here the tensors given.
+      loader_class.load_weights_from_safetensors = lambda loader, mappings, *_, **__: _assign(loader, mappings, tensors)
+      try:
+        model.load_weights(runner.model_config)
+      finally:
+        loader_class.load_weights_from_safetensors = read_files
+      leaves = self._checked(model, "the given tensors")
+      return [jnp.copy(leaves[i]) for i in placed]
+    return transfer
+
+  def _abstract_model(self):
+    """The served architecture with no weights, as sglang-jax's loader builds it (`_get_model`)."""
+    import jax
+    from flax import nnx
+    from sgl_jax.srt.model_loader.arch import get_model_architecture
+
+    runner = self.model_runner
+    model_class, _ = get_model_architecture(runner.model_config)
+    kwargs = {"dtype": runner.model_config.dtype, "mesh": runner.model_loader.mesh}
+    with jax.set_mesh(runner.model_loader.mesh):
+      return nnx.eval_shape(lambda: model_class(runner.model_config.hf_config, **kwargs))
+
+  def _checked(self, model, source: str) -> list:
+    """`model`'s state leaves in the served model's tree order (None where the served model has a
+    placeholder too), checked against the served leaves: the tree, every tensor present, shapes
+    and dtypes (a ValueError naming the first that differs)."""
     import jax
     from flax import nnx
 
@@ -307,16 +357,13 @@ class WeightUpdates:
     out = []
     for name, new, old in zip(paths, leaves, runner.model_state_leaves):
       if isinstance(new, jax.ShapeDtypeStruct):
-        if isinstance(old, jax.ShapeDtypeStruct) or old.shape == (0,):  # a placeholder in the served model too
-          out.append(old)
+        if _placeholder(old):  # a placeholder in the served model too
+          out.append(None)
           continue
         raise ValueError(f"missing tensor for {name} (shape {tuple(new.shape)}) in {source}")
       if new.shape != old.shape or new.dtype != old.dtype:
         raise ValueError(f"{name}: loaded {new.dtype}{list(new.shape)}, served {old.dtype}{list(old.shape)}")
-      if fresh or getattr(new, "sharding", None) != getattr(old, "sharding", None):
-        new = jax.device_put(new, old.sharding, may_alias=False if fresh else None)
       out.append(new)
-    jax.block_until_ready(out)
     return out
 
   def _swap(self, leaves: list, version: str | None, flush: bool) -> str:
