@@ -165,46 +165,65 @@ def before_step(cfg: ModelConfig, tokens: int, devices) -> dict:
 COLOCATED_ROWS, COLOCATED_PROMPT, COLOCATED_NEW = 16, 1024, 1024
 
 
-def generation_programs(cfg: ModelConfig, device) -> dict:
-  """Compiled memory of the engine's prefill and decode (`trainers.serving.sampler`) on `device`,
-  bf16 weights, `COLOCATED_ROWS` rows; the KV cache lives inside them (an argument of decode)."""
+def generation_programs(cfg: ModelConfig, devices, spread: bool = False) -> dict:
+  """Compiled memory of the engine's prefill and decode (`trainers.serving.sampler`), bf16 weights,
+  `COLOCATED_ROWS` rows; the KV cache lives inside them (an argument of decode). On `devices[0]`,
+  or `spread` (`rollout.colocated_devices: mesh`): the weights laid out as the trainer's over the
+  FSDP mesh of `devices`, the rows split over it."""
   import functools
   from trainers.serving import sampler as sampler_lib
   graphdef, abstract = nnx.split(abstract_model(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
-  dev = jax.sharding.SingleDeviceSharding(device)
-  params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), abstract)
+  if spread:
+    mesh = parallel.make_mesh(parallel.ParallelSection(fsdp=-1), devices)
+    shardings = parallel.param_shardings(abstract, mesh, cfg.family)
+    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+    rows_of = lambda ndim: NamedSharding(mesh, P(parallel.BATCH_AXES, *([None] * (ndim - 1))))
+    scalar = NamedSharding(mesh, P())
+  else:
+    dev = jax.sharding.SingleDeviceSharding(devices[0])
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), abstract)
+    rows_of = lambda ndim: dev
+    scalar = dev
   rows = COLOCATED_ROWS
-  sd = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=dev)
+  sd = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rows_of(len(shape)))
   ids, lens = sd((rows, COLOCATED_PROMPT), jnp.int32), sd((rows,), jnp.int32)
   f32, i32 = sd((rows,), jnp.float32), sd((rows,), jnp.int32)
   prefill = jax.jit(functools.partial(sampler_lib._prefill, graphdef), static_argnames=("num_steps",))
   lowered = prefill.lower(params, ids, lens, f32, i32, num_steps=COLOCATED_NEW)
+  compiled = lowered.compile()
   state = jax.eval_shape(functools.partial(sampler_lib._prefill, graphdef, num_steps=COLOCATED_NEW),
                          params, ids, lens, f32, i32)
-  state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), state)
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+                       compiled.output_shardings)  # where the prefill leaves it
   decode = jax.jit(functools.partial(sampler_lib._decode, graphdef))
   decoded = decode.lower(params, state, lens, sd((rows,), jnp.uint32), f32, f32, i32, f32, i32,
-                         sd((rows, 4), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32, sharding=dev))
+                         sd((rows, 4), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar))
   weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
-  return {"prefill": _analysis(lowered.compile()), "decode": _analysis(decoded.compile()), "weight_bytes": weights}
+  return {"prefill": _analysis(compiled), "decode": _analysis(decoded.compile()), "weight_bytes": weights}
 
 
 def colocated_records(name: str, cfg: ModelConfig, tokens: int, devices) -> list[dict]:
-  """The first device's peak in each phase of a colocated step (the trainer FSDP over `devices`):
+  """The busiest device's peak in each phase of a colocated step (the trainer FSDP over `devices`):
   generation = the trainer's resident parameters and Adam state (the step's arguments but the
-  batch) + the engine's decode program (its bf16 weights, KV cache, temporaries); training = the
-  step's peak, with the engine's weights freed (the synchronous loop) or kept (asynchronous)."""
+  batch) + the engine's decode program (its bf16 weights, KV cache, temporaries), with the engine
+  on the first device or over the mesh; training = the step's peak, with the engine's weights
+  freed (the synchronous loop) or kept (asynchronous; on the first device: all of them there)."""
   step = after_step(cfg, tokens, devices)
-  gen = generation_programs(cfg, devices[0])
-  weights = gen.pop("weight_bytes")
   resident = step["argument_bytes"]  # the trainer's parameters and Adam state (and a batch: under 1 MB)
-  base = {"model": name, "tokens_per_device": tokens, "devices": len(devices), "backend": jax.default_backend(),
-          "loss": "decoupled PPO, configs/mis.yaml", "placement": "colocated", "engine_weight_bytes": weights,
-          "generation_rows": COLOCATED_ROWS, "generation_prompt": COLOCATED_PROMPT, "generation_new": COLOCATED_NEW}
-  gen_peak = resident + max(gen["prefill"]["per_device_bytes"], gen["decode"]["per_device_bytes"])
-  return [{**base, "phase": "generation", "per_device_bytes": gen_peak, "engine_programs": gen},
-          {**base, "phase": "training, engine weights freed", "per_device_bytes": step["per_device_bytes"]},
-          {**base, "phase": "training, engine weights kept", "per_device_bytes": step["per_device_bytes"] + weights}]
+  out = []
+  for spread in (False, True):
+    gen = generation_programs(cfg, devices, spread=spread)
+    weights = gen.pop("weight_bytes")
+    kept = weights // len(devices) if spread else weights  # per device (FSDP splits every large weight)
+    base = {"model": name, "tokens_per_device": tokens, "devices": len(devices), "backend": jax.default_backend(),
+            "loss": "decoupled PPO, configs/mis.yaml", "placement": "colocated",
+            "colocated_devices": "mesh" if spread else "first", "engine_weight_bytes": weights,
+            "generation_rows": COLOCATED_ROWS, "generation_prompt": COLOCATED_PROMPT, "generation_new": COLOCATED_NEW}
+    gen_peak = resident + max(gen["prefill"]["per_device_bytes"], gen["decode"]["per_device_bytes"])
+    out += [{**base, "phase": "generation", "per_device_bytes": gen_peak, "engine_programs": gen},
+            {**base, "phase": "training, engine weights freed", "per_device_bytes": step["per_device_bytes"]},
+            {**base, "phase": "training, engine weights kept", "per_device_bytes": step["per_device_bytes"] + kept}]
+  return out
 
 
 PROXIMAL_TOKENS = 16384
@@ -238,7 +257,7 @@ def main(argv=None) -> int:
   parser.add_argument("--proximal", nargs="*", default=sorted(MODELS),
                       help="models whose step is compiled with the proximal log-probs recomputed and loglinear")
   parser.add_argument("--colocated", nargs="*", default=["qwen3-1.7b"],
-                      help="models whose colocated step (engine on the first device) is measured by phase")
+                      help="models whose colocated step (engine on the first device, and over the mesh) is measured by phase")
   parser.add_argument("--moe", nargs="*", default=sorted(MOE_MODELS), help="mixture-of-experts models to measure")
   args = parser.parse_args(argv)
   all_devices = jax.devices()
@@ -294,11 +313,12 @@ def main(argv=None) -> int:
   for name in ([] if args.quick else args.proximal):
     records += proximal_records(name, MODELS[name], PROXIMAL_TOKENS, devices)
   if not args.quick and args.colocated:
-    print(f"\n{'colocated':20s} {'tokens/dev':>10s} {'phase':>32s} {'per-device GB':>14s}")
+    print(f"\n{'colocated':20s} {'tokens/dev':>10s} {'phase (engine on)':>40s} {'per-device GB':>14s}")
   for name in ([] if args.quick else args.colocated):
     for rec in colocated_records(name, MODELS[name], PROXIMAL_TOKENS, devices):
       records.append(rec)
-      print(f"{name:20s} {rec['tokens_per_device']:10d} {rec['phase']:>32s} {rec['per_device_bytes'] / 1e9:14.2f}",
+      phase = f"{rec['phase']} ({rec['colocated_devices']})"
+      print(f"{name:20s} {rec['tokens_per_device']:10d} {phase:>40s} {rec['per_device_bytes'] / 1e9:14.2f}",
             flush=True)
   if args.json and not args.quick:
     os.makedirs(os.path.dirname(args.json), exist_ok=True)

@@ -8,6 +8,7 @@ import json
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import mis_jax
 from test_train import make_cfg
@@ -19,9 +20,9 @@ MIS = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(tis_mode="mask", ti
                                                              rs_veto_threshold=1e-4))
 
 
-def _run(cfg, urls, loss_cfg=MIS):
+def _run(cfg, urls, loss_cfg=MIS, trainer=None):
   """A run's per-step rollouts (what the trainer took), metrics, and final parameters (host)."""
-  trainer = train_lib.Trainer(cfg, loss_cfg, urls=urls)
+  trainer = trainer or train_lib.Trainer(cfg, loss_cfg, urls=urls)
   rollouts = []
   take = trainer.source.next
   trainer.source.next = lambda step: rollouts.append(take(step)) or rollouts[-1]
@@ -96,6 +97,38 @@ def test_float32_engine_holds_the_trainers_current_weights(tmp_path):
   assert not engine.released  # the last push brought them back
 
 
+def test_engine_over_the_mesh_equals_the_engine_on_one_device(tmp_path):
+  """`rollout.colocated_devices: mesh`: the engine's weights laid out as the trainer's over its 8
+  devices (each handover lands there too) and each batch's rows split over them. float32: every
+  step's samples are those of the engine on the first device, the log-probs agree to rounding, and
+  the engine reproduces the trainer's (`mis_k3_kl` < 1e-6)."""
+  runs = {}
+  for devices in ("first", "mesh"):
+    cfg = make_cfg(tmp_path, devices, model={"dtype": "float32"}, train={"steps": 2},
+                   rollout={"placement": "colocated", "server_dtype": "float32", "colocated_devices": devices})
+    trainer = train_lib.Trainer(cfg, MIS, urls=[])
+    sampler = trainer.servers.engine.sampler
+    rows, prefill = [], sampler._prefill
+    sampler._prefill = lambda params, ids, *a, **k: rows.append(getattr(ids, "sharding", None)) or prefill(
+        params, ids, *a, **k)
+    runs[devices] = _run(cfg, [], trainer=trainer) + (rows,)
+  (_, ra, ha, _, rows_first), (trainer, rb, hb, _, rows_mesh) = runs["first"], runs["mesh"]
+  for x, y in zip(ra, rb):
+    sx, sy = x.result.samples, y.result.samples
+    assert [s.response_ids for s in sx] == [s.response_ids for s in sy]
+    np.testing.assert_allclose(np.concatenate([s.rollout_logprobs for s in sx]),
+                               np.concatenate([s.rollout_logprobs for s in sy]), atol=2e-5)
+  assert all(h["mis_k3_kl"] < 1e-6 for h in ha + hb), [h["mis_k3_kl"] for h in ha + hb]
+  served = nnx.to_flat_state(trainer.servers.engine.sampler.params)
+  trained = dict(nnx.to_flat_state(trainer.fns.param_shardings))
+  assert all(var.get_value().sharding == trained[path].get_value() for path, var in served)
+  assert any(len(var.get_value().sharding.device_set) == 8 and not var.get_value().sharding.is_fully_replicated
+             for _, var in served)
+  assert rows_first == [None] * len(rows_first)
+  assert rows_mesh and all(r is not None and r.num_devices == 8 and r.spec[0] == ("data", "fsdp", "expert")
+                           for r in rows_mesh)
+
+
 def test_colocated_asynchronous_rollouts(tmp_path):
   """The producer thread generates on the engine while the trainer trains and pushes (paused in
   place): every trained sample is within `max_staleness` and the engine keeps its weights."""
@@ -119,5 +152,8 @@ def test_colocated_config_errors(tmp_path):
   cfg = make_cfg(tmp_path, rollout={"placement": "colocated", "engine": "sglang-jax", "server_dtype": "float32"})
   with pytest.raises(mis_jax.ConfigError, match=r"no sglang-jax .*run the trainer in its venv.*--prepare --trainer"):
     train_lib.Trainer(cfg, MIS, urls=[])
+  with pytest.raises(mis_jax.ConfigError, match="colocated_devices mesh lays out the embedded engine"):
+    train_lib.Trainer(make_cfg(tmp_path, rollout={"placement": "colocated", "engine": "sglang-jax",
+                                                  "colocated_devices": "mesh"}), MIS, urls=[])
   with pytest.raises(mis_jax.ConfigError, match="server_quantize 'int8' is the embedded engine's"):
     train_lib.Trainer(make_cfg(tmp_path, rollout={"engine": "sglang-jax", "server_quantize": "int8"}), MIS, urls=[])

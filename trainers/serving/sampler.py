@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from trainers.models import CausalLM
 
@@ -249,6 +251,8 @@ class Sampler:
     self.max_batch_size = _bucket(max_batch_size, 1)
     self._rng = np.random.default_rng(seed)
     self._traces = 0
+    self.rows: jax.sharding.NamedSharding | None = None  # `shard`: a batch's rows split over devices
+    self._row_split = 1
     self._prefill = jax.jit(functools.partial(self._counted(_prefill), self.graphdef),
                             static_argnames=("num_steps", "prompt_logprobs", "mask_width", "routed_experts"))
     self._decode = jax.jit(functools.partial(self._counted(_decode), self.graphdef),
@@ -268,6 +272,23 @@ class Sampler:
     if old != new:
       raise ValueError("new parameters differ in structure, shape or dtype")
     self.params = params
+
+  def shard(self, shardings: nnx.State, rows: jax.sharding.NamedSharding) -> None:
+    """Places the weights by `shardings` (a state of shardings, e.g. a trainer's FSDP/TP layout
+    on its mesh) and splits each batch's rows over `rows`' devices (`rows`: a sharding of
+    `[batch]` arrays; a batch that does not divide runs replicated). XLA then gathers each layer's
+    weights while decoding, and the KV cache is split with the rows."""
+    self.set_params(jax.device_put(self.params, shardings))
+    axes = [a for entry in rows.spec for a in ((entry,) if isinstance(entry, str) else entry or ())]
+    self.rows, self._row_split = rows, math.prod(rows.mesh.shape[a] for a in axes)
+
+  def _placed_rows(self, *arrays: np.ndarray) -> tuple:
+    """`arrays` (`[batch, ...]`) split over `self.rows` when the batch divides (else as given)."""
+    if self.rows is None or arrays[0].shape[0] % self._row_split:
+      return arrays
+    spec = self.rows.spec
+    return tuple(jax.device_put(a, self.rows.update(spec=P(*spec, *([None] * (a.ndim - len(spec))))))
+                 for a in arrays)
 
   @property
   def num_compiled(self) -> int:
@@ -345,6 +366,8 @@ class Sampler:
     routed = any(r[3].routed_experts for r in rows)
     if routed and not self.config.is_moe:
       raise ValueError("routed experts were asked of a dense model")
+    ids, lens, seeds, temp, top_p, min_p, top_k, max_new, stop = self._placed_rows(
+        ids, lens, seeds, temp, top_p, min_p, top_k, max_new, stop)
     state = self._prefill(current[0], ids, lens, temp, max_new, num_steps=num_steps, prompt_logprobs=prompt_logprobs,
                           mask_width=mask_width, routed_experts=routed)
     starts = [[(current[1], 0)] for _ in rows]  # per row: (version, first output token it generated)

@@ -80,6 +80,9 @@ def check_sglang_jax(cfg) -> None:
                               "serves the checkpoint's dtype (rollout.server_dtype): set server_quantize none")
   if r.server_dtype not in ("float32", "bfloat16"):
     raise mis_jax.ConfigError(f"rollout.server_dtype {r.server_dtype!r}: sglang-jax serves float32 or bfloat16")
+  if r.placement == "colocated" and r.colocated_devices == "mesh":
+    raise mis_jax.ConfigError("rollout.colocated_devices mesh lays out the embedded engine; sglang-jax's Engine "
+                              "places itself (its own mesh and tp_size): set colocated_devices first")
   if r.placement == "colocated" and importlib.util.find_spec("sgl_jax") is None:
     raise mis_jax.ConfigError(
         "rollout.placement colocated with rollout.engine sglang-jax runs sglang-jax's Engine in the trainer's "

@@ -9,8 +9,9 @@ weight push hands the trainer's parameters to the engine — cast to `rollout.we
 disk path would write them, then to the served dtype (quantised as `rollout.server_quantize`
 says), moved to the engine's devices — instead of writing safetensors for a server to read.
 
-Memory: the engine holds one copy of the weights in the served dtype on the first device of the
-mesh, and its KV cache lives only inside a generation call. In the synchronous loop that copy is
+Memory: the engine holds one copy of the weights in the served dtype, on the first device of the
+mesh (`rollout.colocated_devices: first`) or laid out over the whole mesh as the trainer's are
+(`mesh`), and its KV cache lives only inside a generation call. In the synchronous loop that copy is
 freed once the step's rollouts are generated (the training step has the devices to itself) and
 the push after the step brings the new weights.
 """
@@ -21,12 +22,14 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from trainers.models import DTYPES
 from trainers.models.hf_io import hf_arrays, param_leaves
 from trainers.serving import protocol
 from trainers.serving.generation import GenerationEngine
 from trainers.training.rollout import RolloutResult, ServerError, SGLangClient
+from trainers.training import parallel
 from trainers.training.servers import Servers
 
 
@@ -78,9 +81,11 @@ class EngineClient(SGLangClient):
 class ColocatedEngine(Servers):
   """The servers' side of the loop, with the embedded engine in this process (see the module doc)."""
 
-  def __init__(self, cfg, *, start_dir: str, model_config, sampling, log=print):
+  def __init__(self, cfg, *, start_dir: str, model_config, sampling, mesh=None, log=print):
     self.engine = self._start_engine(cfg, start_dir, model_config)
     r = cfg.rollout
+    if r.colocated_devices == "mesh":
+      self._spread(mesh, model_config)
     client = EngineClient(self.engine, max_concurrency=r.max_concurrency, prompts_per_request=r.prompts_per_request)
     super().__init__(cfg, urls=[EngineClient.URL], start_dir=start_dir, model_config=model_config, sampling=sampling,
                      log=log, client=client)
@@ -96,6 +101,13 @@ class ColocatedEngine(Servers):
 
   def _handover(self, params, version: str) -> tuple[bool, str]:
     return self.engine.update_weights(params, version)
+
+  def _spread(self, mesh, model_config) -> None:
+    """`rollout.colocated_devices: mesh`: the engine's weights in the trainer's layout on its mesh
+    (every later handover lands there too), each batch's rows split over the data axes."""
+    sampler = self.engine.sampler
+    rows = NamedSharding(mesh, P(parallel.BATCH_AXES))
+    sampler.shard(parallel.param_shardings(sampler.params, mesh, model_config.family), rows)
 
   def generate(self, prompt_ids: list, batch: int) -> RolloutResult:
     result = super().generate(prompt_ids, batch)

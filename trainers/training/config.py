@@ -105,6 +105,10 @@ class RolloutSection:
   placement: str = key("server", "where rollouts are generated: SGLang servers over HTTP (`server`; the embedded "
                                  "one by default), or the embedded engine inside the trainer's process, on its "
                                  "devices, weights handed over in memory (`colocated`)", choices=("server", "colocated"))
+  colocated_devices: str = key("first", "colocated: where the embedded engine lives — the mesh's `first` device (a "
+                               "model that fits one device; no collectives while decoding), or the whole `mesh`: "
+                               "its weights laid out as the trainer's (FSDP/TP), each batch's rows split over the "
+                               "data axes", choices=("first", "mesh"))
   engine: str = key("embedded", "the engine that generates: this package's (`embedded`: `mis-jax serve`, or in "
                     "process when colocated) or sglang-jax (`sglang-jax`: its server from its venv, or, colocated, "
                     "its Engine in the trainer's process — run the trainer in its venv, docs/guides/trainer.md)",

@@ -135,7 +135,7 @@ class Trainer:
           raise mis_jax.ConfigError(f"rollout.placement colocated generates in the trainer: no server URL is used, "
                                     f"got {', '.join(urls)}")
         engine = SGLangJaxColocated if r.engine == "sglang-jax" else ColocatedEngine
-        self.servers = engine(cfg, start_dir=start_dir, model_config=model_cfg, sampling=sampling)
+        self.servers = engine(cfg, start_dir=start_dir, model_config=model_cfg, sampling=sampling, mesh=self.mesh)
       else:
         self.servers = Servers(cfg, urls=urls, start_dir=start_dir, model_config=model_cfg, sampling=sampling)
       self.source = (AsyncServerRollouts(self.servers, self.prompts, r.max_rejected_fraction, r.max_staleness,
