@@ -49,7 +49,7 @@ def _run(raw: dict, out: str) -> None:
                "routed_experts": None if s.routed_experts is None else np.asarray(s.routed_experts).tolist()}
               for s in x.result.samples] for x in rollouts]
   with open(os.path.join(out, "run.json"), "w") as f:
-    json.dump({"samples": samples, "history": history}, f, default=float)
+    json.dump({"samples": samples, "history": history, "trainer_devices": trainer.mesh.size}, f, default=float)
   leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(trainer.params))[0]
   np.savez(os.path.join(out, "params.npz"), **{jax.tree_util.keystr(p): np.asarray(x) for p, x in leaves})
 

@@ -250,12 +250,13 @@ def test_routing_replay_r3_with_a_push_every_step(tmp_path):
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_jax_colocated_driver.py")
 
 
-def _in_engine_venv(configs: dict, tmp_path) -> dict:
-  """Runs each config through the trainer inside sglang-jax's venv (the driver); what each run
-  took and trained: `{name: (run.json, params)}`."""
+def _in_engine_venv(configs: dict, tmp_path, devices: int = 1) -> dict:
+  """Runs each config through the trainer inside sglang-jax's venv (the driver) on `devices` CPU
+  devices; what each run took and trained: `{name: (run.json, params)}`."""
   path = tmp_path / "configs.json"
   path.write_text(json.dumps(configs))
-  env = {**sglang_jax.engine_env(), "PYTHONPATH": os.pathsep.join([os.getcwd(), os.path.dirname(DRIVER)])}
+  env = {**sglang_jax.engine_env(), "PYTHONPATH": os.pathsep.join([os.getcwd(), os.path.dirname(DRIVER)]),
+         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
   done = subprocess.run([engine_python(), DRIVER, str(path), str(tmp_path / "out")], env=env, capture_output=True,
                         text=True, timeout=900)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
@@ -307,9 +308,10 @@ def test_colocated_sglang_jax_equals_its_server(checkpoints, tmp_path):
 
 
 def test_colocated_sglang_jax_moe_routing_replay(tmp_path):
-  """A tiny Qwen3-MoE in sglang-jax's Engine inside the trainer (float32): its routed experts
-  replayed (R3) at every step, its stacked expert weights swapped in memory from the trainer's
-  after every step — so every step routes as the trainer does and the log-probs agree (k3 0)."""
+  """A tiny Qwen3-MoE in sglang-jax's Engine inside the trainer (float32; the trainer FSDP over 2
+  devices, the engine on the first): its routed experts replayed (R3) at every step, its stacked
+  expert weights swapped in memory from the trainer's after every step — so every step routes as
+  the trainer does and the log-probs agree (k3 0)."""
   config = dataclasses.replace(PRESETS["tiny-qwen3-moe"], head_dim=128, num_attention_heads=2, num_key_value_heads=1,
                                initializer_range=0.1)
   path = str(tmp_path / "moe")
@@ -319,7 +321,8 @@ def test_colocated_sglang_jax_moe_routing_replay(tmp_path):
                 rollout={"engine": "sglang-jax", "placement": "colocated", "server_dtype": "float32",
                          "max_new_tokens": 4, "routing_replay": "r3"},
                 train={"steps": 3, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 3})
-  (run, _), = _in_engine_venv({"moe": raw}, tmp_path).values()
+  (run, _), = _in_engine_venv({"moe": raw}, tmp_path, devices=2).values()
+  assert run["trainer_devices"] == 2
   assert [h["server_weight_version"] for h in run["history"]] == ["0", "1", "2"]
   assert all(s["routed_experts"] is not None for step in run["samples"] for s in step)
   for h in run["history"]:

@@ -179,6 +179,7 @@ class WeightUpdates:
     self._splits: dict[str, list[tuple[str, int]]] = {}
     self._gate = None
     self._transfer = None  # (served leaves it fills, compiled program), for in-memory updates
+    self._loading = threading.Lock()  # one load at a time: the in-memory trace patches its loader class
 
   # ---- wiring -------------------------------------------------------------------------------
   def attach(self, tokenizer_manager, scheduler) -> None:
@@ -275,7 +276,8 @@ class WeightUpdates:
     runner = self.model_runner
     model_config = copy.copy(runner.model_config)  # the loader writes model_path into it
     model_config.model_path = path
-    leaves = self._checked(runner.model_loader.load_model(model_config=model_config), repr(path))
+    with self._loading:
+      leaves = self._checked(runner.model_loader.load_model(model_config=model_config), repr(path))
     out = [old if new is None else new if new.sharding == old.sharding else jax.device_put(new, old.sharding)
            for new, old in zip(leaves, runner.model_state_leaves)]
     return jax.block_until_ready(out)
@@ -300,8 +302,15 @@ class WeightUpdates:
       placed = [i for i, old in enumerate(served) if not _placeholder(old)]
       self._transfer = (placed, jax.jit(self._transferred(placed), out_shardings=[served[i].sharding for i in placed]))
     placed, transfer = self._transfer
+    mesh = runner.model_loader.mesh
+    devices = set(mesh.devices.flat)
+    if any(not isinstance(t, jax.Array) or t.sharding.device_set != devices for t in tensors.values()):
+      # Host arrays, or arrays on other devices (a trainer's mesh): replicated onto the engine's first.
+      tensors = jax.device_put(tensors, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     out = list(served)
-    for i, leaf in zip(placed, transfer(tensors)):
+    with self._loading:
+      new = transfer(tensors)
+    for i, leaf in zip(placed, new):
       out[i] = leaf
     return jax.block_until_ready(out)
 

@@ -26,10 +26,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from trainers.models import DTYPES
 from trainers.models.hf_io import hf_arrays, param_leaves
-from trainers.serving import protocol
 from trainers.serving.generation import GenerationEngine
-from trainers.training.rollout import RolloutResult, ServerError, SGLangClient
 from trainers.training import parallel
+from trainers.training.rollout import RolloutResult, ServerError, SGLangClient
 from trainers.training.servers import Servers
 
 
@@ -150,6 +149,10 @@ class SGLangJaxColocated(ColocatedEngine):
   def __init__(self, cfg, **kwargs):
     super().__init__(cfg, **kwargs)
     self.release_between_steps = False
+    # The trainer's state as HF-named arrays (each stacked layer sliced, kernels transposed), in
+    # one compiled program rather than op by op.
+    self._hf_named = jax.jit(lambda params: {name: a for path, var in param_leaves(params)
+                                             for name, a in hf_arrays(path, var.get_value(), self.model_config).items()})
 
   @staticmethod
   def _start_engine(cfg, start_dir: str, model_config):
@@ -157,10 +160,8 @@ class SGLangJaxColocated(ColocatedEngine):
     from trainers.serving.sglang_jax_routes import InProcessEngine  # in sglang-jax's venv only (checks.py)
     args = sglang_jax.engine_args(start_dir, dtype=cfg.rollout.server_dtype,
                                   enable_return_routed_experts=model_config.is_moe,
-                                  extra=("--random-seed", str(cfg.seed)))
+                                  extra=("--random-seed", str(cfg.seed), "--device-indexes", "0"))
     return InProcessEngine(args, weight_version="0")
 
   def _handover(self, params, version: str) -> tuple[bool, str]:
-    tensors = {name: a for path, var in param_leaves(params)
-               for name, a in hf_arrays(path, var.get_value(), self.model_config).items()}
-    return self.engine.update_weights(tensors, version)
+    return self.engine.update_weights(self._hf_named(params), version)

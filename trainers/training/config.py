@@ -19,7 +19,7 @@ import mis_jax
 from mis_jax import config_fields as fields_of, config_key as key, load_yaml, parse_config_value as parse_value
 
 DTYPES = ("float32", "bfloat16")  # trainers.models.DTYPES' names (a test checks)
-PRESET_NAMES = ("tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-qwen3-untied")
+PRESET_NAMES = ("tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-hd128", "tiny-qwen3-moe", "tiny-qwen3-untied")
 ATTENTION = ("dense", "blocked", "fused")    # trainers.models.attention.ATTENTION_BACKENDS
 REMAT = ("none", "full", "dots")             # trainers.models.decoder.REMAT_POLICIES
 MOE_DISPATCH = ("dense", "grouped", "ragged_dot")  # trainers.models.moe.MOE_DISPATCH
