@@ -15,6 +15,7 @@ from test_train import make_cfg
 from trainers.models import init_checkpoint
 from trainers.serving.server import EmbeddedServer
 from trainers.training import train as train_lib
+from trainers.training.config import TrainConfig
 
 MIS = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(tis_mode="mask", tis_lower_bound=0.5, tis_upper_bound=2.0,
                                                              rs_veto_threshold=1e-4))
@@ -148,8 +149,10 @@ def test_colocated_config_errors(tmp_path):
     train_lib.Trainer(make_cfg(tmp_path, rollout={"placement": "colocated"}), MIS, urls=["http://127.0.0.1:9"])
   with pytest.raises(mis_jax.ConfigError, match="placement"):
     make_cfg(tmp_path, rollout={"placement": "remote"})
-  # sglang-jax colocated runs its Engine in this process: here (Python 3.11) it cannot, and says where it can.
-  cfg = make_cfg(tmp_path, rollout={"placement": "colocated", "engine": "sglang-jax", "server_dtype": "float32"})
+  # sglang-jax colocated (the shipped configs/sglang_jax.yaml) runs its Engine in this process: here
+  # (Python 3.11) it cannot, and says where it can.
+  cfg = TrainConfig.from_yaml("configs/sglang_jax.yaml").replace(run_dir=str(tmp_path / "sglang-jax"))
+  assert (cfg.rollout.engine, cfg.rollout.placement) == ("sglang-jax", "colocated")
   with pytest.raises(mis_jax.ConfigError, match=r"no sglang-jax .*run the trainer in its venv.*--prepare --trainer"):
     train_lib.Trainer(cfg, MIS, urls=[])
   with pytest.raises(mis_jax.ConfigError, match="colocated_devices mesh lays out the embedded engine"):
