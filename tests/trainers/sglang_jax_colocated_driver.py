@@ -18,6 +18,7 @@ import sys
 import jax
 import numpy as np
 
+from trainers.models import ModelConfig
 from trainers.serving import sglang_jax
 from trainers.training import train as train_lib
 from trainers.training.config import TrainConfig
@@ -34,7 +35,8 @@ def _run(raw: dict, out: str) -> None:
     urls = []
     if r.placement == "server":
       server = stack.enter_context(sglang_jax.SGLangJaxServer(
-          cfg.model.path, dtype=r.server_dtype, weight_version="0", extra=("--random-seed", str(cfg.seed))))
+          cfg.model.path, dtype=r.server_dtype, weight_version="0", extra=("--random-seed", str(cfg.seed)),
+          enable_return_routed_experts=ModelConfig.from_pretrained(cfg.model.path).is_moe))
       urls = [server.url]
     trainer = train_lib.Trainer(cfg, urls=urls)
     rollouts = []
@@ -62,7 +64,8 @@ def _refusals(trainer, out: str) -> None:
 
   tensors = {name: a for path, var in param_leaves(trainer.params)
              for name, a in hf_arrays(path, var.get_value(), trainer.model_config).items()}
-  engine = InProcessEngine(sglang_jax.engine_args(trainer.cfg.model.path, dtype="float32"), weight_version="0")
+  engine = InProcessEngine(sglang_jax.engine_args(trainer.cfg.model.path, dtype="float32",
+                                                  extra=("--device-indexes", "0")), weight_version="0")
   try:
     before = engine.generate_body(dict(GREEDY))
     bad = {"missing": {k: v for k, v in tensors.items() if k != "model.norm.weight"},

@@ -226,79 +226,83 @@ def _write_tokenizer(path: str, vocab_size: int) -> None:
                           unk_token="<pad>").save_pretrained(path)
 
 
-def test_routing_replay_r3_with_a_push_every_step(tmp_path):
-  """A tiny Qwen3-MoE served by sglang-jax with --enable-return-routed-experts: its routed
-  experts (SGLang's wire format, computed by another implementation) are replayed by the
-  trainer; the engine takes the weights after every step, and in float32 every step routes as
-  the trainer does (no routing mismatch) with k3 0."""
-  config = dataclasses.replace(PRESETS["tiny-qwen3-moe"], head_dim=128, num_attention_heads=2, num_key_value_heads=1,
-                               initializer_range=0.1)
-  path = str(tmp_path / "moe")
-  init_checkpoint(path, config=config, seed=0)
-  _write_tokenizer(path, config.vocab_size)
-  with start(path, tmp_path, dtype="float32", enable_return_routed_experts=True) as server:
-    cfg = make_cfg(tmp_path, "r3", model={"path": path},
-                   rollout={"server_dtype": "float32", "max_new_tokens": 4, "sync_every": 1, "routing_replay": "r3"},
-                   train={"steps": 5, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 5})
-    history = train_lib.Trainer(cfg, LOSS, urls=[server.url]).run(progress=False)
-  assert [h["server_weight_version"] for h in history] == ["0", "1", "2", "3", "4"]
-  for h in history:
-    assert h["routing_positions"] > 0 and h["routing_mismatch_frac"] == 0, h
-    assert h["mis_k3_kl"] < 1e-6 and h["train_rollout_logprob_abs_diff"] < 1e-4, h
-
-
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_jax_colocated_driver.py")
 
 
-def _in_engine_venv(configs: dict, tmp_path, devices: int = 1) -> dict:
-  """Runs each config through the trainer inside sglang-jax's venv (the driver) on `devices` CPU
-  devices; what each run took and trained: `{name: (run.json, params)}`."""
-  path = tmp_path / "configs.json"
+def _in_engine_venv(configs: dict, root, devices: int) -> dict:
+  """Runs each config through the trainer inside sglang-jax's venv (the driver, one process for
+  all) on `devices` CPU devices; what each run took and trained: `{name: (run.json, params)}`."""
+  path = root / "configs.json"
   path.write_text(json.dumps(configs))
   env = {**sglang_jax.engine_env(), "PYTHONPATH": os.pathsep.join([os.getcwd(), os.path.dirname(DRIVER)]),
          "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
-  done = subprocess.run([engine_python(), DRIVER, str(path), str(tmp_path / "out")], env=env, capture_output=True,
+  done = subprocess.run([engine_python(), DRIVER, str(path), str(root / "out")], env=env, capture_output=True,
                         text=True, timeout=900)
   assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
   out = {}
   for name in configs:
-    with open(tmp_path / "out" / name / "run.json") as f:
+    with open(root / "out" / name / "run.json") as f:
       run = json.load(f)
-    with np.load(tmp_path / "out" / name / "params.npz") as params:
+    with np.load(root / "out" / name / "params.npz") as params:
       out[name] = (run, dict(params))
   return out
 
 
-def test_colocated_sglang_jax_equals_its_server(checkpoints, tmp_path):
-  """sglang-jax's Engine inside the trainer's process (its venv), the trainer's weights swapped
-  into its model runner in memory after every step, against the same run with sglang-jax behind
-  its HTTP server taking them from safetensors on disk: every step's samples, log-probs and
-  versions, the metrics and the parameters after 3 steps x 2 epochs are equal; float32 engine and
-  trainer, so the rollout log-probs are the trainer's to rounding at every step (`mis_k3_kl` <
-  1e-6: the weights handed over are the ones just trained). Bad in-memory updates are refused by
-  name and leave the old weights serving."""
-  common = dict(model={"path": checkpoints["start"], "dtype": "float32"},
-                loss={"use_tis": True, "mis": {"use_rs": True, "tis_mode": "mask"}},
-                train={"steps": 3, "row_len": 16}, checkpoint={"every": 3})
+@pytest.fixture(scope="module")
+def engine_venv_runs(checkpoints, tmp_path_factory):
+  """The trainer in sglang-jax's venv, with sglang-jax colocated and behind its HTTP server (float32
+  engine and trainer, the trainer FSDP over 2 devices, the colocated engine on the first): the
+  dense model for 2 steps x 2 epochs (then bad in-memory updates, `errors.json`), and a tiny
+  Qwen3-MoE (its tokenizer: sglang-jax returns routed experts through its detokenizer) replaying the
+  engine's routed experts (R3) for 3 steps."""
+  root = tmp_path_factory.mktemp("engine-venv")
+  config = dataclasses.replace(PRESETS["tiny-qwen3-moe"], head_dim=128, num_attention_heads=2, num_key_value_heads=1,
+                               initializer_range=0.1)
+  moe = str(root / "moe-init")
+  init_checkpoint(moe, config=config, seed=0)
+  _write_tokenizer(moe, config.vocab_size)
+  loss = {"use_tis": True, "mis": {"use_rs": True, "tis_mode": "mask"}}
   rollout = {"engine": "sglang-jax", "server_dtype": "float32", "max_new_tokens": 4}
-  runs = _in_engine_venv({
-      "server": raw_cfg(tmp_path, "server", rollout={**rollout, "placement": "server"}, **common),
-      "colocated": {**raw_cfg(tmp_path, "colocated", rollout={**rollout, "placement": "colocated"}, **common),
-                    "errors": True}}, tmp_path)
-  (a, pa), (b, pb) = runs["server"], runs["colocated"]
-  assert a["samples"] == b["samples"]  # ids, log-probs (exact), weight_versions spans
-  assert [len(s) for s in b["samples"]] == [16, 16, 16]
+  configs = {}
+  for placement in ("server", "colocated"):
+    configs[placement] = raw_cfg(root, placement, model={"path": checkpoints["start"], "dtype": "float32"}, loss=loss,
+                                 rollout={**rollout, "placement": placement}, train={"steps": 2, "row_len": 16},
+                                 checkpoint={"every": 2})
+    configs[f"moe-{placement}"] = raw_cfg(root, f"moe-{placement}", model={"path": moe, "dtype": "float32"}, loss=loss,
+                                          rollout={**rollout, "placement": placement, "routing_replay": "r3"},
+                                          train={"steps": 3, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 3})
+  configs["colocated"]["errors"] = True
+  return root, _in_engine_venv(configs, root, devices=2)
+
+
+def _assert_same_runs(a, b):
+  (ra, pa), (rb, pb) = a, b
+  assert ra["samples"] == rb["samples"]  # ids, log-probs (exact), weight_versions spans, routed experts
   for key in ("reward_mean", "loss", "pg_loss", "grad_norm", "mis_k3_kl", "train_rollout_logprob_abs_diff"):
-    assert [h[key] for h in a["history"]] == [h[key] for h in b["history"]], key
+    assert [h[key] for h in ra["history"]] == [h[key] for h in rb["history"]], key
   assert pa.keys() == pb.keys()
   for name in pa:
     np.testing.assert_array_equal(pa[name], pb[name], err_msg=name)
-  history = b["history"]
-  assert [h["server_weight_version"] for h in history] == ["0", "1", "2"]
+  assert rb["trainer_devices"] == 2
+  assert all("sync/handover_s" in h and "sync/write_s" not in h for h in rb["history"])
+  assert all("sync/write_s" in h for h in ra["history"])
+
+
+def test_colocated_sglang_jax_equals_its_server(engine_venv_runs):
+  """sglang-jax's Engine inside the trainer's process (its venv), the trainer's weights swapped
+  into its model runner in memory after every step, against the same run with sglang-jax behind
+  its HTTP server taking them from safetensors on disk: every step's samples, log-probs and
+  versions, the metrics and the parameters after 2 steps x 2 epochs are equal; float32 engine and
+  trainer, so the rollout log-probs are the trainer's to rounding at every step (`mis_k3_kl` <
+  1e-6: the weights handed over are the ones just trained). Bad in-memory updates are refused by
+  name and leave the old weights serving."""
+  root, runs = engine_venv_runs
+  _assert_same_runs(runs["server"], runs["colocated"])
+  history = runs["colocated"][0]["history"]
+  assert [len(s) for s in runs["colocated"][0]["samples"]] == [16, 16]
+  assert [h["server_weight_version"] for h in history] == ["0", "1"]
   assert all(h["mis_k3_kl"] < 1e-6 for h in history), [h["mis_k3_kl"] for h in history]
-  assert all("sync/handover_s" in h and "sync/write_s" not in h for h in history)
-  assert all("sync/write_s" in h for h in a["history"])
-  with open(tmp_path / "out" / "colocated" / "errors.json") as f:
+  with open(root / "out" / "colocated" / "errors.json") as f:
     errors = json.load(f)
   for case, named in (("missing", "model.norm.weight"), ("extra", "model.layers.0.mlp.extra.weight"),
                       ("shape", "norm")):
@@ -307,27 +311,21 @@ def test_colocated_sglang_jax_equals_its_server(checkpoints, tmp_path):
   assert errors["good"]["ok"] and errors["good"]["version"] == "final", errors["good"]
 
 
-def test_colocated_sglang_jax_moe_routing_replay(tmp_path):
-  """A tiny Qwen3-MoE in sglang-jax's Engine inside the trainer (float32; the trainer FSDP over 2
-  devices, the engine on the first): its routed experts replayed (R3) at every step, its stacked
-  expert weights swapped in memory from the trainer's after every step — so every step routes as
-  the trainer does and the log-probs agree (k3 0)."""
-  config = dataclasses.replace(PRESETS["tiny-qwen3-moe"], head_dim=128, num_attention_heads=2, num_key_value_heads=1,
-                               initializer_range=0.1)
-  path = str(tmp_path / "moe")
-  init_checkpoint(path, config=config, seed=0)
-  _write_tokenizer(path, config.vocab_size)
-  raw = raw_cfg(tmp_path, "moe", model={"path": path, "dtype": "float32"},
-                rollout={"engine": "sglang-jax", "placement": "colocated", "server_dtype": "float32",
-                         "max_new_tokens": 4, "routing_replay": "r3"},
-                train={"steps": 3, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 3})
-  (run, _), = _in_engine_venv({"moe": raw}, tmp_path, devices=2).values()
-  assert run["trainer_devices"] == 2
+def test_routing_replay_r3_colocated_and_through_its_server(engine_venv_runs):
+  """A tiny Qwen3-MoE served by sglang-jax with --enable-return-routed-experts, behind its HTTP
+  server and in its Engine inside the trainer: its routed experts (SGLang's wire format, computed
+  by another implementation) replayed by the trainer (R3), the engine taking the weights after
+  every step — its stacked expert weights swapped in memory when colocated. Both take the same
+  samples and experts and reach the same parameters, and in float32 every step routes as the
+  trainer does (no routing mismatch) with k3 0."""
+  _, runs = engine_venv_runs
+  _assert_same_runs(runs["moe-server"], runs["moe-colocated"])
+  run = runs["moe-colocated"][0]
   assert [h["server_weight_version"] for h in run["history"]] == ["0", "1", "2"]
   assert all(s["routed_experts"] is not None for step in run["samples"] for s in step)
   for h in run["history"]:
     assert h["routing_positions"] > 0 and h["routing_mismatch_frac"] == 0, h
-    assert h["mis_k3_kl"] < 1e-6, h
+    assert h["mis_k3_kl"] < 1e-6 and h["train_rollout_logprob_abs_diff"] < 1e-4, h
 
 
 def test_the_launched_code_imports_only_what_the_engine_venv_has():
