@@ -60,10 +60,9 @@ def _refusals(trainer, out: str) -> None:
   """A fresh in-process engine on the starting weights takes three bad in-memory updates (each
   refused, the old weights serving on), then the trainer's final weights."""
   from trainers.serving.sglang_jax_routes import InProcessEngine
-  from trainers.models.hf_io import hf_arrays, param_leaves
+  from trainers.models.hf_io import hf_named
 
-  tensors = {name: a for path, var in param_leaves(trainer.params)
-             for name, a in hf_arrays(path, var.get_value(), trainer.model_config).items()}
+  tensors = hf_named(trainer.params, trainer.model_config)
   engine = InProcessEngine(sglang_jax.engine_args(trainer.cfg.model.path, dtype="float32",
                                                   extra=("--device-indexes", "0")), weight_version="0")
   try:

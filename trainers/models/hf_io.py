@@ -74,6 +74,12 @@ def hf_arrays(path: tuple, x, config: ModelConfig | None = None) -> dict[str, ob
   return {hf: fix(x[idx]) for hf, idx in _stacked_names(name, x.shape)}
 
 
+def hf_named(params: nnx.State, config: ModelConfig) -> dict[str, object]:
+  """A parameter state as `{hf_name: array}` in HF layout, the arrays where they are (traceable:
+  colocated rollouts compile it)."""
+  return {name: a for path, var in param_leaves(params) for name, a in hf_arrays(path, var.get_value(), config).items()}
+
+
 def hf_state_dict(model: CausalLM, *, dtype: str | None = None) -> dict[str, np.ndarray]:
   """The model's parameters as `{hf_name: array}` in HF layout, cast to `dtype` if given."""
   out = {}

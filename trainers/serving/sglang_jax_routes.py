@@ -530,7 +530,7 @@ class InProcessEngine:
   as its HTTP server ignores them), its reply as the HTTP server's (`weight_version` stamped);
   `update_weights(tensors, version)` swaps in `{HF name: array}` without files."""
 
-  def __init__(self, argv: list[str], weight_version: str = "default"):
+  def __init__(self, argv: list[str], weight_version: str = "default", timeout_s: float | None = None):
     from sgl_jax.srt.entrypoints.engine import Engine
     from sgl_jax.srt.server_args import ServerArgs
 
@@ -538,11 +538,17 @@ class InProcessEngine:
     server_args.enable_single_process = True
     server_args.enable_engine_loop_run_forever_daemon = True  # callable from any thread
     self.engine = Engine(server_args=server_args)
+    self.timeout_s = timeout_s  # of one generate call (TimeoutError), as an HTTP client's
     self.updates = WeightUpdates(weight_version)
     self.updates.attach(self.engine.tokenizer_manager, self.engine.scheduler_info["scheduler"])
 
-  def _run(self, coro):
-    return asyncio.run_coroutine_threadsafe(coro, self.engine.loop).result()
+  def _run(self, coro, timeout_s: float | None = None):
+    future = asyncio.run_coroutine_threadsafe(coro, self.engine.loop)
+    try:
+      return future.result(timeout_s)
+    except concurrent.futures.TimeoutError:
+      future.cancel()
+      raise TimeoutError(f"no reply from sglang-jax's Engine within {timeout_s} s") from None
 
   def generate_body(self, body: dict):
     import dataclasses
@@ -556,7 +562,7 @@ class InProcessEngine:
 
     async def first():
       return await self.updates.tokenizer_manager.generate_request(obj, None).__anext__()
-    return self._run(first())
+    return self._run(first(), self.timeout_s)
 
   def pause(self, mode: str) -> None:
     self._run(self.updates.pause(mode))

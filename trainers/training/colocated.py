@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from trainers.models import DTYPES
-from trainers.models.hf_io import hf_arrays, param_leaves
+from trainers.models.hf_io import hf_named
 from trainers.serving.generation import GenerationEngine
 from trainers.training import parallel
 from trainers.training.rollout import RolloutResult, ServerError, SGLangClient
@@ -62,6 +62,8 @@ class EngineClient(SGLangClient):
         return None
     except ValueError as e:  # the engine's request errors (SGLang's 400s)
       raise ServerError(f"the colocated engine rejected {path}: {e}", status=getattr(e, "status_code", 400)) from None
+    except TimeoutError as e:
+      raise ServerError(f"the colocated engine timed out on {path}: {e}") from None
     raise ServerError(f"the colocated engine has no route {method} {path}", status=404)
 
   def is_healthy(self, url: str, timeout_s: float = 5.0) -> bool:
@@ -151,8 +153,7 @@ class SGLangJaxColocated(ColocatedEngine):
     self.release_between_steps = False
     # The trainer's state as HF-named arrays (each stacked layer sliced, kernels transposed), in
     # one compiled program rather than op by op.
-    self._hf_named = jax.jit(lambda params: {name: a for path, var in param_leaves(params)
-                                             for name, a in hf_arrays(path, var.get_value(), self.model_config).items()})
+    self._hf_named = jax.jit(lambda params: hf_named(params, self.model_config))
 
   @staticmethod
   def _start_engine(cfg, start_dir: str, model_config):
@@ -161,7 +162,7 @@ class SGLangJaxColocated(ColocatedEngine):
     args = sglang_jax.engine_args(start_dir, dtype=cfg.rollout.server_dtype,
                                   enable_return_routed_experts=model_config.is_moe,
                                   extra=("--random-seed", str(cfg.seed), "--device-indexes", "0"))
-    return InProcessEngine(args, weight_version="0")
+    return InProcessEngine(args, weight_version="0", timeout_s=cfg.rollout.timeout_s)
 
   def _handover(self, params, version: str) -> tuple[bool, str]:
     return self.engine.update_weights(self._hf_named(params), version)
