@@ -82,6 +82,8 @@ class EngineClient(SGLangClient):
 class ColocatedEngine(Servers):
   """The servers' side of the loop, with the embedded engine in this process (see the module doc)."""
 
+  RELEASES_WEIGHTS = True  # its engine can free its weights between a step's rollouts and the push
+
   def __init__(self, cfg, *, start_dir: str, model_config, sampling, mesh=None, log=print):
     self.engine = self._start_engine(cfg, start_dir, model_config)
     r = cfg.rollout
@@ -92,7 +94,7 @@ class ColocatedEngine(Servers):
                      log=log, client=client)
     # Free the engine's weights while the trainer trains: only where every step pushes new ones
     # and nothing generates during the step.
-    self.release_between_steps = r.sync_every == 1 and r.max_staleness == 0
+    self.release_between_steps = self.RELEASES_WEIGHTS and r.sync_every == 1 and r.max_staleness == 0
 
   @staticmethod
   def _start_engine(cfg, start_dir: str, model_config):
@@ -148,9 +150,10 @@ class SGLangJaxColocated(ColocatedEngine):
   in memory as HF-named arrays placed by its own weight map (`InProcessEngine.update_weights`).
   Its weights and preallocated KV pool stay resident between steps."""
 
+  RELEASES_WEIGHTS = False
+
   def __init__(self, cfg, **kwargs):
     super().__init__(cfg, **kwargs)
-    self.release_between_steps = False
     # The trainer's state as HF-named arrays (each stacked layer sliced, kernels transposed), in
     # one compiled program rather than op by op.
     self._hf_named = jax.jit(lambda params: hf_named(params, self.model_config))
