@@ -27,6 +27,7 @@ class FakeSGLang:
     self.generate_delay_s, self.update_delay_s = generate_delay_s, update_delay_s
     self.events: list[tuple[str, float, float]] = []  # (route, start, end) of timed requests
     self.requests: list[tuple[str, str]] = []
+    self.bodies: list[tuple[str, dict]] = []  # (route, body) of every POST
     self.generate_calls = 0
     self.weight_version = "init"
     handler = self._handler()
@@ -126,6 +127,7 @@ class FakeSGLang:
       def do_POST(self):
         fake.requests.append(("POST", self.path))
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        fake.bodies.append((self.path, body))
         if fake.upstream:
           return self._proxy("POST", body)
         if self.path == "/generate":

@@ -206,6 +206,8 @@ CONTRACT_ERRORS = {  # 400 {"error": "<message>"}: SGLang's contract check
     "rid a number": {"input_ids": PROMPT, "rid": 7},
     "sampling_params a string": {"input_ids": PROMPT, "sampling_params": "greedy"},
     "priority a string": {"input_ids": PROMPT, "priority": "high"},
+    "extra_key a number": {"input_ids": PROMPT, "extra_key": 3},
+    "cache_salt a list of numbers": {"input_ids": [PROMPT], "cache_salt": [3]},
     "negative max_thinking_tokens": {"input_ids": PROMPT, "max_thinking_tokens": -1},
     "return_prompt_token_ids null": {"input_ids": PROMPT, "return_prompt_token_ids": None},
 }
@@ -229,6 +231,10 @@ REQUEST_ERRORS = {  # 400 {"error": {"message": "<message>"}}: after decoding
                              "parallel_sample_num should be the same"),
     "rid list too short": ({"input_ids": [PROMPT, PROMPT], "rid": ["a"]}, "rids length mismatch"),
     "duplicate rid": ({"input_ids": [PROMPT, PROMPT], "rid": ["a", "a"]}, "Duplicate request IDs"),
+    "extra_key list too short": ({"input_ids": [PROMPT, PROMPT], "extra_key": ["v1"]},
+                                 "extra_key has 1 entries for a batch of 2 prompts"),
+    "cache_salt list too long": ({"input_ids": PROMPT, "cache_salt": ["a", "b"]},
+                                 "cache_salt has 2 entries for a batch of 1 prompts"),
     "list logprob flags with n": ({"input_ids": [PROMPT], "return_logprob": [True],
                                    "sampling_params": {"n": 2}}, "Cannot use list return_logprob"),
     "sampling mask without top_k": ({"input_ids": PROMPT, "return_sampling_mask": True,
@@ -260,6 +266,19 @@ def test_bad_requests_get_sglangs_400(server, api_types, name):
   api_types.GenerateRequest.from_json_value(body)  # valid JSON contract: rejected later
   out = _post(server, body, 400)
   assert set(out) == {"error"} and fragment in out["error"]["message"], out
+
+
+def test_a_prefix_cache_key_is_accepted_and_changes_nothing_here(server):
+  """SGLang's extra_key / cache_salt (the trainer's cache salt): no prefix cache here, so the
+  same tokens and log-probs with or without one."""
+  body = {"input_ids": [PROMPT, PROMPT[:3]], "return_logprob": True,
+          "sampling_params": {"temperature": 0, "max_new_tokens": 5}}
+  plain = _post(server, body)
+  for key in ({"extra_key": "mis-jax:1:w3"}, {"extra_key": ["a", "b"]}, {"cache_salt": "s"}):
+    salted = _post(server, {**body, **key})
+    assert [x["output_ids"] for x in salted] == [x["output_ids"] for x in plain]
+    assert [x["meta_info"]["output_token_logprobs"] for x in salted] == \
+        [x["meta_info"]["output_token_logprobs"] for x in plain]
 
 
 def test_malformed_bodies_and_unknown_routes(server):

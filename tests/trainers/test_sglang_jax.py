@@ -17,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 
 import httpx
 import numpy as np
@@ -169,6 +170,126 @@ def test_a_response_straddling_an_update_trains_only_its_fresh_tokens(real_serve
   are trained on (tests/trainers/test_token_staleness.py, on the embedded server too)."""
   from test_token_staleness import check_straddling_response
   check_straddling_response(real_server, checkpoints["start"], checkpoints["other"])
+
+
+@pytest.fixture(scope="module")
+def stock_cache_server(checkpoints, tmp_path_factory):
+  """The control: the launcher with sglang-jax's own prefix cache across updates (issue 46's bug)."""
+  with start(checkpoints["start"], tmp_path_factory.getbasetemp(), dtype="float32",
+             extra=("--prefix-cache-versions", "shared")) as server:
+    yield server.url
+
+
+@pytest.mark.parametrize("mode,salt", [("in_place", False), ("in_place", True), ("abort", False)])
+def test_no_request_after_an_update_reads_kv_of_the_old_weights(real_server, checkpoints, mode, salt):
+  """A 48-token prefix P cached under A; a request holding P paused (in place: it straddles the
+  update) or aborted while the server loads B; then P-prefixed prompts: tokens, prompt and output
+  log-probs equal the same server's on B with an empty cache, salted (SGLang's extra_key) or not."""
+  from prefix_cache_check import differences, stale_kv_sequence
+  r = stale_kv_sequence(real_server, checkpoints["start"], checkpoints["other"], mode=mode, salt=salt,
+                        tag=f"{mode}-{salt}")
+  tokens, worst = differences(r["after"], r["reference"])
+  assert tokens == 0 and worst < 1e-5, (tokens, worst)
+  assert {x["meta_info"]["weight_version"] for x in r["after"]} == {f"{mode}-{salt}-B"}
+
+
+def test_the_stock_prefix_cache_serves_old_kv_and_the_salt_alone_isolates_it(stock_cache_server, checkpoints):
+  """The control: sglang-jax's own cache across an in-place update answers P-prefixed prompts from
+  A's KV (other tokens, log-probs off by > 0.1); SGLang's extra_key alone (what the trainer sends
+  to any engine, real SGLang included) keeps them apart."""
+  from prefix_cache_check import differences, stale_kv_sequence
+  r = stale_kv_sequence(stock_cache_server, checkpoints["start"], checkpoints["other"], mode="in_place",
+                        salt=False, tag="stock")
+  tokens, worst = differences(r["after"], r["reference"])
+  assert worst > 0.1, (tokens, worst)
+  r = stale_kv_sequence(stock_cache_server, checkpoints["start"], checkpoints["other"], mode="in_place",
+                        salt=True, tag="stock-salted")
+  tokens, worst = differences(r["after"], r["reference"])
+  assert tokens == 0 and worst < 1e-5, (tokens, worst)
+
+
+class _Neighbour:
+  """Another client of the same engine (an agent's long turn, another tenant) that keeps long
+  requests running, so each weight update pauses them in place: they hold the KV of `[BOS, digit]`
+  prefixes every copy-digits prompt starts with."""
+
+  def __init__(self, url: str):
+    self.url, self.stop, self.replies = url, threading.Event(), 0
+    self.thread = threading.Thread(target=self._run, daemon=True)
+
+  def _run(self):
+    body = {"input_ids": [[1, 3 + d] for d in range(10)], "return_logprob": True,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 48, "ignore_eos": True}}
+    while not self.stop.is_set():
+      httpx.post(self.url + "/generate", json=body, timeout=300).raise_for_status()
+      self.replies += 1
+
+  def __enter__(self):
+    self.thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self.stop.set()
+    self.thread.join(300)
+
+
+def _in_place_run(url, start_path, tmp_path, name, *, cache_salt: bool, **rollout) -> list:
+  cfg = make_cfg(tmp_path, name, model={"path": start_path},
+                 rollout={"server_dtype": "float32", "max_new_tokens": 4, "sync_every": 1, "pause_mode": "in_place",
+                          "initial_sync": "always", "cache_salt": cache_salt, "mismatch_check": False, **rollout},
+                 train={"steps": 3, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 3})
+  return train_lib.Trainer(cfg, LOSS, urls=[url]).run(progress=False)
+
+
+def test_training_never_reads_kv_of_old_weights(real_server, stock_cache_server, checkpoints, tmp_path):
+  """Issue 46 in a training run: float32, a push after every step with the engine paused in
+  place while another client's long requests hold the prompts' prefix KV. Every step's samples
+  are generated after its push, so the trainer's mis_k3_kl is rounding at every step — with the
+  launcher's isolation (salted or not) and with the salt alone on sglang-jax's own cache; the
+  control (its own cache, no salt) trains on prefixes computed under older weights."""
+  runs = {}
+  for name, url, salt in (("isolated", real_server, True), ("stock-salted", stock_cache_server, True),
+                          ("stock", stock_cache_server, False)):  # unsalted on ours: the sequence test above
+    with _Neighbour(url) as neighbour:
+      runs[name] = _in_place_run(url, checkpoints["start"], tmp_path, name, cache_salt=salt)
+    assert neighbour.replies > 0
+  for name, history in runs.items():
+    assert [h["step"] for h in history] == [1, 2, 3] and all(h["grad_norm"] > 0 for h in history), name
+    k3 = [h["mis_k3_kl"] for h in history]
+    if name == "stock":
+      assert max(k3[1:]) > 1e-4, k3  # stale prefixes: the bug, measured by the correction itself
+    else:
+      assert max(k3) < 1e-6, (name, k3)
+
+
+def test_asynchronous_in_place_training_trains_exact_fresh_samples(real_server, checkpoints, tmp_path):
+  """Asynchronous rollouts (max_staleness 1) paused in place at every push: samples straddle
+  updates (their weight_versions spans), and every sample generated wholly under the weights its
+  step trains matches the trainer to rounding (k3 < 1e-6); the records say which is which."""
+  name = "async"
+  cfg = make_cfg(tmp_path, name, model={"path": checkpoints["start"]},
+                 rollout={"server_dtype": "float32", "max_new_tokens": 12, "sync_every": 1, "max_staleness": 1,
+                          "pause_mode": "in_place", "initial_sync": "always", "save_dir": str(tmp_path / "rec")},
+                 train={"steps": 5, "row_len": 24, "ppo_epochs": 1}, checkpoint={"every": 5})
+  trainer = train_lib.Trainer(cfg, LOSS, urls=[real_server])
+  spans, generate = {}, trainer.servers.client.generate
+
+  def recording(*args, **kwargs):  # each sample's spans (the records keep its last version only)
+    result = generate(*args, **kwargs)
+    for s in result.samples:
+      spans[(s.prompt_ids, s.response_ids)] = [v for v, _, _ in s.weight_versions] or [s.weight_version]
+    return result
+  trainer.servers.client.generate = recording
+  history = trainer.run(progress=False)
+  assert [h["step"] for h in history] == list(range(1, 6)) and all(h["grad_norm"] > 0 for h in history)
+  fresh = []
+  for h in history:
+    cols, _ = rollout_records.read_step(rollout_records.step_path(str(tmp_path / "rec"), h["step"]))
+    for p, r, q, o in zip(cols["prompt_ids"], cols["response_ids"], cols["rollout_logprobs"], cols["old_logprobs"]):
+      if spans[(tuple(p), tuple(r))] == [str(h["step"] - 1)]:
+        d = np.asarray(q, np.float64) - np.asarray(o, np.float64)
+        fresh.append((h["step"], float(np.abs(d).max()), float(np.mean(np.exp(d) - d - 1))))
+  assert fresh and all(diff < 1e-5 and k3 < 1e-6 for _, diff, k3 in fresh), fresh
 
 
 def test_sampling_replay_stops_before_step_1(real_server, checkpoints, tmp_path):

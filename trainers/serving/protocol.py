@@ -301,6 +301,10 @@ def normalize_generate(req: GenerateRequest, *, encode=None) -> NormalizedGenera
     is_single = not isinstance(ids[0], list)
     prompts = [ids] if is_single else ids
   batch = len(prompts)
+  for name in ("extra_key", "cache_salt"):  # prefix-cache namespaces: accepted and checked (no cache here)
+    keys = getattr(req, name)
+    if isinstance(keys, list) and len(keys) != batch:
+      raise RequestError(f"{name} has {len(keys)} entries for a batch of {batch} prompts")
 
   sp = req.sampling_params
   if isinstance(sp, list):
@@ -600,7 +604,7 @@ def parse_generate_result(item: Any) -> GenerateResult:
 def generate_body(prompts: Sequence[Sequence[int]], sampling_params: dict, *, n: int = 1,
                   seeds: Sequence[int] | None = None, return_logprob: bool = True,
                   rid: str | None = None, return_sampling_mask: bool = False,
-                  return_routed_experts: bool = False) -> dict:
+                  return_routed_experts: bool = False, extra_key: str | None = None) -> dict:
   """A `/generate` body for `n` samples of every prompt, valid for SGLang's contract.
 
   With `seeds` (one per sample, prompt-major), each sample is sent as its own batch entry with
@@ -626,6 +630,8 @@ def generate_body(prompts: Sequence[Sequence[int]], sampling_params: dict, *, n:
     body["sampling_params"] = [dict(params, sampling_seed=int(s)) for s in seeds]
   if rid is not None:
     body["rid"] = rid
+  if extra_key is not None:  # SGLang's prefix-cache namespace (the trainer's cache salt)
+    body["extra_key"] = extra_key
   return body
 
 

@@ -22,6 +22,14 @@ sampler and generation are untouched):
   (`{"version", "start", "end"}` over the completion tokens) for a request that an update
   (with `pause_generation` `retract` or `in_place`) split between two versions.
 - `GET /model_info` (SGLang's keys, `weight_version` among them) and `GET /get_weight_version`.
+- `extra_key` (SGLang's prefix-cache namespace, the trainer's cache salt) honoured in a batch
+  request as in a single one (sglang-jax 0.1.0rc0 drops it when it splits a batch), a list's
+  length checked.
+- **No request reads KV computed under other weights.** Every request's prefix-cache key carries
+  the launcher's weight epoch, which each update advances: a request paused in place keeps the
+  KV it holds (its `weight_versions` spans record the switch), but nothing admitted after the
+  update can match a prefix computed before it, salt or not (`--prefix-cache-versions shared`
+  restores sglang-jax's own behaviour, for comparisons only).
 """
 
 import argparse
@@ -50,6 +58,41 @@ RETRACT_REFUSED = (
     "that has run but is not yet merged into its running batch (Scheduler.pause_generation resets last_batch), so "
     "those requests never finish. Use mode 'in_place' (requests keep running across a weight update, their "
     "weight_versions spans record the switch) or 'abort' (rollout.pause_mode in the trainer)")
+
+
+# Appended to every request's prefix-cache key (SGLang's `extra_key`): the weights' epoch.
+_EPOCH = "\x1fmis-jax-weights:{}\x1f"
+
+
+def _check_extra_key(obj) -> None:
+  """SGLang's `extra_key` on a `/generate` body: a string, or one string per prompt (ValueError:
+  HTTP 400 naming the field)."""
+  key = obj.extra_key
+  if key is None or isinstance(key, str):
+    return
+  if not isinstance(key, list) or not all(isinstance(k, str) for k in key):
+    raise ValueError(f"extra_key: a string or a list of strings, got {type(key).__name__}")
+  ids, text = obj.input_ids, obj.text
+  batch = (len(ids) if isinstance(ids, list) and ids and isinstance(ids[0], list) else
+           len(text) if isinstance(text, list) else 1)
+  if len(key) != batch:
+    raise ValueError(f"extra_key has {len(key)} entries for a batch of {batch} prompts")
+
+
+def _carry_extra_key() -> None:
+  """sglang-jax 0.1.0rc0's `GenerateReqInput.__getitem__` (how a batch becomes requests) drops
+  `extra_key`: each request gets its own (a list indexed by prompt, a string shared)."""
+  from sgl_jax.srt.managers.io_struct import GenerateReqInput
+  split = GenerateReqInput.__getitem__
+  if getattr(split, "carries_extra_key", False):
+    return
+
+  def getitem(self, i):
+    item, key = split(self, i), self.extra_key
+    item.extra_key = key[i % len(key)] if isinstance(key, list) else key  # n > 1: prompts repeat n times
+    return item
+  getitem.carries_extra_key = True
+  GenerateReqInput.__getitem__ = getitem
 
 
 def _trim_logprobs(item: dict, meta: dict) -> None:
@@ -170,8 +213,10 @@ class WeightUpdates:
   """The added routes and their state: the served weight version, the span bookkeeping, and the
   hook that runs weight swaps in the scheduler thread between two batches."""
 
-  def __init__(self, weight_version: str):
+  def __init__(self, weight_version: str, *, isolate_versions: bool = True):
     self.weight_version = weight_version
+    # Each update starts a new prefix-cache namespace (`_EPOCH` in every request's key).
+    self.isolate_versions, self.epoch = isolate_versions, 0
     self.tokenizer_manager = None
     self.scheduler = None
     self._jobs: queue.SimpleQueue = queue.SimpleQueue()  # swaps for the scheduler thread
@@ -191,8 +236,10 @@ class WeightUpdates:
     # The engine's own process handles SIGQUIT by stopping itself: aim there.
     scheduler.parent_process = type(scheduler.parent_process)(os.getpid())
     generate = tokenizer_manager.generate_request
+    _carry_extra_key()
 
     async def generate_request(obj, request=None):
+      _check_extra_key(obj)
       if self._gate is None:
         self._gate = _Gate()
       async with self._gate.reader():
@@ -204,7 +251,13 @@ class WeightUpdates:
 
     process = scheduler.process_input_requests
 
+    from sgl_jax.srt.managers.io_struct import TokenizedGenerateReqInput
+
     def process_input_requests(recv_reqs):
+      if self.isolate_versions:  # every new request in the namespace of the weights it starts under
+        for recv in recv_reqs:
+          if isinstance(recv, TokenizedGenerateReqInput):
+            recv.extra_key = (recv.extra_key or "") + _EPOCH.format(self.epoch)
       out = process(recv_reqs)  # first: what was received is queued, a pause message applied
       later = []
       while True:
@@ -391,10 +444,12 @@ class WeightUpdates:
     runner.model_state_leaves = leaves
     if version is not None:
       self.weight_version = version
+    if self.isolate_versions:
+      self._next_epoch()
     if not flush:
       return ""
     running = sum(len(info.reqs or ()) for info in getattr(scheduler.running_batch, "reqs_info", None) or ())
-    if running:  # paused in place: they keep their KV; every prefix they do not hold goes
+    if running:  # paused in place: they keep their KV (out of every later request's reach); the rest goes
       cache = scheduler.tree_cache
       if cache is not None and not getattr(cache, "disable", False):
         from sgl_jax.srt.mem_cache.base_prefix_cache import EvictParams
@@ -408,6 +463,21 @@ class WeightUpdates:
     finally:
       scheduler.waiting_queue = waiting + scheduler.waiting_queue
     return "" if ok else f" The cache was not flushed: {message}"
+
+  def _next_epoch(self) -> None:
+    """A new prefix-cache namespace for the new weights (in the scheduler thread, at a swap). The
+    requests queued but not yet started move to it (they will be prefilled with the new weights);
+    those that hold KV (running, paused in place, mid chunked prefill) stay in the old one, so
+    what they computed and what they cache when they finish is matched by none of the new."""
+    old, self.epoch = _EPOCH.format(self.epoch), self.epoch + 1
+    new = _EPOCH.format(self.epoch)
+    scheduler = self.scheduler
+    holding = {id(r) for r in getattr(scheduler, "chunked_reqs", None) or () if r is not None}
+    for queue_name in ("waiting_queue", "grammar_queue", "pending_dp_reqs"):
+      for req in getattr(scheduler, queue_name, None) or ():
+        key = getattr(req, "extra_key", None)
+        if id(req) not in holding and isinstance(key, str) and old in key:
+          req.extra_key = key.replace(old, new)
 
   async def update(self, body: dict, tensors: dict | None = None) -> tuple[bool, str, int]:
     """SGLang's `/update_weights_from_disk` (`body`); with `tensors` (`{HF name: array}`), the same
@@ -530,7 +600,8 @@ class InProcessEngine:
   as its HTTP server ignores them), its reply as the HTTP server's (`weight_version` stamped);
   `update_weights(tensors, version)` swaps in `{HF name: array}` without files."""
 
-  def __init__(self, argv: list[str], weight_version: str = "default", timeout_s: float | None = None):
+  def __init__(self, argv: list[str], weight_version: str = "default", timeout_s: float | None = None,
+               isolate_versions: bool = True):
     from sgl_jax.srt.entrypoints.engine import Engine
     from sgl_jax.srt.server_args import ServerArgs
 
@@ -539,7 +610,7 @@ class InProcessEngine:
     server_args.enable_engine_loop_run_forever_daemon = True  # callable from any thread
     self.engine = Engine(server_args=server_args)
     self.timeout_s = timeout_s  # of one generate call (TimeoutError), as an HTTP client's
-    self.updates = WeightUpdates(weight_version)
+    self.updates = WeightUpdates(weight_version, isolate_versions=isolate_versions)
     self.updates.attach(self.engine.tokenizer_manager, self.engine.scheduler_info["scheduler"])
 
   def _run(self, coro, timeout_s: float | None = None):
@@ -603,6 +674,9 @@ def _stop_with_parent(kill_process_tree) -> None:
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(add_help=False)
   parser.add_argument("--weight-version", default="default")  # SGLang's flag; sglang-jax has none
+  # `shared`: sglang-jax's own prefix cache, where a request admitted after an update can match
+  # KV computed under the old weights (the stale-KV bug; for comparisons only).
+  parser.add_argument("--prefix-cache-versions", choices=("isolated", "shared"), default="isolated")
   ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
 
   from sgl_jax.srt.entrypoints import http_server
@@ -612,7 +686,7 @@ def main(argv: list[str] | None = None) -> None:
   _stop_with_parent(kill_process_tree)
   server_args = ServerArgs.from_cli(rest)
   server_args.enable_single_process = True  # the scheduler in this process: its runner is reachable
-  updates = WeightUpdates(ours.weight_version)
+  updates = WeightUpdates(ours.weight_version, isolate_versions=ours.prefix_cache_versions == "isolated")
   launch = http_server._launch_subprocesses_or_threads  # noqa: SLF001
 
   def launch_and_attach(server_args, port_args=None):

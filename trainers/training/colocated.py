@@ -40,10 +40,10 @@ class EngineClient(SGLangClient):
 
   URL = "colocated://engine"
 
-  def __init__(self, engine, *, max_concurrency: int = 4, prompts_per_request: int = 8):
+  def __init__(self, engine, *, max_concurrency: int = 4, prompts_per_request: int = 8, cache_salt: bool = True):
     self.engine, self.urls = engine, [self.URL]
     self._init_requests(max_retries=0, backoff_s=0.0, max_concurrency=max_concurrency,
-                        prompts_per_request=prompts_per_request)
+                        prompts_per_request=prompts_per_request, cache_salt=cache_salt)
 
   def _request(self, method: str, url: str, path: str, body=None):
     engine = self.engine
@@ -89,7 +89,8 @@ class ColocatedEngine(Servers):
     r = cfg.rollout
     if r.colocated_devices == "mesh":
       self._spread(mesh, model_config)
-    client = EngineClient(self.engine, max_concurrency=r.max_concurrency, prompts_per_request=r.prompts_per_request)
+    client = EngineClient(self.engine, max_concurrency=r.max_concurrency, prompts_per_request=r.prompts_per_request,
+                          cache_salt=r.cache_salt)
     super().__init__(cfg, urls=[EngineClient.URL], start_dir=start_dir, model_config=model_config, sampling=sampling,
                      log=log, client=client)
     # Free the engine's weights while the trainer trains: only where every step pushes new ones
@@ -126,6 +127,7 @@ class ColocatedEngine(Servers):
     dtype = DTYPES[self.weight_dtype]
     state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     t1 = time.perf_counter()
+    self.client.begin_weights(str(step))
     self.engine.pause(self.rollout.pause_mode)
     t2 = time.perf_counter()
     try:

@@ -125,6 +125,9 @@ class RolloutSection:
                                               "context (null: off)", ge=0)
   pause_mode: str = key("abort", "/pause_generation mode during a weight sync (retract keeps in-flight "
                                  "requests for after the update)", choices=("abort", "retract", "in_place"))
+  cache_salt: bool = key(True, "every /generate carries SGLang's extra_key (its prefix-cache namespace) naming the "
+                         "weights it starts under, fresh at every weight update: no engine can match a prefix "
+                         "computed under other weights (docs/guides/server.md: the prefix cache across updates)")
   weight_dtype: str | None = key(None, "dtype of the HF weights pushed to the servers (null: the dtype the server "
                                        "reports in /server_info, else server_dtype)", choices=DTYPES)
   initial_sync: str = key("auto", "push the starting weights before step 1: `auto` = unless every server already "

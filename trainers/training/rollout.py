@@ -14,6 +14,7 @@ import itertools
 import math
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
@@ -229,10 +230,15 @@ class SGLangClient:
     backoff_s: first backoff; doubles every retry.
     max_concurrency: requests in flight at once (a bounded thread pool and connection pool).
     prompts_per_request: prompts batched into one ``/generate`` call.
+    cache_salt: every ``/generate`` carries SGLang's ``extra_key`` (its prefix-cache namespace),
+      naming the weights the request starts under; each weight update begun moves new requests
+      to a fresh one (:meth:`begin_weights`), so no engine can match a prefix computed under
+      other weights for them.
   """
 
   def __init__(self, urls: Sequence[str], *, timeout_s: float = 120.0, max_retries: int = 3,
-               backoff_s: float = 0.5, max_concurrency: int = 4, prompts_per_request: int = 8):
+               backoff_s: float = 0.5, max_concurrency: int = 4, prompts_per_request: int = 8,
+               cache_salt: bool = True):
     if not urls:
       raise ValueError("at least one SGLang URL is needed")
     self.urls = [u.rstrip("/") for u in urls]
@@ -242,16 +248,32 @@ class SGLangClient:
     self._http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=max_concurrency,
                                                                      max_keepalive_connections=max_concurrency))
     self._init_requests(max_retries=max_retries, backoff_s=backoff_s, max_concurrency=max_concurrency,
-                        prompts_per_request=prompts_per_request)
+                        prompts_per_request=prompts_per_request, cache_salt=cache_salt)
 
-  def _init_requests(self, *, max_retries: int, backoff_s: float, max_concurrency: int, prompts_per_request: int):
-    """What every transport shares: retries, the request pool, round-robin and the down set."""
+  def _init_requests(self, *, max_retries: int, backoff_s: float, max_concurrency: int, prompts_per_request: int,
+                     cache_salt: bool = True):
+    """What every transport shares: retries, the request pool, round-robin, the down set and the
+    cache salt."""
+    # The salt: this client's own token, the updates it has begun and the version they load.
+    self._salt_prefix = f"mis-jax:{uuid.uuid4().hex[:8]}" if cache_salt else None
+    self._updates_begun = 0
+    self.cache_salt: str | None = None
+    self.begin_weights("start", first=True)
     self.max_retries, self.backoff_s = max_retries, backoff_s
     self.prompts_per_request = prompts_per_request
     self._pool = ThreadPoolExecutor(max_workers=max_concurrency)
     self._next = itertools.count()
     self._down: set[str] = set()  # servers that failed past their retries, until readmitted
     self._lock = threading.Lock()
+
+  def begin_weights(self, version: str, *, first: bool = False) -> None:
+    """Requests sent from now on go to the prefix-cache namespace of weights `version`: called
+    before every pause for an update (so a request held by the pause and started under the new
+    weights never shares the old namespace). A fresh namespace at every update, even of the same
+    version: a restarted or re-pushed server may have held other weights in between."""
+    if self._salt_prefix is not None:
+      self._updates_begun += 0 if first else 1
+      self.cache_salt = f"{self._salt_prefix}:{self._updates_begun}:w{version}"
 
   # --- which servers are up ------------------------------------------------------------
   def live_urls(self) -> list[str]:
@@ -407,7 +429,7 @@ class SGLangClient:
       seeds = None if seed is None else sample_seeds(seed, len(idx), n, offset=idx[0] * n)
       body = protocol.generate_body([prompts[i] for i in idx], sampling_params, n=n, seeds=seeds,
                                     return_sampling_mask=support_width > 0,
-                                    return_routed_experts=routing is not None)
+                                    return_routed_experts=routing is not None, extra_key=self.cache_salt)
       while True:  # a server down past its retries: the chunk goes to a live one
         url = self._pick()
         try:
@@ -460,6 +482,7 @@ class SGLangClient:
     call, "servers_paused_s": slowest pause-to-continue}``.
     """
     targets = list(urls) if urls is not None else (self.live_urls() or self.urls)  # none up: try them all
+    self.begin_weights(weight_version)
 
     def update(url):
       try:

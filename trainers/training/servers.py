@@ -56,7 +56,7 @@ class Servers:
     self.weights_root = os.path.join(os.path.abspath(cfg.run_dir), "weights")
     self.client = client or (SGLangClient(urls, timeout_s=r.timeout_s, max_retries=r.max_retries,
                                           backoff_s=r.backoff_s, max_concurrency=r.max_concurrency,
-                                          prompts_per_request=r.prompts_per_request)
+                                          prompts_per_request=r.prompts_per_request, cache_salt=r.cache_salt)
                              if distributed.is_primary() else None)
     self.weight_dtype = r.weight_dtype or r.server_dtype  # refined from the servers' /server_info at start
     self.server_dtype, self.server_quantized = r.server_dtype, r.server_quantize != "none"
