@@ -179,13 +179,15 @@ def tunix(shape: Shape, root: str, engine: str = "vanilla") -> dict:
   model_cfg = qwen3.ModelConfig(num_layers=shape.layers, vocab_size=VOCAB, embed_dim=shape.hidden,
                                 hidden_dim=shape.intermediate, num_heads=shape.heads, head_dim=shape.head_dim,
                                 num_kv_heads=shape.kv_heads,
-                                rope_theta=10000, norm_eps=1e-6, use_tied_embedding=False)
+                                rope_theta=1_000_000, norm_eps=1e-6, use_tied_embedding=False)
   rollout_engine, engine_config = BF16Rollout, {}
   if engine == "sglang-jax":
     # Its end-of-sequence id outside the vocabulary: every response max_new_tokens long, as ours.
     rollout_engine, engine_config = sglang_jax_rollout(model_cfg, os.path.join(root, f"tunix-{shape.name}"), CHARS,
                                                        eos_id=1000)
     engine_config["rollout_sglang_jax_context_length"] = 8 + shape.max_new_tokens + 8
+    # Our engine's flags (the reward here is constant, so the example's reason to sample freely is moot).
+    engine_config["rollout_sglang_jax_enable_deterministic_sampling"] = True
   with jax.set_mesh(mesh):
     actor = qwen3.Qwen3(model_cfg, rngs=nnx.Rngs(0))
   cluster = rl_cluster_lib.RLCluster(

@@ -3,14 +3,16 @@
 The sampler is tunix's own vanilla engine, run on a bfloat16 copy of the weights (synced from
 the float32 trainer after every step, as a real inference server would be): its log-probs
 differ from the trainer's, as SGLang's do. The two lines that differ from a stock tunix GRPO
-script are marked `# mis_jax`. Every step prints the mismatch and correction metrics.
+script are marked `# mis_jax`. Every step prints the mismatch and correction metrics and how
+many completions tunix could not train as sampled (a sampled pad id before other tokens).
 
     python examples/tunix_grpo_mis.py --steps 8 --mis configs/mis.yaml
 
 With `--sglang-jax` the sampler is sglang-jax 0.1.0rc0 instead (SGLang's JAX port, in this
-process, float32), its weights swapped in memory by tunix after every step and its own
-log-probs kept (`mis_jax.integrations.tunix_sglang_jax.SglangJaxRollout`). It needs the
-sglang-jax venv (Python >= 3.12) with tunix installed: `make example-tunix-sglang-jax`.
+process, float32), its weights swapped in memory by tunix after every step, every sampled id
+and its own log-probs kept (`mis_jax.integrations.tunix_sglang_jax.SglangJaxRollout`): they
+agree with the trainer's to about 5e-7 per token. It needs the sglang-jax venv (Python >= 3.12)
+with tunix installed: `make example-tunix-sglang-jax`.
 """
 
 from __future__ import annotations
@@ -101,8 +103,20 @@ def sglang_jax_rollout(model_cfg, workdir: str, chars: str = CharTokenizer.chars
   return SglangJaxRollout, dict(
       rollout_sglang_jax_model_version=workdir, rollout_sglang_jax_context_length=64,
       rollout_sglang_jax_mem_fraction_static=0.05, rollout_sglang_jax_load_format="dummy",
-      rollout_sglang_jax_enable_deterministic_sampling=True, rollout_sglang_jax_page_size=1,
+      # Not deterministic sampling: tunix gives every request the same seed, so each GRPO group
+      # would be one completion repeated (zero advantages); random_seed keeps runs reproducible.
+      rollout_sglang_jax_enable_deterministic_sampling=False, rollout_sglang_jax_page_size=1,
       rollout_sglang_jax_max_running_requests=64, rollout_sglang_jax_kwargs=cpu)
+
+
+def model_config(*, sglang_jax: bool = False) -> qwen3.ModelConfig:
+  """The tiny Qwen3. rope_theta 1e6: tunix's Qwen3 computes with it whatever its config says
+  (mis_jax.integrations.tunix.check_rope_theta); head_dim 128 with sglang-jax, whose CPU
+  attention pads to it."""
+  heads = dict(num_heads=2, head_dim=128, num_kv_heads=1) if sglang_jax else dict(num_heads=4, head_dim=16,
+                                                                                  num_kv_heads=2)
+  return qwen3.ModelConfig(num_layers=2, vocab_size=36, embed_dim=64, hidden_dim=128, **heads, rope_theta=1_000_000,
+                           norm_eps=1e-6, use_tied_embedding=False)
 
 
 def odd_digits(prompts, completions, **kw):
@@ -122,11 +136,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
 
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:1])
-  # head_dim 128 with sglang-jax: its CPU attention pads to it.
-  heads = dict(num_heads=2, head_dim=128, num_kv_heads=1) if args.sglang_jax else dict(num_heads=4, head_dim=16,
-                                                                                       num_kv_heads=2)
-  model_cfg = qwen3.ModelConfig(num_layers=2, vocab_size=36, embed_dim=64, hidden_dim=128, **heads, rope_theta=10000,
-                                norm_eps=1e-6, use_tied_embedding=False)
+  model_cfg = model_config(sglang_jax=args.sglang_jax)
   engine, engine_config = "vanilla" if args.fp32_sampler else BF16Rollout, {}
   if args.sglang_jax:
     engine, engine_config = sglang_jax_rollout(model_cfg, args.workdir)
@@ -157,15 +167,18 @@ def main(argv=None):
   logger = cluster.actor_trainer.metrics_logger
   history = {name: logger.get_metric_history("actor", name, "train") for name in SHOWN}
   rewards = cluster._rl_metrics_logger.get_metric_history("rewards", "score/mean", "train")
-  print("step  reward  " + "  ".join(f"{n:>30}" for n in SHOWN))
+  untrainable = cluster._rl_metrics_logger.get_metric_history(*mis_tunix.UNTRAINABLE_METRIC.split("/"), "train")
+  print("step  reward  untrainable  " + "  ".join(f"{n:>30}" for n in SHOWN))
   for step in range(len(history[SHOWN[0]])):
-    print(f"{step + 1:4d}  {rewards[step]:6.3f}  " + "  ".join(f"{history[n][step]:30.4g}" for n in SHOWN))
+    print(f"{step + 1:4d}  {rewards[step]:6.3f}  {int(untrainable[step]):11d}  "
+          + "  ".join(f"{history[n][step]:30.4g}" for n in SHOWN))
   print(f"{args.steps} steps in {time.time() - start:.1f} s; every mis_jax metric is in tunix's metrics "
         f"logger under prefix 'actor': {', '.join(learner.metric_names)}")
   if args.json:
     import json
     with open(args.json, "w") as f:
       json.dump({"sampler": "sglang-jax" if args.sglang_jax else "vanilla", "rewards": [float(r) for r in rewards],
+                 "untrainable": [int(u) for u in untrainable],
                  **{n: [float(v) for v in history[n]] for n in SHOWN}}, f)
   return history
 

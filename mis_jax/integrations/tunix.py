@@ -24,7 +24,12 @@ What :class:`MISGRPOLearner` does on top of tunix's learner:
   bypass PPO, decoupled PPO, REINFORCE + IS — with vanilla TIS or a ``mis.yaml`` correction,
   or standard PPO with mismatch metrics only;
 * logs every metric :func:`mis_jax.policy_loss` returns (the names of contract §8: ``mis_k3_kl``,
-  ``mis_is_ratio_mean_final``, ...) through tunix's metrics logger, plus tunix's ``kl``.
+  ``mis_is_ratio_mean_final``, ...) through tunix's metrics logger, plus tunix's ``kl``;
+* keeps out of the loss every completion tunix cannot train as sampled (a sampled pad id
+  followed by other tokens: :func:`untrainable_completions`), counted per step as
+  ``completions/untrainable`` (:data:`UNTRAINABLE_METRIC`) beside tunix's ``completions/*``;
+* refuses a model config whose ``rope_theta`` tunix's model ignores (:func:`check_rope_theta`:
+  tunix 0.1.7's Qwen3 and Llama3 always use 1e6).
 
 The loss is also registered in tunix's policy-loss registry as ``"mis_jax"``
 (:data:`LOSS_NAME`). tunix's stock learner can select it (``GRPOConfig(policy_loss_fn=
@@ -76,11 +81,14 @@ except ImportError as e:  # pragma: no cover - the message is the point
 from mis_jax import (ConfigError, LossConfig, MISConfig, PackedBatch, kl_penalty, microbatch_reduction,
                      policy_loss)
 
-__all__ = ["LOSS_NAME", "TESTED_TUNIX", "MISGRPOConfig", "MISGRPOLearner", "MISTrainExample",
-           "MissingRolloutLogprobs", "loss_config_for", "mis_policy_loss_fn", "padded_batch",
-           "rollout_logprobs"]
+__all__ = ["LOSS_NAME", "ROPE_THETA_IGNORED", "TESTED_TUNIX", "UNTRAINABLE_METRIC", "MISGRPOConfig",
+           "MISGRPOLearner", "MISTrainExample", "MissingRolloutLogprobs", "check_rope_theta", "loss_config_for",
+           "mis_policy_loss_fn", "padded_batch", "rollout_logprobs", "rope_theta_computed",
+           "untrainable_completions"]
 
 TESTED_TUNIX = "0.1.7"
+# Logged per step (a count, summed over rollout micro-batches) beside tunix's completions/*.
+UNTRAINABLE_METRIC = "completions/untrainable"
 _SUPPORTED = ((0, 1, 7), (0, 2, 0))  # [low, high)
 LOSS_NAME = "mis_jax"
 
@@ -117,6 +125,56 @@ _check_tunix_version()
 _AGG_MODES = {"token-mean": "token-mean", "sequence-mean-token-mean": "seq-mean-token-mean",
               "seq-mean-token-sum": "seq-mean-token-sum"}
 _KL_MODES = {"kl": "k1", "mse_kl": "k2", "low_var_kl": "k3"}
+
+
+# tunix 0.1.7's model ports whose attention calls `apply_rope` without the config's
+# `rope_theta`, so RoPE always uses that function's default, 1e6, whatever the config says
+# (tunix/models/qwen3/model.py, tunix/models/llama3/model.py; its Qwen2 and Gemma pass theirs).
+ROPE_THETA_IGNORED = {"tunix.models.qwen3.model": 1_000_000.0, "tunix.models.llama3.model": 1_000_000.0}
+
+
+def rope_theta_computed(model_config) -> float | None:
+  """The RoPE theta tunix's model computes with for ``model_config``: 1e6 for the ports of
+  :data:`ROPE_THETA_IGNORED` (tunix 0.1.7's Qwen3 and Llama3), else the config's ``rope_theta``;
+  None for a config without one."""
+  theta = getattr(model_config, "rope_theta", None)
+  if theta is None:
+    return None
+  return float(ROPE_THETA_IGNORED.get(type(model_config).__module__, theta))
+
+
+def check_rope_theta(model_config) -> None:
+  """Raises :class:`mis_jax.ConfigError` when ``model_config.rope_theta`` is not the theta
+  tunix's model computes with (:func:`rope_theta_computed`).
+
+  tunix 0.1.7's Qwen3 ignores its config's ``rope_theta``; an engine given the same value
+  (sglang-jax and vLLM read it from ``config.json``) then samples from another model than the
+  one trained — 0.17 nats mean |Δ log p| on the example's tiny Qwen3 at theta 10000, in float32
+  on both sides — and the correction would weigh that bug as if it were a train–inference
+  mismatch.
+  """
+  theta, computed = getattr(model_config, "rope_theta", None), rope_theta_computed(model_config)
+  if computed is not None and float(theta) != computed:
+    raise ConfigError(
+        f"{type(model_config).__module__}.{type(model_config).__name__}.rope_theta={theta:.10g}, but tunix's "
+        f"model applies RoPE with theta {computed:.10g} whatever its config says (its attention never passes "
+        "rope_theta to apply_rope): an engine reading the config's value samples from another model than "
+        f"the one trained. Set rope_theta={computed:.10g} in the model config and in the engine's config.json "
+        "(what tunix computes); a checkpoint trained with another theta cannot be trained faithfully by "
+        "this tunix model port.")
+
+
+def untrainable_completions(completion_ids, pad_id: int) -> np.ndarray:
+  """``[B]`` bool: completions tunix cannot train as sampled, those with a pad id followed by a
+  non-pad token.
+
+  tunix takes ``tokens != pad_id`` as the completion mask and rebuilds positions and attention
+  from it, so each token after a sampled pad id would be scored in a context the engine never
+  saw. Pad ids only at the end (tunix's own padding, or the stop token where pad == eos) leave
+  every trained token's context as sampled.
+  """
+  is_pad = np.asarray(completion_ids) == pad_id
+  return np.any((np.cumsum(is_pad, axis=-1) > 0) & ~is_pad, axis=-1)
 
 
 class MissingRolloutLogprobs(RuntimeError):
@@ -344,16 +402,20 @@ class MISGRPOLearner(grpo_learner.GRPOLearner):
   """tunix's :class:`GRPOLearner` with mis_jax's loss, rollout log-probs and correction.
 
   A drop-in: the same constructor arguments and ``train``; ``algo_config`` must be a
-  :class:`MISGRPOConfig`. At construction it sets ``return_logprobs=True`` on the cluster's
+  :class:`MISGRPOConfig`. At construction it checks the actor's ``rope_theta``
+  (:func:`check_rope_theta`), sets ``return_logprobs=True`` on the cluster's
   rollout config(s), installs the loss and the metrics to log, and wraps two methods of the
   given ``rl_cluster`` instance: ``generate`` (to keep its log-probs, per thread) and
-  ``get_old_per_token_logps`` (the trainer's weights at the sampling temperature).
+  ``get_old_per_token_logps`` (the trainer's weights at the sampling temperature). Each
+  rollout batch's :func:`untrainable_completions` are out of the loss (completion mask 0) and
+  counted as :data:`UNTRAINABLE_METRIC`.
   """
 
   def __init__(self, rl_cluster, algo_config, reward_fns, metric_fns=None, data_shuffle_seed=None):
     if not isinstance(algo_config, MISGRPOConfig):
       raise TypeError(f"MISGRPOLearner needs a mis_jax.integrations.tunix.MISGRPOConfig, got "
                       f"{type(algo_config).__name__}")
+    check_rope_theta(getattr(rl_cluster.actor_trainer.model, "config", None))
     training = rl_cluster.cluster_config.training_config
     if getattr(training, "max_seq_token_per_tpu", None) is not None:
       raise ConfigError(
@@ -409,12 +471,16 @@ class MISGRPOLearner(grpo_learner.GRPOLearner):
       raise RuntimeError("tunix's learner did not call rl_cluster.generate; this tunix is not the "
                          f"one mis_jax.integrations.tunix was tested with ({TESTED_TUNIX})")
     q = rollout_logprobs(output, example.completion_ids, engine=self._engine)
+    untrainable = untrainable_completions(example.completion_ids, self.rl_cluster.rollout.pad_id())
+    self.rl_cluster.buffer_metrics({UNTRAINABLE_METRIC: (int(untrainable.sum()), np.sum)}, mode=mode)
     old = example.old_per_token_logps
     if old is None and self._needs_old:
       size = (self._compute_logps_micro_batch_size or 0) * self.algo_config.num_generations or None
       old = self.old_per_token_logps(example.prompt_ids, example.completion_ids, size)
     fields = {f.name: getattr(example, f.name) for f in dataclasses.fields(example)}
     fields.update(old_per_token_logps=old, rollout_per_token_logps=jnp.asarray(q))
+    if untrainable.any():  # out of the loss, never trained as a sequence the engine did not sample
+      fields["completion_mask"] = jnp.asarray(example.completion_mask) & jnp.asarray(~untrainable)[:, None]
     return MISTrainExample(**fields)
 
 

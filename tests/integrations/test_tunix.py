@@ -15,6 +15,7 @@ A tiny tunix Qwen3 on one CPU device, tunix's vanilla sampler, one training step
 
 from __future__ import annotations
 
+import dataclasses
 import pathlib
 
 import numpy as np
@@ -39,7 +40,7 @@ LR = 0.05
 TEMPERATURE = 0.7
 PROMPTS = np.array(["1+2=", "3+4="])
 MODEL = qwen3.ModelConfig(num_layers=2, vocab_size=34, embed_dim=32, hidden_dim=64, num_heads=2, head_dim=16,
-                          num_kv_heads=1, rope_theta=10000, norm_eps=1e-6, use_tied_embedding=False)
+                          num_kv_heads=1, rope_theta=1_000_000, norm_eps=1e-6, use_tied_embedding=False)
 MIS = mis_jax.MISConfig(tis_level="sequence", use_rs=True, tis_upper_bound=2.0)
 
 
@@ -72,11 +73,11 @@ def reward(prompts, completions, **kw):
   return [float(sum(c in "13579" for c in text)) for text in completions]
 
 
-def make_cluster(*, with_reference=False):
+def make_cluster(*, with_reference=False, model=MODEL):
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:1])
   with jax.set_mesh(mesh):
-    actor = qwen3.Qwen3(MODEL, rngs=nnx.Rngs(0))
-    reference = qwen3.Qwen3(MODEL, rngs=nnx.Rngs(1)) if with_reference else actor
+    actor = qwen3.Qwen3(model, rngs=nnx.Rngs(0))
+    reference = qwen3.Qwen3(model, rngs=nnx.Rngs(1)) if with_reference else actor
   rollout = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8, temperature=TEMPERATURE,
                                        top_p=1.0, kv_cache_size=32)
   config = rl_cluster_lib.ClusterConfig(
@@ -254,6 +255,78 @@ def test_an_engine_without_logprobs_stops_before_any_update():
   jax.tree.map(np.testing.assert_array_equal, before, params(cluster))
 
 
+@pytest.mark.parametrize("family", ["qwen3", "llama3", "qwen2"])
+def test_which_tunix_models_ignore_rope_theta(family):
+  """ROPE_THETA_IGNORED is tunix's behaviour: its Qwen3 and Llama3 give the same logits at theta
+  1e4 and 1e6 (both 1e6), its Qwen2 does not."""
+  import importlib
+  module = importlib.import_module(f"tunix.models.{family}.model")
+  cls = {"qwen3": "Qwen3", "llama3": "Llama3", "qwen2": "Qwen2"}[family]
+  mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:1])
+  tokens, logits = jnp.arange(1, 9)[None], []
+  for theta in (10_000, 1_000_000):
+    config = module.ModelConfig(**{f.name: getattr(MODEL, f.name) for f in dataclasses.fields(MODEL) if f.name in (
+        "num_layers", "vocab_size", "embed_dim", "hidden_dim", "num_heads", "head_dim", "num_kv_heads", "norm_eps")},
+                                rope_theta=theta)
+    with jax.set_mesh(mesh):
+      model = getattr(module, cls)(config, rngs=nnx.Rngs(0))
+      logits.append(np.asarray(model(tokens, jnp.arange(8)[None], None, jnp.tril(jnp.ones((8, 8), bool))[None])[0]))
+    assert mis_tunix.rope_theta_computed(config) == (1e6 if module.__name__ in mis_tunix.ROPE_THETA_IGNORED else theta)
+  ignored = module.__name__ in mis_tunix.ROPE_THETA_IGNORED
+  assert ignored == (family != "qwen2")
+  assert (np.max(np.abs(logits[0] - logits[1])) == 0) == ignored
+
+
+def test_the_learner_refuses_a_rope_theta_tunix_ignores():
+  """The example's former theta: tunix's Qwen3 computes with 1e6, an engine reading 10000 samples
+  from another model (0.17 nats mean |Δ log p| on the example's tiny Qwen3)."""
+  cluster = make_cluster(model=dataclasses.replace(MODEL, rope_theta=10_000))
+  with pytest.raises(mis_jax.ConfigError, match="rope_theta=10000, but tunix's model applies RoPE with theta 1000000"):
+    mis_tunix.MISGRPOLearner(cluster, mis_tunix.MISGRPOConfig(num_generations=2, beta=0.0), [reward])
+  mis_tunix.check_rope_theta(MODEL)  # 1e6: what it computes
+  mis_tunix.check_rope_theta(None)
+
+
+def test_untrainable_completions():
+  ids = np.array([[7, 0, 18, 0, 0],   # a sampled pad, then a token: untrainable
+                  [7, 18, 0, 0, 0],   # padding (or a pad == eos stop) at the end only
+                  [7, 1, 18, 2, 0],   # bos and eos sampled: trainable as they are
+                  [0, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(mis_tunix.untrainable_completions(ids, 0), [True, False, False, False])
+
+
+def test_a_sampled_pad_mid_completion_is_out_of_the_loss_and_counted():
+  """tunix masks `tokens != pad` and rebuilds positions from it: a completion with a pad id the
+  engine sampled before other tokens cannot be trained as sampled, so it leaves the loss."""
+  cluster = make_cluster()
+  learner = mis_tunix.MISGRPOLearner(cluster, mis_tunix.MISGRPOConfig(num_generations=2, beta=0.0, use_tis=True,
+                                                                      mis=MIS), [reward])
+  generate = cluster.rollout.generate
+  broken = []
+
+  def sampling_a_pad(*args, **kwargs):
+    out = generate(*args, **kwargs)
+    b = next(b for b, t in enumerate(out.tokens) if len(t) >= 3)
+    out.tokens[b] = np.asarray(out.tokens[b]).copy()
+    out.tokens[b][1] = 0
+    broken.append(b)
+    return out
+
+  cluster.rollout.generate = sampling_a_pad
+  examples = record_examples(learner)
+  train_one_step(learner)
+  (example,), (b,) = examples, broken
+  ids, mask = np.asarray(example.completion_ids), np.asarray(example.completion_mask).astype(bool)
+  assert not mask[b].any()
+  rest = ~mis_tunix.untrainable_completions(ids, 0)  # the sampler's own pads too, if any
+  assert not rest[b] and rest.sum() > 0
+  np.testing.assert_array_equal(mask[rest], (ids != 0)[rest])
+  assert not mask[~rest].any()
+  logged_count = cluster._rl_metrics_logger.get_metric_history("completions", "untrainable", "train")
+  assert list(logged_count) == [int((~rest).sum())]
+  np.testing.assert_allclose(logged(cluster, "mis_kept_seq_fraction"), [1.0])  # live rows only
+
+
 def test_the_stock_learner_cannot_feed_the_correction():
   """The loss is registered by name; with tunix's own learner it has no rollout log-probs."""
   cluster = make_cluster()
@@ -317,11 +390,13 @@ def test_the_example_runs_and_shows_the_bf16_sampler_mismatch(capsys):
   assert "mis_kept_token_fraction" in capsys.readouterr().out
 
 
-def test_tunix_grpo_with_sglang_jax_and_its_logprobs(tmp_path):
-  """tunix 0.1.7 and sglang-jax 0.1.0rc0 share sglang-jax's venv (Python >= 3.12): the example's
-  GRPO samples with sglang-jax in process (`tunix_sglang_jax.SglangJaxRollout`), tunix swaps the
-  weights into its model runner after every step, and MISGRPOLearner trains with the engine's
-  own log-probs (`make example-tunix-sglang-jax`)."""
+def test_tunix_grpo_with_sglang_jax_trains_what_the_engine_sampled(tmp_path):
+  """tunix 0.1.7 and sglang-jax 0.1.0rc0 share sglang-jax's venv (Python >= 3.12); there
+  tests/integrations/tunix_sglang_jax_driver.py runs, in one process: completion_logprobs'
+  positional alignment; the example's GRPO with sglang-jax in process (`make
+  example-tunix-sglang-jax`, 2 steps), every trained token's engine log-prob within 1e-5 of
+  tunix's from the same float32 weights; and the example's model made to sample pad, bos and eos
+  ids, whose completions keep every sampled id, the pad-broken ones out of the loss and counted."""
   import json
   import os
   import subprocess
@@ -333,16 +408,16 @@ def test_tunix_grpo_with_sglang_jax_and_its_logprobs(tmp_path):
     if os.environ.get("CI") == "true":
       pytest.fail(f"sglang-jax + tunix must run in CI: {e}")
     pytest.skip(str(e))
-  out = tmp_path / "history.json"
+  out = tmp_path / "result.json"
   env = {**sglang_jax.engine_env(), "PYTHONPATH": str(EXAMPLE.parents[1])}
-  done = subprocess.run([python, str(EXAMPLE), "--sglang-jax", "--steps", "2", "--json", str(out),
-                         "--workdir", str(tmp_path / "engine"), "--mis", str(EXAMPLE.parents[1] / "configs" / "mis.yaml")],
-                        env=env, capture_output=True, text=True, timeout=900, cwd=EXAMPLE.parents[1])
+  done = subprocess.run([python, str(pathlib.Path(__file__).with_name("tunix_sglang_jax_driver.py")), str(tmp_path),
+                         str(out)], env=env, capture_output=True, text=True, timeout=900, cwd=EXAMPLE.parents[1])
   assert done.returncode == 0, done.stderr[-3000:]
-  history = json.loads(out.read_text())
+  result = json.loads(out.read_text())
+  history = result["example_history"]
   assert history["sampler"] == "sglang-jax" and len(history["mis_k3_kl"]) == 2
-  # The engine's log-probs reached the loss: finite, and not the trainer's own (tunix's Qwen3
-  # and sglang-jax's compute different log-probs from the same float32 weights).
-  diffs = history["train_rollout_logprob_abs_diff"]
-  assert all(np.isfinite(diffs)) and all(d > 1e-3 for d in diffs), diffs
-  assert all(0 < k <= 1 for k in history["mis_kept_token_fraction"])
+  assert all(d <= 1e-5 for d in history["train_rollout_logprob_abs_diff"]), history
+  assert result["example_gap_max"] <= 1e-5 and result["example_trained_tokens"] > 100, result
+  assert len(history["untrainable"]) == 2
+  assert result["special_untrainable"] > 0 and result["special_bos_mid_trained"] > 0, result
+  assert result["special_gap_max"] <= 1e-5, result
