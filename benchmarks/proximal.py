@@ -76,7 +76,7 @@ def _step_batch(shape: Shape, seed=0):
 def _step(fns, loss_cfg, params, opt_state, inputs, batch, epochs):
   """The devices' work of one `Trainer.train_on` (without host transfers and metrics)."""
   if loss_cfg.needs_old_logprobs:
-    batch = batch.replace(old_logprobs=fns.logprobs(params, inputs, batch.segment_ids))
+    batch = batch.replace(old_logprobs=fns.logprobs(params, inputs, batch.segment_ids).logprobs)
   prepared, dens, _ = fns.prepare(batch)
   for _ in range(epochs):
     params, opt_state, metrics = fns.train(params, opt_state, inputs, prepared, dens)

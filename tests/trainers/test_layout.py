@@ -42,3 +42,21 @@ def test_package_boundaries():
   assert _offenders("mis_jax", ("trainers",)) == {}
   assert {p.name for p in (ROOT / "trainers").iterdir() if (p / "__init__.py").exists()} >= {
       "training", "serving", "models", "tasks"}
+
+
+def test_a_step_returns_a_value():
+  """`Trainer.train_on` runs the plan it was given and returns a `StepOutcome`: on `self` it sets
+  only the state the trainer owns (the policy, the optimiser state, the pass counter), never a
+  result parked for others to read; and the passes return `Heads`, not a tuple whose length
+  depends on flags."""
+  tree = ast.parse((ROOT / "trainers/training/train.py").read_text())
+  (train_on,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "train_on"]
+  assert ast.unparse(train_on.returns) == "StepOutcome"
+  targets = [t for n in ast.walk(train_on) if isinstance(n, (ast.Assign, ast.AugAssign))
+             for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]
+  set_on_self = {e.attr for t in targets for e in ast.walk(t)
+                 if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self"}
+  assert set_on_self == {"params", "opt_state", "num_old_logprob_passes"}, set_on_self
+  step = ast.parse((ROOT / "trainers/training/step.py").read_text())
+  (model_logprobs,) = [n for n in step.body if isinstance(n, ast.FunctionDef) and n.name == "model_logprobs"]
+  assert ast.unparse(model_logprobs.returns) == "Heads"

@@ -299,7 +299,9 @@ def _moe_run(ts, sb, section, steps=2):
   batch = jax.tree.map(put, sb.batch)
   out = []
   for _ in range(steps):
-    old, native = fns.logprobs_routing(params, inputs, batch.segment_ids)
+    heads = fns.forward(step_lib.ROUTING)(params, inputs, batch.segment_ids)
+    old, native = heads.logprobs, heads.routing
+    assert heads.entropy is None and heads.sum_sq is None  # only the heads the pass names
     prepared, dens, step_metrics = fns.prepare(batch.replace(old_logprobs=old))
     params, opt_state, metrics = fns.train(params, opt_state, inputs, prepared, dens)
     out.append((jax.tree.map(np.asarray, (params, opt_state)), {k: float(v) for k, v in {**metrics, **step_metrics}.items()},

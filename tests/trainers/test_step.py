@@ -80,7 +80,7 @@ def _run(mesh, loss_cfg, sb, steps, fns=None, params=None):
   for _ in range(steps):
     b = batch
     if loss_cfg.needs_old_logprobs:
-      b = b.replace(old_logprobs=fns.logprobs(params, inputs, b.segment_ids))
+      b = b.replace(old_logprobs=fns.logprobs(params, inputs, b.segment_ids).logprobs)
     prepared, dens, step_metrics = fns.prepare(b)
     params, opt_state, metrics = fns.train(params, opt_state, inputs, prepared, dens)
     history.append({k: float(v) for k, v in {**metrics, **step_metrics}.items()})
@@ -226,8 +226,9 @@ def test_chunked_logprobs_equal_full_logits(tied):
     return lp, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
   mesh = _mesh((2, 2, 2))
-  chunked = lambda p: step_lib.model_logprobs(graphdef, p, inputs, seg, temperature=0.9, chunk_size=8,
-                                              entropy=True, mesh=mesh)
+  def chunked(p):
+    heads = step_lib.model_logprobs(graphdef, p, inputs, seg, temperature=0.9, chunk_size=8, entropy=True, mesh=mesh)
+    return heads.logprobs, heads.entropy
   loss = lambda f: lambda p: jnp.sum(jnp.where(seg >= 0, f(p)[0] * w + f(p)[1], 0.0))
   (lp0, ent0), (lp1, ent1) = jax.jit(full)(params), jax.jit(chunked)(params)
   valid = np.asarray(seg) >= 0
@@ -250,7 +251,8 @@ def test_bf16_compute_is_close_to_float32():
   out = {}
   for dtype in (jnp.float32, jnp.bfloat16):
     graphdef = nnx.graphdef(abstract_model(TINY, dtype=dtype, attention="blocked", remat="full"))
-    f = lambda p: step_lib.model_logprobs(graphdef, p, inputs, seg, temperature=1.0, chunk_size=16, entropy=False)
+    f = lambda p: step_lib.model_logprobs(graphdef, p, inputs, seg, temperature=1.0, chunk_size=16,
+                                          entropy=False).logprobs
     lp = jax.jit(f)(params)
     g = jax.jit(jax.grad(lambda p: jnp.sum(jnp.where(seg >= 0, f(p), 0.0))))(params)
     out[dtype] = (np.asarray(lp)[valid], np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]),
@@ -275,7 +277,8 @@ def test_attention_backends_and_remat_give_the_same_gradients(attention, remat):
 
   def grads(**kwargs):
     graphdef = nnx.graphdef(abstract_model(TINY, **kwargs))
-    f = lambda p: step_lib.model_logprobs(graphdef, p, inputs, seg, temperature=1.0, chunk_size=16, entropy=False)
+    f = lambda p: step_lib.model_logprobs(graphdef, p, inputs, seg, temperature=1.0, chunk_size=16,
+                                          entropy=False).logprobs
     return jax.jit(jax.grad(lambda p: jnp.sum(jnp.where(seg >= 0, f(p), 0.0))))(params)
 
   _assert_trees_close(grads(attention=attention, remat=remat), grads(attention="dense", remat="none"), "grad")

@@ -137,9 +137,8 @@ LOGLINEAR = mis_jax.LossConfig(use_tis=True, proximal="loglinear", mis=mis_jax.M
 
 
 def _no_old_logprob_pass(trainer):
-  def forbidden(*args):
-    raise AssertionError("proximal loglinear must not recompute old log-probs")
-  trainer._logprobs = forbidden
+  """proximal loglinear must not recompute old log-probs: its plan has no pass."""
+  assert trainer.plan.old_logprobs is None and trainer.plan.policy_passes == ()
   return trainer
 
 
@@ -179,6 +178,7 @@ def test_loglinear_with_fresh_tokens_is_the_bypass_ppo_step(tmp_path):
       with pytest.warns(UserWarning, match="bypass PPO's") if name == "loglinear" else contextlib.nullcontext():
         trainer = _no_old_logprob_pass(train_lib.Trainer(cfg, loss_cfg, urls=[fake.url]))
       trainer.run(progress=False)
+      assert trainer.num_old_logprob_passes == 0
       runs[name] = trainer
   for name in ("params", "opt_state"):
     a, b = (jax.tree.leaves(getattr(runs[k], name)) for k in ("loglinear", "bypass"))

@@ -11,7 +11,8 @@ import pytest
 import mis_jax
 from fake_sglang import FakeSGLang
 from trainers import cli
-from trainers.training import train as train_lib
+from trainers.training import plan as plan_lib, step as step_lib, train as train_lib
+from trainers.training.plan import StageInput
 from trainers.training.config import TrainConfig
 from trainers.models import init_checkpoint
 from trainers.training.rollout import ServerError
@@ -69,15 +70,17 @@ def server(tmp_path_factory):
 def test_end_to_end_each_algorithm(algo, server, tmp_path, step_traces):
   loss_cfg = mis_jax.LossConfig(**ALGORITHMS[algo])
   trainer = train_lib.Trainer(make_cfg(tmp_path), loss_cfg, urls=[server.url])
-  if not loss_cfg.needs_old_logprobs:
-    def forbidden(*args):
-      raise AssertionError(f"{algo} must not recompute old log-probs")
-    trainer._logprobs = forbidden  # bypass and REINFORCE-IS skip the recompute entirely
+  if loss_cfg.needs_old_logprobs:
+    assert trainer.plan.policy_passes == (step_lib.LOGPROBS,) and trainer.plan.old_logprobs == step_lib.LOGPROBS
+  else:  # bypass and REINFORCE-IS skip the recompute entirely
+    assert trainer.plan.policy_passes == () and trainer.plan.old_logprobs is None
   history = trainer.run(progress=False)
   assert [h["step"] for h in history] == [1, 2, 3]
   assert trainer.num_old_logprob_passes == (3 if loss_cfg.needs_old_logprobs else 0)
   # The step, the loss pass and the old-log-prob pass trace once per shape bucket, never again.
   step_traces.check("train", "prepare", *(["logprobs"] if loss_cfg.needs_old_logprobs else []))
+  if not loss_cfg.needs_old_logprobs:
+    assert not any(name.startswith("logprobs") for name in step_traces.calls), f"{algo} made a forward pass"
   for h in history:
     assert np.isfinite(h["loss"]) and np.isfinite(h["grad_norm"]) and h["num_samples"] == 16
     assert {"mis_kl", "mis_k3_kl", "train_rollout_logprob_abs_diff", "reward_mean", "tokens_per_s"} <= set(h)
@@ -183,9 +186,11 @@ def test_rejected_sequences_leave_the_baseline(tmp_path):
     prompts, result = rollout.prompts, rollout.result
     sb = trainer.build_batch(prompts, result)
     inputs, batch = trainer.device_batch(sb)
-    batch = batch.replace(old_logprobs=trainer._logprobs(trainer.params, inputs, batch.segment_ids))
+    batch = batch.replace(old_logprobs=trainer.fns.logprobs(trainer.params, inputs, batch.segment_ids).logprobs)
     prepared = trainer.fns.prepare(batch)[0]
-    new_batch, excluded = trainer.exclude_rejected_from_baseline(sb, prepared)
+    assert [s.name for s in trainer.advantage_stages] == ["exclude_rejected"]
+    new_batch, stage_metrics = trainer.advantage_stages[0].apply(StageInput(sb), prepared)
+    excluded = stage_metrics["num_excluded_from_baseline"]
     trainer.servers.close()
   kept = [k.any() for k in sb.per_sequence(
       mis_jax.compute_mis_weights(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, batch.segment_ids,
@@ -204,23 +209,26 @@ def test_rejected_sequences_leave_the_baseline(tmp_path):
                       mis_jax.LossConfig(use_rollout_logprobs=True), urls=["http://127.0.0.1:9"])
 
 
-def test_policy_loss_and_optimal_token_baseline_end_to_end(server, tmp_path, step_traces):
+def test_policy_loss_and_optimal_token_baseline_end_to_end(server, tmp_path, step_traces, monkeypatch):
   """A verl policy loss with covariance selection (kl_cov), under decoupled PPO with MIS, and the
   optimal token baseline: the run trains, its per-token advantages are verl's (a loop over the
   step's π, Σπ² and squared IS weights), and every pass traces once per shape bucket."""
   from test_advantages import otb_oracle
   loss_cfg = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(**MIS), policy_loss="kl_cov", kl_cov_ratio=0.1)
+  seen = []
+  token_baseline = plan_lib.token_baseline
+
+  def spy(step, prepared, **kwargs):
+    out, metrics = token_baseline(step, prepared, **kwargs)
+    seen.append((step.sb, prepared, step.policy.logprobs, step.policy.sum_sq, out.advantages))
+    return out, metrics
+  monkeypatch.setattr(plan_lib, "token_baseline", spy)  # the stages are composed when the trainer is built
   trainer = train_lib.Trainer(make_cfg(tmp_path, train={"steps": 2, "advantage_estimator": "optimal_token_baseline"}),
                               loss_cfg, urls=[server.url])
-  seen = []
-  token_baseline = trainer.token_baseline
-
-  def spy(sb, prepared, pi, sum_sq):
-    out = token_baseline(sb, prepared, pi, sum_sq)
-    seen.append((sb, prepared, pi, sum_sq, out.advantages))
-    return out
-  trainer.token_baseline = spy
+  assert trainer.plan.policy_passes == (step_lib.SUM_SQ,) and trainer.plan.old_logprobs == step_lib.SUM_SQ
+  assert trainer.plan.advantage_stages == ("token_baseline", "reselect_covariance")
   history = trainer.run(progress=False)
+  assert len(seen) == 2
   assert [h["step"] for h in history] == [1, 2] and trainer.num_old_logprob_passes == 2  # π's pass gives o
   step_traces.check("train", "prepare", "logprobs_sum_sq")
   assert all(np.isfinite(h["loss"]) and h["cov_selected_fraction"] > 0 for h in history)

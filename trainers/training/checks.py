@@ -55,6 +55,11 @@ def sampling_replay_width(r) -> int:
   return r.top_k
 
 
+def max_new_tokens(rollout, task) -> int:
+  """The response budget of a sample: `rollout.max_new_tokens`, else the task's, else 128."""
+  return rollout.max_new_tokens or getattr(task, "max_new_tokens", None) or 128
+
+
 def routing_setup(r, model_cfg: ModelConfig) -> tuple[str, RoutingSpec | None]:
   """`(routing_replay, spec)` of the `rollout` section for this model, checked: `spec` (what the
   server's routed experts must look like) when they are asked for — with `r3`, or with
@@ -157,7 +162,7 @@ def check_config(cfg: TrainConfig):
     raise mis_jax.ConfigError(f"task ({cfg.task.name}): {e}") from None
   if r.load_dir:
     check_records(cfg, model_cfg)
-  max_new = cfg.rollout.max_new_tokens or getattr(task, "max_new_tokens", None) or 128
+  max_new = max_new_tokens(cfg.rollout, task)
   longest = getattr(task, "max_prompt_len", None)
   if longest is not None and longest + max_new - 1 > cfg.train.row_len:
     raise mis_jax.ConfigError(

@@ -1,17 +1,20 @@
 """The jitted training step: micro-batched loss and gradient, Optax update, on a device mesh.
 
-`StepFunctions` holds three jitted functions over a step's batch laid out as
+`StepFunctions` holds the jitted functions over a step's batch laid out as
 `[micro_batches, rows, row_len]` (rows split over `data × fsdp × expert`):
 
-- `logprobs(params, inputs, segment_ids)`: teacher-forced log-probs (the old or reference
-  policy's), one micro-batch at a time;
+- `forward(heads)(params, inputs, segment_ids)`: a teacher-forced pass (the old or reference
+  policy's), one micro-batch at a time, yielding the `Heads` that `heads` (a `Forward`) names:
+  log-probs, and with them `Σπ²` (`SUM_SQ`) or the native routed experts (`ROUTING`);
+  `logprobs` is the plain pass (`LOGPROBS`);
 - `prepare(batch)`: `mis_jax.prepare_step` — IS weights, kept mask and global denominators,
   once per step;
 - `train(params, opt_state, inputs, batch, denominators)`: a `lax.scan` over the micro-batches
   accumulating float32 gradients (sharded like the parameters), then the Optax update, in one
   program; parameters and optimiser state are donated.
 
-Log-probs never build `[T, V]` logits: the model stops at its final hidden states and
+Every forward returns a `Heads` value (unset heads are None), never a tuple whose length depends
+on flags. Log-probs never build `[T, V]` logits: the model stops at its final hidden states and
 `mis_jax.token_logprobs` computes log-probs and entropy chunk by chunk, inside a `shard_map`
 over the batch (each device's own tokens, the LM head all-gathered once).
 """
@@ -44,6 +47,33 @@ class ModelInputs(NamedTuple):
   routing: jax.Array | None = None
 
 
+class Heads(NamedTuple):
+  """What a forward yields per token, float32 `[B, T]` unless said: `logprobs`; `entropy`;
+  `kept_mass` (the kept log-mass of a sampling support); `sum_sq` (`Σ_v π_v²`); `routing`
+  (the native routed experts `[B, T, num_hidden_layers, k]` int32 of a mixture-of-experts model);
+  `router_aux_loss` (its load-balancing loss, a scalar). A head not asked for is None."""
+  logprobs: jax.Array
+  entropy: jax.Array | None = None
+  kept_mass: jax.Array | None = None
+  sum_sq: jax.Array | None = None
+  routing: jax.Array | None = None
+  router_aux_loss: jax.Array | None = None
+
+
+class Forward(NamedTuple):
+  """Which heads a jitted pass over a step's batch yields besides the log-probs (its program and
+  its name in the trace counts)."""
+  sum_sq: bool = False
+  routing: bool = False
+
+  @property
+  def name(self) -> str:
+    return "logprobs" + "_sum_sq" * self.sum_sq + "_routing" * self.routing
+
+
+LOGPROBS, SUM_SQ, ROUTING = Forward(), Forward(sum_sq=True), Forward(routing=True)
+
+
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
   t = train_cfg
   schedule = (optax.warmup_cosine_decay_schedule(0.0, t.learning_rate, max(t.warmup_steps, 1), t.steps)
@@ -56,14 +86,13 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
 
 def model_logprobs(graphdef, params, inputs: ModelInputs, segment_ids, *, temperature: float,
                    chunk_size: int, entropy: bool, mesh=None, kept_mass: bool = False, routing_out: bool = False,
-                   sum_sq: bool = False):
-  """Per-token `log_softmax(logits / temperature)[targets]` (and entropy), float32 `[B, T]`,
-  from the model's final hidden states with `mis_jax.token_logprobs` (no `[T, V]` logits).
-  With `inputs.support`, log-probs and entropy are over each token's sampling support and
-  `kept_mass` adds the kept log-mass (outputs: log-probs, then entropy, then kept log-mass).
-  A mixture-of-experts model replays `inputs.routing` when given; `routing_out` appends its
-  `trainers.models.Routing` (the native top-k per layer and the load-balancing loss); `sum_sq`
-  appends `Σ_v π_v²` per token (after the log-probs and entropy).
+                   sum_sq: bool = False) -> Heads:
+  """The `Heads` of a teacher-forced forward: per-token `log_softmax(logits / temperature)[targets]`
+  (and with `entropy` the entropy), float32 `[B, T]`, from the model's final hidden states with
+  `mis_jax.token_logprobs` (no `[T, V]` logits). With `inputs.support`, log-probs and entropy are
+  over each token's sampling support and `kept_mass` adds the kept log-mass. A mixture-of-experts
+  model replays `inputs.routing` when given; `routing_out` adds its native top-k per layer
+  (`routing`) and the load-balancing loss (`router_aux_loss`); `sum_sq` adds `Σ_v π_v²` per token.
 
   On a mesh the head runs in a `shard_map`: each device takes its own rows (and, when the row
   length divides, a `1/tensor` share of their tokens) against the LM head all-gathered in the
@@ -76,13 +105,18 @@ def model_logprobs(graphdef, params, inputs: ModelInputs, segment_ids, *, temper
                                           return_routing=True)
   else:
     hidden = model.hidden_states(inputs.input_ids, inputs.positions, segment_ids, routing=inputs.routing)
+  kept_mass = kept_mass and inputs.support is not None
   out = _head_logprobs(model, hidden, inputs, temperature=temperature, chunk_size=chunk_size, entropy=entropy,
                        mesh=mesh, kept_mass=kept_mass, sum_sq=sum_sq)
+  # mis_jax.token_logprobs: (log-probs, [entropy], [kept log-mass], [Σπ²]) in that order
+  out = list(out) if isinstance(out, tuple) else [out]
+  heads = Heads(out.pop(0), entropy=out.pop(0) if entropy else None, kept_mass=out.pop(0) if kept_mass else None,
+                sum_sq=out.pop(0) if sum_sq else None)
   if not routing_out:
-    return out
+    return heads
   if routing is None:
     raise ValueError("routing_out needs a mixture-of-experts model")
-  return (out if isinstance(out, tuple) else (out,)) + (routing,)
+  return heads._replace(routing=routing.native, router_aux_loss=routing.aux_loss)
 
 
 def _head_logprobs(model, hidden, inputs: ModelInputs, *, temperature, chunk_size, entropy, mesh, kept_mass,
@@ -90,7 +124,6 @@ def _head_logprobs(model, hidden, inputs: ModelInputs, *, temperature, chunk_siz
   head, layout = model.head()
   head = head.astype(hidden.dtype)
   with_support = inputs.support is not None
-  kept_mass = kept_mass and with_support
 
   def fn(h, w, y, support=None):
     return mis_jax.token_logprobs(h, w, y, temperature=temperature, chunk_size=chunk_size, return_entropy=entropy,
@@ -180,19 +213,17 @@ class StepFunctions:
                            mesh=mesh)
     batch_sh = parallel.batch_sharding(mesh)
 
-    def logprobs(params, inputs, segment_ids):
-      return jax.lax.map(lambda xs: lp(params, xs[0], xs[1], entropy=False), (inputs, segment_ids))
-
-    def logprobs_sum_sq(params, inputs, segment_ids):
-      """Log-probs and `Σ_v π_v²` per token (the optimal token baseline's path variance)."""
-      return jax.lax.map(lambda xs: lp(params, xs[0], xs[1], entropy=False, sum_sq=True), (inputs, segment_ids))
-
-    def logprobs_routing(params, inputs, segment_ids):
-      """Log-probs and each input token's native experts `[..., num_hidden_layers, k]` (MoE)."""
-      def one(xs):
-        logp, routing = lp(params, xs[0], xs[1], entropy=False, routing_out=True)
-        return logp, routing.native
-      return jax.lax.map(one, (inputs, segment_ids))
+    def make_pass(heads: Forward):
+      """The jitted pass of `heads` over the micro-batches: `Heads` of `[micro_batches, ...]`."""
+      def run(params, inputs, segment_ids):
+        def one(xs):
+          out = lp(params, xs[0], xs[1], entropy=False, sum_sq=heads.sum_sq, routing_out=heads.routing)
+          return out._replace(router_aux_loss=None)  # the training forward's, not a head of this pass
+        return jax.lax.map(one, (inputs, segment_ids))
+      run.__name__ = run.__qualname__ = heads.name
+      shardings = Heads(batch_sh, sum_sq=batch_sh if heads.sum_sq else None,
+                        routing=parallel.batch_sharding(mesh, 5) if heads.routing else None)
+      return _jit(run, out_shardings=shardings)
 
     aux_coef = float(router_aux_loss_coef)
 
@@ -201,19 +232,18 @@ class StepFunctions:
 
       def loss_fn(p, mb_inputs, mb_batch):
         replay = mb_inputs.support is not None
-        logp, ent, *rest = lp(p, mb_inputs, mb_batch.segment_ids, entropy=True, kept_mass=replay,
-                              routing_out=aux_coef > 0)
-        mass = rest[:1] if replay else []
-        loss, metrics = mis_jax.policy_loss(logp, mb_batch, loss_cfg, entropy=ent, denominators=dens)
+        heads = lp(p, mb_inputs, mb_batch.segment_ids, entropy=True, kept_mass=replay, routing_out=aux_coef > 0)
+        logp = heads.logprobs
+        loss, metrics = mis_jax.policy_loss(logp, mb_batch, loss_cfg, entropy=heads.entropy, denominators=dens)
         if aux_coef > 0:  # HF's load-balancing loss per micro-batch, token-weighted over the step
-          aux = rest[-1].aux_loss
+          aux = heads.router_aux_loss
           share = jnp.sum((mb_batch.segment_ids >= 0).astype(jnp.float32)) / num_tokens
           loss = loss + aux_coef * aux * share
           metrics["loss"] = metrics["loss"] + jax.lax.stop_gradient(aux_coef * aux * share)  # what is optimised
           metrics["router_aux_loss"] = jax.lax.stop_gradient(aux)
         if replay:  # kept mass and the ratio with / without renormalisation (first epoch: o = lp)
           metrics.update(mis_jax.sampling_metrics(
-              jax.lax.stop_gradient(logp), jax.lax.stop_gradient(mass[0]), mb_batch.rollout_logprobs,
+              jax.lax.stop_gradient(logp), jax.lax.stop_gradient(heads.kept_mass), mb_batch.rollout_logprobs,
               mb_batch.loss_mask, mb_batch.segment_ids, num_segments=mb_batch.num_segments,
               metric_reduction=loss_cfg.metric_mode))
         return loss, metrics
@@ -237,15 +267,18 @@ class StepFunctions:
         params = optax.apply_updates(params, updates)
       return params, opt_state, metrics
 
-    self.logprobs = _jit(logprobs, out_shardings=batch_sh)
-    self.logprobs_sum_sq = _jit(logprobs_sum_sq, out_shardings=(batch_sh, batch_sh))
-    self.logprobs_routing = _jit(logprobs_routing, out_shardings=(batch_sh, parallel.batch_sharding(mesh, 5)))
+    self._passes = {heads: make_pass(heads) for heads in (LOGPROBS, SUM_SQ, ROUTING)}  # compiled when first called
+    self.logprobs = self._passes[LOGPROBS]
     def prepare(batch, key=None):  # key: clip_cov's draw
       return mis_jax.prepare_step(batch, loss_cfg, key=key)
 
     self.prepare = _jit(prepare)
     self.train = _jit(train, donate_argnums=(0, 1), out_shardings=(param_shardings, opt_shardings, replicated))
     self.init_opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)
+
+  def forward(self, heads: Forward):
+    """The jitted pass yielding `heads`: `(params, inputs, segment_ids) -> Heads`."""
+    return self._passes[heads]
 
 
 def build_step_functions(model_cfg, mesh, loss_cfg: mis_jax.LossConfig, train_cfg, *, temperature: float = 1.0,

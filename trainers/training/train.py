@@ -13,10 +13,12 @@ collaborators chosen once from the resolved config:
   (`checkpointing`), the metric sinks (`metric_logging`) and the preemption flag (`preemption`).
 
 One step: the rollout batch; GRPO advantages per prompt group (contract §6.1); prompt+response
-packed into micro-batched rows (`trainers.training.batch`); old log-probs recomputed only when the
-algorithm needs them; ``ppo_epochs`` calls of the jitted step (`trainers.training.step`: gradients
-accumulated over the micro-batches with global denominators, contract §7, and the Optax update in
-one program). The config checks live in `trainers.training.checks`.
+packed into micro-batched rows (`trainers.training.batch`); then the step's plan
+(`trainers.training.plan`, decided once from the config: which passes it makes — old log-probs
+only when the algorithm needs them — and which advantage stages follow the correction);
+``ppo_epochs`` calls of the jitted step (`trainers.training.step`: gradients accumulated over the
+micro-batches with global denominators, contract §7, and the Optax update in one program). A step
+returns a `plan.StepOutcome`. The config checks live in `trainers.training.checks`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 
 import mis_jax
 from trainers.models import PRESETS, DTYPES, ModelConfig, init_checkpoint, load_hf_params
-from trainers.training import checkpointing, checks, distributed, parallel
+from trainers.training import checkpointing, checks, distributed, parallel, plan as plan_lib
 from trainers.training.colocated import ColocatedEngine, SGLangJaxColocated
 from trainers.training.batch import StepBatch, build_step_batch, fresh_tokens, token_staleness
 from trainers.training.config import ModelSection, TrainConfig
@@ -43,7 +45,8 @@ from trainers.training.preemption import Preemption
 from trainers.training.rollout_records import NoRecords, RecordWriter
 from trainers.training.servers import NoServers, Servers, Sampling
 from trainers.training.sources import AsyncServerRollouts, RecordedRollouts, Rollout, ServerRollouts
-from trainers.training.step import ModelInputs, StepFunctions, build_step_functions
+from trainers.training.plan import StageInput, StepOutcome, StepPlan
+from trainers.training.step import ROUTING, ModelInputs, StepFunctions, build_step_functions
 
 __all__ = ["Trainer", "TrainingError", "initial_weights_dir", "print_summary", "routing_metrics"]
 
@@ -61,11 +64,6 @@ def initial_weights_dir(cfg: TrainConfig) -> str:
     init_checkpoint(path, config=config, seed=cfg.model.init_seed)
   distributed.barrier(f"initial weights {path}")  # one writer; every process reads them
   return path
-
-
-# The advantages of a step, compiled once per batch size (eager, their few segment sums dispatch
-# op by op: several milliseconds a step at small shapes).
-_advantages = jax.jit(mis_jax.compute_advantages, static_argnames=("num_groups", "estimator", "norm_by_std"))
 
 
 def routing_metrics(native: np.ndarray, recorded: np.ndarray) -> dict[str, float]:
@@ -106,20 +104,21 @@ class Trainer:
     start_dir = initial_weights_dir(cfg)  # collective: every process, here
     model_cfg = self.model_config = ModelConfig.from_pretrained(start_dir)
     self.routing_replay, self.routing_spec = checks.routing_setup(r, model_cfg)
-    self.max_new_tokens = r.max_new_tokens or getattr(self.task, "max_new_tokens", None) or 128
+    self.max_new_tokens = checks.max_new_tokens(r, self.task)
+    self.plan: StepPlan = plan_lib.plan_step(cfg, self.routing_replay, self.routing_spec)
     self.fns = _step_functions(model_cfg, cfg.model, cfg.loss, self.temperature, cfg.train, self.mesh)
     # Each device reads its own shards of the HF tensors: no full copy anywhere.
     self.params = load_hf_params(start_dir, self.fns.abstract_params, self.fns.param_shardings, config=model_cfg)
     self.ref_params = jax.tree_util.tree_map(jnp.copy, self.params) if cfg.loss.kl_coef > 0 else None
-    self._logprobs = self.fns.logprobs
     self.opt_state = self.fns.init_opt_state(self.params)
     self.step = 0
     self.batch_index = 0  # the rollout batch the next step takes (= step, unless stale batches were skipped)
     self.num_old_logprob_passes = 0  # bypass and REINFORCE-IS never recompute (tested)
-    self._old_logprobs = None  # the step's recomputed old log-probs (device), for the records
     self.masked_in_a_row = 0  # steps in a row whose correction kept no token
-    self.masked_ratio_range = None  # (min, max) raw IS ratio of the last such step
     self.num_segments = r.prompts_per_step * r.n
+    self.advantage_stages = plan_lib.compose_stages(
+        self.plan, estimator=cfg.train.advantage_estimator, num_groups=r.prompts_per_step,
+        num_segments=self.num_segments, place=self._on_mesh, prepare=self.fns.prepare)
     self.checkpoints = checkpointing.Checkpointer(os.path.join(self.run_dir, "checkpoints"),
                                                   max_to_keep=cfg.checkpoint.max_to_keep)
     self.preemption, self.preempted = Preemption(), False
@@ -160,16 +159,17 @@ class Trainer:
           break  # a stop was asked while the servers were away: the step is abandoned
         t1 = time.perf_counter()
         sb = self.build_batch(rollout.prompts, rollout.result)
-        metrics = self.train_on(sb)
+        outcome = self.train_on(sb)
+        metrics = outcome.metrics
         self.servers.check_mismatch(self.step, metrics, rollout.result)
         t2 = time.perf_counter()
         self.step += 1
-        self.records.write(self.step, sb, rollout, self._old_logprobs)
+        self.records.write(self.step, sb, rollout, outcome.old_logprobs)
         metrics.update(self.servers.sync(self.params, self.step, preempted=self.preemption.asked))
         metrics.update(self.step_metrics(sb, rollout, t0, t1, t2, time.perf_counter()))
         history.append(metrics)
         log_metrics(self.step, metrics)  # before the checkpoint: a step checkpointed is a step logged
-        self.watch_masked(metrics, log)
+        self.watch_masked(metrics, outcome.masked_ratio_range, log)
         if self.step % self.cfg.checkpoint.every == 0 or self.step == self.cfg.train.steps:
           self.save_checkpoint()
       self.preempted = self.step < self.cfg.train.steps
@@ -279,33 +279,10 @@ class Trainer:
     return sb
 
   def advantages(self, rewards, groups, lengths, in_baseline=None) -> np.ndarray:
-    """Per-sequence advantages of `train.advantage_estimator`; the optimal token baseline's are
-    per token, computed after the old-log-prob pass (`token_baseline`): here the returns `R`."""
-    if self.cfg.train.advantage_estimator == "optimal_token_baseline":
-      return np.asarray(rewards, np.float32)
-    return np.asarray(_advantages(rewards, groups, num_groups=self.cfg.rollout.prompts_per_step,
-                                  estimator=self.cfg.train.advantage_estimator, in_baseline=in_baseline,
-                                  lengths=lengths))
-
-  def token_baseline(self, sb: StepBatch, prepared: mis_jax.PackedBatch, pi_logprobs, sum_sq) -> mis_jax.PackedBatch:
-    """The optimal token baseline's per-token advantages (`Σπ²` and `π` from this step's
-    policy; the correction's weights, squared, under decoupled PPO), for the whole step."""
-    pad = self.num_segments - len(sb.rewards)
-    adv = _token_baseline(np.pad(sb.rewards, (0, pad)), np.pad(sb.groups, (0, pad)), prepared.segment_ids,
-                          prepared.loss_mask, pi_logprobs, sum_sq, is_weights=prepared.is_weights,
-                          num_groups=self.cfg.rollout.prompts_per_step, num_segments=self.num_segments)
-    return prepared.replace(advantages=adv)
-
-  def exclude_rejected_from_baseline(self, sb: StepBatch, prepared: mis_jax.PackedBatch):
-    """contract §6.1 option: sequences the correction rejects whole leave their group's baseline.
-
-    ``prepared`` comes from :func:`mis_jax.prepare_step` (its ``kept_mask`` is the step's).
-    The rejected sequences' own advantage no longer matters (they carry no kept token); the
-    others' baseline stops leaking the rejected rewards (verl PR #6452)."""
-    in_baseline = np.array([k.any() for k in sb.per_sequence(distributed.to_host(prepared.kept_mask))])
-    adv = self.advantages(sb.rewards, sb.groups, sb.response_lengths, in_baseline)
-    token_adv = sb.tokens([np.full(n, a, np.float32) for n, a in zip(sb.packing.lengths, adv)], 0.0, np.float32)
-    return prepared.replace(advantages=self._on_mesh(token_adv)), int((~in_baseline).sum())
+    """Per-sequence advantages of `train.advantage_estimator` (`plan.sequence_advantages`)."""
+    return plan_lib.sequence_advantages(rewards, groups, lengths, in_baseline,
+                                        estimator=self.cfg.train.advantage_estimator,
+                                        num_groups=self.cfg.rollout.prompts_per_step)
 
   def _on_mesh(self, x):
     """A host array (the same on every process) on the mesh: each process places only the
@@ -320,43 +297,28 @@ class Trainer:
                          routing=None if sb.routing is None or self.routing_replay != "r3" else self._on_mesh(sb.routing))
     return inputs, jax.tree.map(self._on_mesh, sb.batch)
 
-  def train_on(self, sb: StepBatch) -> dict:
+  def train_on(self, sb: StepBatch) -> StepOutcome:
+    """One step of `self.plan` on `sb`: the policy's passes, the reference pass, the correction
+    (prepared once: it depends only on o and q), the advantage stages, `ppo_epochs` updates."""
+    plan = self.plan
     inputs, batch = self.device_batch(sb)
-    routing = {}
-    otb = self.cfg.train.advantage_estimator == "optimal_token_baseline"
-    if self.routing_replay == "r2" or sb.routing is not None:
-      # One pass gives the old log-probs (with r3: under the rollout's routing) and the trainer's
-      # native routing: the metrics compare it with the rollout's, r2 replays it from here on.
-      old, native = self.fns.logprobs_routing(self.params, inputs, batch.segment_ids)
-      if sb.routing is not None:
-        routing = routing_metrics(distributed.to_host(native), sb.routing)
-      if self.cfg.loss.needs_old_logprobs:
-        batch = batch.replace(old_logprobs=old)
-        self.num_old_logprob_passes += 1
-      if self.routing_replay == "r2":
-        inputs = inputs._replace(routing=native)
-    elif self.cfg.loss.needs_old_logprobs and not otb:
-      batch = batch.replace(old_logprobs=self._logprobs(self.params, inputs, batch.segment_ids))
+    heads = {}
+    for forward in plan.policy_passes:
+      heads[forward] = self.fns.forward(forward)(self.params, inputs, batch.segment_ids)
+      if forward == ROUTING and plan.replay_native_routing:  # R2: the native routing from here on
+        inputs = inputs._replace(routing=heads[forward].routing)
+    routing = (routing_metrics(distributed.to_host(heads[ROUTING].routing), sb.routing) if plan.compare_routing
+               else {})
+    if plan.old_logprobs is not None:
+      batch = batch.replace(old_logprobs=heads[plan.old_logprobs].logprobs)
       self.num_old_logprob_passes += 1
-    if otb:  # π and Σπ² of this step's policy; the same pass gives the old log-probs where none was made
-      pi_logprobs, sum_sq = self.fns.logprobs_sum_sq(self.params, inputs, batch.segment_ids)
-      if self.cfg.loss.needs_old_logprobs and batch.old_logprobs is None:
-        batch = batch.replace(old_logprobs=pi_logprobs)
-        self.num_old_logprob_passes += 1
-    self._old_logprobs = batch.old_logprobs
-    if self.ref_params is not None:  # the reference model routes natively
-      batch = batch.replace(ref_logprobs=self._logprobs(self.ref_params, inputs._replace(routing=None),
-                                                        batch.segment_ids))
-    # The correction depends only on o and q, fixed for the whole step: prepare it once.
+    if plan.reference:  # the reference model routes natively
+      batch = batch.replace(ref_logprobs=self.fns.logprobs(self.ref_params, inputs._replace(routing=None),
+                                                           batch.segment_ids).logprobs)
     key = jax.random.fold_in(jax.random.key(self.cfg.seed), self.step)  # clip_cov's draw of this step
     prepared, dens, step_metrics = self.fns.prepare(batch, key)
-    excluded = None
-    if self.cfg.train.exclude_rejected_from_baseline:
-      prepared, excluded = self.exclude_rejected_from_baseline(sb, prepared)
-    if otb:
-      prepared = self.token_baseline(sb, prepared, pi_logprobs, sum_sq)
-    if (otb or excluded is not None) and self.cfg.loss.uses_cov_selection:  # selected from the final advantages
-      prepared = self.fns.prepare(prepared.replace(cov_selected=None), key)[0]
+    prepared, stage_metrics = plan_lib.run_stages(self.advantage_stages,
+                                                  StageInput(sb, heads.get(plan.token_baseline), key), prepared)
     metrics: dict = {}
     for _ in range(self.cfg.train.ppo_epochs):
       self.params, self.opt_state, epoch_metrics = self.fns.train(self.params, self.opt_state, inputs, prepared,
@@ -366,24 +328,22 @@ class Trainer:
     metrics["micro_batches"] = sb.layout.micro_batches
     metrics["sampling_replay"] = float(sb.support is not None)  # log-probs, entropy and KL over the support
     metrics.update(routing)
-    if excluded is not None:
-      metrics["num_excluded_from_baseline"] = excluded
+    metrics.update(stage_metrics)
     if not all(np.isfinite(v) for v in metrics.values()):
       bad = [k for k, v in metrics.items() if not np.isfinite(v)]
       raise TrainingError(f"step {self.step}: non-finite metrics {bad}; stopping before using these weights")
+    ratio_range = None
     if metrics.get("mis_masked_whole_batch") == 1.0:  # what the ratios were, for the warning (rare: one pass)
       train_lp = batch.old_logprobs if batch.old_logprobs is not None else self.fns.logprobs(
-          self.params, inputs, batch.segment_ids)
-      log_ratio = distributed.to_host(train_lp - batch.rollout_logprobs)[distributed.to_host(batch.loss_mask)]
-      self.masked_ratio_range = (None if log_ratio.size == 0 else  # no token to train on (all stale)
-                                 tuple(float(np.exp(np.clip(x, -20, 20))) for x in (log_ratio.min(), log_ratio.max())))
-    return metrics
+          self.params, inputs, batch.segment_ids).logprobs
+      ratio_range = _ratio_range(train_lp, batch)
+    return StepOutcome(metrics, old_logprobs=batch.old_logprobs, masked_ratio_range=ratio_range)
 
-  def watch_masked(self, metrics: dict, log):
+  def watch_masked(self, metrics: dict, ratio_range, log):
     """contract §8.2's `mis_masked_whole_batch`: a step whose correction keeps no token trains on
     nothing (loss 0), as does one whose every token `rollout.max_token_staleness` masked. Each one
     is a warning; `train.max_consecutive_masked_steps` in a row stop the run, naming the setting
-    and the ratios seen."""
+    and the ratios seen (`ratio_range`: the step outcome's `masked_ratio_range`)."""
     all_stale = metrics.get("rollout/stale_token_fraction", 0.0) >= 1.0  # rollout.max_token_staleness left nothing
     if metrics.get("mis_masked_whole_batch", 0.0) < 1.0 and not all_stale:
       self.masked_in_a_row = 0
@@ -398,7 +358,7 @@ class Trainer:
               f"({self.cfg.rollout.max_token_staleness}) versions of the weights trained")
       advice = "Raise rollout.max_token_staleness, or lower rollout.max_staleness / sync_every"
     else:
-      lo, hi = self.masked_ratio_range
+      lo, hi = ratio_range
       what = (f"step {self.step}: the correction kept no token (loss.mis: {setting or 'the defaults'}); the step's "
               f"raw IS ratios pi_train/pi_rollout lay in [{lo:.3g}, {hi:.3g}]")
       advice = "Loosen the bounds or look at the engine's log-probs"
@@ -425,7 +385,12 @@ class Trainer:
     return True
 
 
-_token_baseline = jax.jit(mis_jax.optimal_token_baseline, static_argnames=("num_groups", "num_segments"))
+def _ratio_range(train_lp, batch: mis_jax.PackedBatch) -> tuple[float, float] | None:
+  """(min, max) raw IS ratio `exp(log π_train - log π_rollout)` over the loss-mask tokens (None
+  when there is none: all stale)."""
+  log_ratio = distributed.to_host(train_lp - batch.rollout_logprobs)[distributed.to_host(batch.loss_mask)]
+  return (None if log_ratio.size == 0 else
+          tuple(float(np.exp(np.clip(x, -20, 20))) for x in (log_ratio.min(), log_ratio.max())))
 
 
 @functools.lru_cache(maxsize=8)

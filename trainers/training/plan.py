@@ -1,0 +1,167 @@
+"""A step as a plan: which passes a step makes, what each yields, and the advantage stages after
+the correction — decided once from the resolved config (`plan_step`), never re-decided by flags
+inside the loop.
+
+A step (`Trainer.train_on`) runs its plan: the policy's passes before the update (`policy_passes`,
+each a `step.Forward`: the old log-probs, `Σπ²` for the optimal token baseline, the native routed
+experts), the reference pass, `mis_jax.prepare_step` once, then the advantage stages in order
+(`advantage_stages`: exclude rejected sequences from their group's baseline → the optimal token
+baseline → re-select the covariance forms' tokens from the final advantages), then the epochs.
+It returns a `StepOutcome`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, NamedTuple
+
+import jax
+import numpy as np
+
+import mis_jax
+from trainers.training import distributed
+from trainers.training.batch import StepBatch
+from trainers.training.step import LOGPROBS, ROUTING, SUM_SQ, Forward, Heads
+
+__all__ = ["StepPlan", "StepOutcome", "StageInput", "Stage", "plan_step", "compose_stages", "run_stages",
+           "sequence_advantages", "exclude_rejected", "token_baseline", "reselect_covariance"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+  """The passes of one step and what each yields.
+
+  `policy_passes`: the forwards of the step's policy before its update, in order (each names
+  its heads). `old_logprobs`: the one of them whose log-probs are the loss's old log-probs, None
+  when the algorithm needs none (bypass, REINFORCE-IS, `proximal: loglinear`: no pass at all).
+  `compare_routing`: the rollout carries routed experts, compared with the trainer's native ones
+  (`routing_mismatch_*` metrics). `replay_native_routing` (R2): the routing pass's native experts
+  are replayed in the passes after it and in every training forward. `reference`: the KL
+  reference pass (reference parameters, native routing). `advantage_stages`: the names of the
+  post-processing stages after `prepare_step`, in order."""
+  policy_passes: tuple[Forward, ...] = ()
+  old_logprobs: Forward | None = None
+  compare_routing: bool = False
+  replay_native_routing: bool = False
+  reference: bool = False
+  advantage_stages: tuple[str, ...] = ()
+
+  @property
+  def token_baseline(self) -> Forward | None:
+    """The pass giving the optimal token baseline its `π` and `Σπ²` (None: no token baseline)."""
+    return SUM_SQ if SUM_SQ in self.policy_passes else None
+
+
+def plan_step(cfg, routing_replay: str, routing_spec) -> StepPlan:
+  """The plan of every step of `cfg` (a resolved `TrainConfig`), with the routing facts of
+  `checks.routing_setup` (`routing_replay`, and `routing_spec` when the server records routed
+  experts)."""
+  loss, t = cfg.loss, cfg.train
+  otb = t.advantage_estimator == "optimal_token_baseline"
+  routing = routing_replay == "r2" or routing_spec is not None
+  passes = []
+  if routing:  # one pass: the old log-probs (r3: under the rollout's routing) and the native routing
+    passes.append(ROUTING)
+  elif loss.needs_old_logprobs and not otb:
+    passes.append(LOGPROBS)
+  if otb:  # π and Σπ²; the old log-probs too where no other pass gives them
+    passes.append(SUM_SQ)
+  stages = (("exclude_rejected",) * t.exclude_rejected_from_baseline + ("token_baseline",) * otb)
+  if stages and loss.uses_cov_selection:  # selected from the final advantages
+    stages += ("reselect_covariance",)
+  return StepPlan(policy_passes=tuple(passes), old_logprobs=passes[0] if loss.needs_old_logprobs else None,
+                  compare_routing=routing_spec is not None, replay_native_routing=routing_replay == "r2",
+                  reference=loss.kl_coef > 0, advantage_stages=stages)
+
+
+class StepOutcome(NamedTuple):
+  """What a step leaves for the loop: its `metrics` (floats, first epoch), the `old_logprobs` it
+  trained with (device `[micro_batches, rows, row_len]`, None without; the records' column), and
+  `masked_ratio_range`, the (min, max) raw IS ratio when the correction kept no token (None
+  otherwise, or when no token was left to train on)."""
+  metrics: dict
+  old_logprobs: jax.Array | None = None
+  masked_ratio_range: tuple[float, float] | None = None
+
+
+# --- advantage stages -----------------------------------------------------------------------
+class StageInput(NamedTuple):
+  """What an advantage stage reads of its step: the step batch, the token-baseline pass's heads
+  (`π`, `Σπ²`; None without), and the step's random key (clip_cov's draw)."""
+  sb: StepBatch
+  policy: Heads | None = None
+  key: jax.Array | None = None
+
+
+class Stage(NamedTuple):
+  """A named advantage stage: `apply(step, prepared) -> (prepared, metrics)`."""
+  name: str
+  apply: Callable
+
+
+_group_advantages = jax.jit(mis_jax.compute_advantages, static_argnames=("num_groups", "estimator", "norm_by_std"))
+_token_baseline = jax.jit(mis_jax.optimal_token_baseline, static_argnames=("num_groups", "num_segments"))
+
+
+def sequence_advantages(rewards, groups, lengths, in_baseline=None, *, estimator: str, num_groups: int) -> np.ndarray:
+  """Per-sequence advantages of `estimator` over the prompt groups (contract §6.1); the optimal
+  token baseline's are per token, computed after the old-log-prob pass (`token_baseline`):
+  here the returns `R`. Compiled once per batch size (eager, their few segment sums dispatch op
+  by op: several milliseconds a step at small shapes)."""
+  if estimator == "optimal_token_baseline":
+    return np.asarray(rewards, np.float32)
+  return np.asarray(_group_advantages(rewards, groups, num_groups=num_groups, estimator=estimator,
+                                      in_baseline=in_baseline, lengths=lengths))
+
+
+def exclude_rejected(step: StageInput, prepared: mis_jax.PackedBatch, *, advantages, place):
+  """contract §6.1 option: sequences the correction rejects whole leave their group's baseline.
+
+  ``prepared`` comes from :func:`mis_jax.prepare_step` (its ``kept_mask`` is the step's).
+  The rejected sequences' own advantage no longer matters (they carry no kept token); the
+  others' baseline stops leaking the rejected rewards (verl PR #6452). `advantages`: the
+  per-sequence estimator (`sequence_advantages` with its options); `place`: a host array onto
+  the mesh."""
+  sb = step.sb
+  in_baseline = np.array([k.any() for k in sb.per_sequence(distributed.to_host(prepared.kept_mask))])
+  adv = advantages(sb.rewards, sb.groups, sb.response_lengths, in_baseline)
+  token_adv = sb.tokens([np.full(n, a, np.float32) for n, a in zip(sb.packing.lengths, adv)], 0.0, np.float32)
+  return prepared.replace(advantages=place(token_adv)), {"num_excluded_from_baseline": int((~in_baseline).sum())}
+
+
+def token_baseline(step: StageInput, prepared: mis_jax.PackedBatch, *, num_groups: int, num_segments: int):
+  """The optimal token baseline's per-token advantages (`Σπ²` and `π` from this step's policy;
+  the correction's weights, squared, under decoupled PPO), for the whole step."""
+  sb = step.sb
+  pad = num_segments - len(sb.rewards)
+  adv = _token_baseline(np.pad(sb.rewards, (0, pad)), np.pad(sb.groups, (0, pad)), prepared.segment_ids,
+                        prepared.loss_mask, step.policy.logprobs, step.policy.sum_sq, is_weights=prepared.is_weights,
+                        num_groups=num_groups, num_segments=num_segments)
+  return prepared.replace(advantages=adv), {}
+
+
+def reselect_covariance(step: StageInput, prepared: mis_jax.PackedBatch, *, prepare):
+  """The covariance forms (clip_cov, kl_cov) select their tokens from the advantages: again,
+  from the final ones (`prepare`: the jitted `mis_jax.prepare_step`, with the step's key)."""
+  return prepare(prepared.replace(cov_selected=None), step.key)[0], {}
+
+
+def compose_stages(plan: StepPlan, *, estimator: str, num_groups: int, num_segments: int, place,
+                   prepare) -> tuple[Stage, ...]:
+  """The plan's advantage stages, each bound once to the options it needs."""
+  table = {"exclude_rejected": functools.partial(
+               exclude_rejected, place=place,
+               advantages=functools.partial(sequence_advantages, estimator=estimator, num_groups=num_groups)),
+           "token_baseline": functools.partial(token_baseline, num_groups=num_groups, num_segments=num_segments),
+           "reselect_covariance": functools.partial(reselect_covariance, prepare=prepare)}
+  return tuple(Stage(name, table[name]) for name in plan.advantage_stages)
+
+
+def run_stages(stages: tuple[Stage, ...], step: StageInput, prepared: mis_jax.PackedBatch):
+  """`prepared` through each stage in order; the stages' metrics, merged."""
+  metrics = {}
+  for stage in stages:
+    prepared, m = stage.apply(step, prepared)
+    metrics.update(m)
+  return prepared, metrics
