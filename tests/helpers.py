@@ -1,6 +1,7 @@
 """Random packed batches and their list-of-sequences twins for oracle comparisons; ports and
 environments for the tests' subprocesses."""
 
+import ast
 import os
 import socket
 
@@ -126,3 +127,17 @@ def cpu_process_env(devices: int | None = None) -> dict:
   if devices is not None:
     env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={devices}"
   return env
+
+
+def parse_source(text: str) -> ast.Module:
+  """`ast.parse`, retried: CPython 3.11 before 3.11.8 keeps the AST converter's recursion-depth
+  bookkeeping in state shared by every thread (gh-106905), so a parse that overlaps one in a
+  background thread (a library's, left by an earlier test) can fail with "SystemError: AST
+  constructor recursion depth mismatch" though the source is fine."""
+  for attempt in range(5):
+    try:
+      return ast.parse(text)
+    except SystemError:
+      if attempt == 4:
+        raise
+  raise AssertionError("unreachable")

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import tomllib
 
+from helpers import parse_source
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOT_FOR_THE_LIBRARY = ("trainers", "flax", "optax", "orbax", "safetensors", "httpx", "msgspec", "tqdm", "tensorboardX",
                        "fastapi", "uvicorn", "starlette", "tokenizers", "pyarrow", "transformers", "jinja2",
@@ -25,7 +27,7 @@ def test_import_mis_jax_loads_no_trainer_server_or_dataset_dependency():
 def test_the_library_imports_exactly_its_declared_dependencies():
   imported = set()
   for path in (ROOT / "mis_jax").glob("*.py"):
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse_source(path.read_text())):
       if isinstance(node, ast.Import):
         imported |= {a.name.split(".")[0] for a in node.names}
       elif isinstance(node, ast.ImportFrom) and node.level == 0:

@@ -6,6 +6,8 @@ tasks import neither, and the library imports no trainer code."""
 import ast
 import pathlib
 
+from helpers import parse_source
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -13,7 +15,7 @@ def _imports(package: str) -> dict[str, set[str]]:
   out = {}
   for path in (ROOT / package).rglob("*.py"):
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parse_source(path.read_text())):
       if isinstance(node, ast.Import):
         names |= {a.name for a in node.names}
       elif isinstance(node, ast.ImportFrom) and node.level == 0:
@@ -49,7 +51,7 @@ def test_a_step_returns_a_value():
   only the state the trainer owns (the policy, the optimiser state, the pass counter), never a
   result parked for others to read; and the passes return `Heads`, not a tuple whose length
   depends on flags."""
-  tree = ast.parse((ROOT / "trainers/training/train.py").read_text())
+  tree = parse_source((ROOT / "trainers/training/train.py").read_text())
   (train_on,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "train_on"]
   assert ast.unparse(train_on.returns) == "StepOutcome"
   targets = [t for n in ast.walk(train_on) if isinstance(n, (ast.Assign, ast.AugAssign))
@@ -57,6 +59,6 @@ def test_a_step_returns_a_value():
   set_on_self = {e.attr for t in targets for e in ast.walk(t)
                  if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self"}
   assert set_on_self == {"params", "opt_state", "num_old_logprob_passes"}, set_on_self
-  step = ast.parse((ROOT / "trainers/training/step.py").read_text())
+  step = parse_source((ROOT / "trainers/training/step.py").read_text())
   (model_logprobs,) = [n for n in step.body if isinstance(n, ast.FunctionDef) and n.name == "model_logprobs"]
   assert ast.unparse(model_logprobs.returns) == "Heads"

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import mis_jax
+from helpers import parse_source
 from test_train import make_cfg, raw_cfg
 from trainers.models import PRESETS, init_checkpoint
 from trainers.serving import sglang_jax
@@ -452,7 +453,7 @@ def test_routing_replay_r3_colocated_and_through_its_server(engine_venv_runs):
 def test_the_launched_code_imports_only_what_the_engine_venv_has():
   """`sglang_jax_routes.py` runs in sglang-jax's venv: the standard library, sgl_jax and what it
   installs; never this package."""
-  tree = ast.parse(open(sglang_jax.ROUTES).read())
+  tree = parse_source(open(sglang_jax.ROUTES).read())
   names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
   names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
   assert names - set(sys.stdlib_module_names) <= {"sgl_jax", "fastapi", "jax", "flax"}, names
