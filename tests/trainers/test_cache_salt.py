@@ -9,7 +9,7 @@ from test_train import make_cfg
 
 import mis_jax
 from trainers.training import train as train_lib
-from trainers.training.rollout import SGLangClient
+from trainers.training.sglang_client import http_client
 
 
 def _generate_keys(fake, start: int = 0) -> list:
@@ -18,19 +18,19 @@ def _generate_keys(fake, start: int = 0) -> list:
 
 def test_every_request_carries_the_namespace_of_the_weights_it_starts_under():
   with FakeSGLang() as fake:
-    client = SGLangClient([fake.url], max_retries=0, prompts_per_request=1)
+    client = http_client([fake.url], max_retries=0, prompts_per_request=1)
     try:
       client.generate([[1, 5], [1, 6]], {"max_new_tokens": 2}, n=2, seed=0)
       first = _generate_keys(fake)
       assert len(first) == 2 and len(set(first)) == 1 and first[0] == client.cache_salt
       salts_at_pause = []
-      request = client._request
+      (engine,) = client.engines.values()
+      pause = engine.pause
 
-      def spy(method, url, path, body=None):  # the salt in force when the pause is sent
-        if path == "/pause_generation":
-          salts_at_pause.append(client.cache_salt)
-        return request(method, url, path, body)
-      client._request = spy
+      def spy(mode):  # the salt in force when the pause is sent
+        salts_at_pause.append(client.cache_salt)
+        return pause(mode)
+      engine.pause = spy
       client.update_weights_from_disk("/nowhere", "3")
       assert salts_at_pause == [client.cache_salt] and client.cache_salt != first[0]
       assert client.cache_salt.endswith(":w3")
@@ -43,7 +43,7 @@ def test_every_request_carries_the_namespace_of_the_weights_it_starts_under():
     finally:
       client.close()
   with FakeSGLang() as fake:  # another client (a restarted trainer): another namespace
-    other = SGLangClient([fake.url], max_retries=0)
+    other = http_client([fake.url], max_retries=0)
     try:
       other.generate([[1, 5]], {"max_new_tokens": 2}, n=1)
       assert _generate_keys(fake) == [other.cache_salt] and other.cache_salt.split(":")[1] != first[0].split(":")[1]

@@ -69,7 +69,7 @@ def test_colocated_equals_server_mode(tmp_path, case):
   _assert_same_runs(runs["server"], runs["colocated"])
   trainer, rollouts, history, _ = runs["colocated"]
   assert [h["server_weight_version"] for h in history] == ["0", "1", "2"]
-  assert trainer.servers.engine.weight_version == "3"
+  assert trainer.servers.weight_sync.engine.inner.weight_version == "3"
   assert all("sync/handover_s" in h and "sync/write_s" not in h for h in history)
   if case != "dense":
     assert all(s.routed_experts is not None and s.sampling_mask is not None for r in rollouts for s in r.result.samples)
@@ -83,7 +83,7 @@ def test_float32_engine_holds_the_trainers_current_weights(tmp_path):
   cfg = make_cfg(tmp_path, model={"dtype": "float32"}, train={"steps": 3},
                  rollout={"placement": "colocated", "server_dtype": "float32", "prompts_per_step": 4, "n": 4})
   trainer = train_lib.Trainer(cfg, MIS, urls=[])
-  engine, train = trainer.servers.engine, trainer.fns.train
+  engine, train = trainer.servers.weight_sync.engine.inner, trainer.fns.train
   seen = []
 
   def train_step(params, *args):
@@ -108,7 +108,7 @@ def test_engine_over_the_mesh_equals_the_engine_on_one_device(tmp_path):
     cfg = make_cfg(tmp_path, devices, model={"dtype": "float32"}, train={"steps": 2},
                    rollout={"placement": "colocated", "server_dtype": "float32", "colocated_devices": devices})
     trainer = train_lib.Trainer(cfg, MIS, urls=[])
-    sampler = trainer.servers.engine.sampler
+    sampler = trainer.servers.weight_sync.engine.inner.sampler
     rows, prefill = [], sampler._prefill
     sampler._prefill = lambda params, ids, *a, **k: rows.append(getattr(ids, "sharding", None)) or prefill(
         params, ids, *a, **k)
@@ -120,7 +120,7 @@ def test_engine_over_the_mesh_equals_the_engine_on_one_device(tmp_path):
     np.testing.assert_allclose(np.concatenate([s.rollout_logprobs for s in sx]),
                                np.concatenate([s.rollout_logprobs for s in sy]), atol=2e-5)
   assert all(h["mis_k3_kl"] < 1e-6 for h in ha + hb), [h["mis_k3_kl"] for h in ha + hb]
-  served = nnx.to_flat_state(trainer.servers.engine.sampler.params)
+  served = nnx.to_flat_state(trainer.servers.weight_sync.engine.inner.sampler.params)
   trained = dict(nnx.to_flat_state(trainer.fns.param_shardings))
   assert all(var.get_value().sharding == trained[path].get_value() for path, var in served)
   assert any(len(var.get_value().sharding.device_set) == 8 and not var.get_value().sharding.is_fully_replicated
@@ -139,9 +139,9 @@ def test_colocated_asynchronous_rollouts(tmp_path):
   trainer = train_lib.Trainer(cfg, MIS, urls=[])
   history = trainer.run(progress=False)
   assert [h["step"] for h in history] == [1, 2, 3, 4]
-  assert all(h["rollout/staleness_max"] <= 1 for h in history) and not trainer.servers.release_between_steps
+  assert all(h["rollout/staleness_max"] <= 1 for h in history) and not trainer.servers.weight_sync.release_between_steps
   rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-  assert len(rows) == 4 and trainer.servers.engine.weight_version == "4"
+  assert len(rows) == 4 and trainer.servers.weight_sync.engine.inner.weight_version == "4"
 
 
 def test_colocated_config_errors(tmp_path):

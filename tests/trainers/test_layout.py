@@ -62,3 +62,27 @@ def test_a_step_returns_a_value():
   step = parse_source((ROOT / "trainers/training/step.py").read_text())
   (model_logprobs,) = [n for n in step.body if isinstance(n, ast.FunctionDef) and n.name == "model_logprobs"]
   assert ast.unparse(model_logprobs.returns) == "Heads"
+
+
+def test_one_rollout_backend():
+  """The rollout backend is composed in one place (`backend.build_rollout`): the Trainer imports
+  no engine, client, weight-sync or colocated module; no class subclasses the SGLang client (an
+  in-process engine is an `Engine`, not a client that skips its parent's `__init__`); and no code
+  in the trainer dispatches on a route string (`path == "/generate"`): an engine's routes are
+  typed methods."""
+  train_imports = _imports("trainers/training")["trainers/training/train.py"]
+  composed = ("trainers.training.colocated", "trainers.training.engines", "trainers.training.sglang_client",
+              "trainers.training.weight_sync", "trainers.training.sources.ServerRollouts",
+              "trainers.training.sources.AsyncServerRollouts", "trainers.training.sources.RecordedRollouts",
+              "trainers.training.servers.Servers")
+  assert sorted(n for n in train_imports if n.startswith(composed)) == []
+  assert "trainers.training.backend.build_rollout" in train_imports
+  for path in (ROOT / "trainers").rglob("*.py"):
+    tree = parse_source(path.read_text())
+    bases = [ast.unparse(b) for n in ast.walk(tree) if isinstance(n, ast.ClassDef) for b in n.bases]
+    assert not any(b.endswith("SGLangClient") for b in bases), path
+    if "trainers/training" in str(path):
+      routes = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Compare)
+                for c in [n.left, *n.comparators] if isinstance(c, ast.Constant) and isinstance(c.value, str)
+                and c.value.startswith("/")]
+      assert routes == [], (path, routes)

@@ -20,7 +20,7 @@ from test_train import ALGORITHMS, BASE, embedded_server, make_cfg
 from trainers.training import checks, train as train_lib
 from trainers.models import PRESETS, CausalLM, hf_state_dict, load_hf_checkpoint, read_hf_tensors
 from trainers.training.weight_sync import save_hf_sharded
-from trainers.training.rollout import SGLangClient
+from trainers.training.sglang_client import http_client
 
 DECOUPLED = mis_jax.LossConfig(**ALGORITHMS["decoupled_ppo"])
 
@@ -57,7 +57,7 @@ def test_sharded_bf16_weights_load_bit_exact(tmp_path, preset):
 def test_weight_sync_reaches_four_servers_concurrently():
   fakes = [FakeSGLang(update_delay_s=1.0) for _ in range(4)]
   try:
-    client = SGLangClient([f.url for f in fakes])
+    client = http_client([f.url for f in fakes])
     start = time.perf_counter()
     times = client.update_weights_from_disk("/weights/step_1", "1")
     elapsed = time.perf_counter() - start

@@ -583,8 +583,8 @@ def test_embedded_server_reports_a_failed_start(tmp_path):
 def test_trainer_client_gets_distinct_reproducible_groups(embedded):
   """The trainer's client against the server: a seeded GRPO group is n distinct samples (one
   seed per sample), the same again for the same seed, prompt-major, with their versions."""
-  from trainers.training.rollout import SGLangClient
-  client = SGLangClient([embedded.url], prompts_per_request=2)
+  from trainers.training.sglang_client import http_client
+  client = http_client([embedded.url], prompts_per_request=2)
   try:
     sp = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 6, "ignore_eos": True,
           "no_stop_trim": True, "skip_special_tokens": False}

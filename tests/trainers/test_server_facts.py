@@ -38,8 +38,8 @@ def _cfg(tmp_path, path, name, steps=2, **rollout):
 
 def _reset(srv, path):
   """The shared server back on the starting checkpoint, version "0" (as a fresh start)."""
-  from trainers.training.rollout import SGLangClient
-  client = SGLangClient([srv.url])
+  from trainers.training.sglang_client import http_client
+  client = http_client([srv.url])
   client.update_weights_from_disk(path, "0")
   client.close()
 

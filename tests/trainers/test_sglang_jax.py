@@ -31,7 +31,8 @@ from trainers.serving import sglang_jax
 from trainers.serving.server import EmbeddedServer
 from trainers.training import rollout_records
 from trainers.training import servers as servers_lib, train as train_lib
-from trainers.training.rollout import NoSamplingMask, SGLangClient
+from trainers.training.rollout import NoSamplingMask
+from trainers.training.sglang_client import http_client
 
 MODEL = dataclasses.replace(PRESETS["tiny-qwen3"], head_dim=128, num_attention_heads=2, num_key_value_heads=1,
                             initializer_range=0.1)
@@ -303,7 +304,7 @@ def test_sampling_replay_stops_before_step_1(real_server, checkpoints, tmp_path)
 
 
 def test_the_clients_other_calls(real_server, checkpoints):
-  client = SGLangClient([real_server], max_retries=0)
+  client = http_client([real_server], max_retries=0)
   try:
     client.wait_until_healthy(attempts=3)
     assert _update(real_server, checkpoints["start"], "7").json()["success"]

@@ -20,7 +20,8 @@ from fake_sglang import FakeSGLang
 from test_train import make_cfg
 from trainers.training import train as train_lib
 from trainers.training.batch import build_step_batch, fresh_tokens, token_staleness, token_versions
-from trainers.training.rollout import Sample, SGLangClient
+from trainers.training.rollout import Sample
+from trainers.training.sglang_client import http_client
 
 
 def _sample(n, spans, version, prompt=(1, 5, 9)):
@@ -83,7 +84,7 @@ def check_straddling_response(url, start_path, other_path):
   with `max_token_staleness` 0, the tokens before the switch leave the loss, those after stay."""
   update = lambda path, version: httpx.post(url + "/update_weights_from_disk", timeout=120,
                                             json={"model_path": path, "weight_version": version}).json()["success"]
-  client = SGLangClient([url], max_retries=0)
+  client = http_client([url], max_retries=0)
   try:
     for attempt in range(4):  # the update must land while the response is being generated
       assert update(start_path, "6")

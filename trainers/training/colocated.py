@@ -1,173 +1,135 @@
-"""Colocated rollouts (`rollout.placement: colocated`): the embedded engine inside the trainer's
-process, on the trainer's devices, its weights handed over in memory after each step.
+"""Colocated rollouts (`rollout.placement: colocated`): the engine inside the trainer's process,
+on the trainer's devices, its weights handed over in memory after each step.
 
-`ColocatedEngine` is the servers' side of the loop (`trainers.training.servers.Servers`) with
-two parts swapped: its client answers SGLang's native requests from an in-process
-`GenerationEngine` (`EngineClient`: the same request bodies, replies and checks as over HTTP, so
-log-probs, sampling masks, routed experts and `weight_version` spans are the server's), and its
-weight push hands the trainer's parameters to the engine — cast to `rollout.weight_dtype` as the
-disk path would write them, then to the served dtype (quantised as `rollout.server_quantize`
-says), moved to the engine's devices — instead of writing safetensors for a server to read.
+`LocalEngine` is an `Engine` (`trainers.training.engines`) answered by an engine in this process
+(no HTTP, no JSON): `generate` hands the very `/generate` body to the engine's `generate_body`,
+which decodes and normalises it as its server does, so log-probs, sampling masks, routed experts
+and `weight_version` spans are the server's. `update_weights` takes the trainer's parameters
+(`weight_sync.MemorySync` casts them to `rollout.weight_dtype`, as the disk path would write
+them); the engine casts them to the served dtype (quantised as `rollout.server_quantize` says)
+and moves them to its devices. Two engines: `EmbeddedLocal` (ours, `GenerationEngine`) and
+`SGLangJaxLocal` (sglang-jax's `Engine` in its single-process mode).
 
-Memory: the engine holds one copy of the weights in the served dtype, on the first device of the
-mesh (`rollout.colocated_devices: first`) or laid out over the whole mesh as the trainer's are
-(`mesh`), and its KV cache lives only inside a generation call. In the synchronous loop that copy is
-freed once the step's rollouts are generated (the training step has the devices to itself) and
-the push after the step brings the new weights.
+Memory: the embedded engine holds one copy of the weights in the served dtype, on the first
+device of the mesh (`rollout.colocated_devices: first`) or laid out over the whole mesh as the
+trainer's are (`mesh`), and its KV cache lives only inside a generation call. In the synchronous
+loop that copy is freed once the step's rollouts are generated (the training step has the
+devices to itself) and the push after the step brings the new weights.
 """
 
 from __future__ import annotations
 
-import time
-
 import jax
-import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from trainers.models import DTYPES
 from trainers.models.hf_io import hf_named
 from trainers.serving.generation import GenerationEngine
 from trainers.training import parallel
-from trainers.training.rollout import RolloutResult, ServerError, SGLangClient
-from trainers.training.servers import Servers
+from trainers.training.rollout import ServerError
 
 
-class EngineClient(SGLangClient):
-  """An `SGLangClient` whose requests an engine in this process answers (no HTTP, no JSON):
-  `engine.generate_body(body)` decodes and normalises a `/generate` body as its server does, so a
-  sample is what the server would have returned. `engine`: a `GenerationEngine`, or sglang-jax's
-  (`sglang_jax_routes.InProcessEngine`)."""
+class LocalEngine:
+  """An `Engine` in this process. `inner`: a `GenerationEngine`, or sglang-jax's
+  (`sglang_jax_routes.InProcessEngine`); its request errors are SGLang's 400s."""
 
-  URL = "colocated://engine"
+  url = "colocated://engine"
+  releases_weights = True  # it can free its weights between a step's rollouts and the push
 
-  def __init__(self, engine, *, max_concurrency: int = 4, prompts_per_request: int = 8, cache_salt: bool = True):
-    self.engine, self.urls = engine, [self.URL]
-    self._init_requests(max_retries=0, backoff_s=0.0, max_concurrency=max_concurrency,
-                        prompts_per_request=prompts_per_request, cache_salt=cache_salt)
+  def __init__(self, inner):
+    self.inner = inner
 
-  def _request(self, method: str, url: str, path: str, body=None):
-    engine = self.engine
+  def _call(self, route: str, fn, *args):
     try:
-      if path == "/generate":
-        return engine.generate_body(body)
-      if path in ("/model_info", "/get_model_info"):
-        return engine.model_info()
-      if path in ("/server_info", "/get_server_info"):
-        return engine.server_info("colocated", 0)
-      if path == "/pause_generation":
-        return engine.pause((body or {}).get("mode", "abort"))
-      if path == "/continue_generation":
-        return engine.resume()
-      if path in ("/health", "/flush_cache"):
-        return None
+      return fn(*args)
     except ValueError as e:  # the engine's request errors (SGLang's 400s)
-      raise ServerError(f"the colocated engine rejected {path}: {e}", status=getattr(e, "status_code", 400)) from None
+      raise ServerError(f"the colocated engine rejected {route}: {e}", status=getattr(e, "status_code", 400)) from None
     except TimeoutError as e:
-      raise ServerError(f"the colocated engine timed out on {path}: {e}") from None
-    raise ServerError(f"the colocated engine has no route {method} {path}", status=404)
+      raise ServerError(f"the colocated engine timed out on {route}: {e}") from None
 
-  def is_healthy(self, url: str, timeout_s: float = 5.0) -> bool:
+  def generate(self, body: dict):
+    return self._call("/generate", self.inner.generate_body, body)
+
+  def pause(self, mode: str) -> None:
+    self._call("/pause_generation", self.inner.pause, mode)
+
+  def resume(self) -> None:
+    self._call("/continue_generation", self.inner.resume)
+
+  def flush_cache(self) -> None:
+    return None  # its KV lives only inside a call, or is flushed by the engine at each update
+
+  def update_weights_from_disk(self, body: dict):
+    raise ServerError("the colocated engine has no route POST /update_weights_from_disk", status=404)
+
+  def model_info(self) -> dict:
+    return self._call("/model_info", self.inner.model_info)
+
+  def server_info(self) -> dict:
+    return self._call("/server_info", self.inner.server_info, "colocated", 0)
+
+  def is_healthy(self, timeout_s: float = 5.0) -> bool:
     return True
 
   def wait_until_healthy(self, **_) -> None:
     return None  # the engine is built before the client
 
-  def has_weight_update_route(self, url: str) -> bool:
+  def has_weight_update_route(self) -> bool:
     return True  # its weights are handed over in memory
 
-  def close(self):
-    self._pool.shutdown(wait=True)
+  def update_weights(self, params, version: str) -> tuple[bool, str]:
+    """The trainer's parameters (cast to `rollout.weight_dtype`) as weights `version`."""
+    return self.inner.update_weights(params, version)
+
+  def release_weights(self) -> None:
+    self.inner.release_weights()
+
+  def close(self) -> None:
+    self.inner.close()
 
 
-class ColocatedEngine(Servers):
-  """The servers' side of the loop, with the embedded engine in this process (see the module doc)."""
+class EmbeddedLocal(LocalEngine):
+  """The embedded engine (`GenerationEngine`) in this process."""
 
-  RELEASES_WEIGHTS = True  # its engine can free its weights between a step's rollouts and the push
-
-  def __init__(self, cfg, *, start_dir: str, model_config, sampling, mesh=None, log=print):
-    self.engine = self._start_engine(cfg, start_dir, model_config)
+  @classmethod
+  def start(cls, cfg, *, start_dir: str, model_config, mesh=None) -> "EmbeddedLocal":
     r = cfg.rollout
+    engine = cls(GenerationEngine(start_dir, dtype=r.server_dtype, seed=cfg.seed, quantize=r.server_quantize,
+                                  weight_version="0", enable_return_routed_experts=True))
     if r.colocated_devices == "mesh":
-      self._spread(mesh, model_config)
-    client = EngineClient(self.engine, max_concurrency=r.max_concurrency, prompts_per_request=r.prompts_per_request,
-                          cache_salt=r.cache_salt)
-    super().__init__(cfg, urls=[EngineClient.URL], start_dir=start_dir, model_config=model_config, sampling=sampling,
-                     log=log, client=client)
-    # Free the engine's weights while the trainer trains: only where every step pushes new ones
-    # and nothing generates during the step.
-    self.release_between_steps = self.RELEASES_WEIGHTS and r.sync_every == 1 and r.max_staleness == 0
-
-  @staticmethod
-  def _start_engine(cfg, start_dir: str, model_config):
-    r = cfg.rollout
-    return GenerationEngine(start_dir, dtype=r.server_dtype, seed=cfg.seed, quantize=r.server_quantize,
-                            weight_version="0", enable_return_routed_experts=True)
-
-  def _handover(self, params, version: str) -> tuple[bool, str]:
-    return self.engine.update_weights(params, version)
+      engine._spread(mesh, model_config)
+    return engine
 
   def _spread(self, mesh, model_config) -> None:
     """`rollout.colocated_devices: mesh`: the engine's weights in the trainer's layout on its mesh
     (every later handover lands there too), each batch's rows split over the data axes."""
-    sampler = self.engine.sampler
+    sampler = self.inner.sampler
     rows = NamedSharding(mesh, P(parallel.BATCH_AXES))
     sampler.shard(parallel.param_shardings(sampler.params, mesh, model_config.family), rows)
 
-  def generate(self, prompt_ids: list, batch: int) -> RolloutResult:
-    result = super().generate(prompt_ids, batch)
-    if self.release_between_steps:
-      self.engine.release_weights()
-    return result
 
-  def push(self, params, step: int) -> dict:
-    """The trainer's weights of `step` into the engine, in memory: cast on the trainer's devices to
-    `weight_dtype` (what the disk path writes), then taken by the engine (served dtype,
-    quantisation, its devices) while it is paused with `rollout.pause_mode`."""
-    t0 = time.perf_counter()
-    dtype = DTYPES[self.weight_dtype]
-    state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-    t1 = time.perf_counter()
-    self.client.begin_weights(str(step))
-    self.engine.pause(self.rollout.pause_mode)
-    t2 = time.perf_counter()
-    try:
-      ok, message = self._handover(state, str(step))
-    finally:
-      self.engine.resume()
-    if not ok:
-      raise ServerError(f"weight handover at step {step} failed: {message}")
-    t3 = time.perf_counter()
-    self.served_version, self.served_path = step, None
-    return {"sync/handover_s": t3 - t2, "sync/servers_paused_s": t3 - t1, "sync/total_s": t3 - t0}
-
-  def close(self) -> None:
-    super().close()
-    self.engine.close()
-
-
-class SGLangJaxColocated(ColocatedEngine):
+class SGLangJaxLocal(LocalEngine):
   """`rollout.engine: sglang-jax` colocated: sglang-jax's `Engine` in this process (its
   single-process mode; this process must run in its venv, Python >= 3.12), its log-probs and
   routed experts as its server returns them, the trainer's weights swapped into its model runner
   in memory as HF-named arrays placed by its own weight map (`InProcessEngine.update_weights`).
   Its weights and preallocated KV pool stay resident between steps."""
 
-  RELEASES_WEIGHTS = False
+  releases_weights = False
 
-  def __init__(self, cfg, **kwargs):
-    super().__init__(cfg, **kwargs)
+  def __init__(self, inner, model_config):
+    super().__init__(inner)
     # The trainer's state as HF-named arrays (each stacked layer sliced, kernels transposed), in
     # one compiled program rather than op by op.
-    self._hf_named = jax.jit(lambda params: hf_named(params, self.model_config))
+    self._hf_named = jax.jit(lambda params: hf_named(params, model_config))
 
-  @staticmethod
-  def _start_engine(cfg, start_dir: str, model_config):
+  @classmethod
+  def start(cls, cfg, *, start_dir: str, model_config, mesh=None) -> "SGLangJaxLocal":
     from trainers.serving import sglang_jax
     from trainers.serving.sglang_jax_routes import InProcessEngine  # in sglang-jax's venv only (checks.py)
     args = sglang_jax.engine_args(start_dir, dtype=cfg.rollout.server_dtype,
                                   enable_return_routed_experts=model_config.is_moe,
                                   extra=("--random-seed", str(cfg.seed), "--device-indexes", "0"))
-    return InProcessEngine(args, weight_version="0", timeout_s=cfg.rollout.timeout_s)
+    return cls(InProcessEngine(args, weight_version="0", timeout_s=cfg.rollout.timeout_s), model_config)
 
-  def _handover(self, params, version: str) -> tuple[bool, str]:
-    return self.engine.update_weights(self._hf_named(params), version)
+  def update_weights(self, params, version: str) -> tuple[bool, str]:
+    return self.inner.update_weights(self._hf_named(params), version)

@@ -13,7 +13,7 @@ class TrainingError(RuntimeError):
   """The run stopped cleanly: the message says why; the last checkpoint is intact."""
 
 
-class ServersUnavailable(TrainingError):
+class NoServerUp(TrainingError):
   """No server could serve the step (connection errors or 5xx past the retries): the run waits
   for them (`rollout.server_restart_timeout_s`) and redoes the step. `error` is what stops the
   run when it does not wait (a timeout of 0: the failure as it was)."""
@@ -27,7 +27,7 @@ class Preempted(TrainingError):
   """A stop was asked (SIGTERM / SIGINT) while the step waited: it is abandoned, never half-applied."""
 
 
-_KINDS = {cls.__name__: cls for cls in (ServersUnavailable, ServerUnavailable, Preempted)}
+_KINDS = {cls.__name__: cls for cls in (NoServerUp, ServerUnavailable, Preempted)}
 
 
 def on_primary(fn: Callable[[], Any]) -> Any:

@@ -2,24 +2,25 @@
 experts and sampling masks, the initial weight push), the weights it pushes after each step,
 the mismatch sanity check, and the wait for a server that went away (contract §11).
 
-`Servers` talks to SGLang servers over HTTP (`trainers.training.rollout.SGLangClient`, on
-process 0); `NoServers` stands in for them when the rollouts are replayed from records. The loop
-calls the same methods on either.
+`Servers` is composed by `trainers.training.backend.build_rollout` from a client
+(`trainers.training.sglang_client.SGLangClient` over its engines, on process 0) and a weight-sync
+strategy (`trainers.training.weight_sync`: `DiskSync` for servers over HTTP, `MemorySync` for
+an engine colocated in this process). Rollouts replayed from records have no servers' side.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import time
 import warnings
 
 from trainers.models import DTYPES
 from trainers.training import distributed
-from trainers.training.errors import Preempted, ServersUnavailable, TrainingError, on_primary
-from trainers.training.rollout import RolloutResult, RoutingSpec, ServerError, ServerUnavailable, SGLangClient
-from trainers.training.weight_sync import save_hf_sharded
+from trainers.training.errors import NoServerUp, Preempted, TrainingError, on_primary
+from trainers.training.rollout import RolloutResult, RoutingSpec, ServerError
+from trainers.training.sglang_client import SGLangClient
+from trainers.training.weight_sync import WeightSync
 
 # The mismatch sanity check's limits (mean |Δ log p| over response tokens, mis_k3_kl) when server
 # and trainer hold the same weights. Measured on the tiny models (docs/guides/trainer.md): float32 on both sides
@@ -41,23 +42,20 @@ class Sampling:
 
 
 class Servers:
-  """The SGLang servers (or routers) at `urls`. Process 0 holds the HTTP client; the others take
-  part in the collective weight writes and get process 0's answers.
+  """The engines of `client` (SGLang servers or routers, or the colocated engine), their weights
+  pushed by `weight_sync`. Process 0 holds the client (`client` is None on the others); the
+  others take part in the collective weight writes and get process 0's answers.
 
   Bookkeeping: `served_version` is the step whose weights the servers hold, `served_path` the
   HF directory they were loaded from (what a restarted server gets back).
   """
 
-  def __init__(self, cfg, *, urls: list[str], start_dir: str, model_config, sampling: Sampling, log=print,
-               client: SGLangClient | None = None):
+  def __init__(self, cfg, *, client: SGLangClient | None, weight_sync: WeightSync, start_dir: str, model_config,
+               sampling: Sampling, log=print):
     r = self.rollout = cfg.rollout
     self.cfg, self.model_config, self.sampling, self.log = cfg, model_config, sampling, log
     self.start_dir = start_dir
-    self.weights_root = os.path.join(os.path.abspath(cfg.run_dir), "weights")
-    self.client = client or (SGLangClient(urls, timeout_s=r.timeout_s, max_retries=r.max_retries,
-                                          backoff_s=r.backoff_s, max_concurrency=r.max_concurrency,
-                                          prompts_per_request=r.prompts_per_request, cache_salt=r.cache_salt)
-                             if distributed.is_primary() else None)
+    self.client, self.weight_sync = client, weight_sync
     self.weight_dtype = r.weight_dtype or r.server_dtype  # refined from the servers' /server_info at start
     self.server_dtype, self.server_quantized = r.server_dtype, r.server_quantize != "none"
     self.served_version, self.served_path = 0, start_dir
@@ -142,7 +140,9 @@ class Servers:
     s, version = self.sampling, self.served_version
     result = self.client.generate(prompt_ids, s.params, n=s.n, seed=s.seed * 100_003 + batch,
                                   support_width=s.support_width, routing=s.routing)
-    return self._own_versions(result, version)
+    result = self._own_versions(result, version)
+    self.weight_sync.rollouts_done()
+    return result
 
   def _own_versions(self, result: RolloutResult, version: int) -> RolloutResult:
     """Samples whose server reports no usable weight version (none, or not a step number such as
@@ -168,33 +168,18 @@ class Servers:
     while True:
       try:
         return self.push(params, step)
-      except ServersUnavailable as e:  # every server went away during the push: wait, then push again
+      except NoServerUp as e:  # every server went away during the push: wait, then push again
         try:
           self.wait_for_restart(e, preempted=preempted)
         except Preempted:
           return {}  # the step is done; a resume pushes its weights
 
-
   def push(self, params, step: int) -> dict:
-    """Every process writes its share of the sharded HF checkpoint (`save_hf_sharded`), then
-    process 0 updates every live server concurrently. Raises `ServersUnavailable` when none is up."""
-    path = os.path.join(self.weights_root, f"step_{step}")
-    times = save_hf_sharded(params, self.model_config, path, dtype=self.weight_dtype)
-
-    def update():
-      try:
-        return self.client.update_weights_from_disk(path, str(step), pause_mode=self.rollout.pause_mode)
-      except ServerUnavailable as e:
-        raise ServersUnavailable(f"weight sync at step {step}: {e}", e) from None
-      except ServerError as e:
-        raise TrainingError(f"weight sync at step {step} failed: {e}") from None
-    times.update(on_primary(update))
+    """The weights of `step` into every engine (`weight_sync`); its phase times. Raises
+    `NoServerUp` when no server is up."""
+    metrics, path = self.weight_sync.push(params, step, self.weight_dtype)
     self.served_version, self.served_path = step, path
-    if distributed.is_primary():  # keep the newest few weight directories (the servers may still read the current one)
-      old = sorted((d for d in os.listdir(self.weights_root) if d.startswith("step_")), key=lambda d: int(d[5:]))[:-2]
-      for d in old:
-        shutil.rmtree(os.path.join(self.weights_root, d), ignore_errors=True)
-    return {f"sync/{k}": v for k, v in times.items()}
+    return metrics
 
   def mismatch_limits(self) -> tuple[float, float, str]:
     """`(max mean |Δ log p|, max mis_k3_kl, what)` for the sanity check, by dtype pair: float32
@@ -244,7 +229,7 @@ class Servers:
     if restarted and distributed.is_primary():
       self.log(f"{restarted} server(s) back: they serve the weights of step {self.served_version} again")
 
-  def wait_for_restart(self, error: ServersUnavailable, *, preempted=lambda: False) -> None:
+  def wait_for_restart(self, error: NoServerUp, *, preempted=lambda: False) -> None:
     """No server is up: polls `/health` with backoff until one answers (then readmits it with the
     served weights), for at most `rollout.server_restart_timeout_s` since the step first found
     no server. A timeout of 0 stops at once, with the failure as it was. A stop asked meanwhile
@@ -284,34 +269,3 @@ class Servers:
   def close(self) -> None:
     if self.client is not None:
       self.client.close()
-
-
-class NoServers:
-  """The rollouts are replayed from records: no server to prepare, push to or wait for."""
-
-  served_version = 0
-
-  def __init__(self, load_dir: str, sampling: Sampling):
-    self.load_dir, self.sampling = load_dir, sampling
-
-  def prepare(self, params, step: int, *, log=print) -> None:
-    if distributed.is_primary():
-      log(f"replaying rollout records from {self.load_dir} (no server)")
-
-  def sync(self, params, step: int, *, preempted=lambda: False) -> dict:
-    return {}
-
-  def check_mismatch(self, step: int, metrics: dict, result: RolloutResult) -> None:
-    pass  # the records' weights are not the trainer's: nothing to compare
-
-  def readmit(self) -> None:
-    pass
-
-  def wait_for_restart(self, error, *, preempted=lambda: False) -> None:
-    raise error.error
-
-  def step_done(self) -> dict:
-    return dict(NO_RESTARTS)
-
-  def close(self) -> None:
-    pass

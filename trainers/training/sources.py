@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-from trainers.training import rollout_records
-from trainers.training.errors import ServersUnavailable, TrainingError, on_primary
+from trainers.training import distributed, rollout_records
+from trainers.training.errors import NoServerUp, TrainingError, on_primary
 from trainers.training.rollout import RolloutResult, RoutingSpec, Sample, ServerError, ServerUnavailable
 
 SYNC_METRICS = {"rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0, "rollout/dropped_stale": 0}
@@ -50,7 +50,7 @@ def checked(result: RolloutResult, step: int, max_rejected_fraction: float) -> R
 
 class RolloutSource:
   """The interface: `start(batch)` before step 1, `next(step)` for step `step + 1` (on every
-  process; `ServersUnavailable` when no server could serve it), `restart()` once the servers are
+  process; `NoServerUp` when no server could serve it), `restart()` once the servers are
   back (the failed batch is taken again from its start), `close()`."""
 
   next_batch = 0
@@ -83,7 +83,7 @@ class ServerRollouts(RolloutSource):
     try:
       result = RolloutResult.from_json(on_primary(produce))
     except ServerUnavailable as e:
-      raise ServersUnavailable(f"rollout batch {batch}: {e}", e) from None
+      raise NoServerUp(f"rollout batch {batch}: {e}", e) from None
     self.next_batch += 1
     return Rollout(batch, prompts, result, dict(SYNC_METRICS))
 
@@ -99,7 +99,7 @@ class AsyncServerRollouts(RolloutSource):
 
   def start(self, batch: int) -> None:
     super().start(batch)
-    if self.servers.client is not None:  # process 0
+    if distributed.is_primary():  # process 0 generates
       self.producer = RolloutProducer(lambda j: self.servers.generate([p.ids for p in self.prompts(j)], j), batch,
                                       self.k, self.timeout_s)
 
@@ -194,7 +194,7 @@ class RolloutProducer:
       self._taken = batch + 1
       self._cv.notify_all()
     if isinstance(error, ServerUnavailable):
-      raise ServersUnavailable(f"rollout batch {batch}: {error}")
+      raise NoServerUp(f"rollout batch {batch}: {error}")
     if isinstance(error, (TrainingError, ServerError)):
       raise TrainingError(f"rollout batch {batch}: {error}")
     if error is not None:

@@ -4,11 +4,12 @@ weight sync → records → Orbax checkpoints.
 `Trainer` owns the policy, the optimiser state and the step, and runs the loop over a few
 collaborators chosen once from the resolved config:
 
-- a rollout source (`trainers.training.sources`): the servers synchronously, the servers
-  asynchronously with bounded staleness, or saved records;
-- the servers' side (`trainers.training.servers`): health, the initial push, the weight push after
-  each step, the mismatch sanity check, the wait for a server that went away (or `NoServers`;
-  or `colocated.ColocatedEngine`: the engine in this process, weights handed over in memory);
+- the rollout backend, composed apart from the learner by `trainers.training.backend.build_rollout`:
+  a rollout source (`trainers.training.sources`: the servers synchronously, the servers
+  asynchronously with bounded staleness, or saved records) and the servers' side
+  (`trainers.training.servers.Servers`: health, the initial push, the weight push after each step,
+  the mismatch sanity check, the wait for a server that went away) — over HTTP or with the engine
+  in this process; none when the rollouts are replayed from records;
 - a record writer (`rollout_records.RecordWriter`, or `NoRecords`), the checkpoints
   (`checkpointing`), the metric sinks (`metric_logging`) and the preemption flag (`preemption`).
 
@@ -36,15 +37,15 @@ import numpy as np
 import mis_jax
 from trainers.models import PRESETS, DTYPES, ModelConfig, init_checkpoint, load_hf_params
 from trainers.training import checkpointing, checks, distributed, parallel, plan as plan_lib
-from trainers.training.colocated import ColocatedEngine, SGLangJaxColocated
+from trainers.training.backend import build_rollout
 from trainers.training.batch import StepBatch, build_step_batch, fresh_tokens, token_staleness
 from trainers.training.config import ModelSection, TrainConfig
-from trainers.training.errors import Preempted, ServersUnavailable, TrainingError
+from trainers.training.errors import NoServerUp, Preempted, TrainingError
 from trainers.training.metric_logging import MetricLogger
 from trainers.training.preemption import Preemption
 from trainers.training.rollout_records import NoRecords, RecordWriter
-from trainers.training.servers import NoServers, Servers, Sampling
-from trainers.training.sources import AsyncServerRollouts, RecordedRollouts, Rollout, ServerRollouts
+from trainers.training.servers import NO_RESTARTS, Sampling
+from trainers.training.sources import Rollout
 from trainers.training.plan import StageInput, StepOutcome, StepPlan
 from trainers.training.step import ROUTING, ModelInputs, StepFunctions, build_step_functions
 
@@ -125,21 +126,9 @@ class Trainer:
 
     # The collaborators, chosen once.
     sampling = Sampling(self.sampling_params(), r.n, cfg.seed, self.support_width, self.routing_spec)
-    if r.load_dir:
-      self.servers = NoServers(r.load_dir, sampling)
-      self.source = RecordedRollouts(r.load_dir, self.routing_spec)
-    else:
-      if r.placement == "colocated":
-        if urls:
-          raise mis_jax.ConfigError(f"rollout.placement colocated generates in the trainer: no server URL is used, "
-                                    f"got {', '.join(urls)}")
-        engine = SGLangJaxColocated if r.engine == "sglang-jax" else ColocatedEngine
-        self.servers = engine(cfg, start_dir=start_dir, model_config=model_cfg, sampling=sampling, mesh=self.mesh)
-      else:
-        self.servers = Servers(cfg, urls=urls, start_dir=start_dir, model_config=model_cfg, sampling=sampling)
-      self.source = (AsyncServerRollouts(self.servers, self.prompts, r.max_rejected_fraction, r.max_staleness,
-                                         r.timeout_s) if r.max_staleness > 0 else
-                     ServerRollouts(self.servers, self.prompts, r.max_rejected_fraction))
+    # The servers' side: None when the rollouts are replayed from records (no server at all).
+    self.servers, self.source = build_rollout(cfg, urls=urls, start_dir=start_dir, model_config=model_cfg,
+                                              sampling=sampling, mesh=self.mesh, prompts=self.prompts)
     self.records = (RecordWriter(r.save_dir, meta={"sampling_params": sampling.params, "temperature": self.temperature,
                                                    "config": cfg.to_dict(), "loss": cfg.loss.to_dict()},
                                  support_width=self.support_width, routing=self.routing_spec is not None)
@@ -161,11 +150,13 @@ class Trainer:
         sb = self.build_batch(rollout.prompts, rollout.result)
         outcome = self.train_on(sb)
         metrics = outcome.metrics
-        self.servers.check_mismatch(self.step, metrics, rollout.result)
+        if self.servers is not None:
+          self.servers.check_mismatch(self.step, metrics, rollout.result)
         t2 = time.perf_counter()
         self.step += 1
         self.records.write(self.step, sb, rollout, outcome.old_logprobs)
-        metrics.update(self.servers.sync(self.params, self.step, preempted=self.preemption.asked))
+        if self.servers is not None:
+          metrics.update(self.servers.sync(self.params, self.step, preempted=self.preemption.asked))
         metrics.update(self.step_metrics(sb, rollout, t0, t1, t2, time.perf_counter()))
         history.append(metrics)
         log_metrics(self.step, metrics)  # before the checkpoint: a step checkpointed is a step logged
@@ -186,12 +177,16 @@ class Trainer:
     elif self.checkpoints.latest_step() is not None:
       raise TrainingError(f"{self.run_dir} already holds checkpoints (latest step "
                           f"{self.checkpoints.latest_step()}): pass --resume, or choose another run_dir")
-    open_parts.callback(self.servers.close)
+    if self.servers is not None:
+      open_parts.callback(self.servers.close)
     open_parts.callback(self.checkpoints.close)  # waits for an in-flight async save: the last checkpoint is whole
     open_parts.callback(self.source.close)
     if distributed.is_primary():
       self.describe(log)
-    self.servers.prepare(self.params, self.step, log=log)
+    if self.servers is not None:
+      self.servers.prepare(self.params, self.step, log=log)
+    elif distributed.is_primary():
+      log(f"replaying rollout records from {self.cfg.rollout.load_dir} (no server)")
     self.source.start(self.batch_index)
     self.records.start(self.step)
     if not distributed.is_primary():
@@ -206,11 +201,13 @@ class Trainer:
     """This step's rollout. When no server can serve it, the servers are waited for
     (`rollout.server_restart_timeout_s`), get the served weights back, and the step's batch is
     taken again from its start. None when a stop is asked meanwhile."""
+    if self.servers is None:  # records
+      return self.source.next(self.step)
     self.servers.readmit()
     while True:
       try:
         return self.source.next(self.step)
-      except ServersUnavailable as e:
+      except NoServerUp as e:
         try:
           self.servers.wait_for_restart(e, preempted=self.preemption.asked)
         except Preempted:
@@ -227,7 +224,7 @@ class Trainer:
             "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": t3 - t0,
             "tokens_per_s": trained / max(t3 - t0, 1e-9),
             "server_weight_version": result.samples[0].weight_version, **rollout.metrics, **sb.metrics,
-            **self.servers.step_done()}
+            **(self.servers.step_done() if self.servers is not None else NO_RESTARTS)}
 
   def describe(self, log) -> None:
     """The options that change what the loop does, said once before step 1."""

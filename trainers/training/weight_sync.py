@@ -1,20 +1,33 @@
-"""Weight sync, the writing side: the trainer's sharded parameters as an HF checkpoint that
-SGLang (`/update_weights_from_disk`) and `transformers` load, written by every process at once."""
+"""Weight sync: how the trainer's weights of a step reach the engines, one strategy per kind.
+
+- `DiskSync` (servers over HTTP): every process writes its share of the sharded HF checkpoint
+  (`save_hf_sharded`, the layout SGLang's `/update_weights_from_disk` and `transformers` load),
+  then process 0 runs the client's update sequence on every live server;
+- `MemorySync` (colocated): the parameters handed to the engine in this process while it is
+  paused, no file written.
+
+Rollouts replayed from records push nothing: they have no servers' side at all.
+"""
 
 from __future__ import annotations
 
 import collections
 import os
+import shutil
 import time
+from typing import Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from safetensors.numpy import save_file
 
-from trainers.models import hf_io
+from trainers.models import DTYPES, hf_io
 from trainers.models.config import ModelConfig
 from trainers.training import distributed
+from trainers.training.errors import NoServerUp, TrainingError, on_primary
+from trainers.training.rollout import ServerError, ServerUnavailable
 
 
 # One jitted cast per dtype, shared by every save (a new jit per call would recompile each sync).
@@ -77,3 +90,81 @@ def save_hf_sharded(state: nnx.State, config: ModelConfig, path: str | os.PathLi
     hf_io.write_json(os.path.join(path, "config.json"), config.to_hf_dict(dtype=dtype))
   distributed.barrier(f"save_hf_sharded {os.path.abspath(path)}")
   return {"gather_s": t1 - t0, "write_s": time.perf_counter() - t1}
+
+
+class WeightSync(Protocol):
+  """How the weights of a step reach the engines."""
+
+  def push(self, params, step: int, weight_dtype: str) -> tuple[dict, str | None]:
+    """The weights of `step`, cast to `weight_dtype`, into every engine; returns the phase times
+    (`sync/...`) and the HF directory they were loaded from (None: handed over in memory)."""
+
+  def rollouts_done(self) -> None:
+    """A step's rollouts are generated (nothing generates until the next push)."""
+
+
+class DiskSync:
+  """Servers over HTTP: the sharded HF checkpoint under `weights_root/step_{step}` (every
+  process), then process 0's `client` updates every live server concurrently (`NoServerUp`
+  when none is up). The newest two weight directories are kept."""
+
+  def __init__(self, client, model_config: ModelConfig, *, weights_root: str, pause_mode: str):
+    self.client, self.model_config = client, model_config  # client: process 0's (None elsewhere)
+    self.weights_root, self.pause_mode = weights_root, pause_mode
+
+  def push(self, params, step: int, weight_dtype: str) -> tuple[dict, str]:
+    path = os.path.join(self.weights_root, f"step_{step}")
+    times = save_hf_sharded(params, self.model_config, path, dtype=weight_dtype)
+
+    def update():
+      try:
+        return self.client.update_weights_from_disk(path, str(step), pause_mode=self.pause_mode)
+      except ServerUnavailable as e:
+        raise NoServerUp(f"weight sync at step {step}: {e}", e) from None
+      except ServerError as e:
+        raise TrainingError(f"weight sync at step {step} failed: {e}") from None
+    times.update(on_primary(update))
+    if distributed.is_primary():  # keep the newest few weight directories (the servers may still read the current one)
+      old = sorted((d for d in os.listdir(self.weights_root) if d.startswith("step_")), key=lambda d: int(d[5:]))[:-2]
+      for d in old:
+        shutil.rmtree(os.path.join(self.weights_root, d), ignore_errors=True)
+    return {f"sync/{k}": v for k, v in times.items()}, path
+
+  def rollouts_done(self) -> None:
+    pass
+
+
+class MemorySync:
+  """Colocated: the trainer's weights of `step` into the in-process `engine`
+  (`colocated.LocalEngine`), in memory: cast on the trainer's devices to `weight_dtype` (what the
+  disk path writes), then taken by the engine (served dtype, quantisation, its devices) while it
+  is paused with `rollout.pause_mode`. `client`: the one generating from it (its cache salt moves
+  to the new weights first).
+
+  `release_between_steps`: the engine frees its weights once a step's rollouts are generated —
+  only where it can, every step pushes new ones and nothing generates during the step."""
+
+  def __init__(self, client, engine, rollout):
+    self.client, self.engine, self.pause_mode = client, engine, rollout.pause_mode
+    self.release_between_steps = engine.releases_weights and rollout.sync_every == 1 and rollout.max_staleness == 0
+
+  def push(self, params, step: int, weight_dtype: str) -> tuple[dict, None]:
+    t0 = time.perf_counter()
+    dtype = DTYPES[weight_dtype]
+    state = jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    t1 = time.perf_counter()
+    self.client.begin_weights(str(step))
+    self.engine.pause(self.pause_mode)
+    t2 = time.perf_counter()
+    try:
+      ok, message = self.engine.update_weights(state, str(step))
+    finally:
+      self.engine.resume()
+    if not ok:
+      raise ServerError(f"weight handover at step {step} failed: {message}")
+    t3 = time.perf_counter()
+    return {"sync/handover_s": t3 - t2, "sync/servers_paused_s": t3 - t1, "sync/total_s": t3 - t0}, None
+
+  def rollouts_done(self) -> None:
+    if self.release_between_steps:
+      self.engine.release_weights()

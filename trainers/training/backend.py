@@ -1,0 +1,66 @@
+"""The rollout backend, composed once from the config apart from the learner (as tunix keeps its
+cluster apart from its trainer): who generates, and how the trainer's weights reach them.
+
+`build_rollout` is the one place the backend is chosen:
+
+- records (`rollout.load_dir`): a `RecordedRollouts` source and no servers' side at all;
+- servers over HTTP (`rollout.placement: server`): a client of one `HttpEngine` per URL (process
+  0's) and `DiskSync` (the sharded HF checkpoint, then the client's update sequence);
+- colocated (`rollout.placement: colocated`): a client of the engine in this process
+  (`colocated.EmbeddedLocal`, or `SGLangJaxLocal` for `rollout.engine: sglang-jax`) and
+  `MemorySync` (the weights handed over in memory).
+
+The servers' side (`servers.Servers`) is the same for the last two; the source generates from it
+synchronously, or ahead in a thread with bounded staleness (`rollout.max_staleness > 0`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, NamedTuple
+
+import mis_jax
+from trainers.training import distributed
+from trainers.training.colocated import EmbeddedLocal, SGLangJaxLocal
+from trainers.training.servers import Sampling, Servers
+from trainers.training.sglang_client import SGLangClient, http_client
+from trainers.training.sources import AsyncServerRollouts, RecordedRollouts, RolloutSource, ServerRollouts
+from trainers.training.weight_sync import DiskSync, MemorySync
+
+LOCAL_ENGINES = {"embedded": EmbeddedLocal, "sglang-jax": SGLangJaxLocal}  # by rollout.engine
+
+
+class Rollouts(NamedTuple):
+  """What the loop generates from: the servers' side (None when the rollouts are replayed from
+  records) and the rollout source."""
+  servers: Servers | None
+  source: RolloutSource
+
+
+def build_rollout(cfg, *, urls: list[str], start_dir: str, model_config, sampling: Sampling, mesh,
+                  prompts: Callable[[int], list]) -> Rollouts:
+  """The backend of `cfg.rollout` (see the module doc). `urls`: the SGLang servers (none for
+  records or colocated rollouts); `prompts(batch)`: the prompts of a rollout batch."""
+  r = cfg.rollout
+  if r.load_dir:
+    return Rollouts(None, RecordedRollouts(r.load_dir, sampling.routing))
+  if r.placement == "colocated":
+    if urls:
+      raise mis_jax.ConfigError(f"rollout.placement colocated generates in the trainer: no server URL is used, "
+                                f"got {', '.join(urls)}")
+    engine = LOCAL_ENGINES[r.engine].start(cfg, start_dir=start_dir, model_config=model_config, mesh=mesh)
+    client = SGLangClient([engine], max_concurrency=r.max_concurrency, prompts_per_request=r.prompts_per_request,
+                          cache_salt=r.cache_salt)
+    weight_sync = MemorySync(client, engine, r)
+  else:
+    client = (http_client(urls, timeout_s=r.timeout_s, max_retries=r.max_retries, backoff_s=r.backoff_s,
+                          max_concurrency=r.max_concurrency, prompts_per_request=r.prompts_per_request,
+                          cache_salt=r.cache_salt)
+              if distributed.is_primary() else None)  # only process 0 talks to the servers
+    weight_sync = DiskSync(client, model_config, weights_root=os.path.join(os.path.abspath(cfg.run_dir), "weights"),
+                           pause_mode=r.pause_mode)
+  servers = Servers(cfg, client=client, weight_sync=weight_sync, start_dir=start_dir, model_config=model_config,
+                    sampling=sampling)
+  source = (AsyncServerRollouts(servers, prompts, r.max_rejected_fraction, r.max_staleness, r.timeout_s)
+            if r.max_staleness > 0 else ServerRollouts(servers, prompts, r.max_rejected_fraction))
+  return Rollouts(servers, source)
