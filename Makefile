@@ -35,8 +35,8 @@ test: $(STAMP) engine
 test-all: $(STAMP) engine  ## everything: the 2-process trainer runs and the repeats (marker repeat) included
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
-test-fast: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not repeat" tests
+test-fast: $(STAMP)  ## the library and the trainer's unit parts: no server, subprocess, venv or long invariant (~3 min)
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not repeat and not integration" tests
 
 demo: $(DEMO_STAMP)  ## the trainer on the embedded server (toy task); a fresh run dir each time
 	$(PY) -m trainers.cli train --config configs/demo.yaml --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)

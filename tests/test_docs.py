@@ -12,7 +12,10 @@ import shlex
 import subprocess
 import sys
 
+import pytest
 import yaml
+
+pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CITED_IN = ("mis_jax", "trainers", "benchmarks", "examples", "tests", "notebooks", "configs", "docs")

@@ -18,6 +18,8 @@ import pytest
 from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
+
 NOTEBOOKS_DIR = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
 CELL_TIMEOUT_S = 300
 KERNEL_NAME = "python3"

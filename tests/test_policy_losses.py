@@ -147,6 +147,7 @@ def test_microbatches_and_jit_equal_one_batch(form):
   assert_metrics_close(jit_metrics, {k: float(v) for k, v in full_metrics.items()})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["4x2-seq"])
 def test_eight_devices_equal_one(layout):
   shape, names, data_axis, seq_axis = {"8-data": ((8,), ("data",), "data", None),

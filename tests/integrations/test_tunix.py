@@ -36,6 +36,8 @@ from tunix.rl.rollout import base_rollout
 import mis_jax
 from mis_jax.integrations import tunix as mis_tunix
 
+pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
+
 LR = 0.05
 TEMPERATURE = 0.7
 PROMPTS = np.array(["1+2=", "3+4="])

@@ -66,6 +66,7 @@ def _grads(fn, seg, ct):
 
 @pytest.mark.parametrize("layout,block_q,block_k", CASES,
                          ids=[f"{c[0]}-q{c[1]}k{c[2]}" for c in CASES])
+@pytest.mark.slow
 def test_blocked_matches_dense_values_and_grads(layout, block_q, block_k):
   seg = _segments(layout)
   q, k, v, ct = _inputs(seg.shape[1])

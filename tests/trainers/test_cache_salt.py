@@ -4,12 +4,15 @@ pause), so no engine with a prefix cache can answer it from KV of other weights.
 fault server (it records every body); the engines' side is in test_server.py (the embedded
 server checks the key) and test_sglang_jax.py (sglang-jax's cache, with and without it)."""
 
-from fake_sglang import FakeSGLang
-from test_train import make_cfg
+import pytest
 
 import mis_jax
+from fake_sglang import FakeSGLang
+from test_train import make_cfg
 from trainers.training import train as train_lib
 from trainers.training.sglang_client import http_client
+
+pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
 
 
 def _generate_keys(fake, start: int = 0) -> list:

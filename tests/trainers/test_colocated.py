@@ -17,6 +17,8 @@ from trainers.serving.server import EmbeddedServer
 from trainers.training import train as train_lib
 from trainers.training.config import TrainConfig
 
+pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
+
 MIS = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(tis_mode="mask", tis_lower_bound=0.5, tis_upper_bound=2.0,
                                                              rs_veto_threshold=1e-4))
 

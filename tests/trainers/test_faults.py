@@ -27,6 +27,8 @@ from trainers.serving.server import EmbeddedServer
 from trainers.training import checkpointing, rollout_records, train as train_lib
 from trainers.training.config import TrainConfig
 
+pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
+
 DECOUPLED = mis_jax.LossConfig(**ALGORITHMS["decoupled_ppo"])
 
 

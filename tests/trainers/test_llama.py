@@ -138,6 +138,7 @@ def test_our_llama_checkpoint_loads_in_transformers(tmp_path):
   np.testing.assert_allclose(ours, ref, atol=1e-4)
 
 
+@pytest.mark.integration
 def test_mis_jax_train_two_steps_on_a_transformers_llama(tmp_path, capsys):
   """The scaled, tied, biased case: served by the embedded server (float32), trained 2 steps."""
   save_hf_llama(tmp_path / "llama", "llama3.1-scaled-tied-biases")

@@ -69,6 +69,7 @@ def test_wandb_missing_is_a_config_error(tmp_path, monkeypatch):
     checks.check_config(make_cfg(tmp_path, logging={"wandb": True}))
 
 
+@pytest.mark.integration
 def test_tensorboard_writer_needs_no_pytorch(tmp_path):
   """With PyTorch made unimportable, tensorboardX still writes events (it only uses torch when present)."""
   import subprocess

@@ -58,6 +58,7 @@ def _hf_forward(model, seq):
           float(out.aux_loss))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm,tied", HF_CASES)
 def test_packed_forward_and_routing_equal_transformers(norm, tied, hf_checkpoints):
   path, hf = hf_checkpoints[(norm, tied)]
@@ -82,6 +83,7 @@ def test_packed_forward_and_routing_equal_transformers(norm, tied, hf_checkpoint
   np.testing.assert_allclose(float(r1.aux_loss), _hf_forward(hf, s)[2], rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm,tied", HF_CASES)
 def test_greedy_decoding_with_routed_experts_equals_transformers(norm, tied, hf_checkpoints):
   """The server's sampler (KV cache, float32): greedy tokens and log-probs equal HF's, and the
@@ -211,6 +213,7 @@ def _value_and_grad(model, ids, pos, seg, routing=None):
   return _GRAD[key](params, ids, pos, seg, routing)
 
 
+@pytest.mark.slow
 def test_replaying_the_native_routing_changes_nothing_and_other_experts_train_the_router():
   model = CausalLM(MOE, rngs=nnx.Rngs(0), moe_dispatch="grouped")
   ids, pos, seg = _packed(np.random.default_rng(0))
@@ -236,6 +239,7 @@ def test_replaying_the_native_routing_changes_nothing_and_other_experts_train_th
     CausalLM(PRESETS["tiny-qwen3"], rngs=nnx.Rngs(0)).hidden_states(ids, pos, seg, routing=routing.native)
 
 
+@pytest.mark.slow
 def test_dense_grouped_and_ragged_dispatch_agree_in_values_and_gradients():
   ids, pos, seg = _packed(np.random.default_rng(1))
   ref = CausalLM(MOE, rngs=nnx.Rngs(0), moe_dispatch="dense")
@@ -310,6 +314,7 @@ def _moe_run(ts, sb, section, steps=2):
   return out, fns
 
 
+@pytest.mark.slow
 def test_expert_axis_mesh_step_equals_one_device(moe_step_setup):
   """Replayed routing (R3), decoupled PPO + MIS, 2 micro-batches: after 2 updates the params,
   optimiser state and metrics on (fsdp 2 × expert 4) and (expert 4 × tensor 2) equal one
@@ -348,6 +353,7 @@ def test_expert_axis_config_errors():
   assert spec == jax.sharding.PartitionSpec(None, ("fsdp", "expert"), None)
 
 
+@pytest.mark.slow
 def test_the_load_balancing_loss_joins_the_step_when_asked(moe_step_setup):
   """`train.router_aux_loss_coef`: the step's loss gains coef · HF's aux loss (token-weighted
   over micro-batches), logged as `router_aux_loss`; 0 (the default) leaves the step as it was."""

@@ -20,6 +20,8 @@ from trainers.serving.server import EmbeddedServer
 from trainers.training import checks, train as train_lib
 from trainers.training.rollout import NoRoutedExperts, RoutingSpec, ServerError, validate_sample
 
+pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
+
 MOE = PRESETS["tiny-qwen3-moe"]
 DECOUPLED = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(use_rs=True, tis_mode="mask"))
 

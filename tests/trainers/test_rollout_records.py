@@ -23,6 +23,8 @@ from trainers.models import init_checkpoint
 from trainers.serving.server import EmbeddedServer
 from trainers.training import analysis, rollout_records
 
+pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = ["--set", "rollout.prompts_per_step=4", "--set", "rollout.n=4", "--set", "train.row_len=32",
          "--set", "checkpoint.every=1", "--no-progress"]

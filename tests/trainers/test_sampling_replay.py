@@ -24,6 +24,8 @@ from test_step import ALGORITHMS, ROW_LEN, TINY, _assert_metrics_close, _assert_
 from test_step import _run as run_steps
 from test_train import make_cfg
 
+pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
+
 K = 6  # support width of the step-level tests
 
 

@@ -22,6 +22,8 @@ from trainers.models import PRESETS, CausalLM, hf_state_dict, load_hf_checkpoint
 from trainers.training.weight_sync import save_hf_sharded
 from trainers.training.sglang_client import http_client
 
+pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
+
 DECOUPLED = mis_jax.LossConfig(**ALGORITHMS["decoupled_ppo"])
 
 

@@ -25,6 +25,8 @@ from trainers.serving.server import EmbeddedServer
 from conftest import TINY, sequence_logprobs
 from sglang_contract import load_api_types
 
+pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
+
 PROMPT = [1, 5, 9, 14, 3]
 BF16_ATOL = 0.15  # bf16 engine vs float32 teacher forcing (per token; the mean is far smaller)
 META_KEYS = ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions",

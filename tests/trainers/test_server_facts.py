@@ -16,6 +16,8 @@ from trainers.models import init_checkpoint
 from trainers.serving.server import EmbeddedServer
 from trainers.training import servers as servers_lib, train as train_lib
 
+pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
+
 DECOUPLED = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(use_rs=True, tis_mode="mask"))
 
 

@@ -34,6 +34,8 @@ from trainers.training import servers as servers_lib, train as train_lib
 from trainers.training.rollout import NoSamplingMask
 from trainers.training.sglang_client import http_client
 
+pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
+
 MODEL = dataclasses.replace(PRESETS["tiny-qwen3"], head_dim=128, num_attention_heads=2, num_key_value_heads=1,
                             initializer_range=0.1)
 LOSS = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(use_rs=True, tis_mode="mask"))

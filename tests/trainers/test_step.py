@@ -133,6 +133,7 @@ MESH_CASES = [("decoupled_ppo", "8"), ("decoupled_ppo", "2x2x2"), pytest.param("
               ("reinforce_is", "2x4")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo,mesh_name", MESH_CASES)
 def test_mesh_step_equals_single_device(algo, mesh_name, single_device_runs):
   sb, run = single_device_runs
@@ -170,6 +171,7 @@ def test_partition_rules_on_a_3d_mesh():
   assert specs8["layers/mlp/down_proj/kernel"] == P(None, "fsdp", None)           # [L, 128, 64]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["decoupled_ppo", pytest.param("reinforce_is", marks=pytest.mark.repeat)])  # with and without old log-probs
 def test_one_micro_batch_equals_four(algo):
   mesh = _mesh((1, 1, 1))
@@ -207,6 +209,7 @@ def test_layout_is_sized_by_a_token_budget_per_device():
   assert plan_layout(lengths[:30], row_len=32, tokens_per_micro_batch=96, batch_devices=1).shape == (12, 3, 32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [True, False])
 def test_chunked_logprobs_equal_full_logits(tied):
   """The step's log-probs (hidden states + mis_jax.token_logprobs, on a mesh) equal today's
@@ -238,6 +241,7 @@ def test_chunked_logprobs_equal_full_logits(tied):
   _assert_trees_close(g1, g0, "grad")
 
 
+@pytest.mark.slow
 def test_bf16_compute_is_close_to_float32():
   """bf16 compute with float32 master weights: log-probs within 0.2 per token, 0.05 on average
   (bf16 keeps 8 mantissa bits: ~0.4% of logits of magnitude ~10 in this peaky tiny model — the
@@ -269,6 +273,7 @@ def test_bf16_compute_is_close_to_float32():
 
 @pytest.mark.parametrize("attention,remat", [("dense", "full"), ("blocked", "none"), ("blocked", "full"),
                                             ("blocked", "dots")])
+@pytest.mark.slow
 def test_attention_backends_and_remat_give_the_same_gradients(attention, remat):
   sb = _step_batch(4 * ROW_LEN, 1)
   inputs = step_lib.ModelInputs(*(jnp.asarray(x[0]) for x in (sb.input_ids, sb.positions, sb.targets)))

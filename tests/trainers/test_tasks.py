@@ -241,6 +241,7 @@ def _cli_train(tmp_path, *sets):
   return cli.main(argv), run_dir
 
 
+@pytest.mark.integration
 def test_bad_datasets_stop_the_cli_before_any_server_starts(tmp_path, chatml_dir, capsys):
   rows = gsm8k_sample.verl_rows()[:3]
   bad_row = _parquet(tmp_path / "bad.parquet", rows[:2] + [dict(rows[2], reward_model={"style": "rule"})])
@@ -277,6 +278,7 @@ def test_the_committed_sample_is_what_its_script_writes(tmp_path):
   assert chat.has_chat_template(_hf(os.path.join(root, "tokenizer")))
 
 
+@pytest.mark.integration
 def test_the_gsm8k_example_trains_on_the_embedded_server(tmp_path, chatml_dir, capsys):
   # Two steps; dense attention without remat compiles fastest at this size.
   code, run_dir = _cli_train(tmp_path, f"task.tokenizer={chatml_dir}", "train.steps=2", "model.attention=dense",

@@ -23,6 +23,8 @@ from trainers.training.batch import build_step_batch, fresh_tokens, token_stalen
 from trainers.training.rollout import Sample
 from trainers.training.sglang_client import http_client
 
+pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
+
 
 def _sample(n, spans, version, prompt=(1, 5, 9)):
   return Sample(prompt_index=0, prompt_ids=prompt, response_ids=tuple(range(10, 10 + n)),

@@ -18,6 +18,8 @@ from trainers.models import init_checkpoint
 from trainers.training.rollout import ServerError
 from trainers.serving.server import EmbeddedServer
 
+pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
+
 BASE = {
     "seed": 0,
     "model": {"preset": "tiny-qwen3", "initializer_range": 0.1},
