@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from mis_jax._engine import AxisName, pmax, pmin, psum
+from mis_jax._search import largest_with
 
 _SMALLEST_NORMAL = float(jnp.finfo(jnp.float32).tiny)
 
@@ -53,12 +54,8 @@ def largest_true(pred, floor, cap):
   """The largest float32 ``U`` in ``[floor, cap]`` with ``pred(U)``, for a ``pred`` that is true
   up to a point and false after it; ``floor`` when ``pred(floor)`` is false."""
   lo, hi = _bits(floor), _bits(jnp.maximum(cap, floor))
-
-  def bit(i, bits):
-    candidate = bits | jnp.left_shift(jnp.int32(1), 30 - i)
-    return jnp.where(pred(_value(jnp.clip(candidate, lo, hi))), candidate, bits)
-
-  return _value(jnp.clip(jax.lax.fori_loop(0, 31, bit, jnp.int32(0)), lo, hi))
+  found = largest_with(lambda bits: pred(_value(jnp.clip(bits, lo, hi))), bits=31, dtype=jnp.int32)
+  return _value(jnp.clip(found, lo, hi))
 
 
 def smallest_true(pred, floor, cap):

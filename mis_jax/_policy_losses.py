@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from mis_jax._config import LossConfig
 from mis_jax._engine import psum
+from mis_jax._search import largest_with
 from mis_jax._segments import LOG_BOUND, Segments, safe_exp
 
 # DPPO's truncation of its (stop-gradient) ratio when `eps_clip_c` is unset, as verl's default.
@@ -224,11 +225,9 @@ def _top_k(keys, eligible, k, axis_name):
   """The eligible tokens with the ``k`` largest uint32 ``keys`` over every device (all of them
   if fewer are eligible; ties at the threshold all go in). Exact: the threshold is built bit by
   bit from the top, each bit one global count."""
-  def bit(i, threshold):
-    candidate = threshold | (jnp.uint32(1) << (31 - i).astype(jnp.uint32))
-    count = psum(jnp.sum((eligible & (keys >= candidate)).astype(jnp.int32)), axis_name)
-    return jnp.where(count >= k, candidate, threshold)
-  threshold = jax.lax.fori_loop(0, 32, bit, jnp.uint32(0))
+  def enough(candidate):
+    return psum(jnp.sum((eligible & (keys >= candidate)).astype(jnp.int32)), axis_name) >= k
+  threshold = largest_with(enough, bits=32, dtype=jnp.uint32)
   return eligible & (keys >= threshold) & (k > 0)
 
 
