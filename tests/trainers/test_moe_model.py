@@ -279,15 +279,18 @@ def moe_step_setup():
   rng = np.random.default_rng(3)
   for s in samples:  # a recorded routing for every position but the first (native there)
     n = len(s.prompt_ids) + len(s.response_ids) - 1
-    s.routed_experts = np.stack([rng.permutation(MOE.num_experts)[:2] for _ in range(n * 2)]).reshape(n, 2, 2)
-    s.routed_experts[0] = -1
+    experts = np.stack([rng.permutation(MOE.num_experts)[:2] for _ in range(n * 2)]).reshape(n, 2, 2)
+    experts[0] = -1
+    s.extras = {"routed_experts": experts}
   from trainers.training.batch import build_step_batch
+  from trainers.training.extras import RoutedExperts
   from trainers.training.rollout import RoutingSpec
   rewards = rng.uniform(0, 1, len(samples)).astype(np.float32)
   groups = np.arange(len(samples)) // 4
   adv = np.asarray(mis_jax.compute_advantages(rewards, groups, num_groups=int(groups.max()) + 1))
   sb = build_step_batch(samples, rewards, adv, groups, num_segments=len(samples), row_len=ts.ROW_LEN,
-                        tokens_per_micro_batch=ts.ROW_LEN, batch_devices=8, routing=RoutingSpec(2, 2, 8))
+                        tokens_per_micro_batch=ts.ROW_LEN, batch_devices=8,
+                        extras=(RoutedExperts(RoutingSpec(2, 2, 8)),))
   return ts, sb
 
 
@@ -299,7 +302,8 @@ def _moe_run(ts, sb, section, steps=2):
   params = jax.device_put(nnx.state(CausalLM(MOE, rngs=nnx.Rngs(0)), nnx.Param), fns.param_shardings)
   opt_state = fns.init_opt_state(params)
   put = lambda x: jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x)))
-  inputs = step_lib.ModelInputs(put(sb.input_ids), put(sb.positions), put(sb.targets), routing=put(sb.routing))
+  inputs = step_lib.ModelInputs(put(sb.input_ids), put(sb.positions), put(sb.targets),
+                                routing=put(sb.extras["routed_experts"]))
   batch = jax.tree.map(put, sb.batch)
   out = []
   for _ in range(steps):
@@ -321,7 +325,7 @@ def test_expert_axis_mesh_step_equals_one_device(moe_step_setup):
   device's; every device's native routing is the same. rtol 1e-4: the router's softmax and the
   gate renormalisation amplify reduction-order rounding a little over the dense model's 1e-5."""
   ts, sb = moe_step_setup
-  assert sb.layout.micro_batches == 2 and sb.routing.shape == sb.input_ids.shape + (2, 2)
+  assert sb.layout.micro_batches == 2 and sb.extras["routed_experts"].shape == sb.input_ids.shape + (2, 2)
   one, _ = _moe_run(ts, sb, parallel.ParallelSection(data=1, fsdp=1, tensor=1, expert=1))
   for section in (parallel.ParallelSection(data=1, fsdp=2, tensor=1, expert=4),
                   parallel.ParallelSection(data=1, fsdp=1, tensor=2, expert=4)):

@@ -18,6 +18,7 @@ from trainers.models import PRESETS, init_checkpoint, load_hf_checkpoint
 from trainers.serving import protocol
 from trainers.serving.server import EmbeddedServer
 from trainers.training import checks, train as train_lib
+from trainers.training.extras import RoutedExperts
 from trainers.training.rollout import NoRoutedExperts, RoutingSpec, ServerError, validate_sample
 
 pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
@@ -159,20 +160,21 @@ def test_routed_experts_that_do_not_fit_the_model_stop_the_run():
   good = {"text": "", "output_ids": [4, 5], "meta_info": {
       "finish_reason": {"type": "length", "length": 2}, "output_token_logprobs": [[-1.0, 4, None], [-1.0, 5, None]],
       "routed_experts": protocol.encode_routed_experts(np.zeros((4, 2, 2), np.int32))}}
-  error, parsed = validate_sample(good, routing=spec, prompt_len=3)
-  assert error is None and parsed["routed_experts"].shape == (4, 2, 2)
+  error, parsed = validate_sample(good, extras=(RoutedExperts(spec),), prompt_len=3)
+  assert error is None and parsed["extras"]["routed_experts"].shape == (4, 2, 2)
   for experts, needle in ((np.zeros((3, 3, 3), np.int32), "do not fit the model"),
                           (np.zeros((5, 2, 2), np.int32), "5 rows for a sequence of 5 tokens"),
                           (np.full((4, 2, 2), 9, np.int32), "ids outside [0, 8)")):
     bad = json.loads(json.dumps(good))
     bad["meta_info"]["routed_experts"] = protocol.encode_routed_experts(experts)
     with pytest.raises(NoRoutedExperts, match=needle.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
-      validate_sample(bad, routing=spec, prompt_len=3)
+      validate_sample(bad, extras=(RoutedExperts(spec),), prompt_len=3)
   # Another dtype when the server says so.
   other = json.loads(json.dumps(good))
   other["meta_info"]["routed_experts"] = base64.b64encode(np.arange(16, dtype="<i2") % 8).decode()
   other["meta_info"]["routed_experts_dtype"] = "int16"
-  assert validate_sample(other, routing=spec, prompt_len=3)[1]["routed_experts"].reshape(-1).tolist() == \
+  assert validate_sample(other, extras=(RoutedExperts(spec),), prompt_len=3)[1]["extras"]["routed_experts"] \
+      .reshape(-1).tolist() == \
       (np.arange(16) % 8).tolist()
   assert issubclass(NoRoutedExperts, ServerError)
 

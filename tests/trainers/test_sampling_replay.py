@@ -16,6 +16,7 @@ from fake_sglang import FakeSGLang
 from trainers import cli
 from trainers.training import checks, train as train_lib
 from trainers.models import init_checkpoint
+from trainers.training.extras import SamplingSupport
 from trainers.training.rollout import ServerError
 from trainers.serving.server import EmbeddedServer
 
@@ -39,7 +40,8 @@ def _with_supports(samples, seed=0):
       others = [int(v) for v in rng.permutation(64) if v != tok][:int(rng.integers(0, K))]
       ids = others + [tok]
       masks.append(tuple(int(v) for v in rng.permutation(ids)))
-    out.append(types.SimpleNamespace(**vars(s), sampling_mask=tuple(masks)))
+    out.append(types.SimpleNamespace(**vars(s), extras={"sampling_mask": SamplingSupport(K).from_record(
+        masks, len(s.prompt_ids), len(s.response_ids))}))
   return out
 
 
@@ -65,14 +67,14 @@ def _support_batch(tokens_per_micro_batch, batch_devices, num=24):
   adv = np.asarray(mis_jax.compute_advantages(ref.rewards, ref.groups, num_groups=int(ref.groups.max()) + 1))
   return build_step_batch(samples, ref.rewards, adv, ref.groups, num_segments=num, row_len=ROW_LEN,
                           tokens_per_micro_batch=tokens_per_micro_batch, batch_devices=batch_devices,
-                          support_width=K)
+                          extras=(SamplingSupport(K),))
 
 
 def test_supports_are_packed_with_their_tokens():
   sb = _support_batch(4 * ROW_LEN, 1)
-  assert sb.support.shape == sb.input_ids.shape + (K,) and sb.support.dtype == np.int32
+  sup, targets = sb.extras["sampling_mask"], sb.targets
+  assert sup.shape == sb.input_ids.shape + (K,) and sup.dtype == np.int32
   mask = np.asarray(sb.batch.loss_mask)
-  sup, targets = sb.support, sb.targets
   assert np.all(sup[~mask] == -1)  # prompt tokens and padding: the whole vocabulary
   assert np.all((sup[mask] == targets[mask][:, None]).any(-1))  # every trained token in its support
 

@@ -73,8 +73,9 @@ def _run(mesh, loss_cfg, sb, steps, fns=None, params=None):
   params = jax.device_put(init, fns.param_shardings)
   opt_state = fns.init_opt_state(params)
   put = lambda x: jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x)))
+  support = sb.extras.get("sampling_mask")  # the packed supports, with sampling replay
   inputs = step_lib.ModelInputs(put(sb.input_ids), put(sb.positions), put(sb.targets),
-                                support=None if sb.support is None else put(sb.support))
+                                support=None if support is None else put(support))
   batch = jax.tree.map(put, sb.batch)
   states, history = [], []
   for _ in range(steps):

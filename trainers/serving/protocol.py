@@ -604,12 +604,15 @@ def parse_generate_result(item: Any) -> GenerateResult:
 def generate_body(prompts: Sequence[Sequence[int]], sampling_params: dict, *, n: int = 1,
                   seeds: Sequence[int] | None = None, return_logprob: bool = True,
                   rid: str | None = None, return_sampling_mask: bool = False,
-                  return_routed_experts: bool = False, extra_key: str | None = None) -> dict:
+                  return_routed_experts: bool = False, extra_key: str | None = None,
+                  extra_fields: dict | None = None) -> dict:
   """A `/generate` body for `n` samples of every prompt, valid for SGLang's contract.
 
   With `seeds` (one per sample, prompt-major), each sample is sent as its own batch entry with
   its own `sampling_seed`: SGLang copies a request's sampling params to all of its `n` samples,
   so one seed for a group would give `n` identical samples under deterministic inference.
+  `extra_fields`: top-level fields added after `return_logprob` (the trainer's per-token extras'
+  requests, e.g. `{"return_sampling_mask": True}`).
   """
   base = convert(dict(sampling_params), SamplingParams, error=ValueError)  # rejects unknown keys
   if base.n not in (None, 1):
@@ -620,6 +623,7 @@ def generate_body(prompts: Sequence[Sequence[int]], sampling_params: dict, *, n:
     body["return_sampling_mask"] = True
   if return_routed_experts:  # every position's experts, per layer (R3)
     body["return_routed_experts"] = True
+  body.update(extra_fields or {})
   if seeds is None:
     body["input_ids"] = [list(map(int, p)) for p in prompts]
     body["sampling_params"] = dict(params, n=n)

@@ -43,7 +43,7 @@ def build_rollout(cfg, *, urls: list[str], start_dir: str, model_config, samplin
   records or colocated rollouts); `prompts(batch)`: the prompts of a rollout batch."""
   r = cfg.rollout
   if r.load_dir:
-    return Rollouts(None, RecordedRollouts(r.load_dir, sampling.routing))
+    return Rollouts(None, RecordedRollouts(r.load_dir, sampling.extras))
   if r.placement == "colocated":
     if urls:
       raise mis_jax.ConfigError(f"rollout.placement colocated generates in the trainer: no server URL is used, "

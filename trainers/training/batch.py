@@ -15,6 +15,7 @@ import math
 import numpy as np
 
 import mis_jax
+from trainers.training import extras as extras_lib
 
 
 def _bucket(n: int) -> int:
@@ -72,8 +73,9 @@ class StepBatch:
   groups: np.ndarray
   packing: mis_jax.Packing
   layout: Layout
-  support: np.ndarray | None = None  # [micro_batches, rows, row_len, K] int32, -1 padded (sampling replay)
-  routing: np.ndarray | None = None  # [micro_batches, rows, row_len, layers, k] int32, -1: no record (routed experts)
+  # The run's per-token extras packed (`extras.pack`), by name: `[micro_batches, rows, row_len, ...]`,
+  # e.g. `sampling_mask` [..., K] int32 -1 padded, `routed_experts` [..., layers, k] int32 -1: no record.
+  extras: dict = dataclasses.field(default_factory=dict)
   metrics: dict = dataclasses.field(default_factory=dict)  # what building it measured (per-token staleness)
 
   def per_sequence(self, token_array) -> list[np.ndarray]:
@@ -120,18 +122,17 @@ def fresh_tokens(staleness: list[np.ndarray], max_token_staleness: int) -> tuple
 
 
 def build_step_batch(samples, rewards, advantages, groups, *, num_segments: int, row_len: int,
-                     tokens_per_micro_batch: int, batch_devices: int, support_width: int = 0,
-                     routing=None, trained_tokens=None, staleness=None) -> StepBatch:
+                     tokens_per_micro_batch: int, batch_devices: int, extras=(), trained_tokens=None,
+                     staleness=None) -> StepBatch:
   """Packs `samples` (with `prompt_ids`, `response_ids`, `rollout_logprobs`) and their
-  per-sequence `advantages` into a :class:`StepBatch`. With `support_width` (sampling-mask
-  replay) each response token's `sampling_mask` is packed into `support` (`-1` elsewhere:
-  prompt tokens and padding are over the whole vocabulary). With `routing` (a `RoutingSpec`:
-  routed experts asked for) each sample's `routed_experts` row i lands at its input position i
-  (`-1` on padding: routed natively). `trained_tokens`: per sample, which response tokens the
+  per-sequence `advantages` into a :class:`StepBatch`. Each of the run's per-token `extras`
+  (`trainers.training.extras`) is packed from the samples' `extras` by `extras.pack` into
+  `StepBatch.extras` (its `fill` elsewhere: e.g. a sampling support of `-1`s is the whole
+  vocabulary, routed experts of `-1` are routed natively). `trained_tokens`: per sample, which response tokens the
   loss trains on (default all; the others stay as context). `staleness`: per sample, each
   response token's `token_staleness`, packed as `rollout_staleness` (0 elsewhere) for
   `loss.proximal: loglinear`."""
-  inputs, targets, masks, q, supports, stale = [], [], [], [], [], []
+  inputs, targets, masks, q, stale = [], [], [], [], []
   for k, s in enumerate(samples):
     seq = np.array(s.prompt_ids + s.response_ids, np.int32)
     inputs.append(seq[:-1])
@@ -148,20 +149,11 @@ def build_step_batch(samples, rewards, advantages, groups, *, num_segments: int,
       st = np.zeros(len(seq) - 1, np.float32)
       st[response] = staleness[k]
       stale.append(st)
-    if support_width:
-      sup = np.full((len(seq) - 1, support_width), -1, np.int32)
-      for row, ids in zip(np.flatnonzero(response), s.sampling_mask):
-        sup[row, :len(ids)] = ids
-      supports.append(sup)
   lengths = [len(x) for x in inputs]
   layout = plan_layout(lengths, row_len=row_len, tokens_per_micro_batch=tokens_per_micro_batch,
                        batch_devices=batch_devices)
   packing = mis_jax.plan_packing(lengths, row_len, num_rows=layout.num_rows)
   shaped = lambda x: np.asarray(x).reshape(layout.shape)
-  routes = None
-  if routing is not None:
-    per_seq = [np.asarray(s.routed_experts, np.int32) for s in samples]
-    routes = packing.pack(per_seq, -1, np.int32).reshape(layout.shape + (routing.num_layers, routing.top_k))
   pack = lambda xs, fill, dtype: shaped(packing.pack(xs, fill, dtype))
   advs = [np.full(n, a, np.float32) for n, a in zip(lengths, advantages)]
   batch = mis_jax.PackedBatch(
@@ -174,5 +166,4 @@ def build_step_batch(samples, rewards, advantages, groups, *, num_segments: int,
                    advantages=np.asarray(advantages, np.float32),
                    response_lengths=np.array([len(s.response_ids) for s in samples]),
                    groups=np.asarray(groups, np.int32), packing=packing, layout=layout,
-                   support=(packing.pack(supports, -1, np.int32).reshape(layout.shape + (support_width,))
-                            if support_width else None), routing=routes)
+                   extras={e.name: extras_lib.pack(e, samples, packing, layout.shape) for e in extras})

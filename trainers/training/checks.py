@@ -17,7 +17,7 @@ import jax
 import mis_jax
 from trainers.models import PRESETS, ModelConfig, checkpoint_dir_problem
 from trainers.tasks import make_task
-from trainers.training import parallel, rollout_records
+from trainers.training import extras as extras_lib, parallel, rollout_records
 from trainers.training.config import TrainConfig
 from trainers.training.rollout import RoutingSpec
 
@@ -185,28 +185,19 @@ def check_records(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
       raise rollout_records.RecordError(
           f"rollout records {r.load_dir!r} have no {os.path.basename(rollout_records.step_path(r.load_dir, missing[0]))} "
           f"(they cover steps {min(steps)}..{max(steps)}); lower train.steps to {missing[0] - 1} or less")
-    _, spec = routing_setup(r, model_cfg)
+    active = extras_lib.active(r, model_cfg)
     for k in range(1, cfg.train.steps + 1):
       cols, _ = rollout_records.read_step(steps[k])
       rollout_records.check_fits(steps[k], cols, vocab_size=model_cfg.vocab_size, row_len=cfg.train.row_len,
                                  max_samples=r.prompts_per_step * r.n, max_groups=r.prompts_per_step)
-      if sampling_replay_width(r) and cols.get("sampling_mask") is None:
-        raise rollout_records.RecordError(f"{steps[k]}: missing column 'sampling_mask', which sampling replay "
-                                          "needs (set rollout.sampling_replay: off to replay without it)")
-      if spec is not None:
-        experts = cols.get("routed_experts")
-        if experts is None:
-          raise rollout_records.RecordError(f"{steps[k]}: missing column 'routed_experts', which routing replay r3 "
-                                            "and record_routing need (set rollout.routing_replay: none, "
-                                            "record_routing: null)")
-        per = spec.num_layers * spec.top_k
-        for i, (e, p_ids, r_ids) in enumerate(zip(experts, cols["prompt_ids"], cols["response_ids"])):
-          want = (len(p_ids) + len(r_ids) - 1) * per
-          if e is None or len(e) != want or (want and not 0 <= min(e) <= max(e) < spec.num_experts):
-            raise rollout_records.RecordError(
-                f"{steps[k]} row {i}: column 'routed_experts' has {0 if e is None else len(e)} ids, expected "
-                f"{want} in [0, {spec.num_experts}) (tokens - 1 rows x num_hidden_layers {spec.num_layers} x "
-                f"num_experts_per_tok {spec.top_k})")
+      for extra in active:  # each extra the run uses, from its column
+        values = cols.get(extra.name)
+        if values is None:
+          raise rollout_records.RecordError(f"{steps[k]}: missing column {extra.name!r}, {extra.missing_column}")
+        for i, (v, p_ids, r_ids) in enumerate(zip(values, cols["prompt_ids"], cols["response_ids"])):
+          problem = extra.check_record(v, len(p_ids), len(r_ids))
+          if problem is not None:
+            raise rollout_records.RecordError(f"{steps[k]} row {i}: {problem}")
   except rollout_records.RecordError as e:
     raise mis_jax.ConfigError(str(e)) from None
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -58,12 +58,21 @@ class Sample:
   text: str
   weight_version: str | None  # the version of its last token
   weight_versions: tuple[tuple[str, int, int], ...] = ()  # SGLang's spans: (version, start, end)
-  # With sampling-mask replay: each response token's support (kept ids); `rollout_logprobs`
-  # are then the behaviour log-probs, renormalised over it.
-  sampling_mask: tuple[tuple[int, ...], ...] | None = None
-  # With routed experts (MoE, R3): int32 `[len(prompt) + len(response) - 1, layers, k]`, row i
-  # the experts the server routed the token at position i to.
-  routed_experts: np.ndarray | None = dataclasses.field(default=None, compare=False)
+  # The run's per-token extras (`trainers.training.extras`), by name: e.g. `sampling_mask` (each
+  # response token's support; `rollout_logprobs` are then the behaviour log-probs, renormalised
+  # over it) and `routed_experts` (int32 `[len(prompt) + len(response) - 1, layers, k]`).
+  extras: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict, compare=False)
+
+  @property
+  def sampling_mask(self) -> tuple[tuple[int, ...], ...] | None:
+    """Each response token's sampling support (kept ids), with sampling-mask replay."""
+    mask = self.extras.get("sampling_mask")
+    return None if mask is None else tuple(tuple(int(v) for v in row[row >= 0]) for row in mask)
+
+  @property
+  def routed_experts(self) -> np.ndarray | None:
+    """The server's routed experts of every input position, with routed experts asked for."""
+    return self.extras.get("routed_experts")
 
   @property
   def oldest_version(self) -> str | None:
@@ -82,8 +91,8 @@ class RolloutResult:
 
   def to_json(self) -> dict:
     """A JSON-able copy (broadcast from process 0 to the other trainer processes)."""
-    return {"samples": [tuple(getattr(s, f.name) for f in dataclasses.fields(Sample) if f.name != "routed_experts")
-                        + (_routing_json(s.routed_experts),) for s in self.samples],
+    return {"samples": [tuple(getattr(s, f.name) for f in dataclasses.fields(Sample) if f.name != "extras")
+                        + (_extras_json(s.extras),) for s in self.samples],
             "num_requested": self.num_requested,
             "num_aborted": self.num_aborted, "num_rejected": self.num_rejected,
             "rejection_reasons": self.rejection_reasons[:20]}
@@ -91,53 +100,28 @@ class RolloutResult:
   @classmethod
   def from_json(cls, d: dict) -> "RolloutResult":
     samples = [Sample(p, tuple(ids), tuple(resp), tuple(lps), fin, text, ver, tuple(tuple(x) for x in spans),
-                      None if masks is None else tuple(tuple(m) for m in masks), _routing_from_json(routed))
-               for p, ids, resp, lps, fin, text, ver, spans, masks, routed in d["samples"]]
+                      _extras_from_json(extras))
+               for p, ids, resp, lps, fin, text, ver, spans, extras in d["samples"]]
     return cls(samples, d["num_requested"], d["num_aborted"], d["num_rejected"], list(d["rejection_reasons"]))
 
 
-def _routing_json(x):
-  return None if x is None else [protocol.encode_routed_experts(x), *x.shape[1:]]
+def _extras_json(values: Mapping[str, np.ndarray]) -> dict:
+  return {k: [str(v.dtype), list(v.shape), v.reshape(-1).tolist()] for k, v in values.items()}
 
 
-def _routing_from_json(x):
-  return None if x is None else protocol.decode_routed_experts(x[0], x[1], x[2])
+def _extras_from_json(d: Mapping[str, list]) -> dict[str, np.ndarray]:
+  return {k: np.asarray(flat, dtype).reshape(shape) for k, (dtype, shape, flat) in d.items()}
 
 
-def decode_sample_routing(meta, num_tokens: int, routing: RoutingSpec) -> np.ndarray:
-  """A reply's `routed_experts` → `[num_tokens - 1, layers, k]` int32; raises
-  :class:`NoRoutedExperts` when there are none or they do not fit the model."""
-  if meta.routed_experts is None:
-    raise NoRoutedExperts("the reply has no meta_info.routed_experts although return_routed_experts was requested: "
-                          "start the SGLang server with --enable-return-routed-experts (mis-jax serve takes the same "
-                          "flag), or set rollout.routing_replay: none and rollout.record_routing: false")
-  try:
-    experts = protocol.decode_routed_experts(meta.routed_experts, routing.num_layers, routing.top_k,
-                                             meta.routed_experts_dtype)
-  except protocol.ContractError as e:
-    raise NoRoutedExperts(f"routed experts do not fit the model (num_hidden_layers {routing.num_layers}, "
-                          f"num_experts_per_tok {routing.top_k}): {e}") from None
-  if experts.shape[0] != num_tokens - 1:
-    raise NoRoutedExperts(f"routed experts have {experts.shape[0]} rows for a sequence of {num_tokens} tokens "
-                          f"(expected {num_tokens - 1} rows of [num_hidden_layers {routing.num_layers}, "
-                          f"num_experts_per_tok {routing.top_k}]): the server's model differs from the trainer's")
-  if experts.size and (experts.min() < 0 or experts.max() >= routing.num_experts):
-    raise NoRoutedExperts(f"routed experts hold ids outside [0, {routing.num_experts}) (min {experts.min()}, max "
-                          f"{experts.max()}): the server's model differs from the trainer's")
-  return experts
-
-
-def validate_sample(item: Any, *, support_width: int = 0, routing: RoutingSpec | None = None,
-                    prompt_len: int = 0) -> tuple[str | None, dict | None]:
+def validate_sample(item: Any, *, extras: Sequence = (), prompt_len: int = 0) -> tuple[str | None, dict | None]:
   """Checks one SGLang ``/generate`` result; returns ``(error, parsed)`` (one of them None).
 
   Parsed with the shared protocol models (``trainers.serving.protocol``): every finish-reason form,
   aborts with or without partial tokens, ``weight_version`` and ``weight_versions`` spans.
-  With ``support_width`` (sampling-mask replay), the reply must carry one support per token
-  (raises :class:`NoSamplingMask` when it carries none), each holding its token and at most
-  ``support_width`` ids; the parsed log-probs are then ``output_token_sampling_logprobs``.
-  With ``routing`` (routed experts asked for), the reply must carry them for its
-  ``prompt_len`` + response tokens (raises :class:`NoRoutedExperts` otherwise).
+  Each of the run's per-token ``extras`` (``trainers.training.extras.TokenExtra``) parses its part
+  of the reply (the sample's ``prompt_len`` + response tokens) into ``parsed["extras"]``, or
+  rejects the sample; one that cannot be returned at all raises its ``missing`` error. An extra
+  may supply the behaviour log-probs (sampling-mask replay: ``output_token_sampling_logprobs``).
   """
   if not isinstance(item, dict):
     return f"sample is {type(item).__name__}, not an object", None
@@ -173,38 +157,35 @@ def validate_sample(item: Any, *, support_width: int = 0, routing: RoutingSpec |
     values.append(float(lp))
   if not ids:
     return "empty response", None
-  masks = None
-  if support_width:
-    masks = meta.output_token_sampling_mask
-    if masks is None:
-      raise NoSamplingMask("the reply has no meta_info.output_token_sampling_mask although return_sampling_mask "
-                           "was requested: the server does not return sampling masks (SGLang >= 0.5.23 does); "
-                           "set rollout.sampling_replay: off to train without them (the IS ratio is then "
-                           "biased by the kept mass)")
-    sampled = meta.output_token_sampling_logprobs
-    if len(masks) != len(ids) or sampled is None or len(sampled) != len(ids):
-      return (f"length mismatch: {len(ids)} output_ids but {len(masks)} output_token_sampling_mask and "
-              f"{'no' if sampled is None else len(sampled)} output_token_sampling_logprobs"), None
-    for i, (mask, tok, lp) in enumerate(zip(masks, ids, sampled)):
-      if tok not in mask:
-        return f"response token {i} ({tok}) is not in its sampling mask", None
-      if len(mask) > support_width:
-        return (f"sampling mask of {len(mask)} tokens at response token {i} exceeds the support width "
-                f"{support_width} (rollout.top_k; ties at the cutoff can exceed it)"), None
-      if lp is None or isinstance(lp, (bool, list)) or not isinstance(lp, (int, float)) or not math.isfinite(lp) \
-          or lp > 1e-4:
-        return f"invalid sampling log-prob {lp!r} at response token {i} (selected mode: one float per token)", None
-    values = [float(v) for v in sampled]
-    masks = tuple(tuple(m) for m in masks)
+  reply = Reply(item["meta_info"], meta, tuple(ids), prompt_len)
+  parsed_extras = {}
+  for extra in extras:
+    value = extra.parse(reply)
+    if isinstance(value, str):
+      return value, None
+    parsed_extras[extra.name] = value
+    behaviour = extra.logprobs(reply)
+    if behaviour is not None:
+      values = behaviour
   # The version that generated the last token (SGLang reports spans when weights changed
   # mid-sample); `weight_version` alone otherwise.
   version = meta.weight_versions[-1].version if meta.weight_versions else meta.weight_version
-  routed = None if routing is None else decode_sample_routing(meta, prompt_len + len(ids), routing)
-  return None, {"routed_experts": routed,"aborted": False, "ids": tuple(ids), "logprobs": tuple(values), "finish": kind,
+  return None, {"aborted": False, "ids": tuple(ids), "logprobs": tuple(values), "finish": kind,
                 "text": result.text if isinstance(result.text, str) else "",
                 "weight_version": version,
                 "weight_versions": tuple((s.version, s.start, s.end) for s in meta.weight_versions),
-                "sampling_mask": masks}
+                "extras": parsed_extras}
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+  """One `/generate` result as an extra's parser sees it (`trainers.training.extras.TokenExtra.parse`):
+  the raw `meta_info` dict, the parsed one (`protocol.MetaInfo`), the response ids and the
+  prompt's length."""
+  meta: Mapping[str, Any]
+  info: protocol.MetaInfo
+  ids: tuple[int, ...]
+  prompt_len: int
 
 
 def sample_seeds(seed: int, num_prompts: int, n: int, offset: int = 0) -> list[int]:

@@ -22,6 +22,9 @@ replaces that step's file and never duplicates it. One row per sample:
 | `sampling_mask` | list<list<int32>> | each response token's sampling support, with sampling replay |
 | `routed_experts` | list<int32> | MoE with routed experts (R3, `record_routing`): the server's experts of every position but the last, row-major `[prompt + response - 1, num_hidden_layers, num_experts_per_tok]` |
 
+The last two are per-token extras (`trainers.training.extras`): every registered extra has its
+column (its `record_type`), written and read when the run uses it.
+
 The file's metadata key `mis_jax` holds JSON: the format version, the run's sampling parameters,
 task, loss and trainer configs, and the rollout batch index the step consumed. pyarrow, pandas
 or `datasets` read the files as they are.
@@ -35,12 +38,12 @@ import os
 import re
 
 from trainers.models import hf_io
+from trainers.training import extras as extras_lib
 
 FORMAT_VERSION = 1
 METADATA_KEY = b"mis_jax"
 REQUIRED = ("step", "sample", "group", "prompt_ids", "response_ids", "rollout_logprobs", "reward", "advantage",
             "finish_reason", "weight_version")
-OPTIONAL = ("old_logprobs", "sampling_mask", "loss_mask", "routed_experts")
 _NAME = re.compile(r"^step_(\d{6})\.parquet$")
 
 
@@ -53,15 +56,21 @@ def step_path(directory: str, step: int) -> str:
 
 
 def _schema():
+  """Every column's type: the fixed ones, then each registered per-token extra's."""
   import pyarrow as pa
   return {
       "step": pa.int64(), "sample": pa.int64(), "group": pa.int64(),
       "prompt_ids": pa.list_(pa.int32()), "response_ids": pa.list_(pa.int32()),
       "rollout_logprobs": pa.list_(pa.float32()), "reward": pa.float32(), "advantage": pa.float32(),
       "finish_reason": pa.string(), "weight_version": pa.string(), "old_logprobs": pa.list_(pa.float32()),
-      "sampling_mask": pa.list_(pa.list_(pa.int32())), "loss_mask": pa.list_(pa.bool_()),
-      "routed_experts": pa.list_(pa.int32()),
+      "loss_mask": pa.list_(pa.bool_()),
+      **{name: kind.record_type() for name, kind in extras_lib.registered().items()},
   }
+
+
+def optional_columns() -> tuple[str, ...]:
+  """The columns a record file may lack: the old log-probs, the loss mask and the extras'."""
+  return ("old_logprobs", "loss_mask", *extras_lib.registered())
 
 
 def write_step(directory: str, step: int, columns: dict, metadata: dict) -> str:
@@ -106,7 +115,8 @@ def _step_files(directory: str) -> dict[int, str]:
 def read_step(path: str):
   """`(columns, metadata)` of one record file, checked: every required column with its type,
   no unknown column, one `step` value matching the file name, token ids >= 0, one log-prob per
-  response token (and one old log-prob / support when present)."""
+  response token (and one old log-prob, and one value of each per-response-token extra, when
+  present)."""
   import pyarrow as pa
   import pyarrow.parquet as pq
   try:
@@ -117,7 +127,7 @@ def read_step(path: str):
   names = set(table.column_names)
   unknown = sorted(names - set(types))
   if unknown:
-    raise RecordError(f"{path}: unknown column {unknown[0]!r}; record columns are {', '.join(REQUIRED + OPTIONAL)}")
+    raise RecordError(f"{path}: unknown column {unknown[0]!r}; record columns are {', '.join(REQUIRED + optional_columns())}")
   for name in REQUIRED:
     if name not in names:
       raise RecordError(f"{path}: missing column {name!r}")
@@ -145,7 +155,8 @@ def read_step(path: str):
     if len(lps) != len(resp):
       raise RecordError(f"{path} row {i}: column 'rollout_logprobs' has {len(lps)} values for {len(resp)} "
                         "response tokens")
-    for name in ("old_logprobs", "sampling_mask"):
+    per_token = ("old_logprobs", *(n for n, kind in extras_lib.registered().items() if kind.span == "response"))
+    for name in per_token:
       if name in cols and cols[name][i] is not None and len(cols[name][i]) != len(resp):
         raise RecordError(f"{path} row {i}: column {name!r} has {len(cols[name][i])} entries for {len(resp)} "
                           "response tokens")
@@ -176,8 +187,8 @@ class RecordWriter:
   files past the step a run resumes from, so each step is recorded once, by the run that trained
   it. `meta`: what every file's metadata carries besides the step's batch."""
 
-  def __init__(self, directory: str, *, meta: dict, support_width: int = 0, routing: bool = False):
-    self.directory, self.meta, self.support_width, self.routing = directory, meta, support_width, routing
+  def __init__(self, directory: str, *, meta: dict, extras=()):
+    self.directory, self.meta, self.extras = directory, meta, tuple(extras)  # the run's per-token extras
 
   def start(self, step: int) -> None:
     from trainers.training import distributed
@@ -208,10 +219,8 @@ class RecordWriter:
     }
     if old is not None:
       columns["old_logprobs"] = old
-    if self.support_width:
-      columns["sampling_mask"] = [[list(m) for m in s.sampling_mask] for s in samples]
-    if self.routing:
-      columns["routed_experts"] = [s.routed_experts.reshape(-1).tolist() for s in samples]
+    for extra in self.extras:
+      columns[extra.name] = [extra.to_record(s.extras[extra.name]) for s in samples]
     meta = {**self.meta, "batch_index": rollout.batch}
     if rollout.prompts is None:  # replayed records: no sampling of this run's
       meta["sampling_params"] = None

@@ -1,5 +1,5 @@
-"""The rollout servers from the trainer's side: what it asks them before step 1 (health, routed
-experts and sampling masks, the initial weight push), the weights it pushes after each step,
+"""The rollout servers from the trainer's side: what it asks them before step 1 (health, the
+per-token extras, the initial weight push), the weights it pushes after each step,
 the mismatch sanity check, and the wait for a server that went away (contract §11).
 
 `Servers` is composed by `trainers.training.backend.build_rollout` from a client
@@ -18,7 +18,7 @@ import warnings
 from trainers.models import DTYPES
 from trainers.training import distributed
 from trainers.training.errors import NoServerUp, Preempted, TrainingError, on_primary
-from trainers.training.rollout import RolloutResult, RoutingSpec, ServerError
+from trainers.training.rollout import RolloutResult, ServerError
 from trainers.training.sglang_client import SGLangClient
 from trainers.training.weight_sync import WeightSync
 
@@ -32,13 +32,12 @@ NO_RESTARTS = {"rollout/server_restarts": 0, "rollout/unavailable_s": 0.0}  # a 
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-  """What every `/generate` of the run asks: the sampling params, `n` per prompt, the seed,
-  sampling masks (`support_width` > 0) and routed experts (`routing`)."""
+  """What every `/generate` of the run asks: the sampling params, `n` per prompt, the seed, and
+  the run's per-token extras (`trainers.training.extras`: sampling masks, routed experts, ...)."""
   params: dict
   n: int
   seed: int
-  support_width: int = 0
-  routing: RoutingSpec | None = None
+  extras: tuple = ()
 
 
 class Servers:
@@ -69,10 +68,8 @@ class Servers:
     the trainer's weights (or, when the push is skipped, the very checkpoint it starts from)."""
     r, self.log = self.rollout, log
     on_primary(lambda: self.client.wait_until_healthy(attempts=r.health_attempts, backoff_s=r.backoff_s))
-    if self.sampling.routing is not None:  # a server without routed experts is found before any step
-      on_primary(lambda: self.client.check_routed_experts(self.sampling.routing))
-    if self.sampling.support_width:  # so is one without sampling masks
-      on_primary(lambda: self.client.check_sampling_masks(self.sampling.params, self.sampling.support_width))
+    if self.sampling.extras:  # a server that cannot return an extra is found before any step
+      on_primary(lambda: self.client.check_extras(self.sampling.extras, self.sampling.params))
     if self._first_push(step, log=log):
       self.push(params, step)
     self.served_version = step
@@ -138,8 +135,7 @@ class Servers:
     """Rollout batch `batch` (process 0): its per-sample seeds depend on (seed, batch) only, so a
     redone batch samples the same completions from the same weights."""
     s, version = self.sampling, self.served_version
-    result = self.client.generate(prompt_ids, s.params, n=s.n, seed=s.seed * 100_003 + batch,
-                                  support_width=s.support_width, routing=s.routing)
+    result = self.client.generate(prompt_ids, s.params, n=s.n, seed=s.seed * 100_003 + batch, extras=s.extras)
     result = self._own_versions(result, version)
     self.weight_sync.rollouts_done()
     return result

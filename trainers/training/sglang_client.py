@@ -19,8 +19,7 @@ from typing import Sequence
 
 from trainers.serving import protocol
 from trainers.training.engines import Engine, HttpEngine, HttpTransport
-from trainers.training.rollout import (NoRoutedExperts, NoSamplingMask, RolloutResult, RoutingSpec, Sample,
-                                       ServerError, ServerUnavailable, decode_sample_routing, sample_seeds,
+from trainers.training.rollout import (RolloutResult, Sample, ServerError, ServerUnavailable, sample_seeds,
                                        validate_sample)
 
 
@@ -113,54 +112,41 @@ class SGLangClient:
     reply = self.engines[url].generate(body)
     return reply[0] if isinstance(reply, list) and reply else reply
 
-  def check_routed_experts(self, routing: RoutingSpec) -> None:
-    """Asks every engine for one token with ``return_routed_experts``; raises
-    :class:`NoRoutedExperts` (naming the URL and the flag) if one returns none or ones that
-    do not fit the model."""
-    for url in self.urls:
-      reply = self._probe(url, protocol.generate_body([[0]], {"max_new_tokens": 1, "temperature": 0.0},
-                                                      return_routed_experts=True))
-      try:
-        result = protocol.parse_generate_result(reply)
-        decode_sample_routing(result.meta_info, 1 + len(result.output_ids or []), routing)
-      except protocol.ContractError as e:
-        raise NoRoutedExperts(f"{url}/generate: malformed reply to a routed-experts probe: {e}") from None
-      except NoRoutedExperts as e:
-        raise NoRoutedExperts(f"{url}/generate: {e}") from None
-
-  def check_sampling_masks(self, sampling_params: dict, support_width: int) -> None:
-    """Asks every engine for one token with ``return_sampling_mask`` under the run's sampling
-    params; raises :class:`NoSamplingMask` (naming the URL and `rollout.sampling_replay: off`)
-    if one returns no masks, before any step."""
-    params = {**sampling_params, "max_new_tokens": 1}
-    for url in self.urls:
-      reply = self._probe(url, protocol.generate_body([[0]], params, return_sampling_mask=True))
-      try:
-        error, _ = validate_sample(reply, support_width=support_width, prompt_len=1)
-      except NoSamplingMask as e:
-        raise NoSamplingMask(f"{url}/generate: {e}") from None
-      if error is not None:
-        raise NoSamplingMask(f"{url}/generate: malformed reply to a sampling-mask probe: {error}")
+  def check_extras(self, extras, sampling_params: dict) -> None:
+    """Asks every engine for one token with each of the run's per-token `extras` (its request
+    fields, under its `probe_params`); raises the extra's `missing` error (naming the URL, and
+    the server flag or the setting that turns it off) if one returns none, or none that fit,
+    before any step."""
+    for extra in extras:
+      for url in self.urls:
+        reply = self._probe(url, protocol.generate_body([[0]], extra.probe_params(sampling_params),
+                                                        extra_fields=extra.request))
+        try:
+          error, _ = validate_sample(reply, extras=(extra,), prompt_len=1)
+        except extra.missing as e:
+          raise extra.missing(f"{url}/generate: {e}") from None
+        if error is not None:
+          raise extra.missing(f"{url}/generate: malformed reply to a {extra.what} probe: {error}")
 
   # --- generation ----------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], sampling_params: dict, *, n: int = 1,
-               seed: int | None = None, support_width: int = 0, routing: RoutingSpec | None = None) -> RolloutResult:
+               seed: int | None = None, extras=()) -> RolloutResult:
     """``n`` samples for every prompt; results come back prompt-major (contract §11). With
     ``seed``, sample ``k`` (prompt-major) is sent with ``sampling_seed = sample_seeds(seed)[k]``.
-    With ``support_width > 0`` the engines are asked for sampling masks (``return_sampling_mask``)
-    and each sample carries its supports and behaviour log-probs (:func:`validate_sample`).
-    With ``routing`` they are asked for routed experts (``return_routed_experts``), which each
-    sample carries."""
+    Each of the run's per-token ``extras`` (``trainers.training.extras``: e.g. sampling masks,
+    routed experts) adds its request fields, and each sample carries its parsed values
+    (:func:`validate_sample`)."""
     chunks = [list(range(i, min(i + self.prompts_per_request, len(prompts))))
               for i in range(0, len(prompts), self.prompts_per_request)]
 
     protocol.generate_body([], sampling_params, n=n)  # a bad key fails here, before any request
+    request = {k: v for e in extras for k, v in e.request.items()}
+    missing = tuple({e.missing for e in extras})
 
     def call(idx):
       seeds = None if seed is None else sample_seeds(seed, len(idx), n, offset=idx[0] * n)
       body = protocol.generate_body([prompts[i] for i in idx], sampling_params, n=n, seeds=seeds,
-                                    return_sampling_mask=support_width > 0,
-                                    return_routed_experts=routing is not None, extra_key=self.cache_salt)
+                                    extra_fields=request, extra_key=self.cache_salt)
       while True:  # an engine down past its retries: the chunk goes to a live one
         url = self._pick()
         try:
@@ -180,9 +166,8 @@ class SGLangClient:
       for j, item in enumerate(out):
         p = idx[j // n]
         try:
-          error, parsed = validate_sample(item, support_width=support_width, routing=routing,
-                                          prompt_len=len(prompts[p]))
-        except (NoSamplingMask, NoRoutedExperts) as e:
+          error, parsed = validate_sample(item, extras=extras, prompt_len=len(prompts[p]))
+        except missing as e:
           raise type(e)(f"{url}/generate: {e}") from None
         if error is not None:
           result.num_rejected += 1
@@ -193,9 +178,7 @@ class SGLangClient:
           result.samples.append(Sample(prompt_index=p, prompt_ids=tuple(prompts[p]), response_ids=parsed["ids"],
                                        rollout_logprobs=parsed["logprobs"], finish_reason=parsed["finish"],
                                        text=parsed["text"], weight_version=parsed["weight_version"],
-                                       weight_versions=parsed["weight_versions"],
-                                       sampling_mask=parsed["sampling_mask"],
-                                       routed_experts=parsed["routed_experts"]))
+                                       weight_versions=parsed["weight_versions"], extras=parsed["extras"]))
     return result
 
   # --- weight sync ---------------------------------------------------------------------

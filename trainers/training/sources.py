@@ -21,7 +21,7 @@ import numpy as np
 
 from trainers.training import distributed, rollout_records
 from trainers.training.errors import NoServerUp, TrainingError, on_primary
-from trainers.training.rollout import RolloutResult, RoutingSpec, Sample, ServerError, ServerUnavailable
+from trainers.training.rollout import RolloutResult, Sample, ServerError, ServerUnavailable
 
 SYNC_METRICS = {"rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0, "rollout/dropped_stale": 0}
 
@@ -211,22 +211,19 @@ class RolloutProducer:
 class RecordedRollouts(RolloutSource):
   """Step `k`'s rollouts from `load_dir/step_k` (every process reads them), rewards included."""
 
-  def __init__(self, load_dir: str, routing: RoutingSpec | None):
-    self.load_dir, self.routing = load_dir, routing
+  def __init__(self, load_dir: str, extras=()):
+    self.load_dir, self.extras = load_dir, tuple(extras)  # the run's per-token extras, read from their columns
 
   def next(self, step: int) -> Rollout:
     cols, _ = rollout_records.read_step(rollout_records.step_path(self.load_dir, step + 1))
-    masks = cols.get("sampling_mask") or [None] * len(cols["step"])
-    spec = self.routing
-    routed = (cols.get("routed_experts") if spec else None) or [None] * len(cols["step"])
-    samples = [Sample(prompt_index=int(g), prompt_ids=tuple(p), response_ids=tuple(r), rollout_logprobs=tuple(q),
-                      finish_reason=f, text="", weight_version=v,
-                      sampling_mask=None if m is None else tuple(tuple(x) for x in m),
-                      routed_experts=None if e is None else np.asarray(e, np.int32).reshape(-1, spec.num_layers,
-                                                                                           spec.top_k))
-               for g, p, r, q, f, v, m, e in zip(cols["group"], cols["prompt_ids"], cols["response_ids"],
-                                                   cols["rollout_logprobs"], cols["finish_reason"],
-                                                   cols["weight_version"], masks, routed)]
+    samples = []
+    for i, (g, p, r, q, f, v) in enumerate(zip(cols["group"], cols["prompt_ids"], cols["response_ids"],
+                                               cols["rollout_logprobs"], cols["finish_reason"],
+                                               cols["weight_version"])):
+      extras = {e.name: e.from_record(cols[e.name][i], len(p), len(r)) for e in self.extras
+                if cols.get(e.name) is not None and cols[e.name][i] is not None}
+      samples.append(Sample(prompt_index=int(g), prompt_ids=tuple(p), response_ids=tuple(r),
+                            rollout_logprobs=tuple(q), finish_reason=f, text="", weight_version=v, extras=extras))
     batch, self.next_batch = self.next_batch, self.next_batch + 1
     result = RolloutResult(samples=samples, num_requested=len(samples), rewards=cols["reward"])
     return Rollout(batch, None, result, dict(SYNC_METRICS))

@@ -39,12 +39,15 @@ class ModelInputs(NamedTuple):
   with sampling-mask replay `support` (`[..., K]` ids of each target's sampling support, `-1`
   padded; an empty row is the whole vocabulary): every log-prob is then over the support; and
   with routing replay `routing` (`[..., num_hidden_layers, k]` experts of each input token of
-  a mixture-of-experts model, `-1` where nothing is recorded: routed natively)."""
+  a mixture-of-experts model, `-1` where nothing is recorded: routed natively). These two come
+  from the run's per-token extras (`trainers.training.extras.model_inputs`); an extra that feeds
+  another input puts it in `extra` (by name; None when there is none)."""
   input_ids: jax.Array
   positions: jax.Array
   targets: jax.Array
   support: jax.Array | None = None
   routing: jax.Array | None = None
+  extra: dict | None = None
 
 
 class Heads(NamedTuple):

@@ -10,6 +10,9 @@ collaborators chosen once from the resolved config:
   (`trainers.training.servers.Servers`: health, the initial push, the weight push after each step,
   the mismatch sanity check, the wait for a server that went away) — over HTTP or with the engine
   in this process; none when the rollouts are replayed from records;
+- the run's per-token extras (`trainers.training.extras.active`: sampling supports, routed
+  experts, ...), which the client asks for, the records keep, the batch packs and the model
+  inputs carry — the loop passes them along without naming any;
 - a record writer (`rollout_records.RecordWriter`, or `NoRecords`), the checkpoints
   (`checkpointing`), the metric sinks (`metric_logging`) and the preemption flag (`preemption`).
 
@@ -36,7 +39,7 @@ import numpy as np
 
 import mis_jax
 from trainers.models import PRESETS, DTYPES, ModelConfig, init_checkpoint, load_hf_params
-from trainers.training import checkpointing, checks, distributed, parallel, plan as plan_lib
+from trainers.training import checkpointing, checks, distributed, extras as extras_lib, parallel, plan as plan_lib
 from trainers.training.backend import build_rollout
 from trainers.training.batch import StepBatch, build_step_batch, fresh_tokens, token_staleness
 from trainers.training.config import ModelSection, TrainConfig
@@ -100,11 +103,11 @@ class Trainer:
     os.makedirs(self.run_dir, exist_ok=True)
     r = cfg.rollout
     self.temperature = r.temperature if r.temperature > 0 else 1.0  # greedy: SGLang reports T=1
-    self.support_width = checks.sampling_replay_width(r)  # 0: no sampling-mask replay
 
     start_dir = initial_weights_dir(cfg)  # collective: every process, here
     model_cfg = self.model_config = ModelConfig.from_pretrained(start_dir)
-    self.routing_replay, self.routing_spec = checks.routing_setup(r, model_cfg)
+    self.extras = extras_lib.active(r, model_cfg)  # the per-token extras the run asks for, records, packs, feeds
+    self.routing_replay, self.routing_spec = checks.routing_setup(r, model_cfg)  # the plan's passes
     self.max_new_tokens = checks.max_new_tokens(r, self.task)
     self.plan: StepPlan = plan_lib.plan_step(cfg, self.routing_replay, self.routing_spec)
     self.fns = _step_functions(model_cfg, cfg.model, cfg.loss, self.temperature, cfg.train, self.mesh)
@@ -125,13 +128,13 @@ class Trainer:
     self.preemption, self.preempted = Preemption(), False
 
     # The collaborators, chosen once.
-    sampling = Sampling(self.sampling_params(), r.n, cfg.seed, self.support_width, self.routing_spec)
+    sampling = Sampling(self.sampling_params(), r.n, cfg.seed, self.extras)
     # The servers' side: None when the rollouts are replayed from records (no server at all).
     self.servers, self.source = build_rollout(cfg, urls=urls, start_dir=start_dir, model_config=model_cfg,
                                               sampling=sampling, mesh=self.mesh, prompts=self.prompts)
     self.records = (RecordWriter(r.save_dir, meta={"sampling_params": sampling.params, "temperature": self.temperature,
                                                    "config": cfg.to_dict(), "loss": cfg.loss.to_dict()},
-                                 support_width=self.support_width, routing=self.routing_spec is not None)
+                                 extras=self.extras)
                     if r.save_dir else NoRecords())
 
   # --- the loop --------------------------------------------------------------------------
@@ -228,16 +231,12 @@ class Trainer:
 
   def describe(self, log) -> None:
     """The options that change what the loop does, said once before step 1."""
-    r = self.cfg.rollout
-    if self.routing_spec is not None:
-      what = {"r3": "replayed (R3) in the old-log-prob pass and every training forward", "r2": "compared with the "
-              "trainer's; the trainer's old-pass routing is replayed (R2)", "none": "compared with the trainer's"}
-      log(f"routed experts from the server: {what[self.routing_replay]}")
-    elif self.routing_replay == "r2":
+    if self.routing_replay == "r2" and not self.plan.compare_routing:
       log("routing replay R2: the old-log-prob pass's routing is replayed in every training forward")
-    if self.support_width:
-      log(f"sampling replay on (top_k {r.top_k}, top_p {r.top_p}, min_p {r.min_p}): behaviour log-probs from the "
-          "server's sampling masks; log-probs, entropy and KL over each token's support")
+    for extra in self.extras:
+      said = extra.describe()
+      if said:
+        log(said)
 
   # --- one step ------------------------------------------------------------------------
   def sampling_params(self) -> dict:
@@ -269,8 +268,8 @@ class Trainer:
     sb = build_step_batch(samples, rewards, self.advantages(rewards, groups, lengths), groups,
                           num_segments=self.num_segments, row_len=t.row_len,
                           tokens_per_micro_batch=t.tokens_per_micro_batch,
-                          batch_devices=parallel.batch_devices(self.mesh), support_width=self.support_width,
-                          routing=self.routing_spec, trained_tokens=trained,
+                          batch_devices=parallel.batch_devices(self.mesh), extras=self.extras,
+                          trained_tokens=trained,
                           staleness=staleness if self.cfg.loss.proximal == "loglinear" else None)
     sb.metrics.update(metrics)
     return sb
@@ -290,8 +289,7 @@ class Trainer:
   def device_batch(self, sb: StepBatch) -> tuple[ModelInputs, mis_jax.PackedBatch]:
     """The step batch placed on the mesh (rows over `data × fsdp × expert`)."""
     inputs = ModelInputs(*(self._on_mesh(x) for x in (sb.input_ids, sb.positions, sb.targets)),
-                         support=None if sb.support is None else self._on_mesh(sb.support),
-                         routing=None if sb.routing is None or self.routing_replay != "r3" else self._on_mesh(sb.routing))
+                         **extras_lib.model_inputs(self.extras, sb.extras, self._on_mesh))
     return inputs, jax.tree.map(self._on_mesh, sb.batch)
 
   def train_on(self, sb: StepBatch) -> StepOutcome:
@@ -304,8 +302,8 @@ class Trainer:
       heads[forward] = self.fns.forward(forward)(self.params, inputs, batch.segment_ids)
       if forward == ROUTING and plan.replay_native_routing:  # R2: the native routing from here on
         inputs = inputs._replace(routing=heads[forward].routing)
-    routing = (routing_metrics(distributed.to_host(heads[ROUTING].routing), sb.routing) if plan.compare_routing
-               else {})
+    recorded = sb.extras.get(extras_lib.RoutedExperts.name)  # the routed experts the server recorded
+    routing = routing_metrics(distributed.to_host(heads[ROUTING].routing), recorded) if plan.compare_routing else {}
     if plan.old_logprobs is not None:
       batch = batch.replace(old_logprobs=heads[plan.old_logprobs].logprobs)
       self.num_old_logprob_passes += 1
@@ -323,7 +321,7 @@ class Trainer:
       if not metrics:  # metrics of the first epoch: before any update of this step
         metrics = {name: float(v) for name, v in jax.device_get({**epoch_metrics, **step_metrics}).items()}  # one transfer
     metrics["micro_batches"] = sb.layout.micro_batches
-    metrics["sampling_replay"] = float(sb.support is not None)  # log-probs, entropy and KL over the support
+    metrics["sampling_replay"] = float(inputs.support is not None)  # log-probs, entropy and KL over the support
     metrics.update(routing)
     metrics.update(stage_metrics)
     if not all(np.isfinite(v) for v in metrics.values()):
