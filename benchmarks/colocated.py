@@ -101,8 +101,8 @@ def _step_times(stamps: list[float], shape: Shape) -> list[float]:
 def ours(shape: Shape, placement: str, root: str, engine: str = "embedded") -> dict:
   """Our trainer with the engine `colocated` or behind a `server` process: `mis-jax serve` (bfloat16)
   or, `engine` sglang-jax (float32, in its venv), its HTTP server taking the weights from disk."""
-  from trainers.serving import sglang_jax
-  from trainers.serving.server import EmbeddedServer
+  from trainers.serving.sglang_jax import launcher as sglang_jax
+  from trainers.serving.embedded.server import EmbeddedServer
   from trainers.training import train as train_lib
   from trainers.training.config import TrainConfig
 

@@ -49,8 +49,8 @@ def _generate(url: str, prompts: int, new_tokens: int) -> tuple[float, int]:
 
 def measure(engine: str, path: str, update_dirs: list[str], *, prompts: int, new_tokens: int, repeats: int,
             mem_fraction: str) -> dict:
-  from trainers.serving.server import EmbeddedServer
-  from trainers.serving.sglang_jax import SGLangJaxServer
+  from trainers.serving.embedded.server import EmbeddedServer
+  from trainers.serving.sglang_jax.launcher import SGLangJaxServer
   t0 = time.perf_counter()
   server = (SGLangJaxServer(path, dtype="float32", timeout=1800, extra=("--mem-fraction-static", mem_fraction))
             if engine == "sglang-jax"

@@ -166,12 +166,12 @@ COLOCATED_ROWS, COLOCATED_PROMPT, COLOCATED_NEW = 16, 1024, 1024
 
 
 def generation_programs(cfg: ModelConfig, devices, spread: bool = False) -> dict:
-  """Compiled memory of the engine's prefill and decode (`trainers.serving.sampler`), bf16 weights,
+  """Compiled memory of the engine's prefill and decode (`trainers.serving.embedded.sampler`), bf16 weights,
   `COLOCATED_ROWS` rows; the KV cache lives inside them (an argument of decode). On `devices[0]`,
   or `spread` (`rollout.colocated_devices: mesh`): the weights laid out as the trainer's over the
   FSDP mesh of `devices`, the rows split over it."""
   import functools
-  from trainers.serving import sampler as sampler_lib
+  from trainers.serving.embedded import sampler as sampler_lib
   graphdef, abstract = nnx.split(abstract_model(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
   if spread:
     mesh = parallel.make_mesh(parallel.ParallelSection(fsdp=-1), devices)

@@ -69,7 +69,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   import dataclasses
   from trainers.models import PRESETS, init_checkpoint
-  from trainers.serving.server import EmbeddedServer
+  from trainers.serving.embedded.server import EmbeddedServer
   prompts, n = (4, 4) if args.quick else (32, 8)
   results = []
   start = time.perf_counter()

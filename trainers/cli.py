@@ -31,7 +31,7 @@ def _init_model(argv: list[str]) -> int:
 
 
 def _serve(argv: list[str]) -> int:
-  from trainers.serving import server
+  from trainers.serving.embedded import server
   return server.main(argv)
 
 
@@ -136,7 +136,7 @@ def _start_server(cfg, weights_dir: str):
 
   r = cfg.rollout
   if r.engine == "sglang-jax":
-    from trainers.serving import sglang_jax
+    from trainers.serving.sglang_jax import launcher as sglang_jax
     from trainers.training.checks import model_config
     try:
       server = sglang_jax.SGLangJaxServer(weights_dir, dtype=r.server_dtype, weight_version="0",
@@ -148,7 +148,7 @@ def _start_server(cfg, weights_dir: str):
       raise ServerError(f"sglang-jax did not start: {e}") from None
     print(f"sglang-jax {sglang_jax.VERSION} server on {server.url} ({r.server_dtype})")
     return server
-  from trainers.serving.server import EmbeddedServer
+  from trainers.serving.embedded.server import EmbeddedServer
   server = EmbeddedServer(weights_dir, dtype=r.server_dtype, seed=cfg.seed, quantize=r.server_quantize,
                           extra_args=("--enable-return-routed-experts", "--weight-version", "0"))
   print(f"embedded SGLang-protocol server on {server.url} ({r.server_dtype})")

@@ -403,7 +403,7 @@ def test_tunix_grpo_with_sglang_jax_trains_what_the_engine_sampled(tmp_path):
   import os
   import subprocess
 
-  from trainers.serving import sglang_jax
+  from trainers.serving.sglang_jax import launcher as sglang_jax
   try:
     python = sglang_jax.venv_python(extra=(sglang_jax.TUNIX,))
   except sglang_jax.EngineUnavailable as e:

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from trainers.models import ModelConfig
-from trainers.serving import sglang_jax
+from trainers.serving.sglang_jax import launcher as sglang_jax
 from trainers.training import train as train_lib
 from trainers.training.config import TrainConfig
 
@@ -59,7 +59,7 @@ def _run(raw: dict, out: str) -> None:
 def _refusals(trainer, out: str) -> None:
   """A fresh in-process engine on the starting weights takes three bad in-memory updates (each
   refused, the old weights serving on), then the trainer's final weights."""
-  from trainers.serving.sglang_jax_routes import InProcessEngine
+  from trainers.serving.sglang_jax.routes import InProcessEngine
   from trainers.models.hf_io import hf_named
 
   tensors = hf_named(trainer.params, trainer.model_config)

@@ -208,7 +208,7 @@ def test_help_lists_every_option_and_config_key_with_its_default(capsys):
   for section, cls in config_lib.SECTIONS.items():
     for name, (field, _) in config_lib.fields_of(cls).items():
       assert f"{section}.{name} (default: {'null' if field.default is None else field.default})" in text
-  from trainers.serving.server import build_parser
+  from trainers.serving.embedded.server import build_parser
   serve_help = " ".join(build_parser().format_help().split())
   for option, default in (("--port", "30000"), ("--dtype", "bfloat16"), ("--max-batch-size", "64"), ("--seed", "0")):
     assert option in serve_help and f"(default: {default})" in serve_help

@@ -13,7 +13,7 @@ from flax import nnx
 import mis_jax
 from test_train import make_cfg
 from trainers.models import init_checkpoint
-from trainers.serving.server import EmbeddedServer
+from trainers.serving.embedded.server import EmbeddedServer
 from trainers.training import train as train_lib
 from trainers.training.config import TrainConfig
 

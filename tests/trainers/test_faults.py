@@ -23,7 +23,7 @@ from fake_sglang import FakeSGLang
 from helpers import cpu_process_env, free_port
 from test_train import ALGORITHMS, BASE, make_cfg
 from trainers.models import init_checkpoint
-from trainers.serving.server import EmbeddedServer
+from trainers.serving.embedded.server import EmbeddedServer
 from trainers.training import checkpointing, rollout_records, train as train_lib
 from trainers.training.config import TrainConfig
 

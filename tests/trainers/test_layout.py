@@ -38,12 +38,16 @@ def test_package_boundaries():
   assert _offenders("trainers/training", ("trainers.serving",),
                     allowed=("trainers.serving", "trainers.serving.protocol")) == {
       "trainers/training/colocated.py": [
-          "trainers.serving.generation", "trainers.serving.generation.GenerationEngine",
-          "trainers.serving.sglang_jax", "trainers.serving.sglang_jax_routes",
-          "trainers.serving.sglang_jax_routes.InProcessEngine"]}
+          "trainers.serving.embedded.generation", "trainers.serving.embedded.generation.GenerationEngine",
+          "trainers.serving.sglang_jax", "trainers.serving.sglang_jax.launcher", "trainers.serving.sglang_jax.routes",
+          "trainers.serving.sglang_jax.routes.InProcessEngine"]}
   assert _offenders("mis_jax", ("trainers",)) == {}
   assert {p.name for p in (ROOT / "trainers").iterdir() if (p / "__init__.py").exists()} >= {
       "training", "serving", "models", "tasks"}
+  # The two engines, one folder each; the wire schema they share with the client beside them.
+  assert {p.name for p in (ROOT / "trainers/serving").iterdir() if (p / "__init__.py").exists()} == {
+      "embedded", "sglang_jax"}
+  assert (ROOT / "trainers/serving/protocol.py").exists()
 
 
 def test_a_step_returns_a_value():

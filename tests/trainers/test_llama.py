@@ -14,7 +14,7 @@ from flax import nnx
 from trainers import cli
 from trainers.models import PRESETS, ModelConfig, RopeScaling, load_hf_checkpoint, teacher_forced_logprobs
 from trainers.models import decoder
-from trainers.serving.sampler import Sampler, SamplingOptions
+from trainers.serving.embedded.sampler import Sampler, SamplingOptions
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -18,7 +18,7 @@ from flax import nnx
 import mis_jax
 from trainers.models import (PRESETS, CausalLM, ModelConfig, hf_state_dict, load_hf_checkpoint, moe,
                              read_hf_tensors, save_hf_checkpoint)
-from trainers.serving.sampler import Sampler, SamplingOptions
+from trainers.serving.embedded.sampler import Sampler, SamplingOptions
 from trainers.training import parallel, step as step_lib
 
 torch = pytest.importorskip("torch")

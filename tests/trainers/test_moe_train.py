@@ -16,7 +16,7 @@ from test_train import make_cfg
 from trainers import cli
 from trainers.models import PRESETS, init_checkpoint, load_hf_checkpoint
 from trainers.serving import protocol
-from trainers.serving.server import EmbeddedServer
+from trainers.serving.embedded.server import EmbeddedServer
 from trainers.training import checks, train as train_lib
 from trainers.training.extras import RoutedExperts
 from trainers.training.rollout import NoRoutedExperts, RoutingSpec, ServerError, validate_sample

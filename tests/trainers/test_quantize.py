@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trainers.serving import server
-from trainers.serving.generation import GenerationEngine
+from trainers.serving.embedded import server
+from trainers.serving.embedded.generation import GenerationEngine
 from trainers.models import init_checkpoint, load_hf_checkpoint
 from trainers.models.quantize import quantize_kernel
-from trainers.serving.sampler import SamplingOptions
+from trainers.serving.embedded.sampler import SamplingOptions
 
 from conftest import TINY, sequence_logprobs
 

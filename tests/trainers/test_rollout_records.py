@@ -20,7 +20,7 @@ import oracle
 from helpers import cpu_process_env
 from trainers import cli
 from trainers.models import init_checkpoint
-from trainers.serving.server import EmbeddedServer
+from trainers.serving.embedded.server import EmbeddedServer
 from trainers.training import analysis, rollout_records
 
 pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast

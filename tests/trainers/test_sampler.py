@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from trainers.models import CausalLM, load_hf_checkpoint
-from trainers.serving.sampler import Sampler, SamplingOptions
+from trainers.serving.embedded.sampler import Sampler, SamplingOptions
 
 from conftest import TINY, sequence_logits, sequence_logprobs
 
@@ -138,7 +138,7 @@ def test_prefill_and_decode_trace_once_per_bucket(tiny_model, monkeypatch):
   segments): requests of other lengths, sampling settings, seeds, stop ids, weights and segment
   ends inside one bucket reuse them; a longer prompt is a new bucket and traces each once."""
   import chex
-  from trainers.serving import sampler as sampler_mod
+  from trainers.serving.embedded import sampler as sampler_mod
   monkeypatch.setattr(sampler_mod, "_prefill", chex.assert_max_traces(sampler_mod._prefill, n=2))
   monkeypatch.setattr(sampler_mod, "_decode", chex.assert_max_traces(sampler_mod._decode, n=2))
   fresh = Sampler(tiny_model, max_batch_size=4)
@@ -280,7 +280,7 @@ def test_greedy_mask_is_the_token_with_log_prob_zero(sampler):
 def test_decoding_in_segments_and_a_swap_between_them(sampler, monkeypatch):
   """A batch decoded in segments draws what one call draws (ids and log-probs, bitwise); weights
   swapped between segments change only what comes after, and each row records where it switched."""
-  from trainers.serving import sampler as sampler_mod
+  from trainers.serving.embedded import sampler as sampler_mod
   monkeypatch.setattr(sampler_mod, "SEGMENT_STEPS", 4)
   params = SamplingOptions(max_new_tokens=14, seed=3, ignore_eos=True, n=2)
   whole = sampler.generate(PROMPTS, params, version="a")

@@ -18,7 +18,7 @@ from trainers.training import checks, train as train_lib
 from trainers.models import init_checkpoint
 from trainers.training.extras import SamplingSupport
 from trainers.training.rollout import ServerError
-from trainers.serving.server import EmbeddedServer
+from trainers.serving.embedded.server import EmbeddedServer
 
 from test_step import ALGORITHMS, ROW_LEN, TINY, _assert_metrics_close, _assert_trees_close, _functions, _mesh, _samples, \
     _step_batch

@@ -279,7 +279,7 @@ def test_moe_routing_replay_two_processes_equal_one(tmp_path):
   processes x 4 devices for 2 steps — the routed experts reach process 1 through the rollout
   broadcast, and metrics (routing mismatch included) and the pushed weights agree."""
   from trainers.models import init_checkpoint
-  from trainers.serving.server import EmbeddedServer
+  from trainers.serving.embedded.server import EmbeddedServer
   weights = tmp_path / "moe-init"
   init_checkpoint(weights, preset="tiny-qwen3-moe", seed=1)
   raw = json.loads(json.dumps(BASE))

@@ -17,10 +17,10 @@ import pytest
 
 from trainers import cli
 from trainers.serving import protocol
-from trainers.serving import sampler as sampler_mod
+from trainers.serving.embedded import sampler as sampler_mod
 from trainers.models import PRESETS, init_checkpoint, load_hf_checkpoint
 from trainers.training.rollout import sample_seeds
-from trainers.serving.server import EmbeddedServer
+from trainers.serving.embedded.server import EmbeddedServer
 
 from conftest import TINY, sequence_logprobs
 from sglang_contract import load_api_types

@@ -13,7 +13,7 @@ import mis_jax
 from fake_sglang import FakeSGLang
 from test_train import make_cfg
 from trainers.models import init_checkpoint
-from trainers.serving.server import EmbeddedServer
+from trainers.serving.embedded.server import EmbeddedServer
 from trainers.training import servers as servers_lib, train as train_lib
 
 pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast

@@ -1,7 +1,7 @@
 """The whole RL loop against a real SGLang engine: sglang-jax (SGLang's JAX port), started on
-127.0.0.1 by `mis-jax serve --engine sglang-jax`'s launcher (`trainers.serving.sglang_jax`) from
+127.0.0.1 by `mis-jax serve --engine sglang-jax`'s launcher (`trainers.serving.sglang_jax.launcher`) from
 its Python >= 3.12 venv (created once, cached in `~/.cache/mis_jax`, or `$MIS_JAX_CACHE`), with
-the routes it lacks added in process (`trainers.serving.sglang_jax_routes`).
+the routes it lacks added in process (`trainers.serving.sglang_jax.routes`).
 
 The engine takes the trainer's weights after every step over `/update_weights_from_disk`; its
 log-probs (computed by another implementation) are what the trainer corrects with. head_dim 128:
@@ -27,8 +27,8 @@ import mis_jax
 from helpers import parse_source
 from test_train import make_cfg, raw_cfg
 from trainers.models import PRESETS, init_checkpoint
-from trainers.serving import sglang_jax
-from trainers.serving.server import EmbeddedServer
+from trainers.serving.sglang_jax import launcher as sglang_jax
+from trainers.serving.embedded.server import EmbeddedServer
 from trainers.training import rollout_records
 from trainers.training import servers as servers_lib, train as train_lib
 from trainers.training.rollout import NoSamplingMask
@@ -485,7 +485,7 @@ def test_the_engine_never_outlives_what_started_it(checkpoints, tmp_path):
   import signal
   import subprocess
   import time
-  script = ("import sys, time\nfrom trainers.serving import sglang_jax\n"
+  script = ("import sys, time\nfrom trainers.serving.sglang_jax import launcher as sglang_jax\n"
             f"s = sglang_jax.SGLangJaxServer({checkpoints['start']!r}, python={engine_python()!r})\n"
             "print(s.process.pid, flush=True)\ntime.sleep(600)\n")
   owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from trainers.models import init_checkpoint
-from trainers.serving.server import EmbeddedServer
+from trainers.serving.embedded.server import EmbeddedServer
 import jax
 import mis_jax
 from fake_sglang import FakeSGLang

@@ -16,7 +16,7 @@ from trainers.training.plan import StageInput
 from trainers.training.config import TrainConfig
 from trainers.models import init_checkpoint
 from trainers.training.rollout import ServerError
-from trainers.serving.server import EmbeddedServer
+from trainers.serving.embedded.server import EmbeddedServer
 
 pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
 

@@ -227,7 +227,7 @@ def _train_config(out: str, design: Design, setting: Setting, seed: int, run_dir
 def run_experiment(out: str, design: Design = FULL, *, resume: bool = False, log=print) -> dict:
   """Runs every arm × setting × seed of `design`; writes and returns `OUT/results.json`
   (`{"design", "runs": [{"arm", "setting", "seed", "seconds", <metric>: [per step]}], ...}`)."""
-  from trainers.serving.server import EmbeddedServer
+  from trainers.serving.embedded.server import EmbeddedServer
   from trainers.training.train import Trainer
 
   os.makedirs(out, exist_ok=True)

@@ -4,7 +4,7 @@ A task yields :class:`Prompt` s deterministically from ``(seed, step)`` (so a re
 the same prompts) and scores a response with a float reward.
 
 - ``copy_digits`` (`copy_digits.py`): the built-in toy task.
-- ``dataset`` (`dataset.py`): JSONL / Parquet records (`records.py`) in the verl and TRL
+- ``dataset`` (`dataset.py`): JSONL / Parquet records (`dataset_files.py`) in the verl and TRL
   layouts, prompts rendered with the tokenizer's chat template (`chat.py`), rewards by name
   (`rewards.py`: ``math``, ``exact_match``, ``format``) or by import path.
 """

@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from mis_jax import ConfigError, resolve_correction_fn
-from trainers.tasks import chat, records
+from trainers.tasks import chat, dataset_files
 from trainers.tasks.base import Prompt
 from trainers.tasks.rewards import REWARDS, BuiltinReward, ground_truth_text
 
@@ -26,7 +26,7 @@ ANSWER_KEYS = ("reward_model.ground_truth", "answer", "solution", "ground_truth"
 
 
 class DatasetTask:
-  """Prompts from dataset records (:mod:`trainers.tasks.records`), rewards by name or function.
+  """Prompts from dataset records (:mod:`trainers.tasks.dataset_files`), rewards by name or function.
 
   A record's prompt is the value under ``prompt_key`` (null: the first of ``prompt_ids``,
   ``messages``, ``prompt`` that the first record has):
@@ -56,29 +56,29 @@ class DatasetTask:
                prompt_key: str | None = None, answer_key: str | None = None, chat_template: bool | None = None,
                chat_template_kwargs: dict | None = None, stop_token_ids: Sequence[int] | None = None,
                max_new_tokens: int | None = None, vocab_size: int | None = None):
-    files = records.dataset_files(path)  # the files exist, then the reward imports, then the records
+    files = dataset_files.dataset_files(path)  # the files exist, then the reward imports, then the records
     self.builtin, self.reward_fn, reward_name = _resolve_reward(reward_fn)
     self.max_new_tokens = max_new_tokens
     self.template_kwargs = dict(chat_template_kwargs or {})
-    rows = [r for f in files for r in records.read_file(f)]
+    rows = [r for f in files for r in dataset_files.read_file(f)]
     if not rows:
       raise ValueError(f"task.path {path!r}: no records")
     first = rows[0]
     self.prompt_key = prompt_key or _first_present(first, PROMPT_KEYS, "task.prompt_key", "prompt")
     needs_answer = self.builtin is not None and self.builtin.needs_ground_truth
     self.answer_key = answer_key
-    if answer_key is None and (needs_answer or any(records.lookup(first.values, k) is not records.MISSING
+    if answer_key is None and (needs_answer or any(dataset_files.lookup(first.values, k) is not dataset_files.MISSING
                                                    for k in ANSWER_KEYS)):
       self.answer_key = _first_present(first, ANSWER_KEYS, "task.answer_key", "ground-truth")
     self.check_answers = needs_answer or answer_key is not None
     for row in rows:
-      if records.lookup(row.values, self.prompt_key) in (records.MISSING, None):
+      if dataset_files.lookup(row.values, self.prompt_key) in (dataset_files.MISSING, None):
         raise ValueError(_missing(row, self.prompt_key, "task.prompt_key"))
 
     # The tokenizer: `tokenizer` (a directory or an object) when given; else `model_path`'s when
     # anything needs one (text or chat prompts, decoding for a built-in reward, default stop tokens).
     needs_tokenizer = (self.builtin is not None or stop_token_ids is None or tokenizer is not None
-                       or any(not _is_token_ids(records.lookup(r.values, self.prompt_key)) for r in rows))
+                       or any(not _is_token_ids(dataset_files.lookup(r.values, self.prompt_key)) for r in rows))
     self.tokenizer = None
     if needs_tokenizer:
       tokenizer = tokenizer if tokenizer is not None else model_path
@@ -111,14 +111,14 @@ class DatasetTask:
     for t in self.stop_token_ids:
       if vocab_size is not None and not 0 <= t < vocab_size:
         raise ValueError(f"task.stop_token_ids: {t} is not a token id of the model's vocabulary (0..{vocab_size - 1})")
-    kinds = sorted({_kind(records.lookup(r.values, self.prompt_key)) for r in rows[:1000]})
+    kinds = sorted({_kind(dataset_files.lookup(r.values, self.prompt_key)) for r in rows[:1000]})
     self.summary = (f"dataset {path}: {len(self.records)} records, prompt '{self.prompt_key}' ({', '.join(kinds)}"
                     f"{', chat template' if self.use_chat and 'token ids' not in kinds else ''}"
                     f"{f' {self.template_kwargs}' if self.template_kwargs else ''}), answer "
                     f"'{self.answer_key}', reward {reward_name}, stop tokens {list(self.stop_token_ids)}")
 
-  def _prompt(self, row: records.Record, vocab_size: int | None) -> Prompt:
-    value = records.lookup(row.values, self.prompt_key)
+  def _prompt(self, row: dataset_files.Record, vocab_size: int | None) -> Prompt:
+    value = dataset_files.lookup(row.values, self.prompt_key)
     if _is_token_ids(value):
       ids = list(value)
     elif isinstance(value, list) and value and all(isinstance(m, dict) for m in value):
@@ -143,8 +143,8 @@ class DatasetTask:
       raise ValueError(f"{row.where}: prompt token id {bad} is outside the model's vocabulary (0..{vocab_size - 1})")
     answer = None
     if self.answer_key is not None:
-      raw = records.lookup(row.values, self.answer_key)
-      if raw is records.MISSING or raw is None:
+      raw = dataset_files.lookup(row.values, self.answer_key)
+      if raw is dataset_files.MISSING or raw is None:
         if self.check_answers:
           raise ValueError(_missing(row, self.answer_key, "task.answer_key"))
       else:
@@ -207,17 +207,17 @@ def _kind(value) -> str:
   return "chat messages" if isinstance(value, list) else "text"
 
 
-def _first_present(row: records.Record, keys, setting: str, what: str) -> str:
+def _first_present(row: dataset_files.Record, keys, setting: str, what: str) -> str:
   for k in keys:
-    if records.lookup(row.values, k) is not records.MISSING:
+    if dataset_files.lookup(row.values, k) is not dataset_files.MISSING:
       return k
   raise ValueError(f"{row.where}: no {what} column ({' / '.join(keys)}); set {setting} to one of the record's "
-                   f"columns: {', '.join(records.columns(row.values))}")
+                   f"columns: {', '.join(dataset_files.columns(row.values))}")
 
 
-def _missing(row: records.Record, key: str, setting: str) -> str:
+def _missing(row: dataset_files.Record, key: str, setting: str) -> str:
   return (f"{row.where}: no column '{key}' ({setting}); the record's columns: "
-          f"{', '.join(records.columns(row.values))}")
+          f"{', '.join(dataset_files.columns(row.values))}")
 
 
 def _why_tokenizer(rows, prompt_key, builtin, stop_token_ids) -> str:
@@ -226,7 +226,7 @@ def _why_tokenizer(rows, prompt_key, builtin, stop_token_ids) -> str:
   elif stop_token_ids is None:
     reason = "the default stop tokens come from it (or set task.stop_token_ids)"
   else:
-    where = next(r.where for r in rows if not _is_token_ids(records.lookup(r.values, prompt_key)))
+    where = next(r.where for r in rows if not _is_token_ids(dataset_files.lookup(r.values, prompt_key)))
     reason = f"{where} has a text or chat prompt in '{prompt_key}'"
   return f"task.tokenizer: this dataset needs a tokenizer ({reason}); set task.tokenizer or model.path"
 

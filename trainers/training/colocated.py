@@ -23,7 +23,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from trainers.models.hf_io import hf_named
-from trainers.serving.generation import GenerationEngine
+from trainers.serving.embedded.generation import GenerationEngine
 from trainers.training import parallel
 from trainers.training.rollout import ServerError
 
@@ -124,8 +124,8 @@ class SGLangJaxLocal(LocalEngine):
 
   @classmethod
   def start(cls, cfg, *, start_dir: str, model_config, mesh=None) -> "SGLangJaxLocal":
-    from trainers.serving import sglang_jax
-    from trainers.serving.sglang_jax_routes import InProcessEngine  # in sglang-jax's venv only (checks.py)
+    from trainers.serving.sglang_jax import launcher as sglang_jax
+    from trainers.serving.sglang_jax.routes import InProcessEngine  # in sglang-jax's venv only (checks.py)
     args = sglang_jax.engine_args(start_dir, dtype=cfg.rollout.server_dtype,
                                   enable_return_routed_experts=model_config.is_moe,
                                   extra=("--random-seed", str(cfg.seed), "--device-indexes", "0"))

@@ -38,7 +38,7 @@ from trainers.serving import protocol
 from trainers.models import (DTYPES, ModelConfig, abstract_model, load_hf_checkpoint, read_hf_tensors,
                              state_from_hf_tensors)
 from trainers.models.quantize import QUANTIZATIONS, quantize_params
-from trainers.serving.sampler import Completion, Sampler, SamplingOptions
+from trainers.serving.embedded.sampler import Completion, Sampler, SamplingOptions
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from trainers.serving import protocol
-from trainers.serving.generation import GenerationEngine
+from trainers.serving.embedded.generation import GenerationEngine
 
 FLUSH_MESSAGE = ("Cache flushed.\nPlease check backend logs for more details. (When there are "
                  "running or waiting requests, the operation will not be performed.)\n")

@@ -1,7 +1,7 @@
 """sglang-jax's own HTTP server with the SGLang 0.5.23 routes and fields it lacks, in process.
 
 Runs inside the sglang-jax venv (Python >= 3.12), started by `mis-jax serve --engine sglang-jax`
-(`trainers.serving.sglang_jax`) as `python -P this_file.py [--weight-version V] <sglang-jax flags>`.
+(`trainers.serving.sglang_jax.launcher`) as `python -P this_file.py [--weight-version V] <sglang-jax flags>`.
 It imports nothing but the standard library and what sglang-jax itself installs (a test checks).
 
 sglang-jax 0.1.0rc0 serves `/generate` with log-probs and routed experts but cannot take new

@@ -2,16 +2,16 @@
 
 The trainer cannot tell it from `python -m sglang.launch_server`: same routes, same request and
 response JSON, same status codes and error bodies. It serves a Hugging Face checkpoint directory
-with the jitted KV-cache sampler of `trainers.serving.sampler`, in bfloat16 (default, like a real
+with the jitted KV-cache sampler of `trainers.serving.embedded.sampler`, in bfloat16 (default, like a real
 inference engine) or float32, optionally with weight-only int8 / fp8 Linear kernels
 (`--quantize`, `trainers.models.quantize`).
 
 By reason to change: `trainers.serving.protocol` (the request/response schemas, shared with the
-client), `trainers.serving.generation` (model, sampler, scheduler thread, weights, pause/abort),
-`trainers.serving.http_app` (the FastAPI app: routes, error bodies) and this module (the command line,
+client), `trainers.serving.embedded.generation` (model, sampler, scheduler thread, weights, pause/abort),
+`trainers.serving.embedded.http_app` (the FastAPI app: routes, error bodies) and this module (the command line,
 uvicorn, and the `EmbeddedServer` launcher).
 
-Run: `mis-jax serve --model-path DIR --port 30000` or `python -m trainers.serving.server ...`.
+Run: `mis-jax serve --model-path DIR --port 30000` or `python -m trainers.serving.embedded.server ...`.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"mis-jax serve: {problem}", file=sys.stderr)
     return 2
   if args.engine == "sglang-jax":
-    from trainers.serving import sglang_jax
+    from trainers.serving.sglang_jax import launcher as sglang_jax
     return sglang_jax.serve(args, extra + ("--random-seed", str(args.seed)) if args.seed else extra)
   try:  # bind first: a busy port is a one-line error before the model loads
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
   except OSError as e:
     print(f"mis-jax serve: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
     return 2
-  from trainers.serving.generation import GenerationEngine
-  from trainers.serving.http_app import create_app
+  from trainers.serving.embedded.generation import GenerationEngine
+  from trainers.serving.embedded.http_app import create_app
   try:
     engine = GenerationEngine(args.model_path, dtype=args.dtype, seed=args.seed, quantize=args.quantize,
                     max_batch_size=args.max_batch_size, weight_version=args.weight_version,

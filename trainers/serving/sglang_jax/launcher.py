@@ -9,7 +9,7 @@ a `python3.12`/`python3.13` on PATH that actually runs (a pyenv shim with no ver
 does not), or `$(pyenv root)/versions/3.1[2-9]*`.
 
 The server is sglang-jax's own HTTP server in its single-process mode, started with
-`trainers/serving/sglang_jax_routes.py`, which adds the SGLang routes it lacks
+`trainers/serving/sglang_jax/routes.py`, which adds the SGLang routes it lacks
 (`/update_weights_from_disk`, `/model_info`, `/get_weight_version`, `weight_version` in
 `meta_info`) over its own loader and model runner.
 """
@@ -32,7 +32,7 @@ import urllib.request
 
 PIN = "sglang-jax[cpu]==0.1.0rc0"
 VERSION = "0.1.0rc0"
-ROUTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sglang_jax_routes.py")
+ROUTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "routes.py")
 
 # Defaults that make sglang-jax correct and light on a CPU; any of them can be overridden by
 # passing the flag after `--`. Why each: its overlap scheduler garbles some instances'
