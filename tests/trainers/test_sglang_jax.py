@@ -454,7 +454,7 @@ def test_routing_replay_r3_colocated_and_through_its_server(engine_venv_runs):
 
 
 def test_the_launched_code_imports_only_what_the_engine_venv_has():
-  """`sglang_jax_routes.py` runs in sglang-jax's venv: the standard library, sgl_jax and what it
+  """`sglang_jax/routes.py` runs in sglang-jax's venv: the standard library, sgl_jax and what it
   installs; never this package."""
   tree = parse_source(open(sglang_jax.ROUTES).read())
   names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

@@ -30,7 +30,7 @@ from trainers.training.rollout import ServerError
 
 class LocalEngine:
   """An `Engine` in this process. `inner`: a `GenerationEngine`, or sglang-jax's
-  (`sglang_jax_routes.InProcessEngine`); its request errors are SGLang's 400s."""
+  (`sglang_jax.routes.InProcessEngine`); its request errors are SGLang's 400s."""
 
   url = "colocated://engine"
   releases_weights = True  # it can free its weights between a step's rollouts and the push

@@ -45,7 +45,7 @@ import sys
 import threading
 import time
 
-logger = logging.getLogger("mis_jax.sglang_jax_routes")
+logger = logging.getLogger("mis_jax.sglang_jax.routes")
 
 # config.json keys whose change would make a checkpoint another model than the one served.
 _SAME_MODEL_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
