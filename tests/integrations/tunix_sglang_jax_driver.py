@@ -95,12 +95,22 @@ def check_engine_rope_theta(ex, workdir):
     raise AssertionError("sglang-jax was started on rope_theta 10000 for tunix's Qwen3")
 
 
+def actor_weights(cluster) -> list:
+  """The actor's parameters, copied to the host."""
+  return [np.array(x) for x in jax.tree.leaves(nnx.state(cluster.actor_trainer.model, nnx.Param))]
+
+
+def moved(before: list, after: list) -> bool:
+  return any(not np.array_equal(a, b) for a, b in zip(before, after))
+
+
 def record(learner, cluster):
   """Keeps the train examples and each rollout output (tokens, log-probs) with the engine's raw replies."""
-  examples, outputs = [], []
+  examples, outputs, weights = [], [], []
   produce = learner._generate_and_compute_advantage
 
   def recording(*args, **kwargs):
+    weights.append(actor_weights(cluster))  # the actor before this step's update
     examples.append(produce(*args, **kwargs))
     return examples[-1]
 
@@ -125,8 +135,9 @@ def record(learner, cluster):
 
   def restore():
     engine_cls.async_generate = engine_generate
+    weights.append(actor_weights(cluster))  # after the last step's update
 
-  return examples, outputs, restore
+  return examples, outputs, restore, weights
 
 
 def trained_gap(example):
@@ -143,7 +154,7 @@ def run_example(ex, workdir):
   class Recording(learner_cls):
     def __init__(self, cluster, *args, **kwargs):
       super().__init__(cluster, *args, **kwargs)
-      recorded["examples"], recorded["outputs"], recorded["restore"] = record(self, cluster)
+      recorded["examples"], recorded["outputs"], recorded["restore"], recorded["weights"] = record(self, cluster)
 
   ex.mis_tunix.MISGRPOLearner = Recording
   try:
@@ -165,6 +176,8 @@ def run_example(ex, workdir):
   assert len(recorded["examples"]) == 2 and gaps.size > 20, gaps.size
   assert gaps.max() <= TOL, gaps.max()
   assert all(d <= TOL for d in history["train_rollout_logprob_abs_diff"]), history
+  weights = recorded["weights"]  # before step 1, before step 2, after step 2: every update moved them
+  assert len(weights) == 3 and all(moved(a, b) for a, b in zip(weights, weights[1:]))
   return {"example_history": history, "example_trained_tokens": int(gaps.size),
           "example_gap_mean": float(gaps.mean()), "example_gap_max": float(gaps.max())}
 
@@ -202,7 +215,7 @@ def run_special_tokens(ex, workdir, steps=2):
       num_generations=4, beta=0.0, mis=str(ROOT / "configs" / "mis.yaml")), [ex.odd_digits])
   # The rollout stage alone (the example's run trains): what tunix hands its training step.
   learner._rollout_micro_batch_size = learner._compute_logps_micro_batch_size = 4  # set by train()
-  examples, outputs, restore = record(learner, cluster)
+  examples, outputs, restore, _ = record(learner, cluster)
   try:
     for batch in batches:  # train() repeats each prompt num_generations times
       learner._generate_and_compute_advantage({"prompts": list(np.repeat(batch["prompts"], 4))})

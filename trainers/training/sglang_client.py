@@ -44,22 +44,22 @@ class SGLangClient:
     self.urls = list(self.engines)
     # The salt: this client's own token, the updates it has begun and the version they load.
     self._salt_prefix = f"mis-jax:{uuid.uuid4().hex[:8]}" if cache_salt else None
-    self._updates_begun = 0
+    self._updates_begun = -1  # the starting weights are namespace 0
     self.cache_salt: str | None = None
-    self.begin_weights("start", first=True)
+    self.begin_weights("start")
     self.prompts_per_request = prompts_per_request
     self._pool = ThreadPoolExecutor(max_workers=max_concurrency)
     self._next = itertools.count()
     self._down: set[str] = set()  # engines that failed past their retries, until readmitted
     self._lock = threading.Lock()
 
-  def begin_weights(self, version: str, *, first: bool = False) -> None:
+  def begin_weights(self, version: str) -> None:
     """Requests sent from now on go to the prefix-cache namespace of weights `version`: called
     before every pause for an update (so a request held by the pause and started under the new
     weights never shares the old namespace). A fresh namespace at every update, even of the same
     version: a restarted or re-pushed server may have held other weights in between."""
     if self._salt_prefix is not None:
-      self._updates_begun += 0 if first else 1
+      self._updates_begun += 1
       self.cache_salt = f"{self._salt_prefix}:{self._updates_begun}:w{version}"
 
   # --- which engines are up ------------------------------------------------------------
