@@ -18,10 +18,10 @@ import jax.numpy as jnp
 def largest_with(pred: Callable[[jax.Array], jax.Array], *, bits: int, dtype) -> jax.Array:
   """The largest ``k`` in ``[0, 2**bits)`` (of integer ``dtype``) with ``pred(k)``, for a ``pred``
   true up to a point and false after it; 0 when ``pred`` holds nowhere above 0."""
-  one = jnp.asarray(1, dtype)
+  one = jnp.dtype(dtype).type(1)  # a scalar literal, not a constant the loop carries
 
   def bit(i, k):
     candidate = k | jnp.left_shift(one, (bits - 1 - i).astype(dtype))
     return jnp.where(pred(candidate), candidate, k)
 
-  return jax.lax.fori_loop(0, bits, bit, jnp.asarray(0, dtype))
+  return jax.lax.fori_loop(0, bits, bit, jnp.dtype(dtype).type(0))
