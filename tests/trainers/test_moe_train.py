@@ -102,7 +102,7 @@ def test_r3_with_a_float32_engine_leaves_no_routing_mismatch(moe_server, tmp_pat
   model_path, srv = moe_server
   cfg = _cfg(tmp_path, model_path, "r3", routing_replay="r3", save_dir=str(tmp_path / "records"))
   trainer = train_lib.Trainer(cfg, DECOUPLED, urls=[srv.url])
-  result = trainer.servers.generate([p.ids for p in trainer.prompts(0)], 0)
+  result = trainer.servers.generate(trainer.prompts(0), 0)
   s = result.samples[0]
   assert s.routed_experts.shape == (len(s.prompt_ids) + len(s.response_ids) - 1, 2, 2)
   again = type(result).from_json(json.loads(json.dumps(result.to_json())))  # the multi-process broadcast

@@ -195,7 +195,7 @@ def test_replay_with_asynchronous_rollouts(f32_server, tmp_path, step_traces):
                  train={"steps": 2, "ppo_epochs": 1, "row_len": 16})
   loss_cfg = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(use_rs=True, tis_mode="mask"))
   trainer = train_lib.Trainer(cfg, loss_cfg, urls=[srv.url])
-  result = trainer.servers.generate([p.ids for p in trainer.prompts(0)], 0)
+  result = trainer.servers.generate(trainer.prompts(0), 0)
   assert all(s.sampling_mask is not None and len(s.sampling_mask) == len(s.response_ids) for s in result.samples)
   again = type(result).from_json(json.loads(json.dumps(result.to_json())))
   assert again.samples == result.samples

@@ -4,6 +4,8 @@ A task yields :class:`Prompt` s deterministically from ``(seed, step)`` (so a re
 the same prompts) and scores a response with a float reward.
 
 - ``copy_digits`` (`copy_digits.py`): the built-in toy task.
+- ``lookup_digits`` (`lookup_digits.py`): the built-in multi-turn tool task (an agent task: its
+  prompts start trajectories, `trainers.agents`).
 - ``dataset`` (`dataset.py`): JSONL / Parquet records (`dataset_files.py`) in the verl and TRL
   layouts, prompts rendered with the tokenizer's chat template (`chat.py`), rewards by name
   (`rewards.py`: ``math``, ``exact_match``, ``format``) or by import path.
@@ -14,9 +16,10 @@ from __future__ import annotations
 from trainers.tasks.base import Prompt, Task
 from trainers.tasks.copy_digits import CopyDigitsTask
 from trainers.tasks.dataset import DatasetTask
+from trainers.tasks.lookup_digits import LookupDigitsTask
 from trainers.tasks.rewards import REWARDS
 
-__all__ = ["Prompt", "Task", "CopyDigitsTask", "DatasetTask", "REWARDS", "make_task"]
+__all__ = ["Prompt", "Task", "CopyDigitsTask", "DatasetTask", "LookupDigitsTask", "REWARDS", "make_task"]
 
 
 def make_task(section, *, vocab_size: int, model_path: str | None = None) -> Task:
@@ -24,6 +27,9 @@ def make_task(section, *, vocab_size: int, model_path: str | None = None) -> Tas
   ``task.tokenizer`` or, when that is null and the task needs one, ``model_path``'s."""
   if section.name == "copy_digits":
     return CopyDigitsTask(vocab_size=vocab_size, num_digits=section.num_digits or 3)
+  if section.name == "lookup_digits":
+    return LookupDigitsTask(vocab_size=vocab_size, num_digits=section.num_digits or 3,
+                            tool=True if section.tool is None else section.tool)
   return DatasetTask(section.path, section.reward_fn, tokenizer=section.tokenizer, model_path=model_path,
                      prompt_key=section.prompt_key, answer_key=section.answer_key,
                      chat_template=section.chat_template, chat_template_kwargs=section.chat_template_kwargs,

@@ -38,9 +38,10 @@ class Rollouts(NamedTuple):
 
 
 def build_rollout(cfg, *, urls: list[str], start_dir: str, model_config, sampling: Sampling, mesh,
-                  prompts: Callable[[int], list]) -> Rollouts:
+                  prompts: Callable[[int], list], episodes=None) -> Rollouts:
   """The backend of `cfg.rollout` (see the module doc). `urls`: the SGLang servers (none for
-  records or colocated rollouts); `prompts(batch)`: the prompts of a rollout batch."""
+  records or colocated rollouts); `prompts(batch)`: the prompts of a rollout batch; `episodes`: an
+  agent task's `(Episodes, make_env)` (its prompts start multi-turn trajectories), or None."""
   r = cfg.rollout
   if r.load_dir:
     return Rollouts(None, RecordedRollouts(r.load_dir, sampling.extras))
@@ -60,7 +61,7 @@ def build_rollout(cfg, *, urls: list[str], start_dir: str, model_config, samplin
     weight_sync = DiskSync(client, model_config, weights_root=os.path.join(os.path.abspath(cfg.run_dir), "weights"),
                            pause_mode=r.pause_mode)
   servers = Servers(cfg, client=client, weight_sync=weight_sync, start_dir=start_dir, model_config=model_config,
-                    sampling=sampling)
+                    sampling=sampling, episodes=episodes)
   source = (AsyncServerRollouts(servers, prompts, r.max_rejected_fraction, r.max_staleness, r.timeout_s)
             if r.max_staleness > 0 else ServerRollouts(servers, prompts, r.max_rejected_fraction))
   return Rollouts(servers, source)

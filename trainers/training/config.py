@@ -24,7 +24,7 @@ ATTENTION = ("dense", "blocked", "fused")    # trainers.models.attention.ATTENTI
 REMAT = ("none", "full", "dots")             # trainers.models.decoder.REMAT_POLICIES
 MOE_DISPATCH = ("dense", "grouped", "ragged_dot")  # trainers.models.moe.MOE_DISPATCH
 ROUTING_REPLAY = ("none", "r3", "r2")
-TASKS = ("copy_digits", "dataset", "jsonl")  # `jsonl`: the dataset task's former name
+TASKS = ("copy_digits", "lookup_digits", "dataset", "jsonl")  # `jsonl`: the dataset task's former name
 REWARDS = ("math", "exact_match", "format")  # trainers.tasks.rewards.REWARDS
 
 
@@ -49,9 +49,12 @@ class ModelSection:
 @dataclasses.dataclass(frozen=True)
 class TaskSection:
   """The toy task `copy_digits`, or `dataset`: JSONL / Parquet records (`trainers.tasks`)."""
-  name: str = key("copy_digits", "`copy_digits` (toy) or `dataset` (JSONL / Parquet; `jsonl` is its old name)",
-                  choices=TASKS)
-  num_digits: int | None = key(None, "copy_digits: digits per prompt (null: 3)", ge=1)
+  name: str = key("copy_digits", "`copy_digits` (toy), `lookup_digits` (a toy multi-turn tool task: the digits only "
+                  "a lookup call reveals; docs/guides/agents.md) or `dataset` (JSONL / Parquet; `jsonl` is its old "
+                  "name)", choices=TASKS)
+  num_digits: int | None = key(None, "copy_digits, lookup_digits: digits per prompt (null: 3)", ge=1)
+  tool: bool | None = key(None, "lookup_digits: whether the lookup tool answers (null: true; false: every call fails, "
+                          "the control run that cannot learn)")
   path: str | None = key(None, "dataset: a .jsonl / .parquet file, a directory of them, or a glob")
   prompt_key: str | None = key(None, "dataset: prompt column, dots for nested keys (null: the first of `prompt_ids` / "
                                "`messages` / `prompt`); token ids, chat messages or text")
@@ -71,9 +74,10 @@ class TaskSection:
   def problems(self) -> list[str]:
     """Keys that do not fit `name` (checked on load; the files are checked by `make_task`)."""
     given = {f.name for f in dataclasses.fields(self) if f.name != "name" and getattr(self, f.name) is not None}
-    if self.name == "copy_digits":
-      return [f"task.{k} is a key of task 'dataset', not of 'copy_digits'" for k in sorted(given - {"num_digits"})]
-    out = ["task.num_digits is a key of task 'copy_digits', not of 'dataset'"] if "num_digits" in given else []
+    toy = {"copy_digits": {"num_digits"}, "lookup_digits": {"num_digits", "tool"}}
+    if self.name in toy:
+      return [f"task.{k} is not a key of task '{self.name}'" for k in sorted(given - toy[self.name])]
+    out = [f"task.{k} is a key of the toy tasks, not of 'dataset'" for k in sorted(given & {"num_digits", "tool"})]
     out += [f"task.{k} is required for task '{self.name}'" for k in ("path", "reward_fn") if getattr(self, k) is None]
     fn = self.reward_fn
     if fn is not None and fn not in REWARDS and not any(c in fn for c in ".:"):
@@ -187,6 +191,16 @@ class CheckpointSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class AgentSection:
+  """Multi-turn rollouts of an agent task (`trainers.agents`; docs/guides/agents.md): its budgets and pool."""
+  max_turns: int = key(4, "model turns per trajectory", ge=1)
+  max_total_tokens: int | None = key(None, "response tokens of a trajectory, the model's and the environment's "
+                                     "(null: what train.row_len leaves after the prompt)", ge=1)
+  env_concurrency: int = key(16, "environments stepping at once (a bounded thread pool)", ge=1)
+  max_turn_retries: int = key(2, "times a turn the engine aborted (a weight update's pause) is sent again", ge=0)
+
+
+@dataclasses.dataclass(frozen=True)
 class LoggingSection:
   """Where step metrics go besides `run_dir/metrics.jsonl` (`trainers.training.logging`)."""
   tensorboard: bool = key(True, "TensorBoard event files in `run_dir/tensorboard` (tensorboardX, no PyTorch needed)")
@@ -198,7 +212,8 @@ class LoggingSection:
 
 
 SECTIONS = {"model": ModelSection, "task": TaskSection, "rollout": RolloutSection, "train": TrainSection,
-            "parallel": ParallelSection, "checkpoint": CheckpointSection, "logging": LoggingSection}
+            "parallel": ParallelSection, "checkpoint": CheckpointSection, "logging": LoggingSection,
+            "agent": AgentSection}
 _TOP = {"run_dir", "seed", "loss", *SECTIONS}
 
 
@@ -242,6 +257,7 @@ class TrainConfig:
   loss: mis_jax.LossConfig = mis_jax.LossConfig()
   checkpoint: CheckpointSection = CheckpointSection()
   logging: LoggingSection = LoggingSection()
+  agent: AgentSection = AgentSection()
   source: str | None = None
 
   @classmethod

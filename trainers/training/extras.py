@@ -15,7 +15,9 @@ A `TokenExtra` subclass says, in one place:
 - `span`, `fill`, `dtype`: its packing — one row per response token (`"response"`, at input
   positions `len(prompt) - 1 + j`) or per input position (`"sequence"`), `fill` elsewhere;
 - `model_input`: the `ModelInputs` field it feeds (`support`, `routing`; another name lands in
-  `ModelInputs.extra`), or None.
+  `ModelInputs.extra`), or None;
+- `trainable(value)`: which response tokens the loss may train on (None: all) — a trajectory's
+  `turn` (`trainers.agents.episodes.TurnIndex`) keeps the environment's tokens out.
 
 `@register` adds a kind to the registry; `active(rollout, model_config)` asks every registered
 kind once per run whether (and how) it is on (`activate`). The loop only ever handles the active
@@ -39,7 +41,7 @@ import numpy as np
 from trainers.serving import protocol
 from trainers.training.rollout import NoRoutedExperts, NoSamplingMask, Reply, RoutingSpec, ServerError
 
-__all__ = ["TokenExtra", "Reply", "register", "unregister", "registered", "active", "pack", "model_inputs",
+__all__ = ["TokenExtra", "Reply", "register", "unregister", "registered", "active", "pack", "model_inputs", "trainable",
            "SamplingSupport", "RoutedExperts", "decode_sample_routing"]
 
 
@@ -89,6 +91,11 @@ class TokenExtra:
     """What the loop says once before step 1 about it (None: nothing)."""
     return None
 
+  def trainable(self, value) -> np.ndarray | None:
+    """Which of a sample's response tokens the loss may train on, from its value (None: all; e.g.
+    a trajectory's `turn`: the model's tokens, not the environment's)."""
+    return None
+
 
 _REGISTRY: dict[str, type[TokenExtra]] = {}
 
@@ -129,6 +136,22 @@ def pack(extra: TokenExtra, samples, packing, shape: tuple[int, ...]) -> np.ndar
     per_seq.append(value)
   trailing = per_seq[0].shape[1:] if per_seq else ()
   return packing.pack(per_seq, extra.fill, extra.dtype).reshape(tuple(shape) + trailing)
+
+
+def trainable(extras: tuple[TokenExtra, ...], samples, trained=None) -> list[np.ndarray] | None:
+  """Per sample, the response tokens the loss trains on: `trained`'s (None: all) that every extra's
+  `trainable` keeps. None when no extra restricts them and `trained` is None."""
+  masking = [e for e in extras if type(e).trainable is not TokenExtra.trainable]
+  if not masking:
+    return trained
+  out = []
+  for k, s in enumerate(samples):
+    keep = np.ones(len(s.response_ids), bool) if trained is None else np.array(trained[k], bool)
+    for e in masking:
+      if e.name in s.extras:
+        keep &= np.asarray(e.trainable(s.extras[e.name]), bool)
+    out.append(keep)
+  return out
 
 
 def model_inputs(extras: tuple[TokenExtra, ...], packed: Mapping[str, Any], place=lambda x: x) -> dict:
@@ -300,3 +323,8 @@ def decode_sample_routing(meta, num_tokens: int, routing: RoutingSpec) -> np.nda
     raise NoRoutedExperts(f"routed experts hold ids outside [0, {routing.num_experts}) (min {experts.min()}, max "
                           f"{experts.max()}): the server's model differs from the trainer's")
   return experts
+
+
+# The trajectories' turn index is declared by the episode driver that makes it; imported here so that
+# every reader of the registry (records, analysis) knows its column.
+from trainers.agents import episodes as _episodes  # noqa: E402,F401

@@ -62,6 +62,8 @@ class Sample:
   # response token's support; `rollout_logprobs` are then the behaviour log-probs, renormalised
   # over it) and `routed_experts` (int32 `[len(prompt) + len(response) - 1, layers, k]`).
   extras: Mapping[str, np.ndarray] = dataclasses.field(default_factory=dict, compare=False)
+  # The environment's reward of a multi-turn trajectory (`trainers.agents`); None: the task scores it.
+  reward: float | None = None
 
   @property
   def sampling_mask(self) -> tuple[tuple[int, ...], ...] | None:
@@ -88,6 +90,9 @@ class RolloutResult:
   num_rejected: int = 0
   rejection_reasons: list[str] = dataclasses.field(default_factory=list)
   rewards: list[float] | None = None  # recorded with the samples (a replay of rollout records)
+  # Per prompt index (n = 1) that has no sample: "aborted" or "rejected" (the episode driver's retries).
+  lost: list[tuple[int, str]] = dataclasses.field(default_factory=list)
+  metrics: dict = dataclasses.field(default_factory=dict)  # what generating it measured (multi-turn: agent/*)
 
   def to_json(self) -> dict:
     """A JSON-able copy (broadcast from process 0 to the other trainer processes)."""
@@ -95,14 +100,15 @@ class RolloutResult:
                         + (_extras_json(s.extras),) for s in self.samples],
             "num_requested": self.num_requested,
             "num_aborted": self.num_aborted, "num_rejected": self.num_rejected,
-            "rejection_reasons": self.rejection_reasons[:20]}
+            "rejection_reasons": self.rejection_reasons[:20], "metrics": self.metrics}
 
   @classmethod
   def from_json(cls, d: dict) -> "RolloutResult":
     samples = [Sample(p, tuple(ids), tuple(resp), tuple(lps), fin, text, ver, tuple(tuple(x) for x in spans),
-                      _extras_from_json(extras))
-               for p, ids, resp, lps, fin, text, ver, spans, extras in d["samples"]]
-    return cls(samples, d["num_requested"], d["num_aborted"], d["num_rejected"], list(d["rejection_reasons"]))
+                      _extras_from_json(extras), reward)
+               for p, ids, resp, lps, fin, text, ver, spans, reward, extras in d["samples"]]
+    return cls(samples, d["num_requested"], d["num_aborted"], d["num_rejected"], list(d["rejection_reasons"]),
+               metrics=dict(d.get("metrics", {})))
 
 
 def _extras_json(values: Mapping[str, np.ndarray]) -> dict:

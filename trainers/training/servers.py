@@ -50,11 +50,12 @@ class Servers:
   """
 
   def __init__(self, cfg, *, client: SGLangClient | None, weight_sync: WeightSync, start_dir: str, model_config,
-               sampling: Sampling, log=print):
+               sampling: Sampling, episodes=None, log=print):
     r = self.rollout = cfg.rollout
     self.cfg, self.model_config, self.sampling, self.log = cfg, model_config, sampling, log
     self.start_dir = start_dir
     self.client, self.weight_sync = client, weight_sync
+    self.episodes = episodes  # an agent task's multi-turn driver and environments (`Episodes`, make_env), or None
     self.weight_dtype = r.weight_dtype or r.server_dtype  # refined from the servers' /server_info at start
     self.server_dtype, self.server_quantized = r.server_dtype, r.server_quantize != "none"
     self.served_version, self.served_path = 0, start_dir
@@ -131,11 +132,19 @@ class Servers:
     return push
 
   # --- rollouts ---------------------------------------------------------------------------------
-  def generate(self, prompt_ids: list, batch: int) -> RolloutResult:
-    """Rollout batch `batch` (process 0): its per-sample seeds depend on (seed, batch) only, so a
-    redone batch samples the same completions from the same weights."""
+  def generate(self, prompts: list, batch: int) -> RolloutResult:
+    """Rollout batch `batch` of the task's `prompts` (process 0): its per-sample seeds depend on
+    (seed, batch) only, so a redone batch samples the same completions from the same weights. An
+    agent task's prompts start multi-turn trajectories (`trainers.agents.episodes`), each turn of
+    every trajectory in one batched request."""
     s, version = self.sampling, self.served_version
-    result = self.client.generate(prompt_ids, s.params, n=s.n, seed=s.seed * 100_003 + batch, extras=s.extras)
+    seed = s.seed * 100_003 + batch
+    if self.episodes is None:
+      result = self.client.generate([p.ids for p in prompts], s.params, n=s.n, seed=seed, extras=s.extras)
+    else:
+      episodes, make_env = self.episodes
+      result = episodes.run(self.client.generate, prompts, make_env, sampling_params=s.params, n=s.n, seed=seed,
+                            extras=s.extras)
     result = self._own_versions(result, version)
     self.weight_sync.rollouts_done()
     return result

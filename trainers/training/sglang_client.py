@@ -162,6 +162,7 @@ class SGLangClient:
         got = len(out) if isinstance(out, list) else type(out).__name__
         result.num_rejected += len(idx) * n
         result.rejection_reasons.append(f"expected {len(idx) * n} results, got {got}")
+        result.lost += [(p, "rejected") for p in idx]
         continue
       for j, item in enumerate(out):
         p = idx[j // n]
@@ -172,8 +173,10 @@ class SGLangClient:
         if error is not None:
           result.num_rejected += 1
           result.rejection_reasons.append(error)
+          result.lost.append((p, "rejected"))
         elif parsed["aborted"]:
           result.num_aborted += 1
+          result.lost.append((p, "aborted"))
         else:
           result.samples.append(Sample(prompt_index=p, prompt_ids=tuple(prompts[p]), response_ids=parsed["ids"],
                                        rollout_logprobs=parsed["logprobs"], finish_reason=parsed["finish"],

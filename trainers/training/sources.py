@@ -78,14 +78,14 @@ class ServerRollouts(RolloutSource):
     batch, prompts = self.next_batch, self.prompts(self.next_batch)
 
     def produce():
-      result = self.servers.generate([p.ids for p in prompts], batch)
+      result = self.servers.generate(prompts, batch)
       return checked(result, step, self.max_rejected_fraction).to_json()
     try:
       result = RolloutResult.from_json(on_primary(produce))
     except ServerUnavailable as e:
       raise NoServerUp(f"rollout batch {batch}: {e}", e) from None
     self.next_batch += 1
-    return Rollout(batch, prompts, result, dict(SYNC_METRICS))
+    return Rollout(batch, prompts, result, {**SYNC_METRICS, **result.metrics})
 
 
 class AsyncServerRollouts(RolloutSource):
@@ -100,7 +100,7 @@ class AsyncServerRollouts(RolloutSource):
   def start(self, batch: int) -> None:
     super().start(batch)
     if distributed.is_primary():  # process 0 generates
-      self.producer = RolloutProducer(lambda j: self.servers.generate([p.ids for p in self.prompts(j)], j), batch,
+      self.producer = RolloutProducer(lambda j: self.servers.generate(self.prompts(j), j), batch,
                                       self.k, self.timeout_s)
 
   def restart(self) -> None:
@@ -132,7 +132,7 @@ class AsyncServerRollouts(RolloutSource):
         result, metrics = self.stale_filtered(result, step)
         dropped += metrics["rollout/dropped_stale"]
         if result.samples:
-          metrics.update({"rollout/dropped_stale": dropped, "rollout/wait_s": waited, "batch": batch})
+          metrics.update({"rollout/dropped_stale": dropped, "rollout/wait_s": waited, "batch": batch, **result.metrics})
           return {"result": checked(result, step, self.max_rejected_fraction).to_json(), "metrics": metrics}
         batch += 1
         self.next_batch = batch  # (process 0: where a restart resumes)

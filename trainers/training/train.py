@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import mis_jax
+from trainers.agents.env import is_agent_task
+from trainers.agents.episodes import Episodes
 from trainers.models import PRESETS, DTYPES, ModelConfig, init_checkpoint, load_hf_params
 from trainers.training import checkpointing, checks, distributed, extras as extras_lib, parallel, plan as plan_lib
 from trainers.training.backend import build_rollout
@@ -106,7 +108,9 @@ class Trainer:
 
     start_dir = initial_weights_dir(cfg)  # collective: every process, here
     model_cfg = self.model_config = ModelConfig.from_pretrained(start_dir)
-    self.extras = extras_lib.active(r, model_cfg)  # the per-token extras the run asks for, records, packs, feeds
+    self.agent = is_agent_task(self.task)  # its prompts start multi-turn trajectories (`trainers.agents`)
+    # The per-token extras the run asks for, records, packs, feeds (an agent run's `turn` among them).
+    self.extras = extras_lib.active(r, model_cfg) + (Episodes.extras if self.agent else ())
     self.routing_replay, self.routing_spec = checks.routing_setup(r, model_cfg)  # the plan's passes
     self.max_new_tokens = checks.max_new_tokens(r, self.task)
     self.plan: StepPlan = plan_lib.plan_step(cfg, self.routing_replay, self.routing_spec)
@@ -131,7 +135,8 @@ class Trainer:
     sampling = Sampling(self.sampling_params(), r.n, cfg.seed, self.extras)
     # The servers' side: None when the rollouts are replayed from records (no server at all).
     self.servers, self.source = build_rollout(cfg, urls=urls, start_dir=start_dir, model_config=model_cfg,
-                                              sampling=sampling, mesh=self.mesh, prompts=self.prompts)
+                                              sampling=sampling, mesh=self.mesh, prompts=self.prompts,
+                                              episodes=self.episodes() if self.agent else None)
     self.records = (RecordWriter(r.save_dir, meta={"sampling_params": sampling.params, "temperature": self.temperature,
                                                    "config": cfg.to_dict(), "loss": cfg.loss.to_dict()},
                                  extras=self.extras)
@@ -245,6 +250,15 @@ class Trainer:
             "max_new_tokens": self.max_new_tokens,
             "stop_token_ids": list(self.task.stop_token_ids), "no_stop_trim": True, "skip_special_tokens": False}
 
+  def episodes(self):
+    """An agent task's multi-turn driver (its budgets: `agent.*`, a trajectory within a row) and
+    its environments."""
+    a, row = self.cfg.agent, self.cfg.train.row_len
+    room = row + 1 - self.task.max_prompt_len  # a sequence of row_len + 1 tokens fills a row
+    driver = Episodes(max_turns=a.max_turns, max_total_tokens=min(a.max_total_tokens or room, room),
+                      max_context=row + 1, env_concurrency=a.env_concurrency, max_turn_retries=a.max_turn_retries)
+    return driver, self.task.environment
+
   def prompts(self, batch: int) -> list:
     """The prompts of rollout batch `batch` (a function of (seed, batch) only)."""
     return self.task.prompts(self.cfg.seed, batch, self.cfg.rollout.prompts_per_step)
@@ -253,6 +267,8 @@ class Trainer:
     samples = result.samples
     if result.rewards is not None:  # replayed records carry their rewards
       rewards = np.asarray(result.rewards, np.float32)
+    elif samples and all(s.reward is not None for s in samples):  # trajectories: their environment's rewards
+      rewards = np.array([s.reward for s in samples], np.float32)
     else:
       rewards = np.array([self.task.reward(prompts[s.prompt_index], s.response_ids, s.text) for s in samples],
                          np.float32)
@@ -265,6 +281,7 @@ class Trainer:
                  if r.max_token_staleness is not None or self.cfg.loss.proximal == "loglinear" else None)
     if r.max_token_staleness is not None:
       trained, metrics = fresh_tokens(staleness, r.max_token_staleness)
+    trained = extras_lib.trainable(self.extras, samples, trained)  # e.g. a trajectory's model tokens only
     sb = build_step_batch(samples, rewards, self.advantages(rewards, groups, lengths), groups,
                           num_segments=self.num_segments, row_len=t.row_len,
                           tokens_per_micro_batch=t.tokens_per_micro_batch,
