@@ -103,6 +103,26 @@ def test_the_trainer_pushes_its_weights_after_every_step(real_server, checkpoint
   assert history[-1]["reward_mean"] != history[0]["reward_mean"]  # it trained (and the engine followed)
 
 
+def test_multi_turn_trajectories_train_on_the_engines_own_tokens(real_server, checkpoints, tmp_path):
+  """Multi-turn rollouts (trainers.agents) through sglang-jax: 10 steps of three-turn trajectories,
+  a push after each step; every turn of step k from version k - 1, and the model's tokens only
+  corrected: in float32, rounding (test_agents_train.py on the embedded server)."""
+  from test_agents_train import ThreeTurns
+  cfg = make_cfg(tmp_path, "agent", model={"path": checkpoints["start"]}, agent={"max_turns": 4},
+                 rollout={"server_dtype": "float32", "prompts_per_step": 2, "n": 4, "initial_sync": "always",
+                          "save_dir": str(tmp_path / "rec")},
+                 train={"steps": 10, "row_len": 32, "tokens_per_micro_batch": 128, "ppo_epochs": 1},
+                 checkpoint={"every": 10})
+  history = train_lib.Trainer(cfg, LOSS, urls=[real_server], task=ThreeTurns()).run(progress=False)
+  assert [h["step"] for h in history] == list(range(1, 11))
+  for h in history:
+    assert h["mis_k3_kl"] < 1e-6 and h["agent/turns_mean"] == 3 and h["grad_norm"] > 0, h
+    cols, _ = rollout_records.read_step(rollout_records.step_path(str(tmp_path / "rec"), h["step"]))
+    for spans, turn in zip(cols["weight_versions"], cols["turn"]):
+      assert {s["version"] for s in spans} == {str(h["step"] - 1)} and len(spans) == 3
+      assert sorted(set(turn)) == [0, 1, 2, 3]
+
+
 def test_an_update_serves_exactly_the_new_weights(real_server, checkpoints):
   """After an update, greedy tokens and log-probs equal the embedded server's on that checkpoint."""
   reply = _update(real_server, checkpoints["other"], "other")

@@ -18,11 +18,13 @@ replaces that step's file and never duplicates it. One row per sample:
 | `advantage` | float32 | the sequence's advantage |
 | `finish_reason` | string | `stop` or `length` |
 | `weight_version` | string | the server's weight version of its last token |
+| `weight_versions` | list<struct<version: string, start: int32, end: int32>> | SGLang's spans over the response tokens: the version that generated tokens `[start, end)` (a response that straddled an update, or a trajectory's turns, each under its own weights) |
 | `old_logprobs` | list<float32> | the trainer's recomputed log-probs, when the algorithm computed them |
 | `sampling_mask` | list<list<int32>> | each response token's sampling support, with sampling replay |
 | `routed_experts` | list<int32> | MoE with routed experts (R3, `record_routing`): the server's experts of every position but the last, row-major `[prompt + response - 1, num_hidden_layers, num_experts_per_tok]` |
+| `turn` | list<int32> | multi-turn trajectories (`trainers.agents`): per response token, the model turn that sampled it (1, 2, …) or 0 for the environment's tokens (trained on never) |
 
-The last two are per-token extras (`trainers.training.extras`): every registered extra has its
+The last three are per-token extras (`trainers.training.extras`): every registered extra has its
 column (its `record_type`), written and read when the run uses it.
 
 The file's metadata key `mis_jax` holds JSON: the format version, the run's sampling parameters,
@@ -64,13 +66,15 @@ def _schema():
       "rollout_logprobs": pa.list_(pa.float32()), "reward": pa.float32(), "advantage": pa.float32(),
       "finish_reason": pa.string(), "weight_version": pa.string(), "old_logprobs": pa.list_(pa.float32()),
       "loss_mask": pa.list_(pa.bool_()),
+      "weight_versions": pa.list_(pa.struct([("version", pa.string()), ("start", pa.int32()), ("end", pa.int32())])),
       **{name: kind.record_type() for name, kind in extras_lib.registered().items()},
   }
 
 
 def optional_columns() -> tuple[str, ...]:
-  """The columns a record file may lack: the old log-probs, the loss mask and the extras'."""
-  return ("old_logprobs", "loss_mask", *extras_lib.registered())
+  """The columns a record file may lack: the old log-probs, the loss mask, the version spans and the
+  extras'."""
+  return ("old_logprobs", "loss_mask", "weight_versions", *extras_lib.registered())
 
 
 def write_step(directory: str, step: int, columns: dict, metadata: dict) -> str:
@@ -216,6 +220,8 @@ class RecordWriter:
         "advantage": sb.advantages.tolist(),
         "finish_reason": [s.finish_reason for s in samples],
         "weight_version": [str(s.weight_version) for s in samples],
+        "weight_versions": [[{"version": str(v), "start": a, "end": b} for v, a, b in s.weight_versions]
+                            for s in samples],
     }
     if old is not None:
       columns["old_logprobs"] = old

@@ -222,8 +222,11 @@ class RecordedRollouts(RolloutSource):
                                                cols["weight_version"])):
       extras = {e.name: e.from_record(cols[e.name][i], len(p), len(r)) for e in self.extras
                 if cols.get(e.name) is not None and cols[e.name][i] is not None}
+      spans = tuple((s["version"], s["start"], s["end"]) for s in (cols.get("weight_versions") or [None] * (i + 1))[i]
+                    or ())
       samples.append(Sample(prompt_index=int(g), prompt_ids=tuple(p), response_ids=tuple(r),
-                            rollout_logprobs=tuple(q), finish_reason=f, text="", weight_version=v, extras=extras))
+                            rollout_logprobs=tuple(q), finish_reason=f, text="", weight_version=v,
+                            weight_versions=spans, extras=extras))
     batch, self.next_batch = self.next_batch, self.next_batch + 1
     result = RolloutResult(samples=samples, num_requested=len(samples), rewards=cols["reward"])
     return Rollout(batch, None, result, dict(SYNC_METRICS))

@@ -1,0 +1,153 @@
+"""Multi-turn training against a real engine: the embedded server (float32, a real process), records
+written and replayed, asynchronous rollouts; sglang-jax in test_sglang_jax.py.
+
+The task here continues every trajectory for three turns whatever the model says (a random tiny
+model rarely calls the tool task's tool), so every trajectory is multi-turn from step 1; its
+reward (the share of digit tokens in the model's turns) varies across a group, so every step
+trains."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import mis_jax
+from test_train import embedded_server, make_cfg
+from trainers.agents.env import Observation, Turn
+from trainers.tasks.base import Prompt
+from trainers.training import rollout_records, train as train_lib
+from trainers.training.sglang_client import SGLangClient
+
+pytestmark = pytest.mark.integration  # starts servers: make test, not make test-fast
+
+DIGITS = range(3, 13)
+
+
+class ThreeTurns:
+  """Prompts `[1, d, d, 13]`; the environment answers turn t with `[13, 40 + t, 13]` (done after 3)."""
+  stop_token_ids = (2,)
+  max_new_tokens = 4
+  max_prompt_len = 4
+  summary = "three turns"
+
+  def prompts(self, seed, step, count):
+    rng = np.random.default_rng([seed, step])
+    return [Prompt(ids=(1, *(int(x) for x in rng.integers(3, 13, 2)), 13)) for _ in range(count)]
+
+  def environment(self, prompt):
+    return ThreeTurnsEnv()
+
+
+class ThreeTurnsEnv:
+  def __init__(self):
+    self.digits = self.tokens = 0
+
+  def step(self, turn: Turn) -> Observation:
+    self.digits += sum(t in DIGITS for t in turn.ids)
+    self.tokens += len(turn.ids)
+    done = turn.index == 3
+    return Observation(ids=() if done else (13, 40 + turn.index, 13),
+                       reward=self.digits / self.tokens if done else 0.0, done=done, counts={"tool_calls": 1})
+
+
+@pytest.fixture(scope="module")
+def server32(tmp_path_factory):
+  with embedded_server(tmp_path_factory, "float32") as srv:
+    yield srv
+
+
+class Spy:
+  """Every context the client sent and every reply it parsed, by context."""
+
+  def __init__(self, monkeypatch):
+    self.replies = {}
+    generate = SGLangClient.generate
+
+    def spy(client, prompts, params, **kwargs):
+      result = generate(client, prompts, params, **kwargs)
+      for s in result.samples:
+        self.replies.setdefault(tuple(prompts[s.prompt_index]), []).append(s.response_ids)
+      return result
+    monkeypatch.setattr(SGLangClient, "generate", spy)
+
+
+def _trainer(tmp_path, url, name="run", **sections):
+  sections.setdefault("train", {})
+  sections["train"] = {"steps": 10, "row_len": 32, "tokens_per_micro_batch": 128, **sections["train"]}
+  cfg = make_cfg(tmp_path, name, agent={"max_turns": 4}, **sections)
+  return train_lib.Trainer(cfg, mis_jax.LossConfig(use_tis=True, tis_clip=2.0), urls=[url] if url else [],
+                           task=ThreeTurns())
+
+
+def _flat(params):
+  return np.concatenate([np.ravel(np.asarray(x, np.float32)) for x in jax.tree.leaves(params)])
+
+
+def test_trajectories_train_on_exactly_the_sampled_and_observed_ids(server32, tmp_path, monkeypatch):
+  spy = Spy(monkeypatch)
+  records = str(tmp_path / "records")
+  trainer = _trainer(tmp_path, server32.url, rollout={"save_dir": records, "prompts_per_step": 2, "n": 4})
+  before = _flat(trainer.params)
+  history = trainer.run(progress=False)
+  assert [h["step"] for h in history] == list(range(1, 11))
+  assert not np.array_equal(before, _flat(trainer.params))
+  for h in history:
+    # float32 engine and trainer, the weights pushed every step: the same policy on the model's tokens.
+    assert h["mis_k3_kl"] < 1e-6, h["step"]
+    assert h["grad_norm"] > 0 and h["num_samples"] == 8
+    assert h["agent/turns_mean"] == 3 and h["agent/tool_calls"] == 24 and h["agent/env_failures"] == 0
+    assert h["agent/env_tokens"] == 8 * 6 and h["agent/model_tokens"] > 0
+    assert h["reward_std"] > 0
+  for step in range(1, 11):
+    cols, _ = rollout_records.read_step(rollout_records.step_path(records, step))
+    for prompt, response, turn, lps, spans in zip(cols["prompt_ids"], cols["response_ids"], cols["turn"],
+                                                  cols["rollout_logprobs"], cols["weight_versions"]):
+      seq, turn = list(prompt) + list(response), np.asarray(turn)
+      assert sorted(set(turn.tolist())) == [0, 1, 2, 3]
+      # Each model turn is, byte for byte, the engine's reply to the trajectory before it; each
+      # observation the environment's ids.
+      start = len(prompt)
+      for t in (1, 2, 3):
+        at = np.flatnonzero(turn == t)
+        assert at[0] + len(prompt) == start and np.all(np.diff(at) == 1)
+        assert tuple(seq[start:start + len(at)]) in spy.replies[tuple(seq[:start])]
+        start += len(at)
+        if t < 3:
+          assert seq[start:start + 3] == [13, 40 + t, 13] and (turn[start - len(prompt):][:3] == 0).all()
+          start += 3
+      assert start == len(seq)
+      np.testing.assert_array_equal(np.asarray(lps)[turn == 0], 0.0)
+      # Every turn's weight version: the weights pushed after the step before (synchronous rollouts).
+      assert {s["version"] for s in spans} == {str(step - 1)}
+      assert [(s["start"], s["end"]) for s in spans] == [
+          (int(np.flatnonzero(turn == t)[0]), int(np.flatnonzero(turn == t)[-1]) + 1) for t in (1, 2, 3)]
+
+
+def test_replayed_trajectories_train_bitwise_the_same(server32, tmp_path):
+  records = str(tmp_path / "records")
+  live = _trainer(tmp_path, server32.url, "live", train={"steps": 3},
+                  rollout={"save_dir": records, "prompts_per_step": 2, "n": 4}).run(progress=False)
+  replay = _trainer(tmp_path, None, "replay", train={"steps": 3},
+                    rollout={"load_dir": records, "prompts_per_step": 2, "n": 4}).run(progress=False)
+  skip = ("_s", "tokens_per_s")
+  for a, b in zip(live, replay):
+    for k in a:
+      if k.endswith(skip) or k.startswith("agent/") or k.startswith("rollout/") or k == "server_weight_version":
+        continue
+      assert a[k] == b[k], (a["step"], k, a[k], b[k])
+
+
+def test_asynchronous_multi_turn_rollouts_keep_each_turns_version(server32, tmp_path):
+  records = str(tmp_path / "records")
+  history = _trainer(tmp_path, server32.url, train={"steps": 4},
+                     rollout={"save_dir": records, "prompts_per_step": 2, "n": 4, "max_staleness": 1,
+                              "pause_mode": "in_place"}).run(progress=False)
+  assert [h["step"] for h in history] == [1, 2, 3, 4]
+  for step in range(1, 5):
+    cols, _ = rollout_records.read_step(rollout_records.step_path(records, step))
+    for spans, turn in zip(cols["weight_versions"], cols["turn"]):
+      versions = [int(s["version"]) for s in spans]
+      assert versions == sorted(versions) and step - 1 - versions[0] <= 1  # within the staleness bound
+      covered = sum(s["end"] - s["start"] for s in spans)
+      assert covered == int(np.sum(np.asarray(turn) > 0))  # every model token under a version, none of the env's
