@@ -292,3 +292,25 @@ def test_environment_tokens_cannot_move_the_correction(name):
   assert np.any(np.asarray(g0) != 0)
   for k in m0:
     np.testing.assert_array_equal(np.asarray(m0[k]), np.asarray(m1[k]), err_msg=k)
+
+
+def test_the_mismatch_by_turn_index_is_k3_over_each_turns_tokens():
+  from trainers.agents.episodes import turn_mismatch
+  result = _run(ScriptedEngine(), n=2)
+  trained = extras_lib.trainable(EXTRAS, result.samples)
+  sb = build_step_batch(result.samples, [1.0] * 4, [0.5] * 4, [0, 0, 1, 1], num_segments=4, row_len=32,
+                        tokens_per_micro_batch=128, batch_devices=1, extras=(TurnIndex(),), trained_tokens=trained)
+  rng = np.random.default_rng(1)
+  old = np.asarray(sb.batch.rollout_logprobs) + rng.normal(0, 0.2, sb.batch.loss_mask.shape)
+  got = turn_mismatch(sb, old, max_turns=4)
+  # A loop over the trajectories and their tokens.
+  per_turn = {}
+  for s, o in zip(result.samples, sb.per_sequence(old)):
+    o = o[len(s.prompt_ids) - 1:]
+    for tok, (t, q, oo) in enumerate(zip(s.extras["turn"], s.rollout_logprobs, o)):
+      if t > 0:
+        r = oo - q
+        per_turn.setdefault(int(t), []).append(np.exp(r) - r - 1)
+  assert set(got) == {f"agent/k3_turn_{t}" for t in per_turn}
+  for t, values in per_turn.items():
+    assert got[f"agent/k3_turn_{t}"] == pytest.approx(np.mean(values), rel=1e-6)

@@ -99,6 +99,7 @@ def test_trajectories_train_on_exactly_the_sampled_and_observed_ids(server32, tm
     assert h["agent/turns_mean"] == 3 and h["agent/tool_calls"] == 24 and h["agent/env_failures"] == 0
     assert h["agent/env_tokens"] == 8 * 6 and h["agent/model_tokens"] > 0
     assert h["reward_std"] > 0
+    assert all(h[f"agent/k3_turn_{t}"] < 1e-6 for t in (1, 2, 3)) and "agent/k3_turn_4" not in h
   for step in range(1, 11):
     cols, _ = rollout_records.read_step(rollout_records.step_path(records, step))
     for prompt, response, turn, lps, spans in zip(cols["prompt_ids"], cols["response_ids"], cols["turn"],

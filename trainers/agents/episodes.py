@@ -288,3 +288,20 @@ def _safe(fn):
     return fn(), None
   except Exception as e:  # noqa: BLE001
     return None, f"{type(e).__name__}: {e}"
+
+
+def turn_mismatch(sb, old_logprobs, max_turns: int) -> dict:
+  """Per model turn index t: the mean k3 `exp(r) - r - 1`, `r = clip(o - q, ±20)` over its tokens
+  (`agent/k3_turn_{t}`; contract §8.1's `mis_k3_kl` by turn), from the step batch `sb` (its
+  rollout log-probs `q` and `turn` extra) and the trainer's old log-probs `o` (host, the batch's
+  shape). Turns no trajectory reached report nothing."""
+  turn = np.asarray(sb.extras[TurnIndex.name])
+  r = np.clip(np.asarray(old_logprobs, np.float64) - np.asarray(sb.batch.rollout_logprobs, np.float64), -20, 20)
+  k3 = np.expm1(r) - r
+  mask = np.asarray(sb.batch.loss_mask, bool)
+  out = {}
+  for t in range(1, max_turns + 1):
+    at = mask & (turn == t)
+    if at.any():
+      out[f"agent/k3_turn_{t}"] = float(k3[at].mean())
+  return out

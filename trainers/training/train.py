@@ -39,7 +39,7 @@ import numpy as np
 
 import mis_jax
 from trainers.agents.env import is_agent_task
-from trainers.agents.episodes import Episodes
+from trainers.agents.episodes import Episodes, turn_mismatch
 from trainers.models import PRESETS, DTYPES, ModelConfig, init_checkpoint, load_hf_params
 from trainers.training import checkpointing, checks, distributed, extras as extras_lib, parallel, plan as plan_lib
 from trainers.training.backend import build_rollout
@@ -163,6 +163,8 @@ class Trainer:
         t2 = time.perf_counter()
         self.step += 1
         self.records.write(self.step, sb, rollout, outcome.old_logprobs)
+        if self.agent and outcome.old_logprobs is not None:  # the mismatch by turn index
+          metrics.update(turn_mismatch(sb, distributed.to_host(outcome.old_logprobs), self.cfg.agent.max_turns))
         if self.servers is not None:
           metrics.update(self.servers.sync(self.params, self.step, preempted=self.preemption.asked))
         metrics.update(self.step_metrics(sb, rollout, t0, t1, t2, time.perf_counter()))
