@@ -6,6 +6,8 @@ the same prompts) and scores a response with a float reward.
 - ``copy_digits`` (`copy_digits.py`): the built-in toy task.
 - ``lookup_digits`` (`lookup_digits.py`): the built-in multi-turn tool task (an agent task: its
   prompts start trajectories, `trainers.agents`).
+- ``calculator`` (`trainers.agents.calculator`): arithmetic with a calculator tool in Qwen3's
+  ``<tool_call>`` format, for a Qwen3 tokenizer (an agent task).
 - ``dataset`` (`dataset.py`): JSONL / Parquet records (`dataset_files.py`) in the verl and TRL
   layouts, prompts rendered with the tokenizer's chat template (`chat.py`), rewards by name
   (`rewards.py`: ``math``, ``exact_match``, ``format``) or by import path.
@@ -30,6 +32,11 @@ def make_task(section, *, vocab_size: int, model_path: str | None = None) -> Tas
   if section.name == "lookup_digits":
     return LookupDigitsTask(vocab_size=vocab_size, num_digits=section.num_digits or 3,
                             tool=True if section.tool is None else section.tool)
+  if section.name == "calculator":
+    from trainers.agents.calculator import CalculatorTask
+    return CalculatorTask(section.tokenizer, model_path=model_path, vocab_size=vocab_size,
+                          chat_template_kwargs=section.chat_template_kwargs,
+                          max_new_tokens=section.max_new_tokens or 512, stop_token_ids=section.stop_token_ids)
   return DatasetTask(section.path, section.reward_fn, tokenizer=section.tokenizer, model_path=model_path,
                      prompt_key=section.prompt_key, answer_key=section.answer_key,
                      chat_template=section.chat_template, chat_template_kwargs=section.chat_template_kwargs,

@@ -5,6 +5,7 @@ return what the trainer builds from their sections."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -169,6 +170,12 @@ def check_config(cfg: TrainConfig):
         f"train.row_len ({cfg.train.row_len}) is shorter than the longest prompt ({longest} tokens) + "
         f"max_new_tokens ({max_new}) - 1: such a sequence could not be packed; raise train.row_len to "
         f">= {longest + max_new - 1} or lower rollout.max_new_tokens")
+  from trainers.agents.env import is_agent_task
+  from trainers.training.config import AgentSection
+  if cfg.agent != AgentSection() and not is_agent_task(task):
+    changed = [k for k, v in dataclasses.asdict(cfg.agent).items() if v != getattr(AgentSection(), k)]
+    raise mis_jax.ConfigError(f"agent.{changed[0]} is set but task {cfg.task.name!r} is single-turn: the agent "
+                              "section configures multi-turn tasks (lookup_digits, calculator)")
   return task
 
 

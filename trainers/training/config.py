@@ -24,7 +24,7 @@ ATTENTION = ("dense", "blocked", "fused")    # trainers.models.attention.ATTENTI
 REMAT = ("none", "full", "dots")             # trainers.models.decoder.REMAT_POLICIES
 MOE_DISPATCH = ("dense", "grouped", "ragged_dot")  # trainers.models.moe.MOE_DISPATCH
 ROUTING_REPLAY = ("none", "r3", "r2")
-TASKS = ("copy_digits", "lookup_digits", "dataset", "jsonl")  # `jsonl`: the dataset task's former name
+TASKS = ("copy_digits", "lookup_digits", "calculator", "dataset", "jsonl")  # `jsonl`: the dataset task's former name
 REWARDS = ("math", "exact_match", "format")  # trainers.tasks.rewards.REWARDS
 
 
@@ -50,7 +50,8 @@ class ModelSection:
 class TaskSection:
   """The toy task `copy_digits`, or `dataset`: JSONL / Parquet records (`trainers.tasks`)."""
   name: str = key("copy_digits", "`copy_digits` (toy), `lookup_digits` (a toy multi-turn tool task: the digits only "
-                  "a lookup call reveals; docs/guides/agents.md) or `dataset` (JSONL / Parquet; `jsonl` is its old "
+                  "a lookup call reveals; docs/guides/agents.md), `calculator` (arithmetic with a calculator tool in Qwen3's "
+                  "<tool_call> format: an agent task for a Qwen3 tokenizer) or `dataset` (JSONL / Parquet; `jsonl` is its old "
                   "name)", choices=TASKS)
   num_digits: int | None = key(None, "copy_digits, lookup_digits: digits per prompt (null: 3)", ge=1)
   tool: bool | None = key(None, "lookup_digits: whether the lookup tool answers (null: true; false: every call fails, "
@@ -77,6 +78,9 @@ class TaskSection:
     toy = {"copy_digits": {"num_digits"}, "lookup_digits": {"num_digits", "tool"}}
     if self.name in toy:
       return [f"task.{k} is not a key of task '{self.name}'" for k in sorted(given - toy[self.name])]
+    if self.name == "calculator":
+      allowed = {"tokenizer", "chat_template_kwargs", "stop_token_ids", "max_new_tokens"}
+      return [f"task.{k} is not a key of task 'calculator'" for k in sorted(given - allowed)]
     out = [f"task.{k} is a key of the toy tasks, not of 'dataset'" for k in sorted(given & {"num_digits", "tool"})]
     out += [f"task.{k} is required for task '{self.name}'" for k in ("path", "reward_fn") if getattr(self, k) is None]
     fn = self.reward_fn
