@@ -16,7 +16,7 @@ import mis_jax
 from test_train import embedded_server, make_cfg
 from trainers.agents.env import Observation, Turn
 from trainers.tasks.base import Prompt
-from trainers.training import rollout_records, train as train_lib
+from trainers.training import analysis, rollout_records, train as train_lib
 from trainers.training.sglang_client import SGLangClient
 
 pytestmark = pytest.mark.integration  # starts servers: make test, not make test-fast
@@ -123,6 +123,13 @@ def test_trajectories_train_on_exactly_the_sampled_and_observed_ids(server32, tm
       assert {s["version"] for s in spans} == {str(step - 1)}
       assert [(s["start"], s["end"]) for s in spans] == [
           (int(np.flatnonzero(turn == t)[0]), int(np.flatnonzero(turn == t)[-1]) + 1) for t in (1, 2, 3)]
+  # `mis-jax analyze` of the records: the model's tokens only, by turn index.
+  rows, _ = analysis.load(records)
+  report = analysis.analyze(rows)
+  model_tokens = sum(int(np.sum(np.asarray(r["turn"]) > 0)) for r in rows)
+  assert report["tokens"] == model_tokens == sum(t["tokens"] for t in report["by_turn"])
+  assert [t["turn"] for t in report["by_turn"]] == [1, 2, 3] and all(t["mean_k3"] < 1e-6 for t in report["by_turn"])
+  assert "## Mismatch by turn" in analysis.markdown(report, [], records)
 
 
 def test_replayed_trajectories_train_bitwise_the_same(server32, tmp_path):

@@ -79,12 +79,20 @@ def trainer_logprobs(rows: list[dict], model_path: str, temperature: float, *, b
       r["old_logprobs"] = lp[i, p - 1:p - 1 + n].tolist()
 
 
+def model_tokens(row: dict) -> np.ndarray:
+  """Which of a row's response tokens the model sampled: all of them, but in a multi-turn
+  trajectory (its `turn` column) not the environment's (turn 0), which no ratio ever reads."""
+  turn = row.get("turn")
+  return np.ones(len(row["response_ids"]), bool) if turn is None else np.asarray(turn) > 0
+
+
 def packed(rows: list[dict]):
-  """The response tokens of every row as one flat batch: `(o, q, mask, segment_ids, num_segments)`,
-  one segment per sequence."""
-  o = np.concatenate([np.asarray(r["old_logprobs"], np.float32) for r in rows])
-  q = np.concatenate([np.asarray(r["rollout_logprobs"], np.float32) for r in rows])
-  seg = np.concatenate([np.full(len(r["response_ids"]), i, np.int32) for i, r in enumerate(rows)])
+  """The model's response tokens of every row as one flat batch: `(o, q, mask, segment_ids,
+  num_segments)`, one segment per sequence."""
+  keep = [model_tokens(r) for r in rows]
+  o = np.concatenate([np.asarray(r["old_logprobs"], np.float32)[k] for r, k in zip(rows, keep)])
+  q = np.concatenate([np.asarray(r["rollout_logprobs"], np.float32)[k] for r, k in zip(rows, keep)])
+  seg = np.concatenate([np.full(int(k.sum()), i, np.int32) for i, k in enumerate(keep)])
   return o, q, np.ones(o.shape, bool), seg, len(rows)
 
 
@@ -182,7 +190,8 @@ def analyze(rows: list[dict], mode: str = "seq-mean-token-mean", run_estimator: 
   o, q, mask, seg, num_segments = packed(rows)
   r = (o - q).astype(np.float64)
   k3 = np.exp(np.clip(r, -20, 20)) - np.clip(r, -20, 20) - 1
-  lengths = np.array([len(x["response_ids"]) for x in rows])
+  keep = [model_tokens(x) for x in rows]
+  lengths = np.array([int(k.sum()) for k in keep])
   positions = np.concatenate([np.arange(n) for n in lengths])
   # Sums by group with one bincount each (no pass over the tokens per group).
   count_at = np.bincount(positions)
@@ -194,7 +203,7 @@ def analyze(rows: list[dict], mode: str = "seq-mean-token-mean", run_estimator: 
   seqs_of_len, k3_of_len = np.bincount(which), np.bincount(which, seq_k3)
   by_length = [{"length": int(n), "sequences": int(seqs_of_len[i]), "mean_k3": float(k3_of_len[i] / seqs_of_len[i])}
                for i, n in enumerate(lens)]
-  tokens = np.concatenate([np.asarray(x["response_ids"]) for x in rows])
+  tokens = np.concatenate([np.asarray(x["response_ids"])[k] for x, k in zip(rows, keep)])
   total = np.abs(r).sum()
   ids, inverse = np.unique(tokens, return_inverse=True)
   count_of, abs_by_id, r_by_id = np.bincount(inverse), np.bincount(inverse, np.abs(r)), np.bincount(inverse, r)
@@ -210,7 +219,22 @@ def analyze(rows: list[dict], mode: str = "seq-mean-token-mean", run_estimator: 
       "by_position": by_position, "by_length": by_length, "top_tokens": top_tokens,
       "settings": settings_grid(o, q, mask, seg, num_segments, mode), "auto": auto_choices(rows, mode),
       "run_estimator": run_estimator, "advantages": advantages_report(rows, run_estimator),
+      "by_turn": by_turn(rows, r),
   }
+
+
+def by_turn(rows: list[dict], r: np.ndarray) -> list[dict]:
+  """Multi-turn trajectories: the mismatch of each model turn index (its tokens' mean |r| and
+  k3), from the rows' `turn` column; empty for single-turn records. `r`: the model tokens'
+  log-ratios in `packed`'s order."""
+  if not any(row.get("turn") is not None for row in rows):
+    return []
+  turns = np.concatenate([np.asarray(row["turn"])[model_tokens(row)] if row.get("turn") is not None
+                          else np.ones(int(model_tokens(row).sum()), int) for row in rows])
+  c = np.clip(r, -20, 20)
+  k3 = np.exp(c) - c - 1
+  return [{"turn": int(t), "tokens": int((turns == t).sum()), "mean_abs_log_ratio": float(np.abs(r[turns == t]).mean()),
+           "mean_k3": float(k3[turns == t].mean())} for t in np.unique(turns)]
 
 
 def figures(rows: list[dict], report: dict, out: str) -> list[str]:
@@ -263,6 +287,11 @@ def markdown(report: dict, figure_paths: list[str], source: str) -> str:
            "| quantile | " + " | ".join(lr["quantiles"]) + " |", "|---" * (len(lr["quantiles"]) + 1) + "|",
            "| r | " + " | ".join(f"{v:.3g}" for v in lr["quantiles"].values()) + " |", ""]
   lines += [f"![{os.path.basename(p)}](figures/{os.path.basename(p)})" for p in figure_paths] + [""]
+  if report.get("by_turn"):
+    lines += ["## Mismatch by turn (multi-turn trajectories; the model's tokens only)", "",
+              "| turn | tokens | mean \\|r\\| | mean k3 |", "|---|---|---|---|"]
+    lines += [f"| {t['turn']} | {t['tokens']} | {t['mean_abs_log_ratio']:.4g} | {t['mean_k3']:.4g} |"
+              for t in report["by_turn"]] + [""]
   lines += ["## Mismatch metrics (the reference page's)", "", "| metric | value |", "|---|---|"]
   lines += [f"| `{k}` | {v:.4g} |" for k, v in report["mismatch_metrics"].items()] + [""]
   lines += ["## Tokens carrying the most mismatch", "", "| token id | count | mean r | share of Σ|r| |",
