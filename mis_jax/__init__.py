@@ -13,6 +13,7 @@ from mis_jax._logprobs import LM_HEAD_LAYOUTS, token_logprobs
 from mis_jax._losses import (Denominators, aggregate, kl_penalty, loss_denominators, policy_loss,
                              ppo_token_loss, prepare_step)
 from mis_jax._packing import PackedBatch, Packing, plan_packing, split_microbatches
+from mis_jax._prepared import Correction
 from mis_jax._engine import PassOptions, pass_options
 from mis_jax._metrics import MICROBATCH_REDUCTIONS, microbatch_reduction
 from mis_jax._sampling import sampling_metrics
@@ -22,7 +23,7 @@ from mis_jax._weights import compute_mis_weights, vanilla_tis_weights
 __version__ = "0.1.0"
 
 __all__ = [
-    "AGGREGATIONS", "ConfigError", "DENOMINATORS", "DIVERGENCES", "RSCriterion", "Denominators", "ESTIMATORS", "KL_TYPES", "LEVELS",
+    "AGGREGATIONS", "ConfigError", "Correction", "DENOMINATORS", "DIVERGENCES", "RSCriterion", "Denominators", "ESTIMATORS", "KL_TYPES", "LEVELS",
     "LOG_BOUND", "LOSS_AGG_MODES", "POLICY_LOSSES", "LossConfig", "MISConfig", "PackedBatch", "Packing",
     "Segments", "TIS_MODES", "aggregate", "compute_advantages",
     "compute_mis_weights", "kl_penalty", "loss_denominators",

@@ -169,8 +169,8 @@ def test_missing_inputs_for_algorithm():
   with pytest.raises(ValueError, match=r"entropy_coef=0.1 > 0 needs the per-token entropy"):
     mis_jax.policy_loss(EXTRA["lp"], BATCH, mis_jax.LossConfig(entropy_coef=0.1))
   with pytest.raises(ValueError, match=r"must be given together"):
-    mis_jax.policy_loss(EXTRA["lp"], BATCH.replace(is_weights=BATCH.old_logprobs),
-                        mis_jax.LossConfig(use_tis=True))
+    mis_jax.policy_loss(EXTRA["lp"], BATCH, mis_jax.LossConfig(use_tis=True),
+                        correction=mis_jax.Correction(is_weights=BATCH.old_logprobs))
 
 
 def test_errors_raise_before_tracing_under_jit():
