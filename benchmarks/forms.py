@@ -38,11 +38,11 @@ def bench_forms(rng, num_seqs, max_len, row_len) -> dict:
   for form in mis_jax.POLICY_LOSSES:
     cfg = form_config(form)
     prepare = jax.jit(lambda b, key, cfg=cfg: mis_jax.prepare_step(b, cfg, key=key))
-    prepared, dens, _ = prepare(batch, KEY)
+    correction, _ = prepare(batch, KEY)
     loss_grad = jax.jit(jax.value_and_grad(
-        lambda lp, b, d, cfg=cfg: mis_jax.policy_loss(lp, b, cfg, denominators=d), has_aux=True))
-    row = {"loss_fwd_bwd_s": timeit(loss_grad, lp, prepared, dens), "prepare_s": timeit(prepare, batch, KEY),
-           "loss_temp_MB": temp_bytes(loss_grad, lp, prepared, dens) / 1e6}
+        lambda lp, b, c, cfg=cfg: mis_jax.policy_loss(lp, b, cfg, correction=c), has_aux=True))
+    row = {"loss_fwd_bwd_s": timeit(loss_grad, lp, batch, correction), "prepare_s": timeit(prepare, batch, KEY),
+           "loss_temp_MB": temp_bytes(loss_grad, lp, batch, correction) / 1e6}
     row["tokens_per_s"] = tokens / row["loss_fwd_bwd_s"]
     out["forms"][form] = row
   base = out["forms"]["vanilla"]

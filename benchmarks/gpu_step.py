@@ -71,15 +71,15 @@ def main(argv=None) -> int:
                               rollout_logprobs=q, old_logprobs=q + rng.normal(0, 0.05, shape).astype(np.float32),
                               num_segments=int(seg.max()) + 1)
   batch = jax.tree.map(jax.device_put, batch)
-  prepared, dens, _ = fns.prepare(batch)
+  correction, _ = fns.prepare(batch)
 
-  compiled = fns.train.lower(params, opt_state, inputs, prepared, dens).compile()
+  compiled = fns.train.lower(params, opt_state, inputs, batch, correction).compile()
   m = compiled.memory_analysis()
   predicted = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
   times = []
   for _ in range(args.steps + 1):
     t0 = time.perf_counter()
-    params, opt_state, metrics = fns.train(params, opt_state, inputs, prepared, dens)
+    params, opt_state, metrics = fns.train(params, opt_state, inputs, batch, correction)
     jax.block_until_ready(metrics["loss"])
     times.append(time.perf_counter() - t0)
   step_s = min(times[1:])  # the first call includes compilation

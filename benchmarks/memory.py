@@ -85,9 +85,9 @@ SEQ_LEN = 1024  # sequences per row: tokens_per_device / SEQ_LEN (sizes the segm
 
 
 def _abstract_batch(rows: int, row_len: int, num_segments: int, sharding, rep, loss=LOSS) -> tuple:
-  """Model inputs, the prepared batch and the denominators the step receives under `loss`: with
-  `proximal: loglinear` no old log-probs nor precomputed weights, the staleness instead, and no
-  kept-token denominators (they follow the current log-probs)."""
+  """Model inputs, the batch and the correction (`mis_jax.Correction`) the step receives under
+  `loss`: with `proximal: loglinear` no old log-probs nor precomputed weights, the staleness
+  instead, and no kept-token denominators (they follow the current log-probs)."""
   sd = lambda dtype: jax.ShapeDtypeStruct((1, rows, row_len), dtype, sharding=sharding)
   inputs = step_lib.ModelInputs(sd(jnp.int32), sd(jnp.int32), sd(jnp.int32))
   if loss.correction_in_loss:
@@ -97,13 +97,15 @@ def _abstract_batch(rows: int, row_len: int, num_segments: int, sharding, rep, l
   else:
     batch = mis_jax.PackedBatch(segment_ids=sd(jnp.int32), loss_mask=sd(jnp.bool_), advantages=sd(jnp.float32),
                                 rollout_logprobs=sd(jnp.float32), old_logprobs=sd(jnp.float32),
-                                is_weights=sd(jnp.float32), kept_mask=sd(jnp.bool_), num_segments=num_segments)
+                                num_segments=num_segments)
+  correction = (mis_jax.Correction() if loss.correction_in_loss else
+                mis_jax.Correction(is_weights=sd(jnp.float32), kept_mask=sd(jnp.bool_)))
   if loss.correction_in_loss and loss.denominator == "kept":
-    return inputs, batch, None
+    return inputs, batch, correction
   dens = mis_jax.Denominators(seg_tokens=jax.ShapeDtypeStruct((num_segments,), jnp.float32, sharding=rep),
                               num_tokens=jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
                               num_seqs=jax.ShapeDtypeStruct((), jnp.float32, sharding=rep))
-  return inputs, batch, dens
+  return inputs, batch, correction.replace(denominators=dens)
 
 
 def _analysis(compiled) -> dict:
@@ -126,11 +128,11 @@ def after_step(cfg: ModelConfig, tokens: int, devices, section=None, *, loss=LOS
   opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                            jax.eval_shape(optimizer.init, abstract), osh)
   rows = mesh.size
-  inputs, batch, dens = _abstract_batch(rows, tokens, rows * max(1, tokens // SEQ_LEN), parallel.batch_sharding(mesh),
-                                        NamedSharding(mesh, P()), loss)
+  inputs, batch, correction = _abstract_batch(rows, tokens, rows * max(1, tokens // SEQ_LEN),
+                                              parallel.batch_sharding(mesh), NamedSharding(mesh, P()), loss)
   if program == "logprobs":
     return _analysis(fns.logprobs.lower(params, inputs, batch.segment_ids).compile())
-  return _analysis(fns.train.lower(params, opt_state, inputs, batch, dens).compile())
+  return _analysis(fns.train.lower(params, opt_state, inputs, batch, correction).compile())
 
 
 def before_step(cfg: ModelConfig, tokens: int, devices) -> dict:
@@ -141,14 +143,16 @@ def before_step(cfg: ModelConfig, tokens: int, devices) -> dict:
   optimizer = step_lib.make_optimizer(OPTIM)
   dev = jax.sharding.SingleDeviceSharding(devices[0])
 
-  def step(params, opt_state, inputs, batch, dens):
+  def step(params, opt_state, inputs, batch, correction):
     def loss(p):
       logits = nnx.merge(graphdef, p)(inputs.input_ids[0], inputs.positions[0], batch.segment_ids[0])
       logp = jax.nn.log_softmax(logits)
       lp = jnp.take_along_axis(logp, inputs.targets[0][..., None], axis=-1)[..., 0]
       ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
       mb = jax.tree.map(lambda x: x[0], batch)
-      return mis_jax.policy_loss(lp, mb, LOSS, entropy=ent, denominators=dens)
+      mb_correction = jax.tree.map(lambda x: x[0], correction.replace(denominators=None)).replace(
+          denominators=correction.denominators)
+      return mis_jax.policy_loss(lp, mb, LOSS, entropy=ent, correction=mb_correction)
     (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, metrics

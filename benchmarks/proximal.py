@@ -77,9 +77,9 @@ def _step(fns, loss_cfg, params, opt_state, inputs, batch, epochs):
   """The devices' work of one `Trainer.train_on` (without host transfers and metrics)."""
   if loss_cfg.needs_old_logprobs:
     batch = batch.replace(old_logprobs=fns.logprobs(params, inputs, batch.segment_ids).logprobs)
-  prepared, dens, _ = fns.prepare(batch)
+  correction, _ = fns.prepare(batch)
   for _ in range(epochs):
-    params, opt_state, metrics = fns.train(params, opt_state, inputs, prepared, dens)
+    params, opt_state, metrics = fns.train(params, opt_state, inputs, batch, correction)
   return jax.block_until_ready((params, opt_state, metrics))
 
 

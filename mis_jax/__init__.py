@@ -9,12 +9,11 @@ from mis_jax._advantages import (ESTIMATORS, SEQUENCE_ESTIMATORS, compute_advant
 from mis_jax._config import (AGGREGATIONS, DENOMINATORS, DIVERGENCES, KL_TYPES, LEVELS, LOSS_AGG_MODES,
                              POLICY_LOSSES, TIS_MODES, ConfigError, RSCriterion,
                              LossConfig, MISConfig, resolve_correction_fn)
-from mis_jax._flags import LOSS_FLAG_KEYS, add_loss_flags, loss_config_from_args
-from mis_jax._keys import fields_of as config_fields, key as config_key, load_yaml, parse_value as parse_config_value
 from mis_jax._logprobs import LM_HEAD_LAYOUTS, token_logprobs
 from mis_jax._losses import (Denominators, aggregate, kl_penalty, loss_denominators, policy_loss,
                              ppo_token_loss, prepare_step)
 from mis_jax._packing import PackedBatch, Packing, plan_packing, split_microbatches
+from mis_jax._prepared import Correction
 from mis_jax._engine import PassOptions, pass_options
 from mis_jax._metrics import MICROBATCH_REDUCTIONS, microbatch_reduction
 from mis_jax._sampling import sampling_metrics
@@ -24,16 +23,29 @@ from mis_jax._weights import compute_mis_weights, vanilla_tis_weights
 __version__ = "0.1.0"
 
 __all__ = [
-    "AGGREGATIONS", "ConfigError", "DENOMINATORS", "DIVERGENCES", "RSCriterion", "Denominators", "ESTIMATORS", "KL_TYPES", "LEVELS",
+    "AGGREGATIONS", "ConfigError", "Correction", "DENOMINATORS", "DIVERGENCES", "RSCriterion", "Denominators", "ESTIMATORS", "KL_TYPES", "LEVELS",
     "LOG_BOUND", "LOSS_AGG_MODES", "POLICY_LOSSES", "LossConfig", "MISConfig", "PackedBatch", "Packing",
-    "Segments", "TIS_MODES", "add_loss_flags", "aggregate", "compute_advantages",
-    "compute_mis_weights", "kl_penalty", "loss_config_from_args", "loss_denominators",
+    "Segments", "TIS_MODES", "aggregate", "compute_advantages",
+    "compute_mis_weights", "kl_penalty", "loss_denominators",
     "plan_packing", "policy_loss", "ppo_token_loss", "prepare_step", "resolve_correction_fn",
     "sequence_to_tokens", "SEQUENCE_ESTIMATORS", "optimal_token_baseline", "split_microbatches", "vanilla_tis_weights", "LM_HEAD_LAYOUTS", "token_logprobs",
     "MaskStats", "PassOptions", "pass_options", "sampling_metrics",
-    "MICROBATCH_REDUCTIONS", "microbatch_reduction", "LOSS_FLAG_KEYS", "config_fields", "config_key", "load_yaml", "parse_config_value",
+    "MICROBATCH_REDUCTIONS", "microbatch_reduction",
 ]
 
 from mis_jax._sharding import batch_partition_spec, shard_batch, sharded_policy_loss  # noqa: E402
 
 __all__ += ["batch_partition_spec", "shard_batch", "sharded_policy_loss"]
+
+from mis_jax import config  # noqa: E402  (config plumbing: flags, YAML, declarative keys)
+
+# Config plumbing moved to `mis_jax.config`; the old top-level names resolve there, with a warning.
+_MOVED_TO_CONFIG = frozenset(config.__all__)
+
+
+def __getattr__(name):
+  if name in _MOVED_TO_CONFIG:
+    import warnings
+    warnings.warn(f"mis_jax.{name} moved to mis_jax.config.{name}", DeprecationWarning, stacklevel=2)
+    return getattr(config, name)
+  raise AttributeError(f"module 'mis_jax' has no attribute {name!r}")

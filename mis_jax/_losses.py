@@ -7,46 +7,20 @@ jittable with the :class:`LossConfig` static. Global denominators computed once 
 
 from __future__ import annotations
 
-import dataclasses
-from typing import NamedTuple
-
 import jax
 import jax.numpy as jnp
 
 from mis_jax import _correction as correction
+from mis_jax import _metrics as metrics_lib
 from mis_jax import _policy_losses
 from mis_jax._policy_losses import ppo_token_loss
 from mis_jax import _validation
 from mis_jax._config import LossConfig, resolve_correction_fn
 from mis_jax._packing import PackedBatch
 from mis_jax._engine import PassOptions, psum
-from mis_jax._segments import AxisName, MaskStats, Segments, masked_means, safe_exp
-from mis_jax._weights import Correction, correct, mismatch_metrics, vanilla_core
-
-
-@dataclasses.dataclass(frozen=True)
-class Denominators:
-  """Global loss denominators of one optimisation step (contract §7).
-
-  Attributes:
-    seg_tokens: ``[num_segments]`` float32, ``Σ_{t∈s} D_t`` for every segment.
-    num_tokens: ``Σ_t D_t`` over the whole step.
-    num_seqs: ``N``, the number of segments with ``Σ_{t∈s} D_t > 0``.
-  """
-
-  seg_tokens: jax.Array
-  num_tokens: jax.Array
-  num_seqs: jax.Array
-
-
-  @classmethod
-  def from_stats(cls, stats: MaskStats) -> "Denominators":
-    """The denominators of the mask ``D`` whose :class:`MaskStats` are ``stats``."""
-    return cls(seg_tokens=stats.counts, num_tokens=stats.total, num_seqs=stats.num_live)
-
-
-jax.tree_util.register_dataclass(Denominators, data_fields=["seg_tokens", "num_tokens", "num_seqs"],
-                                 meta_fields=[])
+from mis_jax._prepared import Correction, Denominators
+from mis_jax._segments import AxisName, Segments, masked_means, safe_exp
+from mis_jax._weights import Corrected, correct, mismatch_metrics, vanilla_core
 
 
 # --- per-token losses ------------------------------------------------------------------
@@ -94,6 +68,12 @@ def token_loss(cfg: LossConfig, lp, lp_sg, o, q, adv, weights, kept, segs: Segme
   return out.pg, {"pg_clipfrac": out.clipfrac, "ppo_kl": anchor - lp_sg, **out.over_kept}, over_mask
 
 
+# contract §8.3: the loss terms add over micro-batches (their denominators are the step's); the
+# form's clip share and `ppo_kl` are means over the kept mask, decoupled PPO's `ois` over m.
+metrics_lib.declare({"loss": "sum", "pg_loss": "sum", "entropy_loss": "sum", "kl_loss": "sum",
+                     "pg_clipfrac": "kept", "ppo_kl": "kept", "ois": "mask"})
+
+
 def aggregate(token_values, kept, segs: Segments, mode: str, dens: Denominators, *,
               loss_scale_factor: float | None = None):
   """Aggregates per-token losses over the kept mask with global denominators (contract §7).
@@ -130,7 +110,8 @@ def aggregate(token_values, kept, segs: Segments, mode: str, dens: Denominators,
 
 # --- validation ------------------------------------------------------------------------
 
-def _check_batch(logprobs, batch: PackedBatch, cfg: LossConfig, entropy, denominators) -> dict:
+def _check_batch(logprobs, batch: PackedBatch, cfg: LossConfig, entropy, correction: Correction | None = None,
+                 denominators=None) -> dict:
   if not isinstance(batch, PackedBatch):
     raise TypeError(f"batch must be a mis_jax.PackedBatch, got {type(batch).__name__}")
   if not isinstance(cfg, LossConfig):
@@ -146,21 +127,29 @@ def _check_batch(logprobs, batch: PackedBatch, cfg: LossConfig, entropy, denomin
     raise ValueError(f"kl_coef={cfg.kl_coef} > 0 needs batch.ref_logprobs")
   if cfg.entropy_coef > 0 and entropy is None:
     raise ValueError(f"entropy_coef={cfg.entropy_coef} > 0 needs the per-token entropy argument")
-  if (batch.is_weights is None) != (batch.kept_mask is None):
-    raise ValueError("batch.is_weights and batch.kept_mask must be given together")
-  if batch.is_weights is not None and cfg.correction_in_loss:
-    raise ValueError("precomputed is_weights cannot be used with use_rollout_logprobs=True and use_tis=True, "
-                     "nor with proximal='loglinear': there the weights depend on the current log-probs")
   if cfg.proximal == "loglinear" and batch.rollout_staleness is None:
     raise ValueError("proximal='loglinear' needs batch.rollout_staleness (the versions each token's behaviour "
                      "policy lags the weights trained)")
-  if batch.is_weights is not None and not cfg.use_tis:
-    raise ValueError("batch.is_weights is set but use_tis is false")
+  if correction is None:
+    correction = Correction()
+  elif not isinstance(correction, Correction):
+    raise TypeError(f"correction must be a mis_jax.Correction (from mis_jax.prepare_step), got "
+                    f"{type(correction).__name__}")
+  if (correction.is_weights is None) != (correction.kept_mask is None):
+    raise ValueError("correction.is_weights and correction.kept_mask must be given together")
+  if correction.is_weights is not None and cfg.correction_in_loss:
+    raise ValueError("precomputed is_weights cannot be used with use_rollout_logprobs=True and use_tis=True, "
+                     "nor with proximal='loglinear': there the weights depend on the current log-probs")
+  if correction.is_weights is not None and not cfg.use_tis:
+    raise ValueError("correction.is_weights is set but use_tis is false")
+  if denominators is not None and correction.denominators is not None:
+    raise ValueError("denominators given twice: as denominators= and in correction.denominators; pass one")
+  denominators = correction.denominators if denominators is None else denominators
   if denominators is not None and not isinstance(denominators, Denominators):
     raise TypeError(f"denominators must be mis_jax.Denominators, got {type(denominators).__name__}")
   fields = {f: getattr(batch, f) for f in ("segment_ids", "loss_mask", "advantages", "rollout_logprobs",
-                                           "old_logprobs", "ref_logprobs", "is_weights", "kept_mask",
-                                           "cov_selected", "rollout_staleness")}
+                                           "old_logprobs", "ref_logprobs", "rollout_staleness")}
+  fields.update(correction.token_arrays())
   fields["logprobs"] = logprobs
   fields["entropy"] = entropy
   arrays = _validation.check_token_arrays(
@@ -172,13 +161,13 @@ def _check_batch(logprobs, batch: PackedBatch, cfg: LossConfig, entropy, denomin
   if denominators is not None and tuple(jnp.shape(denominators.seg_tokens)) != (batch.num_segments,):
     raise ValueError(f"denominators.seg_tokens has shape {jnp.shape(denominators.seg_tokens)}, "
                      f"expected ({batch.num_segments},)")
-  return arrays
+  return arrays, denominators
 
 
 # --- the correction stage --------------------------------------------------------------
 
 def _run_correction(train_lp, q, mask, segs: Segments, cfg: LossConfig, segment_ids_shape,
-                    batch_norm_factor, *, mismatch: bool = False, adv=None) -> Correction:
+                    batch_norm_factor, *, mismatch: bool = False, adv=None) -> Corrected:
   """Runs the configured correction on flat arrays.
 
   ``mismatch``: also compute the §8.1 metrics of ``(train_lp, q)`` (in the same passes for
@@ -197,7 +186,7 @@ def _run_correction(train_lp, q, mask, segs: Segments, cfg: LossConfig, segment_
   if cfg.correction == "vanilla":
     w, values = vanilla_core(train_lp, q, mask, cfg.tis_clip, cfg.tis_clip_low)
     metrics = {**extra, **masked_means([(mask, mask_stats, values)], segs, mode)}
-    return Correction(w, mask, metrics, mask_stats, mask_stats)
+    return Corrected(w, mask, metrics, mask_stats, mask_stats)
   # A user correction function with the signature of compute_mis_weights.
   fn = resolve_correction_fn(cfg.correction_fn)
   shape = segment_ids_shape
@@ -206,29 +195,31 @@ def _run_correction(train_lp, q, mask, segs: Segments, cfg: LossConfig, segment_
                         axis_name=segs.axis_name)
   w = jax.lax.stop_gradient(jnp.reshape(w, (-1,)).astype(jnp.float32))
   kept = _validation.flat_mask(kept, mask)
-  return Correction(jnp.where(mask, w, 0.0), kept, {**extra, **dict(metrics)}, mask_stats, segs.mask_stats(kept))
+  return Corrected(jnp.where(mask, w, 0.0), kept, {**extra, **dict(metrics)}, mask_stats, segs.mask_stats(kept))
 
 
 def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisName = None,
                  pass_options: PassOptions | None = None, key: jax.Array | None = None):
-  """Once-per-step work for micro-batching: IS weights, kept mask and global denominators.
+  """Once-per-step work for micro-batching: IS weights, kept mask, the covariance forms' tokens
+  and global denominators, as a :class:`Correction` for every micro-batch's :func:`policy_loss`.
 
   For standard/bypass PPO the kept mask is the loss mask. For decoupled PPO the correction
-  depends only on ``o`` and ``q``, so it runs here once over the whole step and its weights
-  and kept mask are attached to the returned batch (so batch normalisation is over the step).
+  depends only on ``o`` and ``q``, so it runs here once over the whole step (so batch
+  normalisation is over the step) and its weights and kept mask are the returned correction's.
   For REINFORCE with rollout IS, and decoupled PPO with ``proximal: loglinear``, the weights
-  depend on the current log-probs and are computed inside :func:`policy_loss`; denominators are returned only when they do not depend on them
-  (``denominator: original``), else None (contract §7). clip_cov / kl_cov pick their tokens
-  here, for the whole step (``batch.cov_selected``; clip_cov draws them with ``key``).
+  depend on the current log-probs and are computed inside :func:`policy_loss`; denominators are
+  returned only when they do not depend on them (``denominator: original``), else None (contract
+  §7). clip_cov / kl_cov pick their tokens here, for the whole step (``cov_selected``; clip_cov
+  draws them with ``key``).
 
   Returns:
-    ``(batch, denominators, metrics)``: the batch with ``is_weights``/``kept_mask`` (and
-    ``cov_selected``) set where computed, :class:`Denominators` (or None) and the correction
-    metrics computed here.
+    ``(correction, metrics)``: a :class:`Correction` (``is_weights`` / ``kept_mask`` /
+    ``cov_selected`` set where computed, ``denominators`` or None) and the correction metrics
+    computed here.
   """
   if not isinstance(loss_cfg, LossConfig):
     raise TypeError(f"loss_cfg must be a mis_jax.LossConfig, got {type(loss_cfg).__name__}")
-  _check_key(loss_cfg, key, batch.cov_selected)
+  _check_key(loss_cfg, key, None)
   arrays = _validation.check_token_arrays(
       {"segment_ids": batch.segment_ids, "loss_mask": batch.loss_mask, "advantages": batch.advantages,
        "rollout_logprobs": batch.rollout_logprobs, "old_logprobs": batch.old_logprobs},
@@ -237,7 +228,7 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
   segs = Segments(batch.segment_ids, batch.num_segments, axis_name, pass_options)
   mask = _validation.flat_mask(arrays["loss_mask"], segs.valid)
   shape = jnp.shape(batch.segment_ids)
-  dens, metrics, kept = None, {}, mask
+  out, metrics, kept = Correction(), {}, mask
   if loss_cfg.algorithm == "decoupled_ppo" and not loss_cfg.correction_in_loss:
     if batch.old_logprobs is None or batch.rollout_logprobs is None:
       raise ValueError("decoupled PPO needs batch.old_logprobs and batch.rollout_logprobs")
@@ -245,12 +236,13 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
     q = _validation.flat_float(batch.rollout_logprobs)
     result = _run_correction(o, q, mask, segs, loss_cfg, shape, None,
                              adv=jnp.where(mask, _validation.flat_float(batch.advantages), 0.0))
-    batch = batch.replace(is_weights=result.weights.reshape(shape), kept_mask=result.kept.reshape(shape))
     stats = result.kept_stats if loss_cfg.denominator == "kept" else result.mask_stats
-    dens, metrics, kept = Denominators.from_stats(stats), result.metrics, result.kept
+    out = Correction(is_weights=result.weights.reshape(shape), kept_mask=result.kept.reshape(shape),
+                     denominators=Denominators.from_stats(stats))
+    metrics, kept = result.metrics, result.kept
   elif not (loss_cfg.correction_in_loss and loss_cfg.denominator == "kept"):
-    dens = Denominators.from_stats(segs.mask_stats(mask))
-  if loss_cfg.uses_cov_selection and batch.cov_selected is None:
+    out = Correction(denominators=Denominators.from_stats(segs.mask_stats(mask)))
+  if loss_cfg.uses_cov_selection:
     anchor = _anchor(loss_cfg, batch.old_logprobs, batch.rollout_logprobs)
     if anchor is None:
       raise ValueError(f"policy_loss '{loss_cfg.policy_loss}' selects tokens from the anchor log-probs: "
@@ -259,27 +251,28 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
     anchor = jnp.where(mask, _validation.flat_float(anchor), 0.0)
     adv = jnp.where(mask, _validation.flat_float(batch.advantages), 0.0)
     selected = _policy_losses.cov_selection(anchor, adv, kept, segs, loss_cfg, key)
-    batch = batch.replace(cov_selected=selected.reshape(shape))
-  return batch, dens, metrics
+    out = out.replace(cov_selected=selected.reshape(shape))
+  return out, metrics
 
 
 def _check_key(cfg: LossConfig, key, selected) -> None:
   if cfg.policy_loss == "clip_cov" and key is None and selected is None:
     raise ValueError("policy_loss 'clip_cov' picks its tokens at random: pass key= (a jax.random key), "
-                     "or a batch whose cov_selected prepare_step set")
+                     "or a correction whose cov_selected prepare_step set")
 
 
 def loss_denominators(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisName = None,
                       pass_options: PassOptions | None = None, key: jax.Array | None = None):
   """Global :class:`Denominators` of a full step's batch (see :func:`prepare_step`)."""
-  return prepare_step(batch, loss_cfg, axis_name=axis_name, pass_options=pass_options, key=key)[1]
+  return prepare_step(batch, loss_cfg, axis_name=axis_name, pass_options=pass_options, key=key)[0].denominators
 
 
 # --- the loss --------------------------------------------------------------------------
 
 def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None,
-                axis_name: AxisName = None, *, denominators: Denominators | None = None,
-                batch_norm_factor=None, pass_options: PassOptions | None = None, key: jax.Array | None = None):
+                axis_name: AxisName = None, *, correction: Correction | None = None,
+                denominators: Denominators | None = None, batch_norm_factor=None,
+                pass_options: PassOptions | None = None, key: jax.Array | None = None):
   """Policy loss of the algorithm selected by ``use_rollout_logprobs`` × ``use_tis`` (contract §6)
   and the form ``policy_loss`` (contract §6.2; ``vanilla``: PPO's clipped surrogate).
 
@@ -302,19 +295,23 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
     loss_cfg: a :class:`LossConfig` (static under jit).
     entropy: optional per-token entropy for the entropy bonus and ``entropy_loss`` metric.
     axis_name: mesh axis name(s) inside ``shard_map``; all sums become global.
-    denominators: global :class:`Denominators` for micro-batching (default: this batch's).
+    correction: the step's :class:`Correction` from :func:`prepare_step` (this micro-batch's
+      rows of it: :func:`split_microbatches`): its weights, kept mask, selected tokens and
+      denominators are used instead of computing them from this batch alone.
+    denominators: global :class:`Denominators` for micro-batching where the correction has none
+      (default: this batch's).
     batch_norm_factor: a step-wide batch-normalisation mean for the ``mis`` correction when
       it must run per micro-batch (REINFORCE with rollout IS).
     pass_options: how the token passes run (static); default :func:`mis_jax.pass_options`
       of ``batch.segment_ids``.
-    key: a ``jax.random`` key for clip_cov's random token selection when the batch has no
-      ``cov_selected`` from :func:`prepare_step`.
+    key: a ``jax.random`` key for clip_cov's random token selection when there is no
+      ``correction.cov_selected`` from :func:`prepare_step`.
 
   Returns:
     ``(loss, metrics)``: a float32 scalar and a dict of float32 scalars (contract §8 names).
   """
-  arrays = _check_batch(logprobs, batch, loss_cfg, entropy, denominators)
-  _check_key(loss_cfg, key, batch.cov_selected)
+  arrays, denominators = _check_batch(logprobs, batch, loss_cfg, entropy, correction, denominators)
+  _check_key(loss_cfg, key, arrays.get("cov_selected"))
   cfg = loss_cfg
   mode = cfg.metric_mode
   shape = jnp.shape(batch.segment_ids)
@@ -345,7 +342,7 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
   mask_stats = kept_stats = None  # MaskStats of m and m', once counted
   mismatch_done = False
   if cfg.use_tis:
-    if batch.is_weights is not None:
+    if arrays.get("is_weights") is not None:
       weights = flat("is_weights")
       kept = _validation.flat_mask(arrays["kept_mask"], mask)
     else:
@@ -368,7 +365,7 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
   # Per-token policy loss of the selected algorithm and form.
   selected = None
   if cfg.uses_cov_selection:
-    if batch.cov_selected is not None:
+    if arrays.get("cov_selected") is not None:
       selected = _validation.flat_mask(arrays["cov_selected"], kept)
     else:
       selected = _policy_losses.cov_selection(_anchor(cfg, o, q), adv, kept, segs, cfg, key)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from mis_jax import _correction as correction_module
 from mis_jax._config import MISConfig, RSCriterion
 from mis_jax._segments import LOG_BOUND, per_segment_mean, safe_exp
 
@@ -134,35 +135,89 @@ def final_weight_metrics(*, mean_after_tis_rs, factor, w_min, w_max, sum_w, sum_
 
 # Metrics reduced over the same mask in every micro-batch combine as a mean weighted by each
 # micro-batch's share of that mask: "mask" (trained tokens in token-mean, live sequences in the
-# seq-mean modes: the default), "kept" (the kept mask m'), "seqs" (live sequences). Loss terms
-# are sums ("sum": their denominators are the step's). Extremes are "min" / "max" over the
-# micro-batches that have trained tokens. ESS, a ratio of sums, is approximated by its
-# kept-weighted mean.
-MICROBATCH_REDUCTIONS = {
-    "loss": "sum", "pg_loss": "sum", "entropy_loss": "sum", "kl_loss": "sum",
-    "pg_clipfrac": "kept", "ppo_kl": "kept",
-    "pg_clipfrac_lower": "kept", "cov_selected_fraction": "kept", "ppo_kl_abs": "kept",
-    "mis_tis_weight_after_bound": "kept", "mis_is_ratio_mean_after_tis_rs": "kept",
-    "mis_is_ratio_mean_final": "kept", "mis_ess_ratio": "kept",
-    "mis_is_ratio_min_final": "min", "mis_is_ratio_max_final": "max",
-    "mis_rs_catastrophic_seq_fraction": "seqs", "mis_kept_seq_fraction": "seqs",
-    "sampling_kept_mass_min": "min",
-    "mis_masked_whole_batch": "min",
-    "mis_auto_target_met": "min",  # met over the step iff met in every micro-batch  # the step keeps nothing iff no micro-batch keeps anything
-}
+# seq-mean modes), "kept" (the kept mask m'), "seqs" (live sequences). Loss terms are sums
+# ("sum": their denominators are the step's). Extremes are "min" / "max" over the micro-batches
+# that have trained tokens. ESS, a ratio of sums, is approximated by its kept-weighted mean.
+REDUCTIONS = ("sum", "min", "max", "mask", "kept", "seqs")
+
+# Every metric the library emits, with its reduction: each module declares its own metrics where
+# it defines them (`declare`), so a metric without one is an error at import, and
+# `microbatch_reduction` of an undeclared name is an error, never a silent default.
+MICROBATCH_REDUCTIONS: dict[str, str] = {}
+
+
+def declare(reductions: dict) -> dict:
+  """Declares the micro-batch reductions of a module's metrics (``{name: reduction}``, a
+  reduction of ``REDUCTIONS``); a name declared twice with two reductions is an error."""
+  for name, how in reductions.items():
+    if how not in REDUCTIONS:
+      raise ValueError(f"metric {name!r}: unknown micro-batch reduction {how!r}; one of {REDUCTIONS}")
+    if MICROBATCH_REDUCTIONS.setdefault(name, how) != how:
+      raise ValueError(f"metric {name!r} declared with two micro-batch reductions: "
+                       f"{MICROBATCH_REDUCTIONS[name]!r} and {how!r}")
+  return reductions
+
+
+def criterion_names(metric: str, agg: str) -> dict:
+  """The metrics of a divergence criterion (``criterion_token_values``, its global max and, for
+  a divergence (k2, k3: a k1 band is on the log-ratio, never auto), its auto upper bound), with
+  their reductions."""
+  prefix = f"mis_rs_{metric}_{agg}"
+  names = {f"{prefix}_masked_fraction": "mask", f"{prefix}_mean": "mask", f"{prefix}_max": "max"}
+  if metric != "k1":
+    names[f"mis_auto_rs_{metric}_{agg}_upper"] = "mask"
+  return names
+
+
+declare({name: "mask" for name in MISMATCH_NAMES})  # contract §8.1: means over m
+declare({  # contract §8.2, `correction_token_values`: means over m
+    "mis_tis_weight_before_bound": "mask", "mis_tis_truncate_fraction": "mask",
+    "mis_tis_clip_fraction_low": "mask", "mis_tis_clip_fraction_high": "mask",
+    "mis_tis_mask_fraction_low": "mask", "mis_tis_mask_fraction_high": "mask",
+    "mis_rs_mask_fraction_low": "mask", "mis_rs_mask_fraction_high": "mask",
+    "mis_rs_catastrophic_token_fraction": "mask",
+    # over the tokens IS kept (means over m' where IS keeps every token)
+    "mis_tis_weight_after_bound": "kept",
+    # the segments the veto / OPSM reject, among live ones
+    "mis_rs_catastrophic_seq_fraction": "seqs", "mis_opsm_masked_seq_fraction": "mask",
+})
+declare({  # contract §8.2, `final_weight_metrics`
+    "mis_is_ratio_mean_after_tis_rs": "kept", "mis_batch_norm_factor": "mask", "mis_is_ratio_mean_final": "kept",
+    "mis_is_ratio_min_final": "min", "mis_is_ratio_max_final": "max", "mis_ess_ratio": "kept",
+    "mis_kept_token_fraction": "mask", "mis_kept_seq_fraction": "seqs",
+    "mis_masked_whole_batch": "min",  # the step keeps nothing iff no micro-batch keeps anything
+})
+declare({  # contract §3.1 and §4.2: the threshold controller's bounds and M2PO's cutoff, per step
+    "mis_auto_tis_upper_bound": "mask", "mis_auto_ess_ratio": "mask", "mis_auto_tis_masked_fraction": "mask",
+    "mis_auto_rs_upper_bound": "mask", "mis_auto_rs_masked_fraction": "mask",
+    "mis_auto_target_met": "min",  # met over the step iff met in every micro-batch
+    "mis_m2po_max_sq_log_ratio": "mask", "mis_m2po_second_moment": "mask", "mis_m2po_masked_fraction": "mask",
+})
+for _metric in correction_module.DIVERGENCES:  # contract §4.1: every criterion's metrics
+  for _agg in correction_module.AGGREGATIONS:
+    declare(criterion_names(_metric, _agg))
 
 
 def criterion_microbatch_reductions(crit: RSCriterion) -> dict:
   """The reductions of a divergence criterion's metrics (``criterion_token_values`` and its max)."""
-  prefix = f"mis_rs_{crit.name}"
-  return {f"{prefix}_masked_fraction": "mask", f"{prefix}_mean": "mask", f"{prefix}_max": "max"}
+  return criterion_names(crit.metric, crit.agg)
 
 
-def microbatch_reduction(name: str) -> str:
-  """How metric ``name`` combines over micro-batches: ``MICROBATCH_REDUCTIONS``, a criterion's
-  own (``criterion_microbatch_reductions``), else "mask" (a mean over the loss mask)."""
+def microbatch_reduction(name: str, loss_cfg=None) -> str:
+  """How metric ``name`` combines over micro-batches: one of ``REDUCTIONS``, as declared where
+  the metric is defined (``MICROBATCH_REDUCTIONS``). A correction function of your own
+  (``loss_cfg.correction_fn``) declares its metrics' as its attribute ``microbatch_reductions``
+  (``{name: reduction}``). An undeclared name is a ``KeyError``."""
   if name in MICROBATCH_REDUCTIONS:
     return MICROBATCH_REDUCTIONS[name]
-  if name.startswith("mis_rs_") and name.endswith("_max"):  # mis_rs_<metric>_<agg>_max of a criterion
-    return "max"
-  return "mask"
+  own = {}
+  if loss_cfg is not None and loss_cfg.correction_fn is not None:
+    from mis_jax._config import resolve_correction_fn
+    own = getattr(resolve_correction_fn(loss_cfg.correction_fn), "microbatch_reductions", {})
+  if name in own:
+    if own[name] not in REDUCTIONS:
+      raise ValueError(f"metric {name!r}: unknown micro-batch reduction {own[name]!r}; one of {REDUCTIONS}")
+    return own[name]
+  raise KeyError(f"metric {name!r} declares no micro-batch reduction (one of {REDUCTIONS}): the library declares "
+                 "its metrics' in mis_jax.MICROBATCH_REDUCTIONS; a correction function of your own declares its "
+                 "metrics' as its attribute microbatch_reductions")

@@ -13,13 +13,19 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from mis_jax._prepared import Correction
+
 _DATA_FIELDS = ("segment_ids", "loss_mask", "advantages", "rollout_logprobs", "old_logprobs",
-                "ref_logprobs", "is_weights", "kept_mask", "cov_selected", "rollout_staleness")
+                "ref_logprobs", "rollout_staleness")
 
 
 @dataclasses.dataclass(frozen=True)
 class PackedBatch:
-  """Per-token arrays of one packed batch (all the same shape) and a static segment count.
+  """Per-token inputs of one packed batch (all the same shape) and a static segment count.
+
+  Only inputs: what :func:`mis_jax.prepare_step` derives from them once per step (IS weights,
+  kept mask, the covariance forms' selection, denominators) is a separate
+  :class:`mis_jax.Correction`.
 
   Attributes:
     segment_ids: int32, segment of every token, ``-1`` for padding.
@@ -28,9 +34,6 @@ class PackedBatch:
     rollout_logprobs: ``q``, log-probs reported by the rollout engine (or None).
     old_logprobs: ``o``, log-probs recomputed by the trainer before the step (or None).
     ref_logprobs: reference-policy log-probs for the KL term (or None).
-    is_weights: precomputed IS weights (from :func:`mis_jax.prepare_step`), or None.
-    kept_mask: precomputed kept mask ``m'`` matching ``is_weights``, or None.
-    cov_selected: clip_cov / kl_cov's tokens of the step (from :func:`mis_jax.prepare_step`), or None.
     rollout_staleness: how many weight versions each token's behaviour policy (the engine's weights
       that sampled it) lags the proximal policy (the weights being trained), ``>= 0``; read by
       ``proximal: loglinear`` (contract §6.3), or None.
@@ -43,9 +46,6 @@ class PackedBatch:
   rollout_logprobs: jax.Array | None = None
   old_logprobs: jax.Array | None = None
   ref_logprobs: jax.Array | None = None
-  is_weights: jax.Array | None = None
-  kept_mask: jax.Array | None = None
-  cov_selected: jax.Array | None = None
   rollout_staleness: jax.Array | None = None
   num_segments: int = dataclasses.field(kw_only=True)
 
@@ -66,17 +66,31 @@ jax.tree_util.register_dataclass(PackedBatch, data_fields=list(_DATA_FIELDS),
                                  meta_fields=["num_segments"])
 
 
-def split_microbatches(batch: PackedBatch, k: int) -> list[PackedBatch]:
+def split_microbatches(batch: PackedBatch | Correction, k: int) -> list:
   """Splits a batch along its leading (row) axis into ``k`` equal micro-batches.
 
   Segment ids stay global, so global denominators computed on the full batch (see
-  :func:`mis_jax.loss_denominators`) apply to every micro-batch unchanged.
+  :func:`mis_jax.loss_denominators`) apply to every micro-batch unchanged. A
+  :class:`mis_jax.Correction` splits the same way: its per-token arrays by rows, its
+  denominators (the step's) whole in every part.
   """
+  if isinstance(batch, Correction):
+    tokens = [x for x in batch.token_arrays().values() if x is not None]
+    if not tokens:
+      return [batch] * _check_split(k, None)
+    size = np.shape(tokens[0])[0] // _check_split(k, np.shape(tokens[0])[0])
+    per_token = batch.replace(denominators=None)
+    return [jax.tree_util.tree_map(lambda x: x[i * size:(i + 1) * size], per_token).replace(
+        denominators=batch.denominators) for i in range(k)]
   rows = np.shape(batch.segment_ids)[0]
-  if k <= 0 or rows % k:
-    raise ValueError(f"cannot split {rows} rows into {k} equal micro-batches")
-  size = rows // k
+  size = rows // _check_split(k, rows)
   return [jax.tree_util.tree_map(lambda x: x[i * size:(i + 1) * size], batch) for i in range(k)]
+
+
+def _check_split(k: int, rows: int | None) -> int:
+  if k <= 0 or (rows is not None and rows % k):
+    raise ValueError(f"cannot split {rows} rows into {k} equal micro-batches")
+  return k
 
 
 @dataclasses.dataclass(frozen=True)

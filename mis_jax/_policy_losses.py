@@ -18,6 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from mis_jax import _metrics as metrics_lib
 from mis_jax._config import LossConfig
 from mis_jax._engine import psum
 from mis_jax._search import largest_with
@@ -206,6 +207,9 @@ def _cispo(x: FormInputs) -> FormLoss:
   clipped = jnp.clip(ratio, lo, hi)
   return FormLoss(_weighted(-clipped * x.adv * x.lp, x), (ratio != clipped).astype(jnp.float32), {})
 
+
+# The forms' own metrics (contract §6.2, `FormLoss.over_kept`): means over the kept mask.
+metrics_lib.declare({"pg_clipfrac_lower": "kept", "cov_selected_fraction": "kept", "ppo_kl_abs": "kept"})
 
 # `LossConfig.policy_loss` → its per-token form (verl's names).
 FORMS = {"vanilla": _vanilla, "dppo_tv": _dppo(_tv_region), "dppo_kl": _dppo(_binary_kl_region), "gspo": _gspo,

@@ -12,10 +12,17 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from mis_jax import _correction as correction
+from mis_jax import _metrics as metrics_lib
 from mis_jax import _validation
 from mis_jax._segments import Segments, masked_means, safe_exp
 
 RATIO_BAND = 0.1  # "outside" = |ratio - 1| > 0.1, the band the reference measurements use
+
+# The sampling-replay metrics: means over the loss mask, the kept mass's minimum a minimum.
+metrics_lib.declare({"sampling_kept_mass_mean": "mask", "sampling_ratio_mean_replay": "mask",
+                     "sampling_ratio_outside_replay": "mask", "sampling_ratio_mean_full": "mask",
+                     "sampling_ratio_outside_full": "mask", "sampling_k3_kl_full": "mask",
+                     "sampling_kept_mass_min": "min"})
 
 
 def sampling_metrics(logprobs, kept_logmass, rollout_logprobs, loss_mask, segment_ids, *,

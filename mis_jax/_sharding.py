@@ -17,6 +17,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from mis_jax._config import LossConfig
 from mis_jax._losses import _check_batch, policy_loss
 from mis_jax._packing import PackedBatch
+from mis_jax._prepared import Correction
 
 
 def batch_partition_spec(data_axis="data", seq_axis: str | None = None) -> P:
@@ -32,8 +33,10 @@ def shard_batch(mesh: Mesh, tree, *, data_axis="data", seq_axis: str | None = No
 
 def sharded_policy_loss(mesh: Mesh, loss_cfg: LossConfig, *, data_axis="data",
                         seq_axis: str | None = None) -> Callable:
-  """Builds ``f(logprobs, batch, entropy=None, key=None) -> (loss, metrics)`` under ``jax.shard_map``
-  (``key``: clip_cov's, replicated).
+  """Builds ``f(logprobs, batch, entropy=None, key=None, correction=None) -> (loss, metrics)`` under
+  ``jax.shard_map`` (``key``: clip_cov's, replicated; ``correction``: a :class:`Correction` from
+  :func:`mis_jax.prepare_step`, its per-token arrays sharded like the batch, its denominators
+  replicated).
 
   Per-token arrays must be ``[rows, row_len]`` with rows divisible by the data-axis size and
   ``row_len`` divisible by the sequence-axis size. Outputs are replicated scalars. The
@@ -57,8 +60,8 @@ def sharded_policy_loss(mesh: Mesh, loss_cfg: LossConfig, *, data_axis="data",
   axis_name = names if len(names) > 1 else names[0]
   spec = batch_partition_spec(data_axis if not isinstance(data_axis, list) else tuple(data_axis), seq_axis)
 
-  def loss_fn(logprobs, batch: PackedBatch, entropy=None, key=None):
-    _check_batch(logprobs, batch, loss_cfg, entropy, None)  # concrete checks, before tracing
+  def loss_fn(logprobs, batch: PackedBatch, entropy=None, key=None, correction: Correction | None = None):
+    _check_batch(logprobs, batch, loss_cfg, entropy, correction)  # concrete checks, before tracing
     if len(batch.shape) != 2:
       raise ValueError(f"sharded_policy_loss needs [rows, row_len] arrays, got shape {batch.shape}")
     rows, cols = batch.shape
@@ -68,11 +71,16 @@ def sharded_policy_loss(mesh: Mesh, loss_cfg: LossConfig, *, data_axis="data",
       raise ValueError(f"batch shape {batch.shape} must divide into the mesh: rows by {n_data} "
                        f"({data_axis}), row_len by {n_seq} ({seq_axis})")
     bspec = jax.tree_util.tree_map(lambda _: spec, batch)
-    inner = lambda lp, b, ent, k: policy_loss(lp, b, loss_cfg, entropy=ent, axis_name=axis_name, key=k)
+    inner = lambda lp, b, ent, k, c: policy_loss(lp, b, loss_cfg, entropy=ent, axis_name=axis_name, key=k,
+                                                 correction=c)
     espec = None if entropy is None else spec
-    mapped = jax.shard_map(inner, mesh=mesh, in_specs=(spec, bspec, espec, None if key is None else P()),
+    cspec = None
+    if correction is not None:  # per-token arrays like the batch, the step's denominators replicated
+      cspec = jax.tree_util.tree_map(lambda _: spec, correction.replace(denominators=None)).replace(
+          denominators=None if correction.denominators is None else P())
+    mapped = jax.shard_map(inner, mesh=mesh, in_specs=(spec, bspec, espec, None if key is None else P(), cspec),
                            out_specs=P())
-    return mapped(logprobs, batch, entropy, key)
+    return mapped(logprobs, batch, entropy, key, correction)
 
   return loss_fn
 

@@ -35,7 +35,7 @@ from mis_jax._engine import HIGHEST, LOWEST, Max, Min, Out, PassOptions, SegMax,
 from mis_jax._segments import AxisName, MaskStats, Segments, masked_means, per_segment_mean, safe_exp
 
 
-class Correction(NamedTuple):
+class Corrected(NamedTuple):
   """The result of a correction on flat ``[T]`` arrays.
 
   Attributes:
@@ -396,7 +396,7 @@ def _correction_metrics(plan: _Plan, seg: _SegmentStats, p2: dict, metrics: dict
 
 
 def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, batch_norm_factor=None,
-            mismatch: bool = True, adv=None) -> Correction:
+            mismatch: bool = True, adv=None) -> Corrected:
   """contract §2–5 and §8.1–8.2 on flat arrays, in two fused passes over the tokens.
 
   Args:
@@ -432,7 +432,7 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
     seg_values = metrics_lib.mismatch_segment_values(p1["sum_o"], p1["sum_q"], seg.sum_r, count)
     metrics.update(metrics_lib.mismatch_metrics(seg_values, token_means, count, mode))
   if not plan.tis:
-    return Correction(mask.astype(jnp.float32), mask, metrics, mask_stats, mask_stats)
+    return Corrected(mask.astype(jnp.float32), mask, metrics, mask_stats, mask_stats)
 
   metrics.update({k: v for k, v in token_means.items() if k not in metrics})
   metrics.update(auto_metrics)
@@ -447,7 +447,7 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
       sum_w2=p2["sum_w2"], num_kept=kept_stats.total, num_trained=mask_stats.total,
       seg_kept_counts=kept_stats.counts, num_live=mask_stats.num_live))
   weights = jax.lax.stop_gradient(p2["w"] / factor)
-  return Correction(weights, p2["kept"], metrics, mask_stats, kept_stats)
+  return Corrected(weights, p2["kept"], metrics, mask_stats, kept_stats)
 
 
 def mismatch_metrics(train_logprobs, rollout_logprobs, mask, segs: Segments, mode: str):
@@ -514,6 +514,10 @@ def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids
                                          batch_norm_factor=batch_norm_factor, adv=adv)
   kept = kept.astype(jnp.asarray(loss_mask).dtype)
   return weights.reshape(shape), kept.reshape(shape), metrics
+
+
+# Vanilla TIS's metrics (contract §8.3): means over the mask.
+metrics_lib.declare({"tis": "mask", "tis_clipfrac": "mask", "tis_abs": "mask"})
 
 
 def vanilla_core(o, q, mask, tis_clip: float, tis_clip_low: float):

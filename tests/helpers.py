@@ -98,17 +98,20 @@ def assert_weights_match_oracle(w, kept, metrics, seqs, packing, cfg, mode):
 
 def prepare_step_on_mesh(batch, loss_cfg):
   """`mis_jax.prepare_step` on one device and under `shard_map` on a 2x4 mesh with sequence
-  parallelism (segments split across devices): `((prepared, metrics), (prepared, metrics))`."""
+  parallelism (segments split across devices): `((correction, metrics), (correction, metrics))`."""
   import jax
   from jax.sharding import AxisType, PartitionSpec
   one = jax.jit(lambda b: mis_jax.prepare_step(b, loss_cfg))(batch)
   mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(AxisType.Auto,) * 2)
   spec = mis_jax.batch_partition_spec("data", "seq")
+  # the correction's per-token arrays sharded like the batch, the step's denominators replicated
+  correction_spec = jax.tree_util.tree_map(lambda _: spec, one[0].replace(denominators=None)).replace(
+      denominators=None if one[0].denominators is None else PartitionSpec())
   mapped = jax.shard_map(lambda b: mis_jax.prepare_step(b, loss_cfg, axis_name=("data", "seq")), mesh=mesh,
                          in_specs=(jax.tree_util.tree_map(lambda _: spec, batch),),
-                         out_specs=(jax.tree_util.tree_map(lambda _: spec, one[0]), PartitionSpec(), PartitionSpec()))
+                         out_specs=(correction_spec, PartitionSpec()))
   eight = jax.jit(mapped)(mis_jax.shard_batch(mesh, batch, seq_axis="seq"))
-  return (one[0], one[2]), (eight[0], eight[2])
+  return one, eight
 
 
 def free_port() -> int:

@@ -88,8 +88,8 @@ def test_loss_config_is_hashable_and_static():
 
 
 def parse(argv):
-  parser = mis_jax.add_loss_flags(argparse.ArgumentParser())
-  return mis_jax.loss_config_from_args(parser.parse_args(argv))
+  parser = mis_jax.config.add_loss_flags(argparse.ArgumentParser())
+  return mis_jax.config.loss_config_from_args(parser.parse_args(argv))
 
 
 def test_flags(tmp_path):
@@ -169,8 +169,8 @@ def test_missing_inputs_for_algorithm():
   with pytest.raises(ValueError, match=r"entropy_coef=0.1 > 0 needs the per-token entropy"):
     mis_jax.policy_loss(EXTRA["lp"], BATCH, mis_jax.LossConfig(entropy_coef=0.1))
   with pytest.raises(ValueError, match=r"must be given together"):
-    mis_jax.policy_loss(EXTRA["lp"], BATCH.replace(is_weights=BATCH.old_logprobs),
-                        mis_jax.LossConfig(use_tis=True))
+    mis_jax.policy_loss(EXTRA["lp"], BATCH, mis_jax.LossConfig(use_tis=True),
+                        correction=mis_jax.Correction(is_weights=BATCH.old_logprobs))
 
 
 def test_errors_raise_before_tracing_under_jit():
@@ -227,3 +227,13 @@ def test_suite_runs_with_strict_dtype_promotion():
     jnp.ones(2, jnp.float32) + jnp.ones(2, jnp.bfloat16)
   with pytest.raises(ValueError, match="jax_numpy_rank_promotion"):
     jnp.ones((2, 3)) + jnp.ones(3)
+
+
+def test_config_plumbing_lives_in_mis_jax_config():
+  """The flags, YAML loading and declarative keys are `mis_jax.config`'s, not the top-level API's;
+  the old top-level names still resolve there, with a DeprecationWarning."""
+  for name in mis_jax.config.__all__:
+    assert name not in mis_jax.__all__, name
+    with pytest.warns(DeprecationWarning, match=f"mis_jax.config.{name}"):
+      assert getattr(mis_jax, name) is getattr(mis_jax.config, name)
+  assert {"LossConfig", "MISConfig", "ConfigError"} <= set(mis_jax.__all__)

@@ -236,6 +236,8 @@ def test_eight_devices_and_micro_batches_choose_what_one_does(cfg):
   if cfg.tis_mode == "mask":  # a count: exact; an ESS is a float sum whose order follows the devices
     assert float(metrics["mis_auto_tis_upper_bound"]) == float(metrics0["mis_auto_tis_upper_bound"])
   np.testing.assert_allclose(np.asarray(sharded.is_weights), np.asarray(prepared.is_weights), rtol=1e-6)
+  for got, want in zip(jax.tree.leaves(sharded.denominators), jax.tree.leaves(prepared.denominators)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   np.testing.assert_array_equal(np.asarray(sharded.kept_mask), np.asarray(prepared.kept_mask))
   if cfg.m2po_threshold is not None:
     assert 0 < float(metrics0["mis_m2po_masked_fraction"]) < 1 and float(metrics0["mis_opsm_masked_seq_fraction"]) > 0

@@ -142,13 +142,14 @@ def test_microbatches_sum_to_full_batch(algo, correction, den, mode):
                  loss_scale_factor=SCALE_FACTOR.get(mode))
   full_loss, _ = run(cfg)
   grad_full = jax.grad(lambda lp: run(cfg, extra={**EXTRA, "lp": lp})[0])(jnp.asarray(EXTRA["lp"]))
-  prepared, dens, _ = mis_jax.prepare_step(BATCH, cfg)
-  assert dens is not None
+  correction, _ = mis_jax.prepare_step(BATCH, cfg)
+  assert correction.denominators is not None
   lp_parts = np.split(EXTRA["lp"], 4)
   ent_parts = np.split(EXTRA["ent"], 4)
   total, grads = 0.0, []
-  for mb, lp, ent in zip(mis_jax.split_microbatches(prepared, 4), lp_parts, ent_parts):
-    f = lambda lp: mis_jax.policy_loss(lp, mb, cfg, entropy=ent, denominators=dens)[0]
+  for mb, c, lp, ent in zip(mis_jax.split_microbatches(BATCH, 4), mis_jax.split_microbatches(correction, 4), lp_parts,
+                            ent_parts):
+    f = lambda lp: mis_jax.policy_loss(lp, mb, cfg, entropy=ent, correction=c)[0]
     loss, g = jax.value_and_grad(f)(jnp.asarray(lp))
     total += float(loss)
     grads.append(np.asarray(g))
@@ -277,9 +278,9 @@ def test_a_batch_masked_whole_gives_zero_loss_and_finite_gradients(algo):
       batch = mis_jax.PackedBatch(segment_ids=seg, loss_mask=np.ones(seg.size, bool),
                                   advantages=rng.normal(size=seg.size).astype(np.float32), rollout_logprobs=q,
                                   old_logprobs=None if algo == "reinforce_is" else o, num_segments=4)
-      prepared, dens, step_metrics = mis_jax.prepare_step(batch, cfg)
+      correction, step_metrics = mis_jax.prepare_step(batch, cfg)
       (loss, metrics), grad = jax.value_and_grad(
-          lambda lp: mis_jax.policy_loss(lp, prepared, cfg, denominators=dens), has_aux=True)(jnp.asarray(o))
+          lambda lp: mis_jax.policy_loss(lp, batch, cfg, correction=correction), has_aux=True)(jnp.asarray(o))
       metrics = {**metrics, **step_metrics}
       assert all(np.isfinite(float(v)) for v in metrics.values()), (mode, den)
       assert float(metrics["mis_masked_whole_batch"]) == whole, (mode, den, shift)

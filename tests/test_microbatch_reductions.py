@@ -4,6 +4,8 @@ trainer's step knows."""
 
 import dataclasses
 
+import pytest
+
 import numpy as np
 
 import mis_jax
@@ -21,18 +23,102 @@ def test_declared_reductions_name_emitted_metrics():
   batch = mis_jax.PackedBatch(segment_ids=seg, loss_mask=mask, advantages=rng.normal(size=t).astype(np.float32),
                               rollout_logprobs=q, old_logprobs=o, ref_logprobs=o, num_segments=4)
   cfg = mis_jax.LossConfig(use_tis=True, mis=mis, kl_coef=0.1, entropy_coef=0.01)
-  prepared, dens, step_metrics = mis_jax.prepare_step(batch, cfg)
-  _, metrics = mis_jax.policy_loss(o, prepared, cfg, entropy=-o, denominators=dens)
+  correction, step_metrics = mis_jax.prepare_step(batch, cfg)
+  _, metrics = mis_jax.policy_loss(o, batch, cfg, entropy=-o, correction=correction)
   emitted = set(metrics) | set(step_metrics)
   for form in ("dppo_tv", "kl_cov"):  # the forms' own metrics (contract §6.2)
     form_cfg = dataclasses.replace(cfg, policy_loss=form)
-    form_prepared, form_dens, _ = mis_jax.prepare_step(batch, form_cfg)
-    emitted |= set(mis_jax.policy_loss(o, form_prepared, form_cfg, entropy=-o, denominators=form_dens)[1])
+    form_correction, _ = mis_jax.prepare_step(batch, form_cfg)
+    emitted |= set(mis_jax.policy_loss(o, batch, form_cfg, entropy=-o, correction=form_correction)[1])
   emitted |= set(mis_jax.sampling_metrics(o, np.zeros_like(o), q, mask, seg, num_segments=4))
   auto = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(tis_upper_bound="auto", target_ess_ratio=0.9))
-  emitted |= set(mis_jax.prepare_step(batch, auto)[2])  # the threshold controller's (contract §3.1)
+  emitted |= set(mis_jax.prepare_step(batch, auto)[1])  # the threshold controller's (contract §3.1)
+  emitted |= _emitted_metrics()  # every config form's: the table declares every metric the library emits
   assert set(mis_jax.MICROBATCH_REDUCTIONS) <= emitted, set(mis_jax.MICROBATCH_REDUCTIONS) - emitted
   assert set(mis_jax.MICROBATCH_REDUCTIONS.values()) <= {"sum", "min", "max", "mask", "kept", "seqs"}
   assert mis_jax.microbatch_reduction("mis_rs_k3_seq_max_max") == "max"
   assert mis_jax.microbatch_reduction("mis_rs_k3_seq_max_masked_fraction") == "mask"
   assert mis_jax.microbatch_reduction("mis_k3_kl") == "mask"
+
+
+def _emitted_metrics() -> set:
+  """Every metric name the library emits (names depend on the config only: each config is
+  evaluated abstractly), over the config forms: the four algorithms, every policy-loss form,
+  vanilla TIS and MIS configs covering every bound mode, RS, the veto, batch normalisation, every
+  divergence criterion, OPSM, M2PO, the threshold controller's targets, mismatch monitoring
+  alone, `proximal: loglinear`, with prepare_step and without, and the sampling-replay metrics."""
+  import itertools
+  import jax
+  rng = np.random.default_rng(0)
+  seg = np.repeat(np.arange(4), 8).astype(np.int32)
+  t = seg.size
+  o = (-rng.uniform(0.5, 3, t)).astype(np.float32)
+  q = (o + rng.normal(0, 0.3, t)).astype(np.float32)
+  mask = rng.uniform(size=t) < 0.8
+  batch = mis_jax.PackedBatch(segment_ids=seg, loss_mask=mask, advantages=rng.normal(size=t).astype(np.float32),
+                              rollout_logprobs=q, old_logprobs=o, ref_logprobs=o,
+                              rollout_staleness=np.ones(t, np.float32), num_segments=4)
+  crits = tuple({"metric": m, "agg": a, "upper": 5.0} for m in mis_jax.DIVERGENCES for a in mis_jax.AGGREGATIONS)
+  auto_crits = tuple({"metric": m, "agg": a, "upper": "auto"} for m in ("k2", "k3") for a in mis_jax.AGGREGATIONS)
+  mis_cfgs = [
+      mis_jax.MISConfig(),
+      mis_jax.MISConfig(tis_mode="clip", use_rs=True, rs_veto_threshold=1e-4, tis_batch_normalize=True),
+      mis_jax.MISConfig(tis_mode="mask", tis_level="sequence", opsm_delta=0.1, m2po_threshold=0.5, rs_criteria=crits),
+      mis_jax.MISConfig(tis_mode="none", use_rs=True),
+      mis_jax.MISConfig(tis_upper_bound="auto", target_ess_ratio=0.9),
+      mis_jax.MISConfig(tis_mode="mask", tis_upper_bound="auto", max_masked_fraction=0.1),
+      mis_jax.MISConfig(use_rs=True, rs_upper_bound="auto", max_masked_fraction=0.1, rs_criteria=auto_crits),
+  ]
+  key = jax.random.key(0)
+  names = set()
+
+  def add(cfg, entropy=None):
+    def step(b):
+      correction, step_metrics = mis_jax.prepare_step(b, cfg, key=key)
+      with_step = mis_jax.policy_loss(o, b, cfg, entropy=entropy, key=key, correction=correction)[1]
+      return step_metrics, with_step, mis_jax.policy_loss(o, b, cfg, entropy=entropy, key=key)[1]
+    for out in jax.eval_shape(step, batch):
+      names.update(out)
+
+  for roll, tis in itertools.product((False, True), repeat=2):
+    forms = ("vanilla", "gpg") if roll and tis else mis_jax.POLICY_LOSSES
+    for form, mis in itertools.product(forms, mis_cfgs + [None] if tis else [None]):
+      add(mis_jax.LossConfig(use_rollout_logprobs=roll, use_tis=tis, mis=mis, policy_loss=form, kl_coef=0.1,
+                             entropy_coef=0.01, get_mismatch_metrics=True, dro_beta=0.1 if form == "dro" else None,
+                             denominator="original" if roll and tis else "kept"), -o)
+  for mis in mis_cfgs[:5]:
+    add(mis_jax.LossConfig(use_tis=True, mis=mis, proximal="loglinear"))
+  add(mis_jax.LossConfig(use_tis=None, mis=mis_jax.MISConfig(use_tis=False), get_mismatch_metrics=True))
+  names.update(mis_jax.sampling_metrics(o, np.zeros_like(o), q, mask, seg, num_segments=4))
+  return names
+
+
+def test_every_emitted_metric_declares_its_reduction():
+  """Every metric the library emits, in every config form, has a declared micro-batch reduction
+  (an undeclared one is an error, never a silent "mask"), and every declared one is emitted."""
+  emitted = _emitted_metrics()
+  undeclared = sorted(n for n in emitted if n not in mis_jax.MICROBATCH_REDUCTIONS)
+  assert undeclared == [], undeclared
+  assert set(mis_jax.MICROBATCH_REDUCTIONS) == emitted, set(mis_jax.MICROBATCH_REDUCTIONS) - emitted
+  with pytest.raises(KeyError, match="'not_a_metric' declares no micro-batch reduction"):
+    mis_jax.microbatch_reduction("not_a_metric")
+
+
+def test_a_correction_function_declares_its_own_metrics():
+  def user(o, q, m, seg, cfg, *, num_segments, axis_name=None):
+    return m.astype(np.float32), m, {"user_kept": np.float32(1.0)}
+  cfg = mis_jax.LossConfig(use_tis=True, correction_fn=user)
+  with pytest.raises(KeyError, match="'user_kept' declares no micro-batch reduction"):
+    mis_jax.microbatch_reduction("user_kept", cfg)
+  user.microbatch_reductions = {"user_kept": "seqs"}
+  assert mis_jax.microbatch_reduction("user_kept", cfg) == "seqs"
+  assert mis_jax.microbatch_reduction("loss", cfg) == "sum"
+
+
+def test_a_metric_declared_twice_differently_is_an_error():
+  from mis_jax import _metrics
+  with pytest.raises(ValueError, match="'loss' declared with two micro-batch reductions"):
+    _metrics.declare({"loss": "mask"})
+  with pytest.raises(ValueError, match="unknown micro-batch reduction 'mean'"):
+    _metrics.declare({"new_metric": "mean"})
+  assert "new_metric" not in mis_jax.MICROBATCH_REDUCTIONS

@@ -33,11 +33,11 @@ def cfg_of(form, algo, mis=REFERENCE, **kw):
                             eps_clip_high=0.28, kl_coef=0.05, entropy_coef=0.01, **FORM_KEYS[form], **kw)
 
 
-def oracle_cfg(cfg, batch):
+def oracle_cfg(cfg, correction=None):
   d = {k: getattr(cfg, k) for k in mis_jax.LossConfig.keys() if k not in ("mis", "correction_fn")}
   d["mis"] = cfg.mis.to_dict() if cfg.mis is not None else None
-  if batch.cov_selected is not None:
-    d["cov_selected"] = PACKING.unpack(np.asarray(batch.cov_selected))
+  if correction is not None and correction.cov_selected is not None:
+    d["cov_selected"] = PACKING.unpack(np.asarray(correction.cov_selected))
   return d
 
 
@@ -46,8 +46,9 @@ def run(cfg, lp=EXTRA["lp"], batch=BATCH, **kw):
 
 
 def prepared(cfg):
-  """The batch with the step's covariance selection (clip_cov needs it for the oracle)."""
-  return mis_jax.prepare_step(BATCH, cfg, key=KEY)[0] if cfg.uses_cov_selection else BATCH
+  """The step's correction without its denominators where it selects tokens (clip_cov needs the
+  selection for the oracle), else None."""
+  return mis_jax.prepare_step(BATCH, cfg, key=KEY)[0].replace(denominators=None) if cfg.uses_cov_selection else None
 
 
 CASES = [(f, a) for f in mis_jax.POLICY_LOSSES for a in ALGOS]
@@ -56,9 +57,11 @@ CASES = [(f, a) for f in mis_jax.POLICY_LOSSES for a in ALGOS]
 @pytest.mark.parametrize("form,algo", CASES)
 def test_form_matches_oracle(form, algo):
   cfg = cfg_of(form, algo)
-  batch = prepared(cfg).replace(is_weights=None, kept_mask=None)
-  loss, metrics = run(cfg, batch=batch)
-  want_loss, want, _, _ = oracle.policy_loss(SEQS, oracle_cfg(cfg, batch))
+  correction = prepared(cfg)
+  if correction is not None:  # the selection alone: the weights are the loss's own
+    correction = mis_jax.Correction(cov_selected=correction.cov_selected)
+  loss, metrics = run(cfg, correction=correction)
+  want_loss, want, _, _ = oracle.policy_loss(SEQS, oracle_cfg(cfg, correction))
   np.testing.assert_allclose(float(loss), want_loss, rtol=2e-5, atol=2e-6)
   assert_metrics_close(metrics, want)
 
@@ -69,7 +72,7 @@ def test_form_matches_oracle_in_every_mode(form, mode):
   cfg = cfg_of(form, "decoupled_ppo", loss_agg_mode=mode,
                loss_scale_factor=12.0 if mode == "seq-mean-token-sum-norm" else None)
   loss, metrics = run(cfg)
-  want_loss, want, _, _ = oracle.policy_loss(SEQS, oracle_cfg(cfg, BATCH))
+  want_loss, want, _, _ = oracle.policy_loss(SEQS, oracle_cfg(cfg))
   np.testing.assert_allclose(float(loss), want_loss, rtol=2e-5, atol=2e-6)
   assert_metrics_close(metrics, want)
 
@@ -78,7 +81,7 @@ def test_kl_cov_selection_is_the_top_covariance_tokens():
   cfg = cfg_of("kl_cov", "ppo")
   selected = np.asarray(mis_jax.prepare_step(BATCH, cfg)[0].cov_selected)
   want = oracle.cov_selection(SEQS, [np.where(s["m"], s["o"], 0.0) for s in SEQS], [s["m"] for s in SEQS],
-                              oracle_cfg(cfg, BATCH))
+                              oracle_cfg(cfg))
   for got, w in zip(PACKING.unpack(selected), want):
     np.testing.assert_array_equal(got, w)
   assert 0 < selected.sum() == max(int(0.1 * sum(s["m"].sum() for s in SEQS)), 1)
@@ -111,9 +114,10 @@ def test_clip_cov_selection_draws_k_candidates_by_key():
 def test_gradient_matches_finite_differences(form):
   algo = "ppo" if form == "vanilla" else "decoupled_ppo"
   cfg = cfg_of(form, algo, mis=mis_jax.MISConfig(tis_level="token", tis_mode="clip", tis_upper_bound=1.5))
-  batch = prepared(cfg)
-  grads = PACKING.unpack(np.asarray(jax.grad(lambda lp: run(cfg, lp, batch)[0])(jnp.asarray(EXTRA["lp"]))))
-  ocfg = oracle_cfg(cfg, batch)
+  correction = prepared(cfg)
+  grads = PACKING.unpack(np.asarray(jax.grad(lambda lp: run(cfg, lp, correction=correction)[0])(
+      jnp.asarray(EXTRA["lp"]))))
+  ocfg = oracle_cfg(cfg, correction)
   eps = 1e-4
   for i, s in enumerate(SEQS):
     for t in np.flatnonzero(s["m"]):
@@ -132,12 +136,13 @@ def test_microbatches_and_jit_equal_one_batch(form):
   cfg = cfg_of(form, "decoupled_ppo")
   full, full_metrics = run(cfg)
   grad_full = jax.grad(lambda lp: run(cfg, lp)[0])(jnp.asarray(EXTRA["lp"]))
-  batch, dens, _ = mis_jax.prepare_step(BATCH, cfg, key=KEY)
-  step = jax.jit(jax.value_and_grad(lambda lp, mb, ent: mis_jax.policy_loss(lp, mb, cfg, entropy=ent,
-                                                                            denominators=dens)[0]))
+  correction, _ = mis_jax.prepare_step(BATCH, cfg, key=KEY)
+  step = jax.jit(jax.value_and_grad(lambda lp, mb, ent, c: mis_jax.policy_loss(lp, mb, cfg, entropy=ent,
+                                                                               correction=c)[0]))
   total, grads = 0.0, []
-  for mb, lp, ent in zip(mis_jax.split_microbatches(batch, 4), np.split(EXTRA["lp"], 4), np.split(EXTRA["ent"], 4)):
-    loss, g = step(jnp.asarray(lp), mb, ent)
+  for mb, c, lp, ent in zip(mis_jax.split_microbatches(BATCH, 4), mis_jax.split_microbatches(correction, 4),
+                            np.split(EXTRA["lp"], 4), np.split(EXTRA["ent"], 4)):
+    loss, g = step(jnp.asarray(lp), mb, ent, c)
     total += float(loss)
     grads.append(np.asarray(g))
   np.testing.assert_allclose(total, float(full), rtol=1e-5, atol=1e-6)
@@ -204,4 +209,4 @@ def test_clip_cov_without_a_key_is_refused_before_tracing():
   with pytest.raises(ValueError, match="pass key="):
     mis_jax.prepare_step(BATCH, cfg)
   selected = mis_jax.prepare_step(BATCH, cfg, key=KEY)[0]
-  mis_jax.policy_loss(EXTRA["lp"], selected, cfg, entropy=EXTRA["ent"])  # the step's selection needs no key
+  mis_jax.policy_loss(EXTRA["lp"], BATCH, cfg, entropy=EXTRA["ent"], correction=selected)  # the step's selection needs no key

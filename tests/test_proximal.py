@@ -98,13 +98,15 @@ def test_loglinear_microbatches_sum_to_full_batch():
   """Exactly micro-batch invariant with denominator original and no batch normalisation (as
   REINFORCE + IS, contract §7): prepare_step computes no weights, only the denominators."""
   cfg = cfg_for("seq-mask-veto", denominator="original", kl_coef=0.1, entropy_coef=0.01)
-  prepared, dens, metrics = mis_jax.prepare_step(BATCH, cfg)
-  assert prepared.is_weights is None and prepared.kept_mask is None and metrics == {} and dens is not None
-  assert mis_jax.prepare_step(BATCH, cfg_for("seq-mask-veto"))[1] is None  # kept denominators follow lp
+  correction, metrics = mis_jax.prepare_step(BATCH, cfg)
+  assert correction.is_weights is None and correction.kept_mask is None and metrics == {}
+  assert correction.denominators is not None
+  assert mis_jax.prepare_step(BATCH, cfg_for("seq-mask-veto"))[0].denominators is None  # kept ones follow lp
   full, g_full = jax.value_and_grad(lambda lp: run(cfg, lp=lp)[0])(jnp.asarray(EXTRA["lp"]))
   total, grads = 0.0, []
-  for mb, lp, ent in zip(mis_jax.split_microbatches(prepared, 4), np.split(EXTRA["lp"], 4), np.split(EXTRA["ent"], 4)):
-    loss, g = jax.value_and_grad(lambda x: mis_jax.policy_loss(x, mb, cfg, entropy=ent, denominators=dens)[0])(
+  for mb, c, lp, ent in zip(mis_jax.split_microbatches(BATCH, 4), mis_jax.split_microbatches(correction, 4),
+                            np.split(EXTRA["lp"], 4), np.split(EXTRA["ent"], 4)):
+    loss, g = jax.value_and_grad(lambda x: mis_jax.policy_loss(x, mb, cfg, entropy=ent, correction=c)[0])(
         jnp.asarray(lp))
     total += float(loss)
     grads.append(np.asarray(g))
@@ -139,4 +141,4 @@ def test_loglinear_refusals():
   with pytest.raises(ValueError, match="'rollout_staleness' must be finite and >= 0.*-1"):
     run(cfg, BATCH.replace(rollout_staleness=bad))
   with pytest.raises(ValueError, match="proximal='loglinear'"):
-    run(cfg, BATCH.replace(is_weights=BATCH.advantages, kept_mask=BATCH.loss_mask))
+    run(cfg, correction=mis_jax.Correction(is_weights=BATCH.advantages, kept_mask=BATCH.loss_mask))

@@ -117,3 +117,25 @@ def test_wrapper_rejects_bad_layouts():
   small, extra, _ = pack(SEQS[:3], row_len=16, num_rows=2)
   with pytest.raises(ValueError, match=r"rows by 8"):
     f(extra["lp"], small, extra["ent"])
+
+
+def test_sharded_loss_takes_the_steps_correction():
+  """`sharded_policy_loss(...)(..., correction=)`: the step's Correction (decoupled PPO's weights
+  and kept mask, kl_cov's selection, the denominators) sharded like the batch (its denominators
+  replicated) gives the single-device loss with the same correction."""
+  cfg = mis_jax.LossConfig(use_tis=True, mis=MIS, policy_loss="kl_cov", kl_cov_ratio=0.1, kl_coef=0.1,
+                           entropy_coef=0.01)
+  correction, _ = mis_jax.prepare_step(BATCH, cfg)
+  lp, ent = model_logprobs(PARAMS, TOKENS, TARGETS)
+  loss0, metrics0 = mis_jax.policy_loss(lp, BATCH, cfg, entropy=ent, correction=correction)
+  mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(AxisType.Auto,) * 2)
+  sharded = mis_jax.sharded_policy_loss(mesh, cfg, seq_axis="seq")
+  batch, lp_s, ent_s = mis_jax.shard_batch(mesh, (BATCH, lp, ent), seq_axis="seq")
+  per_token = mis_jax.shard_batch(mesh, correction.replace(denominators=None), seq_axis="seq")
+  with jax.set_mesh(mesh):
+    loss, metrics = jax.jit(lambda a, b, c, d: sharded(a, b, c, correction=d))(
+        lp_s, batch, ent_s, per_token.replace(denominators=correction.denominators))
+  np.testing.assert_allclose(float(loss), float(loss0), rtol=1e-5, atol=1e-7)
+  assert set(metrics) == set(metrics0) and "cov_selected_fraction" in metrics
+  for k in metrics0:
+    np.testing.assert_allclose(float(metrics[k]), float(metrics0[k]), rtol=1e-5, atol=1e-6, err_msg=k)

@@ -75,7 +75,7 @@ def train_parser() -> argparse.ArgumentParser:
   group.add_argument("--process-id", default=None, type=int, help="this process, 0..num_processes-1")
   group.add_argument("--heartbeat-timeout", default=30, type=int, metavar="S",
                      help="a process silent this long is declared dead and the others stop")
-  mis_jax.add_loss_flags(parser)
+  mis_jax.config.add_loss_flags(parser)
   return parser
 
 
@@ -95,7 +95,7 @@ def resolve_train_config(args):
   then the checks across keys and against the machine (paths, URLs, the mesh, the task) — all
   before anything starts. Raises `ConfigError`."""
   import mis_jax
-  from mis_jax import load_yaml
+  from mis_jax.config import load_yaml
   from trainers.training import checks
   from trainers.training import config as config_lib
 
@@ -122,7 +122,7 @@ def resolve_train_config(args):
     raise mis_jax.ConfigError(f"{args.config}: loss must be a mapping of keys, got {type(raw_loss).__name__} "
                               f"{raw_loss!r}")
   # The loss flags over the config's loss section: a flag that contradicts it is an error naming both.
-  cfg = cfg.replace(loss=mis_jax.loss_config_from_args(args, base=raw_loss))
+  cfg = cfg.replace(loss=mis_jax.config.loss_config_from_args(args, base=raw_loss))
   for url in args.sglang_url:
     checks.check_url(url)
   return cfg, checks.check_config(cfg)

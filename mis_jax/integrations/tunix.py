@@ -432,8 +432,9 @@ class MISGRPOLearner(grpo_learner.GRPOLearner):
     self._needs_old = cfg.needs_old_logprobs or algo_config.num_iterations > 1
     self.metric_names = _metric_names(cfg, with_old=self._needs_old)
     reductions = {"max": np.max, "min": np.min}
+    how = lambda name: "mask" if name == "kl" else microbatch_reduction(name, cfg)  # "kl": tunix's own mean
     self.rl_cluster.actor_trainer.with_rl_metrics_to_log(
-        {name: reductions.get(microbatch_reduction(name), np.mean) for name in self.metric_names})
+        {name: reductions.get(how(name), np.mean) for name in self.metric_names})
     self._kept = threading.local()
     generate = rl_cluster.generate
     kept = self._kept

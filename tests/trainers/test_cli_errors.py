@@ -9,7 +9,7 @@ import typing
 
 import pytest
 
-from mis_jax import LOSS_FLAG_KEYS
+from mis_jax.config import LOSS_FLAG_KEYS
 from trainers import cli
 from trainers.training import config as config_lib
 from trainers.models import PRESETS, init_checkpoint

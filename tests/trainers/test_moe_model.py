@@ -310,8 +310,9 @@ def _moe_run(ts, sb, section, steps=2):
     heads = fns.forward(step_lib.ROUTING)(params, inputs, batch.segment_ids)
     old, native = heads.logprobs, heads.routing
     assert heads.entropy is None and heads.sum_sq is None  # only the heads the pass names
-    prepared, dens, step_metrics = fns.prepare(batch.replace(old_logprobs=old))
-    params, opt_state, metrics = fns.train(params, opt_state, inputs, prepared, dens)
+    b = batch.replace(old_logprobs=old)
+    correction, step_metrics = fns.prepare(b)
+    params, opt_state, metrics = fns.train(params, opt_state, inputs, b, correction)
     out.append((jax.tree.map(np.asarray, (params, opt_state)), {k: float(v) for k, v in {**metrics, **step_metrics}.items()},
                 np.asarray(native)))
   assert parallel.sharding_mismatches(params, fns.param_shardings) == []
@@ -373,8 +374,8 @@ def test_the_load_balancing_loss_joins_the_step_when_asked(moe_step_setup):
     params = jax.device_put(jax.tree.map(jnp.copy, params0), fns.param_shardings)  # the step donates them
     inputs = step_lib.ModelInputs(*(jnp.asarray(x) for x in (sb.input_ids, sb.positions, sb.targets)))
     batch = jax.tree.map(jnp.asarray, sb.batch)
-    prepared, dens, _ = fns.prepare(batch)
-    _, _, metrics = fns.train(params, fns.init_opt_state(params), inputs, prepared, dens)
+    correction, _ = fns.prepare(batch)
+    _, _, metrics = fns.train(params, fns.init_opt_state(params), inputs, batch, correction)
     out[coef] = {k: float(v) for k, v in metrics.items()}
   assert "router_aux_loss" not in out[0.0] and out[0.5]["router_aux_loss"] > 0
   # The aux loss of each micro-batch, weighted by its real tokens, is what the step added.

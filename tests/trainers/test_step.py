@@ -82,8 +82,8 @@ def _run(mesh, loss_cfg, sb, steps, fns=None, params=None):
     b = batch
     if loss_cfg.needs_old_logprobs:
       b = b.replace(old_logprobs=fns.logprobs(params, inputs, b.segment_ids).logprobs)
-    prepared, dens, step_metrics = fns.prepare(b)
-    params, opt_state, metrics = fns.train(params, opt_state, inputs, prepared, dens)
+    correction, step_metrics = fns.prepare(b)
+    params, opt_state, metrics = fns.train(params, opt_state, inputs, b, correction)
     history.append({k: float(v) for k, v in {**metrics, **step_metrics}.items()})
     states.append(jax.tree.map(np.asarray, (params, opt_state)))
   return states, history, (params, opt_state, fns)

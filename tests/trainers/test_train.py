@@ -189,9 +189,9 @@ def test_rejected_sequences_leave_the_baseline(tmp_path):
     sb = trainer.build_batch(prompts, result)
     inputs, batch = trainer.device_batch(sb)
     batch = batch.replace(old_logprobs=trainer.fns.logprobs(trainer.params, inputs, batch.segment_ids).logprobs)
-    prepared = trainer.fns.prepare(batch)[0]
+    correction = trainer.fns.prepare(batch)[0]
     assert [s.name for s in trainer.advantage_stages] == ["exclude_rejected"]
-    new_batch, stage_metrics = trainer.advantage_stages[0].apply(StageInput(sb), prepared)
+    new_batch, _, stage_metrics = trainer.advantage_stages[0].apply(StageInput(sb), batch, correction)
     excluded = stage_metrics["num_excluded_from_baseline"]
     trainer.servers.close()
   kept = [k.any() for k in sb.per_sequence(
@@ -220,10 +220,10 @@ def test_policy_loss_and_optimal_token_baseline_end_to_end(server, tmp_path, ste
   seen = []
   token_baseline = plan_lib.token_baseline
 
-  def spy(step, prepared, **kwargs):
-    out, metrics = token_baseline(step, prepared, **kwargs)
-    seen.append((step.sb, prepared, step.policy.logprobs, step.policy.sum_sq, out.advantages))
-    return out, metrics
+  def spy(step, batch, correction, **kwargs):
+    out, correction, metrics = token_baseline(step, batch, correction, **kwargs)
+    seen.append((step.sb, batch, correction, step.policy.logprobs, step.policy.sum_sq, out.advantages))
+    return out, correction, metrics
   monkeypatch.setattr(plan_lib, "token_baseline", spy)  # the stages are composed when the trainer is built
   trainer = train_lib.Trainer(make_cfg(tmp_path, train={"steps": 2, "advantage_estimator": "optimal_token_baseline"}),
                               loss_cfg, urls=[server.url])
@@ -234,10 +234,10 @@ def test_policy_loss_and_optimal_token_baseline_end_to_end(server, tmp_path, ste
   assert [h["step"] for h in history] == [1, 2] and trainer.num_old_logprob_passes == 2  # π's pass gives o
   step_traces.check("train", "prepare", "logprobs_sum_sq")
   assert all(np.isfinite(h["loss"]) and h["cov_selected_fraction"] > 0 for h in history)
-  for sb, prepared, pi, sum_sq, adv in seen:
-    per_seq = lambda x: [a[m] for a, m in zip(sb.per_sequence(x), sb.per_sequence(prepared.loss_mask))]
-    np.testing.assert_array_equal(np.concatenate(per_seq(pi)), np.concatenate(per_seq(prepared.old_logprobs)))
-    want = otb_oracle(sb.rewards, sb.groups, per_seq(pi), per_seq(sum_sq), per_seq(prepared.is_weights))
+  for sb, batch, correction, pi, sum_sq, adv in seen:
+    per_seq = lambda x: [a[m] for a, m in zip(sb.per_sequence(x), sb.per_sequence(batch.loss_mask))]
+    np.testing.assert_array_equal(np.concatenate(per_seq(pi)), np.concatenate(per_seq(batch.old_logprobs)))
+    want = otb_oracle(sb.rewards, sb.groups, per_seq(pi), per_seq(sum_sq), per_seq(correction.is_weights))
     for got, w in zip(per_seq(adv), want):
       np.testing.assert_allclose(got, w, rtol=1e-4, atol=1e-5)
 

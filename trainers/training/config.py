@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 import mis_jax
-from mis_jax import config_fields as fields_of, config_key as key, load_yaml, parse_config_value as parse_value
+from mis_jax.config import config_fields as fields_of, config_key as key, load_yaml, parse_config_value as parse_value
 
 DTYPES = ("float32", "bfloat16")  # trainers.models.DTYPES' names (a test checks)
 PRESET_NAMES = ("tiny-llama3", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-hd128", "tiny-qwen3-moe", "tiny-qwen3-untied")
@@ -294,7 +294,7 @@ class TrainConfig:
           raise KeyConfigError(name, str(e)) from None
     if d.get("loss") is not None and not isinstance(d["loss"], dict):
       raise mis_jax.ConfigError(f"loss must be a mapping of keys, got {type(d['loss']).__name__} {d['loss']!r}")
-    kwargs["loss"] = mis_jax.loss_config_from_args({}, base=dict(d.get("loss") or {}))
+    kwargs["loss"] = mis_jax.config.loss_config_from_args({}, base=dict(d.get("loss") or {}))
     cfg = cls(**kwargs)
     cfg.validate()
     return cfg

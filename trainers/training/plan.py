@@ -95,7 +95,8 @@ class StageInput(NamedTuple):
 
 
 class Stage(NamedTuple):
-  """A named advantage stage: `apply(step, prepared) -> (prepared, metrics)`."""
+  """A named advantage stage: `apply(step, batch, correction) -> (batch, correction, metrics)` (the
+  batch's inputs and the step's `mis_jax.Correction`, from `mis_jax.prepare_step`)."""
   name: str
   apply: Callable
 
@@ -115,36 +116,41 @@ def sequence_advantages(rewards, groups, lengths, in_baseline=None, *, estimator
                                       in_baseline=in_baseline, lengths=lengths))
 
 
-def exclude_rejected(step: StageInput, prepared: mis_jax.PackedBatch, *, advantages, place):
+def exclude_rejected(step: StageInput, batch: mis_jax.PackedBatch, correction: mis_jax.Correction, *, advantages,
+                     place):
   """contract §6.1 option: sequences the correction rejects whole leave their group's baseline.
 
-  ``prepared`` comes from :func:`mis_jax.prepare_step` (its ``kept_mask`` is the step's).
+  ``correction`` comes from :func:`mis_jax.prepare_step` (its ``kept_mask`` is the step's).
   The rejected sequences' own advantage no longer matters (they carry no kept token); the
   others' baseline stops leaking the rejected rewards (verl PR #6452). `advantages`: the
   per-sequence estimator (`sequence_advantages` with its options); `place`: a host array onto
   the mesh."""
   sb = step.sb
-  in_baseline = np.array([k.any() for k in sb.per_sequence(distributed.to_host(prepared.kept_mask))])
+  in_baseline = np.array([k.any() for k in sb.per_sequence(distributed.to_host(correction.kept_mask))])
   adv = advantages(sb.rewards, sb.groups, sb.response_lengths, in_baseline)
   token_adv = sb.tokens([np.full(n, a, np.float32) for n, a in zip(sb.packing.lengths, adv)], 0.0, np.float32)
-  return prepared.replace(advantages=place(token_adv)), {"num_excluded_from_baseline": int((~in_baseline).sum())}
+  return (batch.replace(advantages=place(token_adv)), correction,
+          {"num_excluded_from_baseline": int((~in_baseline).sum())})
 
 
-def token_baseline(step: StageInput, prepared: mis_jax.PackedBatch, *, num_groups: int, num_segments: int):
+def token_baseline(step: StageInput, batch: mis_jax.PackedBatch, correction: mis_jax.Correction, *, num_groups: int,
+                   num_segments: int):
   """The optimal token baseline's per-token advantages (`Σπ²` and `π` from this step's policy;
   the correction's weights, squared, under decoupled PPO), for the whole step."""
   sb = step.sb
   pad = num_segments - len(sb.rewards)
-  adv = _token_baseline(np.pad(sb.rewards, (0, pad)), np.pad(sb.groups, (0, pad)), prepared.segment_ids,
-                        prepared.loss_mask, step.policy.logprobs, step.policy.sum_sq, is_weights=prepared.is_weights,
+  adv = _token_baseline(np.pad(sb.rewards, (0, pad)), np.pad(sb.groups, (0, pad)), batch.segment_ids,
+                        batch.loss_mask, step.policy.logprobs, step.policy.sum_sq, is_weights=correction.is_weights,
                         num_groups=num_groups, num_segments=num_segments)
-  return prepared.replace(advantages=adv), {}
+  return batch.replace(advantages=adv), correction, {}
 
 
-def reselect_covariance(step: StageInput, prepared: mis_jax.PackedBatch, *, prepare):
+def reselect_covariance(step: StageInput, batch: mis_jax.PackedBatch, correction: mis_jax.Correction, *, prepare):
   """The covariance forms (clip_cov, kl_cov) select their tokens from the advantages: again,
-  from the final ones (`prepare`: the jitted `mis_jax.prepare_step`, with the step's key)."""
-  return prepare(prepared.replace(cov_selected=None), step.key)[0], {}
+  from the final ones (`prepare`: the jitted `mis_jax.prepare_step`, with the step's key). The
+  step keeps its denominators (its metrics too: they are the first preparation's)."""
+  again, _ = prepare(batch, step.key)
+  return batch, again.replace(denominators=correction.denominators), {}
 
 
 def compose_stages(plan: StepPlan, *, estimator: str, num_groups: int, num_segments: int, place,
@@ -158,10 +164,11 @@ def compose_stages(plan: StepPlan, *, estimator: str, num_groups: int, num_segme
   return tuple(Stage(name, table[name]) for name in plan.advantage_stages)
 
 
-def run_stages(stages: tuple[Stage, ...], step: StageInput, prepared: mis_jax.PackedBatch):
-  """`prepared` through each stage in order; the stages' metrics, merged."""
+def run_stages(stages: tuple[Stage, ...], step: StageInput, batch: mis_jax.PackedBatch,
+               correction: mis_jax.Correction):
+  """`batch` and `correction` through each stage in order; the stages' metrics, merged."""
   metrics = {}
   for stage in stages:
-    prepared, m = stage.apply(step, prepared)
+    batch, correction, m = stage.apply(step, batch, correction)
     metrics.update(m)
-  return prepared, metrics
+  return batch, correction, metrics

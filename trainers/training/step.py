@@ -7,9 +7,10 @@
   policy's), one micro-batch at a time, yielding the `Heads` that `heads` (a `Forward`) names:
   log-probs, and with them `Σπ²` (`SUM_SQ`) or the native routed experts (`ROUTING`);
   `logprobs` is the plain pass (`LOGPROBS`);
-- `prepare(batch)`: `mis_jax.prepare_step` — IS weights, kept mask and global denominators,
-  once per step;
-- `train(params, opt_state, inputs, batch, denominators)`: a `lax.scan` over the micro-batches
+- `prepare(batch, key)`: `mis_jax.prepare_step` — the step's `mis_jax.Correction` (IS weights,
+  kept mask, the covariance forms' tokens, global denominators) and its metrics, once per step;
+- `train(params, opt_state, inputs, batch, correction)`: a `lax.scan` over the micro-batches (of
+  the batch and of the correction's per-token arrays; the step's denominators whole in each)
   accumulating float32 gradients (sharded like the parameters), then the Optax update, in one
   program; parameters and optimiser state are donated.
 
@@ -157,12 +158,13 @@ def _head_logprobs(model, hidden, inputs: ModelInputs, *, temperature, chunk_siz
                                                                                                  *args)
 
 
-def _micro_batch_weights(batch: mis_jax.PackedBatch, mode: str):
+def _micro_batch_weights(batch: mis_jax.PackedBatch, kept_mask, mode: str):
   """Per micro-batch weights of its metrics in the step's: the number of loss-mask and of
-  kept tokens (token-mean) or live segments (seq-mean modes), and live segments always."""
+  kept tokens (token-mean) or live segments (seq-mean modes), and live segments always.
+  `kept_mask`: the micro-batch's rows of the correction's (None: the loss mask)."""
   valid = batch.segment_ids >= 0
   mask = valid & batch.loss_mask.astype(bool)
-  kept = mask if batch.kept_mask is None else mask & batch.kept_mask.astype(bool)
+  kept = mask if kept_mask is None else mask & kept_mask.astype(bool)
   ids = jnp.where(valid, batch.segment_ids, batch.num_segments).reshape(-1)
 
   def seqs(m):
@@ -175,16 +177,22 @@ def _micro_batch_weights(batch: mis_jax.PackedBatch, mode: str):
   return {"mask": live, "kept": seqs(kept), "seqs": live}
 
 
-def combine_metrics(stacked: dict, weights: dict) -> dict:
-  """`[k]` micro-batch metrics → step metrics, each by the reduction the library declares for it
-  (`mis_jax.microbatch_reduction`): loss terms add (their denominators are the step's), extremes
-  take the min/max over micro-batches with tokens, means are weighted by their micro-batch
-  denominators (loss-mask tokens or sequences; kept ones for means over the kept mask;
-  sequences for sequence fractions)."""
+# The step's own micro-batch metrics, beside the library's: the MoE load-balancing loss, a mean
+# over the micro-batches weighted by their loss-mask tokens (or sequences).
+STEP_REDUCTIONS = {"router_aux_loss": "mask"}
+
+
+def combine_metrics(stacked: dict, weights: dict, loss_cfg: mis_jax.LossConfig | None = None) -> dict:
+  """`[k]` micro-batch metrics → step metrics, each by the reduction declared for it (the
+  library's, `mis_jax.microbatch_reduction`, with `loss_cfg`'s correction function's; the step's
+  own, `STEP_REDUCTIONS`; an undeclared metric is an error): loss terms add (their denominators
+  are the step's), extremes take the min/max over micro-batches with tokens, means are weighted
+  by their micro-batch denominators (loss-mask tokens or sequences; kept ones for means over the
+  kept mask; sequences for sequence fractions)."""
   out = {}
   has = weights["mask"] > 0
   for name, v in stacked.items():
-    how = mis_jax.microbatch_reduction(name)
+    how = STEP_REDUCTIONS[name] if name in STEP_REDUCTIONS else mis_jax.microbatch_reduction(name, loss_cfg)
     if how == "sum":
       out[name] = jnp.sum(v)
     elif how == "min":
@@ -230,14 +238,16 @@ class StepFunctions:
 
     aux_coef = float(router_aux_loss_coef)
 
-    def train(params, opt_state, inputs, batch, dens):
+    def train(params, opt_state, inputs, batch, correction):
       num_tokens = jnp.maximum(jnp.sum((batch.segment_ids >= 0).astype(jnp.float32)), 1.0)
+      per_token = correction.replace(denominators=None)  # scanned with the batch; the denominators are the step's
 
-      def loss_fn(p, mb_inputs, mb_batch):
+      def loss_fn(p, mb_inputs, mb_batch, mb_correction):
         replay = mb_inputs.support is not None
         heads = lp(p, mb_inputs, mb_batch.segment_ids, entropy=True, kept_mass=replay, routing_out=aux_coef > 0)
         logp = heads.logprobs
-        loss, metrics = mis_jax.policy_loss(logp, mb_batch, loss_cfg, entropy=heads.entropy, denominators=dens)
+        loss, metrics = mis_jax.policy_loss(logp, mb_batch, loss_cfg, entropy=heads.entropy,
+                                            correction=mb_correction.replace(denominators=correction.denominators))
         if aux_coef > 0:  # HF's load-balancing loss per micro-batch, token-weighted over the step
           aux = heads.router_aux_loss
           share = jnp.sum((mb_batch.segment_ids >= 0).astype(jnp.float32)) / num_tokens
@@ -252,16 +262,16 @@ class StepFunctions:
         return loss, metrics
 
       def body(acc, xs):
-        mb_inputs, mb_batch = xs
-        (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb_inputs, mb_batch)
+        mb_inputs, mb_batch, mb_correction = xs
+        (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb_inputs, mb_batch, mb_correction)
         acc = jax.tree.map(lambda a, x, s: jax.lax.with_sharding_constraint(a + x.astype(jnp.float32), s),
                            acc, g, param_shardings)
-        return acc, (metrics, _micro_batch_weights(mb_batch, loss_cfg.metric_mode))
+        return acc, (metrics, _micro_batch_weights(mb_batch, mb_correction.kept_mask, loss_cfg.metric_mode))
 
       zeros = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(jnp.zeros(x.shape, jnp.float32), s),
                            params, param_shardings)
-      grads, (mb_metrics, weights) = jax.lax.scan(body, zeros, (inputs, batch))
-      metrics = combine_metrics(mb_metrics, weights)
+      grads, (mb_metrics, weights) = jax.lax.scan(body, zeros, (inputs, batch, per_token))
+      metrics = combine_metrics(mb_metrics, weights, loss_cfg)
       metrics["grad_norm"] = optax.tree.norm(grads)
       # Optax mixes Python floats with int32 step counts: it needs standard promotion even when a
       # user (or the test suite) runs strict; the rest of the step promotes nothing implicitly.
@@ -272,7 +282,7 @@ class StepFunctions:
 
     self._passes = {heads: make_pass(heads) for heads in (LOGPROBS, SUM_SQ, ROUTING)}  # compiled when first called
     self.logprobs = self._passes[LOGPROBS]
-    def prepare(batch, key=None):  # key: clip_cov's draw
+    def prepare(batch, key=None):  # key: clip_cov's draw; -> (correction, metrics)
       return mis_jax.prepare_step(batch, loss_cfg, key=key)
 
     self.prepare = _jit(prepare)

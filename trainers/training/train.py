@@ -330,13 +330,13 @@ class Trainer:
       batch = batch.replace(ref_logprobs=self.fns.logprobs(self.ref_params, inputs._replace(routing=None),
                                                            batch.segment_ids).logprobs)
     key = jax.random.fold_in(jax.random.key(self.cfg.seed), self.step)  # clip_cov's draw of this step
-    prepared, dens, step_metrics = self.fns.prepare(batch, key)
-    prepared, stage_metrics = plan_lib.run_stages(self.advantage_stages,
-                                                  StageInput(sb, heads.get(plan.token_baseline), key), prepared)
+    correction, step_metrics = self.fns.prepare(batch, key)
+    prepared, correction, stage_metrics = plan_lib.run_stages(
+        self.advantage_stages, StageInput(sb, heads.get(plan.token_baseline), key), batch, correction)
     metrics: dict = {}
     for _ in range(self.cfg.train.ppo_epochs):
       self.params, self.opt_state, epoch_metrics = self.fns.train(self.params, self.opt_state, inputs, prepared,
-                                                                  dens)
+                                                                  correction)
       if not metrics:  # metrics of the first epoch: before any update of this step
         metrics = {name: float(v) for name, v in jax.device_get({**epoch_metrics, **step_metrics}).items()}  # one transfer
     metrics["micro_batches"] = sb.layout.micro_batches
