@@ -6,8 +6,8 @@ Pure, jittable functions over packed sequences. Docstrings cite the behaviour co
 
 from mis_jax._advantages import (ESTIMATORS, SEQUENCE_ESTIMATORS, compute_advantages, optimal_token_baseline,
                                  sequence_to_tokens)
-from mis_jax._config import (AGGREGATIONS, DENOMINATORS, DIVERGENCES, KL_TYPES, LEVELS, LOSS_AGG_MODES,
-                             POLICY_LOSSES, TIS_MODES, ConfigError, RSCriterion,
+from mis_jax._config import (AGGREGATIONS, ALGORITHMS, DENOMINATORS, DIVERGENCES, KL_TYPES, LEVELS, LOSS_AGG_MODES,
+                             POLICY_LOSS_KEYS, POLICY_LOSSES, TIS_MODES, ConfigError, RSCriterion,
                              LossConfig, MISConfig, resolve_correction_fn)
 from mis_jax._flags import LOSS_FLAG_KEYS, add_loss_flags, loss_config_from_args
 from mis_jax._keys import fields_of as config_fields, key as config_key, load_yaml, parse_value as parse_config_value
@@ -24,8 +24,8 @@ from mis_jax._weights import compute_mis_weights, vanilla_tis_weights
 __version__ = "0.1.0"
 
 __all__ = [
-    "AGGREGATIONS", "ConfigError", "DENOMINATORS", "DIVERGENCES", "RSCriterion", "Denominators", "ESTIMATORS", "KL_TYPES", "LEVELS",
-    "LOG_BOUND", "LOSS_AGG_MODES", "POLICY_LOSSES", "LossConfig", "MISConfig", "PackedBatch", "Packing",
+    "AGGREGATIONS", "ALGORITHMS", "ConfigError", "DENOMINATORS", "DIVERGENCES", "RSCriterion", "Denominators", "ESTIMATORS", "KL_TYPES", "LEVELS",
+    "LOG_BOUND", "LOSS_AGG_MODES", "POLICY_LOSS_KEYS", "POLICY_LOSSES", "LossConfig", "MISConfig", "PackedBatch", "Packing",
     "Segments", "TIS_MODES", "add_loss_flags", "aggregate", "compute_advantages",
     "compute_mis_weights", "kl_penalty", "loss_config_from_args", "loss_denominators",
     "plan_packing", "policy_loss", "ppo_token_loss", "prepare_step", "resolve_correction_fn",
