@@ -273,7 +273,7 @@ def test_steps_masked_whole_warn_then_stop_naming_the_setting(tmp_path):
 
 
 def test_config_errors(tmp_path):
-  with pytest.raises(mis_jax.ConfigError, match=r"unknown key 'rollout.temprature'.*Did you mean 'temperature'"):
+  with pytest.raises(mis_jax.ConfigError, match=r"unknown key 'rollout.temprature'.*Did you mean 'sampling.temperature'"):
     TrainConfig.from_dict({"rollout": {"temprature": 1.0}})
   with pytest.raises(mis_jax.ConfigError, match=r"checkpoint.every \(5\) must be a multiple of rollout.sync.sync_every \(2\)"):
     TrainConfig.from_dict({"rollout": {"sync": {"sync_every": 2}}, "checkpoint": {"every": 5}})

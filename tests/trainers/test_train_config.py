@@ -58,6 +58,9 @@ def test_nested_rollout_sections_parse_into_typed_sections():
   assert "unknown key 'rollout.sync.sync_evry'. Did you mean 'sync_every'?" in _error(
       {"rollout": {"sync": {"sync_evry": 2}}})
   assert "rollout.sync must be a mapping" in _error({"rollout": {"sync": 3}})
+  assert "unknown key 'rollout.temprature'. Did you mean 'sampling.temperature'?" in _error(
+      {"rollout": {"temprature": 1.0}})
+  assert "unknown key 'rollout.nn'. Did you mean 'n'?" in _error({"rollout": {"nn": 1}})
   assert "checkpoint.every (5) must be a multiple of rollout.sync.sync_every (2)" in _error(
       {"rollout": {"sync": {"sync_every": 2}}, "checkpoint": {"every": 5}})
 

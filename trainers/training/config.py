@@ -299,7 +299,11 @@ def parse_section(section_cls, values, where: str):
     if k not in fields:
       if path in MOVED:
         raise KeyConfigError(path, _moved(path, v))
-      raise KeyConfigError(path, f"unknown key '{path}'.{_suggest(k, fields)} Valid keys: {', '.join(fields)}")
+      # A typo of a key that moved into a nested section suggests its new path.
+      moved = {p.rpartition(".")[2]: MOVED[p].removeprefix(f"{where}.") for p in MOVED if p.rpartition(".")[0] == where}
+      match = difflib.get_close_matches(str(k), [*fields, *moved], n=1, cutoff=0.5)
+      hint = f" Did you mean '{moved.get(match[0], match[0])}'?" if match else ""
+      raise KeyConfigError(path, f"unknown key '{path}'.{hint} Valid keys: {', '.join(fields)}")
     field, typ = fields[k]
     if _is_section(typ):
       kwargs[k] = parse_section(typ, v, path)
@@ -361,8 +365,7 @@ def loss_values(section, where: str = "loss") -> dict:
       out.update(_policy_loss(v, path))
       continue
     if k not in LOSS_KEYS:
-      raise KeyConfigError(path, f"unknown key '{path}'.{_suggest(k, LOSS_KEYS)} Valid keys: "
-                                 f"{', '.join(LOSS_KEYS)}, policy_loss")
+      raise KeyConfigError(path, f"unknown key '{path}'.{_suggest(k, LOSS_KEYS)} Valid keys: {', '.join(LOSS_KEYS)}")
     out[k] = v
   return out
 
@@ -388,11 +391,15 @@ def _policy_loss(value, where: str) -> dict:
     if k not in own:
       if k in _FORM_KEYS:
         raise KeyConfigError(path, f"{path} is a key of policy_loss {' / '.join(_forms_of(k))}, not of {name}"
-                                   f"{' (its keys: ' + ', '.join(own) + ')' if own else ' (it has no keys of its own)'}")
-      mine = f"{name}'s keys: {', '.join(own)}" if own else f"{name} has no keys of its own"
-      raise KeyConfigError(path, f"unknown key '{path}'.{_suggest(k, own)} {mine}, beside name")
+                                   f" ({_own_keys(name)})")
+      raise KeyConfigError(path, f"unknown key '{path}'.{_suggest(k, own)} {_own_keys(name)}, beside name")
     out[k] = v
   return out
+
+
+def _own_keys(form: str) -> str:
+  own = mis_jax.POLICY_LOSS_KEYS[form]
+  return f"{form}'s keys: {', '.join(own)}" if own else f"{form} has no keys of its own"
 
 
 def loss_to_dict(loss: mis_jax.LossConfig) -> dict:
