@@ -14,7 +14,7 @@ The same work in every contender: decoupled PPO with `configs/mis.yaml` (tunix c
 old log-probs too), one update per step, Adam, a bfloat16 sampler of float32 weights re-synced
 after every step, no reference model. Contenders:
 
-- `ours, colocated`: `rollout.placement: colocated` (the engine in the trainer's process, weights
+- `ours, colocated`: `rollout.placement.mode: colocated` (the engine in the trainer's process, weights
   handed over in memory);
 - `ours, server`: the embedded `mis-jax serve` process (HTTP, safetensors written and read back);
 - `tunix`: tunix 0.1.7's `GRPOLearner` with our loss (`mis_jax.integrations.tunix`) and its
@@ -24,7 +24,7 @@ With `--engine sglang-jax` (run in sglang-jax's venv, Python >= 3.12) every cont
 with sglang-jax 0.1.0rc0 in float32, on 128-wide heads (its CPU attention pads to 128):
 
 - `ours, colocated, sglang-jax`: its `Engine` in the trainer's process, the weights swapped into
-  its model runner in memory (`rollout.engine: sglang-jax`);
+  its model runner in memory (`rollout.placement.engine: sglang-jax`);
 - `ours, server, sglang-jax`: its HTTP server (our routes added), the weights through safetensors;
 - `tunix, sglang-jax`: tunix's `SglangJaxRollout` (its `Engine` in process, tunix's in-memory
   weight sync) with the log-probs kept (`mis_jax.integrations.tunix_sglang_jax`).
@@ -113,9 +113,10 @@ def ours(shape: Shape, placement: str, root: str, engine: str = "embedded") -> d
   cfg = TrainConfig.from_dict({
       "run_dir": run_dir, "seed": 0, "model": {"path": model, "remat": "none"},
       "task": {"name": "copy_digits", "num_digits": 3},
-      "rollout": {"prompts_per_step": shape.prompts, "n": shape.n, "temperature": 0.8, "placement": placement,
-                  "engine": engine, "max_new_tokens": shape.max_new_tokens, "server_dtype": dtype,
-                  "mismatch_check": False},
+      "rollout": {"prompts_per_step": shape.prompts, "n": shape.n,
+                  "sampling": {"temperature": 0.8, "max_new_tokens": shape.max_new_tokens},
+                  "placement": {"mode": placement, "engine": engine, "server_dtype": dtype},
+                  "sync": {"mismatch_check": False}},
       "train": {"steps": shape.steps + 1, "learning_rate": 1e-3, "ppo_epochs": 1, "row_len": shape.row_len,
                 "tokens_per_micro_batch": 8192},
       "checkpoint": {"every": 1000, "max_to_keep": 1}})

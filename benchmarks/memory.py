@@ -164,7 +164,7 @@ def before_step(cfg: ModelConfig, tokens: int, devices) -> dict:
   return _analysis(jax.jit(step).lower(params, opt_state, *args).compile())
 
 
-# Colocated rollouts (`rollout.placement: colocated`): the engine's programs on the first device of
+# Colocated rollouts (`rollout.placement.mode: colocated`): the engine's programs on the first device of
 # the trainer's mesh, bf16, 16 sequences of a 1024-token prompt and 1024 new tokens (32k of KV).
 COLOCATED_ROWS, COLOCATED_PROMPT, COLOCATED_NEW = 16, 1024, 1024
 
@@ -172,7 +172,7 @@ COLOCATED_ROWS, COLOCATED_PROMPT, COLOCATED_NEW = 16, 1024, 1024
 def generation_programs(cfg: ModelConfig, devices, spread: bool = False) -> dict:
   """Compiled memory of the engine's prefill and decode (`trainers.serving.embedded.sampler`), bf16 weights,
   `COLOCATED_ROWS` rows; the KV cache lives inside them (an argument of decode). On `devices[0]`,
-  or `spread` (`rollout.colocated_devices: mesh`): the weights laid out as the trainer's over the
+  or `spread` (`rollout.placement.colocated_devices: mesh`): the weights laid out as the trainer's over the
   FSDP mesh of `devices`, the rows split over it."""
   import functools
   from trainers.serving.embedded import sampler as sampler_lib

@@ -44,8 +44,10 @@ def measure(dtype: str, setting: str, model_path: str, url: str, run_dir: str, *
   cfg = TrainConfig.from_dict({
       "seed": 0, "run_dir": run_dir, "model": {"path": model_path},
       "task": {"name": "copy_digits", "num_digits": 3},
-      "rollout": {"prompts_per_step": prompts, "n": n, "temperature": 1.0, "top_k": top_k, "top_p": top_p,
-                  "min_p": min_p, "sampling_replay": "on", "max_new_tokens": 8, "server_dtype": dtype},
+      "rollout": {"prompts_per_step": prompts, "n": n,
+                  "sampling": {"temperature": 1.0, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+                               "sampling_replay": "on", "max_new_tokens": 8},
+                  "placement": {"server_dtype": dtype}},
       "train": {"steps": 1, "row_len": 16, "tokens_per_micro_batch": 4096}})
   (h,) = train_lib.Trainer(cfg, mis_jax.LossConfig(), urls=[url]).run(progress=False, log=lambda *_: None)
   return {k: h[k] for k in KEYS} | {"tokens": int(h["num_samples"] * h["response_length"])}

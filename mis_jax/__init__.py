@@ -6,8 +6,8 @@ Pure, jittable functions over packed sequences. Docstrings cite the behaviour co
 
 from mis_jax._advantages import (ESTIMATORS, SEQUENCE_ESTIMATORS, compute_advantages, optimal_token_baseline,
                                  sequence_to_tokens)
-from mis_jax._config import (AGGREGATIONS, DENOMINATORS, DIVERGENCES, KL_TYPES, LEVELS, LOSS_AGG_MODES,
-                             POLICY_LOSSES, TIS_MODES, ConfigError, RSCriterion,
+from mis_jax._config import (AGGREGATIONS, ALGORITHMS, DENOMINATORS, DIVERGENCES, KL_TYPES, LEVELS, LOSS_AGG_MODES,
+                             POLICY_LOSS_KEYS, POLICY_LOSSES, TIS_MODES, ConfigError, RSCriterion,
                              LossConfig, MISConfig, resolve_correction_fn)
 from mis_jax._logprobs import LM_HEAD_LAYOUTS, token_logprobs
 from mis_jax._losses import (Denominators, aggregate, kl_penalty, loss_denominators, policy_loss,
@@ -23,8 +23,8 @@ from mis_jax._weights import compute_mis_weights, vanilla_tis_weights
 __version__ = "0.1.0"
 
 __all__ = [
-    "AGGREGATIONS", "ConfigError", "Correction", "DENOMINATORS", "DIVERGENCES", "RSCriterion", "Denominators", "ESTIMATORS", "KL_TYPES", "LEVELS",
-    "LOG_BOUND", "LOSS_AGG_MODES", "POLICY_LOSSES", "LossConfig", "MISConfig", "PackedBatch", "Packing",
+    "AGGREGATIONS", "ALGORITHMS", "ConfigError", "Correction", "DENOMINATORS", "DIVERGENCES", "RSCriterion", "Denominators", "ESTIMATORS", "KL_TYPES", "LEVELS",
+    "LOG_BOUND", "LOSS_AGG_MODES", "POLICY_LOSS_KEYS", "POLICY_LOSSES", "LossConfig", "MISConfig", "PackedBatch", "Packing",
     "Segments", "TIS_MODES", "aggregate", "compute_advantages",
     "compute_mis_weights", "kl_penalty", "loss_denominators",
     "plan_packing", "policy_loss", "ppo_token_loss", "prepare_step", "resolve_correction_fn",

@@ -39,6 +39,13 @@ POLICY_LOSSES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_c
 RATIO_FREE_LOSSES = ("vanilla", "gpg")
 # Forms that select tokens by the step's advantage × log-prob covariance.
 COV_LOSSES = ("clip_cov", "kl_cov")
+# Each form's own LossConfig keys (contract §6.2); the other keys are common to every form.
+POLICY_LOSS_KEYS = {"vanilla": ("eps_clip_c",), "dppo_tv": ("eps_clip_c",), "dppo_kl": ("eps_clip_c",), "gspo": (),
+                    "sapo": ("tau_pos", "tau_neg"), "gpg": (), "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+                    "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"), "geo_mean": (), "dro": ("dro_beta",), "cispo": ()}
+# The contract §6 table: algorithm -> (use_rollout_logprobs, use_tis).
+ALGORITHMS = {"ppo": (False, False), "bypass_ppo": (True, False), "decoupled_ppo": (False, True),
+              "reinforce_is": (True, True)}
 
 
 def metric_reduction(loss_agg_mode: str) -> str:
@@ -443,12 +450,7 @@ class LossConfig:
   @property
   def algorithm(self) -> str:
     """The contract §6 table row selected by the two flags."""
-    return {
-        (False, False): "ppo",
-        (True, False): "bypass_ppo",
-        (False, True): "decoupled_ppo",
-        (True, True): "reinforce_is",
-    }[(self.use_rollout_logprobs, self.use_tis)]
+    return next(name for name, flags in ALGORITHMS.items() if flags == (self.use_rollout_logprobs, self.use_tis))
 
   @property
   def needs_old_logprobs(self) -> bool:

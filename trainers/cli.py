@@ -39,9 +39,11 @@ def _config_epilog() -> str:
   from trainers.training import config as config_lib
   lines = ["config keys (YAML sections, or --set SECTION.KEY=VALUE; docs/reference/config.md):"]
   for section, cls in config_lib.SECTIONS.items():
-    for name, (field, _) in config_lib.fields_of(cls).items():
+    for path, field, _ in config_lib.config_keys(cls, section):
       default = "null" if field.default is None else field.default
-      lines.append(f"  {section}.{name} (default: {default}): {field.metadata['doc']}")
+      lines.append(f"  {path} (default: {default}): {field.metadata['doc']}")
+  lines.append("  loss.algorithm, loss.policy_loss: {name: FORM, <its keys>} and the other loss keys: "
+               "docs/reference/config.md")
   lines.append("precedence: YAML file < --set < dedicated flags (--run-dir, --steps, the loss flags). A loss flag "
                "that differs from the config's loss section, or --run-dir/--steps that differ from an explicit "
                "--set of the same key, is an error naming both.")
@@ -60,12 +62,12 @@ def train_parser() -> argparse.ArgumentParser:
   parser.add_argument("--run-dir", default=None, help="overrides the config's run_dir")
   parser.add_argument("--steps", type=int, default=None, help="overrides the config's train.steps")
   parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                      help="override a config value, e.g. --set rollout.sync_every=4 --set parallel.fsdp=8")
+                      help="override a config value, e.g. --set rollout.sync.sync_every=4 --set parallel.fsdp=8")
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   parser.add_argument("--save-rollouts", default=None, metavar="DIR",
-                      help="write each step's rollouts as Parquet records to DIR (rollout.save_dir)")
+                      help="write each step's rollouts as Parquet records to DIR (rollout.records.save_dir)")
   parser.add_argument("--load-rollouts", default=None, metavar="DIR",
-                      help="train from the records in DIR with no server (rollout.load_dir)")
+                      help="train from the records in DIR with no server (rollout.records.load_dir)")
   group = parser.add_argument_group(
       "several processes (jax.distributed; one command per host, one global mesh; default from "
       "JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID)")
@@ -108,21 +110,18 @@ def resolve_train_config(args):
     explicit[assignment.partition("=")[0]] = assignment
   origins = {path: f"--set {assignment}" for path, assignment in explicit.items()}
   for flag, path, value in (("--run-dir", "run_dir", args.run_dir), ("--steps", "train.steps", args.steps),
-                            ("--save-rollouts", "rollout.save_dir", args.save_rollouts),
-                            ("--load-rollouts", "rollout.load_dir", args.load_rollouts)):
+                            ("--save-rollouts", "rollout.records.save_dir", args.save_rollouts),
+                            ("--load-rollouts", "rollout.records.load_dir", args.load_rollouts)):
     if value is None:
       continue
     if path in explicit and str(value) != explicit[path].partition("=")[2]:
       raise mis_jax.ConfigError(f"{flag} {value} contradicts --set {explicit[path]}; remove one of them")
     config_lib.assign(raw, path, value)
     origins[path] = f"{flag} {value}"
-  raw_loss = raw.pop("loss", None) or {}
+  raw_loss = raw.pop("loss", None)
   cfg = config_lib.TrainConfig.from_dict(raw, source=args.config, origins=origins)
-  if not isinstance(raw_loss, dict):
-    raise mis_jax.ConfigError(f"{args.config}: loss must be a mapping of keys, got {type(raw_loss).__name__} "
-                              f"{raw_loss!r}")
   # The loss flags over the config's loss section: a flag that contradicts it is an error naming both.
-  cfg = cfg.replace(loss=mis_jax.config.loss_config_from_args(args, base=raw_loss))
+  cfg = cfg.replace(loss=config_lib.loss_config(raw_loss, args, source=args.config, origins=origins))
   for url in args.sglang_url:
     checks.check_url(url)
   return cfg, checks.check_config(cfg)
@@ -130,11 +129,11 @@ def resolve_train_config(args):
 
 def _start_server(cfg, weights_dir: str):
   """The server a run without `--sglang-url` starts: `mis-jax serve`, or sglang-jax from its venv
-  (`rollout.engine`), serving the starting weights as version "0"."""
+  (`rollout.placement.engine`), serving the starting weights as version "0"."""
   import mis_jax
   from trainers.training.rollout import ServerError
 
-  r = cfg.rollout
+  r = cfg.rollout.placement
   if r.engine == "sglang-jax":
     from trainers.serving.sglang_jax import launcher as sglang_jax
     from trainers.training.checks import model_config
@@ -143,7 +142,7 @@ def _start_server(cfg, weights_dir: str):
                                           enable_return_routed_experts=model_config(cfg).is_moe,
                                           extra=("--random-seed", str(cfg.seed)))
     except sglang_jax.EngineUnavailable as e:
-      raise mis_jax.ConfigError(f"rollout.engine sglang-jax: {e}") from None
+      raise mis_jax.ConfigError(f"rollout.placement.engine sglang-jax: {e}") from None
     except (RuntimeError, TimeoutError) as e:
       raise ServerError(f"sglang-jax did not start: {e}") from None
     print(f"sglang-jax {sglang_jax.VERSION} server on {server.url} ({r.server_dtype})")
@@ -187,14 +186,14 @@ def _train(argv: list[str] | None = None) -> int:
       f"{jax.process_count()} process(es); model {cfg.model.dtype} compute, {cfg.model.param_dtype} weights, "
       f"attention {attention}{f' ({reason})' if reason else ''}, remat {cfg.model.remat}")
   say(f"task: {task.summary}")
-  if cfg.rollout.max_staleness:
-    say(f"asynchronous rollouts: samples at most {cfg.rollout.max_staleness} weight version(s) old, "
-        f"servers paused with {cfg.rollout.pause_mode!r} during a sync")
+  if cfg.rollout.sync.max_staleness:
+    say(f"asynchronous rollouts: samples at most {cfg.rollout.sync.max_staleness} weight version(s) old, "
+        f"servers paused with {cfg.rollout.sync.pause_mode!r} during a sync")
   try:
     with contextlib.ExitStack() as running:  # the embedded server stops however the run ends
       urls = args.sglang_url
-      colocated = cfg.rollout.placement == "colocated"
-      if not urls and primary and not cfg.rollout.load_dir and not colocated:  # only process 0 talks to (and starts) a server
+      colocated = cfg.rollout.placement.mode == "colocated"
+      if not urls and primary and not cfg.rollout.records.load_dir and not colocated:  # only process 0 talks to (and starts) a server
         server = running.enter_context(_start_server(cfg, train.initial_weights_dir(cfg)))
         urls = [server.url]
       trainer = train.Trainer(cfg, urls=urls, task=task)

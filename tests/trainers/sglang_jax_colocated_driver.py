@@ -1,5 +1,5 @@
 """Runs in sglang-jax's venv, started by tests/trainers/test_sglang_jax.py: the trainer on each
-config of a JSON list, with sglang-jax colocated (`rollout.placement: colocated`) or behind its
+config of a JSON list, with sglang-jax colocated (`rollout.placement.mode: colocated`) or behind its
 HTTP server (`server`: started here from the same starting weights), each run's rollouts (as
 the trainer took them), metrics and final parameters written for the test to compare.
 

@@ -87,7 +87,7 @@ def _flat(params):
 def test_trajectories_train_on_exactly_the_sampled_and_observed_ids(server32, tmp_path, monkeypatch):
   spy = Spy(monkeypatch)
   records = str(tmp_path / "records")
-  trainer = _trainer(tmp_path, server32.url, rollout={"save_dir": records, "prompts_per_step": 2, "n": 4})
+  trainer = _trainer(tmp_path, server32.url, rollout={"records": {"save_dir": records}, "prompts_per_step": 2, "n": 4})
   before = _flat(trainer.params)
   history = trainer.run(progress=False)
   assert [h["step"] for h in history] == list(range(1, 11))
@@ -135,9 +135,9 @@ def test_trajectories_train_on_exactly_the_sampled_and_observed_ids(server32, tm
 def test_replayed_trajectories_train_bitwise_the_same(server32, tmp_path):
   records = str(tmp_path / "records")
   live = _trainer(tmp_path, server32.url, "live", train={"steps": 3},
-                  rollout={"save_dir": records, "prompts_per_step": 2, "n": 4}).run(progress=False)
+                  rollout={"records": {"save_dir": records}, "prompts_per_step": 2, "n": 4}).run(progress=False)
   replay = _trainer(tmp_path, None, "replay", train={"steps": 3},
-                    rollout={"load_dir": records, "prompts_per_step": 2, "n": 4}).run(progress=False)
+                    rollout={"records": {"load_dir": records}, "prompts_per_step": 2, "n": 4}).run(progress=False)
   skip = ("_s", "tokens_per_s")
   for a, b in zip(live, replay):
     for k in a:
@@ -149,8 +149,8 @@ def test_replayed_trajectories_train_bitwise_the_same(server32, tmp_path):
 def test_asynchronous_multi_turn_rollouts_keep_each_turns_version(server32, tmp_path):
   records = str(tmp_path / "records")
   history = _trainer(tmp_path, server32.url, train={"steps": 4},
-                     rollout={"save_dir": records, "prompts_per_step": 2, "n": 4, "max_staleness": 1,
-                              "pause_mode": "in_place"}).run(progress=False)
+                     rollout={"records": {"save_dir": records}, "prompts_per_step": 2, "n": 4,
+                              "sync": {"max_staleness": 1, "pause_mode": "in_place"}}).run(progress=False)
   assert [h["step"] for h in history] == [1, 2, 3, 4]
   for step in range(1, 5):
     cols, _ = rollout_records.read_step(rollout_records.step_path(records, step))

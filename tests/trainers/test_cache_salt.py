@@ -1,4 +1,4 @@
-"""The trainer's cache salt (`rollout.cache_salt`): every `/generate` carries SGLang's `extra_key`
+"""The trainer's cache salt (`rollout.sync.cache_salt`): every `/generate` carries SGLang's `extra_key`
 naming the weights it starts under, a fresh one from the moment each update begins (before the
 pause), so no engine with a prefix cache can answer it from KV of other weights. Against the
 fault server (it records every body); the engines' side is in test_server.py (the embedded
@@ -58,8 +58,9 @@ def test_the_trainer_salts_its_rollouts_unless_told_not_to(tmp_path):
   loss = mis_jax.LossConfig(use_tis=True)
   for salt in (True, False):
     with FakeSGLang() as fake:
-      cfg = make_cfg(tmp_path, f"salt-{salt}", rollout={"cache_salt": salt, "max_new_tokens": 3, "sync_every": 1, "mismatch_check": False,
-                                                        "initial_sync": "always"},
+      cfg = make_cfg(tmp_path, f"salt-{salt}", rollout={"sampling": {"max_new_tokens": 3},
+                                                        "sync": {"cache_salt": salt, "sync_every": 1,
+                                                                 "mismatch_check": False, "initial_sync": "always"}},
                      train={"steps": 2, "ppo_epochs": 1, "row_len": 16}, checkpoint={"every": 2})
       train_lib.Trainer(cfg, loss, urls=[fake.url]).run(progress=False)
       keys = _generate_keys(fake)

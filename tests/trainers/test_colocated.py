@@ -1,4 +1,4 @@
-"""Colocated rollouts (`rollout.placement: colocated`): the embedded engine in the trainer's
+"""Colocated rollouts (`rollout.placement.mode: colocated`): the embedded engine in the trainer's
 process, its weights handed over in memory. The same run with the engine behind `mis-jax serve`
 (a real process, HTTP, safetensors on disk) is the reference: every step's samples, rewards,
 losses and the parameters after the steps are equal."""
@@ -66,7 +66,7 @@ def test_colocated_equals_server_mode(tmp_path, case):
   with EmbeddedServer(init, dtype="bfloat16", seed=0, extra_args=("--enable-return-routed-experts", "--weight-version", "0")) as server:
     for placement in ("server", "colocated"):
       cfg = make_cfg(tmp_path, placement, model={"path": init}, train={"steps": 3},
-                     rollout={**rollout, "placement": placement})
+                     rollout={**rollout, "placement": {"mode": placement}})
       runs[placement] = _run(cfg, [server.url] if placement == "server" else [])
   _assert_same_runs(runs["server"], runs["colocated"])
   trainer, rollouts, history, _ = runs["colocated"]
@@ -83,7 +83,8 @@ def test_float32_engine_holds_the_trainers_current_weights(tmp_path):
   the trainer's to rounding (`mis_k3_kl` < 1e-6), so the weights handed over are the ones just
   trained. The engine's copy is freed while the step trains (nothing else generates then)."""
   cfg = make_cfg(tmp_path, model={"dtype": "float32"}, train={"steps": 3},
-                 rollout={"placement": "colocated", "server_dtype": "float32", "prompts_per_step": 4, "n": 4})
+                 rollout={"prompts_per_step": 4, "n": 4,
+                          "placement": {"mode": "colocated", "server_dtype": "float32"}})
   trainer = train_lib.Trainer(cfg, MIS, urls=[])
   engine, train = trainer.servers.weight_sync.engine.inner, trainer.fns.train
   seen = []
@@ -101,14 +102,15 @@ def test_float32_engine_holds_the_trainers_current_weights(tmp_path):
 
 
 def test_engine_over_the_mesh_equals_the_engine_on_one_device(tmp_path):
-  """`rollout.colocated_devices: mesh`: the engine's weights laid out as the trainer's over its 8
+  """`rollout.placement.colocated_devices: mesh`: the engine's weights laid out as the trainer's over its 8
   devices (each handover lands there too) and each batch's rows split over them. float32: every
   step's samples are those of the engine on the first device, the log-probs agree to rounding, and
   the engine reproduces the trainer's (`mis_k3_kl` < 1e-6)."""
   runs = {}
   for devices in ("first", "mesh"):
     cfg = make_cfg(tmp_path, devices, model={"dtype": "float32"}, train={"steps": 2},
-                   rollout={"placement": "colocated", "server_dtype": "float32", "colocated_devices": devices})
+                   rollout={"placement": {"mode": "colocated", "server_dtype": "float32",
+                                          "colocated_devices": devices}})
     trainer = train_lib.Trainer(cfg, MIS, urls=[])
     sampler = trainer.servers.weight_sync.engine.inner.sampler
     rows, prefill = [], sampler._prefill
@@ -136,8 +138,9 @@ def test_colocated_asynchronous_rollouts(tmp_path):
   """The producer thread generates on the engine while the trainer trains and pushes (paused in
   place): every trained sample is within `max_staleness` and the engine keeps its weights."""
   cfg = make_cfg(tmp_path, train={"steps": 4, "ppo_epochs": 1},
-                 rollout={"placement": "colocated", "max_staleness": 1, "pause_mode": "in_place",
-                          "prompts_per_step": 4, "n": 4, "mismatch_check": False})
+                 rollout={"prompts_per_step": 4, "n": 4,
+                          "placement": {"mode": "colocated"},
+                          "sync": {"max_staleness": 1, "pause_mode": "in_place", "mismatch_check": False}})
   trainer = train_lib.Trainer(cfg, MIS, urls=[])
   history = trainer.run(progress=False)
   assert [h["step"] for h in history] == [1, 2, 3, 4]
@@ -148,17 +151,17 @@ def test_colocated_asynchronous_rollouts(tmp_path):
 
 def test_colocated_config_errors(tmp_path):
   with pytest.raises(mis_jax.ConfigError, match="colocated generates in the trainer: no server URL"):
-    train_lib.Trainer(make_cfg(tmp_path, rollout={"placement": "colocated"}), MIS, urls=["http://127.0.0.1:9"])
+    train_lib.Trainer(make_cfg(tmp_path, rollout={"placement": {"mode": "colocated"}}), MIS, urls=["http://127.0.0.1:9"])
   with pytest.raises(mis_jax.ConfigError, match="placement"):
-    make_cfg(tmp_path, rollout={"placement": "remote"})
+    make_cfg(tmp_path, rollout={"placement": {"mode": "remote"}})
   # sglang-jax colocated (the shipped configs/sglang_jax.yaml) runs its Engine in this process: here
   # (Python 3.11) it cannot, and says where it can.
   cfg = TrainConfig.from_yaml("configs/sglang_jax.yaml").replace(run_dir=str(tmp_path / "sglang-jax"))
-  assert (cfg.rollout.engine, cfg.rollout.placement) == ("sglang-jax", "colocated")
+  assert (cfg.rollout.placement.engine, cfg.rollout.placement.mode) == ("sglang-jax", "colocated")
   with pytest.raises(mis_jax.ConfigError, match=r"no sglang-jax .*run the trainer in its venv.*--prepare --trainer"):
     train_lib.Trainer(cfg, MIS, urls=[])
   with pytest.raises(mis_jax.ConfigError, match="colocated_devices mesh lays out the embedded engine"):
-    train_lib.Trainer(make_cfg(tmp_path, rollout={"placement": "colocated", "engine": "sglang-jax",
-                                                  "colocated_devices": "mesh"}), MIS, urls=[])
+    train_lib.Trainer(make_cfg(tmp_path, rollout={"placement": {"mode": "colocated", "engine": "sglang-jax",
+                                                                "colocated_devices": "mesh"}}), MIS, urls=[])
   with pytest.raises(mis_jax.ConfigError, match="server_quantize 'int8' is the embedded engine's"):
-    train_lib.Trainer(make_cfg(tmp_path, rollout={"engine": "sglang-jax", "server_quantize": "int8"}), MIS, urls=[])
+    train_lib.Trainer(make_cfg(tmp_path, rollout={"placement": {"engine": "sglang-jax", "server_quantize": "int8"}}), MIS, urls=[])

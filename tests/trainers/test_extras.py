@@ -151,7 +151,7 @@ def test_the_trainer_carries_a_toy_extra(toy, tmp_path):
   model: a run against a server that returns it, then a replay of its records."""
   records = tmp_path / "records"
   with ToyServer() as fake:
-    cfg = make_cfg(tmp_path, rollout={"save_dir": str(records), "mismatch_check": False}, train={"steps": 2})
+    cfg = make_cfg(tmp_path, rollout={"sync": {"mismatch_check": False}, "records": {"save_dir": str(records)}}, train={"steps": 2})
     trainer = train_lib.Trainer(cfg, urls=[fake.url])  # (the fake's log-probs are random)
     assert [e.name for e in trainer.extras] == ["toy_score"]
     history = trainer.run(progress=False)
@@ -161,7 +161,7 @@ def test_the_trainer_carries_a_toy_extra(toy, tmp_path):
   cols, _ = rollout_records.read_step(rollout_records.step_path(str(records), 1))
   assert cols["toy_score"] == [toy_scores(ids) for ids in cols["response_ids"]]
 
-  replay = train_lib.Trainer(make_cfg(tmp_path, "replay", rollout={"load_dir": str(records)}, train={"steps": 1}),
+  replay = train_lib.Trainer(make_cfg(tmp_path, "replay", rollout={"records": {"load_dir": str(records)}}, train={"steps": 1}),
                              urls=[])
   rollout = replay.source.next(0)
   sb = replay.build_batch(rollout.prompts, rollout.result)

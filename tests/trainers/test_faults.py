@@ -21,7 +21,7 @@ import pytest
 import mis_jax
 from fake_sglang import FakeSGLang
 from helpers import cpu_process_env, free_port
-from test_train import ALGORITHMS, BASE, make_cfg
+from test_train import ALGORITHMS, BASE, make_cfg, merged
 from trainers.models import init_checkpoint
 from trainers.serving.embedded.server import EmbeddedServer
 from trainers.training import checkpointing, rollout_records, train as train_lib
@@ -44,7 +44,8 @@ def start(tmp_path_factory):
 
 
 def _cfg(tmp_path, name, path, steps=4, **sections):
-  rollout = {"server_dtype": "float32", "max_new_tokens": 4, **sections.pop("rollout", {})}
+  rollout = merged({"sampling": {"max_new_tokens": 4}, "placement": {"server_dtype": "float32"}},
+                   sections.pop("rollout", {}))
   train = {"steps": steps, "row_len": 16, "ppo_epochs": 1, **sections.pop("train", {})}
   return make_cfg(tmp_path, name, model={"path": path}, rollout=rollout, train=train, **sections)
 
@@ -88,7 +89,8 @@ def test_a_server_killed_and_restarted_mid_run_is_waited_for(start, tmp_path):
     time.sleep(3)
     box["server"] = EmbeddedServer(path, dtype="float32", port=port, extra_args=("--weight-version", "0"))
   cfg = _cfg(tmp_path, "restart", path, steps=5,
-             rollout={"server_restart_timeout_s": 120, "initial_sync": "always", "backoff_s": 0.05})
+             rollout={"transport": {"server_restart_timeout_s": 120, "backoff_s": 0.05},
+                      "sync": {"initial_sync": "always"}})
   trainer = train_lib.Trainer(cfg, DECOUPLED, urls=[srv.url])
   watcher = _when_logged(tmp_path / "restart", 2, restart)
   try:
@@ -118,8 +120,9 @@ def test_the_live_servers_carry_on_while_one_is_down(tmp_path):
       back["fake"] = FakeSGLang(port=port)
     watcher = _when_logged(tmp_path / "two", 1, leave_then_return)
     trainer = train_lib.Trainer(make_cfg(tmp_path, "two", train={"steps": 6, "ppo_epochs": 1},
-                                         rollout={"mismatch_check": False, "prompts_per_request": 1,
-                                                  "server_restart_timeout_s": 60}),
+                                         rollout={"transport": {"prompts_per_request": 1,
+                                                                "server_restart_timeout_s": 60},
+                                                  "sync": {"mismatch_check": False}}),
                                 mis_jax.LossConfig(), urls=[keeps.url, leaves.url])
     slow = trainer.train_on
     trainer.train_on = lambda sb: (time.sleep(0.2), slow(sb))[1]  # time for the watcher between steps
@@ -146,7 +149,7 @@ def _launch(config, run_dir, *extra, url=None):
 def _config(tmp_path, path, steps, every):
   raw = json.loads(json.dumps(BASE))
   raw["model"] = {"path": path}
-  raw["rollout"].update(server_dtype="float32", max_new_tokens=4)
+  raw["rollout"] = merged(raw["rollout"], {"sampling": {"max_new_tokens": 4}, "placement": {"server_dtype": "float32"}})
   raw["train"].update(steps=steps, ppo_epochs=1, row_len=16)
   raw["checkpoint"] = {"every": every, "max_to_keep": 2}
   config = tmp_path / f"cfg-{steps}-{every}.yaml"
@@ -209,7 +212,7 @@ def records(start, tmp_path_factory):
   """Six steps of rollout records from the float32 server."""
   path, srv = start
   tmp = tmp_path_factory.mktemp("records")
-  cfg = _cfg(tmp, "rec", path, steps=6, rollout={"save_dir": str(tmp / "records")})
+  cfg = _cfg(tmp, "rec", path, steps=6, rollout={"records": {"save_dir": str(tmp / "records")}})
   train_lib.Trainer(cfg, DECOUPLED, urls=[srv.url]).run(progress=False)
   return path, str(tmp / "records")
 
@@ -217,7 +220,7 @@ def records(start, tmp_path_factory):
 def _replay(tmp_path, name, records, steps=6, every=5):
   path, load_dir = records
   return _cfg(tmp_path, name, path, steps=steps, checkpoint={"every": every, "max_to_keep": 3},
-              rollout={"load_dir": load_dir, "save_dir": str(tmp_path / name / "records")})
+              rollout={"records": {"load_dir": load_dir, "save_dir": str(tmp_path / name / "records")}})
 
 
 def test_resume_after_a_signal_is_exact_and_each_step_is_logged_and_recorded_once(records, tmp_path):

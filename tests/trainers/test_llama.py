@@ -146,7 +146,7 @@ def test_mis_jax_train_two_steps_on_a_transformers_llama(tmp_path, capsys):
   run_dir = tmp_path / "run"
   code = cli.main(["train", "--config", "configs/demo.yaml", "--run-dir", str(run_dir), "--steps", "2", "--no-progress",
                    "--set", f"model.path={llama['path']}", "--set", "rollout.prompts_per_step=4",
-                   "--set", "rollout.n=4", "--set", "rollout.server_dtype=float32", "--set", "train.row_len=16"])
+                   "--set", "rollout.n=4", "--set", "rollout.placement.server_dtype=float32", "--set", "train.row_len=16"])
   out = capsys.readouterr()
   assert code == 0, out.err[-2000:]
   lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mis_jax
-from test_train import make_cfg
+from test_train import make_cfg, merged
 from trainers import cli
 from trainers.models import PRESETS, init_checkpoint, load_hf_checkpoint
 from trainers.serving import protocol
@@ -84,7 +84,7 @@ def test_without_the_flag_or_with_a_dense_model_replies_carry_no_routed_experts(
       reply = _generate(srv.url, body)
       assert reply.status_code == 200 and "routed_experts" not in reply.json()["meta_info"]
       if not extra:  # and the trainer says what to do
-        cfg = make_cfg(tmp_path, "noflag", model={"path": path}, rollout={"routing_replay": "r3"},
+        cfg = make_cfg(tmp_path, "noflag", model={"path": path}, rollout={"sampling": {"routing_replay": "r3"}},
                        train={"steps": 1})
         trainer = train_lib.Trainer(cfg, DECOUPLED, urls=[srv.url])
         with pytest.raises(ServerError, match="start the SGLang server with --enable-return-routed-experts"):
@@ -92,15 +92,17 @@ def test_without_the_flag_or_with_a_dense_model_replies_carry_no_routed_experts(
         assert trainer.step == 0 and not (tmp_path / "noflag" / "weights").exists()  # found before any step
 
 
-def _cfg(tmp_path, model_path, name, **rollout):
+def _cfg(tmp_path, model_path, name, rollout=None):
   return make_cfg(tmp_path, name, model={"path": model_path, "moe_dispatch": "grouped"},
-                  rollout={"server_dtype": "float32", "max_new_tokens": 6, **rollout},
+                  rollout=merged({"sampling": {"max_new_tokens": 6}, "placement": {"server_dtype": "float32"}},
+                                 rollout or {}),
                   train={"steps": 2, "ppo_epochs": 2, "row_len": 16, "tokens_per_micro_batch": 16})
 
 
 def test_r3_with_a_float32_engine_leaves_no_routing_mismatch(moe_server, tmp_path, step_traces):
   model_path, srv = moe_server
-  cfg = _cfg(tmp_path, model_path, "r3", routing_replay="r3", save_dir=str(tmp_path / "records"))
+  cfg = _cfg(tmp_path, model_path, "r3", {"sampling": {"routing_replay": "r3"},
+                                         "records": {"save_dir": str(tmp_path / "records")}})
   trainer = train_lib.Trainer(cfg, DECOUPLED, urls=[srv.url])
   result = trainer.servers.generate(trainer.prompts(0), 0)
   s = result.samples[0]
@@ -115,7 +117,8 @@ def test_r3_with_a_float32_engine_leaves_no_routing_mismatch(moe_server, tmp_pat
     assert h["routing_mismatch_layer/0"] == 0 and h["routing_positions"] > 0
   assert history[0]["mis_k3_kl"] < 1e-9 and history[0]["train_rollout_logprob_abs_diff"] < 2e-5
   # The records carry the routed experts; a replay from them trains the same step 1.
-  replay = _cfg(tmp_path, model_path, "replayed", routing_replay="r3", load_dir=str(tmp_path / "records"))
+  replay = _cfg(tmp_path, model_path, "replayed", {"sampling": {"routing_replay": "r3"},
+                                                   "records": {"load_dir": str(tmp_path / "records")}})
   replayed = train_lib.Trainer(replay, DECOUPLED, urls=[]).run(progress=False)
   for key in ("loss", "grad_norm", "mis_k3_kl", "routing_mismatch_frac"):
     np.testing.assert_allclose(replayed[0][key], history[0][key], rtol=1e-5, atol=1e-8, err_msg=key)
@@ -123,9 +126,10 @@ def test_r3_with_a_float32_engine_leaves_no_routing_mismatch(moe_server, tmp_pat
 
 def test_r2_and_measuring_only_with_asynchronous_rollouts(moe_server, tmp_path):
   model_path, srv = moe_server
-  r2 = train_lib.Trainer(_cfg(tmp_path, model_path, "r2", routing_replay="r2", record_routing=True),
+  r2 = train_lib.Trainer(_cfg(tmp_path, model_path, "r2", {"sampling": {"routing_replay": "r2", "record_routing": True}}),
                          DECOUPLED, urls=[srv.url]).run(progress=False)
-  measured = train_lib.Trainer(_cfg(tmp_path, model_path, "measure", record_routing=True, max_staleness=1),
+  measured = train_lib.Trainer(_cfg(tmp_path, model_path, "measure", {"sampling": {"record_routing": True},
+                                                                      "sync": {"max_staleness": 1}}),
                                DECOUPLED, urls=[srv.url]).run(progress=False)
   for h in r2 + measured:
     assert np.isfinite(h["loss"]) and "routing_mismatch_frac" in h
@@ -135,10 +139,10 @@ def test_r2_and_measuring_only_with_asynchronous_rollouts(moe_server, tmp_path):
 
 
 @pytest.mark.parametrize("sets,needle", [
-    (["rollout.routing_replay=r3"], "rollout.routing_replay r3 needs a mixture-of-experts model; qwen3 is dense"),
-    (["rollout.record_routing=true"], "rollout.record_routing needs a mixture-of-experts model"),
-    (["model.preset=tiny-qwen3-moe", "rollout.routing_replay=r3", "rollout.record_routing=false"],
-     "rollout.record_routing cannot be false with it"),
+    (["rollout.sampling.routing_replay=r3"], "rollout.sampling.routing_replay r3 needs a mixture-of-experts model; qwen3 is dense"),
+    (["rollout.sampling.record_routing=true"], "rollout.sampling.record_routing needs a mixture-of-experts model"),
+    (["model.preset=tiny-qwen3-moe", "rollout.sampling.routing_replay=r3", "rollout.sampling.record_routing=false"],
+     "rollout.sampling.record_routing cannot be false with it"),
     (["parallel.expert=2"], "parallel.expert=2 needs a mixture-of-experts model"),
     (["model.preset=tiny-qwen3-moe", "parallel.expert=16", "parallel.fsdp=1"],
      "parallel: data=1 x fsdp=1 x expert=16 x tensor=1 (= 16) does not divide the 8 devices"),
@@ -183,7 +187,7 @@ def test_shipped_moe_config():
   from trainers.training.config import TrainConfig
   cfg = TrainConfig.from_yaml("configs/moe_r3.yaml")
   checks.check_config(cfg)
-  assert PRESETS[cfg.model.preset].is_moe and cfg.rollout.routing_replay == "r3"
+  assert PRESETS[cfg.model.preset].is_moe and cfg.rollout.sampling.routing_replay == "r3"
   assert checks.routing_setup(cfg.rollout, PRESETS[cfg.model.preset])[1] == RoutingSpec(2, 2, 8)
 
 
@@ -193,6 +197,6 @@ def test_r3_with_the_other_algorithms(algo, moe_server, tmp_path):
   still measures the mismatch, and the replayed routing reaches every training forward."""
   from test_train import ALGORITHMS
   model_path, srv = moe_server
-  cfg = _cfg(tmp_path, model_path, algo, routing_replay="r3")
+  cfg = _cfg(tmp_path, model_path, algo, {"sampling": {"routing_replay": "r3"}})
   (h1, h2) = train_lib.Trainer(cfg, mis_jax.LossConfig(**ALGORITHMS[algo]), urls=[srv.url]).run(progress=False)
   assert h1["routing_mismatch_frac"] == 0 and h1["mis_k3_kl"] < 1e-9 and np.isfinite(h2["loss"])

@@ -135,6 +135,6 @@ def test_bad_quantize_is_refused_before_anything_starts(tiny_checkpoint):
 def test_trainer_config_key():
   from trainers.training.config import TrainConfig
   import mis_jax
-  assert TrainConfig.from_dict({"rollout": {"server_quantize": "fp8"}}).rollout.server_quantize == "fp8"
-  with pytest.raises(mis_jax.ConfigError, match="rollout.server_quantize has invalid value 'int4'"):
-    TrainConfig.from_dict({"rollout": {"server_quantize": "int4"}})
+  assert TrainConfig.from_dict({"rollout": {"placement": {"server_quantize": "fp8"}}}).rollout.placement.server_quantize == "fp8"
+  with pytest.raises(mis_jax.ConfigError, match="rollout.placement.server_quantize has invalid value 'int4'"):
+    TrainConfig.from_dict({"rollout": {"placement": {"server_quantize": "int4"}}})

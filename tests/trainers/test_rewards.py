@@ -5,7 +5,6 @@ import threading
 
 import pytest
 
-from trainers.training import config as config_lib
 from trainers.tasks import rewards
 
 GSM8K_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nAltogether she sold 48+24 = <<48+24=72>>72.\n#### 72"
@@ -110,7 +109,3 @@ def test_math_ground_truth_problems_and_thread_safety():
   thread.start()
   thread.join()
   assert out == [1.0]
-
-
-def test_the_config_lists_the_builtin_rewards():
-  assert config_lib.REWARDS == tuple(rewards.REWARDS)

@@ -125,8 +125,9 @@ def f32_server(tmp_path_factory):
 
 def _replay_cfg(tmp_path, model_path, name, top_k, top_p, min_p, replay="auto"):
   return make_cfg(tmp_path, name, model={"path": model_path},
-                  rollout={"temperature": 1.0, "top_k": top_k, "top_p": top_p, "min_p": min_p,
-                           "sampling_replay": replay, "max_new_tokens": 6, "server_dtype": "float32"},
+                  rollout={"sampling": {"temperature": 1.0, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+                                        "sampling_replay": replay, "max_new_tokens": 6},
+                           "placement": {"server_dtype": "float32"}},
                   train={"steps": 1, "ppo_epochs": 1, "row_len": 16})
 
 
@@ -162,17 +163,17 @@ def test_replay_off_keeps_full_vocabulary_logprobs_with_a_warning(f32_server, tm
 
 def test_a_server_without_sampling_masks_is_a_clear_error(tmp_path):
   with FakeSGLang() as fake:
-    cfg = make_cfg(tmp_path, rollout={"top_k": 10, "top_p": 0.9})
+    cfg = make_cfg(tmp_path, rollout={"sampling": {"top_k": 10, "top_p": 0.9}})
     with pytest.raises(ServerError, match="/generate: the reply has no meta_info.output_token_sampling_mask .* "
-                                                      "rollout.sampling_replay: off"):
+                                                      "rollout.sampling.sampling_replay: off"):
       train_lib.Trainer(cfg, mis_jax.LossConfig(), urls=[fake.url]).run(progress=False)
 
 
 @pytest.mark.parametrize("sets,needle", [
-    (["rollout.top_p=0.9"], "rollout.sampling_replay auto (rollout.top_p 0.9, min_p 0.0) needs a finite rollout.top_k"),
-    (["rollout.sampling_replay=on"], "rollout.sampling_replay on (untruncated sampling) needs a finite rollout.top_k"),
-    (["rollout.top_k=5000"], "rollout.top_k 5000 exceeds rollout.sampling_mask_max_tokens 4096"),
-    (["rollout.temperature=0", "rollout.sampling_replay=on"], "greedy sampling"),
+    (["rollout.sampling.top_p=0.9"], "rollout.sampling.sampling_replay auto (rollout.sampling.top_p 0.9, min_p 0.0) needs a finite rollout.sampling.top_k"),
+    (["rollout.sampling.sampling_replay=on"], "rollout.sampling.sampling_replay on (untruncated sampling) needs a finite rollout.sampling.top_k"),
+    (["rollout.sampling.top_k=5000"], "rollout.sampling.top_k 5000 exceeds rollout.sampling.sampling_mask_max_tokens 4096"),
+    (["rollout.sampling.temperature=0", "rollout.sampling.sampling_replay=on"], "greedy sampling"),
 ])
 def test_configs_that_cannot_replay_are_errors(sets, needle, tmp_path, capsys):
   run_dir = tmp_path / "run"
@@ -190,8 +191,9 @@ def test_replay_with_asynchronous_rollouts(f32_server, tmp_path, step_traces):
   supports; the masks survive the JSON broadcast that feeds other trainer processes."""
   model_path, srv = f32_server
   cfg = make_cfg(tmp_path, "async", model={"path": model_path},
-                 rollout={"top_k": 20, "top_p": 0.9, "max_new_tokens": 6, "server_dtype": "float32",
-                          "max_staleness": 1},
+                 rollout={"sampling": {"top_k": 20, "top_p": 0.9, "max_new_tokens": 6},
+                          "placement": {"server_dtype": "float32"},
+                          "sync": {"max_staleness": 1}},
                  train={"steps": 2, "ppo_epochs": 1, "row_len": 16})
   loss_cfg = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(use_rs=True, tis_mode="mask"))
   trainer = train_lib.Trainer(cfg, loss_cfg, urls=[srv.url])
@@ -209,4 +211,4 @@ def test_replay_with_asynchronous_rollouts(f32_server, tmp_path, step_traces):
 def test_shipped_sampling_replay_config():
   from trainers.training.config import TrainConfig
   cfg = TrainConfig.from_yaml("configs/sampling_replay.yaml")
-  assert cfg.rollout.sampling_replay == "on" and checks.sampling_replay_width(cfg.rollout) == 20
+  assert cfg.rollout.sampling.sampling_replay == "on" and checks.sampling_replay_width(cfg.rollout) == 20

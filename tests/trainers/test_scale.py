@@ -16,7 +16,7 @@ from flax import nnx
 import mis_jax
 from fake_sglang import FakeSGLang
 from helpers import cpu_process_env, free_port
-from test_train import ALGORITHMS, BASE, embedded_server, make_cfg
+from test_train import ALGORITHMS, BASE, embedded_server, make_cfg, merged
 from trainers.training import checks, train as train_lib
 from trainers.models import PRESETS, CausalLM, hf_state_dict, load_hf_checkpoint, read_hf_tensors
 from trainers.training.weight_sync import save_hf_sharded
@@ -73,8 +73,9 @@ def test_weight_sync_reaches_four_servers_concurrently():
   assert max(starts) - min(starts) < 0.5
 
 
-def _timed_trainer(tmp_path, name, url, train_delay_s, **rollout):
-  cfg = make_cfg(tmp_path, name, rollout={"prompts_per_request": 16, "mismatch_check": False, **rollout},
+def _timed_trainer(tmp_path, name, url, train_delay_s, rollout=None):
+  cfg = make_cfg(tmp_path, name, rollout=merged({"transport": {"prompts_per_request": 16},
+                                                 "sync": {"mismatch_check": False}}, rollout or {}),
                  train={"steps": 4})
   trainer = train_lib.Trainer(cfg, DECOUPLED, urls=[url])
   train_on = trainer.train_on
@@ -94,7 +95,7 @@ def test_asynchronous_loop_overlaps_generation_and_training(tmp_path):
   with FakeSGLang(generate_delay_s=x) as fake:
     sync = _timed_trainer(tmp_path, "sync", fake.url, y).run(progress=False)
     fake.weight_version = "init"
-    asynchronous = _timed_trainer(tmp_path, "async", fake.url, y, max_staleness=1, pause_mode="retract").run(
+    asynchronous = _timed_trainer(tmp_path, "async", fake.url, y, {"sync": {"max_staleness": 1, "pause_mode": "retract"}}).run(
         progress=False)
   assert [h["server_weight_version"] for h in sync] == ["0", "1", "2", "3"]
   assert all(h["rollout/staleness_max"] == 0 for h in sync)
@@ -114,14 +115,16 @@ def test_asynchronous_loop_overlaps_generation_and_training(tmp_path):
 
 def test_samples_older_than_the_bound_are_dropped_and_counted(tmp_path):
   with FakeSGLang(fault="stale_versions") as fake:  # reports weights 2 versions behind
-    history = train_lib.Trainer(make_cfg(tmp_path, "k2", rollout={"max_staleness": 2, "mismatch_check": False}, train={"steps": 4}),
+    history = train_lib.Trainer(make_cfg(tmp_path, "k2", rollout={"sync": {"max_staleness": 2,
+                                                                           "mismatch_check": False}}, train={"steps": 4}),
                                 DECOUPLED, urls=[fake.url]).run(progress=False)
     # Generated ahead (asynchronously) by a lagging server: the older samples are dropped and
     # counted, the trained ones are exactly at the bound.
     assert [h["rollout/staleness_max"] for h in history] == [0, 1, 2, 2]  # 0, 1: versions 0, 0, ...
     assert all(h["rollout/staleness_mean"] <= 2 for h in history)
     fake.weight_version = "init"
-    trainer = train_lib.Trainer(make_cfg(tmp_path, "k1", rollout={"max_staleness": 1, "mismatch_check": False}, train={"steps": 6}),
+    trainer = train_lib.Trainer(make_cfg(tmp_path, "k1", rollout={"sync": {"max_staleness": 1,
+                                                                           "mismatch_check": False}}, train={"steps": 6}),
                                 DECOUPLED, urls=[fake.url])
     with pytest.raises(train_lib.TrainingError, match="no sample within max_staleness 1"):
       trainer.run(progress=False)
@@ -130,7 +133,7 @@ def test_samples_older_than_the_bound_are_dropped_and_counted(tmp_path):
 
 
 def test_asynchronous_faults_stop_cleanly_and_resume(tmp_path):
-  cfg = lambda name, steps: make_cfg(tmp_path, name, rollout={"max_staleness": 1, "mismatch_check": False},
+  cfg = lambda name, steps: make_cfg(tmp_path, name, rollout={"sync": {"max_staleness": 1, "mismatch_check": False}},
                                      train={"steps": steps})
   # A server dying mid-generation: the producer's error stops the run at that batch.
   with FakeSGLang(fault="die_after", after=3) as fake:
@@ -202,7 +205,7 @@ def test_two_processes_equal_one_process_through_a_kill_and_resume(f32_server, t
   import transformers
   raw = json.loads(json.dumps(BASE))
   raw["train"].update(steps=3, adam_eps=1e-4)  # Adam eps: see test_step (rounding noise is not amplified)
-  raw["rollout"]["server_dtype"] = "float32"
+  raw["rollout"]["placement"] = {"server_dtype": "float32"}
   raw["parallel"] = {"data": 2, "fsdp": 4}
   config = tmp_path / "cfg.yaml"
   config.write_text(json.dumps(raw))
@@ -261,14 +264,14 @@ def test_bad_process_flags_are_one_line_errors(flags, fragment, capsys):
 
 
 def test_async_config_rules(tmp_path):
-  with pytest.raises(mis_jax.ConfigError, match="rollout.max_staleness 1 with rollout.sync_every 2"):
-    checks.check_config(make_cfg(tmp_path, rollout={"max_staleness": 1, "sync_every": 2},
+  with pytest.raises(mis_jax.ConfigError, match="rollout.sync.max_staleness 1 with rollout.sync.sync_every 2"):
+    checks.check_config(make_cfg(tmp_path, rollout={"sync": {"max_staleness": 1, "sync_every": 2}},
                                  checkpoint={"every": 2}))
   with pytest.warns(UserWarning, match="only decoupled PPO .* corrects for stale rollouts"):
-    checks.check_config(make_cfg(tmp_path, rollout={"max_staleness": 1}))
+    checks.check_config(make_cfg(tmp_path, rollout={"sync": {"max_staleness": 1}}))
   from trainers.training.config import TrainConfig
   cfg = TrainConfig.from_yaml("configs/async.yaml")
-  assert (cfg.rollout.max_staleness, cfg.rollout.pause_mode) == (1, "retract")
+  assert (cfg.rollout.sync.max_staleness, cfg.rollout.sync.pause_mode) == (1, "retract")
   assert cfg.loss.algorithm == "decoupled_ppo"
 
 
@@ -285,7 +288,7 @@ def test_moe_routing_replay_two_processes_equal_one(tmp_path):
   raw = json.loads(json.dumps(BASE))
   raw["model"] = {"path": str(weights)}
   raw["train"].update(steps=2, adam_eps=1e-4)
-  raw["rollout"].update(server_dtype="float32", routing_replay="r3")
+  raw["rollout"].update(placement={"server_dtype": "float32"}, sampling={"routing_replay": "r3"})
   raw["parallel"] = {"fsdp": 2, "expert": 4}
   config = tmp_path / "cfg.yaml"
   config.write_text(json.dumps(raw))

@@ -25,7 +25,7 @@ import pytest
 
 import mis_jax
 from helpers import parse_source
-from test_train import make_cfg, raw_cfg
+from test_train import make_cfg, merged, raw_cfg
 from trainers.models import PRESETS, init_checkpoint
 from trainers.serving.sglang_jax import launcher as sglang_jax
 from trainers.serving.embedded.server import EmbeddedServer
@@ -88,8 +88,10 @@ def test_the_trainer_pushes_its_weights_after_every_step(real_server, checkpoint
   engine held the trainer's weights of that step, not the first ones), and in float32 every
   step's mismatch is rounding."""
   cfg = make_cfg(tmp_path, "sgl", model={"path": checkpoints["start"]},
-                 rollout={"server_dtype": "float32", "max_new_tokens": 4, "sync_every": 1, "save_dir": str(tmp_path / "rec"),
-                          "initial_sync": "always"},
+                 rollout={"sampling": {"max_new_tokens": 4},
+                          "placement": {"server_dtype": "float32"},
+                          "sync": {"sync_every": 1, "initial_sync": "always"},
+                          "records": {"save_dir": str(tmp_path / "rec")}},
                  train={"steps": 10, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 10})
   history = train_lib.Trainer(cfg, LOSS, urls=[real_server]).run(progress=False)
   assert [h["step"] for h in history] == list(range(1, 11)) and all(h["num_samples"] == 16 for h in history)
@@ -109,8 +111,8 @@ def test_multi_turn_trajectories_train_on_the_engines_own_tokens(real_server, ch
   corrected: in float32, rounding (test_agents_train.py on the embedded server)."""
   from test_agents_train import ThreeTurns
   cfg = make_cfg(tmp_path, "agent", model={"path": checkpoints["start"]}, agent={"max_turns": 4},
-                 rollout={"server_dtype": "float32", "prompts_per_step": 2, "n": 4, "initial_sync": "always",
-                          "save_dir": str(tmp_path / "rec")},
+                 rollout={"placement": {"server_dtype": "float32"}, "prompts_per_step": 2, "n": 4,
+                          "sync": {"initial_sync": "always"}, "records": {"save_dir": str(tmp_path / "rec")}},
                  train={"steps": 10, "row_len": 32, "tokens_per_micro_batch": 128, "ppo_epochs": 1},
                  checkpoint={"every": 10})
   history = train_lib.Trainer(cfg, LOSS, urls=[real_server], task=ThreeTurns()).run(progress=False)
@@ -172,8 +174,10 @@ def test_asynchronous_rollouts_through_pause_and_continue(real_server, checkpoin
   across the update and carry SGLang's weight_versions spans; tokens more than one version old
   leave the loss (max_token_staleness 1)."""
   cfg = make_cfg(tmp_path, "async", model={"path": checkpoints["start"]},
-                 rollout={"server_dtype": "float32", "max_new_tokens": 4, "sync_every": 1, "max_staleness": 2,
-                          "max_token_staleness": 1, "pause_mode": "in_place", "initial_sync": "always"},
+                 rollout={"sampling": {"max_new_tokens": 4},
+                          "placement": {"server_dtype": "float32"},
+                          "sync": {"sync_every": 1, "max_staleness": 2, "max_token_staleness": 1,
+                                   "pause_mode": "in_place", "initial_sync": "always"}},
                  train={"steps": 4, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 4})
   history = train_lib.Trainer(cfg, LOSS, urls=[real_server]).run(progress=False)
   assert [h["step"] for h in history] == [1, 2, 3, 4]
@@ -189,7 +193,7 @@ def test_asynchronous_rollouts_through_pause_and_continue(real_server, checkpoin
 
 
 def test_a_response_straddling_an_update_trains_only_its_fresh_tokens(real_server, checkpoints):
-  """rollout.max_token_staleness on a real engine: a long response paused in place across a
+  """rollout.sync.max_token_staleness on a real engine: a long response paused in place across a
   weight update comes back with two weight_versions spans, and only the tokens after the switch
   are trained on (tests/trainers/test_token_staleness.py, on the embedded server too)."""
   from test_token_staleness import check_straddling_response
@@ -259,8 +263,11 @@ class _Neighbour:
 
 def _in_place_run(url, start_path, tmp_path, name, *, cache_salt: bool, **rollout) -> list:
   cfg = make_cfg(tmp_path, name, model={"path": start_path},
-                 rollout={"server_dtype": "float32", "max_new_tokens": 4, "sync_every": 1, "pause_mode": "in_place",
-                          "initial_sync": "always", "cache_salt": cache_salt, "mismatch_check": False, **rollout},
+                 rollout={**rollout,
+                          "sampling": {"max_new_tokens": 4},
+                          "placement": {"server_dtype": "float32"},
+                          "sync": {"sync_every": 1, "pause_mode": "in_place", "initial_sync": "always",
+                                   "cache_salt": cache_salt, "mismatch_check": False}},
                  train={"steps": 3, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 3})
   return train_lib.Trainer(cfg, LOSS, urls=[url]).run(progress=False)
 
@@ -292,8 +299,11 @@ def test_asynchronous_in_place_training_trains_exact_fresh_samples(real_server, 
   step trains matches the trainer to rounding (k3 < 1e-6); the records say which is which."""
   name = "async"
   cfg = make_cfg(tmp_path, name, model={"path": checkpoints["start"]},
-                 rollout={"server_dtype": "float32", "max_new_tokens": 12, "sync_every": 1, "max_staleness": 1,
-                          "pause_mode": "in_place", "initial_sync": "always", "save_dir": str(tmp_path / "rec")},
+                 rollout={"sampling": {"max_new_tokens": 12},
+                          "placement": {"server_dtype": "float32"},
+                          "sync": {"sync_every": 1, "max_staleness": 1, "pause_mode": "in_place",
+                                   "initial_sync": "always"},
+                          "records": {"save_dir": str(tmp_path / "rec")}},
                  train={"steps": 5, "row_len": 24, "ppo_epochs": 1}, checkpoint={"every": 5})
   trainer = train_lib.Trainer(cfg, LOSS, urls=[real_server])
   spans, generate = {}, trainer.servers.client.generate
@@ -318,7 +328,7 @@ def test_asynchronous_in_place_training_trains_exact_fresh_samples(real_server, 
 
 def test_sampling_replay_stops_before_step_1(real_server, checkpoints, tmp_path):
   cfg = make_cfg(tmp_path, "masks", model={"path": checkpoints["start"]},
-                 rollout={"server_dtype": "float32", "max_new_tokens": 4, "top_k": 5},
+                 rollout={"sampling": {"max_new_tokens": 4, "top_k": 5}, "placement": {"server_dtype": "float32"}},
                  train={"steps": 2, "row_len": 16}, checkpoint={"every": 2})
   with pytest.raises(NoSamplingMask, match="sampling_replay: off"):
     train_lib.Trainer(cfg, LOSS, urls=[real_server]).run(progress=False)
@@ -349,7 +359,9 @@ def test_bfloat16_engine_stays_in_the_bf16_band(checkpoints, tmp_path):
   low_diff, low_k3 = servers_lib.MISMATCH_LIMITS["low"]
   with start(checkpoints["start"], tmp_path, dtype="bfloat16") as server:
     cfg = make_cfg(tmp_path, "bf16", model={"path": checkpoints["start"]},
-                   rollout={"server_dtype": "bfloat16", "max_new_tokens": 4, "sync_every": 1},
+                   rollout={"sampling": {"max_new_tokens": 4},
+                            "placement": {"server_dtype": "bfloat16"},
+                            "sync": {"sync_every": 1}},
                    train={"steps": 3, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 3})
     history = train_lib.Trainer(cfg, LOSS, urls=[server.url]).run(progress=False)
   diffs = [h["train_rollout_logprob_abs_diff"] for h in history]
@@ -406,15 +418,17 @@ def engine_venv_runs(checkpoints, tmp_path_factory):
   moe = str(root / "moe-init")
   init_checkpoint(moe, config=config, seed=0)
   _write_tokenizer(moe, config.vocab_size)
-  loss = {"use_tis": True, "mis": {"use_rs": True, "tis_mode": "mask"}}
-  rollout = {"engine": "sglang-jax", "server_dtype": "float32", "max_new_tokens": 4}
+  loss = {"algorithm": "decoupled_ppo", "mis": {"use_rs": True, "tis_mode": "mask"}}
+  rollout = {"sampling": {"max_new_tokens": 4}, "placement": {"engine": "sglang-jax", "server_dtype": "float32"}}
   configs = {}
   for placement in ("server", "colocated"):
     configs[placement] = raw_cfg(root, placement, model={"path": checkpoints["start"], "dtype": "float32"}, loss=loss,
-                                 rollout={**rollout, "placement": placement}, train={"steps": 2, "row_len": 16},
+                                 rollout=merged(rollout, {"placement": {"mode": placement}}),
+                                 train={"steps": 2, "row_len": 16},
                                  checkpoint={"every": 2})
     configs[f"moe-{placement}"] = raw_cfg(root, f"moe-{placement}", model={"path": moe, "dtype": "float32"}, loss=loss,
-                                          rollout={**rollout, "placement": placement, "routing_replay": "r3"},
+                                          rollout=merged(rollout, {"sampling": {"routing_replay": "r3"},
+                                                                   "placement": {"mode": placement}}),
                                           train={"steps": 3, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 3})
   configs["colocated"]["errors"] = True
   return root, _in_engine_venv(configs, root, devices=2)

@@ -1,4 +1,4 @@
-"""Per-token staleness (`rollout.max_token_staleness`): the response tokens generated more than
+"""Per-token staleness (`rollout.sync.max_token_staleness`): the response tokens generated more than
 k weight versions before the step leave the loss and stay as context, read off SGLang's
 `weight_versions` spans. Checked against a loop over the tokens, and on servers whose responses
 straddle a weight update (a pause in place): the embedded server here, sglang-jax in
@@ -151,7 +151,7 @@ def test_loglinear_trains_on_stale_tokens_without_the_old_logprob_pass(tmp_path)
   pass; fresh tokens train as bypass PPO (o = q: weights 1, ois = exp(lp - q)), stale ones get
   an interpolated proximal policy (weights move off 1)."""
   with FakeSGLang(fault="stale_versions") as fake:
-    cfg = make_cfg(tmp_path, rollout={"mismatch_check": False}, train={"steps": 3, "ppo_epochs": 1})
+    cfg = make_cfg(tmp_path, rollout={"sync": {"mismatch_check": False}}, train={"steps": 3, "ppo_epochs": 1})
     trainer = _no_old_logprob_pass(train_lib.Trainer(cfg, LOGLINEAR, urls=[fake.url]))
     batches = []
     build = trainer.build_batch
@@ -177,7 +177,7 @@ def test_loglinear_with_fresh_tokens_is_the_bypass_ppo_step(tmp_path):
   runs = {}
   with FakeSGLang() as fake:
     for name, loss_cfg in (("loglinear", LOGLINEAR), ("bypass", mis_jax.LossConfig(use_rollout_logprobs=True))):
-      cfg = make_cfg(tmp_path, name, rollout={"mismatch_check": False}, train={"steps": 2})
+      cfg = make_cfg(tmp_path, name, rollout={"sync": {"mismatch_check": False}}, train={"steps": 2})
       with pytest.warns(UserWarning, match="bypass PPO's") if name == "loglinear" else contextlib.nullcontext():
         trainer = _no_old_logprob_pass(train_lib.Trainer(cfg, loss_cfg, urls=[fake.url]))
       trainer.run(progress=False)

@@ -24,8 +24,9 @@ BASE = {
     "seed": 0,
     "model": {"preset": "tiny-qwen3", "initializer_range": 0.1},
     "task": {"name": "copy_digits", "num_digits": 3},
-    "rollout": {"prompts_per_step": 4, "n": 4, "max_retries": 1, "backoff_s": 0.01, "health_attempts": 2,
-                "timeout_s": 60, "server_restart_timeout_s": 0},  # fault tests: a dead server stops the run
+    "rollout": {"prompts_per_step": 4, "n": 4,
+                "transport": {"max_retries": 1, "backoff_s": 0.01, "health_attempts": 2, "timeout_s": 60,
+                              "server_restart_timeout_s": 0}},  # fault tests: a dead server stops the run
     "train": {"steps": 3, "tokens_per_micro_batch": 64, "row_len": 32, "ppo_epochs": 2, "learning_rate": 3e-3},
     "checkpoint": {"every": 1, "max_to_keep": 2},
 }
@@ -39,14 +40,20 @@ ALGORITHMS = {
 }
 
 
+def merged(base: dict, *overrides: dict) -> dict:
+  """`base` with each override merged in, a nested mapping into its own (`rollout.sync` keys
+  update `rollout.sync`); neither is changed."""
+  out = json.loads(json.dumps(base))
+  for over in overrides:
+    for key, value in over.items():
+      out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+  return out
+
+
 def raw_cfg(tmp_path, name="run", **sections) -> dict:
-  """`BASE` with `sections` merged in (a dict updates its section), run_dir `tmp_path/name`."""
-  raw = json.loads(json.dumps(BASE))
-  for key, value in sections.items():
-    if isinstance(value, dict):
-      raw.setdefault(key, {}).update(value)
-    else:
-      raw[key] = value
+  """`BASE` with `sections` merged in (a dict updates its section, a nested one its own), run_dir
+  `tmp_path/name`."""
+  raw = merged(BASE, sections)
   raw["run_dir"] = str(tmp_path / name)
   return raw
 
@@ -103,7 +110,7 @@ def _model_info(url):
 def _trainer(tmp_path, url, **sections):
   """A trainer for the fake server: its random log-probs are another model's, so the mismatch
   sanity check is off."""
-  sections["rollout"] = {"mismatch_check": False, **sections.get("rollout", {})}
+  sections["rollout"] = merged({"sync": {"mismatch_check": False}}, sections.get("rollout", {}))
   return train_lib.Trainer(make_cfg(tmp_path, **sections), mis_jax.LossConfig(), urls=[url])
 
 
@@ -142,7 +149,7 @@ def test_malformed_samples_are_rejected_and_stop_the_run(tmp_path, fault, reason
 
 def test_rejected_and_aborted_samples_are_never_trained_on(tmp_path):
   with FakeSGLang(fault="malformed_null") as fake:
-    trainer = _trainer(tmp_path, fake.url, rollout={"max_rejected_fraction": 0.6}, train={"steps": 1})
+    trainer = _trainer(tmp_path, fake.url, rollout={"transport": {"max_rejected_fraction": 0.6}}, train={"steps": 1})
     history = trainer.run(progress=False)
   assert history[0]["num_rejected"] == 8 and history[0]["num_samples"] == 8
   with FakeSGLang(fault="some_aborted") as fake:
@@ -250,7 +257,7 @@ def test_steps_masked_whole_warn_then_stop_naming_the_setting(tmp_path):
   mis = mis_jax.MISConfig(tis_mode="mask", tis_lower_bound=0.999, tis_upper_bound=1.001)
   logs = []
   with FakeSGLang() as fake:
-    cfg = make_cfg(tmp_path, train={"steps": 5, "max_consecutive_masked_steps": 2}, rollout={"mismatch_check": False})
+    cfg = make_cfg(tmp_path, train={"steps": 5, "max_consecutive_masked_steps": 2}, rollout={"sync": {"mismatch_check": False}})
     trainer = train_lib.Trainer(cfg, mis_jax.LossConfig(use_tis=True, mis=mis), urls=[fake.url])
     with pytest.raises(train_lib.TrainingError, match=r"step 2: the correction kept no token .*2 steps in a row") as stop:
       trainer.run(progress=False, log=logs.append)
@@ -266,10 +273,10 @@ def test_steps_masked_whole_warn_then_stop_naming_the_setting(tmp_path):
 
 
 def test_config_errors(tmp_path):
-  with pytest.raises(mis_jax.ConfigError, match=r"unknown key 'rollout.temprature'.*Did you mean 'temperature'"):
+  with pytest.raises(mis_jax.ConfigError, match=r"unknown key 'rollout.temprature'.*Did you mean 'sampling.temperature'"):
     TrainConfig.from_dict({"rollout": {"temprature": 1.0}})
-  with pytest.raises(mis_jax.ConfigError, match=r"checkpoint.every \(5\) must be a multiple of rollout.sync_every \(2\)"):
-    TrainConfig.from_dict({"rollout": {"sync_every": 2}, "checkpoint": {"every": 5}})
+  with pytest.raises(mis_jax.ConfigError, match=r"checkpoint.every \(5\) must be a multiple of rollout.sync.sync_every \(2\)"):
+    TrainConfig.from_dict({"rollout": {"sync": {"sync_every": 2}}, "checkpoint": {"every": 5}})
   with pytest.raises(mis_jax.ConfigError, match=r"unknown key 'optim'"):
     TrainConfig.from_dict({"optim": {}})
   assert TrainConfig.from_dict({"train": {"learning_rate": "1e-3"}}).train.learning_rate == 1e-3
@@ -331,7 +338,7 @@ def test_auto_bounds_hold_their_targets_at_every_step(tmp_path):
                           rs_level="geometric", rs_upper_bound="auto", max_masked_fraction=0.1)
   with FakeSGLang() as fake:
     cfg = make_cfg(tmp_path, train={"steps": 3, "tokens_per_micro_batch": 16, "row_len": 16},
-                   rollout={"mismatch_check": False, "prompts_per_step": 8})
+                   rollout={"prompts_per_step": 8, "sync": {"mismatch_check": False}})
     trainer = train_lib.Trainer(cfg, mis_jax.LossConfig(use_tis=True, mis=mis), urls=[fake.url])
     history = trainer.run(progress=False)
   assert [h["step"] for h in history] == [1, 2, 3] and all(h["micro_batches"] > 1 for h in history), [h.get("micro_batches") for h in history]
@@ -344,16 +351,16 @@ def test_auto_bounds_hold_their_targets_at_every_step(tmp_path):
 
 
 def test_steps_left_without_a_fresh_token_warn_then_stop(tmp_path):
-  """rollout.max_token_staleness 0 against a server that reports weights two versions behind (so
+  """rollout.sync.max_token_staleness 0 against a server that reports weights two versions behind (so
   from step 2 on every token is stale): each such step trains on nothing — a warning — and the
   second in a row stops the run, saying why, before its checkpoint."""
   logs = []
   with FakeSGLang(fault="stale_versions") as fake:
     cfg = make_cfg(tmp_path, train={"steps": 5, "max_consecutive_masked_steps": 2},
-                   rollout={"mismatch_check": False, "max_token_staleness": 0})
+                   rollout={"sync": {"mismatch_check": False, "max_token_staleness": 0}})
     trainer = train_lib.Trainer(cfg, mis_jax.LossConfig(), urls=[fake.url])
     with pytest.raises(train_lib.TrainingError, match=r"step 3: no response token was generated within "
-                       r"rollout.max_token_staleness \(0\).*Raise rollout.max_token_staleness"):
+                       r"rollout.sync.max_token_staleness \(0\).*Raise rollout.sync.max_token_staleness"):
       trainer.run(progress=False, log=logs.append)
   assert any(line.startswith("warning: step 2: no response token") for line in logs), logs
   rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

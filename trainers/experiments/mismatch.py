@@ -51,7 +51,7 @@ RECORDED = ("reward_mean", "mis_k3_kl", "train_rollout_logprob_abs_diff", "grad_
             "mis_kept_token_fraction", "response_length", "pg_clipfrac", "routing_mismatch_frac",
             "routing_mismatch_token_frac", "mis_ess_ratio", "mis_auto_tis_upper_bound", "mis_auto_ess_ratio",
             "mis_auto_tis_masked_fraction", "mis_auto_target_met", "train_s")
-R3 = " + R3"  # an arm name ending with it replays the server's routed experts (rollout.routing_replay r3)
+R3 = " + R3"  # an arm name ending with it replays the server's routed experts (rollout.sampling.routing_replay r3)
 LOGLINEAR = ", loglinear"  # an arm name ending with it approximates the proximal policy (loss.proximal loglinear)
 
 
@@ -217,8 +217,9 @@ def _train_config(out: str, design: Design, setting: Setting, seed: int, run_dir
       "run_dir": run_dir, "seed": seed,
       "model": {"path": start},
       "task": {"name": "copy_digits", "num_digits": design.num_digits},
-      "rollout": {"prompts_per_step": design.prompts_per_step, "n": design.n, "sync_every": setting.sync_every,
-                  "server_dtype": setting.server_dtype, "server_quantize": setting.server_quantize, **routing},
+      "rollout": {"prompts_per_step": design.prompts_per_step, "n": design.n, "sampling": routing,
+                  "sync": {"sync_every": setting.sync_every},
+                  "placement": {"server_dtype": setting.server_dtype, "server_quantize": setting.server_quantize}},
       "train": {"steps": design.steps, "learning_rate": design.learning_rate, "ppo_epochs": design.ppo_epochs,
                 "tokens_per_micro_batch": 128 * row_len, "row_len": row_len},
       "checkpoint": {"every": every, "max_to_keep": 1}})

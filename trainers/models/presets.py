@@ -21,7 +21,7 @@ PRESETS: dict[str, ModelConfig] = {
     "tiny-qwen2": _tiny("qwen2"),
     "tiny-qwen3": _tiny("qwen3"),
     "tiny-qwen3-untied": _tiny("qwen3", tie_word_embeddings=False),
-    # 128-wide heads: sglang-jax's CPU attention pads head_dim to 128 (rollout.engine: sglang-jax).
+    # 128-wide heads: sglang-jax's CPU attention pads head_dim to 128 (rollout.placement.engine: sglang-jax).
     "tiny-qwen3-hd128": _tiny("qwen3", num_attention_heads=2, num_key_value_heads=1, head_dim=128),
     # Llama 3.1's RoPE scaling, compressed to the tiny context (original 64 of 512 positions).
     "tiny-llama3": _tiny("llama", tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=500000.0,

@@ -325,7 +325,7 @@ def markdown(report: dict, figure_paths: list[str], source: str) -> str:
 def main(argv: list[str] | None = None) -> int:
   parser = argparse.ArgumentParser(prog="mis-jax analyze", description=__doc__.splitlines()[0],
                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  parser.add_argument("records", metavar="DIR", help="a rollout record directory (rollout.save_dir)")
+  parser.add_argument("records", metavar="DIR", help="a rollout record directory (rollout.records.save_dir)")
   parser.add_argument("--model", default=None, metavar="PATH",
                       help="an HF checkpoint to recompute the trainer's log-probs with (needed when the records "
                       "have no old_logprobs column)")

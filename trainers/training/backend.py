@@ -3,15 +3,15 @@ cluster apart from its trainer): who generates, and how the trainer's weights re
 
 `build_rollout` is the one place the backend is chosen:
 
-- records (`rollout.load_dir`): a `RecordedRollouts` source and no servers' side at all;
-- servers over HTTP (`rollout.placement: server`): a client of one `HttpEngine` per URL (process
+- records (`rollout.records.load_dir`): a `RecordedRollouts` source and no servers' side at all;
+- servers over HTTP (`rollout.placement.mode: server`): a client of one `HttpEngine` per URL (process
   0's) and `DiskSync` (the sharded HF checkpoint, then the client's update sequence);
-- colocated (`rollout.placement: colocated`): a client of the engine in this process
-  (`colocated.EmbeddedLocal`, or `SGLangJaxLocal` for `rollout.engine: sglang-jax`) and
+- colocated (`rollout.placement.mode: colocated`): a client of the engine in this process
+  (`colocated.EmbeddedLocal`, or `SGLangJaxLocal` for `rollout.placement.engine: sglang-jax`) and
   `MemorySync` (the weights handed over in memory).
 
 The servers' side (`servers.Servers`) is the same for the last two; the source generates from it
-synchronously, or ahead in a thread with bounded staleness (`rollout.max_staleness > 0`).
+synchronously, or ahead in a thread with bounded staleness (`rollout.sync.max_staleness > 0`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from trainers.training.sglang_client import SGLangClient, http_client
 from trainers.training.sources import AsyncServerRollouts, RecordedRollouts, RolloutSource, ServerRollouts
 from trainers.training.weight_sync import DiskSync, MemorySync
 
-LOCAL_ENGINES = {"embedded": EmbeddedLocal, "sglang-jax": SGLangJaxLocal}  # by rollout.engine
+LOCAL_ENGINES = {"embedded": EmbeddedLocal, "sglang-jax": SGLangJaxLocal}  # by rollout.placement.engine
 
 
 class Rollouts(NamedTuple):
@@ -43,25 +43,27 @@ def build_rollout(cfg, *, urls: list[str], start_dir: str, model_config, samplin
   records or colocated rollouts); `prompts(batch)`: the prompts of a rollout batch; `episodes`: an
   agent task's `(Episodes, make_env)` (its prompts start multi-turn trajectories), or None."""
   r = cfg.rollout
-  if r.load_dir:
-    return Rollouts(None, RecordedRollouts(r.load_dir, sampling.extras))
-  if r.placement == "colocated":
+  if r.records.load_dir:
+    return Rollouts(None, RecordedRollouts(r.records.load_dir, sampling.extras))
+  if r.placement.mode == "colocated":
     if urls:
-      raise mis_jax.ConfigError(f"rollout.placement colocated generates in the trainer: no server URL is used, "
+      raise mis_jax.ConfigError(f"rollout.placement.mode colocated generates in the trainer: no server URL is used, "
                                 f"got {', '.join(urls)}")
-    engine = LOCAL_ENGINES[r.engine].start(cfg, start_dir=start_dir, model_config=model_config, mesh=mesh)
-    client = SGLangClient([engine], max_concurrency=r.max_concurrency, prompts_per_request=r.prompts_per_request,
-                          cache_salt=r.cache_salt)
+    engine = LOCAL_ENGINES[r.placement.engine].start(cfg, start_dir=start_dir, model_config=model_config, mesh=mesh)
+    client = SGLangClient([engine], max_concurrency=r.transport.max_concurrency,
+                          prompts_per_request=r.transport.prompts_per_request, cache_salt=r.sync.cache_salt)
     weight_sync = MemorySync(client, engine, r)
   else:
-    client = (http_client(urls, timeout_s=r.timeout_s, max_retries=r.max_retries, backoff_s=r.backoff_s,
-                          max_concurrency=r.max_concurrency, prompts_per_request=r.prompts_per_request,
-                          cache_salt=r.cache_salt)
+    t = r.transport
+    client = (http_client(urls, timeout_s=t.timeout_s, max_retries=t.max_retries, backoff_s=t.backoff_s,
+                          max_concurrency=t.max_concurrency, prompts_per_request=t.prompts_per_request,
+                          cache_salt=r.sync.cache_salt)
               if distributed.is_primary() else None)  # only process 0 talks to the servers
     weight_sync = DiskSync(client, model_config, weights_root=os.path.join(os.path.abspath(cfg.run_dir), "weights"),
-                           pause_mode=r.pause_mode)
+                           pause_mode=r.sync.pause_mode)
   servers = Servers(cfg, client=client, weight_sync=weight_sync, start_dir=start_dir, model_config=model_config,
                     sampling=sampling, episodes=episodes)
-  source = (AsyncServerRollouts(servers, prompts, r.max_rejected_fraction, r.max_staleness, r.timeout_s)
-            if r.max_staleness > 0 else ServerRollouts(servers, prompts, r.max_rejected_fraction))
+  rejected = r.transport.max_rejected_fraction
+  source = (AsyncServerRollouts(servers, prompts, rejected, r.sync.max_staleness, r.transport.timeout_s)
+            if r.sync.max_staleness > 0 else ServerRollouts(servers, prompts, rejected))
   return Rollouts(servers, source)

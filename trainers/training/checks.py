@@ -31,67 +31,69 @@ def sampling_replay_width(r) -> int:
   never (with a warning when sampling is truncated: the IS ratio is then biased by the kept
   mass). SGLang returns masks only for a finite `top_k` no larger than its
   `--sampling-mask-max-tokens`: `top_k` is the static support width of every step."""
-  truncated = r.temperature > 0 and (r.top_p < 1 or r.top_k > 0 or r.min_p > 0)
-  mode = r.sampling_replay
+  s = r.sampling
+  truncated = s.temperature > 0 and (s.top_p < 1 or s.top_k > 0 or s.min_p > 0)
+  mode = s.sampling_replay
   if mode == "off" or (mode == "auto" and not truncated):
     if truncated:
-      warnings.warn("rollout.sampling_replay is off with truncated sampling (top_p < 1, top_k > 0 or min_p > 0): "
-                    "the server's log-probs are over the whole vocabulary while it samples from the truncated "
+      warnings.warn("rollout.sampling.sampling_replay is off with truncated sampling (top_p < 1, top_k > 0 or "
+                    "min_p > 0): the server's log-probs are over the whole vocabulary while it samples from the truncated "
                     "distribution, so the IS ratio is biased by the kept mass (contract §11)")
     return 0
-  if r.temperature == 0:
-    raise mis_jax.ConfigError("rollout.sampling_replay on with greedy sampling (rollout.temperature 0): every "
-                              "renormalised log-prob is 0 and nothing is learned; use temperature > 0 or "
+  if s.temperature == 0:
+    raise mis_jax.ConfigError("rollout.sampling.sampling_replay on with greedy sampling (rollout.sampling.temperature "
+                              "0): every renormalised log-prob is 0 and nothing is learned; use temperature > 0 or "
                               "sampling_replay: off")
-  if r.top_k < 1:
-    what = "untruncated sampling" if not truncated else f"rollout.top_p {r.top_p}, min_p {r.min_p}"
+  if s.top_k < 1:
+    what = "untruncated sampling" if not truncated else f"rollout.sampling.top_p {s.top_p}, min_p {s.min_p}"
     raise mis_jax.ConfigError(
-        f"rollout.sampling_replay {mode} ({what}) needs a finite rollout.top_k: SGLang returns sampling masks "
-        f"only for 1 < top_k <= --sampling-mask-max-tokens, and top_k bounds the replayed support; set e.g. "
-        f"rollout.top_k: 50, or rollout.sampling_replay: off")
-  if r.top_k > r.sampling_mask_max_tokens:
-    raise mis_jax.ConfigError(f"rollout.top_k {r.top_k} exceeds rollout.sampling_mask_max_tokens "
-                              f"{r.sampling_mask_max_tokens}: the replayed support would not fit; lower top_k or "
+        f"rollout.sampling.sampling_replay {mode} ({what}) needs a finite rollout.sampling.top_k: SGLang returns "
+        f"sampling masks only for 1 < top_k <= --sampling-mask-max-tokens, and top_k bounds the replayed support; set e.g. "
+        f"rollout.sampling.top_k: 50, or rollout.sampling.sampling_replay: off")
+  if s.top_k > s.sampling_mask_max_tokens:
+    raise mis_jax.ConfigError(f"rollout.sampling.top_k {s.top_k} exceeds rollout.sampling.sampling_mask_max_tokens "
+                              f"{s.sampling_mask_max_tokens}: the replayed support would not fit; lower top_k or "
                               "raise sampling_mask_max_tokens (and the server's --sampling-mask-max-tokens)")
-  return r.top_k
+  return s.top_k
 
 
 def max_new_tokens(rollout, task) -> int:
-  """The response budget of a sample: `rollout.max_new_tokens`, else the task's, else 128."""
-  return rollout.max_new_tokens or getattr(task, "max_new_tokens", None) or 128
+  """The response budget of a sample: `rollout.sampling.max_new_tokens`, else the task's, else 128."""
+  return rollout.sampling.max_new_tokens or getattr(task, "max_new_tokens", None) or 128
 
 
 def routing_setup(r, model_cfg: ModelConfig) -> tuple[str, RoutingSpec | None]:
   """`(routing_replay, spec)` of the `rollout` section for this model, checked: `spec` (what the
   server's routed experts must look like) when they are asked for — with `r3`, or with
   `record_routing` for the routing-mismatch metrics — else None."""
-  record = r.routing_replay == "r3" if r.record_routing is None else r.record_routing
-  if r.routing_replay == "r3" and not record:
-    raise mis_jax.ConfigError("rollout.routing_replay r3 replays the server's routed experts: "
-                              "rollout.record_routing cannot be false with it")
-  if (r.routing_replay != "none" or record) and not model_cfg.is_moe:
-    what = f"rollout.routing_replay {r.routing_replay}" if r.routing_replay != "none" else "rollout.record_routing"
+  record = r.sampling.routing_replay == "r3" if r.sampling.record_routing is None else r.sampling.record_routing
+  if r.sampling.routing_replay == "r3" and not record:
+    raise mis_jax.ConfigError("rollout.sampling.routing_replay r3 replays the server's routed experts: "
+                              "rollout.sampling.record_routing cannot be false with it")
+  if (r.sampling.routing_replay != "none" or record) and not model_cfg.is_moe:
+    what = (f"rollout.sampling.routing_replay {r.sampling.routing_replay}" if r.sampling.routing_replay != "none"
+            else "rollout.sampling.record_routing")
     raise mis_jax.ConfigError(f"{what} needs a mixture-of-experts model; {model_cfg.model_type} is dense (set "
-                              "rollout.routing_replay: none, rollout.record_routing: null)")
+                              "rollout.sampling.routing_replay: none, rollout.sampling.record_routing: null)")
   spec = (RoutingSpec(model_cfg.num_hidden_layers, model_cfg.num_experts_per_tok, model_cfg.num_experts)
           if record else None)
-  return r.routing_replay, spec
+  return r.sampling.routing_replay, spec
 
 
 def check_sglang_jax(cfg) -> None:
-  """`rollout.engine: sglang-jax`: what it cannot do, before anything starts (ConfigError)."""
+  """`rollout.placement.engine: sglang-jax`: what it cannot do, before anything starts (ConfigError)."""
   r = cfg.rollout
-  if r.server_quantize != "none":
-    raise mis_jax.ConfigError(f"rollout.server_quantize {r.server_quantize!r} is the embedded engine's; sglang-jax "
-                              "serves the checkpoint's dtype (rollout.server_dtype): set server_quantize none")
-  if r.server_dtype not in ("float32", "bfloat16"):
-    raise mis_jax.ConfigError(f"rollout.server_dtype {r.server_dtype!r}: sglang-jax serves float32 or bfloat16")
-  if r.placement == "colocated" and r.colocated_devices == "mesh":
-    raise mis_jax.ConfigError("rollout.colocated_devices mesh lays out the embedded engine; sglang-jax's Engine "
+  if r.placement.server_quantize != "none":
+    raise mis_jax.ConfigError(f"rollout.placement.server_quantize {r.placement.server_quantize!r} is the embedded engine's; sglang-jax "
+                              "serves the checkpoint's dtype (rollout.placement.server_dtype): set server_quantize none")
+  if r.placement.server_dtype not in ("float32", "bfloat16"):
+    raise mis_jax.ConfigError(f"rollout.placement.server_dtype {r.placement.server_dtype!r}: sglang-jax serves float32 or bfloat16")
+  if r.placement.mode == "colocated" and r.placement.colocated_devices == "mesh":
+    raise mis_jax.ConfigError("rollout.placement.colocated_devices mesh lays out the embedded engine; sglang-jax's Engine "
                               "places itself (its own mesh and tp_size): set colocated_devices first")
-  if r.placement == "colocated" and importlib.util.find_spec("sgl_jax") is None:
+  if r.placement.mode == "colocated" and importlib.util.find_spec("sgl_jax") is None:
     raise mis_jax.ConfigError(
-        "rollout.placement colocated with rollout.engine sglang-jax runs sglang-jax's Engine in the trainer's "
+        "rollout.placement.mode colocated with rollout.placement.engine sglang-jax runs sglang-jax's Engine in the trainer's "
         f"process, but this Python ({sys.version.split()[0]}) has no sglang-jax (it needs Python >= 3.12 and pins "
         "its own jax/flax): run the trainer in its venv, e.g. `PYTHONPATH=. $(python -m trainers.serving.sglang_jax "
         "--prepare --trainer) -m trainers.cli train ...` (docs/guides/trainer.md, colocated rollouts)")
@@ -112,8 +114,8 @@ def check_config(cfg: TrainConfig):
     raise mis_jax.ConfigError("train.advantage_estimator optimal_token_baseline weighs tokens by the correction's "
                               "weights before the step and needs the forward pass that loss.proximal loglinear "
                               "skips; use loss.proximal: recompute")
-  if loss_cfg.proximal == "loglinear" and cfg.rollout.max_staleness == 0 and cfg.rollout.sync_every == 1:
-    warnings.warn("loss.proximal loglinear with rollout.max_staleness 0 and sync_every 1: every token is sampled "
+  if loss_cfg.proximal == "loglinear" and cfg.rollout.sync.max_staleness == 0 and cfg.rollout.sync.sync_every == 1:
+    warnings.warn("loss.proximal loglinear with rollout.sync.max_staleness 0 and sync_every 1: every token is sampled "
                   "by the weights "
                   "being trained, so the proximal log-probs are the rollout's and the loss is bypass PPO's "
                   "(the correction's weights are 1; contract §6.3)")
@@ -137,23 +139,23 @@ def check_config(cfg: TrainConfig):
   if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
     raise mis_jax.ConfigError("logging.wandb is true but wandb is not installed: pip install wandb, or set "
                               "logging.wandb: false")
-  if r.max_staleness > 0 and r.sync_every != 1:
-    raise mis_jax.ConfigError(f"rollout.max_staleness {r.max_staleness} with rollout.sync_every {r.sync_every}: "
+  if r.sync.max_staleness > 0 and r.sync.sync_every != 1:
+    raise mis_jax.ConfigError(f"rollout.sync.max_staleness {r.sync.max_staleness} with rollout.sync.sync_every {r.sync.sync_every}: "
                               "the asynchronous loop pushes weights every step and bounds the lag by "
                               "max_staleness; set sync_every to 1")
-  if r.max_staleness > 0 and loss_cfg.algorithm != "decoupled_ppo":
-    warnings.warn(f"rollout.max_staleness {r.max_staleness} with {loss_cfg.algorithm}: only decoupled PPO "
+  if r.sync.max_staleness > 0 and loss_cfg.algorithm != "decoupled_ppo":
+    warnings.warn(f"rollout.sync.max_staleness {r.sync.max_staleness} with {loss_cfg.algorithm}: only decoupled PPO "
                   "(old log-probs recomputed, behaviour = the server's) corrects for stale rollouts; "
                   "see docs/guides/multihost.md, asynchronous rollouts")
-  if r.placement == "colocated":
-    if r.load_dir:
-      raise mis_jax.ConfigError("rollout.placement colocated generates rollouts in the trainer, and rollout.load_dir "
+  if r.placement.mode == "colocated":
+    if r.records.load_dir:
+      raise mis_jax.ConfigError("rollout.placement.mode colocated generates rollouts in the trainer, and rollout.records.load_dir "
                                 "replays recorded ones: set one of them")
     if jax.process_count() > 1:
-      raise mis_jax.ConfigError(f"rollout.placement colocated runs one engine in the trainer's process; with "
+      raise mis_jax.ConfigError(f"rollout.placement.mode colocated runs one engine in the trainer's process; with "
                                 f"{jax.process_count()} processes each would need its own share of the prompts, "
-                                "which is not supported yet: use rollout.placement server (SGLang servers over HTTP)")
-  if r.engine == "sglang-jax":
+                                "which is not supported yet: use rollout.placement.mode server (SGLang servers over HTTP)")
+  if r.placement.engine == "sglang-jax":
     check_sglang_jax(cfg)
   if os.path.isfile(cfg.run_dir):
     raise mis_jax.ConfigError(f"run_dir {cfg.run_dir!r} is a file; it must be a directory (or not exist yet)")
@@ -161,7 +163,7 @@ def check_config(cfg: TrainConfig):
     task = make_task(cfg.task, vocab_size=model_cfg.vocab_size, model_path=cfg.model.path)
   except (ValueError, TypeError, FileNotFoundError) as e:  # they name the key, file, row and column
     raise mis_jax.ConfigError(f"task ({cfg.task.name}): {e}") from None
-  if r.load_dir:
+  if r.records.load_dir:
     check_records(cfg, model_cfg)
   max_new = max_new_tokens(cfg.rollout, task)
   longest = getattr(task, "max_prompt_len", None)
@@ -169,7 +171,7 @@ def check_config(cfg: TrainConfig):
     raise mis_jax.ConfigError(
         f"train.row_len ({cfg.train.row_len}) is shorter than the longest prompt ({longest} tokens) + "
         f"max_new_tokens ({max_new}) - 1: such a sequence could not be packed; raise train.row_len to "
-        f">= {longest + max_new - 1} or lower rollout.max_new_tokens")
+        f">= {longest + max_new - 1} or lower rollout.sampling.max_new_tokens")
   from trainers.agents.env import is_agent_task
   from trainers.training.config import AgentSection
   if cfg.agent != AgentSection() and not is_agent_task(task):
@@ -183,14 +185,14 @@ def check_records(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
   """Every record file a replay will read exists and fits the model and the config (a
   `ConfigError` naming the file and the column otherwise), before anything is trained."""
   r = cfg.rollout
-  if r.save_dir and os.path.abspath(r.save_dir) == os.path.abspath(r.load_dir):
-    raise mis_jax.ConfigError(f"rollout.save_dir and rollout.load_dir are the same directory {r.load_dir!r}")
+  if r.records.save_dir and os.path.abspath(r.records.save_dir) == os.path.abspath(r.records.load_dir):
+    raise mis_jax.ConfigError(f"rollout.records.save_dir and rollout.records.load_dir are the same directory {r.records.load_dir!r}")
   try:
-    steps = rollout_records.list_steps(r.load_dir)
+    steps = rollout_records.list_steps(r.records.load_dir)
     missing = [k for k in range(1, cfg.train.steps + 1) if k not in steps]
     if missing:
       raise rollout_records.RecordError(
-          f"rollout records {r.load_dir!r} have no {os.path.basename(rollout_records.step_path(r.load_dir, missing[0]))} "
+          f"rollout records {r.records.load_dir!r} have no {os.path.basename(rollout_records.step_path(r.records.load_dir, missing[0]))} "
           f"(they cover steps {min(steps)}..{max(steps)}); lower train.steps to {missing[0] - 1} or less")
     active = extras_lib.active(r, model_cfg)
     for k in range(1, cfg.train.steps + 1):

@@ -1,17 +1,17 @@
-"""Colocated rollouts (`rollout.placement: colocated`): the engine inside the trainer's process,
+"""Colocated rollouts (`rollout.placement.mode: colocated`): the engine inside the trainer's process,
 on the trainer's devices, its weights handed over in memory after each step.
 
 `LocalEngine` is an `Engine` (`trainers.training.engines`) answered by an engine in this process
 (no HTTP, no JSON): `generate` hands the very `/generate` body to the engine's `generate_body`,
 which decodes and normalises it as its server does, so log-probs, sampling masks, routed experts
 and `weight_version` spans are the server's. `update_weights` takes the trainer's parameters
-(`weight_sync.MemorySync` casts them to `rollout.weight_dtype`, as the disk path would write
-them); the engine casts them to the served dtype (quantised as `rollout.server_quantize` says)
+(`weight_sync.MemorySync` casts them to `rollout.sync.weight_dtype`, as the disk path would write
+them); the engine casts them to the served dtype (quantised as `rollout.placement.server_quantize` says)
 and moves them to its devices. Two engines: `EmbeddedLocal` (ours, `GenerationEngine`) and
 `SGLangJaxLocal` (sglang-jax's `Engine` in its single-process mode).
 
 Memory: the embedded engine holds one copy of the weights in the served dtype, on the first
-device of the mesh (`rollout.colocated_devices: first`) or laid out over the whole mesh as the
+device of the mesh (`rollout.placement.colocated_devices: first`) or laid out over the whole mesh as the
 trainer's are (`mesh`), and its KV cache lives only inside a generation call. In the synchronous
 loop that copy is freed once the step's rollouts are generated (the training step has the
 devices to itself) and the push after the step brings the new weights.
@@ -77,7 +77,7 @@ class LocalEngine:
     return True  # its weights are handed over in memory
 
   def update_weights(self, params, version: str) -> tuple[bool, str]:
-    """The trainer's parameters (cast to `rollout.weight_dtype`) as weights `version`."""
+    """The trainer's parameters (cast to `rollout.sync.weight_dtype`) as weights `version`."""
     return self.inner.update_weights(params, version)
 
   def release_weights(self) -> None:
@@ -93,14 +93,14 @@ class EmbeddedLocal(LocalEngine):
   @classmethod
   def start(cls, cfg, *, start_dir: str, model_config, mesh=None) -> "EmbeddedLocal":
     r = cfg.rollout
-    engine = cls(GenerationEngine(start_dir, dtype=r.server_dtype, seed=cfg.seed, quantize=r.server_quantize,
+    engine = cls(GenerationEngine(start_dir, dtype=r.placement.server_dtype, seed=cfg.seed, quantize=r.placement.server_quantize,
                                   weight_version="0", enable_return_routed_experts=True))
-    if r.colocated_devices == "mesh":
+    if r.placement.colocated_devices == "mesh":
       engine._spread(mesh, model_config)
     return engine
 
   def _spread(self, mesh, model_config) -> None:
-    """`rollout.colocated_devices: mesh`: the engine's weights in the trainer's layout on its mesh
+    """`rollout.placement.colocated_devices: mesh`: the engine's weights in the trainer's layout on its mesh
     (every later handover lands there too), each batch's rows split over the data axes."""
     sampler = self.inner.sampler
     rows = NamedSharding(mesh, P(parallel.BATCH_AXES))
@@ -108,7 +108,7 @@ class EmbeddedLocal(LocalEngine):
 
 
 class SGLangJaxLocal(LocalEngine):
-  """`rollout.engine: sglang-jax` colocated: sglang-jax's `Engine` in this process (its
+  """`rollout.placement.engine: sglang-jax` colocated: sglang-jax's `Engine` in this process (its
   single-process mode; this process must run in its venv, Python >= 3.12), its log-probs and
   routed experts as its server returns them, the trainer's weights swapped into its model runner
   in memory as HF-named arrays placed by its own weight map (`InProcessEngine.update_weights`).
@@ -126,10 +126,10 @@ class SGLangJaxLocal(LocalEngine):
   def start(cls, cfg, *, start_dir: str, model_config, mesh=None) -> "SGLangJaxLocal":
     from trainers.serving.sglang_jax import launcher as sglang_jax
     from trainers.serving.sglang_jax.routes import InProcessEngine  # in sglang-jax's venv only (checks.py)
-    args = sglang_jax.engine_args(start_dir, dtype=cfg.rollout.server_dtype,
+    args = sglang_jax.engine_args(start_dir, dtype=cfg.rollout.placement.server_dtype,
                                   enable_return_routed_experts=model_config.is_moe,
                                   extra=("--random-seed", str(cfg.seed), "--device-indexes", "0"))
-    return cls(InProcessEngine(args, weight_version="0", timeout_s=cfg.rollout.timeout_s), model_config)
+    return cls(InProcessEngine(args, weight_version="0", timeout_s=cfg.rollout.transport.timeout_s), model_config)
 
   def update_weights(self, params, version: str) -> tuple[bool, str]:
     return self.inner.update_weights(self._hf_named(params), version)

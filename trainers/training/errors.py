@@ -15,7 +15,7 @@ class TrainingError(RuntimeError):
 
 class NoServerUp(TrainingError):
   """No server could serve the step (connection errors or 5xx past the retries): the run waits
-  for them (`rollout.server_restart_timeout_s`) and redoes the step. `error` is what stops the
+  for them (`rollout.transport.server_restart_timeout_s`) and redoes the step. `error` is what stops the
   run when it does not wait (a timeout of 0: the failure as it was)."""
 
   def __init__(self, message: str, error: BaseException | None = None):

@@ -188,7 +188,7 @@ class SamplingSupport(TokenExtra):
   missing = NoSamplingMask
   what = "sampling-mask"
   fill, dtype, model_input = -1, np.int32, "support"
-  missing_column = "which sampling replay needs (set rollout.sampling_replay: off to replay without it)"
+  missing_column = "which sampling replay needs (set rollout.sampling.sampling_replay: off to replay without it)"
 
   def __init__(self, width: int, rollout=None):
     self.width, self.rollout = width, rollout
@@ -210,7 +210,7 @@ class SamplingSupport(TokenExtra):
     if masks is None:
       raise NoSamplingMask("the reply has no meta_info.output_token_sampling_mask although return_sampling_mask "
                            "was requested: the server does not return sampling masks (SGLang >= 0.5.23 does); "
-                           "set rollout.sampling_replay: off to train without them (the IS ratio is then "
+                           "set rollout.sampling.sampling_replay: off to train without them (the IS ratio is then "
                            "biased by the kept mass)")
     sampled = info.output_token_sampling_logprobs
     if len(masks) != len(ids) or sampled is None or len(sampled) != len(ids):
@@ -221,7 +221,7 @@ class SamplingSupport(TokenExtra):
         return f"response token {i} ({tok}) is not in its sampling mask"
       if len(mask) > self.width:
         return (f"sampling mask of {len(mask)} tokens at response token {i} exceeds the support width "
-                f"{self.width} (rollout.top_k; ties at the cutoff can exceed it)")
+                f"{self.width} (rollout.sampling.top_k; ties at the cutoff can exceed it)")
       if _bad_logprob(lp):
         return f"invalid sampling log-prob {lp!r} at response token {i} (selected mode: one float per token)"
     return self.from_record(masks, reply.prompt_len, len(ids))
@@ -241,7 +241,7 @@ class SamplingSupport(TokenExtra):
   def describe(self):
     r = self.rollout
     return (None if r is None else
-            f"sampling replay on (top_k {r.top_k}, top_p {r.top_p}, min_p {r.min_p}): behaviour log-probs from the "
+            f"sampling replay on (top_k {r.sampling.top_k}, top_p {r.sampling.top_p}, min_p {r.sampling.min_p}): behaviour log-probs from the "
             "server's sampling masks; log-probs, entropy and KL over each token's support")
 
 
@@ -249,7 +249,7 @@ class SamplingSupport(TokenExtra):
 class RoutedExperts(TokenExtra):
   """Routed experts of a mixture-of-experts model (SGLang's `return_routed_experts`, R3): int32
   `[prompt + response - 1, layers, k]`, row i the experts the server routed the token at input
-  position i to; fed as `ModelInputs.routing` (replayed) with `rollout.routing_replay: r3`, recorded
+  position i to; fed as `ModelInputs.routing` (replayed) with `rollout.sampling.routing_replay: r3`, recorded
   and compared with the trainer's routing otherwise (`record_routing`)."""
 
   name = "routed_experts"
@@ -257,7 +257,7 @@ class RoutedExperts(TokenExtra):
   missing = NoRoutedExperts
   what = "routed-experts"
   span, fill, dtype = "sequence", -1, np.int32
-  missing_column = ("which routing replay r3 and record_routing need (set rollout.routing_replay: none, "
+  missing_column = ("which routing replay r3 and record_routing need (set rollout.sampling.routing_replay: none, "
                     "record_routing: null)")
 
   def __init__(self, spec: RoutingSpec, replay: str = "r3"):
@@ -308,7 +308,7 @@ def decode_sample_routing(meta, num_tokens: int, routing: RoutingSpec) -> np.nda
   if meta.routed_experts is None:
     raise NoRoutedExperts("the reply has no meta_info.routed_experts although return_routed_experts was requested: "
                           "start the SGLang server with --enable-return-routed-experts (mis-jax serve takes the same "
-                          "flag), or set rollout.routing_replay: none and rollout.record_routing: false")
+                          "flag), or set rollout.sampling.routing_replay: none and rollout.sampling.record_routing: false")
   try:
     experts = protocol.decode_routed_experts(meta.routed_experts, routing.num_layers, routing.top_k,
                                              meta.routed_experts_dtype)

@@ -186,7 +186,7 @@ def check_fits(path: str, cols: dict, *, vocab_size: int, row_len: int, max_samp
 
 
 class RecordWriter:
-  """A run's records (`rollout.save_dir`): process 0 writes step `k`'s file after step `k`;
+  """A run's records (`rollout.records.save_dir`): process 0 writes step `k`'s file after step `k`;
   every process takes part in gathering the recomputed old log-probs. `start(step)` removes the
   files past the step a run resumes from, so each step is recorded once, by the run that trained
   it. `meta`: what every file's metadata carries besides the step's batch."""
@@ -234,7 +234,7 @@ class RecordWriter:
 
 
 class NoRecords:
-  """No `rollout.save_dir`: nothing is written."""
+  """No `rollout.records.save_dir`: nothing is written."""
 
   def start(self, step: int) -> None:
     pass

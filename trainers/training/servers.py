@@ -56,8 +56,8 @@ class Servers:
     self.start_dir = start_dir
     self.client, self.weight_sync = client, weight_sync
     self.episodes = episodes  # an agent task's multi-turn driver and environments (`Episodes`, make_env), or None
-    self.weight_dtype = r.weight_dtype or r.server_dtype  # refined from the servers' /server_info at start
-    self.server_dtype, self.server_quantized = r.server_dtype, r.server_quantize != "none"
+    self.weight_dtype = r.sync.weight_dtype or r.placement.server_dtype  # refined from the servers' /server_info at start
+    self.server_dtype, self.server_quantized = r.placement.server_dtype, r.placement.server_quantize != "none"
     self.served_version, self.served_path = 0, start_dir
     self._warned_versions = False
     self._unavailable_since: float | None = None  # when the current step first found no server
@@ -68,7 +68,7 @@ class Servers:
     """Health, the probes a run's options need, and the initial push: afterwards the servers hold
     the trainer's weights (or, when the push is skipped, the very checkpoint it starts from)."""
     r, self.log = self.rollout, log
-    on_primary(lambda: self.client.wait_until_healthy(attempts=r.health_attempts, backoff_s=r.backoff_s))
+    on_primary(lambda: self.client.wait_until_healthy(attempts=r.transport.health_attempts, backoff_s=r.transport.backoff_s))
     if self.sampling.extras:  # a server that cannot return an extra is found before any step
       on_primary(lambda: self.client.check_extras(self.sampling.extras, self.sampling.params))
     if self._first_push(step, log=log):
@@ -98,7 +98,7 @@ class Servers:
             "missing_update_route": missing}
 
   def _first_push(self, step: int, *, log=print) -> bool:
-    """Decides the first weight push (`rollout.initial_sync`) and the pushed dtype, and checks
+    """Decides the first weight push (`rollout.sync.initial_sync`) and the pushed dtype, and checks
     that every server can load weights when the run will push any. Returns whether to push now.
 
     `auto` skips the push when the run is not resumed and every server reports `model.path`
@@ -107,11 +107,11 @@ class Servers:
     resume always pushes (the servers must get the restored weights)."""
     r, resumed = self.rollout, step > 0
     facts = on_primary(self.facts)
-    self.server_dtype = facts["dtype"] or r.server_dtype
-    self.server_quantized = facts["quantized"] or r.server_quantize != "none"
-    self.weight_dtype = r.weight_dtype or self.server_dtype
-    push = resumed or r.initial_sync == "always" or (r.initial_sync == "auto" and not facts["serves_start"])
-    first_sync = step + r.sync_every - step % r.sync_every  # the loop's first push
+    self.server_dtype = facts["dtype"] or r.placement.server_dtype
+    self.server_quantized = facts["quantized"] or r.placement.server_quantize != "none"
+    self.weight_dtype = r.sync.weight_dtype or self.server_dtype
+    push = resumed or r.sync.initial_sync == "always" or (r.sync.initial_sync == "auto" and not facts["serves_start"])
+    first_sync = step + r.sync.sync_every - step % r.sync.sync_every  # the loop's first push
     will_sync = push or first_sync <= self.cfg.train.steps
     if facts["missing_update_route"] and will_sync:
       when = "the resumed weights before step 1" if resumed else (
@@ -119,16 +119,16 @@ class Servers:
       raise TrainingError(
           f"{', '.join(facts['missing_update_route'])} has no /update_weights_from_disk route (HTTP 404), so it "
           f"cannot load {when}. Settings that need no weight push: start the server on model.path with "
-          f"rollout.initial_sync: auto (or never) and rollout.sync_every > train.steps (every step then trains on "
+          f"rollout.sync.initial_sync: auto (or never) and rollout.sync.sync_every > train.steps (every step then trains on "
           f"rollouts of the starting weights: decoupled PPO corrects the growing staleness), or train from records "
-          f"(rollout.load_dir)")
+          f"(rollout.records.load_dir)")
     if distributed.is_primary():
       if not push:
-        log(f"initial weight push skipped (rollout.initial_sync {r.initial_sync}): "
+        log(f"initial weight push skipped (rollout.sync.initial_sync {r.sync.initial_sync}): "
             + ("every server already serves the starting weights" if facts["serves_start"] else "as configured"))
       if facts["missing_update_route"]:
         log(f"{', '.join(facts['missing_update_route'])} cannot load new weights; none will be pushed in "
-            f"{self.cfg.train.steps} steps (rollout.sync_every {r.sync_every})")
+            f"{self.cfg.train.steps} steps (rollout.sync.sync_every {r.sync.sync_every})")
     return push
 
   # --- rollouts ---------------------------------------------------------------------------------
@@ -167,8 +167,8 @@ class Servers:
 
   # --- after each step --------------------------------------------------------------------------
   def sync(self, params, step: int, *, preempted=lambda: False) -> dict:
-    """Pushes the weights of `step` every `rollout.sync_every` steps; its phase times."""
-    if step % self.rollout.sync_every:
+    """Pushes the weights of `step` every `rollout.sync.sync_every` steps; its phase times."""
+    if step % self.rollout.sync.sync_every:
       return {}
     while True:
       try:
@@ -199,7 +199,7 @@ class Servers:
   def check_mismatch(self, step: int, metrics: dict, result: RolloutResult) -> None:
     """When the servers held the trainer's weights for this step's samples (all fresh), a
     mismatch far beyond numerics stops the run before anything is saved or pushed."""
-    if not self.rollout.mismatch_check:
+    if not self.rollout.sync.mismatch_check:
       return
     if self.served_version != step or any(s.oldest_version != str(step) for s in result.samples):
       return
@@ -212,7 +212,7 @@ class Servers:
         f"beyond numerics: mean |Δ log p| {diff:.3g} (limit {max_abs:g}), mis_k3_kl {k3:.3g} (limit {max_k3:g}) for "
         f"{pair}. Likely causes: the server runs another model or tokenizer than model.path, or an engine bug that "
         f"garbles batches (e.g. sglang-jax's overlap scheduler: start it with --disable-overlap-schedule). Nothing "
-        f"of this step was saved or pushed; set rollout.mismatch_check: false to train anyway")
+        f"of this step was saved or pushed; set rollout.sync.mismatch_check: false to train anyway")
 
   # --- servers that go away -----------------------------------------------------------------
   def readmit(self) -> None:
@@ -224,7 +224,7 @@ class Servers:
         if self.client.is_healthy(url):
           try:  # a restarted server holds its starting weights, not the run's
             self.client.update_weights_from_disk(self.served_path, str(self.served_version), urls=[url],
-                                                 pause_mode=self.rollout.pause_mode)
+                                                 pause_mode=self.rollout.sync.pause_mode)
           except ServerError:
             continue  # not ready after all: tried again at the next step
           restarted += 1  # (a server that took the weights is readmitted by the push)
@@ -236,10 +236,10 @@ class Servers:
 
   def wait_for_restart(self, error: NoServerUp, *, preempted=lambda: False) -> None:
     """No server is up: polls `/health` with backoff until one answers (then readmits it with the
-    served weights), for at most `rollout.server_restart_timeout_s` since the step first found
+    served weights), for at most `rollout.transport.server_restart_timeout_s` since the step first found
     no server. A timeout of 0 stops at once, with the failure as it was. A stop asked meanwhile
     (`preempted()`) abandons the step (`Preempted`)."""
-    timeout = self.rollout.server_restart_timeout_s
+    timeout = self.rollout.transport.server_restart_timeout_s
     if timeout <= 0:
       raise error.error
     now = time.monotonic()
@@ -247,15 +247,15 @@ class Servers:
     deadline = self._unavailable_since + timeout
     if distributed.is_primary():
       self.log(f"servers unavailable ({error}); waiting up to {deadline - now:.0f} s for them "
-               f"(rollout.server_restart_timeout_s {timeout:g})")
+               f"(rollout.transport.server_restart_timeout_s {timeout:g})")
 
     def wait():
-      delay = self.rollout.backoff_s or 0.5
+      delay = self.rollout.transport.backoff_s or 0.5
       while not any(self.client.is_healthy(url) for url in self.client.urls):
         if preempted():
           raise Preempted("a stop was asked while waiting for the servers")
         if time.monotonic() + delay > deadline:
-          raise TrainingError(f"{error}; no server answered /health within rollout.server_restart_timeout_s "
+          raise TrainingError(f"{error}; no server answered /health within rollout.transport.server_restart_timeout_s "
                               f"{timeout:g} s")
         time.sleep(delay)
         delay = min(delay * 2, 10.0)

@@ -104,7 +104,7 @@ class Trainer:
     self.run_dir = os.path.abspath(cfg.run_dir)
     os.makedirs(self.run_dir, exist_ok=True)
     r = cfg.rollout
-    self.temperature = r.temperature if r.temperature > 0 else 1.0  # greedy: SGLang reports T=1
+    self.temperature = r.sampling.temperature if r.sampling.temperature > 0 else 1.0  # greedy: SGLang reports T=1
 
     start_dir = initial_weights_dir(cfg)  # collective: every process, here
     model_cfg = self.model_config = ModelConfig.from_pretrained(start_dir)
@@ -137,10 +137,10 @@ class Trainer:
     self.servers, self.source = build_rollout(cfg, urls=urls, start_dir=start_dir, model_config=model_cfg,
                                               sampling=sampling, mesh=self.mesh, prompts=self.prompts,
                                               episodes=self.episodes() if self.agent else None)
-    self.records = (RecordWriter(r.save_dir, meta={"sampling_params": sampling.params, "temperature": self.temperature,
+    self.records = (RecordWriter(r.records.save_dir, meta={"sampling_params": sampling.params, "temperature": self.temperature,
                                                    "config": cfg.to_dict(), "loss": cfg.loss.to_dict()},
                                  extras=self.extras)
-                    if r.save_dir else NoRecords())
+                    if r.records.save_dir else NoRecords())
 
   # --- the loop --------------------------------------------------------------------------
   def run(self, *, resume: bool = False, progress: bool = True, log=print) -> list[dict]:
@@ -196,7 +196,7 @@ class Trainer:
     if self.servers is not None:
       self.servers.prepare(self.params, self.step, log=log)
     elif distributed.is_primary():
-      log(f"replaying rollout records from {self.cfg.rollout.load_dir} (no server)")
+      log(f"replaying rollout records from {self.cfg.rollout.records.load_dir} (no server)")
     self.source.start(self.batch_index)
     self.records.start(self.step)
     if not distributed.is_primary():
@@ -209,7 +209,7 @@ class Trainer:
 
   def next_rollout(self) -> Rollout | None:
     """This step's rollout. When no server can serve it, the servers are waited for
-    (`rollout.server_restart_timeout_s`), get the served weights back, and the step's batch is
+    (`rollout.transport.server_restart_timeout_s`), get the served weights back, and the step's batch is
     taken again from its start. None when a stop is asked meanwhile."""
     if self.servers is None:  # records
       return self.source.next(self.step)
@@ -248,7 +248,7 @@ class Trainer:
   # --- one step ------------------------------------------------------------------------
   def sampling_params(self) -> dict:
     r = self.cfg.rollout
-    return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, "min_p": r.min_p,
+    return {"temperature": r.sampling.temperature, "top_p": r.sampling.top_p, "top_k": r.sampling.top_k, "min_p": r.sampling.min_p,
             "max_new_tokens": self.max_new_tokens,
             "stop_token_ids": list(self.task.stop_token_ids), "no_stop_trim": True, "skip_special_tokens": False}
 
@@ -280,9 +280,9 @@ class Trainer:
     trained, metrics = None, {}
     r = self.cfg.rollout
     staleness = (token_staleness(samples, self.step)  # the weights being trained are version `self.step`
-                 if r.max_token_staleness is not None or self.cfg.loss.proximal == "loglinear" else None)
-    if r.max_token_staleness is not None:
-      trained, metrics = fresh_tokens(staleness, r.max_token_staleness)
+                 if r.sync.max_token_staleness is not None or self.cfg.loss.proximal == "loglinear" else None)
+    if r.sync.max_token_staleness is not None:
+      trained, metrics = fresh_tokens(staleness, r.sync.max_token_staleness)
     trained = extras_lib.trainable(self.extras, samples, trained)  # e.g. a trajectory's model tokens only
     sb = build_step_batch(samples, rewards, self.advantages(rewards, groups, lengths), groups,
                           num_segments=self.num_segments, row_len=t.row_len,
@@ -355,10 +355,10 @@ class Trainer:
 
   def watch_masked(self, metrics: dict, ratio_range, log):
     """contract §8.2's `mis_masked_whole_batch`: a step whose correction keeps no token trains on
-    nothing (loss 0), as does one whose every token `rollout.max_token_staleness` masked. Each one
+    nothing (loss 0), as does one whose every token `rollout.sync.max_token_staleness` masked. Each one
     is a warning; `train.max_consecutive_masked_steps` in a row stop the run, naming the setting
     and the ratios seen (`ratio_range`: the step outcome's `masked_ratio_range`)."""
-    all_stale = metrics.get("rollout/stale_token_fraction", 0.0) >= 1.0  # rollout.max_token_staleness left nothing
+    all_stale = metrics.get("rollout/stale_token_fraction", 0.0) >= 1.0  # rollout.sync.max_token_staleness left nothing
     if metrics.get("mis_masked_whole_batch", 0.0) < 1.0 and not all_stale:
       self.masked_in_a_row = 0
       return
@@ -368,9 +368,9 @@ class Trainer:
     setting = (", ".join(f"{k} {v}" for k, v in mis.to_dict().items() if v != defaults[k]) if mis is not None
                else "vanilla TIS")
     if all_stale:
-      what = (f"step {self.step}: no response token was generated within rollout.max_token_staleness "
-              f"({self.cfg.rollout.max_token_staleness}) versions of the weights trained")
-      advice = "Raise rollout.max_token_staleness, or lower rollout.max_staleness / sync_every"
+      what = (f"step {self.step}: no response token was generated within rollout.sync.max_token_staleness "
+              f"({self.cfg.rollout.sync.max_token_staleness}) versions of the weights trained")
+      advice = "Raise rollout.sync.max_token_staleness, or lower rollout.sync.max_staleness / sync_every"
     else:
       lo, hi = ratio_range
       what = (f"step {self.step}: the correction kept no token (loss.mis: {setting or 'the defaults'}); the step's "

@@ -138,15 +138,15 @@ class MemorySync:
   """Colocated: the trainer's weights of `step` into the in-process `engine`
   (`colocated.LocalEngine`), in memory: cast on the trainer's devices to `weight_dtype` (what the
   disk path writes), then taken by the engine (served dtype, quantisation, its devices) while it
-  is paused with `rollout.pause_mode`. `client`: the one generating from it (its cache salt moves
+  is paused with `rollout.sync.pause_mode`. `client`: the one generating from it (its cache salt moves
   to the new weights first).
 
   `release_between_steps`: the engine frees its weights once a step's rollouts are generated —
   only where it can, every step pushes new ones and nothing generates during the step."""
 
   def __init__(self, client, engine, rollout):
-    self.client, self.engine, self.pause_mode = client, engine, rollout.pause_mode
-    self.release_between_steps = engine.releases_weights and rollout.sync_every == 1 and rollout.max_staleness == 0
+    self.client, self.engine, self.pause_mode = client, engine, rollout.sync.pause_mode
+    self.release_between_steps = engine.releases_weights and rollout.sync.sync_every == 1 and rollout.sync.max_staleness == 0
 
   def push(self, params, step: int, weight_dtype: str) -> tuple[dict, None]:
     t0 = time.perf_counter()

@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--prepare", action="store_true", required=True)
   parser.add_argument("--tunix", action="store_true", help=f"also {TUNIX} (the tunix + sglang-jax path)")
   parser.add_argument("--trainer", action="store_true",
-                      help="also what `mis-jax train` needs (rollout.placement colocated with rollout.engine sglang-jax)")
+                      help="also what `mis-jax train` needs (rollout.placement.mode colocated with rollout.placement.engine sglang-jax)")
   args = parser.parse_args(argv)
   try:
     print(venv_python(extra=((TUNIX,) if args.tunix else ()) + (trainer_requirements() if args.trainer else ())))

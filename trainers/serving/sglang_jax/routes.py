@@ -57,7 +57,7 @@ RETRACT_REFUSED = (
     "pause_generation mode 'retract' is refused here: sglang-jax 0.1.0rc0 drops the requests of a prefill batch "
     "that has run but is not yet merged into its running batch (Scheduler.pause_generation resets last_batch), so "
     "those requests never finish. Use mode 'in_place' (requests keep running across a weight update, their "
-    "weight_versions spans record the switch) or 'abort' (rollout.pause_mode in the trainer)")
+    "weight_versions spans record the switch) or 'abort' (rollout.sync.pause_mode in the trainer)")
 
 
 # Appended to every request's prefix-cache key (SGLang's `extra_key`): the weights' epoch.
