@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: venv engine test test-all test-fast demo demo-sglang-jax docs example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines bench-colocated bench-colocated-sglang-jax clean
+.PHONY: venv engine test test-all test-fast demo demo-agent demo-sglang-jax docs example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines bench-colocated bench-colocated-sglang-jax bench-agents clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,9 @@ test-fast: $(STAMP)  ## the library and the trainer's unit parts: no server, sub
 demo: $(DEMO_STAMP)  ## the trainer on the embedded server (toy task); a fresh run dir each time
 	$(PY) -m trainers.cli train --config configs/demo.yaml --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
 
+demo-agent: $(DEMO_STAMP)  ## a multi-turn tool task (lookup_digits) on the embedded server: the model learns to call its tool
+	$(PY) -m trainers.cli train --config configs/agent_demo.yaml --run-dir runs/agent-demo-$$(date +%Y%m%d-%H%M%S)
+
 demo-sglang-jax: $(STAMP) engine  ## the demo's task with sglang-jax's Engine colocated in the trainer (its venv)
 	PYTHONPATH=. JAX_PLATFORMS=cpu $$($(PY) -m trainers.serving.sglang_jax --prepare --trainer) -m trainers.cli train \
 	    --config configs/sglang_jax.yaml --run-dir runs/demo-sglang-jax-$$(date +%Y%m%d-%H%M%S)
@@ -59,6 +62,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.run
 	$(PY) -m benchmarks.forms
 	$(PY) -m benchmarks.proximal
+	$(PY) -m benchmarks.agents
 
 bench-memory: $(STAMP)  ## compiled per-device memory of the training step, 8 simulated devices
 	$(PY) -m benchmarks.memory
@@ -72,6 +76,9 @@ bench-colocated: $(STAMP)  ## our step colocated and with the embedded server ag
 bench-colocated-sglang-jax: $(STAMP) engine  ## the same with sglang-jax generating for every contender (its venv)
 	PYTHONPATH=. JAX_PLATFORMS=cpu $$($(PY) -m trainers.serving.sglang_jax --prepare --tunix --trainer) \
 	    -m benchmarks.colocated --engine sglang-jax
+
+bench-agents: $(STAMP)  ## multi-turn vs single-turn rollouts of the same model tokens on the embedded server (docs/performance.md)
+	$(PY) -m benchmarks.agents
 
 bench-engines: $(STAMP) engine  ## sglang-jax vs mis-jax serve: tokens/s and weight-sync time (docs/performance.md)
 	$(PY) -m benchmarks.engines
