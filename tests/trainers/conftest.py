@@ -103,7 +103,10 @@ class StepTraces:
 
 @pytest.fixture
 def step_traces(monkeypatch):
-  from trainers.training import step
+  from trainers.training import step, train
   traces = StepTraces()
   monkeypatch.setattr(step, "_jit", traces.jit)
-  return traces
+  # Step functions another test built for the same setup would be reused without tracing: build anew.
+  train._step_functions.cache_clear()
+  yield traces
+  train._step_functions.cache_clear()  # (none built through the counter outlives the test)

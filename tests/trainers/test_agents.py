@@ -48,7 +48,7 @@ class ScriptedEngine:
   def reply_ids(self, context):
     return tuple(30 + (len(context) + i) % 20 for i in range(self.turn_len - 1)) + (2,)
 
-  def __call__(self, contexts, params, *, n, seed, extras):
+  def __call__(self, contexts, params, *, n, seed, extras, rows_per_request=None):
     assert n == 1
     self.calls.append([tuple(c) for c in contexts])
     result = RolloutResult(samples=[], num_requested=len(contexts))
@@ -224,7 +224,7 @@ def test_the_lookup_task_needs_its_tool():
   env = task.environment(prompt)
   obs = env.step(Turn((task.lookup, task.eos), "", "stop", 1))
   assert obs.ids == (task.result, *[task.digit_offset + x for x in d], task.sep) and not obs.done
-  assert obs.reward == 0.5 and obs.counts == {"tool_calls": 1}
+  assert obs.reward == 0.2 and obs.counts == {"tool_calls": 1}
   assert env.step(Turn((task.lookup, task.eos), "", "stop", 2)).reward == 0.0  # the bonus once
   assert env.step(Turn((5, task.lookup, task.eos), "", "stop", 3)).counts == {"malformed_calls": 1}
   answer = env.step(Turn(tuple(task.digit_offset + x for x in d) + (task.eos,), "", "stop", 4))

@@ -159,3 +159,15 @@ def test_asynchronous_multi_turn_rollouts_keep_each_turns_version(server32, tmp_
       assert versions == sorted(versions) and step - 1 - versions[0] <= 1  # within the staleness bound
       covered = sum(s["end"] - s["start"] for s in spans)
       assert covered == int(np.sum(np.asarray(turn) > 0))  # every model token under a version, none of the env's
+
+
+def test_colocated_multi_turn_rollouts(tmp_path):
+  """The embedded engine inside the trainer's process: every turn through the same client, the
+  weights handed over in memory after each step; float32 on both sides."""
+  history = _trainer(tmp_path, None, train={"steps": 3},
+                     rollout={"prompts_per_step": 2, "n": 4,
+                              "placement": {"mode": "colocated", "server_dtype": "float32"}}).run(progress=False)
+  assert [h["step"] for h in history] == [1, 2, 3]
+  for h in history:
+    assert h["agent/turns_mean"] == 3 and h["mis_k3_kl"] < 1e-6 and h["grad_norm"] > 0
+    assert h["server_weight_version"] == str(h["step"] - 1)

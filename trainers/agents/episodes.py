@@ -103,8 +103,9 @@ class Episodes:
   max_turns: int = 4
   max_total_tokens: int = 1 << 30
   max_context: int = 1 << 30
-  env_concurrency: int = 16
+  env_concurrency: int = 64
   max_turn_retries: int = 2
+  rows_per_request: int | None = None  # contexts per `/generate` of a turn (the run's prompts_per_request × n)
 
   extras = (TurnIndex(),)  # what every agent run adds to the run's per-token extras
 
@@ -178,7 +179,8 @@ class Episodes:
     pending = list(live)
     for attempt in range(self.max_turn_retries + 1):
       result = generate([tr.context for tr in pending], sampling_params, n=1,
-                        seed=(seed + 7_919 * turn + 104_729 * attempt) % 2**31, extras=extras)
+                        seed=(seed + 7_919 * turn + 104_729 * attempt) % 2**31, extras=extras,
+                        rows_per_request=self.rows_per_request)
       reasons.extend(result.rejection_reasons)
       for s in result.samples:
         out[id(pending[s.prompt_index])] = s

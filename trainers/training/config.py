@@ -244,7 +244,7 @@ class AgentSection:
   max_turns: int = key(4, "model turns per trajectory", ge=1)
   max_total_tokens: int | None = key(None, "response tokens of a trajectory, the model's and the environment's "
                                      "(null: what train.row_len leaves after the prompt)", ge=1)
-  env_concurrency: int = key(16, "environments stepping at once (a bounded thread pool)", ge=1)
+  env_concurrency: int = key(64, "environments stepping at once (a bounded thread pool)", ge=1)
   max_turn_retries: int = key(2, "times a turn the engine aborted (a weight update's pause) is sent again", ge=0)
 
 

@@ -130,14 +130,16 @@ class SGLangClient:
 
   # --- generation ----------------------------------------------------------------------
   def generate(self, prompts: Sequence[Sequence[int]], sampling_params: dict, *, n: int = 1,
-               seed: int | None = None, extras=()) -> RolloutResult:
+               seed: int | None = None, extras=(), rows_per_request: int | None = None) -> RolloutResult:
     """``n`` samples for every prompt; results come back prompt-major (contract §11). With
     ``seed``, sample ``k`` (prompt-major) is sent with ``sampling_seed = sample_seeds(seed)[k]``.
     Each of the run's per-token ``extras`` (``trainers.training.extras``: e.g. sampling masks,
     routed experts) adds its request fields, and each sample carries its parsed values
-    (:func:`validate_sample`)."""
-    chunks = [list(range(i, min(i + self.prompts_per_request, len(prompts))))
-              for i in range(0, len(prompts), self.prompts_per_request)]
+    (:func:`validate_sample`). ``rows_per_request``: batch this many samples (prompts × ``n``) into
+    one call instead of ``prompts_per_request`` prompts (a multi-turn turn: its contexts, ``n = 1``,
+    as many rows per request as the single-turn requests of the run carry)."""
+    per = self.prompts_per_request if rows_per_request is None else max(1, rows_per_request // n)
+    chunks = [list(range(i, min(i + per, len(prompts)))) for i in range(0, len(prompts), per)]
 
     protocol.generate_body([], sampling_params, n=n)  # a bad key fails here, before any request
     request = {k: v for e in extras for k, v in e.request.items()}

@@ -258,7 +258,8 @@ class Trainer:
     a, row = self.cfg.agent, self.cfg.train.row_len
     room = row + 1 - self.task.max_prompt_len  # a sequence of row_len + 1 tokens fills a row
     driver = Episodes(max_turns=a.max_turns, max_total_tokens=min(a.max_total_tokens or room, room),
-                      max_context=row + 1, env_concurrency=a.env_concurrency, max_turn_retries=a.max_turn_retries)
+                      max_context=row + 1, env_concurrency=a.env_concurrency, max_turn_retries=a.max_turn_retries,
+                      rows_per_request=self.cfg.rollout.transport.prompts_per_request * self.cfg.rollout.n)
     return driver, self.task.environment
 
   def prompts(self, batch: int) -> list:
