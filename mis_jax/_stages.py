@@ -419,7 +419,7 @@ class OffPolicySequenceMask(Stage):
 
   name = "opsm"
   REJECTS_SEGMENTS = True
-  METRICS = {"mis_opsm_masked_seq_fraction": "mask"}
+  METRICS = {"mis_opsm_masked_seq_fraction": "seqs"}  # masked among live segments
 
   @property
   def needs_sum_r(self) -> bool:
