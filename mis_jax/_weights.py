@@ -34,7 +34,7 @@ from mis_jax import _metrics as metrics_lib
 from mis_jax import _stages as stages_lib
 from mis_jax import _validation
 from mis_jax._config import MISConfig
-from mis_jax._engine import HIGHEST, LOWEST, Max, Min, Out, PassOptions, SegMax, SegSum, Total
+from mis_jax._engine import HIGHEST, LOWEST, Max, Min, Out, PassOptions, SegSum, Total
 from mis_jax._segments import AxisName, MaskStats, Segments, masked_means, per_segment_mean, safe_exp
 
 
