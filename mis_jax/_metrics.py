@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from mis_jax import _correction as correction_module
 from mis_jax._config import MISConfig, RSCriterion
 from mis_jax._segments import LOG_BOUND, per_segment_mean, safe_exp
 
@@ -70,16 +69,14 @@ def mismatch_metrics(seg_values: dict, token_means: dict, count, mode: str) -> d
 
 # --- contract §8.2: correction metrics -----------------------------------------------------------
 
-def correction_token_values(cfg: MISConfig, bounds, w_raw, w, keep_is, w_rs_raw, catastrophic) -> dict:
-  """Per-token rows of contract §8.2 averaged over the original mask ``m`` (fractions use strict
-  ``<``/``>``).
+def is_token_values(cfg: MISConfig, bounds, w_raw, w, keep_is) -> dict:
+  """Per-token rows of the IS weights (contract §8.2) averaged over the original mask ``m``
+  (fractions use strict ``<``/``>``).
 
   ``mis_tis_weight_before_bound``: ``w_raw``; ``mis_tis_weight_after_bound``: the bounded
   ``w`` (here only when IS keeps every token, i.e. not in ``mask`` mode); per ``tis_mode``
   ``mis_tis_truncate_fraction = [w_raw > U]``, ``mis_tis_{clip,mask}_fraction_low/_high =
-  [w_raw < Lo]/[w_raw > U]``; with ``use_rs`` ``mis_rs_mask_fraction_low/_high =
-  [w_rs_raw < lo_rs]/[w_rs_raw > hi_rs]``; with a veto ``mis_rs_catastrophic_token_fraction``.
-  ``w_rs_raw`` / ``catastrophic`` are None when RS / the veto are off.
+  [w_raw < Lo]/[w_raw > U]``.
   """
   upper, lower = bounds.tis_upper, bounds.tis_lower
   out = {"mis_tis_weight_before_bound": w_raw}
@@ -90,12 +87,14 @@ def correction_token_values(cfg: MISConfig, bounds, w_raw, w, keep_is, w_rs_raw,
   elif cfg.tis_mode in ("clip", "mask"):
     out[f"mis_tis_{cfg.tis_mode}_fraction_low"] = w_raw < lower
     out[f"mis_tis_{cfg.tis_mode}_fraction_high"] = w_raw > upper
-  if w_rs_raw is not None:
-    out["mis_rs_mask_fraction_low"] = w_rs_raw < bounds.rs_lower
-    out["mis_rs_mask_fraction_high"] = w_rs_raw > bounds.rs_upper
-  if catastrophic is not None:
-    out["mis_rs_catastrophic_token_fraction"] = catastrophic
   return out
+
+
+def rs_token_values(bounds, w_rs_raw) -> dict:
+  """Per-token rows of rejection sampling (contract §8.2) averaged over ``m``:
+  ``mis_rs_mask_fraction_low/_high = [w_rs_raw < lo_rs]/[w_rs_raw > hi_rs]``."""
+  return {"mis_rs_mask_fraction_low": w_rs_raw < bounds.rs_lower,
+          "mis_rs_mask_fraction_high": w_rs_raw > bounds.rs_upper}
 
 
 def criterion_token_values(crit: RSCriterion, value, keep) -> dict:
@@ -170,32 +169,14 @@ def criterion_names(metric: str, agg: str) -> dict:
 
 
 declare({name: "mask" for name in MISMATCH_NAMES})  # contract §8.1: means over m
-declare({  # contract §8.2, `correction_token_values`: means over m
-    "mis_tis_weight_before_bound": "mask", "mis_tis_truncate_fraction": "mask",
-    "mis_tis_clip_fraction_low": "mask", "mis_tis_clip_fraction_high": "mask",
-    "mis_tis_mask_fraction_low": "mask", "mis_tis_mask_fraction_high": "mask",
-    "mis_rs_mask_fraction_low": "mask", "mis_rs_mask_fraction_high": "mask",
-    "mis_rs_catastrophic_token_fraction": "mask",
-    # over the tokens IS kept (means over m' where IS keeps every token)
-    "mis_tis_weight_after_bound": "kept",
-    # the segments the veto / OPSM reject, among live ones
-    "mis_rs_catastrophic_seq_fraction": "seqs", "mis_opsm_masked_seq_fraction": "mask",
-})
 declare({  # contract §8.2, `final_weight_metrics`
     "mis_is_ratio_mean_after_tis_rs": "kept", "mis_batch_norm_factor": "mask", "mis_is_ratio_mean_final": "kept",
     "mis_is_ratio_min_final": "min", "mis_is_ratio_max_final": "max", "mis_ess_ratio": "kept",
     "mis_kept_token_fraction": "mask", "mis_kept_seq_fraction": "seqs",
     "mis_masked_whole_batch": "min",  # the step keeps nothing iff no micro-batch keeps anything
 })
-declare({  # contract §3.1 and §4.2: the threshold controller's bounds and M2PO's cutoff, per step
-    "mis_auto_tis_upper_bound": "mask", "mis_auto_ess_ratio": "mask", "mis_auto_tis_masked_fraction": "mask",
-    "mis_auto_rs_upper_bound": "mask", "mis_auto_rs_masked_fraction": "mask",
-    "mis_auto_target_met": "min",  # met over the step iff met in every micro-batch
-    "mis_m2po_max_sq_log_ratio": "mask", "mis_m2po_second_moment": "mask", "mis_m2po_masked_fraction": "mask",
-})
-for _metric in correction_module.DIVERGENCES:  # contract §4.1: every criterion's metrics
-  for _agg in correction_module.AGGREGATIONS:
-    declare(criterion_names(_metric, _agg))
+declare({"mis_auto_target_met": "min"})  # contract §3.1: met over the step iff met in every micro-batch
+# The metrics of the correction's bound and masks are declared by their stages (`mis_jax._stages`).
 
 
 def criterion_microbatch_reductions(crit: RSCriterion) -> dict:

@@ -122,3 +122,41 @@ def test_a_metric_declared_twice_differently_is_an_error():
   with pytest.raises(ValueError, match="unknown micro-batch reduction 'mean'"):
     _metrics.declare({"new_metric": "mean"})
   assert "new_metric" not in mis_jax.MICROBATCH_REDUCTIONS
+
+
+def _combine(values, weights, how):
+  """The step's combination of one metric over micro-batches (trainers' `combine_metrics`): a mean
+  weighted by each micro-batch's trained tokens ("mask", token-mean) or live sequences ("seqs")."""
+  w = np.asarray(weights[how], np.float64)
+  return float(np.sum(np.asarray(values, np.float64) * w) / max(np.sum(w), 1.0))
+
+
+def test_opsm_share_of_sequences_combines_over_microbatches_as_one_batch():
+  """`mis_opsm_masked_seq_fraction` is a share of live sequences (contract §4.2), so it combines
+  weighted by each micro-batch's live sequences ("seqs"): k micro-batches (the correction run in
+  each, as REINFORCE + IS does) give the one batch's share, also in token-mean mode, where a
+  weighting by trained tokens would not."""
+  from helpers import pack, random_seqs
+  assert mis_jax.microbatch_reduction("mis_opsm_masked_seq_fraction") == "seqs"
+  rng = np.random.default_rng(3)
+  seqs = random_seqs(rng, n_seqs=24, max_len=12, mismatch=0.6)
+  cfg = mis_jax.MISConfig(opsm_delta=0.05)
+
+  def run(part):
+    b = pack(part, row_len=16)[0]
+    _, _, met = mis_jax.compute_mis_weights(b.old_logprobs, b.rollout_logprobs, b.loss_mask, b.segment_ids, cfg,
+                                            num_segments=b.num_segments, metric_reduction="token-mean",
+                                            advantages=b.advantages)
+    live = sum(bool(s["m"].any()) for s in part)
+    return float(met["mis_opsm_masked_seq_fraction"]), {"mask": sum(int(s["m"].sum()) for s in part), "seqs": live}
+
+  whole, _ = run(seqs)
+  assert 0.0 < whole < 1.0
+  token_weighted_error = 0.0
+  for cuts in ((12,), (5,), (8, 16), (3, 9, 20)):  # k = 2, 2, 3, 4 micro-batches, even and uneven
+    parts = [run(list(p)) for p in np.split(np.array(seqs, dtype=object), cuts)]
+    values = [v for v, _ in parts]
+    weights = {how: [w[how] for _, w in parts] for how in ("mask", "seqs")}
+    np.testing.assert_allclose(_combine(values, weights, "seqs"), whole, rtol=1e-6, err_msg=f"cuts={cuts}")
+    token_weighted_error = max(token_weighted_error, abs(_combine(values, weights, "mask") - whole))
+  assert token_weighted_error > 1e-2  # weighting by trained tokens (the old "mask") would be off
