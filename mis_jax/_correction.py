@@ -89,7 +89,7 @@ class Bounds(NamedTuple):
     uppers = tuple(None if c.auto else c.upper for c in cfg.rs_criteria)
     if cfg.tis_auto:
       return cls(None, None, cfg.rs_lower_bound, None if cfg.rs_auto else cfg.rs_upper_bound, None, uppers)
-    return cls(cfg.lower, cfg.tis_upper_bound, None if cfg.rs_auto else cfg.rs_lower,
+    return cls(cfg.lower, cfg.tis_upper_bound, cfg.rs_lower_bound if cfg.rs_auto else cfg.rs_lower,
                None if cfg.rs_auto else cfg.rs_upper, None, uppers)
 
 

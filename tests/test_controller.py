@@ -303,3 +303,30 @@ def test_a_criterion_upper_bound_set_from_its_masked_share(crit, fraction):
     mis_jax.MISConfig(rs_criteria=[{"metric": "k1", "upper": "auto"}], max_masked_fraction=0.1)
   with pytest.raises(mis_jax.ConfigError, match="a criterion's upper is auto: give max_masked_fraction"):
     mis_jax.MISConfig(rs_criteria=[{**crit, "upper": "auto"}])
+
+
+def test_a_fixed_rs_lower_bound_stays_under_an_auto_upper():
+  """contract §3.1: "A fixed lower bound stays" — with `rs_upper_bound: auto` and a fixed
+  `rs_lower_bound` (and a fixed IS bound), no kept token is below the lower bound, and when the
+  lower bound alone masks more than the target share, the upper masks nothing above it and the
+  target is reported unmet. (Before the fix the applied band was [1/U, U].)"""
+  import numpy as np
+  rng = np.random.default_rng(0)
+  seg = np.repeat(np.arange(20), 20).astype(np.int32)
+  o = (-rng.uniform(0.5, 3, 400)).astype(np.float32)
+  q = (o + rng.normal(0, 0.5, 400)).astype(np.float32)
+  w_raw = np.exp(o - q)  # float32, as the library computes it: the auto bound is one of these values
+  for lo in (0.5, 0.9):
+    cfg = mis_jax.MISConfig(use_rs=True, tis_level="token", rs_level="token", tis_mode="truncate",
+                            rs_upper_bound="auto", max_masked_fraction=0.1, rs_lower_bound=lo)
+    _, kept, m = mis_jax.compute_mis_weights(o, q, np.ones(400, bool), seg, cfg, num_segments=20,
+                                             metric_reduction="token-mean")
+    kept = np.asarray(kept, bool)
+    assert not np.any(kept & (w_raw < lo))
+    below = np.mean(w_raw < lo)
+    U = float(m["mis_auto_rs_upper_bound"])
+    np.testing.assert_array_equal(kept, (w_raw >= lo) & (w_raw <= U))
+    if below > 0.1:  # the lower bound alone masks more than the target: nothing above it goes
+      assert np.all(kept == (w_raw >= lo)) and float(m["mis_auto_rs_masked_fraction"]) == pytest.approx(below, abs=1e-6)
+    else:  # the upper bound masks the rest of the share, no more
+      assert np.mean(~kept) <= 0.1 + 1e-9
