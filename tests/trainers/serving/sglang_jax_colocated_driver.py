@@ -1,4 +1,4 @@
-"""Runs in sglang-jax's venv, started by tests/trainers/test_sglang_jax.py: the trainer on each
+"""Runs in sglang-jax's venv, started by tests/trainers/serving/test_sglang_jax.py: the trainer on each
 config of a JSON list, with sglang-jax colocated (`rollout.placement.mode: colocated`) or behind its
 HTTP server (`server`: started here from the same starting weights), each run's rollouts (as
 the trainer took them), metrics and final parameters written for the test to compare.
