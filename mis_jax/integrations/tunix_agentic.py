@@ -143,16 +143,7 @@ class MISAgenticGRPOLearner(agentic_grpo_learner.GRPOLearner):
     if not isinstance(algo_config, MISAgenticGRPOConfig):
       raise TypeError("MISAgenticGRPOLearner needs a mis_jax.integrations.tunix_agentic.MISAgenticGRPOConfig, "
                       f"got {type(algo_config).__name__}")
-    mis_tunix.check_rope_theta(getattr(rl_cluster.actor_trainer.model, "config", None))
-    training = rl_cluster.cluster_config.training_config
-    if getattr(training, "max_seq_token_per_tpu", None) is not None:
-      raise ConfigError(
-          f"training_config.max_seq_token_per_tpu={training.max_seq_token_per_tpu}: tunix's sequence "
-          "packing is not supported by MISAgenticGRPOLearner (the rollout log-probs are aligned with the "
-          "padded conversations); set it to None")
-    rollout_configs = rl_cluster.cluster_config.rollout_config
-    for rc in (rollout_configs.values() if isinstance(rollout_configs, dict) else [rollout_configs]):
-      rc.return_logprobs = True
+    mis_tunix.prepare_cluster(rl_cluster, "MISAgenticGRPOLearner", "conversations")
     super().__init__(rl_cluster=rl_cluster, algo_config=algo_config, reward_fns=reward_fns,
                      chat_parser=chat_parser, metric_fns=metric_fns, agent_class=agent_class,
                      agent_kwargs=agent_kwargs, env_class=env_class, env_kwargs=env_kwargs)
