@@ -77,7 +77,7 @@ bench-colocated-sglang-jax: $(STAMP) engine  ## the same with sglang-jax generat
 	PYTHONPATH=. JAX_PLATFORMS=cpu $$($(PY) -m trainers.serving.sglang_jax --prepare --tunix --trainer) \
 	    -m benchmarks.colocated --engine sglang-jax
 
-bench-agents: $(STAMP)  ## multi-turn vs single-turn rollouts of the same model tokens on the embedded server (docs/performance.md)
+bench-agents: $(STAMP) engine  ## multi-turn vs single-turn rollouts of the same model tokens on the embedded server and sglang-jax (docs/performance.md)
 	$(PY) -m benchmarks.agents
 
 bench-engines: $(STAMP) engine  ## sglang-jax vs mis-jax serve: tokens/s and weight-sync time (docs/performance.md)

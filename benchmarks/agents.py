@@ -31,8 +31,8 @@ sglang-jax (SGLang's JAX port; `trainers.serving.sglang_jax.launcher`, its own v
 SGLang's radix prefix cache, so a turn should prefill only its new tokens: the benchmark reads the
 engine's own per-batch prefill log (`#new-token`, `#cached-token`) over each setting's timed runs
 (`prefill_new_tokens`, `prefill_cached_tokens` per rollout), and times a 1-token `/generate` of 32
-rows at the first and the last turn's context length, fresh and repeated (`turn_fixed_cost_s`:
-a repeat is a prefix-cache hit on sglang-jax, the same prefill again on the embedded engine). Its
+rows (8 on sglang-jax) at the first and the last turn's context length, fresh and repeated
+(`turn_fixed_cost_s`: a repeat is a prefix-cache hit on sglang-jax, the same prefill again on the embedded engine). Its
 KV pool is raised to 16384 tokens (`--max-total-tokens`; the launcher's CPU default of 4096 cannot
 hold 32 single-turn rows of 260 tokens or 32 trajectories of 205, so it retracts requests and
 evicts the cached turns). Its tool-latency settings are left out: on this CPU a sglang-jax turn
@@ -156,7 +156,7 @@ def settings_for(engine: str, *, rows: int, latency_ms: float, concurrencies: tu
 
 def run(url: str, *, engine: str = "embedded", prompts: int, n: int, turns: int, turn_tokens: int,
         latency_ms: float, concurrencies: tuple[int, ...], repeats: int, log_path: str | None = None,
-        log=print) -> list[dict]:
+        probe_rounds: int | None = None, log=print) -> list[dict]:
   """Every setting warmed up once (compiles its shapes), then `repeats` rounds that run each
   setting once in turn (a load on the machine hits them all alike): each setting's median, and
   its ratio to single-turn as the median of the rounds' paired ratios."""
@@ -191,14 +191,14 @@ def run(url: str, *, engine: str = "embedded", prompts: int, n: int, turns: int,
   # turn's context and at the last's; "fresh" contexts differ from every earlier request after
   # their first token, "repeat" sends the same contexts again (a prefix-cache hit, where there is one).
   last = 4 + (turns - 1) * (turn_tokens + OBS)
-  probe_s = {}
-  for i in range(repeats + 1):
+  probe_s, probe_rows = {}, rows if log_path is None else max(rows // 4, 1)  # sglang-jax: ~1 ms a prefilled token
+  for i in range(probe_rounds or repeats + 1):  # the first round compiles, left out
     for length in (4, last):
       contexts = [tuple([1, 14 + (i * 7 + r) % 50] + [3 + (r + k) % 10 for k in range(length - 2)])
-                  for r in range(rows)]
+                  for r in range(probe_rows)]
       for kind in ("fresh", "repeat"):
         t0 = time.perf_counter()
-        client.generate(contexts, _params(1), n=1, seed=i, rows_per_request=rows)
+        client.generate(contexts, _params(1), n=1, seed=i, rows_per_request=probe_rows)
         probe_s.setdefault(f"1 token, context {length}, {kind}", []).append(time.perf_counter() - t0)
   overhead = {k: statistics.median(v[1:]) for k, v in probe_s.items()}
   log(f"[{engine}] a turn's fixed cost: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in overhead.items()))
@@ -265,6 +265,7 @@ def bench_engine(engine: str, path: str, tmp: str, config: dict, log=print) -> d
   with server:
     rows = [r for t in config["turn_tokens"]
             for r in run(server.url, engine=engine, log_path=log_path, log=log,
+                         probe_rounds=2 if engine == "sglang-jax" else None,  # its uncached prefill: seconds
                          **{**config, "turn_tokens": t})]
   return {**about, "repeats": config["repeats"], "start_s": round(start_s, 1),
           "seconds": round(time.perf_counter() - t0, 1), "rows": rows}
@@ -281,15 +282,15 @@ def main(argv=None) -> int:
   parser.add_argument("--turn-tokens", default="16,64", help="model tokens per turn: one table section each")
   parser.add_argument("--tool-latency-ms", type=float, default=10.0)
   parser.add_argument("--repeats", type=int, default=None,
-                      help="timed rounds (default 7 on the embedded engine, 3 on sglang-jax: seconds a turn on CPU)")
+                      help="timed rounds (default 5 on the embedded engine, 2 on sglang-jax: seconds a turn on CPU)")
   args = parser.parse_args(argv)
   import jax
   from trainers.models import init_checkpoint
   engines = ENGINES if args.engine == "both" else (args.engine,)
   config = {"prompts": args.prompts, "n": args.n, "turns": args.turns,
             "turn_tokens": [int(t) for t in args.turn_tokens.split(",")],
-            "latency_ms": args.tool_latency_ms, "concurrencies": (16, args.prompts * args.n)}
-  repeats = {"embedded": args.repeats or 7, "sglang-jax": args.repeats or 3}
+            "latency_ms": args.tool_latency_ms, "concurrencies": (args.prompts * args.n,)}
+  repeats = {"embedded": args.repeats or 5, "sglang-jax": args.repeats or 2}
   if args.quick:
     config.update(prompts=2, n=2, turns=2, turn_tokens=[16], concurrencies=(4,))
     repeats = dict.fromkeys(ENGINES, 1)
