@@ -9,7 +9,10 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
+# The repository first (tests/mis_jax, a folder of tests, must not shadow the package), then the
+# tests' helpers and the library's tests (test_sharding).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.dirname(_HERE), _HERE, os.path.join(_HERE, "mis_jax")]
 
 import jax  # noqa: E402
 

@@ -560,10 +560,9 @@ class TrainConfig:
         (c.every % r.sync.sync_every == 0, f"checkpoint.every ({c.every}) must be a multiple of "
                                            f"rollout.sync.sync_every ({r.sync.sync_every})"),
     ] + [(False, problem) for problem in self.task.problems()]
-    where = f"{self.source}: " if self.source else ""
-    for ok, message in checks:
+    for ok, message in checks:  # (from_dict names the file)
       if not ok:
-        raise mis_jax.ConfigError(where + message)
+        raise mis_jax.ConfigError(message)
 
 
 def reference_table() -> str:

@@ -61,7 +61,7 @@ def test_colocated_equals_server_mode(tmp_path, case):
   init_checkpoint(init, preset=preset, seed=3)
   rollout = {"prompts_per_step": 4, "n": 4}
   if case != "dense":
-    rollout.update(routing_replay="r3", top_k=8)
+    rollout.update(sampling={"routing_replay": "r3", "top_k": 8})
   runs = {}
   with EmbeddedServer(init, dtype="bfloat16", seed=0, extra_args=("--enable-return-routed-experts", "--weight-version", "0")) as server:
     for placement in ("server", "colocated"):
