@@ -277,6 +277,14 @@ class MISConfig:
     return cls(**dict(values), source=source)
 
   @classmethod
+  def from_preset(cls, name: str, **overrides) -> "MISConfig":
+    """The MIS keys of the named preset (``mis_jax.PRESETS``: ``icepop``, ``trl:sequence_mask``,
+    ...; docs/reference/presets.md), with MIS keys in ``overrides`` over them."""
+    from mis_jax import _presets
+    values = _presets.loss_values(name, {"mis": overrides})["mis"]
+    return cls.from_dict(values, source=f"preset '{name}'")
+
+  @classmethod
   def from_yaml(cls, path: str | os.PathLike) -> "MISConfig":
     path = os.fspath(path)
     return cls.from_dict(load_yaml(path, "MIS config file"), source=path)
@@ -498,6 +506,13 @@ class LossConfig:
     elif isinstance(values.get("mis"), Mapping):
       values["mis"] = MISConfig.from_dict(values["mis"], source=f"{source}: mis" if source else "mis")
     return cls(**values)
+
+  @classmethod
+  def from_preset(cls, name: str, **overrides) -> "LossConfig":
+    """The named preset (``mis_jax.PRESETS``; docs/reference/presets.md) as a LossConfig, with
+    ``overrides`` over it: LossConfig keys replace the preset's, MIS keys go into its ``mis``."""
+    from mis_jax import _presets
+    return cls.from_dict(_presets.loss_values(name, overrides), source=f"preset '{name}'")
 
   @classmethod
   def from_yaml(cls, path: str | os.PathLike) -> "LossConfig":
