@@ -20,7 +20,7 @@ from mis_jax._packing import PackedBatch
 from mis_jax._engine import PassOptions, psum
 from mis_jax._prepared import Correction, Denominators
 from mis_jax._segments import AxisName, Segments, masked_means, safe_exp
-from mis_jax._weights import Corrected, correct, mismatch_metrics, vanilla_core
+from mis_jax._weights import Corrected, correct, drop_nonfinite_rollout, mismatch_metrics, vanilla_core
 
 
 # --- per-token losses ------------------------------------------------------------------
@@ -227,6 +227,8 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
   _validation.check_segments(batch.segment_ids, batch.num_segments)
   segs = Segments(batch.segment_ids, batch.num_segments, axis_name, pass_options)
   mask = _validation.flat_mask(arrays["loss_mask"], segs.valid)
+  if batch.rollout_logprobs is not None:  # contract §8.4 (policy_loss reports the count)
+    mask, _ = drop_nonfinite_rollout(_validation.flat_float(batch.rollout_logprobs), mask, axis_name)
   shape = jnp.shape(batch.segment_ids)
   out, metrics, kept = Correction(), {}, mask
   if loss_cfg.algorithm == "decoupled_ppo" and not loss_cfg.correction_in_loss:
@@ -317,6 +319,9 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
   shape = jnp.shape(batch.segment_ids)
   segs = Segments(batch.segment_ids, batch.num_segments, axis_name, pass_options)
   mask = _validation.flat_mask(arrays["loss_mask"], segs.valid)
+  nonfinite = {}
+  if arrays.get("rollout_logprobs") is not None:  # contract §8.4: such tokens leave m, for every algorithm
+    mask, nonfinite = drop_nonfinite_rollout(_validation.flat_float(arrays["rollout_logprobs"]), mask, axis_name)
   sg = jax.lax.stop_gradient
 
   def flat(name):
@@ -390,5 +395,6 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
 
   metrics = {**metrics, **masked_means([(mask, mask_stats, over_mask), (kept, kept_stats, over_kept)], segs, mode)}
   metrics.update({k: sg(v) for k, v in values.items()})
+  metrics.update(nonfinite)
   metrics["loss"] = sg(loss)
   return loss, metrics

@@ -34,7 +34,7 @@ from mis_jax import _metrics as metrics_lib
 from mis_jax import _stages as stages_lib
 from mis_jax import _validation
 from mis_jax._config import MISConfig
-from mis_jax._engine import HIGHEST, LOWEST, Max, Min, Out, PassOptions, SegSum, Total
+from mis_jax._engine import HIGHEST, LOWEST, Max, Min, Out, PassOptions, SegSum, Total, psum
 from mis_jax._segments import AxisName, MaskStats, Segments, masked_means, per_segment_mean, safe_exp
 
 
@@ -305,6 +305,24 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask, segs: Segments, mod
   result = correct(train_logprobs, rollout_logprobs, mask, segs, None, mode)
   return result.metrics, result.mask_stats
 
+# contract §8.4: rollout log-probs the engine reported as NaN or ±inf on trained tokens.
+NONFINITE_FRACTION = "mis_nonfinite_rollout_logprob_fraction"
+NONFINITE_COUNT = "mis_nonfinite_rollout_logprob_count"
+metrics_lib.declare({NONFINITE_FRACTION: "mask", NONFINITE_COUNT: "sum"})
+
+
+def drop_nonfinite_rollout(q, mask, axis_name: AxisName = None):
+  """contract §8.4: a trained token whose rollout log-prob ``q`` is NaN or ±inf leaves the mask
+  (``m ← m ∧ isfinite(q)``), so it leaves the loss, the correction and every metric's mask; every
+  later use of ``q`` selects on the mask (``jnp.where``), so its value never reaches a sum or a
+  gradient. Returns the narrowed mask and the count and share of such tokens among the trained ones
+  (global over ``axis_name``)."""
+  finite = jnp.isfinite(q)
+  bad = psum(jnp.sum(jnp.where(mask & ~finite, 1.0, 0.0)), axis_name)
+  trained = psum(jnp.sum(jnp.where(mask, 1.0, 0.0)), axis_name)
+  return mask & finite, {NONFINITE_FRACTION: bad / jnp.maximum(trained, 1.0), NONFINITE_COUNT: bad}
+
+
 def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids, cfg: MISConfig, *,
                         num_segments: int, axis_name: AxisName = None,
                         metric_reduction: str = "seq-mean-token-mean",
@@ -355,11 +373,12 @@ def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids
   shape = jnp.shape(loss_mask)
   segs = Segments(segment_ids, num_segments, axis_name, pass_options)
   o, q, mask = _validation.flat_inputs(arrays, segs)
+  mask, nonfinite = drop_nonfinite_rollout(q, mask, axis_name)
   adv = None if advantages is None else _validation.flat_float(arrays["advantages"])
   weights, kept, metrics, _, _ = correct(o, q, mask, segs, cfg if cfg.use_tis else None, metric_reduction,
                                          batch_norm_factor=batch_norm_factor, adv=adv)
   kept = kept.astype(jnp.asarray(loss_mask).dtype)
-  return weights.reshape(shape), kept.reshape(shape), metrics
+  return weights.reshape(shape), kept.reshape(shape), {**metrics, **nonfinite}
 
 
 # Vanilla TIS's metrics (contract §8.3): means over the mask.
@@ -412,5 +431,7 @@ def vanilla_tis_weights(train_logprobs, rollout_logprobs, loss_mask, *, tis_clip
   shape = jnp.shape(loss_mask)
   segs = Segments(segment_ids, num_segments, axis_name, pass_options)
   o, q, mask = _validation.flat_inputs(arrays, segs)
+  mask, nonfinite = drop_nonfinite_rollout(q, mask, axis_name)
   w, values = vanilla_core(o, q, mask, tis_clip, tis_clip_low)
-  return w.reshape(shape), masked_means([(mask, segs.mask_stats(mask), values)], segs, metric_reduction)
+  metrics = masked_means([(mask, segs.mask_stats(mask), values)], segs, metric_reduction)
+  return w.reshape(shape), {**metrics, **nonfinite}
