@@ -188,7 +188,16 @@ def mis(seqs, cfg, mode, train_key="o"):
   metrics["mis_kept_token_fraction"] = n_kept / max(sum(float(m.sum()) for m in masks), 1.0)
   metrics["mis_kept_seq_fraction"] = sum(int(k.any()) for k in K) / max(live_seqs, 1)
   metrics["mis_masked_whole_batch"] = 1.0 if n_kept == 0 else 0.0
-  return W, K, metrics
+  return W, K, {**metrics, **nonfinite(seqs)}
+
+
+def nonfinite(seqs):
+  """contract §8.4's counts: trained tokens whose rollout log-prob is NaN or ±inf (the oracle's
+  batches have finite ones; tests/test_nonfinite_rollout.py covers the rest)."""
+  bad = sum(int(np.sum(s["m"] & ~np.isfinite(s["q"]))) for s in seqs)
+  trained = sum(int(np.sum(s["m"])) for s in seqs)
+  return {"mis_nonfinite_rollout_logprob_count": float(bad),
+          "mis_nonfinite_rollout_logprob_fraction": bad / max(trained, 1)}
 
 
 def vanilla(seqs, clip_hi, clip_lo, mode, train_key="o"):
@@ -204,7 +213,7 @@ def vanilla(seqs, clip_hi, clip_lo, mode, train_key="o"):
       "tis_clipfrac": reduce([(np.clip(x, clip_lo, clip_hi) != x).astype(float) for x in ratios], masks, mode),
       "tis_abs": reduce([np.abs(x - 1) for x in ratios], masks, mode),
   }
-  return W, [m.copy() for m in masks], metrics
+  return W, [m.copy() for m in masks], {**metrics, **nonfinite(seqs)}
 
 
 def kl_term(lp, ref, kl_type):
@@ -396,4 +405,6 @@ def policy_loss(seqs, lc):
     metrics["kl_loss"] = kl_loss
   metrics.update(loss=loss, pg_loss=pg_loss, pg_clipfrac=reduce(clip, K, mode), ppo_kl=reduce(anch, K, mode))
   metrics.update({name: reduce(x, K, mode) for name, x in rows.items()})
+  if "q" in seqs[0]:
+    metrics.update(nonfinite(seqs))
   return loss, metrics, W, K
