@@ -5,8 +5,17 @@ no environment tricks."""
 
 import atexit
 import os
+import pathlib
 import shutil
+import sys
 import tempfile
+
+# tests/ mirrors the packages (tests/mis_jax, tests/trainers/<package>); their shared helpers
+# (helpers, oracle, fake_sglang, test_train's make_cfg, ...) import by module name from any folder.
+for _dir in sorted(p for p in pathlib.Path(__file__).resolve().parent.rglob("*")
+                   if p.is_dir() and p.name != "__pycache__"):
+  if str(_dir) not in sys.path:
+    sys.path.append(str(_dir))
 
 # The suite's programs are tiny and compiled once each: LLVM's optimisation passes cost more than
 # they save. Level 0 changes no result (XLA CPU does no fast-math; reductions keep XLA's order) and
@@ -52,10 +61,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # The longest files first (measured durations, longest first): `--dist loadfile` hands whole
 # files to the two workers in collection order, so a long file collected last would leave one
 # worker running it alone at the end. Within a file, and among the rest, the order is unchanged.
-LONGEST_FIRST = ("trainers/test_sglang_jax.py", "trainers/test_moe_train.py", "trainers/test_moe_model.py",
-                 "trainers/test_step.py", "trainers/test_sampling_replay.py", "trainers/test_train.py",
-                 "trainers/test_colocated.py", "integrations/test_tunix.py", "trainers/test_faults.py",
-                 "test_notebooks.py", "trainers/test_server.py")
+LONGEST_FIRST = ("trainers/serving/test_sglang_jax.py", "trainers/training/test_moe_train.py",
+                 "trainers/models/test_moe_model.py", "trainers/training/test_step.py",
+                 "trainers/training/test_sampling_replay.py", "trainers/training/test_train.py",
+                 "trainers/training/test_colocated.py", "mis_jax/integrations/test_tunix.py",
+                 "trainers/training/test_faults.py", "test_notebooks.py", "trainers/serving/test_server.py")
 
 
 def pytest_collection_modifyitems(config, items):

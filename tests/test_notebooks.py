@@ -30,7 +30,7 @@ NOTEBOOKS = [
     pytest.param("02_compose_with_flax.ipynb", 240, id="02_compose_with_flax",
                  marks=pytest.mark.slow),  # ~65 s on 2 cores
     # The experiment's analysis, from the committed full run's results.json (the run itself:
-    # `python -m trainers.experiments.mismatch`; its --quick mode is tests/trainers/test_experiment.py).
+    # `python -m trainers.experiments.mismatch`; its --quick mode is tests/trainers/experiments/test_experiment.py).
     pytest.param("03_mismatch_experiment.ipynb", 120, id="03_mismatch_experiment"),
 ]
 ENV: dict[str, dict[str, str]] = {}  # per-notebook environment variables

@@ -143,6 +143,23 @@ def rope_theta_computed(model_config) -> float | None:
   return float(ROPE_THETA_IGNORED.get(type(model_config).__module__, theta))
 
 
+def prepare_cluster(rl_cluster, learner: str, rows: str) -> None:
+  """What a mis_jax learner needs of a tunix cluster before tunix's own constructor runs: an actor
+  whose ``rope_theta`` tunix computes with (:func:`check_rope_theta`), no sequence packing (the
+  rollout log-probs are aligned with the padded ``rows``), and ``return_logprobs=True`` on every
+  rollout config."""
+  check_rope_theta(getattr(rl_cluster.actor_trainer.model, "config", None))
+  training = rl_cluster.cluster_config.training_config
+  if getattr(training, "max_seq_token_per_tpu", None) is not None:
+    raise ConfigError(
+        f"training_config.max_seq_token_per_tpu={training.max_seq_token_per_tpu}: tunix's sequence "
+        f"packing is not supported by {learner} (the rollout log-probs are aligned with the padded {rows}); "
+        "set it to None")
+  rollout_configs = rl_cluster.cluster_config.rollout_config
+  for rc in (rollout_configs.values() if isinstance(rollout_configs, dict) else [rollout_configs]):
+    rc.return_logprobs = True
+
+
 def check_rope_theta(model_config) -> None:
   """Raises :class:`mis_jax.ConfigError` when ``model_config.rope_theta`` is not the theta
   tunix's model computes with (:func:`rope_theta_computed`).
@@ -415,16 +432,7 @@ class MISGRPOLearner(grpo_learner.GRPOLearner):
     if not isinstance(algo_config, MISGRPOConfig):
       raise TypeError(f"MISGRPOLearner needs a mis_jax.integrations.tunix.MISGRPOConfig, got "
                       f"{type(algo_config).__name__}")
-    check_rope_theta(getattr(rl_cluster.actor_trainer.model, "config", None))
-    training = rl_cluster.cluster_config.training_config
-    if getattr(training, "max_seq_token_per_tpu", None) is not None:
-      raise ConfigError(
-          f"training_config.max_seq_token_per_tpu={training.max_seq_token_per_tpu}: tunix's sequence "
-          "packing is not supported by MISGRPOLearner (the rollout log-probs are aligned with the "
-          "padded completions); set it to None")
-    rollout_configs = rl_cluster.cluster_config.rollout_config
-    for rc in (rollout_configs.values() if isinstance(rollout_configs, dict) else [rollout_configs]):
-      rc.return_logprobs = True
+    prepare_cluster(rl_cluster, "MISGRPOLearner", "completions")
     super().__init__(rl_cluster=rl_cluster, algo_config=algo_config, reward_fns=reward_fns,
                      metric_fns=metric_fns, data_shuffle_seed=data_shuffle_seed)
     cfg = algo_config.loss_config

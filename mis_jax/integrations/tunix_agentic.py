@@ -131,9 +131,10 @@ class MISAgenticGRPOLearner(agentic_grpo_learner.GRPOLearner):
     and attention from ``tokens != pad_id``.
 
   With tunix's ``"vanilla"`` engine and no ``RolloutConfig.seed``, every engine call gets its
-  own seed: tunix 0.1.7's sampler otherwise uses ``PRNGKey(0)`` for every call, and the agentic
-  learner makes one call per trajectory turn, so all trajectories of a group sample the same
-  tokens and every GRPO advantage is 0.
+  own seed, a function of the trajectory (group id, index in the group) and the turn: tunix
+  0.1.7's sampler otherwise uses ``PRNGKey(0)`` for every call, and the agentic learner makes
+  one call per trajectory turn, so all trajectories of a group sample the same tokens and every
+  GRPO advantage is 0.
   """
 
   def __init__(self, rl_cluster, algo_config, reward_fns=None, chat_parser=None, metric_fns=None,
@@ -142,16 +143,7 @@ class MISAgenticGRPOLearner(agentic_grpo_learner.GRPOLearner):
     if not isinstance(algo_config, MISAgenticGRPOConfig):
       raise TypeError("MISAgenticGRPOLearner needs a mis_jax.integrations.tunix_agentic.MISAgenticGRPOConfig, "
                       f"got {type(algo_config).__name__}")
-    mis_tunix.check_rope_theta(getattr(rl_cluster.actor_trainer.model, "config", None))
-    training = rl_cluster.cluster_config.training_config
-    if getattr(training, "max_seq_token_per_tpu", None) is not None:
-      raise ConfigError(
-          f"training_config.max_seq_token_per_tpu={training.max_seq_token_per_tpu}: tunix's sequence "
-          "packing is not supported by MISAgenticGRPOLearner (the rollout log-probs are aligned with the "
-          "padded conversations); set it to None")
-    rollout_configs = rl_cluster.cluster_config.rollout_config
-    for rc in (rollout_configs.values() if isinstance(rollout_configs, dict) else [rollout_configs]):
-      rc.return_logprobs = True
+    mis_tunix.prepare_cluster(rl_cluster, "MISAgenticGRPOLearner", "conversations")
     super().__init__(rl_cluster=rl_cluster, algo_config=algo_config, reward_fns=reward_fns,
                      chat_parser=chat_parser, metric_fns=metric_fns, agent_class=agent_class,
                      agent_kwargs=agent_kwargs, env_class=env_class, env_kwargs=env_kwargs)
@@ -171,14 +163,17 @@ class MISAgenticGRPOLearner(agentic_grpo_learner.GRPOLearner):
     if self._engine == "vanilla":
       self._seed_every_call(rl_cluster)
 
-  @staticmethod
-  def _seed_every_call(rl_cluster):
-    generate, counter, lock = rl_cluster.rollout.generate, itertools.count(1), threading.Lock()
+  def _seed_every_call(self, rl_cluster):
+    generate, counter, lock = rl_cluster.rollout.generate, itertools.count(1 << 30), threading.Lock()
+    kept = self._kept
 
     def generate_with_own_seed(prompts, rollout_config, *args, **kwargs):
       if getattr(rollout_config, "seed", None) is None:
-        with lock:
-          seed = next(counter)
+        seed = getattr(kept, "seed", None)  # set by _model_call in this thread
+        kept.seed = None
+        if seed is None:
+          with lock:
+            seed = next(counter)
         rollout_config = dataclasses.replace(rollout_config, seed=seed)
       return generate(prompts, rollout_config, *args, **kwargs)
 
@@ -198,7 +193,8 @@ class MISAgenticGRPOLearner(agentic_grpo_learner.GRPOLearner):
       graphdef, state = nnx.split(self.rl_cluster.actor_trainer.model)
       rows = prompt_tokens.shape[0]
       step = micro_batch_size or rows
-      with self.rl_cluster._get_mesh_and_logical_axis_rules_cm(rl_cluster_lib.Role.ACTOR):  # pylint: disable=protected-access
+      mesh_cm = self.rl_cluster._get_mesh_and_logical_axis_rules_cm  # pylint: disable=protected-access
+      with mesh_cm(rl_cluster_lib.Role.ACTOR):
         out = jnp.concatenate([common.compute_per_token_logps(
             graphdef, state, prompt_tokens=prompt_tokens[i:i + step],
             completion_tokens=completion_tokens[i:i + step], pad_id=pad_id, eos_id=eos_id,
@@ -208,6 +204,11 @@ class MISAgenticGRPOLearner(agentic_grpo_learner.GRPOLearner):
     return out
 
   def _model_call(self, chat_lists, env=None, max_generation_steps=None):
+    # The vanilla engine's seed for this turn: a function of the trajectory (group, index in the
+    # group) and the turn, so runs are reproducible whatever order the turns run in.
+    extra = getattr(env, "extra_kwargs", None) or {}
+    if "group_id" in extra and "pair_index" in extra:
+      self._kept.seed = ((int(extra["group_id"]) * 1009 + int(extra["pair_index"])) * 257 + len(chat_lists)) % (1 << 30)
     out = super()._model_call(chat_lists, env=env, max_generation_steps=max_generation_steps)
     # tunix's trajectory engine puts 0s where a turn has no log-probs, and an exception here would
     # stall its rollout: mark the turn's tokens NaN and fail in _process_results instead.

@@ -444,7 +444,7 @@ def loss_config(section, args=None, *, source: str | None = None, origins: dict 
     flags = {} if args is None else dict(vars(args)) if not isinstance(args, dict) else dict(args)
     nested = section or {}
     for flag, path, value in _renamed_flags(nested, base):
-      if flags.get(flag) is not None and not _same(flags[flag], base[flag]):
+      if flags.get(flag) is not None and not mis_jax.config.same_value(flags[flag], base[flag]):
         raise KeyConfigError(path, f"--{flag.replace('_', '-')} {_yaml(flags[flag])} contradicts {path}: "
                                    f"{_yaml(value)} in the config; remove one of them")
     if nested.get("algorithm") is not None and flags.get("use_tis") is None:
@@ -467,16 +467,6 @@ def _renamed_flags(nested: dict, base: dict):
     for k in mis_jax.POLICY_LOSS_KEYS[base["policy_loss"]]:
       if k in base and k in mis_jax.config.LOSS_FLAG_KEYS:
         yield k, f"loss.policy_loss.{k}", base[k]
-
-
-def _same(a, b) -> bool:
-  """A flag's value and the config's agree (numbers as numbers: YAML may give `"1e-4"`)."""
-  if isinstance(a, bool) or isinstance(b, bool):
-    return a is b
-  try:
-    return float(a) == float(b)
-  except (TypeError, ValueError):
-    return a == b
 
 
 def _check_algorithm_against_mis(algorithm: str, base: dict, flags: dict) -> None:

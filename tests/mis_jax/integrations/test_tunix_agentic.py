@@ -79,8 +79,8 @@ class CharTokenizer:
 
 VOCAB = 3 + len(CharTokenizer.chars)
 # Stop ids: the special ids (so no pad/bos/eos is ever sampled mid-turn) and a few letters (so a
-# random model's turns end after ~4 tokens). tunix's sampler leaves the stop id out of the turn.
-STOPS = [0, 1, 2] + list(range(15, 21))
+# random model's turns end after ~7 tokens). tunix's sampler leaves the stop id out of the turn.
+STOPS = [0, 1, 2] + list(range(15, 18))
 
 
 class AppendOnlyParser(chat_parser_lib.BaseChatTemplateParser):

@@ -269,7 +269,7 @@ def test_bad_datasets_stop_the_cli_before_any_server_starts(tmp_path, chatml_dir
 
 
 def test_the_committed_sample_is_what_its_script_writes(tmp_path):
-  root = os.path.join(os.path.dirname(__file__), "..", "..", "data", "gsm8k_sample")
+  root = os.path.join(os.path.dirname(__file__), "..", "..", "..", "data", "gsm8k_sample")
   assert pq.read_table(os.path.join(root, "train.parquet")).to_pylist() == gsm8k_sample.verl_rows()
   gsm8k_sample.build_tokenizer().save_pretrained(str(tmp_path))
   for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

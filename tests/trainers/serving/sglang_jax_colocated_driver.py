@@ -1,4 +1,4 @@
-"""Runs in sglang-jax's venv, started by tests/trainers/test_sglang_jax.py: the trainer on each
+"""Runs in sglang-jax's venv, started by tests/trainers/serving/test_sglang_jax.py: the trainer on each
 config of a JSON list, with sglang-jax colocated (`rollout.placement.mode: colocated`) or behind its
 HTTP server (`server`: started here from the same starting weights), each run's rollouts (as
 the trainer took them), metrics and final parameters written for the test to compare.
@@ -33,9 +33,9 @@ def _run(raw: dict, out: str) -> None:
   r = cfg.rollout
   with contextlib.ExitStack() as stack:
     urls = []
-    if r.placement == "server":
+    if r.placement.mode == "server":
       server = stack.enter_context(sglang_jax.SGLangJaxServer(
-          cfg.model.path, dtype=r.server_dtype, weight_version="0", extra=("--random-seed", str(cfg.seed)),
+          cfg.model.path, dtype=r.placement.server_dtype, weight_version="0", extra=("--random-seed", str(cfg.seed)),
           enable_return_routed_experts=ModelConfig.from_pretrained(cfg.model.path).is_moe))
       urls = [server.url]
     trainer = train_lib.Trainer(cfg, urls=urls)

@@ -28,7 +28,7 @@ from trainers.training.step import ModelInputs
 
 from test_train import make_cfg
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 
 
 class NoToyScore(ServerError):

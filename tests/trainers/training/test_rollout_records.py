@@ -25,7 +25,7 @@ from trainers.training import analysis, rollout_records
 
 pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 SMALL = ["--set", "rollout.prompts_per_step=4", "--set", "rollout.n=4", "--set", "train.row_len=32",
          "--set", "checkpoint.every=1", "--no-progress"]
 TIMING = ("rollout_s", "train_s", "sync_s", "step_s", "tokens_per_s")

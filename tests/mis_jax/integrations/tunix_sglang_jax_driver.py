@@ -1,6 +1,6 @@
 """tunix 0.1.7 with sglang-jax 0.1.0rc0 trains exactly what the engine sampled, with the model the
 engine runs. Run in sglang-jax's venv (Python >= 3.12, tunix installed there) by
-tests/integrations/test_tunix.py, as one process:
+tests/mis_jax/integrations/test_tunix.py, as one process:
 
 1. ``completion_logprobs`` aligns by position only (synthetic replies, no engine), and a
    ``config.json`` with another ``rope_theta`` than tunix's Qwen3 computes with is refused;
@@ -37,7 +37,7 @@ from tunix.rl.rollout import base_rollout
 from mis_jax.integrations import tunix as mis_tunix
 from mis_jax.integrations.tunix_sglang_jax import completion_logprobs
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 TOL = 1e-5
 
 

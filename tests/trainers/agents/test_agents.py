@@ -325,3 +325,15 @@ def test_agent_settings_of_a_single_turn_task_are_an_error(tmp_path):
     make_cfg(tmp_path, task={"name": "copy_digits", "tool": False})
   task = checks.check_config(make_cfg(tmp_path, task={"name": "lookup_digits", "tool": False}, agent={"max_turns": 2}))
   assert task.summary == "lookup_digits (3 digits, tool off)"
+
+
+def test_trajectories_cross_processes_whole():
+  """Process 0 rolls out and broadcasts the result as JSON (`RolloutResult.to_json`): every
+  trajectory's reward, turn extra, spans and the batch's agent metrics arrive on the others."""
+  result = _run(ScriptedEngine(split_version=("6", 1)), n=2)
+  back = RolloutResult.from_json(result.to_json())
+  assert back.metrics == result.metrics and len(back.samples) == len(result.samples)
+  for a, b in zip(result.samples, back.samples):
+    assert a == b and a.reward == b.reward and a.weight_versions == b.weight_versions
+    for name in a.extras:
+      np.testing.assert_array_equal(a.extras[name], b.extras[name])

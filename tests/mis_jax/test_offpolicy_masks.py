@@ -1,7 +1,7 @@
 """Off-policy masks of recent papers (contract §4.2), each against an independent NumPy loop over
 sequences: OPSM (DeepSeek-V3.2) and M2PO (AReaL), alone, composed with the other rejections and
 the threshold controller, under decoupled PPO and REINFORCE + IS (8 devices == 1: with the
-controller's in tests/test_controller.py)."""
+controller's in tests/mis_jax/test_controller.py)."""
 
 import functools
 

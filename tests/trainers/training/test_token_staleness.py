@@ -2,7 +2,7 @@
 k weight versions before the step leave the loss and stay as context, read off SGLang's
 `weight_versions` spans. Checked against a loop over the tokens, and on servers whose responses
 straddle a weight update (a pause in place): the embedded server here, sglang-jax in
-tests/trainers/test_sglang_jax.py."""
+tests/trainers/serving/test_sglang_jax.py."""
 
 import contextlib
 import threading

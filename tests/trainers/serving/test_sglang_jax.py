@@ -195,7 +195,7 @@ def test_asynchronous_rollouts_through_pause_and_continue(real_server, checkpoin
 def test_a_response_straddling_an_update_trains_only_its_fresh_tokens(real_server, checkpoints):
   """rollout.sync.max_token_staleness on a real engine: a long response paused in place across a
   weight update comes back with two weight_versions spans, and only the tokens after the switch
-  are trained on (tests/trainers/test_token_staleness.py, on the embedded server too)."""
+  are trained on (tests/trainers/training/test_token_staleness.py, on the embedded server too)."""
   from test_token_staleness import check_straddling_response
   check_straddling_response(real_server, checkpoints["start"], checkpoints["other"])
 
@@ -523,7 +523,7 @@ def test_the_engine_never_outlives_what_started_it(checkpoints, tmp_path):
             f"s = sglang_jax.SGLangJaxServer({checkpoints['start']!r}, python={engine_python()!r})\n"
             "print(s.process.pid, flush=True)\ntime.sleep(600)\n")
   owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))))
   try:
     engine = int(owner.stdout.readline())
     os.kill(engine, 0)  # healthy and running

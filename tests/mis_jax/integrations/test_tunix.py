@@ -66,7 +66,7 @@ def _load_example():
   return module
 
 
-EXAMPLE = pathlib.Path(__file__).resolve().parents[2] / "examples" / "tunix_grpo_mis.py"
+EXAMPLE = pathlib.Path(__file__).resolve().parents[3] / "examples" / "tunix_grpo_mis.py"
 example = _load_example()
 CharTokenizer = example.CharTokenizer
 
@@ -394,7 +394,7 @@ def test_the_example_runs_and_shows_the_bf16_sampler_mismatch(capsys):
 
 def test_tunix_grpo_with_sglang_jax_trains_what_the_engine_sampled(tmp_path):
   """tunix 0.1.7 and sglang-jax 0.1.0rc0 share sglang-jax's venv (Python >= 3.12); there
-  tests/integrations/tunix_sglang_jax_driver.py runs, in one process: completion_logprobs'
+  tests/mis_jax/integrations/tunix_sglang_jax_driver.py runs, in one process: completion_logprobs'
   positional alignment; the example's GRPO with sglang-jax in process (`make
   example-tunix-sglang-jax`, 2 steps), every trained token's engine log-prob within 1e-5 of
   tunix's from the same float32 weights; and the example's model made to sample pad, bos and eos

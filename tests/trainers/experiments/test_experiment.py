@@ -71,7 +71,7 @@ def test_bad_design_names_the_field():
     mismatch.main(["--bogus"])
 
 
-COMMITTED = os.path.join(os.path.dirname(__file__), "..", "..", "notebooks", "figures", "mismatch")
+COMMITTED = os.path.join(os.path.dirname(__file__), "..", "..", "..", "notebooks", "figures", "mismatch")
 
 
 @pytest.mark.parametrize("sub, design", [("", mismatch.FULL), ("stress", mismatch.STRESS), ("moe", mismatch.MOE),
@@ -111,7 +111,7 @@ def test_committed_results_are_the_full_design(sub, design):
 
 
 @pytest.mark.slow
-@pytest.mark.repeat  # the trainer end to end on the embedded server: tests/trainers/test_train.py
+@pytest.mark.repeat  # the trainer end to end on the embedded server: tests/trainers/training/test_train.py
 def test_quick_mode_end_to_end(tmp_path, capsys):
   out = str(tmp_path / "quick")
   mismatch.main(["--quick", "--out", out])
