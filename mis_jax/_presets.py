@@ -6,7 +6,7 @@ here expands to :class:`mis_jax.LossConfig` keys (decoupled PPO: the weights com
 ``r = o - q``, the trainer's old log-probs against the engine's, and multiply the PPO loss, as in
 each of those frameworks) with the framework's default bounds. The table, each definition's source
 and the tests that check each expansion against the framework's formula are in
-``docs/reference/presets.md`` and ``tests/test_presets.py``.
+``docs/reference/presets.md`` and ``tests/mis_jax/test_presets.py``.
 
 TRL and ms-swift use the same four mode names with different definitions (TRL's sequence ratio is
 the product of the token ratios and its cap C = 3; ms-swift's is their geometric mean and its

@@ -193,7 +193,7 @@ def mis(seqs, cfg, mode, train_key="o"):
 
 def nonfinite(seqs):
   """contract §8.4's counts: trained tokens whose rollout log-prob is NaN or ±inf (the oracle's
-  batches have finite ones; tests/test_nonfinite_rollout.py covers the rest)."""
+  batches have finite ones; tests/mis_jax/test_nonfinite_rollout.py covers the rest)."""
   bad = sum(int(np.sum(s["m"] & ~np.isfinite(s["q"]))) for s in seqs)
   trained = sum(int(np.sum(s["m"])) for s in seqs)
   return {"mis_nonfinite_rollout_logprob_count": float(bad),
