@@ -1,4 +1,4 @@
-"""Reference implementations for tests/test_trust_regions.py, copied from the peers' code (torch):
+"""Reference implementations for tests/mis_jax/test_trust_regions.py, copied from the peers' code (torch):
 the test compares mis_jax against them. Not part of the library.
 
 - prime-rl, src/prime_rl/trainer/rl/loss.py at commit 559b44772e471d1538537b8805cc77f3824a5e64

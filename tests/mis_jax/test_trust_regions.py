@@ -2,7 +2,7 @@
 (sign-conditioned and symmetric) and KPop as masks of the correction, the KL as a loss term over
 the trainable or the kept tokens. Each against the NumPy oracle (token loops) in every aggregation
 mode, finite-difference gradients, micro-batches == one batch, 8 devices == 1, and against the
-peers' own functions (prime-rl's default and ipo losses, verl's binary KL; tests/prime_rl_reference.py)."""
+peers' own functions (prime-rl's default and ipo losses, verl's binary KL; tests/mis_jax/prime_rl_reference.py)."""
 
 import functools
 
