@@ -176,7 +176,7 @@ def _token_body(plan: _Plan, seg: _SegmentStats, bounds: correction.Bounds):
       rows.means.update(metrics_lib.mismatch_token_values(r))
     out = {}
     if plan.tis:
-      tokens = stages_lib.Tokens(r, m, ch.broadcast, seg.sum_r, seg.mask_stats.counts)
+      tokens = stages_lib.Tokens(r, m, ch.broadcast, seg.sum_r, seg.mask_stats.counts, inputs=ch)
       stages_lib.compose(plan.stages, tokens, bounds, seg.states, rejected_at, rows)
       out.update(rows.out)
       _kept_weight_sums(plan, tokens.w, tokens.kept, out)
@@ -192,7 +192,7 @@ _MEAN = "mean/"  # pass 2's key of a per-token row averaged over m
 
 # --- the threshold controller: auto bounds, set from the step's own weights (§3.1) ---------
 
-def _step_thresholds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m):
+def _step_thresholds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m, inputs=None):
   """contract §3.1 and §4.2: the step's bounds, with the auto ones and M2PO's cutoff set by
   their stages, and their metrics.
 
@@ -204,7 +204,7 @@ def _step_thresholds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m):
 
   def kept_without(stage, bounds):
     rejected_at = segs.broadcast(seg.rejected) if plan.rejects_segments else None
-    tokens = stages_lib.Tokens(r, m, segs.broadcast, seg.sum_r, seg.mask_stats.counts)
+    tokens = stages_lib.Tokens(r, m, segs.broadcast, seg.sum_r, seg.mask_stats.counts, inputs=inputs)
     others = [s for s in plan.stages if s is not stage]
     return stages_lib.compose(others, tokens, bounds, seg.states, rejected_at).kept
 
@@ -257,7 +257,7 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
     mode: metric reduction (``token-mean`` or a seq-mean mode).
     batch_norm_factor: a precomputed batch-normalisation mean to use instead.
     mismatch: whether to compute the §8.1 mismatch metrics too.
-    adv: float32 ``[T]`` advantages, for OPSM (§4.2).
+    adv: float32 ``[T]`` advantages, for OPSM (§4.2) and the sign-conditioned DPPO-Binary-TV mask (§4.3).
   """
   plan = _Plan(cfg, mode, mismatch, batch_norm_factor is not None)
   arrays = {"o": jax.lax.stop_gradient(o), "q": jax.lax.stop_gradient(q), "mask": mask}
@@ -268,7 +268,7 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
   mask_stats, count = seg.mask_stats, seg.mask_stats.counts
   auto_metrics = {}
   if plan.thresholds:
-    bounds, auto_metrics = _step_thresholds(plan, seg, segs, arrays["o"], arrays["q"], mask)
+    bounds, auto_metrics = _step_thresholds(plan, seg, segs, arrays["o"], arrays["q"], mask, inputs=arrays)
   else:
     bounds = correction.Bounds.of(cfg) if plan.tis else None
   p2 = segs.run_pass(arrays, _token_body(plan, seg, bounds))
