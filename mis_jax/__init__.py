@@ -14,6 +14,17 @@ from mis_jax._losses import (Denominators, aggregate, kl_penalty, loss_denominat
                              ppo_token_loss, prepare_step)
 from mis_jax._packing import PackedBatch, Packing, plan_packing, split_microbatches
 from mis_jax._prepared import Correction
+from mis_jax._presets import PRESET_NAMES, PRESETS, Preset
+
+
+def preset(name: str, **overrides) -> LossConfig:
+  """The named preset (``PRESETS``: ``tis``, ``icepop``, ``seq-mask-tis``, ``trl:<mode>``,
+  ``ms-swift:<mode>``; docs/reference/presets.md) as a :class:`LossConfig`, with ``overrides``
+  over it (LossConfig keys, or MIS keys that go into its ``mis``). Same as
+  :meth:`LossConfig.from_preset`."""
+  return LossConfig.from_preset(name, **overrides)
+
+
 from mis_jax._engine import PassOptions, pass_options
 from mis_jax._metrics import MICROBATCH_REDUCTIONS, microbatch_reduction
 from mis_jax._sampling import sampling_metrics
@@ -30,7 +41,7 @@ __all__ = [
     "plan_packing", "policy_loss", "ppo_token_loss", "prepare_step", "resolve_correction_fn",
     "sequence_to_tokens", "SEQUENCE_ESTIMATORS", "optimal_token_baseline", "split_microbatches", "vanilla_tis_weights", "LM_HEAD_LAYOUTS", "token_logprobs",
     "MaskStats", "PassOptions", "pass_options", "sampling_metrics",
-    "MICROBATCH_REDUCTIONS", "microbatch_reduction",
+    "MICROBATCH_REDUCTIONS", "microbatch_reduction", "PRESETS", "PRESET_NAMES", "Preset", "preset",
 ]
 
 from mis_jax._sharding import batch_partition_spec, shard_batch, sharded_policy_loss  # noqa: E402

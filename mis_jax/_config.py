@@ -24,6 +24,7 @@ KL_TYPES = tuple(_correction.KL_ESTIMATORS)
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum", "seq-mean-token-sum-norm")
 DENOMINATORS = ("kept", "original")
 PROXIMAL = ("recompute", "loglinear")
+SQ_KL_TOKENS = ("trainable", "kept")  # the tokens the squared log-ratio KL is summed over (contract §6.4)
 
 
 from mis_jax._keys import ConfigError, _closest, _where, key, load_yaml, validate_fields  # noqa: F401
@@ -140,6 +141,11 @@ class MISConfig:
   # Off-policy masks of recent papers (contract §4.2).
   opsm_delta: float | None = key(None, "OPSM (DeepSeek-V3.2): mask negative-advantage sequences whose mean log(pi_rollout/pi_train) > this")
   m2po_threshold: float | None = key(None, "M2PO (AReaL): mask the largest squared log-ratios until their mean over the step is <= this", gt=0)
+  # Probability-space trust regions (contract §4.3), on p = exp(o) and p_q = exp(q) of the sampled token.
+  dppo_tv_delta: float | None = key(None, "DPPO-Binary-TV (prime-rl's default): mask where A > 0 and p - p_q > this (null: off)", ge=0)
+  dppo_tv_delta_low: float | None = key(None, "DPPO-Binary-TV: mask where A <= 0 and p_q - p > this (null: dppo_tv_delta)", ge=0)
+  dppo_tv_symmetric: bool = key(False, "DPPO-Binary-TV without the advantage: mask where |p - p_q| > dppo_tv_delta (prime-rl's ipo loss)")
+  kpop_phi: float | None = key(None, "KPop: mask where the binary KL D_B(p||p_q) or D_B(p_q||p) > this (null: off)", gt=0)
   # The threshold controller's targets (contract §3.1), for the bounds given as `auto`.
   target_ess_ratio: float | None = key(None, "auto truncate/clip bound: the loosest whose ESS ratio is >= this, in (0, 1)", gt=0)
   max_masked_fraction: float | None = key(None, "auto masking band: the tightest masking at most this share, in [0, 1)", ge=0)
@@ -181,6 +187,17 @@ class MISConfig:
       raise ConfigError(
           f"{_where(src, 'rs_veto_threshold')} must be in (0, 1) (typical 1e-4 … 1e-6), "
           f"got {self.rs_veto_threshold}")
+    self._check_trust_regions(src)
+
+  def _check_trust_regions(self, src) -> None:
+    """DPPO-Binary-TV's keys (contract §4.3) mean something only beside ``dppo_tv_delta``."""
+    if self.dppo_tv_delta is None:
+      for k in ("dppo_tv_delta_low", "dppo_tv_symmetric"):
+        if getattr(self, k) not in (None, False):
+          raise ConfigError(f"{_where(src, k)} is set but dppo_tv_delta is not: DPPO-Binary-TV is off")
+    if self.dppo_tv_symmetric and self.dppo_tv_delta_low is not None:
+      raise ConfigError(f"{_where(src, 'dppo_tv_delta_low')} is the bound where A <= 0 of the sign-conditioned mask; "
+                        "dppo_tv_symmetric masks |p - p_q| > dppo_tv_delta whatever the advantage")
 
   def _check_auto(self, src) -> None:
     """The controller's keys (contract §3.1): each auto bound has the target its mode can meet,
@@ -277,6 +294,14 @@ class MISConfig:
     return cls(**dict(values), source=source)
 
   @classmethod
+  def from_preset(cls, name: str, **overrides) -> "MISConfig":
+    """The MIS keys of the named preset (``mis_jax.PRESETS``: ``icepop``, ``trl:sequence_mask``,
+    ...; docs/reference/presets.md), with MIS keys in ``overrides`` over them."""
+    from mis_jax import _presets
+    values = _presets.loss_values(name, {"mis": overrides})["mis"]
+    return cls.from_dict(values, source=f"preset '{name}'")
+
+  @classmethod
   def from_yaml(cls, path: str | os.PathLike) -> "MISConfig":
     path = os.fspath(path)
     return cls.from_dict(load_yaml(path, "MIS config file"), source=path)
@@ -354,6 +379,10 @@ class LossConfig:
   entropy_coef: float = key(0.0, "entropy bonus coefficient", ge=0)
   kl_coef: float = key(0.0, "KL penalty coefficient", ge=0)
   kl_type: str = key("k3", "KL estimator (contract §6)", choices=KL_TYPES)
+  sq_kl_coef: float = key(0.0, "tau of the squared log-ratio KL tau * (lp - q)^2 to the rollout policy (Kimi-K2.5, "
+                          "prime-rl; contract §6.4)", ge=0)
+  sq_kl_tokens: str = key("trainable", "the squared log-ratio KL's tokens: all trainable (m) or kept (m')",
+                          choices=SQ_KL_TOKENS)
 
   def __post_init__(self):
     set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -498,6 +527,13 @@ class LossConfig:
     elif isinstance(values.get("mis"), Mapping):
       values["mis"] = MISConfig.from_dict(values["mis"], source=f"{source}: mis" if source else "mis")
     return cls(**values)
+
+  @classmethod
+  def from_preset(cls, name: str, **overrides) -> "LossConfig":
+    """The named preset (``mis_jax.PRESETS``; docs/reference/presets.md) as a LossConfig, with
+    ``overrides`` over it: LossConfig keys replace the preset's, MIS keys go into its ``mis``."""
+    from mis_jax import _presets
+    return cls.from_dict(_presets.loss_values(name, overrides), source=f"preset '{name}'")
 
   @classmethod
   def from_yaml(cls, path: str | os.PathLike) -> "LossConfig":

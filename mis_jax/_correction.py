@@ -139,6 +139,45 @@ def opsm_segments(sum_r, count, sum_adv, delta: float):
   return (count > 0) & (sum_adv < 0) & (divergence > delta)
 
 
+# --- contract §4.3: trust regions on probabilities ------------------------------------------
+
+# KPop's clamp of both probabilities before the binary KL (prime-rl PR #3283, as in the issue's
+# definition), so that neither complement term is log(0).
+KPOP_PROB_EPS = 1e-6
+
+
+def dppo_tv_masked(p, p_q, adv, delta_high: float, delta_low: float, symmetric: bool):
+  """DPPO-Binary-TV (contract §4.3; prime-rl's ``default_loss_fn``): with ``d = p - p_q`` on the
+  sampled token's probabilities, the token is masked iff ``d > δ_high`` where ``A > 0`` and
+  ``d < -δ_low`` elsewhere (``A = 0`` takes the low side, as prime-rl's ``torch.where``);
+  symmetric (prime-rl's ``ipo_loss_fn``): iff ``|d| > δ``, whatever ``A``."""
+  d = p - p_q
+  if symmetric:
+    return jnp.abs(d) > delta_high
+  return jnp.where(adv > 0, d > delta_high, d < -delta_low)
+
+
+def binary_kl(log_p, log_q, eps: float = KPOP_PROB_EPS):
+  """``D_B(p‖p_q) = p log(p/p_q) + (1-p) log((1-p)/(1-p_q))``, the KL of Bernoulli(p) from
+  Bernoulli(p_q) (this token against the rest of the vocabulary), from the log-probs, both
+  probabilities clamped to ``[eps, 1-eps]``. The complements are ``-expm1(log p)``, so a
+  confident token (``p`` near 1) keeps its precision in float32."""
+  lo, hi = math.log(eps), math.log1p(-eps)
+
+  def parts(log_x):
+    comp = jnp.clip(-jnp.expm1(jnp.minimum(log_x, 0.0)), eps, 1.0 - eps)  # 1 - clip(p)
+    return jnp.clip(log_x, lo, hi), comp, jnp.log(comp)
+
+  lp, cp, lcp = parts(log_p)
+  lq, _, lcq = parts(log_q)
+  return jnp.exp(lp) * (lp - lq) + cp * (lcp - lcq)
+
+
+def kpop_divergence(log_p, log_q):
+  """KPop's statistic (contract §4.3): ``max(D_B(p‖p_q), D_B(p_q‖p))``; a token is kept iff it is ``<= φ``."""
+  return jnp.maximum(binary_kl(log_p, log_q), binary_kl(log_q, log_p))
+
+
 # --- contract §4.1: divergence criteria ------------------------------------------------------
 
 def _k3(r):

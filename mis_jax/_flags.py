@@ -10,8 +10,10 @@ contract §9, never a silent override.
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Mapping
 
+from mis_jax import _presets
 from mis_jax._config import (DENOMINATORS, KL_TYPES, LOSS_AGG_MODES, POLICY_LOSSES, ConfigError, LossConfig,
                              MISConfig, load_yaml)
 
@@ -59,7 +61,10 @@ def loss_config_from_args(args: argparse.Namespace | Mapping[str, Any],
   out.pop("preset", None)
   if preset:
     # A preset file (configs/presets/*.yaml) under the base values: explicit keys win.
-    preset_values = load_yaml(preset, "loss preset") or {}
+    if _is_preset_name(preset):  # a named preset (mis_jax.PRESETS: icepop, trl:sequence_mask, ...)
+      preset_values = _presets.loss_values(preset)
+    else:
+      preset_values = load_yaml(preset, "loss preset") or {}
     LossConfig.from_dict(preset_values, source=preset)  # validates the file, naming it
     out = {**preset_values, **out}
   unknown = set(out) - set(LossConfig.keys()) - {"custom_config_path", "custom_tis_function_path"}
@@ -102,6 +107,15 @@ def loss_config_from_args(args: argparse.Namespace | Mapping[str, Any],
     # The file decides (a file with use_tis: true turns correction on without the flag).
     out["use_tis"] = None
   return LossConfig(**out)
+
+
+def _is_preset_name(preset) -> bool:
+  """A ``preset`` value names a preset of ``mis_jax.PRESETS`` (else it is a YAML path): a string
+  that is no existing file and looks like no path; a name not in the table is an error listing them."""
+  if not isinstance(preset, str) or os.path.exists(preset) or preset.endswith((".yaml", ".yml")) or "/" in preset:
+    return False
+  _presets.get(preset)  # an unknown name: ConfigError listing the valid ones
+  return True
 
 
 def _same(a, b) -> bool:

@@ -20,7 +20,7 @@ from mis_jax._packing import PackedBatch
 from mis_jax._engine import PassOptions, psum
 from mis_jax._prepared import Correction, Denominators
 from mis_jax._segments import AxisName, Segments, masked_means, safe_exp
-from mis_jax._weights import Corrected, correct, mismatch_metrics, vanilla_core
+from mis_jax._weights import Corrected, correct, drop_nonfinite_rollout, mismatch_metrics, vanilla_core
 
 
 # --- per-token losses ------------------------------------------------------------------
@@ -30,6 +30,20 @@ def kl_penalty(logprobs, ref_logprobs, kl_type: str):
   if kl_type not in correction.KL_ESTIMATORS:
     raise ValueError(f"unknown kl_type {kl_type!r}")
   return correction.KL_ESTIMATORS[kl_type](logprobs - ref_logprobs)
+
+
+def sq_log_ratio_kl(lp, q, mask, kept, segs: Segments, cfg: LossConfig, dens: Denominators):
+  """The squared log-ratio KL to the rollout policy (contract §6.4; Kimi-K2.5's, prime-rl's
+  ``kl_tau · (log r)²``): ``(lp - q)²`` per token, gradient through ``lp``, never IS-weighted,
+  summed over the trainable tokens ``m`` (``sq_kl_tokens: trainable``) or the kept ``m'``
+  (``kept``) and aggregated by ``loss_agg_mode`` with the loss's denominators. In the seq-mean
+  modes a segment with no denominator token (all rejected, ``denominator: kept``) is not among
+  the ``N`` sequences and adds nothing."""
+  over = mask if cfg.sq_kl_tokens == "trainable" else kept
+  values = jnp.where(mask, jnp.square(lp - q), 0.0)
+  if cfg.loss_agg_mode not in ("token-mean", "token-sum"):
+    values = jnp.where(segs.broadcast(dens.seg_tokens) > 0, values, 0.0)
+  return aggregate(values, over, segs, cfg.loss_agg_mode, dens, loss_scale_factor=cfg.loss_scale_factor)
 
 
 # The algorithms of the contract §6 table (`LossConfig.algorithm`): the anchor of the policy-loss
@@ -70,7 +84,7 @@ def token_loss(cfg: LossConfig, lp, lp_sg, o, q, adv, weights, kept, segs: Segme
 
 # contract §8.3: the loss terms add over micro-batches (their denominators are the step's); the
 # form's clip share and `ppo_kl` are means over the kept mask, decoupled PPO's `ois` over m.
-metrics_lib.declare({"loss": "sum", "pg_loss": "sum", "entropy_loss": "sum", "kl_loss": "sum",
+metrics_lib.declare({"loss": "sum", "pg_loss": "sum", "entropy_loss": "sum", "kl_loss": "sum", "sq_kl_loss": "sum",
                      "pg_clipfrac": "kept", "ppo_kl": "kept", "ois": "mask"})
 
 
@@ -123,6 +137,9 @@ def _check_batch(logprobs, batch: PackedBatch, cfg: LossConfig, entropy, correct
     raise ValueError(f"algorithm {algo!r} needs batch.rollout_logprobs")
   if cfg.get_mismatch_metrics and batch.rollout_logprobs is None:
     raise ValueError("get_mismatch_metrics=True needs batch.rollout_logprobs")
+  if cfg.sq_kl_coef > 0 and batch.rollout_logprobs is None:
+    raise ValueError(f"sq_kl_coef={cfg.sq_kl_coef} > 0 (the squared log-ratio KL to the rollout policy) needs "
+                     "batch.rollout_logprobs")
   if cfg.kl_coef > 0 and batch.ref_logprobs is None:
     raise ValueError(f"kl_coef={cfg.kl_coef} > 0 needs batch.ref_logprobs")
   if cfg.entropy_coef > 0 and entropy is None:
@@ -227,6 +244,8 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
   _validation.check_segments(batch.segment_ids, batch.num_segments)
   segs = Segments(batch.segment_ids, batch.num_segments, axis_name, pass_options)
   mask = _validation.flat_mask(arrays["loss_mask"], segs.valid)
+  if batch.rollout_logprobs is not None:  # contract §8.4 (policy_loss reports the count)
+    mask, _ = drop_nonfinite_rollout(_validation.flat_float(batch.rollout_logprobs), mask, axis_name)
   shape = jnp.shape(batch.segment_ids)
   out, metrics, kept = Correction(), {}, mask
   if loss_cfg.algorithm == "decoupled_ppo" and not loss_cfg.correction_in_loss:
@@ -285,7 +304,7 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
 
   The per-token loss is aggregated over the kept mask ``m'`` by ``loss_agg_mode`` with the
   ``denominator`` of contract §7; ``loss = pg_loss - entropy_coef·entropy_loss + kl_coef·kl_loss``
-  where the extra terms are aggregated the same way and never weighted by IS. Other forms
+  ``+ sq_kl_coef·sq_kl_loss`` (contract §6.4) where the extra terms are aggregated the same way and never weighted by IS. Other forms
   replace ``ppo(·)`` by theirs against the same anchor; REINFORCE + IS takes only the
   ratio-free forms (``vanilla``, ``gpg``).
 
@@ -317,6 +336,9 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
   shape = jnp.shape(batch.segment_ids)
   segs = Segments(batch.segment_ids, batch.num_segments, axis_name, pass_options)
   mask = _validation.flat_mask(arrays["loss_mask"], segs.valid)
+  nonfinite = {}
+  if arrays.get("rollout_logprobs") is not None:  # contract §8.4: such tokens leave m, for every algorithm
+    mask, nonfinite = drop_nonfinite_rollout(_validation.flat_float(arrays["rollout_logprobs"]), mask, axis_name)
   sg = jax.lax.stop_gradient
 
   def flat(name):
@@ -387,8 +409,12 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
     loss = loss - cfg.entropy_coef * values["entropy_loss"]
   if ref is not None:
     loss = loss + cfg.kl_coef * values["kl_loss"]
+  if cfg.sq_kl_coef > 0:  # contract §6.4: τ·(lp - q)², over m or m', the loss's aggregation and denominators
+    values["sq_kl_loss"] = sq_log_ratio_kl(lp, q, mask, kept, segs, cfg, denominators)
+    loss = loss + cfg.sq_kl_coef * values["sq_kl_loss"]
 
   metrics = {**metrics, **masked_means([(mask, mask_stats, over_mask), (kept, kept_stats, over_kept)], segs, mode)}
   metrics.update({k: sg(v) for k, v in values.items()})
+  metrics.update(nonfinite)
   metrics["loss"] = sg(loss)
   return loss, metrics

@@ -43,10 +43,20 @@ class Tokens:
   """The tokens the stages decide on: one chunk of pass 2, or the whole batch in the threshold
   controller. ``kept`` starts as ``m`` and each stage narrows it; the IS stage sets ``w``."""
 
-  def __init__(self, r, m, to_tokens: Callable, sum_r, counts):
+  def __init__(self, r, m, to_tokens: Callable, sum_r, counts, inputs=None):
     self.r, self.m, self.to_tokens, self.sum_r, self.counts = r, m, to_tokens, sum_r, counts
+    self.inputs = inputs  # the per-token arrays of the pass by name (o, q, m and the stages' inputs)
     self.kept, self.w = m, None
     self._raw = {}
+
+  def log_probs(self):
+    """``(o, q)`` on trained tokens (0 elsewhere)."""
+    return jnp.where(self.m, self.inputs["o"], 0.0), jnp.where(self.m, self.inputs["q"], 0.0)
+
+  def probs(self):
+    """``(p, p_q) = (exp(o), exp(q))`` of the sampled token on trained tokens (1 elsewhere)."""
+    o, q = self.log_probs()
+    return jnp.exp(o), jnp.exp(q)
 
   def log_values(self, level: str):
     """Level log-values ``L_t`` (contract §2)."""
@@ -469,9 +479,63 @@ class SecondMomentMask(Stage):
     tokens.narrow(tokens.r * tokens.r <= bounds.m2_max)  # the largest squared log-ratios go
 
 
+def _advantages(cfg_key: str, value, mask, adv) -> dict:
+  if adv is None:
+    raise ValueError(f"{cfg_key}={value} conditions its mask on the advantage's sign: pass advantages= "
+                     "(the losses pass the batch's)")
+  return {"adv": jnp.where(mask, jax.lax.stop_gradient(adv), 0.0)}
+
+
+@_declares
+@dataclasses.dataclass(frozen=True)
+class BinaryTVMask(Stage):
+  """§4.3 (``dppo_tv_delta``, DPPO-Binary-TV as prime-rl's default loss): mask a token whose
+  probability moved past ``δ`` from the rollout's in the direction its advantage pushes
+  (``p - p_q > δ`` where ``A > 0``, ``p_q - p > δ_low`` elsewhere), or either way
+  (``dppo_tv_symmetric``). Per token; the sign-conditioned mask needs the advantages."""
+
+  name = "dppo_tv"
+  METRICS = {"mis_dppo_tv_masked_fraction": "mask", "mis_dppo_tv_masked_fraction_high": "mask",
+             "mis_dppo_tv_masked_fraction_low": "mask", "mis_dppo_tv_prob_abs_diff": "mask"}  # means over m
+
+  def inputs(self, mask, adv):
+    if self.cfg.dppo_tv_symmetric:
+      return {}
+    return _advantages("dppo_tv_delta", self.cfg.dppo_tv_delta, mask, adv)
+
+  def apply(self, tokens, bounds, state, rows):
+    cfg = self.cfg
+    p, p_q = tokens.probs()
+    low = cfg.dppo_tv_delta if cfg.dppo_tv_delta_low is None else cfg.dppo_tv_delta_low
+    adv = None if cfg.dppo_tv_symmetric else tokens.inputs["adv"]
+    masked = correction.dppo_tv_masked(p, p_q, adv, cfg.dppo_tv_delta, low, cfg.dppo_tv_symmetric)
+    tokens.narrow(~masked)
+    if rows is not None:
+      d = p - p_q
+      rows.means.update({"mis_dppo_tv_masked_fraction": masked, "mis_dppo_tv_masked_fraction_high": masked & (d > 0),
+                         "mis_dppo_tv_masked_fraction_low": masked & (d < 0), "mis_dppo_tv_prob_abs_diff": jnp.abs(d)})
+
+
+@_declares
+@dataclasses.dataclass(frozen=True)
+class KPopMask(Stage):
+  """§4.3 (``kpop_phi``, KPop): mask a token whose bidirectional binary KL
+  ``max(D_B(p‖p_q), D_B(p_q‖p))`` exceeds ``φ``. Per token."""
+
+  name = "kpop"
+  METRICS = {"mis_kpop_masked_fraction": "mask", "mis_kpop_binary_kl": "mask"}  # means over m
+
+  def apply(self, tokens, bounds, state, rows):
+    value = correction.kpop_divergence(*tokens.log_probs())
+    keep = value <= self.cfg.kpop_phi
+    tokens.narrow(keep)
+    if rows is not None:
+      rows.means.update({"mis_kpop_masked_fraction": ~keep, "mis_kpop_binary_kl": value})
+
+
 def stages_of(cfg: MISConfig | None) -> tuple:
   """The stages a config runs, in the order pass 2 composes the kept mask: IS, RS, each criterion,
-  the veto, OPSM, M2PO (the segments the veto and OPSM reject leave at the first of them)."""
+  the veto, OPSM, M2PO, DPPO-Binary-TV, KPop (the segments the veto and OPSM reject leave at the first of them)."""
   if cfg is None:
     return ()
   stages = [ImportanceWeights(cfg)]
@@ -484,6 +548,10 @@ def stages_of(cfg: MISConfig | None) -> tuple:
     stages.append(OffPolicySequenceMask(cfg))
   if cfg.m2po_threshold is not None:
     stages.append(SecondMomentMask(cfg))
+  if cfg.dppo_tv_delta is not None:
+    stages.append(BinaryTVMask(cfg))
+  if cfg.kpop_phi is not None:
+    stages.append(KPopMask(cfg))
   return tuple(stages)
 
 

@@ -34,7 +34,7 @@ from mis_jax import _metrics as metrics_lib
 from mis_jax import _stages as stages_lib
 from mis_jax import _validation
 from mis_jax._config import MISConfig
-from mis_jax._engine import HIGHEST, LOWEST, Max, Min, Out, PassOptions, SegSum, Total
+from mis_jax._engine import HIGHEST, LOWEST, Max, Min, Out, PassOptions, SegSum, Total, psum
 from mis_jax._segments import AxisName, MaskStats, Segments, masked_means, per_segment_mean, safe_exp
 
 
@@ -176,7 +176,7 @@ def _token_body(plan: _Plan, seg: _SegmentStats, bounds: correction.Bounds):
       rows.means.update(metrics_lib.mismatch_token_values(r))
     out = {}
     if plan.tis:
-      tokens = stages_lib.Tokens(r, m, ch.broadcast, seg.sum_r, seg.mask_stats.counts)
+      tokens = stages_lib.Tokens(r, m, ch.broadcast, seg.sum_r, seg.mask_stats.counts, inputs=ch)
       stages_lib.compose(plan.stages, tokens, bounds, seg.states, rejected_at, rows)
       out.update(rows.out)
       _kept_weight_sums(plan, tokens.w, tokens.kept, out)
@@ -192,7 +192,7 @@ _MEAN = "mean/"  # pass 2's key of a per-token row averaged over m
 
 # --- the threshold controller: auto bounds, set from the step's own weights (§3.1) ---------
 
-def _step_thresholds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m):
+def _step_thresholds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m, inputs=None):
   """contract §3.1 and §4.2: the step's bounds, with the auto ones and M2PO's cutoff set by
   their stages, and their metrics.
 
@@ -204,7 +204,7 @@ def _step_thresholds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m):
 
   def kept_without(stage, bounds):
     rejected_at = segs.broadcast(seg.rejected) if plan.rejects_segments else None
-    tokens = stages_lib.Tokens(r, m, segs.broadcast, seg.sum_r, seg.mask_stats.counts)
+    tokens = stages_lib.Tokens(r, m, segs.broadcast, seg.sum_r, seg.mask_stats.counts, inputs=inputs)
     others = [s for s in plan.stages if s is not stage]
     return stages_lib.compose(others, tokens, bounds, seg.states, rejected_at).kept
 
@@ -257,7 +257,7 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
     mode: metric reduction (``token-mean`` or a seq-mean mode).
     batch_norm_factor: a precomputed batch-normalisation mean to use instead.
     mismatch: whether to compute the §8.1 mismatch metrics too.
-    adv: float32 ``[T]`` advantages, for OPSM (§4.2).
+    adv: float32 ``[T]`` advantages, for OPSM (§4.2) and the sign-conditioned DPPO-Binary-TV mask (§4.3).
   """
   plan = _Plan(cfg, mode, mismatch, batch_norm_factor is not None)
   arrays = {"o": jax.lax.stop_gradient(o), "q": jax.lax.stop_gradient(q), "mask": mask}
@@ -268,7 +268,7 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
   mask_stats, count = seg.mask_stats, seg.mask_stats.counts
   auto_metrics = {}
   if plan.thresholds:
-    bounds, auto_metrics = _step_thresholds(plan, seg, segs, arrays["o"], arrays["q"], mask)
+    bounds, auto_metrics = _step_thresholds(plan, seg, segs, arrays["o"], arrays["q"], mask, inputs=arrays)
   else:
     bounds = correction.Bounds.of(cfg) if plan.tis else None
   p2 = segs.run_pass(arrays, _token_body(plan, seg, bounds))
@@ -304,6 +304,24 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask, segs: Segments, mod
   """
   result = correct(train_logprobs, rollout_logprobs, mask, segs, None, mode)
   return result.metrics, result.mask_stats
+
+# contract §8.4: rollout log-probs the engine reported as NaN or ±inf on trained tokens.
+NONFINITE_FRACTION = "mis_nonfinite_rollout_logprob_fraction"
+NONFINITE_COUNT = "mis_nonfinite_rollout_logprob_count"
+metrics_lib.declare({NONFINITE_FRACTION: "mask", NONFINITE_COUNT: "sum"})
+
+
+def drop_nonfinite_rollout(q, mask, axis_name: AxisName = None):
+  """contract §8.4: a trained token whose rollout log-prob ``q`` is NaN or ±inf leaves the mask
+  (``m ← m ∧ isfinite(q)``), so it leaves the loss, the correction and every metric's mask; every
+  later use of ``q`` selects on the mask (``jnp.where``), so its value never reaches a sum or a
+  gradient. Returns the narrowed mask and the count and share of such tokens among the trained ones
+  (global over ``axis_name``)."""
+  finite = jnp.isfinite(q)
+  bad = psum(jnp.sum(jnp.where(mask & ~finite, 1.0, 0.0)), axis_name)
+  trained = psum(jnp.sum(jnp.where(mask, 1.0, 0.0)), axis_name)
+  return mask & finite, {NONFINITE_FRACTION: bad / jnp.maximum(trained, 1.0), NONFINITE_COUNT: bad}
+
 
 def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids, cfg: MISConfig, *,
                         num_segments: int, axis_name: AxisName = None,
@@ -355,11 +373,12 @@ def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids
   shape = jnp.shape(loss_mask)
   segs = Segments(segment_ids, num_segments, axis_name, pass_options)
   o, q, mask = _validation.flat_inputs(arrays, segs)
+  mask, nonfinite = drop_nonfinite_rollout(q, mask, axis_name)
   adv = None if advantages is None else _validation.flat_float(arrays["advantages"])
   weights, kept, metrics, _, _ = correct(o, q, mask, segs, cfg if cfg.use_tis else None, metric_reduction,
                                          batch_norm_factor=batch_norm_factor, adv=adv)
   kept = kept.astype(jnp.asarray(loss_mask).dtype)
-  return weights.reshape(shape), kept.reshape(shape), metrics
+  return weights.reshape(shape), kept.reshape(shape), {**metrics, **nonfinite}
 
 
 # Vanilla TIS's metrics (contract §8.3): means over the mask.
@@ -412,5 +431,7 @@ def vanilla_tis_weights(train_logprobs, rollout_logprobs, loss_mask, *, tis_clip
   shape = jnp.shape(loss_mask)
   segs = Segments(segment_ids, num_segments, axis_name, pass_options)
   o, q, mask = _validation.flat_inputs(arrays, segs)
+  mask, nonfinite = drop_nonfinite_rollout(q, mask, axis_name)
   w, values = vanilla_core(o, q, mask, tis_clip, tis_clip_low)
-  return w.reshape(shape), masked_means([(mask, segs.mask_stats(mask), values)], segs, metric_reduction)
+  metrics = masked_means([(mask, segs.mask_stats(mask), values)], segs, metric_reduction)
+  return w.reshape(shape), {**metrics, **nonfinite}

@@ -71,6 +71,51 @@ def mismatch(seqs, mode):
   return out
 
 
+def bernoulli_kl(p, q, eps=1e-6):
+  """KL(Bernoulli(p) || Bernoulli(q)), both clamped to [eps, 1 - eps] (KPop, prime-rl PR #3283)."""
+  p, q = min(max(p, eps), 1 - eps), min(max(q, eps), 1 - eps)
+  return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+
+
+def trust_region_keep(s, m, train_key, cfg):
+  """contract §4.3, token by token: DPPO-Binary-TV (``dppo_tv_delta``, sign-conditioned on the
+  advantage or symmetric) and KPop (``kpop_phi``) on p = exp(o), p_q = exp(q). Returns the keep
+  mask and the per-token metric rows (to be averaged over m)."""
+  n = len(m)
+  keep = np.ones(n, bool)
+  rows = {}
+  delta, phi = cfg.get("dppo_tv_delta"), cfg.get("kpop_phi")
+  if delta is not None:
+    low = cfg.get("dppo_tv_delta_low")
+    low = delta if low is None else low
+    masked, high_row, low_row, absd = (np.zeros(n) for _ in range(4))
+    for t in range(n):
+      if not m[t]:
+        continue
+      d = math.exp(s[train_key][t]) - math.exp(s["q"][t])
+      if cfg.get("dppo_tv_symmetric", False):
+        out = abs(d) > delta
+      elif s["adv"][t] > 0:
+        out = d > delta
+      else:
+        out = d < -low
+      masked[t], high_row[t], low_row[t], absd[t] = out, out and d > 0, out and d < 0, abs(d)
+      keep[t] &= not out
+    rows.update(mis_dppo_tv_masked_fraction=masked, mis_dppo_tv_masked_fraction_high=high_row,
+                mis_dppo_tv_masked_fraction_low=low_row, mis_dppo_tv_prob_abs_diff=absd)
+  if phi is not None:
+    masked, value = np.zeros(n), np.zeros(n)
+    for t in range(n):
+      if not m[t]:
+        continue
+      p, pq = math.exp(s[train_key][t]), math.exp(s["q"][t])
+      value[t] = max(bernoulli_kl(p, pq), bernoulli_kl(pq, p))
+      masked[t] = value[t] > phi
+      keep[t] &= not masked[t]
+    rows.update(mis_kpop_masked_fraction=masked, mis_kpop_binary_kl=value)
+  return keep, rows
+
+
 def mis(seqs, cfg, mode, train_key="o"):
   """The mis correction. Returns (weights list, kept list, metrics) with the §8.2 metrics."""
   U = cfg.get("tis_upper_bound", 2.0)
@@ -90,6 +135,7 @@ def mis(seqs, cfg, mode, train_key="o"):
   vetoed_seqs = 0
   live_seqs = 0
   CRIT = {}
+  TR = {}
   for s in seqs:
     m = s["m"]
     r = np.where(m, s[train_key] - s["q"], 0.0)
@@ -132,6 +178,11 @@ def mis(seqs, cfg, mode, train_key="o"):
         keep &= v <= c["upper"]
       keep_rs = keep_rs & keep
       CRIT.setdefault(c["metric"] + "_" + c["agg"], []).append((v, keep))
+    if cfg.get("dppo_tv_delta") is not None or cfg.get("kpop_phi") is not None:
+      keep_tr, TR_SEQ = trust_region_keep(s, m, train_key, cfg)
+      keep_rs = keep_rs & keep_tr
+      for name, x in TR_SEQ.items():
+        TR.setdefault(name, []).append(x)
     vet = False
     if veto is not None:
       cat = m & (r < math.log(veto))
@@ -161,6 +212,7 @@ def mis(seqs, cfg, mode, train_key="o"):
     metrics[f"mis_rs_{name}_mean"] = reduce([v for v, _ in vals], masks, mode)
     live = [v[m] for (v, _), m in zip(vals, masks) if m.any()]
     metrics[f"mis_rs_{name}_max"] = float(np.concatenate(live).max()) if live else 0.0
+  metrics.update({name: reduce(vals, masks, mode) for name, vals in TR.items()})
   if veto is not None:
     metrics["mis_rs_catastrophic_token_fraction"] = pred(lambda v: v, CAT)
     metrics["mis_rs_catastrophic_seq_fraction"] = vetoed_seqs / max(live_seqs, 1)
@@ -188,7 +240,16 @@ def mis(seqs, cfg, mode, train_key="o"):
   metrics["mis_kept_token_fraction"] = n_kept / max(sum(float(m.sum()) for m in masks), 1.0)
   metrics["mis_kept_seq_fraction"] = sum(int(k.any()) for k in K) / max(live_seqs, 1)
   metrics["mis_masked_whole_batch"] = 1.0 if n_kept == 0 else 0.0
-  return W, K, metrics
+  return W, K, {**metrics, **nonfinite(seqs)}
+
+
+def nonfinite(seqs):
+  """contract §8.4's counts: trained tokens whose rollout log-prob is NaN or ±inf (the oracle's
+  batches have finite ones; tests/mis_jax/test_nonfinite_rollout.py covers the rest)."""
+  bad = sum(int(np.sum(s["m"] & ~np.isfinite(s["q"]))) for s in seqs)
+  trained = sum(int(np.sum(s["m"])) for s in seqs)
+  return {"mis_nonfinite_rollout_logprob_count": float(bad),
+          "mis_nonfinite_rollout_logprob_fraction": bad / max(trained, 1)}
 
 
 def vanilla(seqs, clip_hi, clip_lo, mode, train_key="o"):
@@ -204,7 +265,7 @@ def vanilla(seqs, clip_hi, clip_lo, mode, train_key="o"):
       "tis_clipfrac": reduce([(np.clip(x, clip_lo, clip_hi) != x).astype(float) for x in ratios], masks, mode),
       "tis_abs": reduce([np.abs(x - 1) for x in ratios], masks, mode),
   }
-  return W, [m.copy() for m in masks], metrics
+  return W, [m.copy() for m in masks], {**metrics, **nonfinite(seqs)}
 
 
 def kl_term(lp, ref, kl_type):
@@ -394,6 +455,14 @@ def policy_loss(seqs, lc):
     kl_loss = agg(kl)
     loss += lc.get("kl_coef", 0.0) * kl_loss
     metrics["kl_loss"] = kl_loss
+  if lc.get("sq_kl_coef", 0.0) > 0:  # contract §6.4: τ·(lp - q)² over m or m'
+    over = masks if lc.get("sq_kl_tokens", "trainable") == "trainable" else K
+    sq = [np.where(m, (np.where(m, s["lp"], 0.0) - np.where(m, s["q"], 0.0)) ** 2, 0.0) for s, m in zip(seqs, masks)]
+    sq_loss = aggregate(sq, over, dmasks, agg_mode, lc.get("loss_scale_factor"))
+    loss += lc["sq_kl_coef"] * sq_loss
+    metrics["sq_kl_loss"] = sq_loss
   metrics.update(loss=loss, pg_loss=pg_loss, pg_clipfrac=reduce(clip, K, mode), ppo_kl=reduce(anch, K, mode))
   metrics.update({name: reduce(x, K, mode) for name, x in rows.items()})
+  if "q" in seqs[0]:
+    metrics.update(nonfinite(seqs))
   return loss, metrics, W, K

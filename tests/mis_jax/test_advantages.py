@@ -212,3 +212,21 @@ def test_jit_equals_eager_and_otb_packed_equals_padded():
     outs.append(np.concatenate(packing.unpack(np.asarray(got))))
   np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(outs[0], np.concatenate(otb_oracle(rewards, groups, old, sumsq, isw)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("zero_tail", [False, True])
+def test_otb_a_fully_masked_row_is_no_group_member(zero_tail):
+  """contract §6.5: a group of one live response and one fully masked row is a group of one: the
+  live response has no baseline (A = R) with either handle_zero_tail (verl with False counts the
+  masked row, N = 2, and gives A = 0)."""
+  lengths = [4, 3, 5]
+  groups = np.array([0, 0, 1])
+  rewards = np.array([0.7, -0.4, 1.3], np.float32)
+  packing = mis_jax.plan_packing(lengths, 8)
+  mask = packing.pack([np.ones(4, bool), np.zeros(3, bool), np.ones(5, bool)], False, bool)
+  old = packing.pack([np.full(n, -1.0, np.float32) for n in lengths], 0.0, np.float32)
+  got = packing.unpack(np.asarray(mis_jax.optimal_token_baseline(
+      rewards, groups, packing.segment_ids, mask, old, np.exp(2 * old), num_groups=2, num_segments=3,
+      handle_zero_tail=zero_tail)))
+  np.testing.assert_allclose(got[0], np.full(4, 0.7, np.float32))
+  np.testing.assert_array_equal(got[1], np.zeros(3, np.float32))

@@ -207,7 +207,8 @@ def test_metric_key_sets_per_algorithm():
   base = {"loss", "pg_loss", "pg_clipfrac", "ppo_kl", "entropy_loss", "kl_loss"}
   mismatch = {"mis_training_log_ppl", "mis_training_ppl", "mis_rollout_log_ppl", "mis_rollout_ppl", "mis_kl",
               "mis_k3_kl", "mis_log_ppl_diff", "mis_log_ppl_abs_diff", "mis_ppl_ratio", "mis_chi2_token",
-              "mis_chi2_seq", "train_rollout_logprob_abs_diff"}
+              "mis_chi2_seq", "train_rollout_logprob_abs_diff",
+              "mis_nonfinite_rollout_logprob_count", "mis_nonfinite_rollout_logprob_fraction"}  # whenever q is given
   vanilla = {"tis", "tis_clipfrac", "tis_abs"}
   assert set(run(loss_cfg("ppo", kl_coef=0.1))[1]) == base | mismatch
   assert set(run(loss_cfg("ppo", kl_coef=0.1), BATCH.replace(rollout_logprobs=None))[1]) == base

@@ -45,7 +45,7 @@ def _emitted_metrics() -> set:
   """Every metric name the library emits (names depend on the config only: each config is
   evaluated abstractly), over the config forms: the four algorithms, every policy-loss form,
   vanilla TIS and MIS configs covering every bound mode, RS, the veto, batch normalisation, every
-  divergence criterion, OPSM, M2PO, the threshold controller's targets, mismatch monitoring
+  divergence criterion, OPSM, M2PO, DPPO-Binary-TV and KPop, the squared log-ratio KL, the threshold controller's targets, mismatch monitoring
   alone, `proximal: loglinear`, with prepare_step and without, and the sampling-replay metrics."""
   import itertools
   import jax
@@ -68,6 +68,7 @@ def _emitted_metrics() -> set:
       mis_jax.MISConfig(tis_upper_bound="auto", target_ess_ratio=0.9),
       mis_jax.MISConfig(tis_mode="mask", tis_upper_bound="auto", max_masked_fraction=0.1),
       mis_jax.MISConfig(use_rs=True, rs_upper_bound="auto", max_masked_fraction=0.1, rs_criteria=auto_crits),
+      mis_jax.MISConfig(dppo_tv_delta=0.1, kpop_phi=0.1),  # the trust regions on probabilities (contract §4.3)
   ]
   key = jax.random.key(0)
   names = set()
@@ -88,6 +89,7 @@ def _emitted_metrics() -> set:
                              denominator="original" if roll and tis else "kept"), -o)
   for mis in mis_cfgs[:5]:
     add(mis_jax.LossConfig(use_tis=True, mis=mis, proximal="loglinear"))
+  add(mis_jax.LossConfig(use_rollout_logprobs=True, sq_kl_coef=0.1))  # the squared log-ratio KL (contract §6.4)
   add(mis_jax.LossConfig(use_tis=None, mis=mis_jax.MISConfig(use_tis=False), get_mismatch_metrics=True))
   names.update(mis_jax.sampling_metrics(o, np.zeros_like(o), q, mask, seg, num_segments=4))
   return names

@@ -19,7 +19,7 @@ MISMATCH_KEYS = {"mis_training_log_ppl", "mis_training_ppl", "mis_rollout_log_pp
 FINAL_KEYS = {"mis_is_ratio_mean_after_tis_rs", "mis_batch_norm_factor", "mis_is_ratio_mean_final",
               "mis_is_ratio_min_final", "mis_is_ratio_max_final", "mis_ess_ratio",
               "mis_kept_token_fraction", "mis_kept_seq_fraction", "mis_masked_whole_batch", "mis_tis_weight_before_bound",
-              "mis_tis_weight_after_bound"}
+              "mis_tis_weight_after_bound", "mis_nonfinite_rollout_logprob_count", "mis_nonfinite_rollout_logprob_fraction"}
 MODE_KEYS = {"truncate": {"mis_tis_truncate_fraction"},
              "clip": {"mis_tis_clip_fraction_low", "mis_tis_clip_fraction_high"},
              "mask": {"mis_tis_mask_fraction_low", "mis_tis_mask_fraction_high"}, "none": set()}
@@ -78,7 +78,7 @@ def test_reference_config_matches_oracle():
 def test_use_tis_false_returns_mask_and_mismatch_metrics_only():
   cfg = mis_jax.MISConfig(use_tis=False, use_rs=True, rs_veto_threshold=1e-4)
   w, kept, metrics = _run(cfg)
-  assert set(metrics) == MISMATCH_KEYS
+  assert set(metrics) == MISMATCH_KEYS | {"mis_nonfinite_rollout_logprob_count", "mis_nonfinite_rollout_logprob_fraction"}
   np.testing.assert_array_equal(np.asarray(kept), np.asarray(BATCH.loss_mask))
   np.testing.assert_array_equal(np.asarray(w), np.asarray(BATCH.loss_mask, np.float32))
 

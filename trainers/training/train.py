@@ -88,6 +88,11 @@ def routing_metrics(native: np.ndarray, recorded: np.ndarray) -> dict[str, float
   return out
 
 
+
+# contract §8.4: a step whose share of trained tokens with a non-finite rollout log-prob exceeds
+# this is a warning (the tokens are masked; the validation rejects such samples from the engine).
+NONFINITE_WARN_FRACTION = 0.01
+
 class Trainer:
   """The RL loop over its collaborators; owns the policy, the optimiser state and the step.
 
@@ -359,6 +364,11 @@ class Trainer:
     nothing (loss 0), as does one whose every token `rollout.sync.max_token_staleness` masked. Each one
     is a warning; `train.max_consecutive_masked_steps` in a row stop the run, naming the setting
     and the ratios seen (`ratio_range`: the step outcome's `masked_ratio_range`)."""
+    nonfinite = metrics.get("mis_nonfinite_rollout_logprob_fraction", 0.0)
+    if nonfinite > NONFINITE_WARN_FRACTION and distributed.is_primary():  # contract §8.4
+      log(f"warning: step {self.step}: {nonfinite:.2%} of the trained tokens had a NaN/inf rollout log-prob and "
+          f"were masked (mis_nonfinite_rollout_logprob_count {metrics.get('mis_nonfinite_rollout_logprob_count', 0):.0f}); "
+          "look at the engine's log-probs")
     all_stale = metrics.get("rollout/stale_token_fraction", 0.0) >= 1.0  # rollout.sync.max_token_staleness left nothing
     if metrics.get("mis_masked_whole_batch", 0.0) < 1.0 and not all_stale:
       self.masked_in_a_row = 0
