@@ -136,6 +136,11 @@ class TransportSection:
                                         "retries): wait this long for one to answer /health again, push it the "
                                         "served weights and redo the step (0: stop at once)", ge=0)
   max_rejected_fraction: float = key(0.25, "more malformed samples than this in a step stops the run", ge=0, le=1)
+  router: str | None = key(None, "an sglang-router URL (`--router`): generation goes through it, the workers are its own "
+                          "list (GET /workers), each gets every weight push directly; workers may join and leave "
+                          "during the run (docs/guides/fleet.md)")
+  router_poll_s: float = key(1.0, "with a router: how often its worker list is read for workers that joined (0: "
+                             "only at each push)", ge=0)
 
 
 @dataclasses.dataclass(frozen=True)
