@@ -1,4 +1,4 @@
-"""`mis-jax` command line: `train`, `serve`, `analyze`, `init-model`."""
+"""`mis-jax` command line: `train`, `serve`, `launch`, `analyze`, `init-model`."""
 
 from __future__ import annotations
 
@@ -222,6 +222,11 @@ def _train(argv: list[str] | None = None) -> int:
   return 0
 
 
+def _launch(argv: list[str]) -> int:
+  from trainers import launch
+  return launch.main(argv)
+
+
 def _analyze(argv: list[str]) -> int:
   from trainers.training import analysis
   return analysis.main(argv)
@@ -230,6 +235,7 @@ def _analyze(argv: list[str]) -> int:
 _COMMANDS = {
     "analyze": (_analyze, "report the train-rollout mismatch of saved rollout records"),
     "serve": (_serve, "serve an HF checkpoint over SGLang's native HTTP API"),
+    "launch": (_launch, "start one role of a fleet (trainer, worker, router) from the scheduler's environment"),
     "init-model": (_init_model, "write a tiny random HF checkpoint (tests, demo)"),
     "train": (_train, "RL training with rollout correction on SGLang rollouts"),
 }
