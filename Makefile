@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: venv engine test test-all test-fast demo demo-agent demo-sglang-jax docs example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines bench-colocated bench-colocated-sglang-jax bench-agents clean
+.PHONY: venv engine test test-all test-fast demo fleet-demo demo-agent demo-sglang-jax docs example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines bench-colocated bench-colocated-sglang-jax bench-agents clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,9 @@ test-fast: $(STAMP)  ## the library and the trainer's unit parts: no server, sub
 
 demo: $(DEMO_STAMP)  ## the trainer on the embedded server (toy task); a fresh run dir each time
 	$(PY) -m trainers.cli train --config configs/demo.yaml --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
+
+fleet-demo: $(STAMP)  ## router + 2 rollout workers + 2 trainer processes on this machine, by `mis-jax launch` (docs/guides/fleet.md)
+	PY=$(PY) deploy/local/fleet_demo.sh
 
 demo-agent: $(DEMO_STAMP)  ## a multi-turn tool task (lookup_digits) on the embedded server: the model learns to call its tool
 	$(PY) -m trainers.cli train --config configs/agent_demo.yaml --run-dir runs/agent-demo-$$(date +%Y%m%d-%H%M%S)

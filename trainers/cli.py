@@ -1,4 +1,4 @@
-"""`mis-jax` command line: `train`, `serve`, `analyze`, `init-model`."""
+"""`mis-jax` command line: `train`, `serve`, `launch`, `analyze`, `init-model`."""
 
 from __future__ import annotations
 
@@ -58,6 +58,9 @@ def train_parser() -> argparse.ArgumentParser:
   parser.add_argument("--sglang-url", action="append", default=[], metavar="URL",
                       help="SGLang server or router URL, http(s)://HOST:PORT (repeatable); default: start "
                       "`mis-jax serve` on 127.0.0.1")
+  parser.add_argument("--router", default=None, metavar="URL",
+                      help="an sglang-router URL (rollout.transport.router): generation through it, the weights "
+                      "pushed to every worker it lists (docs/guides/fleet.md)")
   parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in run_dir")
   parser.add_argument("--run-dir", default=None, help="overrides the config's run_dir")
   parser.add_argument("--steps", type=int, default=None, help="overrides the config's train.steps")
@@ -111,7 +114,8 @@ def resolve_train_config(args):
   origins = {path: f"--set {assignment}" for path, assignment in explicit.items()}
   for flag, path, value in (("--run-dir", "run_dir", args.run_dir), ("--steps", "train.steps", args.steps),
                             ("--save-rollouts", "rollout.records.save_dir", args.save_rollouts),
-                            ("--load-rollouts", "rollout.records.load_dir", args.load_rollouts)):
+                            ("--load-rollouts", "rollout.records.load_dir", args.load_rollouts),
+                            ("--router", "rollout.transport.router", args.router)):
     if value is None:
       continue
     if path in explicit and str(value) != explicit[path].partition("=")[2]:
@@ -122,8 +126,11 @@ def resolve_train_config(args):
   cfg = config_lib.TrainConfig.from_dict(raw, source=args.config, origins=origins)
   # The loss flags over the config's loss section: a flag that contradicts it is an error naming both.
   cfg = cfg.replace(loss=config_lib.loss_config(raw_loss, args, source=args.config, origins=origins))
-  for url in args.sglang_url:
+  for url in args.sglang_url + ([cfg.rollout.transport.router] if cfg.rollout.transport.router else []):
     checks.check_url(url)
+  if cfg.rollout.transport.router and args.sglang_url:
+    raise mis_jax.ConfigError(f"--sglang-url {args.sglang_url[0]} beside rollout.transport.router "
+                              f"{cfg.rollout.transport.router}: the workers are the router's own list; give one of them")
   return cfg, checks.check_config(cfg)
 
 
@@ -193,7 +200,8 @@ def _train(argv: list[str] | None = None) -> int:
     with contextlib.ExitStack() as running:  # the embedded server stops however the run ends
       urls = args.sglang_url
       colocated = cfg.rollout.placement.mode == "colocated"
-      if not urls and primary and not cfg.rollout.records.load_dir and not colocated:  # only process 0 talks to (and starts) a server
+      fleet = bool(cfg.rollout.transport.router)
+      if not urls and primary and not cfg.rollout.records.load_dir and not colocated and not fleet:  # only process 0 talks to (and starts) a server
         server = running.enter_context(_start_server(cfg, train.initial_weights_dir(cfg)))
         urls = [server.url]
       trainer = train.Trainer(cfg, urls=urls, task=task)
@@ -214,6 +222,11 @@ def _train(argv: list[str] | None = None) -> int:
   return 0
 
 
+def _launch(argv: list[str]) -> int:
+  from trainers import launch
+  return launch.main(argv)
+
+
 def _analyze(argv: list[str]) -> int:
   from trainers.training import analysis
   return analysis.main(argv)
@@ -222,6 +235,7 @@ def _analyze(argv: list[str]) -> int:
 _COMMANDS = {
     "analyze": (_analyze, "report the train-rollout mismatch of saved rollout records"),
     "serve": (_serve, "serve an HF checkpoint over SGLang's native HTTP API"),
+    "launch": (_launch, "start one role of a fleet (trainer, worker, router) from the scheduler's environment"),
     "init-model": (_init_model, "write a tiny random HF checkpoint (tests, demo)"),
     "train": (_train, "RL training with rollout correction on SGLang rollouts"),
 }

@@ -5,7 +5,9 @@ cluster apart from its trainer): who generates, and how the trainer's weights re
 
 - records (`rollout.records.load_dir`): a `RecordedRollouts` source and no servers' side at all;
 - servers over HTTP (`rollout.placement.mode: server`): a client of one `HttpEngine` per URL (process
-  0's) and `DiskSync` (the sharded HF checkpoint, then the client's update sequence);
+  0's) and `DiskSync` (the sharded HF checkpoint, then the client's update sequence); with
+  `rollout.transport.router`, a `fleet.RouterClient` instead: generation through sglang-router, the
+  pushes to each of the workers it lists (workers that join get the served weights first);
 - colocated (`rollout.placement.mode: colocated`): a client of the engine in this process
   (`colocated.EmbeddedLocal`, or `SGLangJaxLocal` for `rollout.placement.engine: sglang-jax`) and
   `MemorySync` (the weights handed over in memory).
@@ -16,12 +18,14 @@ synchronously, or ahead in a thread with bounded staleness (`rollout.sync.max_st
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Callable, NamedTuple
 
 import mis_jax
 from trainers.training import distributed
 from trainers.training.colocated import EmbeddedLocal, SGLangJaxLocal
+from trainers.training.fleet import router_client
 from trainers.training.servers import Sampling, Servers
 from trainers.training.sglang_client import SGLangClient, http_client
 from trainers.training.sources import AsyncServerRollouts, RecordedRollouts, RolloutSource, ServerRollouts
@@ -46,16 +50,21 @@ def build_rollout(cfg, *, urls: list[str], start_dir: str, model_config, samplin
   if r.records.load_dir:
     return Rollouts(None, RecordedRollouts(r.records.load_dir, sampling.extras))
   if r.placement.mode == "colocated":
-    if urls:
+    if urls or r.transport.router:
       raise mis_jax.ConfigError(f"rollout.placement.mode colocated generates in the trainer: no server URL is used, "
-                                f"got {', '.join(urls)}")
+                                f"got {', '.join(urls or [r.transport.router])}")
     engine = LOCAL_ENGINES[r.placement.engine].start(cfg, start_dir=start_dir, model_config=model_config, mesh=mesh)
     client = SGLangClient([engine], max_concurrency=r.transport.max_concurrency,
                           prompts_per_request=r.transport.prompts_per_request, cache_salt=r.sync.cache_salt)
     weight_sync = MemorySync(client, engine, r)
   else:
     t = r.transport
-    client = (http_client(urls, timeout_s=t.timeout_s, max_retries=t.max_retries, backoff_s=t.backoff_s,
+    if t.router and urls:
+      raise mis_jax.ConfigError(f"rollout.transport.router {t.router}: the workers are the router's own list; "
+                                f"give no server URL beside it (got {', '.join(urls)})")
+    make = (functools.partial(router_client, t.router, poll_s=t.router_poll_s) if t.router
+            else functools.partial(http_client, urls))
+    client = (make(timeout_s=t.timeout_s, max_retries=t.max_retries, backoff_s=t.backoff_s,
                           max_concurrency=t.max_concurrency, prompts_per_request=t.prompts_per_request,
                           cache_salt=r.sync.cache_salt)
               if distributed.is_primary() else None)  # only process 0 talks to the servers

@@ -136,6 +136,11 @@ class TransportSection:
                                         "retries): wait this long for one to answer /health again, push it the "
                                         "served weights and redo the step (0: stop at once)", ge=0)
   max_rejected_fraction: float = key(0.25, "more malformed samples than this in a step stops the run", ge=0, le=1)
+  router: str | None = key(None, "an sglang-router URL (`--router`): generation goes through it, the workers are its own "
+                          "list (GET /workers), each gets every weight push directly; workers may join and leave "
+                          "during the run (docs/guides/fleet.md)")
+  router_poll_s: float = key(1.0, "with a router: how often its worker list is read for workers that joined (0: "
+                             "only at each push)", ge=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,8 +284,10 @@ def config_keys(section_cls, prefix: str):
 
 
 # The flat rollout keys before the rollout section was split: each names where it lives now.
+# (Keys added to the nested sections since were never flat.)
+NEVER_FLAT = {"rollout.transport.router", "rollout.transport.router_poll_s"}
 MOVED = {f"rollout.{path.rpartition('.')[2]}": path for path, _, _ in config_keys(RolloutSection, "rollout")
-         if path.count(".") == 2 and path != "rollout.placement.mode"}
+         if path.count(".") == 2 and path != "rollout.placement.mode" and path not in NEVER_FLAT}
 MOVED["rollout.placement"] = "rollout.placement.mode"  # was a string; the name is the section's now
 
 

@@ -73,6 +73,8 @@ class Servers:
       on_primary(lambda: self.client.check_extras(self.sampling.extras, self.sampling.params))
     if self._first_push(step, log=log):
       self.push(params, step)
+    else:  # a fleet that admits workers during the run gives them these
+      on_primary(lambda: self.client.weights_served(self.served_path, str(step)))
     self.served_version = step
 
   def facts(self) -> dict:

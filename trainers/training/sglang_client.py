@@ -149,14 +149,7 @@ class SGLangClient:
       seeds = None if seed is None else sample_seeds(seed, len(idx), n, offset=idx[0] * n)
       body = protocol.generate_body([prompts[i] for i in idx], sampling_params, n=n, seeds=seeds,
                                     extra_fields=request, extra_key=self.cache_salt)
-      while True:  # an engine down past its retries: the chunk goes to a live one
-        url = self._pick()
-        try:
-          return idx, url, self.engines[url].generate(body)
-        except ServerUnavailable as e:
-          self.mark_down(url)
-          if not self.live_urls():
-            raise ServerUnavailable(f"{e} (no other server is up)") from None
+      return (idx, *self._send(body))
 
     result = RolloutResult(samples=[], num_requested=len(prompts) * n)
     for idx, url, out in self._pool.map(call, chunks):
@@ -186,7 +179,22 @@ class SGLangClient:
                                        weight_versions=parsed["weight_versions"], extras=parsed["extras"]))
     return result
 
+  def _send(self, body: dict):
+    """`(url, reply)`: one `/generate` call on a live engine; an engine down past its retries:
+    the body goes to a live one."""
+    while True:
+      url = self._pick()
+      try:
+        return url, self.engines[url].generate(body)
+      except ServerUnavailable as e:
+        self.mark_down(url)
+        if not self.live_urls():
+          raise ServerUnavailable(f"{e} (no other server is up)") from None
+
   # --- weight sync ---------------------------------------------------------------------
+  def weights_served(self, model_path: str, weight_version: str) -> None:
+    """The weights every engine serves before step 1 (when no initial push is made); a fleet that
+    admits engines during the run (`trainers.training.fleet.RouterClient`) gives them these."""
   def update_weights_from_disk(self, model_path: str, weight_version: str, *, attempts: int = 3,
                                pause_mode: str = "abort", urls: Sequence[str] | None = None) -> dict[str, float]:
     """contract §11 sequence on every engine, all engines concurrently: pause (``pause_mode``:
