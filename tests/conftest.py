@@ -65,6 +65,8 @@ LONGEST_FIRST = ("trainers/serving/test_sglang_jax.py", "trainers/training/test_
                  "trainers/models/test_moe_model.py", "trainers/training/test_step.py",
                  "trainers/training/test_sampling_replay.py", "trainers/training/test_train.py",
                  "trainers/training/test_colocated.py", "mis_jax/integrations/test_tunix.py",
+                 "trainers/agents/test_agents_train.py", "trainers/training/test_fleet.py",
+                 "mis_jax/integrations/test_tunix_agentic.py",
                  "trainers/training/test_faults.py", "test_notebooks.py", "trainers/serving/test_server.py")
 
 
