@@ -145,7 +145,7 @@ def test_asynchronous_multi_turn_rollouts_keep_each_turns_version(server32, tmp_
   history = _trainer(tmp_path, server32.url, train={"steps": 4},
                      rollout={"records": {"save_dir": records}, "prompts_per_step": 2, "n": 4,
                               "sync": {"max_staleness": 1, "pause_mode": "in_place"}}).run(progress=False)
-  assert [h["step"] for h in history] == [1, 2, 3, 4]
+  assert [h["step"] for h in history] == [1, 2, 3, 4] and all(h["grad_norm"] > 0 for h in history)
   for step in range(1, 5):
     cols, _ = rollout_records.read_step(rollout_records.step_path(records, step))
     for spans, turn in zip(cols["weight_versions"], cols["turn"]):
