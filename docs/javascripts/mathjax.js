@@ -1,0 +1,28 @@
+// MathJax 3 configuration for pymdownx.arithmatex's generic output (\( \) inline, \[ \] display):
+// only the elements arithmatex marks are typeset. Loaded before assets/mathjax/tex-chtml.js, which
+// the build copies from the installed MathJax package (docs/mathjax_assets.py).
+window.MathJax = {
+  tex: {
+    inlineMath: [["\\(", "\\)"]],
+    displayMath: [["\\[", "\\]"]],
+    processEscapes: true,
+    processEnvironments: true,
+    packages: {"[-]": ["noundefined"]},  // an unknown macro is a TeX error (mjx-merror), never red text
+  },
+  options: {
+    ignoreHtmlClass: ".*|",
+    processHtmlClass: "arithmatex",
+  },
+};
+
+// Material for MkDocs swaps pages without a reload when instant navigation is on: typeset each one.
+if (typeof document$ !== "undefined") {
+  document$.subscribe(() => {
+    if (window.MathJax && MathJax.typesetPromise) {
+      MathJax.startup.output.clearCache();
+      MathJax.typesetClear();
+      MathJax.texReset();
+      MathJax.typesetPromise();
+    }
+  });
+}
