@@ -21,6 +21,11 @@ _REPORT_JS = """async () => {
   await document.fonts.ready;
   const marked = document.querySelectorAll('.arithmatex');
   const typeset = [...marked].filter(e => e.querySelector('mjx-container')).length;
+  // A formula whose glyphs got no CSS (or no font) lays out with no width: typeset, yet unseen.
+  const invisible = [...document.querySelectorAll('mjx-container')]
+      .filter(c => c.getBoundingClientRect().width <= 0)
+      .map(c => c.querySelector('mjx-assistive-mml')?.textContent || c.outerHTML.slice(0, 80));
+  const fonts = [...document.fonts].filter(f => f.family.startsWith('MJXTEX') && f.status === 'loaded').length;
   const errors = [...document.querySelectorAll('mjx-merror')].map(e =>
       (e.getAttribute('data-mjx-error') || '') + ' in ' + (e.closest('mjx-container')?.getAttribute('aria-label') || e.textContent));
   const leftover = [];
@@ -29,7 +34,7 @@ _REPORT_JS = """async () => {
     if (n.parentElement.closest('code, pre, script, style, mjx-container, mjx-assistive-mml')) continue;
     if (/\\\\[()\\[\\]]|\\$/.test(n.textContent)) leftover.push(n.textContent.trim().slice(0, 120));
   }
-  return {marked: marked.length, typeset, errors, leftover};
+  return {marked: marked.length, typeset, invisible, errors, leftover, fonts};
 }"""
 
 
@@ -57,8 +62,9 @@ def typeset_report(executable: str, base: str, pages: list[str], *, timeout_ms: 
   """Open each page of the site at `base` in headless Chromium; return ({page: report}, the URLs
   of requests made outside `base`). Such requests are refused, so a page that needs the network
   shows it in its report too. A report: marked (formulas arithmatex wrapped), typeset (those
-  MathJax rendered), errors (TeX errors), leftover (text outside code still holding a delimiter),
-  fonts (MathJax font files fetched from the site)."""
+  MathJax rendered), invisible (rendered formulas with no width: glyphs without their CSS or
+  font), errors (TeX errors), leftover (text outside code still holding a delimiter), fonts
+  (MathJax's TeX font faces the page loaded, from the site: nothing else is reachable)."""
   from playwright.sync_api import sync_playwright
   reports, foreign = {}, []
   with sync_playwright() as pw:
@@ -75,12 +81,10 @@ def typeset_report(executable: str, base: str, pages: list[str], *, timeout_ms: 
 
       context.route("**/*", route)
       for page_path in pages:
-        fonts = []
         page = context.new_page()
-        page.on("requestfinished", lambda req, fonts=fonts: fonts.append(req.url) if req.url.endswith(".woff") else None)
         page.goto(base + page_path, wait_until="load", timeout=timeout_ms)
         page.wait_for_function("window.MathJax && MathJax.startup && MathJax.startup.promise", timeout=timeout_ms)
-        reports[page_path] = {**page.evaluate(_REPORT_JS), "fonts": len(fonts)}
+        reports[page_path] = page.evaluate(_REPORT_JS)
         page.close()
     finally:
       browser.close()

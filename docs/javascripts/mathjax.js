@@ -14,15 +14,3 @@ window.MathJax = {
     processHtmlClass: "arithmatex",
   },
 };
-
-// Material for MkDocs swaps pages without a reload when instant navigation is on: typeset each one.
-if (typeof document$ !== "undefined") {
-  document$.subscribe(() => {
-    if (window.MathJax && MathJax.typesetPromise) {
-      MathJax.startup.output.clearCache();
-      MathJax.typesetClear();
-      MathJax.texReset();
-      MathJax.typesetPromise();
-    }
-  });
-}
