@@ -12,8 +12,9 @@ where `b_i` and `s_i` are the baseline and the scale the group's trajectory rewa
 sequence estimator, `A_i = s_i (R_i − b_i)` (so `G_1 = R`: the first turn's tokens keep the
 trajectory's advantage exactly, and a later turn's differ by `s_i` times the rewards earned before
 it, which its tokens could not have caused). This is REINFORCE's reward-to-go with the group
-baseline, and what verl's and OpenRLHF's token-level rewards reduce to with γ = 1 and each turn's
-reward on its turn's tokens; tunix's agentic GRPO and the default here use `R` for every token.
+baseline: the returns verl's REINFORCE++ / ReMax take from token-level rewards (a reverse cumulative
+sum, here γ = 1), with GRPO's baseline; verl's GRPO sums the token-level rewards into one score, and
+tunix's agentic GRPO and the default here use `R` for every token.
 
 Defined for the estimators whose advantage is a group baseline and a scale (`ESTIMATOR_SCALE`):
 `grpo` (`s = 1/(std_g R + 1e-6)`, `ddof=1`, and `s = 1` for a group of one, as the estimator does

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import mis_jax
+from agent_oracle import per_turn_advantages as _oracle
 from trainers.agents.episodes import Episodes, TurnIndex
 from trainers.agents.rewards import TurnReward, token_advantages, turn_returns
 from trainers.tasks.base import Prompt
@@ -39,40 +40,6 @@ BATCH = [
     _trajectory(1, 2, [(3, 0, 1.0)]),
     _trajectory(2, 4, [(1, 2, 0.3), (2, 0, 0.4)]),
 ]
-
-
-def _oracle(samples, estimator):
-  """Per trajectory, the advantage of every input position, from the definition alone: the
-  return of turn j is the sum of the rewards of turns >= j; the group's trajectory rewards give
-  the baseline and the scale; the prompt's and the environment's positions keep the trajectory's
-  advantage."""
-  rewards = [sum(float(r) for r in _rewards_by_turn(s).values()) for s in samples]
-  out = []
-  for i, s in enumerate(samples):
-    group = [rewards[j] for j, o in enumerate(samples) if o.prompt_index == s.prompt_index]
-    others = [rewards[j] for j, o in enumerate(samples) if o.prompt_index == s.prompt_index and j != i]
-    if estimator == "rloo":
-      baseline, scale = (sum(others) / len(others) if others else 0.0), 1.0
-    else:
-      baseline = sum(group) / len(group)
-      scale = 1.0
-      if estimator == "grpo" and len(group) > 1:
-        mean = baseline
-        scale = 1.0 / ((sum((x - mean) ** 2 for x in group) / (len(group) - 1)) ** 0.5 + 1e-6)
-    by_turn = _rewards_by_turn(s)
-    seq = [scale * (rewards[i] - baseline)] * (len(s.prompt_ids) - 1)
-    for t in s.extras["turn"]:
-      if t == 0:
-        seq.append(scale * (rewards[i] - baseline))
-      else:
-        ret = sum(r for k, r in by_turn.items() if k >= t)
-        seq.append(scale * (ret - baseline))
-    out.append(np.array(seq))
-  return out
-
-
-def _rewards_by_turn(s):
-  return {int(t): float(r) for t, r in zip(s.extras["turn"], s.extras["turn_reward"]) if t > 0}
 
 
 @pytest.mark.parametrize("estimator", ESTIMATORS)
