@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: venv engine test test-all test-fast demo fleet-demo demo-agent demo-sglang-jax docs example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines bench-colocated bench-colocated-sglang-jax bench-agents clean
+.PHONY: venv engine browser test test-all test-fast demo fleet-demo demo-agent demo-sglang-jax docs docs-check example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines bench-colocated bench-colocated-sglang-jax bench-agents clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,11 +28,15 @@ venv: $(STAMP)
 engine: $(STAMP)
 	$(PY) -m trainers.serving.sglang_jax --prepare --tunix --trainer
 
+# Debian's Chromium, for the docs' check in a headless browser (tests/test_docs.py); once per machine.
+browser:
+	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
 # Two workers (the CI machine has 2 cores); whole files per worker keep module fixtures (servers) shared.
-test: $(STAMP) engine
+test: $(STAMP) engine browser
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not multihost and not repeat" tests
 
-test-all: $(STAMP) engine  ## everything: the 2-process trainer runs and the repeats (marker repeat) included
+test-all: $(STAMP) engine browser  ## everything: the 2-process trainer runs and the repeats (marker repeat) included
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 test-fast: $(STAMP)  ## the library and the trainer's unit parts: no server, subprocess, venv or long invariant (~3 min)
@@ -53,6 +57,9 @@ demo-sglang-jax: $(STAMP) engine  ## the demo's task with sglang-jax's Engine co
 
 docs: $(STAMP)  ## the docs site into site/, strict: a broken link, anchor or docstring fails the build
 	$(PY) -m mkdocs build --strict --site-dir site
+
+docs-check: $(STAMP) browser  ## the site built strict, and its formulas typeset by MathJax in headless Chromium, offline
+	CI=true $(PY) -m pytest -q -p no:cacheprovider tests/test_docs.py -k "site_builds or typeset"
 
 example-tunix: $(STAMP)  ## tunix GRPO with mis_jax's correction on a tiny Qwen3 (examples/tunix_grpo_mis.py)
 	$(PY) examples/tunix_grpo_mis.py --steps 8 --mis configs/mis.yaml

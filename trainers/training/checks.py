@@ -178,7 +178,25 @@ def check_config(cfg: TrainConfig):
     changed = [k for k, v in dataclasses.asdict(cfg.agent).items() if v != getattr(AgentSection(), k)]
     raise mis_jax.ConfigError(f"agent.{changed[0]} is set but task {cfg.task.name!r} is single-turn: the agent "
                               "section configures multi-turn tasks (lookup_digits, calculator)")
+  check_per_turn_rewards(cfg)
   return task
+
+
+def check_per_turn_rewards(cfg: TrainConfig) -> None:
+  """`agent.per_turn_rewards` places each turn's return on its tokens against a group baseline:
+  defined for the group-baseline estimators, and per token from the start of the step."""
+  if not cfg.agent.per_turn_rewards:
+    return
+  from trainers.agents.rewards import ESTIMATOR_SCALE
+  estimator = cfg.train.advantage_estimator
+  if estimator not in ESTIMATOR_SCALE:
+    raise mis_jax.ConfigError(f"agent.per_turn_rewards needs a group-baseline advantage estimator "
+                              f"({', '.join(ESTIMATOR_SCALE)}): train.advantage_estimator {estimator!r} is not one; "
+                              "set agent.per_turn_rewards: false or choose one of those")
+  if cfg.train.exclude_rejected_from_baseline:
+    raise mis_jax.ConfigError("agent.per_turn_rewards and train.exclude_rejected_from_baseline: true cannot be "
+                              "combined yet (the baseline is recomputed per sequence after the correction, "
+                              "which would drop the per-turn returns); set one of them")
 
 
 def check_records(cfg: TrainConfig, model_cfg: ModelConfig) -> None:

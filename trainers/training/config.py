@@ -251,6 +251,9 @@ class AgentSection:
                                      "(null: what train.row_len leaves after the prompt)", ge=1)
   env_concurrency: int = key(64, "environments stepping at once (a bounded thread pool)", ge=1)
   max_turn_retries: int = key(2, "times a turn the engine aborted (a weight update's pause) is sent again", ge=0)
+  per_turn_rewards: bool = key(False, "each turn's reward on that turn's tokens: a token's advantage is its turn's "
+                               "return (the rewards from its turn on) against the group's baseline; off: the "
+                               "trajectory's reward on every model token (trainers/agents/rewards.py, contract §11.1)")
 
 
 @dataclasses.dataclass(frozen=True)
