@@ -33,14 +33,14 @@ browser:
 	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
 # Two workers (the CI machine has 2 cores); whole files per worker keep module fixtures (servers) shared.
-test: $(STAMP) engine browser
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not multihost and not repeat" tests
+test: $(STAMP) engine
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not multihost and not repeat and not browser" tests
 
 test-all: $(STAMP) engine browser  ## everything: the 2-process trainer runs and the repeats (marker repeat) included
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 test-fast: $(STAMP)  ## the library and the trainer's unit parts: no server, subprocess, venv or long invariant (~3 min)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not repeat and not integration" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not repeat and not integration and not browser" tests
 
 demo: $(DEMO_STAMP)  ## the trainer on the embedded server (toy task); a fresh run dir each time
 	$(PY) -m trainers.cli train --config configs/demo.yaml --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
@@ -59,7 +59,7 @@ docs: $(STAMP)  ## the docs site into site/, strict: a broken link, anchor or do
 	$(PY) -m mkdocs build --strict --site-dir site
 
 docs-check: $(STAMP) browser  ## the site built strict, and its formulas typeset by MathJax in headless Chromium, offline
-	CI=true $(PY) -m pytest -q -p no:cacheprovider tests/test_docs.py -k "site_builds or typeset"
+	CI=true $(PY) -m pytest -q -p no:cacheprovider -m browser tests/test_docs.py
 
 example-tunix: $(STAMP)  ## tunix GRPO with mis_jax's correction on a tiny Qwen3 (examples/tunix_grpo_mis.py)
 	$(PY) examples/tunix_grpo_mis.py --steps 8 --mis configs/mis.yaml

@@ -173,6 +173,7 @@ def _browser() -> str:
   return path
 
 
+@pytest.mark.browser
 def test_the_formulas_are_typeset_in_a_browser_from_the_site_alone(site):
   """Each math page, served from 127.0.0.1 and opened in headless Chromium: MathJax (copied from
   the installed package by docs/mathjax_assets.py) typesets every formula arithmatex marked, with
