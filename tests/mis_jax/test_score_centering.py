@@ -84,8 +84,14 @@ ALGOS = {  # (use_rollout_logprobs, use_tis, mis)
     "bypass_ppo": dict(use_rollout_logprobs=True),
     "decoupled_ppo": dict(use_tis=True, mis=dict(MIS, use_rs=True, rs_upper_bound=1.6)),
 }
+# REINFORCE + IS in every aggregation mode; the other algorithms in one mode each (both metric
+# reductions covered), a second mode under `slow`.
 CASES = ([("reinforce_is", mode) for mode in mis_jax.LOSS_AGG_MODES]
-         + [(algo, mode) for algo in list(ALGOS)[1:] for mode in ("token-mean", "seq-mean-token-mean")])
+         + [("ppo", "token-mean"), ("decoupled_ppo", "seq-mean-token-mean"), ("bypass_ppo", "token-sum"),
+            ("reinforce_vanilla_tis", "seq-mean-token-sum")]
+         + [pytest.param(algo, mode, marks=pytest.mark.slow) for algo, mode in [
+             ("ppo", "seq-mean-token-mean"), ("decoupled_ppo", "token-mean"), ("bypass_ppo", "seq-mean-token-mean"),
+             ("reinforce_vanilla_tis", "token-mean")]])
 
 
 def loss_cfg(algo, mode="token-mean", **kw):
@@ -174,7 +180,7 @@ def test_the_drift_vanishes_in_expectation():
       log_p = lambda zz: jax.nn.log_softmax(zz, -1)
       f = lambda zz: (model_loss(zz, batch, model, cfg) if on else mis_jax.policy_loss(
           jnp.take_along_axis(log_p(zz), model["y"][..., None], -1)[..., 0], batch, cfg))
-      (_, metrics), g = jax.value_and_grad(f, has_aux=True)(jnp.asarray(model["z"]))
+      (_, metrics), g = jax.jit(jax.value_and_grad(f, has_aux=True))(jnp.asarray(model["z"]))
       out[on] = (-np.asarray(g).reshape(V, V).sum(0), metrics)
     drift, centred = out[False][0], out[True][0]
     np.testing.assert_allclose(drift, q - p, atol=1e-5)  # E_q[A ∇_z log p] with A ≡ 1: the drift q - p
@@ -188,3 +194,215 @@ def test_the_drift_vanishes_in_expectation():
     # per token |A| ‖q̂ - p‖₁ with A = q(y): summed (token-sum reduces metrics per token: a mean)
     np.testing.assert_allclose(float(metrics["score_centering_drift"]) * V,
                                np.sum(q) * np.abs(q_hat - p).sum(), rtol=1e-5)
+
+
+# --- invariants -------------------------------------------------------------------------------
+
+def _per_sequence(grad, packing):
+  return [np.asarray(g) for g in packing.unpack(np.asarray(grad))]
+
+
+@pytest.mark.slow
+def test_microbatches_devices_padding_and_jit_equal_one_batch():
+  """Decoupled PPO with MIS (its correction once per step): 2 micro-batches add up to the batch; the
+  loss under shard_map on a 2×4 mesh (segments split across devices) equals one device's; the padded
+  layout (one sequence per row) equals the packed one; jit equals eager. Losses, metrics and the
+  gradient on the logits."""
+  cfg = loss_cfg("decoupled_ppo", "seq-mean-token-mean")
+  z = jnp.asarray(MODEL["z"])
+  (loss, metrics), grad = _grad_fn(cfg)(z, BATCH, MODEL)
+  want = _per_sequence(grad, PACKING)
+
+  # k micro-batches == one batch
+  correction, _ = mis_jax.prepare_step(BATCH, cfg)
+  parts = zip(mis_jax.split_microbatches(BATCH, 2), mis_jax.split_microbatches(correction, 2),
+              np.split(MODEL["z"], 2), *(np.split(MODEL[k], 2) for k in ("y", "ids")))
+  step = jax.jit(jax.value_and_grad(lambda zz, b, mdl, c: model_loss(zz, b, mdl, cfg, correction=c)[0]))
+  total, grads = 0.0, []
+  for b, c, zz, y, ids in parts:
+    value, g = step(jnp.asarray(zz), b, dict(y=y, ids=ids), c)
+    total, grads = total + float(value), grads + [np.asarray(g)]
+  np.testing.assert_allclose(total, float(loss), rtol=1e-5, atol=1e-7)
+  for a, b in zip(_per_sequence(np.concatenate(grads), PACKING), want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+  # 8 devices == 1 (data × sequence parallelism)
+  mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  sharded = mis_jax.sharded_policy_loss(mesh, cfg, seq_axis="seq")
+
+  def on_mesh(zz):
+    log_p = jax.nn.log_softmax(zz, axis=-1)
+    lp = jnp.take_along_axis(log_p, MODEL["y"][..., None], axis=-1)[..., 0]
+    return sharded(lp, BATCH, topk_logprobs=jnp.take_along_axis(log_p, MODEL["ids"], axis=-1))
+  (loss8, metrics8), grad8 = jax.jit(jax.value_and_grad(on_mesh, has_aux=True))(z)
+  np.testing.assert_allclose(float(loss8), float(loss), rtol=1e-5, atol=1e-7)
+  assert_metrics_close(metrics8, {k: float(v) for k, v in metrics.items()}, rtol=1e-5, atol=1e-7)
+  for a, b in zip(_per_sequence(grad8, PACKING), want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+  # packed == padded
+  padding = mis_jax.Packing(row_len=8, num_rows=len(SEQS), rows=np.arange(len(SEQS)),
+                            offsets=np.zeros(len(SEQS), np.int64), lengths=np.array([len(s["m"]) for s in SEQS]))
+  padded, padded_model, _ = pack(SEQS, packing=padding)
+  (loss_p, metrics_p), grad_p = _grad_fn(cfg)(jnp.asarray(padded_model["z"]), padded, padded_model)
+  np.testing.assert_allclose(float(loss_p), float(loss), rtol=1e-5, atol=1e-7)
+  assert_metrics_close(metrics_p, {k: float(v) for k, v in metrics.items()}, rtol=1e-5, atol=1e-7)
+  for a, b in zip(_per_sequence(grad_p, padding), want):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+  # jit == eager
+  (loss_e, metrics_e), grad_e = jax.value_and_grad(lambda zz: model_loss(zz, BATCH, MODEL, cfg), has_aux=True)(z)
+  np.testing.assert_allclose(float(loss_e), float(loss), rtol=1e-6)
+  assert_metrics_close(metrics_e, {k: float(v) for k, v in metrics.items()}, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(np.asarray(grad_e), np.asarray(grad), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("form", ["dppo_tv", "gspo", "sapo", "kl_cov", "geo_mean", "dro"])
+def test_every_form_gets_the_centred_score_with_its_own_coefficient(form):
+  """Decoupled PPO (MIS weights) with each form of another shape: the centred gradient on the logits is ``g_t (e_y - q̂_t)`` where ``g_t`` is the uncentred loss's
+  ``∂L/∂lp_t`` — clips, trust regions and sequence-level coupling (gspo, geo_mean) included."""
+  extra = {"dro": dict(dro_beta=0.5), "kl_cov": dict(kl_cov_ratio=0.2)}.get(form, {})
+  cfg = loss_cfg("decoupled_ppo", "seq-mean-token-mean", policy_loss=form, **extra)
+  plain = mis_jax.LossConfig(**{**cfg.to_dict(), "score_centering": False, "mis": cfg.mis})
+  log_p = jax.nn.log_softmax(jnp.asarray(MODEL["z"]), axis=-1)
+  lp = jnp.take_along_axis(log_p, MODEL["y"][..., None], axis=-1)[..., 0]
+  kw = dict(key=jax.random.key(0)) if form == "clip_cov" else {}
+  g_lp = jax.jit(jax.grad(lambda x: mis_jax.policy_loss(x, BATCH, plain, **kw)[0]))(lp)
+  (loss, _), grad = jax.jit(jax.value_and_grad(lambda zz: model_loss(zz, BATCH, MODEL, cfg, **kw), has_aux=True))(
+      jnp.asarray(MODEL["z"]))
+  np.testing.assert_allclose(float(loss), float(mis_jax.policy_loss(lp, BATCH, plain, **kw)[0]), rtol=1e-5, atol=1e-7)
+  want = oracle.centred_logit_grads(SEQS, [np.asarray(g, np.float64) for g in PACKING.unpack(np.asarray(g_lp))])
+  assert any(np.abs(w).max() > 0 for w in want)
+  for a, b in zip(_per_sequence(grad, PACKING), want):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+# --- edge cases -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k", [1, V])
+def test_k_of_one_and_the_whole_vocabulary(k):
+  """k = 1 (the sampler's argmax only, a large tail) and k = V (q_tail ≈ 0: the exact expected score,
+  the residual bound 0): the oracle's loss, metrics and logit gradient."""
+  seqs = centring_seqs(np.random.default_rng(7), n_seqs=4, max_len=5, k=k)
+  batch, model, packing = pack(seqs, row_len=8)
+  cfg = loss_cfg("reinforce_is")
+  (loss, metrics), grad = _grad_fn(cfg)(jnp.asarray(model["z"]), batch, model)
+  lc = cfg.to_dict()
+  want_loss, want, W, Kept = oracle.policy_loss(seqs, lc)
+  want.update(oracle.centring_metrics(seqs, lc, W, Kept, cfg.metric_mode))
+  np.testing.assert_allclose(float(loss), want_loss, rtol=2e-5, atol=2e-6)
+  assert_metrics_close(metrics, want, rtol=5e-5, atol=5e-6)
+  for g, w in zip(packing.unpack(np.asarray(grad)), oracle.centred_logit_grads(seqs, oracle.pg_lp_coefficients(
+      seqs, lc, W, Kept))):
+    np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-6)
+  if k == V:
+    assert float(metrics["score_centering_residual_bound"]) < 1e-5
+    assert float(metrics["score_centering_tail_mass"]) < 1e-6
+
+
+def test_extreme_and_nonfinite_top_k_stay_finite():
+  """A sampler's top-k holding -inf, NaN, a positive log-prob (clipped to 0: the tail is 0) and a
+  trainer whose top-k holds all its mass (p_tail floored): the loss and gradient are finite."""
+  batch = BATCH.replace(rollout_topk_logprobs=jnp.asarray(BATCH.rollout_topk_logprobs).at[0, :, 0].set(-jnp.inf)
+                        .at[1, :, 1].set(jnp.nan).at[2, :, 0].set(0.5))
+  z = jnp.asarray(MODEL["z"]).at[3].set(jnp.zeros(V).at[MODEL["ids"][3, 0, 0]].set(60.0))
+  (loss, metrics), grad = _grad_fn(loss_cfg("reinforce_is"))(z, batch, MODEL)
+  assert np.isfinite(float(loss)) and np.all(np.isfinite(np.asarray(grad)))
+  assert all(np.isfinite(float(v)) for v in metrics.values())
+
+
+# --- bad input ---------------------------------------------------------------------------------------
+
+def _lp_topk():
+  log_p = jax.nn.log_softmax(jnp.asarray(MODEL["z"]), axis=-1)
+  return (jnp.take_along_axis(log_p, MODEL["y"][..., None], axis=-1)[..., 0],
+          jnp.take_along_axis(log_p, MODEL["ids"], axis=-1))
+
+
+@pytest.mark.parametrize("case,match", [
+    ("no_topk_arg", "score_centering needs topk_logprobs"),
+    ("no_rollout_topk", "score_centering needs batch.rollout_topk_logprobs"),
+    ("off_with_topk", "topk_logprobs was given but score_centering is off"),
+    ("flat_topk", r"'topk_logprobs' has shape \(6, 8\), expected \(6, 8, 'k'\)"),
+    ("k_zero", r"'batch.rollout_topk_logprobs' has shape \(6, 8, 0\)"),
+    ("k_differs", r"'topk_logprobs' has shape \(6, 8, 2\) but 'batch.rollout_topk_logprobs' has \(6, 8, 3\)"),
+    ("int_topk", "'topk_logprobs' must be a floating-point array"),
+])
+def test_bad_inputs_are_named_before_tracing(case, match):
+  lp, topk = _lp_topk()
+  batch, cfg, kw = BATCH, loss_cfg("reinforce_is"), dict(topk_logprobs=topk)
+  if case == "no_topk_arg":
+    kw = {}
+  elif case == "no_rollout_topk":
+    batch = BATCH.replace(rollout_topk_logprobs=None)
+  elif case == "off_with_topk":
+    cfg = mis_jax.LossConfig(use_rollout_logprobs=True, use_tis=True)
+  elif case == "flat_topk":
+    kw = dict(topk_logprobs=topk[..., 0])
+  elif case == "k_zero":
+    batch = BATCH.replace(rollout_topk_logprobs=jnp.zeros((6, 8, 0), jnp.float32))
+  elif case == "k_differs":
+    kw = dict(topk_logprobs=topk[..., :2])
+  elif case == "int_topk":
+    kw = dict(topk_logprobs=jnp.zeros(topk.shape, jnp.int32))
+  with pytest.raises((ValueError, TypeError), match=match):
+    mis_jax.policy_loss(lp, batch, cfg, **kw)
+
+
+def test_the_config_key_is_a_bool():
+  with pytest.raises(mis_jax.ConfigError, match="score_centering"):
+    mis_jax.LossConfig(score_centering="yes")
+
+
+# --- the chunked pass: log-probs of extra ids ------------------------------------------------------
+
+@pytest.mark.parametrize("chunk_size,with_support", [(3, False), pytest.param(64, True, marks=pytest.mark.slow)])
+def test_extra_ids_are_gathered_inside_the_chunked_pass(chunk_size, with_support):
+  """``token_logprobs(..., extra_ids=)``'s ``[T, k]`` log-probs and their gradient (through hidden and
+  the LM head, with the targets' log-probs and entropy in the same cotangent) equal the dense
+  ``log_softmax`` over the whole vocabulary, with or without a sampling support, any chunk size."""
+  rng = np.random.default_rng(0)
+  T, D = 10, 6
+  h = jnp.asarray(rng.normal(size=(2, T // 2, D)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(D, V)), jnp.float32)
+  ids = jnp.asarray(np.stack([rng.permutation(V)[:K] for _ in range(T)]).reshape(2, T // 2, K), jnp.int32)
+  y = ids[..., 0]
+  support = dict(support_ids=jnp.concatenate([ids, ids[..., :1]], -1)) if with_support else {}
+  cot = jnp.asarray(rng.normal(size=(2, T // 2, K)), jnp.float32)
+
+  def chunked(h, w):
+    lp, ent, extra = mis_jax.token_logprobs(h, w, y, chunk_size=chunk_size, return_entropy=True, extra_ids=ids,
+                                            temperature=0.7, **support)
+    return jnp.sum(lp) + 0.3 * jnp.sum(ent) + jnp.sum(cot * extra), extra
+
+  def dense(h, w):
+    z = (h @ w) / 0.7
+    log_p = jax.nn.log_softmax(z, -1)
+    log_s = log_p
+    if with_support:
+      member = jnp.zeros(z.shape, bool).at[jnp.arange(2)[:, None, None], jnp.arange(T // 2)[None, :, None], ids].set(True)
+      log_s = jnp.where(member, z - jax.nn.logsumexp(jnp.where(member, z, -jnp.inf), -1, keepdims=True), -jnp.inf)
+    lp = jnp.take_along_axis(log_s, y[..., None], -1)[..., 0]
+    ent = -jnp.sum(jnp.where(jnp.isfinite(log_s), jnp.exp(log_s) * log_s, 0.0), -1)
+    extra = jnp.take_along_axis(log_p, ids, -1)
+    return jnp.sum(lp) + 0.3 * jnp.sum(ent) + jnp.sum(cot * extra), extra
+
+  (v1, e1), g1 = jax.jit(jax.value_and_grad(chunked, argnums=(0, 1), has_aux=True))(h, w)
+  (v2, e2), g2 = jax.jit(jax.value_and_grad(dense, argnums=(0, 1), has_aux=True))(h, w)
+  assert e1.shape == (2, T // 2, K)
+  np.testing.assert_allclose(np.asarray(e1), np.asarray(e2), rtol=1e-5, atol=1e-6)
+  for a, b in zip(g1, g2):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("ids,match", [
+    (np.zeros((4, 2), np.float32), "'extra_ids' must be an integer array"),
+    (np.zeros((4,), np.int32), r"'extra_ids' has shape \(4,\) but must be \[..., k\]"),
+    (np.zeros((4, 0), np.int32), r"'extra_ids' has shape \(4, 0\)"),
+    (np.full((4, 2), V, np.int32), r"'extra_ids' holds ids in \[12, 12\], outside \[0, V=12\)"),
+])
+def test_bad_extra_ids(ids, match):
+  h, w = jnp.ones((4, 3), jnp.float32), jnp.ones((3, V), jnp.float32)
+  with pytest.raises((ValueError, TypeError), match=match):
+    mis_jax.token_logprobs(h, w, jnp.zeros(4, jnp.int32), extra_ids=ids)
