@@ -121,6 +121,8 @@ class SamplingSection:
                             choices=ROUTING_REPLAY)
   record_routing: bool | None = key(None, "ask the server for routed experts and log the routing-mismatch metrics "
                                     "(null: with r3)")
+  top_logprobs_num: int = key(0, "the sampler's k most likely tokens and log-probs per response token (SGLang's "
+                              "top_logprobs_num); loss.score_centering needs k >= 1 (contract §6.6)", ge=0)
 
 
 @dataclasses.dataclass(frozen=True)
