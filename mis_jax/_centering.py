@@ -78,6 +78,25 @@ def centred_logprobs(logprobs, expected):
   return logprobs - expected + jax.lax.stop_gradient(expected)
 
 
+def centre(logprobs, topk_logprobs, rollout_topk_logprobs, mask, coefficient):
+  """The centred log-probs a form reads and the centring metric rows (contract §6.6).
+
+  Args:
+    logprobs: flat ``[T]`` float32 ``lp`` (carries the gradient).
+    topk_logprobs: ``[..., k]``, the trainer's log-probs of the sampler's top-k ids (gradient).
+    rollout_topk_logprobs: ``[..., k]``, the sampler's (stop-gradient).
+    mask: flat ``[T]`` bool, the trained tokens.
+    coefficient: flat ``[T]``, ``|A_t| w_t`` for the drift metrics (:func:`metric_rows`).
+
+  Returns:
+    ``(lp - C + sg(C), (rows over m, rows over m'))``.
+  """
+  k = jnp.shape(topk_logprobs)[-1]
+  flat = lambda x: jnp.reshape(x, (-1, k)).astype(jnp.float32)
+  score = expected_logprob(flat(topk_logprobs), jax.lax.stop_gradient(flat(rollout_topk_logprobs)), mask)
+  return centred_logprobs(logprobs, score.expected), metric_rows(score, coefficient)
+
+
 def metric_rows(score: ExpectedScore, coefficient) -> tuple[dict, dict]:
   """The centring metrics (contract §6.6) as per-token rows: ``(over m, over m')``.
 

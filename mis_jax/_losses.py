@@ -133,12 +133,13 @@ def _check_topk(topk_logprobs, batch: PackedBatch, cfg: LossConfig) -> None:
       raise ValueError("topk_logprobs was given but score_centering is off: set LossConfig(score_centering=True) "
                        "or drop the argument")
     return
-  for name, x in (("topk_logprobs", topk_logprobs), ("batch.rollout_topk_logprobs", batch.rollout_topk_logprobs)):
+  inputs = {"topk_logprobs": (topk_logprobs, "the trainer's log-probs of the sampler's top-k ids "
+                                              "(mis_jax.token_logprobs(..., extra_ids=))"),
+            "batch.rollout_topk_logprobs": (batch.rollout_topk_logprobs, "the sampler's top-k log-probs (SGLang's "
+                                                                         "output_top_logprobs)")}
+  for name, (x, what) in inputs.items():
     if x is None:
-      raise ValueError(f"score_centering needs {name}: the "
-                       + ("trainer's log-probs of the sampler's top-k ids (mis_jax.token_logprobs(..., extra_ids=))"
-                          if name == "topk_logprobs" else "sampler's top-k log-probs (SGLang's output_top_logprobs)")
-                       + ", [..., k] with the batch's shape in front")
+      raise ValueError(f"score_centering needs {name}: {what}, [..., k] with the batch's shape in front")
     x = _validation.as_array(name, x)
     lead = tuple(jnp.shape(batch.segment_ids))
     if x.ndim != len(lead) + 1 or tuple(x.shape[:-1]) != lead or x.shape[-1] < 1:
@@ -427,12 +428,8 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
       selected = _policy_losses.cov_selection(_anchor(cfg, o, q), adv, kept, segs, cfg, key)
   lp_pg, centring_rows = lp, ({}, {})
   if cfg.score_centering:  # contract §6.6: the form reads lp with the centred score as its gradient
-    k = jnp.shape(topk_logprobs)[-1]
-    score = _centering.expected_logprob(jnp.reshape(topk_logprobs, (-1, k)).astype(jnp.float32),
-                                        sg(jnp.reshape(batch.rollout_topk_logprobs, (-1, k)).astype(jnp.float32)), mask)
-    lp_pg = _centering.centred_logprobs(lp, score.expected)
     coefficient = jnp.abs(adv) * (weights if ALGORITHMS[cfg.algorithm][1] else 1.0)
-    centring_rows = _centering.metric_rows(score, coefficient)
+    lp_pg, centring_rows = _centering.centre(lp, topk_logprobs, batch.rollout_topk_logprobs, mask, coefficient)
   pg_tok, over_kept, over_mask = token_loss(cfg, lp_pg, lp_sg, o, q, adv, weights, kept, segs, selected)
   over_mask, over_kept = {**over_mask, **centring_rows[0]}, {**over_kept, **centring_rows[1]}
 
