@@ -141,6 +141,9 @@ def check_config(cfg: TrainConfig):
   sampling_replay_width(r)
   model_cfg = model_config(cfg)  # config.json read once
   routing_setup(r, model_cfg)
+  if r.sampling.top_logprobs_num > model_cfg.vocab_size:
+    raise mis_jax.ConfigError(f"rollout.sampling.top_logprobs_num {r.sampling.top_logprobs_num} exceeds the model's "
+                              f"vocabulary ({model_cfg.vocab_size} tokens): the engine returns at most that many")
   if cfg.train.router_aux_loss_coef > 0 and not model_cfg.is_moe:
     raise mis_jax.ConfigError("train.router_aux_loss_coef is for mixture-of-experts models; this one is dense")
   if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:

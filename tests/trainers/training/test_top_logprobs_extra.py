@@ -85,6 +85,8 @@ def test_config_errors(tmp_path):
   with pytest.raises(mis_jax.ConfigError, match="score_centering with sampling replay"):
     checks.check_config(make_cfg(tmp_path, **base, rollout={"sampling": {"top_logprobs_num": 2, "top_k": 5,
                                                                           "temperature": 1.0}}))
+  with pytest.raises(mis_jax.ConfigError, match="top_logprobs_num 100 exceeds the model's vocabulary"):
+    checks.check_config(make_cfg(tmp_path, **base, rollout={"sampling": {"top_logprobs_num": 100}}))
 
 
 @pytest.mark.slow
