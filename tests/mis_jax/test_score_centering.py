@@ -85,11 +85,11 @@ ALGOS = {  # (use_rollout_logprobs, use_tis, mis)
     "decoupled_ppo": dict(use_tis=True, mis=dict(MIS, use_rs=True, rs_upper_bound=1.6)),
 }
 # REINFORCE + IS in every aggregation mode; the other algorithms in one mode each (both metric
-# reductions covered), a second mode under `slow`.
+# reductions covered), a second mode under `repeat` (make test-all).
 CASES = ([("reinforce_is", mode) for mode in mis_jax.LOSS_AGG_MODES]
          + [("ppo", "token-mean"), ("decoupled_ppo", "seq-mean-token-mean"), ("bypass_ppo", "token-sum"),
             ("reinforce_vanilla_tis", "seq-mean-token-sum")]
-         + [pytest.param(algo, mode, marks=pytest.mark.slow) for algo, mode in [
+         + [pytest.param(algo, mode, marks=pytest.mark.repeat) for algo, mode in [
              ("ppo", "seq-mean-token-mean"), ("decoupled_ppo", "token-mean"), ("bypass_ppo", "seq-mean-token-mean"),
              ("reinforce_vanilla_tis", "token-mean")]])
 
@@ -258,7 +258,8 @@ def test_microbatches_devices_padding_and_jit_equal_one_batch():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("form", ["dppo_tv", "gspo", "sapo", "kl_cov", "geo_mean", "dro"])
+@pytest.mark.parametrize("form", ["dppo_tv", "gspo", "geo_mean"] + [pytest.param(f, marks=pytest.mark.repeat)
+                                                                     for f in ("sapo", "kl_cov", "dro")])
 def test_every_form_gets_the_centred_score_with_its_own_coefficient(form):
   """Decoupled PPO (MIS weights) with each form of another shape: the centred gradient on the logits is ``g_t (e_y - q̂_t)`` where ``g_t`` is the uncentred loss's
   ``∂L/∂lp_t`` — clips, trust regions and sequence-level coupling (gspo, geo_mean) included."""
