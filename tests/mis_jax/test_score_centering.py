@@ -96,7 +96,7 @@ CASES = ([("reinforce_is", mode) for mode in mis_jax.LOSS_AGG_MODES]
 
 def loss_cfg(algo, mode="token-mean", **kw):
   extra = {"loss_scale_factor": 5.0} if mode == "seq-mean-token-sum-norm" else {}
-  return mis_jax.LossConfig(score_centering=True, loss_agg_mode=mode, eps_clip=0.1, **ALGOS[algo], **extra, **kw)
+  return mis_jax.LossConfig(score_centering=True, loss_agg_mode=mode, eps_clip=0.1, **{**ALGOS[algo], **extra, **kw})
 
 
 def test_the_batch_has_every_case():
@@ -257,22 +257,34 @@ def test_microbatches_devices_padding_and_jit_equal_one_batch():
   np.testing.assert_allclose(np.asarray(grad_e), np.asarray(grad), rtol=1e-5, atol=1e-7)
 
 
+CHAIN_RULE_CASES = {  # forms of other shapes, and the threshold controller choosing the IS bound each step
+    "dppo_tv": dict(policy_loss="dppo_tv"), "gspo": dict(policy_loss="gspo"), "geo_mean": dict(policy_loss="geo_mean"),
+    "controller": dict(mis=dict(tis_upper_bound="auto", target_ess_ratio=0.9, use_rs=True, rs_upper_bound="auto",
+                                max_masked_fraction=0.1)),
+    "sapo": dict(policy_loss="sapo"), "kl_cov": dict(policy_loss="kl_cov", kl_cov_ratio=0.2),
+    "dro": dict(policy_loss="dro", dro_beta=0.5)}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("form", ["dppo_tv", "gspo", "geo_mean"] + [pytest.param(f, marks=pytest.mark.repeat)
-                                                                     for f in ("sapo", "kl_cov", "dro")])
-def test_every_form_gets_the_centred_score_with_its_own_coefficient(form):
-  """Decoupled PPO (MIS weights) with each form of another shape: the centred gradient on the logits is ``g_t (e_y - q̂_t)`` where ``g_t`` is the uncentred loss's
-  ``∂L/∂lp_t`` — clips, trust regions and sequence-level coupling (gspo, geo_mean) included."""
-  extra = {"dro": dict(dro_beta=0.5), "kl_cov": dict(kl_cov_ratio=0.2)}.get(form, {})
-  cfg = loss_cfg("decoupled_ppo", "seq-mean-token-mean", policy_loss=form, **extra)
+@pytest.mark.parametrize("case", [c if c in ("dppo_tv", "gspo", "geo_mean", "controller") else
+                                  pytest.param(c, marks=pytest.mark.repeat) for c in CHAIN_RULE_CASES])
+def test_the_centred_score_takes_each_settings_own_coefficient(case):
+  """Decoupled PPO with MIS weights: with each form of another shape (ratio truncation and trust
+  region, a sequence ratio through sg, a sequence's geometric mean) and with the threshold controller,
+  the centred gradient on the logits is ``g_t (e_y - q̂_t)`` where ``g_t`` is the uncentred loss's
+  ``∂L/∂lp_t``; the loss and every other metric (the controller's bounds included) are the uncentred
+  run's."""
+  cfg = loss_cfg("decoupled_ppo", "seq-mean-token-mean", **CHAIN_RULE_CASES[case])
   plain = mis_jax.LossConfig(**{**cfg.to_dict(), "score_centering": False, "mis": cfg.mis})
   log_p = jax.nn.log_softmax(jnp.asarray(MODEL["z"]), axis=-1)
   lp = jnp.take_along_axis(log_p, MODEL["y"][..., None], axis=-1)[..., 0]
-  kw = dict(key=jax.random.key(0)) if form == "clip_cov" else {}
-  g_lp = jax.jit(jax.grad(lambda x: mis_jax.policy_loss(x, BATCH, plain, **kw)[0]))(lp)
-  (loss, _), grad = jax.jit(jax.value_and_grad(lambda zz: model_loss(zz, BATCH, MODEL, cfg, **kw), has_aux=True))(
+  (plain_loss, plain_metrics), g_lp = jax.jit(jax.value_and_grad(
+      lambda x: mis_jax.policy_loss(x, BATCH, plain), has_aux=True))(lp)
+  (loss, metrics), grad = jax.jit(jax.value_and_grad(lambda zz: model_loss(zz, BATCH, MODEL, cfg), has_aux=True))(
       jnp.asarray(MODEL["z"]))
-  np.testing.assert_allclose(float(loss), float(mis_jax.policy_loss(lp, BATCH, plain, **kw)[0]), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(float(loss), float(plain_loss), rtol=1e-5, atol=1e-7)
+  assert_metrics_close({k: v for k, v in metrics.items() if k not in CENTRING_NAMES},
+                       {k: float(v) for k, v in plain_metrics.items()}, rtol=1e-5, atol=1e-7)
   want = oracle.centred_logit_grads(SEQS, [np.asarray(g, np.float64) for g in PACKING.unpack(np.asarray(g_lp))])
   assert any(np.abs(w).max() > 0 for w in want)
   for a, b in zip(_per_sequence(grad, PACKING), want):
