@@ -71,6 +71,7 @@ example-tunix-sglang-jax: $(STAMP) engine  ## the same with sglang-jax as tunix'
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
 	$(PY) -m benchmarks.forms
+	$(PY) -m benchmarks.centering
 	$(PY) -m benchmarks.proximal
 	$(PY) -m benchmarks.agents
 

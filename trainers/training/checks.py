@@ -128,12 +128,22 @@ def check_config(cfg: TrainConfig):
                               "whitened over tokens); call mis_jax.compute_advantages(..., estimator='gdpo') "
                               "with your reward components")
   r = cfg.rollout
+  if loss_cfg.score_centering and r.sampling.top_logprobs_num < 1:
+    raise mis_jax.ConfigError("loss.score_centering needs the sampler's top-k log-probs: set "
+                              "rollout.sampling.top_logprobs_num to k >= 1 (e.g. 20; contract §6.6)")
+  if loss_cfg.score_centering and sampling_replay_width(r):
+    raise mis_jax.ConfigError("loss.score_centering with sampling replay: the sampler's top-k log-probs are over "
+                              "the whole vocabulary while replay makes every trainer log-prob one over the "
+                              "truncated support; set rollout.sampling.sampling_replay: off, or turn centring off")
   if estimator == "grpo_passk" and r.n < 2:
     raise mis_jax.ConfigError(f"train.advantage_estimator grpo_passk compares each group's best two samples: "
                               f"rollout.n must be >= 2, got {r.n}")
   sampling_replay_width(r)
   model_cfg = model_config(cfg)  # config.json read once
   routing_setup(r, model_cfg)
+  if r.sampling.top_logprobs_num > model_cfg.vocab_size:
+    raise mis_jax.ConfigError(f"rollout.sampling.top_logprobs_num {r.sampling.top_logprobs_num} exceeds the model's "
+                              f"vocabulary ({model_cfg.vocab_size} tokens): the engine returns at most that many")
   if cfg.train.router_aux_loss_coef > 0 and not model_cfg.is_moe:
     raise mis_jax.ConfigError("train.router_aux_loss_coef is for mixture-of-experts models; this one is dense")
   if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
