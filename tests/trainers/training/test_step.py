@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import mis_jax
-from trainers.training import parallel, step as step_lib
+from trainers.training import extras as extras_lib, parallel, step as step_lib
 from trainers.training.batch import build_step_batch, plan_layout
 from trainers.training.config import TrainSection
 from trainers.models import PRESETS, CausalLM, init_checkpoint, load_hf_checkpoint
@@ -27,7 +27,12 @@ ALGORITHMS = {
     "ppo": mis_jax.LossConfig(),
     "decoupled_ppo": mis_jax.LossConfig(use_tis=True, mis=MIS),
     "reinforce_is": mis_jax.LossConfig(use_tis=True, use_rollout_logprobs=True, denominator="original"),
+    # score centering (contract §6.6): the sampler's top-k ids' log-probs gathered in the sharded head's chunks
+    "reinforce_is_centred": mis_jax.LossConfig(use_tis=True, use_rollout_logprobs=True, denominator="original",
+                                               score_centering=True),
 }
+TOP_K = 3
+TOP_K_EXTRAS = (extras_lib.SamplerTopLogprobs(TOP_K, TINY.vocab_size), extras_lib.SamplerTopIds(TOP_K, TINY.vocab_size))
 MESHES = {"8": (1, 8, 1), "2x4": (2, 4, 1), "2x2x2": (2, 2, 2)}
 ROW_LEN = 32
 # Adam's first update is lr·g/(|g| + eps): with eps = 1e-8 an entry whose gradient is rounding
@@ -38,25 +43,30 @@ OPTIM = TrainSection(learning_rate=1e-2, adam_eps=1e-4, max_grad_norm=1.0, steps
 
 def _samples(num=24, seed=0):
   """Rollout-like samples: prompts of 3-6 tokens, responses of 1-14 (a length-1 response
-  included), rollout log-probs a perturbation of anything."""
-  rng = np.random.default_rng(seed)
+  included), rollout log-probs a perturbation of anything; a sampler's top-k head per response token
+  (descending log-probs of distinct ids, a tail of real mass), packed only for score centering."""
+  rng, top = np.random.default_rng(seed), np.random.default_rng(seed + 1)  # the heads: their own stream
   out = []
   for i in range(num):
     p, r = int(rng.integers(3, 7)), 1 if i == 0 else int(rng.integers(1, 15))
+    head = np.sort(top.dirichlet(np.ones(TOP_K + 1), r)[:, :TOP_K], axis=-1)[:, ::-1]
     out.append(types.SimpleNamespace(prompt_ids=rng.integers(3, 64, p).tolist(),
                                      response_ids=rng.integers(3, 64, r).tolist(),
-                                     rollout_logprobs=(-rng.uniform(0.5, 5.0, r)).astype(np.float32)))
+                                     rollout_logprobs=(-rng.uniform(0.5, 5.0, r)).astype(np.float32),
+                                     extras={"top_logprobs": np.log(head).astype(np.float32),
+                                             "top_logprob_ids": np.stack([top.permutation(TINY.vocab_size)[:TOP_K]
+                                                                          for _ in range(r)]).astype(np.int32)}))
   return out
 
 
-def _step_batch(tokens_per_micro_batch, batch_devices, samples=None):
+def _step_batch(tokens_per_micro_batch, batch_devices, samples=None, extras=()):
   samples = samples or _samples()
   rng = np.random.default_rng(1)
   rewards = rng.uniform(0, 1, len(samples)).astype(np.float32)
   groups = np.arange(len(samples)) // 4
   adv = np.asarray(mis_jax.compute_advantages(rewards, groups, num_groups=int(groups.max()) + 1))
   return build_step_batch(samples, rewards, adv, groups, num_segments=len(samples), row_len=ROW_LEN,
-                          tokens_per_micro_batch=tokens_per_micro_batch, batch_devices=batch_devices)
+                          tokens_per_micro_batch=tokens_per_micro_batch, batch_devices=batch_devices, extras=extras)
 
 
 def _functions(mesh, loss_cfg, chunk=8):
@@ -74,8 +84,10 @@ def _run(mesh, loss_cfg, sb, steps, fns=None, params=None):
   opt_state = fns.init_opt_state(params)
   put = lambda x: jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x)))
   support = sb.extras.get("sampling_mask")  # the packed supports, with sampling replay
+  top_ids = sb.extras.get("top_logprob_ids")  # the sampler's top-k ids, with score centering
   inputs = step_lib.ModelInputs(put(sb.input_ids), put(sb.positions), put(sb.targets),
-                                support=None if support is None else put(support))
+                                support=None if support is None else put(support),
+                                extra=None if top_ids is None else {"top_logprob_ids": put(top_ids)})
   batch = jax.tree.map(put, sb.batch)
   states, history = [], []
   for _ in range(steps):
@@ -114,32 +126,37 @@ def _mesh(shape):
 
 @pytest.fixture(scope="module")
 def single_device_runs():
-  """Reference runs on one device (3 updates each), shared by the mesh tests."""
+  """Reference runs on one device (3 updates each), shared by the mesh tests: `run(name)` is the
+  step batch and the run's states and metrics."""
   mesh = _mesh((1, 1, 1))
-  # The layout the 8-device meshes use (one row per device per micro-batch): the same rows everywhere.
-  sb = _step_batch(ROW_LEN, 8, _samples(40))
+  samples = _samples(40)
   runs = {}
 
   def run(name):  # computed when a mesh case first asks for it (a deselected case costs nothing)
     if name not in runs:
-      runs[name] = _run(mesh, ALGORITHMS[name], sb, 3)[:2]
+      # The layout the 8-device meshes use (one row per device per micro-batch): the same rows everywhere.
+      sb = _step_batch(ROW_LEN, 8, samples, extras=TOP_K_EXTRAS if ALGORITHMS[name].score_centering else ())
+      runs[name] = (sb, *_run(mesh, ALGORITHMS[name], sb, 3)[:2])
     return runs[name]
-  return sb, run
+  return run
 
 
 # Every mesh, every algorithm: decoupled PPO (the whole correction) on the 1-axis and the 3-axis
 # mesh, the other algorithms on a multi-axis one each (their loss differs, the sharded step is
-# the same program); the (2, 4) mesh runs REINFORCE + IS (its correction inside the loss).
+# the same program); the (2, 4) mesh runs REINFORCE + IS (its correction inside the loss) with score
+# centering (the sampler's top-k ids and log-probs sharded beside the tokens, their log-probs
+# gathered in the head's shard_map, the centring metrics among those compared).
 MESH_CASES = [("decoupled_ppo", "8"), ("decoupled_ppo", "2x2x2"), pytest.param("ppo", "2x2x2", marks=pytest.mark.repeat),
-              ("reinforce_is", "2x4")]
+              ("reinforce_is_centred", "2x4")]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("algo,mesh_name", MESH_CASES)
 def test_mesh_step_equals_single_device(algo, mesh_name, single_device_runs):
-  sb, run = single_device_runs
+  sb, want_states, want_history = single_device_runs(algo)
   assert sb.layout.micro_batches == 2  # the step accumulates over micro-batches on every mesh
-  want_states, want_history = run(algo)
+  if ALGORITHMS[algo].score_centering:
+    assert want_history[0]["score_centering_drift"] > 0
   mesh = _mesh(MESHES[mesh_name])
   states, history, (params, opt_state, fns) = _run(mesh, ALGORITHMS[algo], sb, 3)
   for i in (0, 2):  # after one and after three optimiser steps

@@ -75,10 +75,23 @@ def server(tmp_path_factory):
     yield srv
 
 
+CENTRING_METRICS = ("score_centering_tv", "score_centering_tail_mass", "score_centering_drift",
+                    "score_centering_residual_bound")
+
+
 @pytest.mark.parametrize("algo", ALGORITHMS)
 def test_end_to_end_each_algorithm(algo, server, tmp_path, step_traces):
-  loss_cfg = mis_jax.LossConfig(**ALGORITHMS[algo])
-  trainer = train_lib.Trainer(make_cfg(tmp_path), loss_cfg, urls=[server.url])
+  """Each algorithm through the embedded server, three steps. REINFORCE + IS runs with score
+  centering (contract §6.6; its loss value is the uncentred one): the sampler's top-4 head asked for
+  (`top_logprobs_num`), parsed, packed beside the tokens, the ids' log-probs gathered in the training
+  forward's chunked pass; its steps log the centring metrics, finite. Every run moves the weights."""
+  import jax
+  centred = algo == "reinforce_is"
+  loss_cfg = mis_jax.LossConfig(**ALGORITHMS[algo], score_centering=centred)
+  sections = {"rollout": {"sampling": {"top_logprobs_num": 4}}} if centred else {}
+  trainer = train_lib.Trainer(make_cfg(tmp_path, **sections), loss_cfg, urls=[server.url])
+  assert {e.name for e in trainer.extras} == ({"top_logprobs", "top_logprob_ids"} if centred else set())
+  before = jax.tree.map(np.asarray, trainer.params)
   if loss_cfg.needs_old_logprobs:
     assert trainer.plan.policy_passes == (step_lib.LOGPROBS,) and trainer.plan.old_logprobs == step_lib.LOGPROBS
   else:  # bypass and REINFORCE-IS skip the recompute entirely
@@ -98,6 +111,15 @@ def test_end_to_end_each_algorithm(algo, server, tmp_path, step_traces):
   assert str(_model_info(server.url)["weight_version"]) == "3"
   if algo == "decoupled_ppo":
     assert {"mis_batch_norm_factor", "mis_rs_catastrophic_seq_fraction", "ois"} <= set(history[0])
+  moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(b, np.float32) - a).max()), before,
+                                       trainer.params))
+  assert max(moved) > 0
+  if centred:
+    for h in history:
+      assert all(np.isfinite(h[name]) for name in CENTRING_METRICS), h
+      assert 0 < h["score_centering_tail_mass"] < 1 and h["score_centering_drift"] > 0
+  else:
+    assert not set(CENTRING_METRICS) & set(history[0])
   lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
   assert len(lines) == 3 and json.loads(lines[-1])["step"] == 3
 
@@ -366,27 +388,3 @@ def test_steps_left_without_a_fresh_token_warn_then_stop(tmp_path):
   rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   assert [r["rollout/stale_token_fraction"] for r in rows] == [0.0, 1.0, 1.0] and rows[1]["loss"] == 0
   assert trainer.checkpoints.latest_step() == 2
-
-
-def test_score_centering_end_to_end(server, tmp_path, step_traces):
-  """Score centering (contract §6.6) through the embedded server: the sampler's top-4 head asked for
-  (`top_logprobs_num`), parsed, packed beside the tokens, the ids' log-probs gathered in the training
-  forward's chunked pass, the centred loss of REINFORCE + IS; two steps move the weights and log the
-  centring metrics, finite; the step traces once per bucket."""
-  import jax
-  loss_cfg = mis_jax.LossConfig(use_tis=True, use_rollout_logprobs=True, denominator="original", score_centering=True)
-  trainer = train_lib.Trainer(make_cfg(tmp_path, train={"steps": 2}, rollout={"sampling": {"top_logprobs_num": 4}}),
-                              loss_cfg, urls=[server.url])
-  assert {e.name for e in trainer.extras} == {"top_logprobs", "top_logprob_ids"}
-  before = jax.tree.map(np.asarray, trainer.params)
-  history = trainer.run(progress=False)
-  assert [h["step"] for h in history] == [1, 2]
-  moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(b, np.float32) - a).max()), before,
-                                       trainer.params))
-  assert max(moved) > 0
-  for h in history:
-    for name in ("score_centering_tv", "score_centering_tail_mass", "score_centering_drift",
-                 "score_centering_residual_bound"):
-      assert np.isfinite(h[name]), name
-    assert 0 < h["score_centering_tail_mass"] < 1 and h["score_centering_drift"] > 0
-  step_traces.check("train", "prepare")
