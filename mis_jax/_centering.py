@@ -15,7 +15,6 @@ score is centred with the coefficient the form gives it (chain rule).
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import jax
@@ -24,10 +23,9 @@ import jax.numpy as jnp
 from mis_jax import _metrics as metrics_lib
 from mis_jax._segments import LOG_BOUND
 
-# The trainer's tail mass is floored here (in log space: the head's log-mass is capped at
-# log(1 - P_TAIL_MIN)); past it the tail term carries no gradient instead of q_tail / p_tail.
+# The trainer's tail mass is floored here (its head's mass capped at 1 - P_TAIL_MIN); past it the
+# tail term carries no gradient instead of q_tail / p_tail.
 P_TAIL_MIN = 1e-6
-_LOG_HEAD_MAX = math.log1p(-P_TAIL_MIN)
 
 
 class ExpectedScore(NamedTuple):
@@ -54,9 +52,11 @@ def expected_logprob(topk_logprobs, rollout_topk_logprobs, mask) -> ExpectedScor
       non-finite entry is zero mass; entries are clipped to ``[-B, 0]`` before ``exp``.
     mask: ``[T]`` bool, the trained tokens (elsewhere everything is 0, whatever the inputs hold).
 
-  ``q_tail = max(1 - Σ_K q_v, 0)``; ``log p_tail = log(-expm1(min(lse_K(log p), log(1 - 1e-6))))``,
+  ``q_tail = max(1 - Σ_K q_v, 0)``; ``log p_tail = log1p(-min(Σ_K exp(clip(log p_v, -B, 0)), 1 - 1e-6))``,
   so ``p_tail >= 1e-6`` and the tail's gradient ``-q_tail p_v / p_tail`` stays finite (zero once
-  the trainer's top-k holds all but 1e-6 of its mass).
+  the trainer's top-k holds all but 1e-6 of its mass). Log-probs are at most 0, so the head's mass
+  is a plain sum of exponentials (no log-sum-exp's max): one exponential per entry serves the
+  estimate, its gradient (``∂ p_head / ∂ log p_v = p_v``) and the metrics.
   """
   sg = jax.lax.stop_gradient
   rows = mask[:, None]
@@ -64,12 +64,12 @@ def expected_logprob(topk_logprobs, rollout_topk_logprobs, mask) -> ExpectedScor
   q_k = sg(jnp.where(finite, jnp.exp(jnp.clip(jnp.where(finite, rollout_topk_logprobs, 0.0), -LOG_BOUND, 0.0)), 0.0))
   q_tail = jnp.maximum(1.0 - jnp.sum(q_k, axis=-1), 0.0)
   lp_k = jnp.where(rows, topk_logprobs, 0.0)
-  log_head = jax.nn.logsumexp(lp_k, axis=-1)
-  log_p_tail = jnp.log(-jnp.expm1(jnp.minimum(log_head, _LOG_HEAD_MAX)))
+  p_k = jnp.exp(jnp.clip(lp_k, -LOG_BOUND, 0.0))
+  p_head = jnp.sum(p_k, axis=-1)
+  log_p_tail = jnp.log1p(-jnp.minimum(p_head, 1.0 - P_TAIL_MIN))
   expected = jnp.sum(q_k * lp_k, axis=-1) + q_tail * log_p_tail
-  p_k = jnp.exp(sg(lp_k))
-  p_tail = -jnp.expm1(jnp.minimum(sg(log_head), 0.0))
-  drift = jnp.sum(jnp.where(rows, jnp.abs(q_k - p_k), 0.0), axis=-1) + jnp.abs(q_tail - p_tail)
+  p_tail = jnp.maximum(1.0 - sg(p_head), 0.0)
+  drift = jnp.sum(jnp.where(rows, jnp.abs(q_k - sg(p_k)), 0.0), axis=-1) + jnp.abs(q_tail - p_tail)
   return ExpectedScore(jnp.where(mask, expected, 0.0), jnp.where(mask, drift, 0.0), jnp.where(mask, q_tail, 0.0))
 
 
