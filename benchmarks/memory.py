@@ -27,6 +27,10 @@ Decoupled PPO's proximal log-probs (`--proximal`, contract §6.3): per model at 
 device, the programs of one step with `loss.proximal: recompute` (the old-log-prob pass, then the
 step) and `loglinear` (the step alone, its correction inside the loss).
 
+Score centering (`--centering`, contract §6.6): per model at 16k tokens per device, the step with
+`score_centering` on — the sampler's top-20 log-probs and ids per token in the batch, the trainer's
+log-probs of those ids gathered in the chunked pass — against the same step without.
+
 Both are the decoupled-PPO loss of the reference MIS config on one micro-batch of
 `tokens_per_device` tokens per device (one row of that length per device). `per_device_bytes`
 = arguments + outputs + temporaries − aliased (donated) bytes of the compiled program on one
@@ -87,9 +91,17 @@ SEQ_LEN = 1024  # sequences per row: tokens_per_device / SEQ_LEN (sizes the segm
 def _abstract_batch(rows: int, row_len: int, num_segments: int, sharding, rep, loss=LOSS) -> tuple:
   """Model inputs, the batch and the correction (`mis_jax.Correction`) the step receives under
   `loss`: with `proximal: loglinear` no old log-probs nor precomputed weights, the staleness
-  instead, and no kept-token denominators (they follow the current log-probs)."""
+  instead, and no kept-token denominators (they follow the current log-probs); with score centering
+  the sampler's top-`CENTERING_K` ids (an input) and log-probs (the batch's) per token."""
   sd = lambda dtype: jax.ShapeDtypeStruct((1, rows, row_len), dtype, sharding=sharding)
   inputs = step_lib.ModelInputs(sd(jnp.int32), sd(jnp.int32), sd(jnp.int32))
+  if loss.score_centering:
+    topk = lambda dtype: jax.ShapeDtypeStruct((1, rows, row_len, CENTERING_K), dtype,
+                                              sharding=NamedSharding(sharding.mesh, P(*sharding.spec, None)))
+    inputs = inputs._replace(extra={"top_logprob_ids": topk(jnp.int32)})
+    batch, correction = _abstract_batch(rows, row_len, num_segments, sharding, rep,
+                                        dataclasses.replace(loss, score_centering=False))[1:]
+    return inputs, batch.replace(rollout_topk_logprobs=topk(jnp.float32)), correction
   if loss.correction_in_loss:
     batch = mis_jax.PackedBatch(segment_ids=sd(jnp.int32), loss_mask=sd(jnp.bool_), advantages=sd(jnp.float32),
                                 rollout_logprobs=sd(jnp.float32), rollout_staleness=sd(jnp.float32),
@@ -252,6 +264,29 @@ def proximal_records(name: str, cfg: ModelConfig, tokens: int, devices) -> list[
   return out
 
 
+CENTERING_TOKENS, CENTERING_K = 16384, 20
+CENTRED = mis_jax.LossConfig(use_tis=True, mis=LOSS.mis, score_centering=True)
+
+
+def centering_records(name: str, cfg: ModelConfig, tokens: int, devices) -> list[dict]:
+  """The step with score centering (contract §6.6; the sampler's top-`CENTERING_K` per token) and
+  the same step without, compiled side by side."""
+  out = []
+  for centred, loss in ((False, LOSS), (True, CENTRED)):
+    t0 = time.perf_counter()
+    rec = {"model": name, "tokens_per_device": tokens, "step": "after", "devices": len(devices),
+           "backend": jax.default_backend(), "loss": "decoupled PPO, configs/mis.yaml"
+           + (f", score centering (top-{CENTERING_K})" if centred else ""),
+           "score_centering": centred, "top_logprobs_num": CENTERING_K if centred else 0,
+           **after_step(cfg, tokens, devices, loss=loss)}
+    rec["compile_s"] = round(time.perf_counter() - t0, 1)
+    out.append(rec)
+    print(f"{name:20s} {tokens:10d} {str(centred):>9s} {rec['argument_bytes'] / 1e9:8.2f} "
+          f"{rec['temp_bytes'] / 1e9:9.2f} {rec['per_device_bytes'] / 1e9:14.2f} {rec['compile_s']:9.1f}"
+          + (f"   ({rec['per_device_bytes'] / out[0]['per_device_bytes'] - 1:+.2%})" if centred else ""), flush=True)
+  return out
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="a 2-layer, 8k-vocab model at 2k tokens (seconds)")
@@ -263,6 +298,8 @@ def main(argv=None) -> int:
   parser.add_argument("--colocated", nargs="*", default=["qwen3-1.7b"],
                       help="models whose colocated step (engine on the first device, and over the mesh) is measured by phase")
   parser.add_argument("--moe", nargs="*", default=sorted(MOE_MODELS), help="mixture-of-experts models to measure")
+  parser.add_argument("--centering", nargs="*", default=["qwen3-1.7b"],
+                      help="models whose step is compiled with and without score centering (top-20)")
   args = parser.parse_args(argv)
   all_devices = jax.devices()
   if len(all_devices) != 16:
@@ -324,6 +361,11 @@ def main(argv=None) -> int:
       phase = f"{rec['phase']} ({rec['colocated_devices']})"
       print(f"{name:20s} {rec['tokens_per_device']:10d} {phase:>40s} {rec['per_device_bytes'] / 1e9:14.2f}",
             flush=True)
+  if not args.quick and args.centering:
+    print(f"\n{'score centering':20s} {'tokens/dev':>10s} {'centred':>9s} {'args GB':>8s} {'temp GB':>9s} "
+          f"{'per-device GB':>14s} {'compile s':>9s}")
+  for name in ([] if args.quick else args.centering):
+    records += centering_records(name, MODELS[name], CENTERING_TOKENS, devices)
   if args.json and not args.quick:
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:
