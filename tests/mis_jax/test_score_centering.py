@@ -150,25 +150,25 @@ def test_loss_metrics_and_logit_gradient_match_the_oracle(algo, mode):
 
 def test_finite_differences_of_the_written_out_surrogate():
   """The gradient equals finite differences (float64) of ``Σ agg(-w A [log p(y) - Σ_K q_v log p_v -
-  q_tail log p_tail])`` with ``w``, ``q`` fixed, written out from the logits."""
-  seqs, packing = SEQS, PACKING
+  q_tail log p_tail])`` with ``w``, ``q`` fixed, written out from the logits (the module's batch: its
+  compiled gradient is the oracle case's)."""
   cfg = loss_cfg("reinforce_is", "seq-mean-token-mean")
   _, grad = result("reinforce_is", "seq-mean-token-mean")
   lc = cfg.to_dict()
-  _, _, W, Kept = oracle.policy_loss(seqs, lc)
+  _, _, W, Kept = oracle.policy_loss(SEQS, lc)
   scales = oracle.token_scales(Kept, Kept, "seq-mean-token-mean")
 
   def surrogate(i, t, z_t):
-    s = seqs[i]
+    s = SEQS[i]
     log_p = oracle.log_softmax(z_t)
     q_k = np.exp(s["qk"][t])
     log_tail = np.log1p(-np.exp(log_p[s["ids"][t]]).sum())
     return -scales[i][t] * W[i][t] * s["adv"][t] * (
         log_p[s["y"][t]] - q_k @ log_p[s["ids"][t]] - (1 - q_k.sum()) * log_tail)
 
-  got = packing.unpack(np.asarray(grad))
+  got = PACKING.unpack(np.asarray(grad))
   checked = 0
-  for i, s in enumerate(seqs):
+  for i, s in enumerate(SEQS):
     for t in np.flatnonzero(Kept[i]):
       for v in range(V):
         e, h = np.zeros(V), 1e-6
