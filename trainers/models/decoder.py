@@ -81,14 +81,29 @@ class CacheSlots(NamedTuple):
   def write(self, k: jax.Array, v: jax.Array) -> "CacheSlots":
     """`k, v [B, T, KV, D]` into slots `slot .. slot + T - 1`: one in-place update per array."""
     at = (self.layer, 0, self.slot, 0, 0)
-    return self._replace(k=jax.lax.dynamic_update_slice(self.k, k[None].astype(self.k.dtype), at),
-                         v=jax.lax.dynamic_update_slice(self.v, v[None].astype(self.v.dtype), at))
+    put = lambda c, new: jax.lax.dynamic_update_slice(c, _stored(new, c.dtype)[None], at)
+    return self._replace(k=put(self.k, k), v=put(self.v, v))
 
-  def read(self) -> tuple[jax.Array, jax.Array]:
-    """This layer's first `window` slots, `[B, window, KV, D]` each."""
+  def read(self, dtype) -> tuple[jax.Array, jax.Array]:
+    """This layer's first `window` slots, `[B, window, KV, D]` each, in `dtype`."""
     _, b, _, kv, d = self.k.shape
-    take = lambda c: jax.lax.dynamic_slice(c, (self.layer, 0, 0, 0, 0), (1, b, self.window, kv, d))[0]
+    take = lambda c: _loaded(jax.lax.dynamic_slice(c, (self.layer, 0, 0, 0, 0), (1, b, self.window, kv, d))[0], dtype)
     return take(self.k), take(self.v)
+
+
+# A 16-bit float cache is stored as its bits (uint16): XLA:CPU updates a bfloat16 buffer by
+# converting all of it to float32 and back (the whole cache, every layer and step), an integer
+# one in place. Elsewhere the bitcast is free.
+def _storage_dtype(dtype):
+  return jnp.uint16 if jnp.dtype(dtype).itemsize == 2 else jnp.dtype(dtype)
+
+
+def _stored(x: jax.Array, storage) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x, storage) if storage == jnp.uint16 else x.astype(storage)
+
+
+def _loaded(x: jax.Array, dtype) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x.astype(dtype)
 
 
 def _expand(x: jax.Array, ndim: int) -> jax.Array:
@@ -185,8 +200,8 @@ class Attention(nnx.Module):
     inv_freq = rope_inv_freq(cfg) if cfg.rope_scaling is not None else None
     q, k = rope(q, positions, inv_freq, cfg.rope_theta), rope(k, positions, inv_freq, cfg.rope_theta)
     if cache is not None:
-      cache = cache.write(k, v)
-      k, v = (c.astype(self.dtype) for c in cache.read())
+      cache = cache.write(k.astype(self.dtype), v.astype(self.dtype))
+      k, v = cache.read(self.dtype)
     out = attend(q, k, v).reshape(b, t, -1)
     return self.o_proj(out), cache
 
@@ -389,10 +404,12 @@ class CausalLM(nnx.Module):
     """Packed forward. All inputs `[B, T]` int32; returns logits `[B, T, vocab]` float32."""
     return self._logits(self.hidden_states(input_ids, positions, segment_ids))
 
-  def init_cache(self, batch: int, length: int, dtype=None) -> LayerCache:
+  def init_cache(self, batch: int, length: int) -> LayerCache:
+    """An empty cache for `decode`, in the compute dtype (a 16-bit float one stored as its bits, uint16)."""
     cfg = self.config
     shape = (cfg.num_hidden_layers, batch, length, cfg.num_key_value_heads, cfg.head_dim)
-    return LayerCache(jnp.zeros(shape, dtype or self.dtype), jnp.zeros(shape, dtype or self.dtype))
+    storage = _storage_dtype(self.dtype)
+    return LayerCache(jnp.zeros(shape, storage), jnp.zeros(shape, storage))
 
   def decode(self, input_ids: jax.Array, cache: LayerCache, *, slot: jax.Array, start: jax.Array,
              window: int | None = None, return_routing: bool = False, logits_at: jax.Array | None = None):
