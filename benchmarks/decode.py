@@ -1,5 +1,5 @@
 """The embedded sampler's decode step against the cache length, and the colocated rollout, before
-and after a change: two source trees measured back to back in one run (`make bench-decode`).
+and after a change: two source trees measured back to back in one run.
 
     python -m benchmarks.decode --baseline /tmp/sampler-main [--rounds 2] [--json PATH]
 

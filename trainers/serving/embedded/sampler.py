@@ -21,8 +21,18 @@ SGLang copies a request's seed to all of its `n` samples.
 
 Shapes are static: the batch is padded to a power of two, prompts and `max_new_tokens` to
 powers of two (at least 16), stop-id lists to powers of two (at least 4), so a stream of
-requests compiles a handful of programs once. Prefill is one forward over the right-padded
-prompts; decoding is one `jax.lax.while_loop` that exits when every row has finished.
+requests compiles a handful of programs once.
+
+The KV cache holds the rows aligned: prompts are left-padded to the bucket `P`, so every row's
+token of step `t` goes to slot `P + t` and a step writes all rows' keys and values with one
+in-place `dynamic_update_slice` per layer (the decoding state is donated: XLA never copies the
+cache). Prefill is one forward over the prompts; decoding is a `jax.lax.while_loop` per
+attention window: the first power of two of slots (at least 16) that holds the tokens so far,
+so a step reads the filled prefix, not the whole cache, and a cache has about log2 windows.
+Continuous batching: every `_CHECK_STEPS` steps and at each window's end the host looks at
+which rows finished; once at most half the batch runs, the running rows move into the next
+smaller power-of-two batch (the finished rows' outputs are kept), and decoding stops when every
+row has finished. A row's tokens and log-probs do not depend on which rows share its batch.
 """
 
 from __future__ import annotations
