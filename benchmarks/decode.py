@@ -115,6 +115,12 @@ def _measure(tree: str, repeats: int, rollout: bool) -> dict:
   return json.loads(lines[-1][len("RESULT "):])
 
 
+def _commit(tree: str) -> str:
+  proc = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+  return proc.stdout.strip() + (" + uncommitted changes" if subprocess.run(
+      ["git", "-C", tree, "diff", "--quiet", "HEAD"]).returncode else "")
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--baseline", default=None, help="a checkout to compare against (before)")
@@ -138,7 +144,8 @@ def main(argv=None) -> int:
   os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
   with open(args.json, "w") as f:
     json.dump({"date": time.strftime("%Y-%m-%d"), "rows": ROWS, "prompt": PROMPT, "steps": STEPS,
-               "baseline": args.baseline, "best": best, "runs": runs}, f, indent=1)
+               "baseline": args.baseline, "commits": {name: _commit(tree) for name, tree in trees},
+               "best": best, "runs": runs}, f, indent=1)
   print(f"wrote {args.json}")
   return 0
 
