@@ -31,7 +31,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     return s.getsockname()[1]
 
 
-def _die_with_parent():  # Linux: the router never outlives the process that started it
+def die_with_parent():  # Linux: the router never outlives the process that started it
   try:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
   except OSError:
@@ -63,7 +63,7 @@ class RouterProcess:
     self.process = subprocess.Popen(router_command(host=host, port=port, worker_urls=worker_urls, policy=policy,
                                                    extra=extra),
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    preexec_fn=_die_with_parent)
+                                    preexec_fn=die_with_parent)
     self.log: collections.deque[str] = collections.deque(maxlen=200)
     threading.Thread(target=self._drain, daemon=True).start()
     try:
