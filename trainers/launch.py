@@ -157,6 +157,10 @@ def _worker(args) -> int:
   if not args.model_path or not args.router:
     print("mis-jax launch --role worker needs --model-path and --router (or MIS_JAX_ROUTER)", file=sys.stderr)
     return 2
+  if args.engine == "embedded" and args.host not in ("127.0.0.1", "localhost"):
+    print(f"mis-jax launch --role worker: --engine embedded (mis-jax serve) binds loopback only, not --host "
+          f"{args.host}; off one machine use --engine sglang or sglang-jax", file=sys.stderr)
+    return 2
   stop = threading.Event()
   for sig in (signal.SIGTERM, signal.SIGINT):
     signal.signal(sig, lambda *_: stop.set())

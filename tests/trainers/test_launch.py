@@ -229,10 +229,14 @@ def test_worker_command_and_address():
   assert launch.advertised_url(local, "http://127.0.0.1:5") == "http://127.0.0.1:5"
 
 
-def test_trainer_waiting_for_workers_needs_a_router(capsys, monkeypatch):
+def test_launch_errors_before_anything_starts(capsys, monkeypatch):
   monkeypatch.delenv("MIS_JAX_ROUTER", raising=False)
   assert launch.main(["--role", "trainer", "--wait-workers", "2", "--", "--config", "configs/demo.yaml"]) == 2
   assert "--wait-workers needs --router" in capsys.readouterr().err
+  assert launch.main(["--role", "worker", "--model-path", "/m"]) == 2
+  assert "needs --model-path and --router" in capsys.readouterr().err
+  assert launch.main(["--role", "worker", "--model-path", "/m", "--router", "http://r:1", "--host", "0.0.0.0"]) == 2
+  assert "binds loopback only, not --host 0.0.0.0" in capsys.readouterr().err
 
 
 # ---- the recipe's trainer command, run as SLURM runs it ------------------------------------
