@@ -117,6 +117,15 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def _write(path: str, rows: list[dict]) -> None:
+  """The results so far (after every row: a later row that runs out of memory loses nothing)."""
+  result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+            "workers": list(WORKERS), "rows": rows}
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(result, f, indent=1)
+
+
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="the demo shape only")
@@ -128,6 +137,7 @@ def main(argv=None) -> int:
   with tempfile.TemporaryDirectory(prefix="bench-fleet-") as tmp:
     for n in WORKERS:
       rows.append(demo_shape(tmp, n, args.steps))
+      _write(args.json, rows)
       print(table(rows), flush=True)
     if not args.quick:
       from flax import nnx
@@ -138,13 +148,8 @@ def main(argv=None) -> int:
       state = nnx.state(CausalLM(config, rngs=nnx.Rngs(0)), nnx.Param)
       for n in WORKERS:
         rows.append(qwen3_06b_shape(tmp, n, args.repeats, state, config))
+        _write(args.json, rows)
         print(table(rows), flush=True)
-  result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-            "workers": list(WORKERS), "rows": rows}
-  os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-  with open(args.json, "w") as f:
-    json.dump(result, f, indent=1)
-  print(table(rows))
   return 0
 
 
