@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: venv engine browser test test-all test-fast demo fleet-demo demo-agent demo-sglang-jax docs docs-check example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines bench-colocated bench-colocated-sglang-jax bench-agents clean
+.PHONY: venv engine browser test test-all test-fast demo fleet-demo demo-agent demo-sglang-jax docs docs-check example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines bench-colocated bench-colocated-sglang-jax bench-agents bench-fleet clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -93,6 +93,9 @@ bench-agents: $(STAMP) engine  ## multi-turn vs single-turn rollouts of the same
 
 bench-engines: $(STAMP) engine  ## sglang-jax vs mis-jax serve: tokens/s and weight-sync time (docs/performance.md)
 	$(PY) -m benchmarks.engines
+
+bench-fleet: $(STAMP)  ## weight sync to 1, 2, 4 mis-jax serve workers behind sglang-router, demo and Qwen3-0.6B shapes (docs/performance.md)
+	$(PY) -m benchmarks.fleet
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
