@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: venv engine test test-all test-fast demo fleet-demo demo-agent demo-sglang-jax docs example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines bench-colocated bench-colocated-sglang-jax bench-agents clean
+.PHONY: venv engine browser test test-all test-fast demo fleet-demo demo-agent demo-sglang-jax docs docs-check example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines bench-colocated bench-colocated-sglang-jax bench-agents bench-fleet clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,15 +28,19 @@ venv: $(STAMP)
 engine: $(STAMP)
 	$(PY) -m trainers.serving.sglang_jax --prepare --tunix --trainer
 
+# Debian's Chromium, for the docs' check in a headless browser (tests/test_docs.py); once per machine.
+browser:
+	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
+
 # Two workers (the CI machine has 2 cores); whole files per worker keep module fixtures (servers) shared.
 test: $(STAMP) engine
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not multihost and not repeat" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not multihost and not repeat and not browser" tests
 
-test-all: $(STAMP) engine  ## everything: the 2-process trainer runs and the repeats (marker repeat) included
+test-all: $(STAMP) engine browser  ## everything: the 2-process trainer runs and the repeats (marker repeat) included
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 test-fast: $(STAMP)  ## the library and the trainer's unit parts: no server, subprocess, venv or long invariant (~3 min)
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not repeat and not integration" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not repeat and not integration and not browser" tests
 
 demo: $(DEMO_STAMP)  ## the trainer on the embedded server (toy task); a fresh run dir each time
 	$(PY) -m trainers.cli train --config configs/demo.yaml --run-dir runs/demo-$$(date +%Y%m%d-%H%M%S)
@@ -54,6 +58,9 @@ demo-sglang-jax: $(STAMP) engine  ## the demo's task with sglang-jax's Engine co
 docs: $(STAMP)  ## the docs site into site/, strict: a broken link, anchor or docstring fails the build
 	$(PY) -m mkdocs build --strict --site-dir site
 
+docs-check: $(STAMP) browser  ## the site built strict, and its formulas typeset by MathJax in headless Chromium, offline
+	CI=true $(PY) -m pytest -q -p no:cacheprovider -m browser tests/test_docs.py
+
 example-tunix: $(STAMP)  ## tunix GRPO with mis_jax's correction on a tiny Qwen3 (examples/tunix_grpo_mis.py)
 	$(PY) examples/tunix_grpo_mis.py --steps 8 --mis configs/mis.yaml
 
@@ -64,6 +71,7 @@ example-tunix-sglang-jax: $(STAMP) engine  ## the same with sglang-jax as tunix'
 bench: $(STAMP)
 	$(PY) -m benchmarks.run
 	$(PY) -m benchmarks.forms
+	$(PY) -m benchmarks.centering
 	$(PY) -m benchmarks.proximal
 	$(PY) -m benchmarks.agents
 
@@ -85,6 +93,9 @@ bench-agents: $(STAMP) engine  ## multi-turn vs single-turn rollouts of the same
 
 bench-engines: $(STAMP) engine  ## sglang-jax vs mis-jax serve: tokens/s and weight-sync time (docs/performance.md)
 	$(PY) -m benchmarks.engines
+
+bench-fleet: $(STAMP)  ## weight sync to 1, 2, 4 mis-jax serve workers behind sglang-router, demo and Qwen3-0.6B shapes (docs/performance.md)
+	$(PY) -m benchmarks.fleet
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 
@@ -20,7 +19,7 @@ import jax
 import numpy as np
 
 import mis_jax
-from benchmarks.run import LOSS_CFG, make_data, temp_bytes, timeit, to_batch
+from benchmarks.run import LOSS_CFG, make_data, save_json, temp_bytes, timeit, to_batch
 
 FORM_KEYS = {"dro": {"dro_beta": 0.1}}  # the forms' required keys; the rest take verl's defaults
 KEY = jax.random.key(0)
@@ -79,11 +78,7 @@ def main(argv=None):
   out = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                      "backend": jax.default_backend()}, "shapes": run(quick=args.quick)}
   print_table(out["shapes"])
-  os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-  with open(args.json, "w") as f:
-    json.dump(out, f, indent=1)
-  print(f"\nwrote {args.json}")
-  return out
+  return save_json(out, args.json)
 
 
 if __name__ == "__main__":

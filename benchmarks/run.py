@@ -237,10 +237,15 @@ def main(argv=None):
       out["logprobs"] = {"skipped": str(e)}
 
   print_table(out)
-  os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-  with open(args.json, "w") as f:
+  return save_json(out, args.json)
+
+
+def save_json(out: dict, path: str) -> dict:
+  """Writes a benchmark's results to ``path`` (its folder made), says so, and returns them."""
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path, "w") as f:
     json.dump(out, f, indent=1)
-  print(f"\nwrote {args.json}")
+  print(f"\nwrote {path}")
   return out
 
 

@@ -383,6 +383,9 @@ class LossConfig:
                           "prime-rl; contract §6.4)", ge=0)
   sq_kl_tokens: str = key("trainable", "the squared log-ratio KL's tokens: all trainable (m) or kept (m')",
                           choices=SQ_KL_TOKENS)
+  score_centering: bool = key(False, "score centering: the policy gradient's sampled-token score minus the sampler-"
+                              "expected score, from the sampler's top-k log-probs and a proportional tail "
+                              "(contract §6.6)")
 
   def __post_init__(self):
     set_ = lambda k, v: object.__setattr__(self, k, v)

@@ -65,24 +65,25 @@ def _support_lse(z, member):
   return jax.nn.logsumexp(jnp.where(member, z, -jnp.inf), axis=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
-def _token_logprobs(hidden, lm_head, targets, support, temperature, chunk_size, layout, with_entropy,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
+def _token_logprobs(hidden, lm_head, targets, support, extra, temperature, chunk_size, layout, with_entropy,
                     with_support, with_mass, with_sum_sq):
   """Flat core: ``hidden [T, D]``, ``lm_head`` (same dtype), ``targets [T]`` int32 in range,
-  ``support [T, K]`` int32 (``-1`` padded) or None. Returns ``(logprobs, entropy,
-  kept_logmass, sum_pi_squared)``, the last three None when not asked for."""
-  out, _ = _token_logprobs_fwd(hidden, lm_head, targets, support, temperature, chunk_size, layout,
+  ``support [T, K]`` int32 (``-1`` padded) or None, ``extra [T, k]`` int32 in range or None.
+  Returns ``(logprobs, entropy, kept_logmass, sum_pi_squared, extra_logprobs)``, the last four
+  None when not asked for."""
+  out, _ = _token_logprobs_fwd(hidden, lm_head, targets, support, extra, temperature, chunk_size, layout,
                                with_entropy, with_support, with_mass, with_sum_sq)
   return out
 
 
-def _token_logprobs_fwd(hidden, lm_head, targets, support, temperature, chunk_size, layout,
+def _token_logprobs_fwd(hidden, lm_head, targets, support, extra, temperature, chunk_size, layout,
                         with_entropy, with_support, with_mass, with_sum_sq=False):
   num_tokens, vocab = hidden.shape[0], lm_head.shape[1 if layout == "dv" else 0]
   num_chunks, chunk = _num_chunks(num_tokens, chunk_size)
 
   def body(_, xs):
-    h, y, ids = xs
+    h, y, ids, extra_ids = xs
     z = _logits(h, lm_head, layout, temperature)
     lse = jax.nn.logsumexp(z, axis=-1)
     member = _support_member(ids, vocab) if with_support else None
@@ -99,30 +100,33 @@ def _token_logprobs_fwd(hidden, lm_head, targets, support, temperature, chunk_si
     if with_sum_sq:  # Σ q² = exp(lse(2 log q)) over the support
       log_q2 = 2.0 * (z - norm[:, None])
       sum_sq = jnp.exp(jax.nn.logsumexp(log_q2 if member is None else jnp.where(member, log_q2, -jnp.inf), axis=-1))
-    return None, (lp, lse, lse_s, ent, sum_sq)
+    # The extra ids' log-probs are over the whole vocabulary (lse), the scale engines report top-k in.
+    extra_lp = None if extra_ids is None else jnp.take_along_axis(z, extra_ids, axis=-1) - lse[:, None]
+    return None, (lp, lse, lse_s, ent, sum_sq, extra_lp)
 
-  _, (lp, lse, lse_s, ent, sum_sq) = jax.lax.scan(
+  _, (lp, lse, lse_s, ent, sum_sq, extra_lp) = jax.lax.scan(
       body, None, (_chunked(hidden, num_chunks, chunk), _chunked(targets, num_chunks, chunk),
-                   _chunked(support, num_chunks, chunk)))
+                   _chunked(support, num_chunks, chunk), _chunked(extra, num_chunks, chunk)))
   mass = (lse_s - lse if with_support else jnp.zeros_like(lse)) if with_mass else None
-  out = tuple(_unchunked(x, num_tokens) for x in (lp, ent, mass, sum_sq))
+  out = tuple(_unchunked(x, num_tokens) for x in (lp, ent, mass, sum_sq, extra_lp))
   # Residuals are O(T): the inputs themselves plus per-token lse (and lse_S, entropy when used).
-  return out, (hidden, lm_head, targets, support, lse, lse_s, ent)
+  return out, (hidden, lm_head, targets, support, extra, lse, lse_s, ent)
 
 
 def _token_logprobs_bwd(temperature, chunk_size, layout, with_entropy, with_support, with_mass, with_sum_sq,
                         res, g):
-  hidden, lm_head, targets, support, lse, lse_s, ent = res
+  hidden, lm_head, targets, support, extra, lse, lse_s, ent = res
   num_tokens, vocab = hidden.shape[0], lm_head.shape[1 if layout == "dv" else 0]
   num_chunks, chunk = _num_chunks(num_tokens, chunk_size)
   # Padded rows get zero cotangents, hence dz = 0 exactly (every factor below is finite):
   # they add nothing to dW, and their dh rows are sliced off.
   # Σπ² is a statistic (OTB's baseline), not differentiated: its cotangent is dropped.
   g_lp, g_ent, g_mass = (None if x is None else _chunked(x.astype(jnp.float32), num_chunks, chunk) for x in g[:3])
+  g_extra = None if extra is None else _chunked(g[4].astype(jnp.float32), num_chunks, chunk)
   vocab_ids = jnp.arange(vocab, dtype=jnp.int32)[None, :]
 
   def body(dw, xs):
-    h, y, ids, lse_c, lse_s_c, ent_c, g_lp_c, g_ent_c, g_mass_c = xs
+    h, y, ids, extra_ids, lse_c, lse_s_c, ent_c, g_lp_c, g_ent_c, g_mass_c, g_extra_c = xs
     z = _logits(h, lm_head, layout, temperature)
     # q: the distribution renormalised over the support (p itself without one).
     log_q = z - (lse_c if lse_s_c is None else lse_s_c)[:, None]
@@ -137,6 +141,10 @@ def _token_logprobs_bwd(temperature, chunk_size, layout, with_entropy, with_supp
       dz = dz - g_ent_c[:, None] * q * (log_q + ent_c[:, None])
     if with_mass and with_support:  # without a support the kept log-mass is the constant 0
       dz = dz + g_mass_c[:, None] * (q - jnp.exp(z - lse_c[:, None]))
+    if extra_ids is not None:  # d log p_v / dz = onehot(v) - p, summed over the extra ids
+      rows = jnp.broadcast_to(jnp.arange(z.shape[0])[:, None], extra_ids.shape)
+      dz = (dz + jnp.zeros_like(z).at[rows, extra_ids].add(g_extra_c)
+            - jnp.sum(g_extra_c, axis=-1, keepdims=True) * jnp.exp(z - lse_c[:, None]))
     if temperature != 1.0:
       dz = dz / temperature
     # Both matmuls take dz in the inputs' dtype and accumulate in float32 (bf16 for bf16
@@ -155,10 +163,11 @@ def _token_logprobs_bwd(temperature, chunk_size, layout, with_entropy, with_supp
     return dw, dh.astype(h.dtype)
 
   xs = (_chunked(hidden, num_chunks, chunk), _chunked(targets, num_chunks, chunk),
-        _chunked(support, num_chunks, chunk), lse, lse_s, ent, g_lp, g_ent, g_mass)
+        _chunked(support, num_chunks, chunk), _chunked(extra, num_chunks, chunk), lse, lse_s, ent, g_lp, g_ent,
+        g_mass, g_extra)
   dw, dh = jax.lax.scan(body, jnp.zeros(lm_head.shape, jnp.float32), xs)
-  # Integer targets and support ids get no cotangent.
-  return _unchunked(dh, num_tokens), dw.astype(lm_head.dtype), None, None
+  # Integer targets, support and extra ids get no cotangent.
+  return _unchunked(dh, num_tokens), dw.astype(lm_head.dtype), None, None, None
 
 
 _token_logprobs.defvjp(_token_logprobs_fwd, _token_logprobs_bwd)
@@ -271,9 +280,28 @@ def _check_support(support_ids, support_mask, targets, vocab: int):
   return ids
 
 
+def _check_extra(extra_ids, targets, vocab: int):
+  """``extra_ids [..., k]`` → int32 ids in ``[0, V)`` (concrete ids out of range raise; traced ones clip)."""
+  extra_ids = _validation.as_array("extra_ids", extra_ids)
+  if extra_ids.dtype == jnp.bool_ or not jnp.issubdtype(extra_ids.dtype, jnp.integer):
+    raise TypeError(f"'extra_ids' must be an integer array, got dtype {extra_ids.dtype}")
+  lead = tuple(targets.shape)
+  if extra_ids.ndim != len(lead) + 1 or tuple(extra_ids.shape[:-1]) != lead or extra_ids.shape[-1] == 0:
+    raise ValueError(f"'extra_ids' has shape {tuple(extra_ids.shape)} but must be [..., k] with k >= 1 and "
+                     f"targets' shape {lead} in front")
+  if _validation._is_concrete(extra_ids) and extra_ids.size:
+    ids = np.asarray(extra_ids)
+    lo, hi = int(ids.min()), int(ids.max())
+    if lo < 0 or hi >= vocab:
+      raise ValueError(f"'extra_ids' holds ids in [{lo}, {hi}], outside [0, V={vocab}); pass any valid id at "
+                       "positions the loss masks")
+  return jnp.clip(jnp.asarray(extra_ids).astype(jnp.int32), 0, vocab - 1)
+
+
 def token_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, chunk_size: int = 1024,
                    return_entropy: bool = False, lm_head_layout: str = "dv", support_ids=None,
-                   support_mask=None, return_kept_mass: bool = False, return_sum_pi_squared: bool = False):
+                   support_mask=None, return_kept_mass: bool = False, return_sum_pi_squared: bool = False,
+                   extra_ids=None):
   """Per-token log-probs (and entropy) of ``targets`` without materialising ``[T, V]`` logits.
 
   With ``z_t = (h_t · W) / τ`` the float32 logits of token ``t``,
@@ -341,12 +369,17 @@ def token_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, chunk_
     return_sum_pi_squared: also return ``Σ_v q_tv²`` (the distribution's collision probability,
       over the support with one), from the same chunks; OTB's path-variance proxy
       (:func:`mis_jax.optimal_token_baseline`). It is not differentiated (a zero gradient).
+    extra_ids: optional ``[..., k]`` int ids: also return ``extra_logprobs [..., k]``, the
+      log-probs ``z_{t,v} - lse_t`` of these ids over the whole vocabulary (no support; the scale
+      SGLang reports its top-k log-probs in), gathered from the same chunks and differentiable:
+      their backward adds ``Σ_j g_tj (1[v = v_tj] - p_tv)`` to ``∂L/∂z_t`` (score centering's
+      top-k, contract §6.6). Ids must lie in ``[0, V)`` (traced ones are clipped).
 
   Returns:
     float32 log-probs of ``hidden``'s leading shape; with ``return_entropy``,
-    ``return_kept_mass`` and/or ``return_sum_pi_squared`` a tuple
-    ``(logprobs, [entropy], [kept_logmass], [sum_pi_squared])`` in that order.
-    Differentiable in ``hidden`` and ``lm_head`` (not in ``targets`` or the support).
+    ``return_kept_mass``, ``return_sum_pi_squared`` and/or ``extra_ids`` a tuple
+    ``(logprobs, [entropy], [kept_logmass], [sum_pi_squared], [extra_logprobs])`` in that order.
+    Differentiable in ``hidden`` and ``lm_head`` (not in ``targets`` or the ids).
   """
   hidden, lm_head, targets, temperature, chunk_size, return_entropy, vocab = _check_args(
       hidden, lm_head, targets, temperature, chunk_size, return_entropy, lm_head_layout)
@@ -365,9 +398,12 @@ def token_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, chunk_
   flat_targets = jnp.clip(jnp.reshape(targets, (-1,)).astype(jnp.int32), 0, vocab - 1)
   if not isinstance(return_sum_pi_squared, (bool, np.bool_)):
     raise TypeError(f"return_sum_pi_squared must be a bool, got {type(return_sum_pi_squared).__name__}")
-  lp, ent, mass, sum_sq = _token_logprobs(flat_hidden, jnp.asarray(lm_head).astype(dtype), flat_targets,
-                                          flat_support, temperature, chunk_size, lm_head_layout,
-                                          return_entropy, with_support, bool(return_kept_mass),
-                                          bool(return_sum_pi_squared))
-  outs = [jnp.reshape(x, lead) for x in (lp, ent, mass, sum_sq) if x is not None]
+  flat_extra = None
+  if extra_ids is not None:
+    extra = _check_extra(extra_ids, targets, vocab)
+    flat_extra = jnp.reshape(extra, (math.prod(lead), extra.shape[-1]))
+  lp, ent, mass, sum_sq, extra_lp = _token_logprobs(
+      flat_hidden, jnp.asarray(lm_head).astype(dtype), flat_targets, flat_support, flat_extra, temperature, chunk_size,
+      lm_head_layout, return_entropy, with_support, bool(return_kept_mass), bool(return_sum_pi_squared))
+  outs = [jnp.reshape(x, lead + x.shape[1:]) for x in (lp, ent, mass, sum_sq, extra_lp) if x is not None]
   return outs[0] if len(outs) == 1 else tuple(outs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mis_jax import _centering
 from mis_jax import _correction as correction
 from mis_jax import _metrics as metrics_lib
 from mis_jax import _policy_losses
@@ -124,8 +125,36 @@ def aggregate(token_values, kept, segs: Segments, mode: str, dens: Denominators,
 
 # --- validation ------------------------------------------------------------------------
 
+def _check_topk(topk_logprobs, batch: PackedBatch, cfg: LossConfig) -> None:
+  """Score centering's inputs (contract §6.6): ``[..., k]`` float arrays with the batch's shape in
+  front, ``k >= 1``, given exactly when ``score_centering`` is on."""
+  if not cfg.score_centering:
+    if topk_logprobs is not None:
+      raise ValueError("topk_logprobs was given but score_centering is off: set LossConfig(score_centering=True) "
+                       "or drop the argument")
+    return
+  inputs = {"topk_logprobs": (topk_logprobs, "the trainer's log-probs of the sampler's top-k ids "
+                                              "(mis_jax.token_logprobs(..., extra_ids=))"),
+            "batch.rollout_topk_logprobs": (batch.rollout_topk_logprobs, "the sampler's top-k log-probs (SGLang's "
+                                                                         "output_top_logprobs)")}
+  for name, (x, what) in inputs.items():
+    if x is None:
+      raise ValueError(f"score_centering needs {name}: {what}, [..., k] with the batch's shape in front")
+    x = _validation.as_array(name, x)
+    lead = tuple(jnp.shape(batch.segment_ids))
+    if x.ndim != len(lead) + 1 or tuple(x.shape[:-1]) != lead or x.shape[-1] < 1:
+      raise ValueError(f"'{name}' has shape {tuple(x.shape)}, expected {lead + ('k',)} with k >= 1 (the batch's "
+                       "per-token shape, then the top-k axis)")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"'{name}' must be a floating-point array, got dtype {x.dtype}")
+  if jnp.shape(topk_logprobs) != jnp.shape(batch.rollout_topk_logprobs):
+    raise ValueError(f"'topk_logprobs' has shape {tuple(jnp.shape(topk_logprobs))} but "
+                     f"'batch.rollout_topk_logprobs' has {tuple(jnp.shape(batch.rollout_topk_logprobs))}: the "
+                     "trainer's and the sampler's log-probs of the same k ids")
+
+
 def _check_batch(logprobs, batch: PackedBatch, cfg: LossConfig, entropy, correction: Correction | None = None,
-                 denominators=None) -> dict:
+                 denominators=None, topk_logprobs=None) -> dict:
   if not isinstance(batch, PackedBatch):
     raise TypeError(f"batch must be a mis_jax.PackedBatch, got {type(batch).__name__}")
   if not isinstance(cfg, LossConfig):
@@ -144,6 +173,7 @@ def _check_batch(logprobs, batch: PackedBatch, cfg: LossConfig, entropy, correct
     raise ValueError(f"kl_coef={cfg.kl_coef} > 0 needs batch.ref_logprobs")
   if cfg.entropy_coef > 0 and entropy is None:
     raise ValueError(f"entropy_coef={cfg.entropy_coef} > 0 needs the per-token entropy argument")
+  _check_topk(topk_logprobs, batch, cfg)
   if cfg.proximal == "loglinear" and batch.rollout_staleness is None:
     raise ValueError("proximal='loglinear' needs batch.rollout_staleness (the versions each token's behaviour "
                      "policy lags the weights trained)")
@@ -291,7 +321,7 @@ def loss_denominators(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: Ax
 def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None,
                 axis_name: AxisName = None, *, correction: Correction | None = None,
                 denominators: Denominators | None = None, batch_norm_factor=None,
-                pass_options: PassOptions | None = None, key: jax.Array | None = None):
+                pass_options: PassOptions | None = None, key: jax.Array | None = None, topk_logprobs=None):
   """Policy loss of the algorithm selected by ``use_rollout_logprobs`` × ``use_tis`` (contract §6)
   and the form ``policy_loss`` (contract §6.2; ``vanilla``: PPO's clipped surrogate).
 
@@ -325,11 +355,16 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
       of ``batch.segment_ids``.
     key: a ``jax.random`` key for clip_cov's random token selection when there is no
       ``correction.cov_selected`` from :func:`prepare_step`.
+    topk_logprobs: with ``score_centering`` (contract §6.6), ``[..., k]``: the current log-probs
+      of the sampler's top-k ids at each position (carries the gradient, like ``logprobs``);
+      ``batch.rollout_topk_logprobs`` holds the sampler's. The policy-loss term then reads
+      ``lp - C + sg(C)`` for ``lp``, ``C = Σ_K sg(q_v) log p_v + sg(q_tail) log p_tail``: the same
+      value, the centred score as its gradient.
 
   Returns:
     ``(loss, metrics)``: a float32 scalar and a dict of float32 scalars (contract §8 names).
   """
-  arrays, denominators = _check_batch(logprobs, batch, loss_cfg, entropy, correction, denominators)
+  arrays, denominators = _check_batch(logprobs, batch, loss_cfg, entropy, correction, denominators, topk_logprobs)
   _check_key(loss_cfg, key, arrays.get("cov_selected"))
   cfg = loss_cfg
   mode = cfg.metric_mode
@@ -391,7 +426,12 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
       selected = _validation.flat_mask(arrays["cov_selected"], kept)
     else:
       selected = _policy_losses.cov_selection(_anchor(cfg, o, q), adv, kept, segs, cfg, key)
-  pg_tok, over_kept, over_mask = token_loss(cfg, lp, lp_sg, o, q, adv, weights, kept, segs, selected)
+  lp_pg, centring_rows = lp, ({}, {})
+  if cfg.score_centering:  # contract §6.6: the form reads lp with the centred score as its gradient
+    coefficient = jnp.abs(adv) * (weights if ALGORITHMS[cfg.algorithm][1] else 1.0)
+    lp_pg, centring_rows = _centering.centre(lp, topk_logprobs, batch.rollout_topk_logprobs, mask, coefficient)
+  pg_tok, over_kept, over_mask = token_loss(cfg, lp_pg, lp_sg, o, q, adv, weights, kept, segs, selected)
+  over_mask, over_kept = {**over_mask, **centring_rows[0]}, {**over_kept, **centring_rows[1]}
 
   # The loss terms, aggregated together (one stacked reduction).
   if denominators is None:

@@ -16,12 +16,13 @@ import numpy as np
 from mis_jax._prepared import Correction
 
 _DATA_FIELDS = ("segment_ids", "loss_mask", "advantages", "rollout_logprobs", "old_logprobs",
-                "ref_logprobs", "rollout_staleness")
+                "ref_logprobs", "rollout_staleness", "rollout_topk_logprobs")
 
 
 @dataclasses.dataclass(frozen=True)
 class PackedBatch:
-  """Per-token inputs of one packed batch (all the same shape) and a static segment count.
+  """Per-token inputs of one packed batch (all the same shape, a top-k field with one more axis) and a
+  static segment count.
 
   Only inputs: what :func:`mis_jax.prepare_step` derives from them once per step (IS weights,
   kept mask, the covariance forms' selection, denominators) is a separate
@@ -37,6 +38,10 @@ class PackedBatch:
     rollout_staleness: how many weight versions each token's behaviour policy (the engine's weights
       that sampled it) lags the proximal policy (the weights being trained), ``>= 0``; read by
       ``proximal: loglinear`` (contract §6.3), or None.
+    rollout_topk_logprobs: ``[..., k]``, the sampler's log-probs of its ``k`` most likely tokens at
+      each position (SGLang's ``output_top_logprobs``), read by ``score_centering`` (contract
+      §6.6), or None. The ids they belong to are the log-prob pass's business
+      (:func:`mis_jax.token_logprobs`'s ``extra_ids``), not the loss's.
     num_segments: static upper bound on segment ids (a Python int; not a pytree leaf).
   """
 
@@ -47,6 +52,7 @@ class PackedBatch:
   old_logprobs: jax.Array | None = None
   ref_logprobs: jax.Array | None = None
   rollout_staleness: jax.Array | None = None
+  rollout_topk_logprobs: jax.Array | None = None
   num_segments: int = dataclasses.field(kw_only=True)
 
   def __post_init__(self):

@@ -33,10 +33,11 @@ def shard_batch(mesh: Mesh, tree, *, data_axis="data", seq_axis: str | None = No
 
 def sharded_policy_loss(mesh: Mesh, loss_cfg: LossConfig, *, data_axis="data",
                         seq_axis: str | None = None) -> Callable:
-  """Builds ``f(logprobs, batch, entropy=None, key=None, correction=None) -> (loss, metrics)`` under
-  ``jax.shard_map`` (``key``: clip_cov's, replicated; ``correction``: a :class:`Correction` from
-  :func:`mis_jax.prepare_step`, its per-token arrays sharded like the batch, its denominators
-  replicated).
+  """Builds ``f(logprobs, batch, entropy=None, key=None, correction=None, topk_logprobs=None) ->
+  (loss, metrics)`` under ``jax.shard_map`` (``key``: clip_cov's, replicated; ``correction``: a
+  :class:`Correction` from :func:`mis_jax.prepare_step`, its per-token arrays sharded like the
+  batch, its denominators replicated; ``topk_logprobs``: score centering's ``[rows, row_len, k]``,
+  sharded like the batch, its top-k axis whole).
 
   Per-token arrays must be ``[rows, row_len]`` with rows divisible by the data-axis size and
   ``row_len`` divisible by the sequence-axis size. Outputs are replicated scalars. The
@@ -60,8 +61,9 @@ def sharded_policy_loss(mesh: Mesh, loss_cfg: LossConfig, *, data_axis="data",
   axis_name = names if len(names) > 1 else names[0]
   spec = batch_partition_spec(data_axis if not isinstance(data_axis, list) else tuple(data_axis), seq_axis)
 
-  def loss_fn(logprobs, batch: PackedBatch, entropy=None, key=None, correction: Correction | None = None):
-    _check_batch(logprobs, batch, loss_cfg, entropy, correction)  # concrete checks, before tracing
+  def loss_fn(logprobs, batch: PackedBatch, entropy=None, key=None, correction: Correction | None = None,
+              topk_logprobs=None):
+    _check_batch(logprobs, batch, loss_cfg, entropy, correction, topk_logprobs=topk_logprobs)  # before tracing
     if len(batch.shape) != 2:
       raise ValueError(f"sharded_policy_loss needs [rows, row_len] arrays, got shape {batch.shape}")
     rows, cols = batch.shape
@@ -71,16 +73,17 @@ def sharded_policy_loss(mesh: Mesh, loss_cfg: LossConfig, *, data_axis="data",
       raise ValueError(f"batch shape {batch.shape} must divide into the mesh: rows by {n_data} "
                        f"({data_axis}), row_len by {n_seq} ({seq_axis})")
     bspec = jax.tree_util.tree_map(lambda _: spec, batch)
-    inner = lambda lp, b, ent, k, c: policy_loss(lp, b, loss_cfg, entropy=ent, axis_name=axis_name, key=k,
-                                                 correction=c)
+    inner = lambda lp, b, ent, k, c, topk: policy_loss(lp, b, loss_cfg, entropy=ent, axis_name=axis_name, key=k,
+                                                       correction=c, topk_logprobs=topk)
     espec = None if entropy is None else spec
     cspec = None
     if correction is not None:  # per-token arrays like the batch, the step's denominators replicated
       cspec = jax.tree_util.tree_map(lambda _: spec, correction.replace(denominators=None)).replace(
           denominators=None if correction.denominators is None else P())
-    mapped = jax.shard_map(inner, mesh=mesh, in_specs=(spec, bspec, espec, None if key is None else P(), cspec),
+    tspec = None if topk_logprobs is None else spec
+    mapped = jax.shard_map(inner, mesh=mesh, in_specs=(spec, bspec, espec, None if key is None else P(), cspec, tspec),
                            out_specs=P())
-    return mapped(logprobs, batch, entropy, key, correction)
+    return mapped(logprobs, batch, entropy, key, correction, topk_logprobs)
 
   return loss_fn
 

@@ -466,3 +466,108 @@ def policy_loss(seqs, lc):
   if "q" in seqs[0]:
     metrics.update(nonfinite(seqs))
   return loss, metrics, W, K
+
+
+# --- contract §6.6: score centering ------------------------------------------------------------
+
+P_TAIL_MIN = 1e-6
+
+
+def log_softmax(z):
+  z = z - z.max(axis=-1, keepdims=True)
+  return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+def sampler_estimate(z, ids, q_topk):
+  """One token: the trainer's logits ``z [V]``, the sampler's top-k ``ids [k]`` and their log-probs
+  ``q_topk [k]`` → ``(q̂ [V], ‖q̂ - p‖₁, q_tail)``: q on the top-k, the tail mass spread in proportion
+  to p over the rest (over everything where the trainer's tail is below P_TAIL_MIN)."""
+  p = np.exp(log_softmax(z))
+  q_k = np.where(np.isfinite(q_topk), np.exp(np.clip(np.nan_to_num(q_topk), -B, 0.0)), 0.0)
+  q_tail = max(1.0 - q_k.sum(), 0.0)
+  in_k = np.zeros(len(p), bool)
+  in_k[ids] = True
+  p_tail = max(1.0 - p[ids].sum(), 0.0)
+  if p_tail >= P_TAIL_MIN:
+    q_hat = np.where(in_k, 0.0, q_tail * p / p_tail)
+  else:  # the tail term carries no gradient: E_p[∇log p] = 0, so q_tail is spread over all of p
+    q_hat = q_tail * p
+  np.add.at(q_hat, ids, q_k)
+  drift = sum(abs(a - b) for a, b in zip(q_k, p[ids])) + abs(q_tail - p_tail)
+  return q_hat, drift, q_tail
+
+
+def token_scales(K, dmasks, mode, scale_factor=None):
+  """Per sequence, each kept token's factor in the contract §7 aggregate (``∂ loss / ∂ ℓ_t``)."""
+  if mode == "token-mean":
+    den = max(sum(float(d.sum()) for d in dmasks), 1.0)
+    return [k / den for k in K]
+  if mode == "token-sum":
+    return [k.astype(float) for k in K]
+  n = max(sum(1 for d in dmasks if d.sum() > 0), 1)
+  out = []
+  for k, d in zip(K, dmasks):
+    per = 1.0 / n if d.sum() > 0 else 0.0
+    if mode == "seq-mean-token-mean":
+      per /= max(float(d.sum()), 1.0)
+    elif mode == "seq-mean-token-sum-norm":
+      per /= scale_factor
+    out.append(k * per)
+  return out
+
+
+def pg_lp_coefficients(seqs, lc, W, K):
+  """``∂ pg_loss / ∂ lp_t`` per sequence for REINFORCE + IS (``-w A``) and the vanilla form
+  (``-A ρ`` where the unclipped branch counts, times decoupled PPO's weights), aggregated."""
+  use_tis, use_roll = lc.get("use_tis", False), lc.get("use_rollout_logprobs", False)
+  lo = lc.get("eps_clip", 0.2)
+  hi = lc.get("eps_clip_high") or lo
+  mode = lc.get("loss_agg_mode", "seq-mean-token-mean")
+  dmasks = K if lc.get("denominator", "kept") == "kept" else [s["m"] for s in seqs]
+  scales = token_scales(K, dmasks, mode, lc.get("loss_scale_factor"))
+  out = []
+  for s, w, k, scale in zip(seqs, W, K, scales):
+    A = np.where(s["m"], s["adv"], 0.0)
+    if use_roll and use_tis:
+      g = -w * A
+    else:
+      a = s["q"] if use_roll else s["o"]
+      ratio = sexp(np.where(s["m"], s["lp"] - a, 0.0))
+      counts = ((ratio >= 1 - lo) & (ratio <= 1 + hi)) | (-A * ratio > -A * np.clip(ratio, 1 - lo, 1 + hi))
+      g = np.where(counts, -A * ratio, 0.0) * (w if use_tis else 1.0)
+    out.append(np.where(k, g * scale, 0.0))
+  return out
+
+
+def centring_metrics(seqs, lc, W, K, mode):
+  """The contract §6.6 metrics: TV and tail mass over m; drift and residual bound over m'."""
+  use_w = lc.get("use_tis", False)
+  masks = [s["m"] for s in seqs]
+  tv, tail, drift, resid = [], [], [], []
+  for s, w, m in zip(seqs, W, masks):
+    est = [sampler_estimate(s["z"][t], s["ids"][t], s["qk"][t]) if m[t] else (None, 0.0, 0.0) for t in range(len(m))]
+    d = np.array([e[1] for e in est])
+    qt = np.array([e[2] for e in est])
+    c = np.abs(np.where(m, s["adv"], 0.0)) * (w if use_w else 1.0)
+    tv.append(0.5 * d)
+    tail.append(qt)
+    drift.append(c * d)
+    resid.append(c * 2 * qt)
+  return {"score_centering_tv": reduce(tv, masks, mode), "score_centering_tail_mass": reduce(tail, masks, mode),
+          "score_centering_drift": reduce(drift, K, mode), "score_centering_residual_bound": reduce(resid, K, mode)}
+
+
+def centred_logit_grads(seqs, coefficients):
+  """``∂ loss / ∂ z_t = g_t (e_{y_t} - q̂_t)`` per token: the centred score on the logits (its
+  uncentred twin is ``g_t (e_y - p_t)``)."""
+  out = []
+  for s, g in zip(seqs, coefficients):
+    grads = np.zeros_like(s["z"])
+    for t in range(len(g)):
+      if g[t] != 0.0:
+        q_hat, _, _ = sampler_estimate(s["z"][t], s["ids"][t], s["qk"][t])
+        e = np.zeros(len(q_hat))
+        e[int(s["y"][t])] = 1.0
+        grads[t] = g[t] * (e - q_hat)
+    out.append(grads)
+  return out

@@ -136,12 +136,58 @@ def test_the_trainer_commands_and_the_readme_config_validate(tmp_path):
   config_lib.TrainConfig.from_dict(config, source="README.md")
 
 
-def test_the_site_builds_strict(tmp_path):
-  out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> pathlib.Path:
+  """The docs site, built once for this module in MkDocs' strict mode."""
+  site_dir = tmp_path_factory.mktemp("docs") / "site"
+  out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
                        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
   assert out.returncode == 0, out.stderr[-3000:]
-  api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
+  return site_dir
+
+
+def test_the_site_builds_strict(site):
+  api = (site / "reference" / "api" / "index.html").read_text()
   for name in ("policy_loss", "compute_mis_weights", "MISConfig", "MISGRPOLearner", "sharded_policy_loss"):
     assert f'id="mis_jax.{name}"' in api or f'id="mis_jax.integrations.tunix.{name}"' in api, name
-  contract = (tmp_path / "site" / "contract" / "index.html").read_text()
+  contract = (site / "contract" / "index.html").read_text()
   assert 'id="s4.1"' in contract and 'id="s12.10"' in contract
+
+
+# Pages whose formulas are written as math, and the fewest formulas each must show typeset.
+MATH_PAGES = {"contract/": 250, "reference/loss/": 30, "guides/choosing/": 3, "guides/agents/": 10, "performance/": 5}
+
+
+def _browser() -> str:
+  """Debian's Chromium (`make browser` installs it); under CI=true its absence fails the test."""
+  import shutil
+  path = os.environ.get("MIS_JAX_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+  try:
+    import playwright.sync_api  # noqa: F401 - the `docs` extra
+  except ImportError:
+    path = None
+  if path is None:
+    if os.environ.get("CI") == "true":
+      pytest.fail("the docs' math check needs Chromium (make browser) and playwright (the docs extra)")
+    pytest.skip("no Chromium or playwright here: `make browser`, pip install -e '.[docs]'")
+  return path
+
+
+@pytest.mark.browser
+def test_the_formulas_are_typeset_in_a_browser_from_the_site_alone(site):
+  """Each math page, served from 127.0.0.1 and opened in headless Chromium: MathJax (copied from
+  the installed package by docs/mathjax_assets.py) typesets every formula arithmatex marked, with
+  no TeX error and no delimiter left as text, and the browser requests nothing outside the site
+  (a request elsewhere is refused and fails the test: the page must render offline)."""
+  from docs_browser import serve_folder, typeset_report
+  executable = _browser()
+  with serve_folder(site) as base:
+    reports, foreign = typeset_report(executable, base, list(MATH_PAGES))
+  assert foreign == [], f"requests outside the site: {foreign[:5]}"
+  for page, least in MATH_PAGES.items():
+    r = reports[page]
+    assert r["marked"] >= least and r["typeset"] == r["marked"], (page, r)
+    assert r["invisible"] == [], (page, r["invisible"][:5])
+    assert r["errors"] == [], (page, r["errors"][:5])
+    assert r["leftover"] == [], (page, r["leftover"][:5])
+    assert r["fonts"] > 0, (page, r)  # MathJax's TeX fonts loaded, from the site

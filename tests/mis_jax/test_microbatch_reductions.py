@@ -45,7 +45,7 @@ def _emitted_metrics() -> set:
   """Every metric name the library emits (names depend on the config only: each config is
   evaluated abstractly), over the config forms: the four algorithms, every policy-loss form,
   vanilla TIS and MIS configs covering every bound mode, RS, the veto, batch normalisation, every
-  divergence criterion, OPSM, M2PO, DPPO-Binary-TV and KPop, the squared log-ratio KL, the threshold controller's targets, mismatch monitoring
+  divergence criterion, OPSM, M2PO, DPPO-Binary-TV and KPop, the squared log-ratio KL, score centering, the threshold controller's targets, mismatch monitoring
   alone, `proximal: loglinear`, with prepare_step and without, and the sampling-replay metrics."""
   import itertools
   import jax
@@ -90,6 +90,10 @@ def _emitted_metrics() -> set:
   for mis in mis_cfgs[:5]:
     add(mis_jax.LossConfig(use_tis=True, mis=mis, proximal="loglinear"))
   add(mis_jax.LossConfig(use_rollout_logprobs=True, sq_kl_coef=0.1))  # the squared log-ratio KL (contract §6.4)
+  topk = np.stack([o, o - 1.0], axis=-1)  # score centering (contract §6.6): a top-2 head
+  centred = mis_jax.LossConfig(use_rollout_logprobs=True, use_tis=True, denominator="original", score_centering=True)
+  names.update(jax.eval_shape(lambda b, t: mis_jax.policy_loss(o, b, centred, topk_logprobs=t)[1],
+                              batch.replace(rollout_topk_logprobs=topk), topk))
   add(mis_jax.LossConfig(use_tis=None, mis=mis_jax.MISConfig(use_tis=False), get_mismatch_metrics=True))
   names.update(mis_jax.sampling_metrics(o, np.zeros_like(o), q, mask, seg, num_segments=4))
   return names

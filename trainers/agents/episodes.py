@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from trainers.agents.env import Environment, Observation, Turn
+from trainers.agents.rewards import TurnReward
 from trainers.tasks.base import Prompt
 from trainers.training import extras as extras_lib
 from trainers.training.rollout import Reply, RolloutResult, Sample
@@ -85,6 +86,7 @@ class _Trajectory:
   sequence: dict = dataclasses.field(default_factory=dict)  # "sequence" extras: the last turn's
   texts: list[str] = dataclasses.field(default_factory=list)
   reward: float = 0.0
+  turn_rewards: dict[int, float] = dataclasses.field(default_factory=dict)  # model turn → its observation's reward
   finish: str = "stop"
   version: str | None = None
   turns: int = 0
@@ -108,6 +110,12 @@ class Episodes:
   rows_per_request: int | None = None  # contexts per `/generate` of a turn (the run's prompts_per_request × n)
 
   extras = (TurnIndex(),)  # what every agent run adds to the run's per-token extras
+
+  @classmethod
+  def declared_extras(cls, per_turn_rewards: bool = False) -> tuple:
+    """The per-token extras an agent run adds: the `turn` index, and with per-turn rewards
+    (`agent.per_turn_rewards`) each turn's reward on its tokens (`TurnReward`)."""
+    return cls.extras + ((TurnReward(),) if per_turn_rewards else ())
 
   def run(self, generate: Callable[..., RolloutResult], prompts: Sequence[Prompt], make_env, *,
           sampling_params: dict, n: int, seed: int, extras=()) -> RolloutResult:
@@ -212,7 +220,7 @@ class Episodes:
         (s.weight_version, 0, len(ids))]
     tr.spans += [(v, start + a, start + b) for v, a, b in spans]
     for e in extras:
-      if e.name == TurnIndex.name:
+      if e.name in (TurnIndex.name, TurnReward.name):  # the driver's own: composed in `_sample`
         continue
       value = np.asarray(s.extras[e.name])
       if e.span == "response":
@@ -224,6 +232,7 @@ class Episodes:
 
   def _observe(self, tr: _Trajectory, obs: Observation, turn: int, counts) -> None:
     tr.reward += float(obs.reward)
+    tr.turn_rewards[turn] = float(obs.reward)
     counts.update({k: int(v) for k, v in obs.counts.items()})
     if obs.done or turn == self.max_turns:  # no model turn follows: the observation adds nothing
       tr.done = True
@@ -243,6 +252,8 @@ class Episodes:
     for e in extras:
       if e.name == TurnIndex.name:
         composed[e.name] = np.asarray(tr.turn_of, np.int32)
+      elif e.name == TurnReward.name:  # a turn the budget ended before its observation earned 0
+        composed[e.name] = np.array([tr.turn_rewards.get(t, 0.0) if t > 0 else 0.0 for t in tr.turn_of], np.float32)
       elif e.span == "response":
         parts = tr.parts[e.name]
         trailing = parts[0][1].shape[1:] if parts else ()

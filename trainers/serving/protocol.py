@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import math
+import os
 import uuid
 from typing import Annotated, Any, Literal, Sequence
 
@@ -234,6 +235,7 @@ class Item:
   sampling_logprobs_mode: str | None = None  # None: "selected"
   return_routed_experts: bool = False
   routed_experts_start_len: int = 0
+  top_logprobs_num: int = 0  # with return_logprob: each output token's k most likely (output_top_logprobs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -279,8 +281,6 @@ def normalize_generate(req: GenerateRequest, *, encode=None) -> NormalizedGenera
     raise RequestError("stream=true is not supported by this server; send stream=false")
   def values(v):
     return v if isinstance(v, list) else [v]
-  if any(v not in (None, 0) for v in values(req.top_logprobs_num)):
-    raise RequestError("top_logprobs_num > 0 is not supported by this server")
   if req.token_ids_logprob:
     raise RequestError("token_ids_logprob is not supported by this server")
   if any(values(req.return_hidden_states)):
@@ -336,7 +336,8 @@ def normalize_generate(req: GenerateRequest, *, encode=None) -> NormalizedGenera
     per_prompt_sp = [sp] * batch
   per_prompt = {name: _per_prompt(getattr(req, name), default, name, batch, n)
                 for name, default in (("return_logprob", False), ("logprob_start_len", -1),
-                                      ("return_sampling_mask", False), ("sampling_logprobs_mode", None))}
+                                      ("return_sampling_mask", False), ("sampling_logprobs_mode", None),
+                                      ("top_logprobs_num", 0))}
 
   rid = req.rid
   if is_single:
@@ -370,6 +371,7 @@ def normalize_generate(req: GenerateRequest, *, encode=None) -> NormalizedGenera
                         return_sampling_mask=bool(per_prompt["return_sampling_mask"][i]),
                         sampling_logprobs_mode=per_prompt["sampling_logprobs_mode"][i],
                         return_routed_experts=bool(req.return_routed_experts),
+                        top_logprobs_num=int(per_prompt["top_logprobs_num"][i] or 0),
                         routed_experts_start_len=int(req.routed_experts_start_len)))
   return NormalizedGenerate(items=items, is_single=is_single, stream=bool(req.stream))
 
@@ -430,6 +432,8 @@ def validate_item(item: Item, *, vocab_size: int, context_length: int,
     if start > num_input:
       raise RequestError(f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
                          f"len(req.origin_input_ids)={num_input}. Please use a smaller routed_experts_start_len.")
+  if item.top_logprobs_num < 0:
+    raise RequestError(f"top_logprobs_num must be >= 0, got {item.top_logprobs_num}.")
   if item.sampling_logprobs_mode is not None and not item.return_sampling_mask:
     raise RequestError("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
   if item.sampling_logprobs_mode not in (None,) + SAMPLING_LOGPROBS_MODES:
@@ -477,11 +481,13 @@ def meta_info(*, rid: str, finish_reason: dict, prompt_tokens: int | None, weigh
               completion_tokens: int, e2e_latency: float, sent_ts: float,
               logprobs: tuple[list, list] | None = None, running: bool = True,
               sampling_mask: tuple[list, list] | None = None, routed_experts: str | None = None,
-              spans: list[dict] | None = None) -> dict:
+              spans: list[dict] | None = None, top_logprobs: tuple[list, list] | None = None) -> dict:
   """`meta_info` with SGLang 0.5.23's keys in its order. `logprobs`: (input entries, output
   entries) when `return_logprob`. `sampling_mask`: (kept ids per output token, their
   `output_token_sampling_logprobs`) when `return_sampling_mask`. `running=False`: a request
-  aborted in the waiting queue (no `prompt_tokens`, SGLang's shorter form). `routed_experts`:
+  aborted in the waiting queue (no `prompt_tokens`, SGLang's shorter form). `top_logprobs`:
+  (input, output) `[[logprob, id, text|null], ...]` per token when `top_logprobs_num > 0`, after the
+  token log-probs as SGLang's tokenizer manager adds them. `routed_experts`:
   the base64 of the request's routed experts (`encode_routed_experts`), added after the rest
   as SGLang's tokenizer manager adds it. `spans`: the `weight_versions` of a response generated
   across weight updates (default: one span of `weight_version`)."""
@@ -499,6 +505,8 @@ def meta_info(*, rid: str, finish_reason: dict, prompt_tokens: int | None, weigh
   if logprobs is not None:
     meta.update(input_token_logprobs=logprobs[0], output_token_logprobs=logprobs[1],
                 output_token_logprobs_length=len(logprobs[1]))
+  if top_logprobs is not None:
+    meta.update(input_top_logprobs=top_logprobs[0], output_top_logprobs=top_logprobs[1])
   if sampling_mask is not None:
     meta.update(output_token_sampling_mask=sampling_mask[0], output_token_sampling_logprobs=sampling_mask[1],
                 output_token_sampling_mask_length=len(sampling_mask[0]))
@@ -537,6 +545,26 @@ def decode_routed_experts(value: str, num_layers: int, top_k: int, dtype: str | 
 
 
 # Error bodies, by the stage that raises them (SGLang's http_server).
+# mis-jax's own route (not SGLang's): can this server read a file the trainer wrote? The trainer
+# writes a probe with a nonce into its weight directory before step 1 and asks every worker for it:
+# the weights reach the workers through /update_weights_from_disk, so they must see that directory.
+READ_PROBE_ROUTE = "/mis_jax/read_probe"
+PROBE_PREFIX = ".mis-jax-probe-"
+
+
+def read_probe(path: Any) -> tuple[int, dict]:
+  """(status, body) of `READ_PROBE_ROUTE` for `{"path": path}`: 400 unless the file's name starts
+  with `PROBE_PREFIX` (nothing else is read); else `{"readable": true, "content": <its first 256
+  characters>}` or `{"readable": false, "error": ...}`."""
+  if not isinstance(path, str) or not os.path.basename(path).startswith(PROBE_PREFIX):
+    return 400, {"error": f"path must name a {PROBE_PREFIX}* file, got {path!r}"}
+  try:
+    with open(path, encoding="utf-8") as f:
+      return 200, {"readable": True, "content": f.read(256)}
+  except (OSError, UnicodeDecodeError) as e:
+    return 200, {"readable": False, "error": f"{type(e).__name__}: {e}"}
+
+
 def json_error_body(message: str) -> dict:
   """A body that is not a JSON object of the route's shape (`ErrorResponse`, code 400)."""
   return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
@@ -583,6 +611,7 @@ class MetaInfo(msgspec.Struct, kw_only=True):
   input_token_logprobs: list[Any] | None = None
   weight_version: str | None = None
   weight_versions: list[WeightVersionSpan] = []
+  output_top_logprobs: list[Any] | None = None  # per output token [[logprob, id, text|null], ...] (top_logprobs_num)
   output_token_sampling_mask: list[list[int]] | None = None
   output_token_sampling_logprobs: list[Any] | None = None  # selected: floats; support: lists
   output_token_sampling_mask_length: int | None = None

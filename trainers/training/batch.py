@@ -161,9 +161,11 @@ def build_step_batch(samples, rewards, advantages, groups, *, num_segments: int,
       advantages=pack(advs, 0.0, np.float32), rollout_logprobs=pack(q, 0.0, np.float32),
       rollout_staleness=pack(stale, 0.0, np.float32) if staleness is not None else None,
       num_segments=num_segments)
+  packed = {e.name: extras_lib.pack(e, samples, packing, layout.shape) for e in extras}
+  batch = batch.replace(**{e.batch_field: packed[e.name] for e in extras if e.batch_field})  # e.g. the sampler's top-k
   return StepBatch(batch=batch, input_ids=pack(inputs, 0, np.int32), positions=shaped(packing.positions),
                    targets=pack(targets, 0, np.int32), rewards=np.asarray(rewards, np.float32),
                    advantages=np.asarray(advantages, np.float32),
                    response_lengths=np.array([len(s.response_ids) for s in samples]),
                    groups=np.asarray(groups, np.int32), packing=packing, layout=layout,
-                   extras={e.name: extras_lib.pack(e, samples, packing, layout.shape) for e in extras})
+                   extras=packed)

@@ -128,12 +128,22 @@ def check_config(cfg: TrainConfig):
                               "whitened over tokens); call mis_jax.compute_advantages(..., estimator='gdpo') "
                               "with your reward components")
   r = cfg.rollout
+  if loss_cfg.score_centering and r.sampling.top_logprobs_num < 1:
+    raise mis_jax.ConfigError("loss.score_centering needs the sampler's top-k log-probs: set "
+                              "rollout.sampling.top_logprobs_num to k >= 1 (e.g. 20; contract §6.6)")
+  if loss_cfg.score_centering and sampling_replay_width(r):
+    raise mis_jax.ConfigError("loss.score_centering with sampling replay: the sampler's top-k log-probs are over "
+                              "the whole vocabulary while replay makes every trainer log-prob one over the "
+                              "truncated support; set rollout.sampling.sampling_replay: off, or turn centring off")
   if estimator == "grpo_passk" and r.n < 2:
     raise mis_jax.ConfigError(f"train.advantage_estimator grpo_passk compares each group's best two samples: "
                               f"rollout.n must be >= 2, got {r.n}")
   sampling_replay_width(r)
   model_cfg = model_config(cfg)  # config.json read once
   routing_setup(r, model_cfg)
+  if r.sampling.top_logprobs_num > model_cfg.vocab_size:
+    raise mis_jax.ConfigError(f"rollout.sampling.top_logprobs_num {r.sampling.top_logprobs_num} exceeds the model's "
+                              f"vocabulary ({model_cfg.vocab_size} tokens): the engine returns at most that many")
   if cfg.train.router_aux_loss_coef > 0 and not model_cfg.is_moe:
     raise mis_jax.ConfigError("train.router_aux_loss_coef is for mixture-of-experts models; this one is dense")
   if cfg.logging.wandb and importlib.util.find_spec("wandb") is None:
@@ -178,7 +188,25 @@ def check_config(cfg: TrainConfig):
     changed = [k for k, v in dataclasses.asdict(cfg.agent).items() if v != getattr(AgentSection(), k)]
     raise mis_jax.ConfigError(f"agent.{changed[0]} is set but task {cfg.task.name!r} is single-turn: the agent "
                               "section configures multi-turn tasks (lookup_digits, calculator)")
+  check_per_turn_rewards(cfg)
   return task
+
+
+def check_per_turn_rewards(cfg: TrainConfig) -> None:
+  """`agent.per_turn_rewards` places each turn's return on its tokens against a group baseline:
+  defined for the group-baseline estimators, and per token from the start of the step."""
+  if not cfg.agent.per_turn_rewards:
+    return
+  from trainers.agents.rewards import ESTIMATOR_SCALE
+  estimator = cfg.train.advantage_estimator
+  if estimator not in ESTIMATOR_SCALE:
+    raise mis_jax.ConfigError(f"agent.per_turn_rewards needs a group-baseline advantage estimator "
+                              f"({', '.join(ESTIMATOR_SCALE)}): train.advantage_estimator {estimator!r} is not one; "
+                              "set agent.per_turn_rewards: false or choose one of those")
+  if cfg.train.exclude_rejected_from_baseline:
+    raise mis_jax.ConfigError("agent.per_turn_rewards and train.exclude_rejected_from_baseline: true cannot be "
+                              "combined yet (the baseline is recomputed per sequence after the correction, "
+                              "which would drop the per-turn returns); set one of them")
 
 
 def check_records(cfg: TrainConfig, model_cfg: ModelConfig) -> None:

@@ -121,6 +121,8 @@ class SamplingSection:
                             choices=ROUTING_REPLAY)
   record_routing: bool | None = key(None, "ask the server for routed experts and log the routing-mismatch metrics "
                                     "(null: with r3)")
+  top_logprobs_num: int = key(0, "the sampler's k most likely tokens and log-probs per response token (SGLang's "
+                              "top_logprobs_num); loss.score_centering needs k >= 1 (contract §6.6)", ge=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +253,9 @@ class AgentSection:
                                      "(null: what train.row_len leaves after the prompt)", ge=1)
   env_concurrency: int = key(64, "environments stepping at once (a bounded thread pool)", ge=1)
   max_turn_retries: int = key(2, "times a turn the engine aborted (a weight update's pause) is sent again", ge=0)
+  per_turn_rewards: bool = key(False, "each turn's reward on that turn's tokens: a token's advantage is its turn's "
+                               "return (the rewards from its turn on) against the group's baseline; off: the "
+                               "trajectory's reward on every model token (trainers/agents/rewards.py, contract §11.1)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,7 +290,7 @@ def config_keys(section_cls, prefix: str):
 
 # The flat rollout keys before the rollout section was split: each names where it lives now.
 # (Keys added to the nested sections since were never flat.)
-NEVER_FLAT = {"rollout.transport.router", "rollout.transport.router_poll_s"}
+NEVER_FLAT = {"rollout.transport.router", "rollout.transport.router_poll_s", "rollout.sampling.top_logprobs_num"}
 MOVED = {f"rollout.{path.rpartition('.')[2]}": path for path, _, _ in config_keys(RolloutSection, "rollout")
          if path.count(".") == 2 and path != "rollout.placement.mode" and path not in NEVER_FLAT}
 MOVED["rollout.placement"] = "rollout.placement.mode"  # was a string; the name is the section's now

@@ -67,7 +67,13 @@ class HttpTransport:
   def __init__(self, *, timeout_s: float, max_retries: int, backoff_s: float, max_concurrency: int):
     self.http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=max_concurrency,
                                                                     max_keepalive_connections=max_concurrency))
-    self.max_retries, self.backoff_s = max_retries, backoff_s
+    self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
+
+  def sibling(self, max_concurrency: int) -> "HttpTransport":
+    """A transport with this one's timeout and retry policy over its own connection pool (a
+    control plane that requests held by a paused server cannot starve of connections)."""
+    return HttpTransport(timeout_s=self.timeout_s, max_retries=self.max_retries, backoff_s=self.backoff_s,
+                         max_concurrency=max_concurrency)
 
   def request(self, method: str, url: str, path: str, body=None):
     delay, last = self.backoff_s, None

@@ -15,7 +15,8 @@ A `TokenExtra` subclass says, in one place:
 - `span`, `fill`, `dtype`: its packing — one row per response token (`"response"`, at input
   positions `len(prompt) - 1 + j`) or per input position (`"sequence"`), `fill` elsewhere;
 - `model_input`: the `ModelInputs` field it feeds (`support`, `routing`; another name lands in
-  `ModelInputs.extra`), or None;
+  `ModelInputs.extra`), or None; `batch_field`: the `mis_jax.PackedBatch` field it fills (the
+  loss's input, e.g. `rollout_topk_logprobs`), or None;
 - `trainable(value)`: which response tokens the loss may train on (None: all) — a trajectory's
   `turn` (`trainers.agents.episodes.TurnIndex`) keeps the environment's tokens out.
 
@@ -42,7 +43,7 @@ from trainers.serving import protocol
 from trainers.training.rollout import NoRoutedExperts, NoSamplingMask, Reply, RoutingSpec, ServerError
 
 __all__ = ["TokenExtra", "Reply", "register", "unregister", "registered", "active", "pack", "model_inputs", "trainable",
-           "SamplingSupport", "RoutedExperts", "decode_sample_routing"]
+           "SamplingSupport", "RoutedExperts", "SamplerTopLogprobs", "SamplerTopIds", "decode_sample_routing"]
 
 
 class TokenExtra:
@@ -56,6 +57,7 @@ class TokenExtra:
   fill: ClassVar[Any] = 0
   dtype: ClassVar[Any] = np.float32
   model_input: str | None = None
+  batch_field: ClassVar[str | None] = None
   missing_column: ClassVar[str] = ""  # why a replay needs the column (its record check's error)
 
   @classmethod
@@ -300,6 +302,79 @@ class RoutedExperts(TokenExtra):
     what = {"r3": "replayed (R3) in the old-log-prob pass and every training forward", "r2": "compared with the "
             "trainer's; the trainer's old-pass routing is replayed (R2)", "none": "compared with the trainer's"}
     return f"routed experts from the server: {what[self.replay]}"
+
+
+class _SamplerTopK(TokenExtra):
+  """The sampler's top-k head per response token (SGLang's `top_logprobs_num` →
+  `meta_info.output_top_logprobs`, `[[logprob, id, text|null], ...]` per output token): `k`
+  columns of one part of it (`part`: 0 the log-probs, 1 the ids). Score centering (contract §6.6)
+  reads both: the ids in the training forward's chunked pass, the log-probs in the loss."""
+
+  part: ClassVar[int]
+  what = "top-logprobs"
+  missing_column = "which loss.score_centering needs (rollout.sampling.top_logprobs_num)"
+
+  def __init__(self, k: int, vocab_size: int):
+    self.k, self.vocab_size = k, vocab_size
+    self.request = {"top_logprobs_num": k}
+
+  @classmethod
+  def activate(cls, rollout, model_config):
+    k = rollout.sampling.top_logprobs_num
+    return cls(k, model_config.vocab_size) if k > 0 else None
+
+  @classmethod
+  def record_type(cls):
+    import pyarrow as pa
+    return pa.list_(pa.list_(pa.float32() if cls.part == 0 else pa.int32()))
+
+  def parse(self, reply: Reply):
+    rows, n = reply.info.output_top_logprobs, len(reply.ids)
+    if rows is None:
+      raise ServerError("the reply has no meta_info.output_top_logprobs although top_logprobs_num was requested: "
+                        "the server does not return the sampler's top-k log-probs; set "
+                        "rollout.sampling.top_logprobs_num: 0 and loss.score_centering: false")
+    if len(rows) != n:
+      return f"length mismatch: {n} output_ids but {len(rows)} output_top_logprobs"
+    out = np.zeros((n, self.k), self.dtype)
+    for i, row in enumerate(rows):
+      if not isinstance(row, list) or len(row) != self.k:
+        return f"output_top_logprobs[{i}] has {len(row) if isinstance(row, list) else 'no'} entries, expected {self.k}"
+      for j, entry in enumerate(row):
+        if not (isinstance(entry, list) and len(entry) >= 2 and isinstance(entry[1], int)
+                and 0 <= entry[1] < self.vocab_size):
+          return f"output_top_logprobs[{i}][{j}] is not [logprob, token_id in [0, {self.vocab_size}), ...]"
+        if _bad_logprob(entry[0]):
+          return f"invalid top log-prob {entry[0]!r} at output_top_logprobs[{i}][{j}]"
+        out[i, j] = entry[self.part]
+    return out
+
+  def from_record(self, value, prompt_len, response_len):
+    return np.asarray(value, self.dtype).reshape(-1, self.k)
+
+  def check_record(self, value, prompt_len, response_len):
+    if value is None or len(value) != response_len or any(len(row) != self.k for row in value):
+      return (f"column '{self.name}' has {0 if value is None else len(value)} rows, expected {response_len} rows of "
+              f"{self.k} (rollout.sampling.top_logprobs_num)")
+    return None
+
+
+@register
+class SamplerTopLogprobs(_SamplerTopK):
+  """The sampler's top-k log-probs, float32 `[response, k]`: `PackedBatch.rollout_topk_logprobs`."""
+  name, part, dtype, fill = "top_logprobs", 0, np.float32, 0.0
+  batch_field = "rollout_topk_logprobs"
+
+  def describe(self):
+    return f"the sampler's top-{self.k} log-probs per token (score centering, contract §6.6)"
+
+
+@register
+class SamplerTopIds(_SamplerTopK):
+  """The ids of the sampler's top-k, int32 `[response, k]`: `ModelInputs.extra["top_logprob_ids"]`,
+  whose log-probs the training forward gathers in its chunked pass (`token_logprobs(extra_ids=)`)."""
+  name, part, dtype, fill = "top_logprob_ids", 1, np.int32, 0
+  model_input = "top_logprob_ids"
 
 
 def decode_sample_routing(meta, num_tokens: int, routing: RoutingSpec) -> np.ndarray:

@@ -28,6 +28,8 @@ from trainers.training.engines import HttpEngine, HttpTransport
 from trainers.training.rollout import ServerError, ServerUnavailable
 from trainers.training.sglang_client import SGLangClient
 
+CONTROL_CONNECTIONS = 64  # the control pool bounds how many workers load a push at once (connections open as needed)
+
 
 def router_workers(router: HttpEngine) -> list[str]:
   """The URLs of the regular workers the router lists (`GET /workers`, sglang-router 0.3)."""
@@ -47,10 +49,14 @@ class RouterClient(SGLangClient):
   each push and health check)."""
 
   def __init__(self, router_url: str, transport: HttpTransport, *, poll_s: float = 1.0, log=print, **kwargs):
-    self.router = HttpEngine(router_url, transport)
+    self.router = HttpEngine(router_url, transport)  # generation: `transport`'s connections
     super().__init__([self.router], **kwargs)  # the workers replace it at the first refresh
     self.engines, self.urls = {}, []
-    self.transport, self.log = transport, log
+    # The worker list, probes and weight pushes over a pool of their own: generation requests the
+    # router sent to a paused (joining) worker hold their connections until that worker is
+    # admitted, and the admission must not wait for one of them.
+    self.transport, self.log = transport.sibling(max_concurrency=CONTROL_CONNECTIONS), log
+    self._control = HttpEngine(router_url, self.transport)
     self._push_lock = threading.RLock()  # one push (or admission) at a time
     self._served: tuple[str, str] | None = None  # (path, version) every worker must serve
     self.admitted: list[tuple[str, str | None]] = []  # (url, version it got on joining), in order
@@ -65,7 +71,7 @@ class RouterClient(SGLangClient):
   def refresh(self) -> list[str]:
     """Reads the router's worker list: new workers join the fleet (with the served weights, if
     any were pushed yet), those no longer listed leave it. Returns the new ones."""
-    listed = router_workers(self.router)
+    listed = router_workers(self._control)
     with self._push_lock:
       with self._lock:
         new = [u for u in listed if u not in self.engines]
@@ -176,6 +182,7 @@ class RouterClient(SGLangClient):
     super().close()
     self._rows.shutdown(wait=True)
     self.router.close()
+    self._control.close()
 
 
 def router_client(router_url: str, *, timeout_s: float = 120.0, max_retries: int = 3, backoff_s: float = 0.5,

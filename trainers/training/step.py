@@ -55,13 +55,16 @@ class Heads(NamedTuple):
   """What a forward yields per token, float32 `[B, T]` unless said: `logprobs`; `entropy`;
   `kept_mass` (the kept log-mass of a sampling support); `sum_sq` (`Σ_v π_v²`); `routing`
   (the native routed experts `[B, T, num_hidden_layers, k]` int32 of a mixture-of-experts model);
-  `router_aux_loss` (its load-balancing loss, a scalar). A head not asked for is None."""
+  `router_aux_loss` (its load-balancing loss, a scalar); `topk_logprobs` (`[B, T, k]`, the log-probs of
+  the sampler's top-k ids, `ModelInputs.extra["top_logprob_ids"]`: score centering's). A head not asked
+  for is None."""
   logprobs: jax.Array
   entropy: jax.Array | None = None
   kept_mass: jax.Array | None = None
   sum_sq: jax.Array | None = None
   routing: jax.Array | None = None
   router_aux_loss: jax.Array | None = None
+  topk_logprobs: jax.Array | None = None
 
 
 class Forward(NamedTuple):
@@ -90,13 +93,14 @@ def make_optimizer(train_cfg) -> optax.GradientTransformation:
 
 def model_logprobs(graphdef, params, inputs: ModelInputs, segment_ids, *, temperature: float,
                    chunk_size: int, entropy: bool, mesh=None, kept_mass: bool = False, routing_out: bool = False,
-                   sum_sq: bool = False) -> Heads:
+                   sum_sq: bool = False, topk: bool = False) -> Heads:
   """The `Heads` of a teacher-forced forward: per-token `log_softmax(logits / temperature)[targets]`
   (and with `entropy` the entropy), float32 `[B, T]`, from the model's final hidden states with
   `mis_jax.token_logprobs` (no `[T, V]` logits). With `inputs.support`, log-probs and entropy are
   over each token's sampling support and `kept_mass` adds the kept log-mass. A mixture-of-experts
   model replays `inputs.routing` when given; `routing_out` adds its native top-k per layer
-  (`routing`) and the load-balancing loss (`router_aux_loss`); `sum_sq` adds `Σ_v π_v²` per token.
+  (`routing`) and the load-balancing loss (`router_aux_loss`); `sum_sq` adds `Σ_v π_v²` per token;
+  `topk` the log-probs of `inputs.extra["top_logprob_ids"]` (`topk_logprobs`, from the same chunks).
 
   On a mesh the head runs in a `shard_map`: each device takes its own rows (and, when the row
   length divides, a `1/tensor` share of their tokens) against the LM head all-gathered in the
@@ -110,12 +114,13 @@ def model_logprobs(graphdef, params, inputs: ModelInputs, segment_ids, *, temper
   else:
     hidden = model.hidden_states(inputs.input_ids, inputs.positions, segment_ids, routing=inputs.routing)
   kept_mass = kept_mass and inputs.support is not None
+  extra_ids = inputs.extra["top_logprob_ids"] if topk else None
   out = _head_logprobs(model, hidden, inputs, temperature=temperature, chunk_size=chunk_size, entropy=entropy,
-                       mesh=mesh, kept_mass=kept_mass, sum_sq=sum_sq)
-  # mis_jax.token_logprobs: (log-probs, [entropy], [kept log-mass], [Σπ²]) in that order
+                       mesh=mesh, kept_mass=kept_mass, sum_sq=sum_sq, extra_ids=extra_ids)
+  # mis_jax.token_logprobs: (log-probs, [entropy], [kept log-mass], [Σπ²], [extra ids' log-probs]) in that order
   out = list(out) if isinstance(out, tuple) else [out]
   heads = Heads(out.pop(0), entropy=out.pop(0) if entropy else None, kept_mass=out.pop(0) if kept_mass else None,
-                sum_sq=out.pop(0) if sum_sq else None)
+                sum_sq=out.pop(0) if sum_sq else None, topk_logprobs=out.pop(0) if topk else None)
   if not routing_out:
     return heads
   if routing is None:
@@ -124,17 +129,18 @@ def model_logprobs(graphdef, params, inputs: ModelInputs, segment_ids, *, temper
 
 
 def _head_logprobs(model, hidden, inputs: ModelInputs, *, temperature, chunk_size, entropy, mesh, kept_mass,
-                   sum_sq=False):
+                   sum_sq=False, extra_ids=None):
   head, layout = model.head()
   head = head.astype(hidden.dtype)
-  with_support = inputs.support is not None
+  with_support, with_extra = inputs.support is not None, extra_ids is not None
 
-  def fn(h, w, y, support=None):
+  def fn(h, w, y, *ids):
+    support, extra = (ids[0] if with_support else None), (ids[-1] if with_extra else None)
     return mis_jax.token_logprobs(h, w, y, temperature=temperature, chunk_size=chunk_size, return_entropy=entropy,
                                   lm_head_layout=layout, support_ids=support, return_kept_mass=kept_mass,
-                                  return_sum_pi_squared=sum_sq)
+                                  return_sum_pi_squared=sum_sq, extra_ids=extra)
 
-  args = (inputs.targets,) + ((inputs.support,) if with_support else ())
+  args = (inputs.targets,) + ((inputs.support,) if with_support else ()) + ((extra_ids,) if with_extra else ())
   if mesh is None or mesh.size == 1:
     return fn(hidden, head, *args)
   # The head enters in its own shards (in the compute dtype) and is all-gathered inside, so
@@ -150,10 +156,12 @@ def _head_logprobs(model, hidden, inputs: ModelInputs, *, temperature, chunk_siz
 
   tokens = "tensor" if hidden.shape[1] % mesh.shape["tensor"] == 0 else None
   spec = P(parallel.BATCH_AXES, tokens)
+  per_id = P(parallel.BATCH_AXES, tokens, None)  # [B, T, K] ids (and their log-probs)
   num_out = 1 + entropy + kept_mass + sum_sq
-  out_specs = (spec,) * num_out if num_out > 1 else spec
-  in_specs = (P(parallel.BATCH_AXES, tokens, None), head_spec, spec) + ((P(parallel.BATCH_AXES, tokens, None),)
-                                                                        if with_support else ())
+  out_specs = (spec,) * num_out + ((per_id,) if with_extra else ())
+  out_specs = out_specs if len(out_specs) > 1 else spec
+  in_specs = ((P(parallel.BATCH_AXES, tokens, None), head_spec, spec) + ((per_id,) if with_support else ())
+              + ((per_id,) if with_extra else ()))
   return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(hidden, head,
                                                                                                  *args)
 
@@ -244,10 +252,12 @@ class StepFunctions:
 
       def loss_fn(p, mb_inputs, mb_batch, mb_correction):
         replay = mb_inputs.support is not None
-        heads = lp(p, mb_inputs, mb_batch.segment_ids, entropy=True, kept_mass=replay, routing_out=aux_coef > 0)
+        heads = lp(p, mb_inputs, mb_batch.segment_ids, entropy=True, kept_mass=replay, routing_out=aux_coef > 0,
+                   topk=loss_cfg.score_centering)
         logp = heads.logprobs
         loss, metrics = mis_jax.policy_loss(logp, mb_batch, loss_cfg, entropy=heads.entropy,
-                                            correction=mb_correction.replace(denominators=correction.denominators))
+                                            correction=mb_correction.replace(denominators=correction.denominators),
+                                            topk_logprobs=heads.topk_logprobs)
         if aux_coef > 0:  # HF's load-balancing loss per micro-batch, token-weighted over the step
           aux = heads.router_aux_loss
           share = jnp.sum((mb_batch.segment_ids >= 0).astype(jnp.float32)) / num_tokens

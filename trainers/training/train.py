@@ -39,6 +39,7 @@ import numpy as np
 
 import mis_jax
 from trainers.agents.env import is_agent_task
+from trainers.agents import rewards as agent_rewards
 from trainers.agents.episodes import Episodes, turn_mismatch
 from trainers.models import PRESETS, DTYPES, ModelConfig, init_checkpoint, load_hf_params
 from trainers.training import checkpointing, checks, distributed, extras as extras_lib, parallel, plan as plan_lib
@@ -105,6 +106,8 @@ class Trainer:
                devices=None, task=None):
     cfg = self.cfg = cfg if loss_cfg is None else cfg.replace(loss=loss_cfg)
     self.task = task if task is not None else checks.check_config(cfg)
+    if task is not None:  # a task given directly skips check_config; this check of it still runs
+      checks.check_per_turn_rewards(cfg)
     self.mesh = checks.check_parallel(cfg, devices)
     self.run_dir = os.path.abspath(cfg.run_dir)
     os.makedirs(self.run_dir, exist_ok=True)
@@ -115,7 +118,8 @@ class Trainer:
     model_cfg = self.model_config = ModelConfig.from_pretrained(start_dir)
     self.agent = is_agent_task(self.task)  # its prompts start multi-turn trajectories (`trainers.agents`)
     # The per-token extras the run asks for, records, packs, feeds (an agent run's `turn` among them).
-    self.extras = extras_lib.active(r, model_cfg) + (Episodes.extras if self.agent else ())
+    self.extras = extras_lib.active(r, model_cfg) + (Episodes.declared_extras(cfg.agent.per_turn_rewards)
+                                                     if self.agent else ())
     self.routing_replay, self.routing_spec = checks.routing_setup(r, model_cfg)  # the plan's passes
     self.max_new_tokens = checks.max_new_tokens(r, self.task)
     self.plan: StepPlan = plan_lib.plan_step(cfg, self.routing_replay, self.routing_spec)
@@ -296,6 +300,10 @@ class Trainer:
                           batch_devices=parallel.batch_devices(self.mesh), extras=self.extras,
                           trained_tokens=trained,
                           staleness=staleness if self.cfg.loss.proximal == "loglinear" else None)
+    if self.cfg.agent.per_turn_rewards:  # each turn's return on its tokens (trainers/agents/rewards.py)
+      sb.batch = sb.batch.replace(advantages=sb.tokens(
+          agent_rewards.token_advantages(samples, rewards, sb.advantages, groups,
+                                         estimator=t.advantage_estimator), 0.0, np.float32))
     sb.metrics.update(metrics)
     return sb
 

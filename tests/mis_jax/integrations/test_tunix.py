@@ -35,6 +35,7 @@ from tunix.rl.rollout import base_rollout
 
 import mis_jax
 from mis_jax.integrations import tunix as mis_tunix
+from tunix_helpers import logged, perturb_rollout_logprobs
 
 pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
 
@@ -110,21 +111,6 @@ def record_examples(learner):
   return examples
 
 
-def perturb_rollout_logprobs(cluster, scale=0.3, seed=0):
-  """The engine reports log-probs off by N(0, scale²) per token: a train–inference mismatch."""
-  generate = cluster.rollout.generate
-  rng = np.random.default_rng(seed)
-
-  def perturbed(*args, **kwargs):
-    out = generate(*args, **kwargs)
-    out.logprobs = [np.asarray(lp) + rng.normal(0.0, scale, np.shape(lp)).astype(np.float32) for lp in out.logprobs]
-    return out
-
-  cluster.rollout.generate = perturbed
-
-
-def logged(cluster, name):
-  return cluster.actor_trainer.metrics_logger.get_metric_history("actor", name, "train")
 
 
 def train_one_step(learner):
@@ -195,7 +181,7 @@ def test_injected_mismatch_equals_mis_jax_directly(settings):
   config = mis_tunix.MISGRPOConfig(num_generations=2, beta=0.0, **settings)
   learner = mis_tunix.MISGRPOLearner(cluster, config, [reward])
   assert config.loss_config.algorithm == "decoupled_ppo"
-  perturb_rollout_logprobs(cluster)
+  perturb_rollout_logprobs(cluster, scale=0.3)
   examples = record_examples(learner)
   train_one_step(learner)
   example = examples[0]

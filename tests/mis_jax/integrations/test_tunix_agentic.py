@@ -41,6 +41,7 @@ from tunix.rl.rollout import base_rollout
 
 import mis_jax
 from mis_jax.integrations import tunix as mis_tunix
+from tunix_helpers import logged, perturb_rollout_logprobs
 from mis_jax.integrations import tunix_agentic as mis_agentic
 
 pytestmark = pytest.mark.integration  # the real tunix package, several training runs
@@ -171,21 +172,6 @@ def record_updates(cluster):
   return updates
 
 
-def perturb_rollout_logprobs(cluster, scale=0.5, seed=0):
-  """The engine reports log-probs off by N(0, scale²) per token: a train–inference mismatch."""
-  generate = cluster.rollout.generate
-  rng = np.random.default_rng(seed)
-
-  def perturbed(*args, **kwargs):
-    out = generate(*args, **kwargs)
-    out.logprobs = [np.asarray(lp) + rng.normal(0.0, scale, np.shape(lp)).astype(np.float32) for lp in out.logprobs]
-    return out
-
-  cluster.rollout.generate = perturbed
-
-
-def logged(cluster, name):
-  return cluster.actor_trainer.metrics_logger.get_metric_history("actor", name, "train")
 
 
 def current_logps(model, example):
@@ -243,7 +229,7 @@ def token_tis_run():
   cluster = make_cluster(steps=2)
   learner = make_learner(cluster, use_tis=True, tis_clip=TIS_CLIP)
   assert learner.algo_config.loss_config.algorithm == "decoupled_ppo"
-  perturb_rollout_logprobs(cluster)
+  perturb_rollout_logprobs(cluster, scale=0.5)
   updates = record_updates(cluster)
   learner.train(DATA)
   return cluster, learner, updates

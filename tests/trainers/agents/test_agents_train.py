@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import mis_jax
+from agent_oracle import per_turn_advantages
 from test_train import embedded_server, make_cfg
 from trainers.agents.env import Observation, Turn
 from trainers.tasks.base import Prompt
@@ -51,6 +52,20 @@ class ThreeTurnsEnv:
                        reward=self.digits / self.tokens if done else 0.0, done=done, counts={"tool_calls": 1})
 
 
+class EveryTurnRewarded(ThreeTurns):
+  """ThreeTurns whose environment rewards every turn: the share of digit tokens in that turn."""
+
+  def environment(self, prompt):
+    return EveryTurnRewardedEnv()
+
+
+class EveryTurnRewardedEnv(ThreeTurnsEnv):
+  def step(self, turn: Turn) -> Observation:
+    obs = super().step(turn)
+    return Observation(ids=obs.ids, reward=sum(t in DIGITS for t in turn.ids) / len(turn.ids), done=obs.done,
+                       counts=obs.counts)
+
+
 @pytest.fixture(scope="module")
 def server32(tmp_path_factory):
   with embedded_server(tmp_path_factory, "float32") as srv:
@@ -72,12 +87,13 @@ class Spy:
     monkeypatch.setattr(SGLangClient, "generate", spy)
 
 
-def _trainer(tmp_path, url, name="run", **sections):
+def _trainer(tmp_path, url, name="run", task=None, **sections):
   sections.setdefault("train", {})
   sections["train"] = {"steps": 10, "row_len": 32, "tokens_per_micro_batch": 128, **sections["train"]}
-  cfg = make_cfg(tmp_path, name, agent={"max_turns": 4}, **sections)
+  sections["agent"] = {"max_turns": 4, **sections.get("agent", {})}
+  cfg = make_cfg(tmp_path, name, **sections)
   return train_lib.Trainer(cfg, mis_jax.LossConfig(use_tis=True, tis_clip=2.0), urls=[url] if url else [],
-                           task=ThreeTurns())
+                           task=task or ThreeTurns())
 
 
 def _flat(params):
@@ -133,11 +149,7 @@ def test_trajectories_train_on_exactly_the_sampled_and_observed_ids(server32, tm
   # Replayed from its records with no server, the run's first 3 steps train bitwise the same.
   replay = _trainer(tmp_path, None, "replay", train={"steps": 3},
                     rollout={"records": {"load_dir": records}, "prompts_per_step": 2, "n": 4}).run(progress=False)
-  for a, b in zip(history, replay):
-    for k in a:
-      if k.endswith(("_s", "tokens_per_s")) or k.startswith(("agent/", "rollout/")) or k == "server_weight_version":
-        continue
-      assert a[k] == b[k], (a["step"], k, a[k], b[k])
+  _assert_same_training(history[:3], replay)
 
 
 def test_asynchronous_multi_turn_rollouts_keep_each_turns_version(server32, tmp_path):
@@ -165,3 +177,68 @@ def test_colocated_multi_turn_rollouts(tmp_path):
   for h in history:
     assert h["agent/turns_mean"] == 3 and h["mis_k3_kl"] < 1e-6 and h["grad_norm"] > 0
     assert h["server_weight_version"] == str(h["step"] - 1)
+
+
+def test_per_turn_rewards_train_each_turn_on_its_return(server32, tmp_path, monkeypatch):
+  """agent.per_turn_rewards in whole runs: every step's packed advantages are the oracle's (a turn's
+  return against its group's baseline) on trajectories rewarded at every turn; records keep each
+  turn's reward, so a replay trains bitwise the same; with the reward at the last turn only, the
+  run is bitwise the default run (the trajectory's reward on every token) on the same rollouts."""
+  batches = []
+  build = train_lib.Trainer.build_batch
+
+  def spy(trainer, prompts, result):
+    sb = build(trainer, prompts, result)
+    batches.append((result.samples, sb))
+    return sb
+  monkeypatch.setattr(train_lib.Trainer, "build_batch", spy)
+  per_turn = {"per_turn_rewards": True}
+  rollout = {"prompts_per_step": 2, "n": 4}
+  records = str(tmp_path / "every-turn")
+  trainer = _trainer(tmp_path, server32.url, "every-turn", task=EveryTurnRewarded(), agent=per_turn,
+                     train={"steps": 2}, rollout={**rollout, "records": {"save_dir": records}})
+  before = _flat(trainer.params)
+  history = trainer.run(progress=False)
+  assert not np.array_equal(before, _flat(trainer.params)) and all(h["grad_norm"] > 0 for h in history)
+  assert len(batches) == 2
+  for samples, sb in batches:
+    got = sb.per_sequence(sb.batch.advantages)
+    for g, want in zip(got, per_turn_advantages(samples, "grpo")):
+      np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-5)
+    # The turns' returns differ, so the per-turn advantages are not the trajectory's.
+    assert any(not np.allclose(g[len(s.prompt_ids) - 1:], a) for g, s, a in zip(got, samples, sb.advantages))
+  replay = _trainer(tmp_path, None, "every-turn-replay", task=EveryTurnRewarded(), agent=per_turn,
+                    train={"steps": 1}, rollout={**rollout, "records": {"load_dir": records}}).run(progress=False)
+  _assert_same_training(history[:1], replay)
+  # The reward at the last turn only: per-turn returns are the trajectory's reward on every token.
+  records = str(tmp_path / "last-turn")
+  last = _trainer(tmp_path, server32.url, "last-turn", agent=per_turn, train={"steps": 1},
+                  rollout={**rollout, "records": {"save_dir": records}}).run(progress=False)
+  default = _trainer(tmp_path, None, "last-turn-default", train={"steps": 1},
+                     rollout={**rollout, "records": {"load_dir": records}}).run(progress=False)
+  _assert_same_training(last, default)
+
+
+def _assert_same_training(a_history, b_history):
+  """Every metric of every step equal, but times and the rollout's own counters."""
+  assert len(a_history) == len(b_history)
+  for a, b in zip(a_history, b_history):
+    for k in a:
+      if k.endswith(("_s", "tokens_per_s")) or k.startswith(("agent/", "rollout/")) or k == "server_weight_version":
+        continue
+      assert a[k] == b[k], (a["step"], k, a[k], b[k])
+
+
+def test_the_lookup_task_trains_with_per_turn_rewards(server32, tmp_path):
+  """The tool task (its call bonus at the call's turn, the score at the answer's) with per-turn
+  rewards: every step trains and the weights move."""
+  from trainers.tasks.lookup_digits import LookupDigitsTask
+  # A near-uniform model, and credit for any digit: some answers of each step score. The batch's
+  # shapes are the other runs' here (2 prompts x 4): their compiled programs serve.
+  trainer = _trainer(tmp_path, server32.url, "lookup", task=LookupDigitsTask(num_digits=1, digit_credit=0.25),
+                     agent={"per_turn_rewards": True, "max_turns": 3}, train={"steps": 2},
+                     rollout={"prompts_per_step": 2, "n": 4}, model={"initializer_range": 0.02})
+  before = _flat(trainer.params)
+  history = trainer.run(progress=False)
+  assert [h["step"] for h in history] == [1, 2] and all(h["grad_norm"] > 0 for h in history)
+  assert not np.array_equal(before, _flat(trainer.params))

@@ -77,3 +77,23 @@ def test_sample_seeds_are_distinct_and_deterministic():
   assert all(0 <= s < 2**31 for s in seeds)
   # A chunk of prompts 4.. gets the seeds that follow (the same whatever the chunking).
   assert sample_seeds(3, 2, 8, offset=4 * 8) == sample_seeds(3, 6, 8)[32:]
+
+
+def test_top_logprobs_num_is_normalised_and_returned_in_sglang_form():
+  """`top_logprobs_num` per prompt (a scalar shared, a list one each), a negative one refused with
+  SGLang's kind of message; `meta_info` carries `input_top_logprobs` / `output_top_logprobs` after the
+  token log-probs, and the client's `MetaInfo` reads them."""
+  req = protocol.GenerateRequest(input_ids=[[1, 2], [3]], return_logprob=True, top_logprobs_num=[2, 0])
+  items = protocol.normalize_generate(req).items
+  assert [i.top_logprobs_num for i in items] == [2, 0]
+  bad = protocol.normalize_generate(protocol.GenerateRequest(input_ids=[1], top_logprobs_num=-1)).items[0]
+  with pytest.raises(protocol.RequestError, match="top_logprobs_num must be >= 0"):
+    protocol.validate_item(bad, vocab_size=10, context_length=512)
+  top = [[[-0.1, 4, None], [-2.5, 1, None]]]
+  meta = protocol.meta_info(rid="r", finish_reason=protocol.finish_length(1), prompt_tokens=1, weight_version="0",
+                            completion_tokens=1, e2e_latency=0.0, sent_ts=0.0, logprobs=([], [[-0.1, 4, None]]),
+                            top_logprobs=([], top))
+  keys = list(meta)
+  assert keys.index("output_top_logprobs") == keys.index("output_token_logprobs_length") + 2
+  parsed = protocol.parse_generate_result({"output_ids": [4], "meta_info": meta})
+  assert parsed.meta_info.output_top_logprobs == top

@@ -300,3 +300,28 @@ def test_decoding_in_segments_and_a_swap_between_them(sampler, monkeypatch):
     assert c.output_ids[:8] == w.output_ids[:8] and c.logprobs[:8] == w.logprobs[:8]
     assert c.logprobs[8:] != w.logprobs[8:]
   assert sampler.params is not other  # the sampler's own weights are untouched by a swap
+
+
+def test_top_logprobs_are_the_teacher_forced_head(sampler, tiny_model):
+  """`top_logprobs_num` k (SGLang's `output_top_logprobs`): each output token's k most likely ids and
+  their full-vocabulary `log_softmax(logits / T)`, by descending probability, as the full forward's;
+  the sampled token's log-prob is among them exactly when its id is."""
+  params = SamplingOptions(temperature=0.7, top_k=20, max_new_tokens=6, ignore_eos=True, seed=3, top_logprobs_num=3)
+  outs = sampler.generate(PROMPTS[:2], params)
+  plain = sampler.generate(PROMPTS[:2], dataclasses.replace(params, top_logprobs_num=0))
+  inside = 0
+  for c, p in zip(outs, plain):
+    assert c.output_ids == p.output_ids and p.top_logprobs is None  # asking for the head changes no draw
+    logits = sequence_logits(tiny_model, PROMPTS[c.prompt_index] + c.output_ids)
+    for t, (row, tok, lp) in enumerate(zip(c.top_logprobs, c.output_ids, c.logprobs)):
+      z = logits[len(PROMPTS[c.prompt_index]) - 1 + t] / 0.7
+      log_p = z - np.log(np.sum(np.exp(z - z.max()))) - z.max()
+      want = np.argsort(-log_p, kind="stable")[:3]
+      assert [i for _, i in row] == want.tolist()
+      np.testing.assert_allclose([v for v, _ in row], log_p[want], atol=5e-5)
+      if tok in want:
+        inside += 1
+        assert abs(dict((i, v) for v, i in row)[tok] - lp) < 1e-6
+  assert inside > 0
+  with pytest.raises(ValueError, match="top_logprobs_num"):
+    SamplingOptions(top_logprobs_num=-1)

@@ -90,12 +90,15 @@ def test_the_toy_extra_is_one_file():
   assert inspect.getsourcefile(ToyScore) == __file__
   named = [p for p in (ROOT / "trainers").rglob("*.py") if "toy_score" in p.read_text()]
   assert named == []
-  # The extras the trainer ships are one declaration each: the engine's two in the extras module,
-  # the trajectories' turn index in the episode driver that makes it.
-  from trainers.agents import episodes
+  # The extras the trainer ships are one declaration each: the engine's in the extras module (the
+  # sampler's top-k head as two columns, its log-probs and its ids), the trajectories' turn index in
+  # the episode driver that makes it, their per-turn rewards in the module that turns them into
+  # advantages.
+  from trainers.agents import episodes, rewards
   kinds = {name: inspect.getsourcefile(k) for name, k in extras_lib.registered().items() if name != "toy_score"}
   assert kinds == {"sampling_mask": extras_lib.__file__, "routed_experts": extras_lib.__file__,
-                   "turn": episodes.__file__}
+                   "top_logprobs": extras_lib.__file__, "top_logprob_ids": extras_lib.__file__,
+                   "turn": episodes.__file__, "turn_reward": rewards.__file__}
 
 
 def test_reply_to_model_input_and_back_out_of_the_records(toy, tmp_path):

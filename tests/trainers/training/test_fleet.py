@@ -12,7 +12,7 @@ import mis_jax
 from trainers.models import init_checkpoint
 from trainers.serving import router as router_lib
 from trainers.serving.embedded.server import EmbeddedServer
-from trainers.training import train as train_lib
+from trainers.training import fleet as fleet_lib, train as train_lib
 
 from test_train import make_cfg, merged
 
@@ -124,3 +124,16 @@ def test_a_worker_dies_and_another_joins(fleet, checkpoint, tmp_path):
     assert _generate_calls(c) > joined["calls"]  # and served from step 4 on: its samples are all version >= 3
     assert _version(c.url) == _version(a.url) == "5"
     assert b.url in client.down_urls() or b.url in client.dropped
+
+
+def test_the_worker_list_and_pushes_have_their_own_connections():
+  """Generation requests the router sent to a paused, joining worker hold every generation
+  connection until the worker is admitted; the admission (worker list, push, resume) must not
+  wait for one of them (it did, for the transport's whole timeout)."""
+  client = fleet_lib.router_client("http://127.0.0.1:9", max_concurrency=2, poll_s=0)
+  try:
+    assert client.transport is not client.router.transport
+    assert client.transport.http is not client.router.transport.http
+    assert client._control.transport is client.transport
+  finally:
+    client.close()

@@ -175,7 +175,7 @@ def test_server_dying_mid_run_keeps_the_last_checkpoint(tmp_path):
       trainer.run(progress=False)
     assert {p for _, p in fake.requests} <= {"/health", "/generate", "/pause_generation", "/flush_cache",
                                              "/update_weights_from_disk", "/model_info", "/continue_generation",
-                                             "/server_info", "/get_server_info"}
+                                             "/server_info", "/get_server_info", "/mis_jax/read_probe"}
   resumed = _trainer(tmp_path, FakeSGLang().url, train={"steps": 3})
   assert resumed.restore_latest() and resumed.step == 2
   with pytest.raises(train_lib.TrainingError, match="already holds checkpoints"):
@@ -366,3 +366,27 @@ def test_steps_left_without_a_fresh_token_warn_then_stop(tmp_path):
   rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   assert [r["rollout/stale_token_fraction"] for r in rows] == [0.0, 1.0, 1.0] and rows[1]["loss"] == 0
   assert trainer.checkpoints.latest_step() == 2
+
+
+def test_score_centering_end_to_end(server, tmp_path, step_traces):
+  """Score centering (contract §6.6) through the embedded server: the sampler's top-4 head asked for
+  (`top_logprobs_num`), parsed, packed beside the tokens, the ids' log-probs gathered in the training
+  forward's chunked pass, the centred loss of REINFORCE + IS; two steps move the weights and log the
+  centring metrics, finite; the step traces once per bucket."""
+  import jax
+  loss_cfg = mis_jax.LossConfig(use_tis=True, use_rollout_logprobs=True, denominator="original", score_centering=True)
+  trainer = train_lib.Trainer(make_cfg(tmp_path, train={"steps": 2}, rollout={"sampling": {"top_logprobs_num": 4}}),
+                              loss_cfg, urls=[server.url])
+  assert {e.name for e in trainer.extras} == {"top_logprobs", "top_logprob_ids"}
+  before = jax.tree.map(np.asarray, trainer.params)
+  history = trainer.run(progress=False)
+  assert [h["step"] for h in history] == [1, 2]
+  moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(b, np.float32) - a).max()), before,
+                                       trainer.params))
+  assert max(moved) > 0
+  for h in history:
+    for name in ("score_centering_tv", "score_centering_tail_mass", "score_centering_drift",
+                 "score_centering_residual_bound"):
+      assert np.isfinite(h[name]), name
+    assert 0 < h["score_centering_tail_mass"] < 1 and h["score_centering_drift"] > 0
+  step_traces.check("train", "prepare")

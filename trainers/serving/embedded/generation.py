@@ -260,6 +260,10 @@ class GenerationEngine:
       outputs = protocol.logprob_entries(c.logprobs, c.output_ids,
                                          texts(c.output_ids) if texts else None)
       logprobs = (inputs, outputs)
+    top = None
+    if item.return_logprob and item.top_logprobs_num > 0:  # SGLang's: the prompt's are not computed here
+      top = ([None] * len(logprobs[0]), [protocol.logprob_entries([v for v, _ in row], [t for _, t in row])
+                                          for row in c.top_logprobs])
     mask = None
     if item.return_sampling_mask:  # top_k <= the cap was checked, so no support overflows it
       mask = (c.sampling_mask, c.sampling_mask_logprobs if item.sampling_logprobs_mode == "support"
@@ -276,7 +280,7 @@ class GenerationEngine:
     meta = protocol.meta_info(rid=item.rid, finish_reason=finish, prompt_tokens=c.prompt_tokens,
                               weight_version=version, completion_tokens=n,
                               e2e_latency=latency, sent_ts=now, logprobs=logprobs, sampling_mask=mask,
-                              routed_experts=routed, spans=spans)
+                              routed_experts=routed, spans=spans, top_logprobs=top)
     return {"text": self._decode(shown, item.sampling.skip_special_tokens),
             "output_ids": c.output_ids, "meta_info": meta}
 
@@ -461,7 +465,8 @@ def _engine_params(item: protocol.Item, context: int, routed_experts: bool = Fal
                         min_p=float(s.min_p), max_new_tokens=max_new,
                         stop_token_ids=tuple(s.stop_token_ids or ()), ignore_eos=bool(s.ignore_eos),
                         n=1, seed=s.sampling_seed, sampling_mask=item.return_sampling_mask,
-                        routed_experts=routed_experts and item.return_routed_experts)
+                        routed_experts=routed_experts and item.return_routed_experts,
+                        top_logprobs_num=item.top_logprobs_num if item.return_logprob else 0)
 
 
 def _load_tokenizer(path: str):

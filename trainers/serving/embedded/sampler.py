@@ -69,6 +69,7 @@ class SamplingOptions:
   seed: int | None = None
   sampling_mask: bool = False  # return each output token's support (needs a finite top_k or greedy)
   routed_experts: bool = False  # return every position's experts per layer (a mixture-of-experts model)
+  top_logprobs_num: int = 0  # return each output token's k most likely ids and their log-probs (SGLang's)
 
   def __post_init__(self):
     if not (isinstance(self.temperature, (int, float)) and self.temperature >= 0):
@@ -87,6 +88,8 @@ class SamplingOptions:
       raise ValueError(f"stop_token_ids must be ints, got {self.stop_token_ids!r}")
     if self.seed is not None and not isinstance(self.seed, int):
       raise ValueError(f"seed must be an int, got {self.seed!r}")
+    if not (isinstance(self.top_logprobs_num, int) and self.top_logprobs_num >= 0):
+      raise ValueError(f"top_logprobs_num must be an int >= 0, got {self.top_logprobs_num!r}")
     if self.sampling_mask and self.top_k == -1 and self.temperature >= _GREEDY_BELOW:
       raise ValueError("sampling_mask needs a finite top_k (or greedy sampling): the support "
                        "width must be bounded")
@@ -111,6 +114,9 @@ class Completion:
   # With `routed_experts`: int32 `[prompt + completion - 1, num_hidden_layers, k]`, row i the
   # experts that routed the token at position i (the last sampled token never ran).
   routed_experts: np.ndarray | None = None
+  # With `top_logprobs_num` k: per output token, the k most likely `(logprob, id)` of the full
+  # `log_softmax(logits / T)` (SGLang's `output_top_logprobs`), by descending probability.
+  top_logprobs: list[list[tuple[float, int]]] | None = None
   # `(version, first output token)` of the weights that generated it: one entry, or one per
   # weight update it ran across (paused in place).
   versions: list[tuple[str, int]] = dataclasses.field(default_factory=lambda: [("", 0)])
@@ -120,9 +126,10 @@ def _bucket(n: int, minimum: int) -> int:
   return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
-def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, *, mask_width: int = 0):
-  """One row: `logits [V]` float32 → `(token, log_softmax(logits / T)[token], support)`, with
-  `support` `{ids [W], logprobs [W], size}` when `mask_width` > 0, else None.
+def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, *, mask_width: int = 0, top_width: int = 0):
+  """One row: `logits [V]` float32 → `(token, log_softmax(logits / T)[token], support, top)`, with
+  `support` `{ids [W], logprobs [W], size}` when `mask_width` > 0, else None, and `top`
+  `{ids [k], logprobs [k]}` (the `top_width` most likely, full vocabulary) when `top_width` > 0.
 
   The kept set ("support") is a prefix of the vocabulary sorted by descending probability
   (ties in id order), as SGLang's sampler: top-k by rank, top-p on the cumulative mass of the
@@ -146,13 +153,14 @@ def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, *, mask_wi
   in_support = jnp.zeros((vocab,), bool).at[order].set(rank < size)
   masked = jnp.where(in_support, logp, -jnp.inf)
   token = jax.random.categorical(key, masked)
+  top = {"ids": order[:top_width].astype(jnp.int32), "logprobs": sorted_logp[:top_width]} if top_width else None
   if not mask_width:
-    return token, logp[token], None
+    return token, logp[token], None, top
   first = rank[:mask_width] < size
   support = {"ids": jnp.where(first, order[:mask_width], -1).astype(jnp.int32),
              "logprobs": jnp.where(first, sorted_logp[:mask_width] - jax.nn.logsumexp(masked), 0.0),
              "size": size.astype(jnp.int32)}
-  return token, logp[token], support
+  return token, logp[token], support, top
 
 
 def _aligned_rows(x: jax.Array, start: jax.Array) -> jax.Array:
@@ -163,7 +171,7 @@ def _aligned_rows(x: jax.Array, start: jax.Array) -> jax.Array:
 
 
 def _prefill(graphdef, params, prompt_ids, start, temperature, max_new, *, num_steps: int,
-             prompt_logprobs: bool = False, mask_width: int = 0, routed_experts: bool = False):
+             prompt_logprobs: bool = False, mask_width: int = 0, routed_experts: bool = False, top_width: int = 0):
   """Rows `[B]`; `prompt_ids [B, P]` left-padded (row `b`'s prompt in slots `start[b]..P-1`, so
   every row's next token goes to slot `P`). One forward over the prompts into a cache of
   `P + num_steps` slots; returns the decoding state (`_decode` continues it) with empty outputs:
@@ -193,6 +201,9 @@ def _prefill(graphdef, params, prompt_ids, start, temperature, max_new, *, num_s
     out.update(support=jnp.full((batch, num_steps, mask_width), -1, jnp.int32),
                support_lp=jnp.zeros((batch, num_steps, mask_width), jnp.float32),
                support_size=jnp.zeros((batch, num_steps), jnp.int32))
+  if top_width:
+    out.update(top_ids=jnp.zeros((batch, num_steps, top_width), jnp.int32),
+               top_lp=jnp.zeros((batch, num_steps, top_width), jnp.float32))
   if routed_experts:
     cfg = model.config
     out["routes"] = jnp.zeros((batch, num_steps, cfg.num_hidden_layers, cfg.num_experts_per_tok), jnp.int32)
@@ -203,7 +214,7 @@ def _prefill(graphdef, params, prompt_ids, start, temperature, max_new, *, num_s
 
 
 def _decode(graphdef, params, state, start, row_seeds, temperature, top_p, top_k, min_p, max_new, stop_ids,
-            until, *, window: int, mask_width: int = 0, routed_experts: bool = False):
+            until, *, window: int, mask_width: int = 0, routed_experts: bool = False, top_width: int = 0):
   """Decodes from `state` (`_prefill`'s, or an earlier `_decode`'s) until every row has finished,
   the output is full, step `until` is reached or the next token would fall outside the cache's
   first `window` slots (static: attention reads only those); `row_seeds [B]` uint32. One
@@ -216,7 +227,7 @@ def _decode(graphdef, params, state, start, row_seeds, temperature, top_p, top_k
   last = min(num_steps, window - prompt_len)  # steps this window holds
   routing = {"return_routing": True} if routed_experts else {}
   keys = jax.vmap(jax.random.key)(row_seeds)
-  sample = jax.vmap(functools.partial(_filter_and_sample, mask_width=mask_width))
+  sample = jax.vmap(functools.partial(_filter_and_sample, mask_width=mask_width, top_width=top_width))
 
   def cond(st):
     return (st["step"] < jnp.minimum(until, last)) & ~jnp.all(st["done"])
@@ -224,13 +235,15 @@ def _decode(graphdef, params, state, start, row_seeds, temperature, top_p, top_k
   def body(st):
     step, out, lengths, done = st["step"], st["out"], st["lengths"], st["done"]
     step_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, step)
-    token, lp, support = sample(st["logits"].astype(jnp.float32), step_keys, temperature, top_p, top_k, min_p)
+    token, lp, support, top = sample(st["logits"].astype(jnp.float32), step_keys, temperature, top_p, top_k, min_p)
     active = ~done
     new = {"output_ids": jnp.where(active, token, 0), "logprobs": jnp.where(active, lp, 0.0)}
     if mask_width:
       new.update(support=jnp.where(active[:, None], support["ids"], -1),
                  support_lp=jnp.where(active[:, None], support["logprobs"], 0.0),
                  support_size=jnp.where(active, support["size"], 0))
+    if top_width:
+      new.update(top_ids=jnp.where(active[:, None], top["ids"], 0), top_lp=jnp.where(active[:, None], top["logprobs"], 0.0))
     out = dict(out, **{k: out[k].at[:, step].set(v) for k, v in new.items()})
     lengths = lengths + active.astype(jnp.int32)
     hit = active & jnp.any(token[:, None] == stop_ids, axis=-1)
@@ -288,10 +301,12 @@ class Sampler:
     self.rows: jax.sharding.NamedSharding | None = None  # `shard`: a batch's rows split over devices
     self._row_split = 1
     self._prefill = jax.jit(functools.partial(self._counted(_prefill), self.graphdef),
-                            static_argnames=("num_steps", "prompt_logprobs", "mask_width", "routed_experts"))
+                            static_argnames=("num_steps", "prompt_logprobs", "mask_width", "routed_experts",
+                                             "top_width"))
     # The state is donated: XLA updates the carried cache in place, with no copy even on entry.
     self._decode = jax.jit(functools.partial(self._counted(_decode), self.graphdef),
-                           static_argnames=("window", "mask_width", "routed_experts"), donate_argnums=(1,))
+                           static_argnames=("window", "mask_width", "routed_experts", "top_width"),
+                           donate_argnums=(1,))
     self._take_rows = jax.jit(self._counted(_take_rows))
 
   def _counted(self, fn):
@@ -401,12 +416,15 @@ class Sampler:
     # past the vocabulary (top_k >= vocab is "every token", as in SGLang).
     mask_width = min(_bucket(max(int(top_k[b]) for b in masked), 1), self.config.vocab_size) if masked else 0
     routed = any(r[3].routed_experts for r in rows)
+    top_width = min(_bucket(max(r[3].top_logprobs_num for r in rows), 1), self.config.vocab_size) if any(
+        r[3].top_logprobs_num for r in rows) else 0
     if routed and not self.config.is_moe:
       raise ValueError("routed experts were asked of a dense model")
     per_row = [start, seeds, temp, top_p, min_p, top_k, max_new, stop]
     ids, *placed = self._placed_rows(ids, *per_row)
     state = self._prefill(current[0], ids, placed[0], placed[2], placed[6], num_steps=num_steps,
-                          prompt_logprobs=prompt_logprobs, mask_width=mask_width, routed_experts=routed)
+                          prompt_logprobs=prompt_logprobs, mask_width=mask_width, routed_experts=routed,
+                          top_width=top_width)
     starts = [[(current[1], 0)] for _ in rows]  # per row: (version, first output token it generated)
     at = np.arange(batch)  # at[b]: the request row decoded in batch row b (continuous batching reorders)
     finished = {}  # request row -> its outputs, once it has left the batch
@@ -418,7 +436,8 @@ class Sampler:
         until = min(until, step + SEGMENT_STEPS - step % SEGMENT_STEPS)
       start_, seeds_, temp_, top_p_, min_p_, top_k_, max_new_, stop_ = placed
       state = self._decode(current[0], state, start_, seeds_, temp_, top_p_, top_k_, min_p_, max_new_, stop_,
-                           np.int32(until), window=window, mask_width=mask_width, routed_experts=routed)
+                           np.int32(until), window=window, mask_width=mask_width, routed_experts=routed,
+                           top_width=top_width)
       step = until
       if step >= num_steps:
         break
@@ -460,6 +479,10 @@ class Sampler:
         support_lps = [row["support_lp"][t, :k].tolist() for t, k in enumerate(sizes)]
         extra = dict(sampling_mask=masks, sampling_mask_logprobs=support_lps,  # the token's is its behaviour log-prob
                      sampling_logprobs=[lps[m.index(tok)] for tok, m, lps in zip(out_ids.tolist(), masks, support_lps)])
+      if p.top_logprobs_num:
+        k = min(p.top_logprobs_num, self.config.vocab_size)
+        extra["top_logprobs"] = [list(zip(lps[:k].tolist(), ids[:k].tolist()))
+                                 for lps, ids in zip(row["top_lp"][:n], row["top_ids"][:n])]
       if p.routed_experts:  # positions 0 .. len(prompt) + n - 2: the prompt's, then the fed tokens'
         seq = np.concatenate([row["prompt_routes"][:len(prompt)], row["routes"][:n]])
         extra["routed_experts"] = seq[:len(prompt) + n - 1]
