@@ -41,7 +41,8 @@ import mis_jax
 from trainers.agents.env import is_agent_task
 from trainers.agents.episodes import Episodes, turn_mismatch
 from trainers.models import PRESETS, DTYPES, ModelConfig, init_checkpoint, load_hf_params
-from trainers.training import checkpointing, checks, distributed, extras as extras_lib, parallel, plan as plan_lib
+from trainers.models.attention import resolve_attention_backend
+from trainers.training import checkpointing, checks, distributed, extras as extras_lib, memory_plan, parallel, plan as plan_lib
 from trainers.training.backend import build_rollout
 from trainers.training.batch import StepBatch, build_step_batch, fresh_tokens, token_staleness
 from trainers.training.config import ModelSection, TrainConfig
@@ -119,7 +120,12 @@ class Trainer:
     self.routing_replay, self.routing_spec = checks.routing_setup(r, model_cfg)  # the plan's passes
     self.max_new_tokens = checks.max_new_tokens(r, self.task)
     self.plan: StepPlan = plan_lib.plan_step(cfg, self.routing_replay, self.routing_spec)
-    self.fns = _step_functions(model_cfg, cfg.model, cfg.loss, self.temperature, cfg.train, self.mesh)
+    # `model.remat` / `model.attention` `auto`: the cheapest whose compiled step fits the device.
+    self.model_choice = _model_choice(model_cfg, cfg.model, cfg.loss, self.temperature, cfg.train, self.mesh,
+                                      memory_plan.probe_shape(cfg, self.plan, self.extras))
+    model_section = dataclasses.replace(cfg.model, remat=self.model_choice.remat,
+                                        attention=self.model_choice.attention)
+    self.fns = _step_functions(model_cfg, model_section, cfg.loss, self.temperature, cfg.train, self.mesh)
     # Each device reads its own shards of the HF tensors: no full copy anywhere.
     self.params = load_hf_params(start_dir, self.fns.abstract_params, self.fns.param_shardings, config=model_cfg)
     self.ref_params = jax.tree_util.tree_map(jnp.copy, self.params) if cfg.loss.kl_coef > 0 else None
@@ -243,12 +249,20 @@ class Trainer:
 
   def describe(self, log) -> None:
     """The options that change what the loop does, said once before step 1."""
+    log(self.model_line())
     if self.routing_replay == "r2" and not self.plan.compare_routing:
       log("routing replay R2: the old-log-prob pass's routing is replayed in every training forward")
     for extra in self.extras:
       said = extra.describe()
       if said:
         log(said)
+
+  def model_line(self) -> str:
+    """The start-up line of the model's options: dtypes, remat and attention, and why those."""
+    m, choice = self.cfg.model, self.model_choice
+    attention, fallback = resolve_attention_backend(choice.attention)
+    return (f"model: {m.dtype} compute, {m.param_dtype} weights, remat {choice.remat}, attention {attention}"
+            f"{f' ({fallback})' if fallback else ''} ({choice.reason()})")
 
   # --- one step ------------------------------------------------------------------------
   def sampling_params(self) -> dict:
@@ -416,6 +430,20 @@ def _ratio_range(train_lp, batch: mis_jax.PackedBatch) -> tuple[float, float] | 
   log_ratio = distributed.to_host(train_lp - batch.rollout_logprobs)[distributed.to_host(batch.loss_mask)]
   return (None if log_ratio.size == 0 else
           tuple(float(np.exp(np.clip(x, -20, 20))) for x in (log_ratio.min(), log_ratio.max())))
+
+
+@functools.lru_cache(maxsize=8)
+def _model_choice(model_cfg: ModelConfig, model: ModelSection, loss_cfg: mis_jax.LossConfig, temperature: float,
+                  train_cfg, mesh, shape: memory_plan.ProbeShape) -> memory_plan.ModelChoice:
+  """`memory_plan.choose` over the candidates' compiled steps (once per setup in a process)."""
+  def predict(remat: str, attention: str) -> int:
+    fns = _step_functions(model_cfg, dataclasses.replace(model, remat=remat, attention=attention), loss_cfg,
+                          temperature, train_cfg, mesh)
+    return memory_plan.step_bytes(fns, mesh, shape)
+
+  auto = memory_plan.AUTO in (model.remat, model.attention)
+  budget = memory_plan.memory_budget(mesh.devices.flat, model.memory_budget_gb) if auto else None
+  return memory_plan.choose(model.remat, model.attention, predict, budget)
 
 
 @functools.lru_cache(maxsize=8)
