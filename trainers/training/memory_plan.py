@@ -147,7 +147,7 @@ class ProbeShape:
 
 
 def step_bytes(fns, mesh, shape: ProbeShape) -> int:
-  """Per-device bytes of `fns.train` (a `StepFunctions`) compiled for one micro-batch of `shape`
+  """Per-device bytes of the step of `fns` (a `StepFunctions`) compiled for one micro-batch of `shape`
   on `mesh`, from abstract arguments (nothing is allocated or run)."""
   rows = shape.rows_per_device * parallel.batch_devices(mesh)
   rep = NamedSharding(mesh, P())
@@ -163,14 +163,14 @@ def step_bytes(fns, mesh, shape: ProbeShape) -> int:
       rollout_logprobs=tokens(jnp.float32), old_logprobs=tokens(jnp.float32) if shape.old_logprobs else None,
       ref_logprobs=tokens(jnp.float32) if shape.ref_logprobs else None,
       rollout_staleness=tokens(jnp.float32) if shape.staleness else None, num_segments=shape.num_segments)
-  correction = jax.eval_shape(fns.prepare, batch, jax.random.key(0))[0]
+  correction = fns.prepare_shapes(batch, jax.random.key(0))[0]
   correction = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       x.shape, x.dtype, sharding=parallel.batch_sharding(mesh, x.ndim) if x.ndim >= 3 else rep), correction)
   params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), fns.abstract_params,
                         fns.param_shardings)
   opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                            jax.eval_shape(fns.optimizer.init, fns.abstract_params), fns.opt_shardings)
-  return compiled_bytes(fns.train.lower(params, opt_state, inputs, batch, correction).compile())
+  return compiled_bytes(fns.lower_train(params, opt_state, inputs, batch, correction).compile())
 
 
 
