@@ -33,8 +33,9 @@ from trainers.tasks.rewards import REWARDS as REWARD_TABLE
 
 DTYPES = tuple(DTYPE_TABLE)
 PRESET_NAMES = tuple(sorted(PRESETS))
-REMAT = tuple(REMAT_POLICIES) + ("auto",)  # auto: trainers.training.memory_plan
-ATTENTION = ATTENTION_BACKENDS + ("auto",)
+AUTO = "auto"  # model.remat / model.attention: chosen at start-up by trainers.training.memory_plan
+REMAT = tuple(REMAT_POLICIES) + (AUTO,)
+ATTENTION = ATTENTION_BACKENDS + (AUTO,)
 REWARDS = tuple(REWARD_TABLE)
 ROUTING_REPLAY = ("none", "r3", "r2")
 TASKS = ("copy_digits", "lookup_digits", "calculator", "dataset", "jsonl")  # `jsonl`: the dataset task's former name
@@ -49,9 +50,9 @@ class ModelSection:
   init_seed: int = key(0, "seed of the preset's random weights", ge=0)
   dtype: str = key("float32", "compute dtype of the trainer's forward/backward", choices=DTYPES)
   param_dtype: str = key("float32", "master weights and optimiser state", choices=DTYPES)
-  attention: str = key("auto", "`dense` ([T, T] reference), `blocked` (flash-style), `fused` (Pallas, else blocked); "
+  attention: str = key(AUTO, "`dense` ([T, T] reference), `blocked` (flash-style), `fused` (Pallas, else blocked); "
                        "`auto`: dense when the compiled step fits the memory budget, else blocked", choices=ATTENTION)
-  remat: str = key("auto", "activation checkpointing of the layer scan; `auto`: the least (none, dots, full) whose "
+  remat: str = key(AUTO, "activation checkpointing of the layer scan; `auto`: the least (none, dots, full) whose "
                    "compiled step fits the memory budget", choices=REMAT)
   memory_budget_gb: float | None = key(None, "per-device memory the `auto` choices must fit (null: 0.9 x the "
                                        "device's bytes_limit; on CPU 0.9 x the host's RAM over its devices)", gt=0)

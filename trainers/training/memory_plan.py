@@ -34,9 +34,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import mis_jax
 from trainers.training import parallel
+from trainers.training.config import AUTO
 from trainers.training.step import ModelInputs
 
-AUTO = "auto"
 # Of a device's reported limit: headroom for what the step's program does not hold (the embedded
 # engine, the batch being placed, fragmentation).
 SAFETY = 0.9

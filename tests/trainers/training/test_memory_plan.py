@@ -6,6 +6,7 @@ and one real compile at a tiny shape (bytes that follow the options and the rows
 import dataclasses
 import json
 import os
+import types
 
 import jax
 import pytest
@@ -151,3 +152,14 @@ def test_a_compiled_tiny_step_follows_the_options_and_the_rows():
   assert (fits.remat, fits.attention, fits.measured) == ("none", "dense", (("none", "dense", cheap),))
   below = choose_at((cheap - 1000) / 1e9)
   assert below.attention == "blocked" and below.measured[0] == ("none", "dense", cheap)
+
+
+@pytest.mark.parametrize("attention, expected", [("dense", "attention dense"),
+                                                 ("fused", "attention blocked (no fused attention kernel")])
+def test_the_start_up_line_says_what_was_chosen_and_why(attention, expected):
+  choice = choose("auto", attention, lambda r, a: 30 * GB, Budget(40 * GB, "model.memory_budget_gb"))
+  trainer = types.SimpleNamespace(cfg=TrainConfig.from_dict({"model": {"dtype": "bfloat16", "attention": attention}}),
+                                  model_choice=choice)
+  line = train_lib.Trainer.model_line(trainer)
+  assert line.startswith(f"model: bfloat16 compute, float32 weights, remat none, {expected}"), line
+  assert line.endswith("(auto: 30.00 GB of 40.00 GB per device predicted, model.memory_budget_gb)"), line
