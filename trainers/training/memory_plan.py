@@ -12,7 +12,8 @@ would not fit without them. The candidates, cheapest in time first (`LADDER`):
 values are never overridden, and with both explicit nothing is compiled). Each candidate's
 training step — one micro-batch of `train.tokens_per_micro_batch // train.row_len` rows per
 device at `train.row_len`, the run's loss, passes and per-token extras, on the run's mesh — is
-lowered and compiled, and its per-device bytes read from XLA's `memory_analysis()`: arguments +
+lowered and compiled (with the probe's loss and optimiser, `PROBE_LOSS`: one program per model, shape
+and mesh), and its per-device bytes read from XLA's `memory_analysis()`: arguments +
 outputs + temporaries − donated (aliased) bytes, as `benchmarks/memory.py` reports them. The first
 candidate within the budget is chosen, and the ladder stops there; when none fits, the last one
 (the least memory) is taken and the start-up line says it does not fit.
@@ -34,12 +35,17 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import mis_jax
 from trainers.training import parallel
-from trainers.training.config import AUTO
+from trainers.training.config import AUTO, TrainSection
 from trainers.training.step import ModelInputs
 
 # Of a device's reported limit: headroom for what the step's program does not hold (the embedded
 # engine, the batch being placed, fragmentation).
 SAFETY = 0.9
+# The probe's loss and optimiser: one program per model, shape and mesh whatever the run's loss (the
+# losses differ by a few [rows, row_len] float32 temporaries beside the model's activations; the
+# batch's fields and per-token extras are the run's, as arguments).
+PROBE_LOSS = mis_jax.LossConfig(use_rollout_logprobs=True)
+PROBE_TRAIN = TrainSection()
 # (remat, attention), cheapest in time first.
 LADDER = (("none", "dense"), ("none", "blocked"), ("dots", "blocked"), ("full", "blocked"))
 REMAT_LADDER = ("none", "dots", "full")

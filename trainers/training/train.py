@@ -121,8 +121,8 @@ class Trainer:
     self.max_new_tokens = checks.max_new_tokens(r, self.task)
     self.plan: StepPlan = plan_lib.plan_step(cfg, self.routing_replay, self.routing_spec)
     # `model.remat` / `model.attention` `auto`: the cheapest whose compiled step fits the device.
-    self.model_choice = _model_choice(model_cfg, cfg.model, cfg.loss, self.temperature, cfg.train, self.mesh,
-                                      memory_plan.probe_shape(cfg, self.plan, self.extras))
+    self.model_choice = _model_choice(model_cfg, cfg.model, self.mesh, memory_plan.probe_shape(cfg, self.plan,
+                                                                                               self.extras))
     model_section = dataclasses.replace(cfg.model, remat=self.model_choice.remat,
                                         attention=self.model_choice.attention)
     self.fns = _step_functions(model_cfg, model_section, cfg.loss, self.temperature, cfg.train, self.mesh)
@@ -433,12 +433,15 @@ def _ratio_range(train_lp, batch: mis_jax.PackedBatch) -> tuple[float, float] | 
 
 
 @functools.lru_cache(maxsize=8)
-def _model_choice(model_cfg: ModelConfig, model: ModelSection, loss_cfg: mis_jax.LossConfig, temperature: float,
-                  train_cfg, mesh, shape: memory_plan.ProbeShape) -> memory_plan.ModelChoice:
-  """`memory_plan.choose` over the candidates' compiled steps (once per setup in a process)."""
+def _model_choice(model_cfg: ModelConfig, model: ModelSection, mesh,
+                  shape: memory_plan.ProbeShape) -> memory_plan.ModelChoice:
+  """`memory_plan.choose` over the candidates' compiled steps, each with the probe's loss and
+  optimiser (`memory_plan.PROBE_LOSS`): once per model, shape and mesh in a process, and one
+  program for the persistent compilation cache whatever the run's loss."""
   def predict(remat: str, attention: str) -> int:
-    fns = _step_functions(model_cfg, dataclasses.replace(model, remat=remat, attention=attention), loss_cfg,
-                          temperature, train_cfg, mesh)
+    fns = build_step_functions(model_cfg, mesh, memory_plan.PROBE_LOSS, memory_plan.PROBE_TRAIN,
+                               **_model_options(dataclasses.replace(model, remat=remat, attention=attention),
+                                                model_cfg))
     return memory_plan.step_bytes(fns, mesh, shape)
 
   auto = memory_plan.AUTO in (model.remat, model.attention)
@@ -452,9 +455,14 @@ def _step_functions(model_cfg: ModelConfig, model: ModelSection, loss_cfg: mis_j
   """The jitted step functions, shared by trainers with the same setup (so a resumed or
   repeated run in one process does not compile again)."""
   return build_step_functions(model_cfg, mesh, loss_cfg, train_cfg, temperature=temperature,
-                              logprob_chunk=model.logprob_chunk, dtype=DTYPES[model.dtype],
-                              param_dtype=DTYPES[model.param_dtype], attention=model.attention,
-                              remat=model.remat, **({"moe_dispatch": model.moe_dispatch} if model_cfg.is_moe else {}))
+                              **_model_options(model, model_cfg))
+
+
+def _model_options(model: ModelSection, model_cfg: ModelConfig) -> dict:
+  """`build_step_functions`' options of the model section (remat and attention resolved)."""
+  return dict(logprob_chunk=model.logprob_chunk, dtype=DTYPES[model.dtype], param_dtype=DTYPES[model.param_dtype],
+              attention=model.attention, remat=model.remat,
+              **({"moe_dispatch": model.moe_dispatch} if model_cfg.is_moe else {}))
 
 
 SUMMARY_KEYS = ["reward_mean", "loss", "pg_loss", "pg_clipfrac", "ppo_kl", "grad_norm", "entropy_loss",
