@@ -11,7 +11,7 @@ would not fit without them. The candidates, cheapest in time first (`LADDER`):
 (an explicit value of one option keeps it fixed and the ladder runs over the other; explicit
 values are never overridden, and with both explicit nothing is compiled). Each candidate's
 training step — one micro-batch of `train.tokens_per_micro_batch // train.row_len` rows per
-device at `train.row_len`, the run's loss, passes and per-token extras, on the run's mesh — is
+device at `train.row_len`, with the run's per-token extras, on the run's mesh — is
 lowered and compiled (with the probe's loss and optimiser, `PROBE_LOSS`: one program per model, shape
 and mesh), and its per-device bytes read from XLA's `memory_analysis()`: arguments +
 outputs + temporaries − donated (aliased) bytes, as `benchmarks/memory.py` reports them. The first
@@ -141,15 +141,13 @@ def compiled_bytes(compiled) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ProbeShape:
-  """What a step's largest micro-batch holds, per the config: rows per device, row length, the
-  batch's optional per-token fields, and the per-token extras' trailing shapes by model input."""
+  """What a step's largest micro-batch holds, per the config: rows per device, the row length, and
+  the per-token extras' trailing shapes by model input (`("support", (K,))`, `("routing", (L, k))`).
+  The loss's own per-token fields (old, reference log-probs, staleness) are left out, as the loss
+  is (`PROBE_LOSS`): a few `[rows, row_len]` arrays beside the model's activations."""
   rows_per_device: int
   row_len: int
-  num_segments: int
-  old_logprobs: bool
-  ref_logprobs: bool
-  staleness: bool
-  model_inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()  # ("support", (K,)), ("routing", (L, k))
+  model_inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 def step_bytes(fns, mesh, shape: ProbeShape) -> int:
@@ -164,11 +162,9 @@ def step_bytes(fns, mesh, shape: ProbeShape) -> int:
 
   inputs = ModelInputs(tokens(jnp.int32), tokens(jnp.int32), tokens(jnp.int32),
                        **{name: tokens(jnp.int32, trailing) for name, trailing in shape.model_inputs})
-  batch = mis_jax.PackedBatch(
-      segment_ids=tokens(jnp.int32), loss_mask=tokens(jnp.bool_), advantages=tokens(jnp.float32),
-      rollout_logprobs=tokens(jnp.float32), old_logprobs=tokens(jnp.float32) if shape.old_logprobs else None,
-      ref_logprobs=tokens(jnp.float32) if shape.ref_logprobs else None,
-      rollout_staleness=tokens(jnp.float32) if shape.staleness else None, num_segments=shape.num_segments)
+  batch = mis_jax.PackedBatch(segment_ids=tokens(jnp.int32), loss_mask=tokens(jnp.bool_),
+                              advantages=tokens(jnp.float32), rollout_logprobs=tokens(jnp.float32),
+                              num_segments=rows)  # one sequence per row: the probe's own count
   correction = fns.prepare_shapes(batch, jax.random.key(0))[0]
   correction = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       x.shape, x.dtype, sharding=parallel.batch_sharding(mesh, x.ndim) if x.ndim >= 3 else rep), correction)
@@ -180,14 +176,10 @@ def step_bytes(fns, mesh, shape: ProbeShape) -> int:
 
 
 
-def probe_shape(cfg, plan, extras) -> ProbeShape:
-  """The largest micro-batch a run of `cfg` (a `TrainConfig`) with step plan `plan` and per-token
-  `extras` trains on (`trainers.training.batch.plan_layout`'s cap)."""
-  t = cfg.train
+def probe_shape(train, extras) -> ProbeShape:
+  """The largest micro-batch a run with `train` (its section) and per-token `extras` trains on
+  (`trainers.training.batch.plan_layout`'s cap)."""
   trailing = {"support": lambda e: (e.width,), "routing": lambda e: (e.spec.num_layers, e.spec.top_k)}
-  return ProbeShape(rows_per_device=max(1, t.tokens_per_micro_batch // t.row_len), row_len=t.row_len,
-                    num_segments=cfg.rollout.prompts_per_step * cfg.rollout.n,
-                    old_logprobs=plan.old_logprobs is not None, ref_logprobs=plan.reference,
-                    staleness=cfg.loss.proximal == "loglinear",
+  return ProbeShape(rows_per_device=max(1, train.tokens_per_micro_batch // train.row_len), row_len=train.row_len,
                     model_inputs=tuple((e.model_input, trailing[e.model_input](e)) for e in extras
                                        if e.model_input in trailing))

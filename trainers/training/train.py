@@ -121,8 +121,7 @@ class Trainer:
     self.max_new_tokens = checks.max_new_tokens(r, self.task)
     self.plan: StepPlan = plan_lib.plan_step(cfg, self.routing_replay, self.routing_spec)
     # `model.remat` / `model.attention` `auto`: the cheapest whose compiled step fits the device.
-    self.model_choice = _model_choice(model_cfg, cfg.model, self.mesh, memory_plan.probe_shape(cfg, self.plan,
-                                                                                               self.extras))
+    self.model_choice = _model_choice(model_cfg, cfg.model, self.mesh, memory_plan.probe_shape(cfg.train, self.extras))
     model_section = dataclasses.replace(cfg.model, remat=self.model_choice.remat,
                                         attention=self.model_choice.attention)
     self.fns = _step_functions(model_cfg, model_section, cfg.loss, self.temperature, cfg.train, self.mesh)
