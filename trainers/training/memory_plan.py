@@ -11,10 +11,10 @@ would not fit without them. The candidates, cheapest in time first (`LADDER`):
 (an explicit value of one option keeps it fixed and the ladder runs over the other; explicit
 values are never overridden, and with both explicit nothing is compiled). Each candidate's
 training step — one micro-batch of `train.tokens_per_micro_batch // train.row_len` rows per
-device at `train.row_len`, with the run's per-token extras, on the run's mesh — is
-lowered and compiled (with the probe's loss and optimiser, `PROBE_LOSS`: one program per model, shape
-and mesh), and its per-device bytes read from XLA's `memory_analysis()`: arguments +
-outputs + temporaries − donated (aliased) bytes, as `benchmarks/memory.py` reports them. The first
+device at `train.row_len`, with the run's per-token extras, on the run's mesh — is lowered and
+compiled with the probe's loss and optimiser (`PROBE_LOSS`: one program per model, shape, extras
+and mesh), and its per-device bytes read from XLA's `memory_analysis()`: arguments + outputs +
+temporaries − donated (aliased) bytes, as `benchmarks/memory.py` reports them. The first
 candidate within the budget is chosen, and the ladder stops there; when none fits, the last one
 (the least memory) is taken and the start-up line says it does not fit.
 
@@ -41,9 +41,8 @@ from trainers.training.step import ModelInputs
 # Of a device's reported limit: headroom for what the step's program does not hold (the embedded
 # engine, the batch being placed, fragmentation).
 SAFETY = 0.9
-# The probe's loss and optimiser: one program per model, shape and mesh whatever the run's loss (the
-# losses differ by a few [rows, row_len] float32 temporaries beside the model's activations; the
-# batch's fields and per-token extras are the run's, as arguments).
+# The probe's loss and optimiser: one program per model, shape, extras and mesh whatever the run's
+# loss (the losses differ by a few [rows, row_len] float32 arrays beside the model's activations).
 PROBE_LOSS = mis_jax.LossConfig(use_rollout_logprobs=True)
 PROBE_TRAIN = TrainSection()
 # (remat, attention), cheapest in time first.
