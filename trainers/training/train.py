@@ -444,7 +444,7 @@ def _model_choice(model_cfg: ModelConfig, model: ModelSection, mesh,
     return memory_plan.step_bytes(fns, mesh, shape)
 
   auto = memory_plan.AUTO in (model.remat, model.attention)
-  budget = memory_plan.memory_budget(mesh.devices.flat, model.memory_budget_gb) if auto else None
+  budget = memory_plan.memory_budget(list(mesh.devices.flat), model.memory_budget_gb) if auto else None
   return memory_plan.choose(model.remat, model.attention, predict, budget)
 
 
