@@ -12,11 +12,16 @@ would not fit without them. The candidates, cheapest in time first (`LADDER`):
 values are never overridden, and with both explicit nothing is compiled). Each candidate's
 training step — one micro-batch of `train.tokens_per_micro_batch // train.row_len` rows per
 device at `train.row_len`, with the run's per-token extras, on the run's mesh — is lowered and
-compiled with the probe's loss and optimiser (`PROBE_LOSS`: one program per model, shape, extras
-and mesh), and its per-device bytes read from XLA's `memory_analysis()`: arguments + outputs +
-temporaries − donated (aliased) bytes, as `benchmarks/memory.py` reports them. The first
-candidate within the budget is chosen, and the ladder stops there; when none fits, the last one
-(the least memory) is taken and the start-up line says it does not fit.
+(unless a bound settles it, below) compiled with the probe's loss and optimiser (`PROBE_LOSS`:
+one program per model, shape, extras and mesh), and its per-device bytes read from XLA's
+`memory_analysis()`: arguments + outputs + temporaries − donated (aliased) bytes, as
+`benchmarks/memory.py` reports them. The first
+candidate within the budget is chosen, and the ladder stops there. A candidate is not compiled when
+the lowered step's bound fits already: `BOUND_FACTOR` x its bytes accessed (every operand and result
+of every op before XLA's optimisations; each buffer is one of them), computed in a few tenths of a
+second against seconds for a compile, so a small step (the demo's, the tests') compiles nothing
+extra. When none fits, the last one (the least memory) is taken and the start-up line says it
+does not fit.
 
 The budget per device (`memory_budget`): `model.memory_budget_gb` when set; else `SAFETY` × the
 device's `memory_stats()["bytes_limit"]` (GPU, TPU); else, on CPU, `SAFETY` × the host's RAM
@@ -81,7 +86,8 @@ class ModelChoice:
       return (f"auto: none fits, {gb(predicted)} GB predicted of {gb(budget.bytes)} GB per device, {budget.source}; "
               f"lower train.tokens_per_micro_batch")
     skipped = "; ".join(f"{r}+{a} {gb(b)} GB" for r, a, b in self.measured[:-1])
-    return (f"auto: {gb(predicted)} GB of {gb(budget.bytes)} GB per device predicted, {budget.source}"
+    how = "at most {} GB (the lowered step's bound)" if isinstance(predicted, Bound) else "{} GB predicted"
+    return (f"auto: {how.format(gb(predicted))} of {gb(budget.bytes)} GB per device, {budget.source}"
             + (f"; too large: {skipped}" if skipped else ""))
 
 
@@ -105,7 +111,7 @@ def choose(remat: str, attention: str, predict: Callable[[str, str], int], budge
     return ModelChoice(remat, attention)
   measured = []
   for r, a in ladder:
-    measured.append((r, a, int(predict(r, a))))
+    measured.append((r, a, predict(r, a)))  # an int, or a `Bound`
     if measured[-1][2] <= budget.bytes:
       break
   return ModelChoice(measured[-1][0], measured[-1][1], tuple(measured), budget)
@@ -149,9 +155,20 @@ class ProbeShape:
   model_inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
-def step_bytes(fns, mesh, shape: ProbeShape) -> int:
+class Bound(int):
+  """Bytes that bound a step's memory from above without compiling it (`step_bytes`)."""
+
+
+# A lowered step's bytes accessed (every operand and result of every op, before XLA's optimisations)
+# bound its peak: each buffer is some op's result. Twice that, for the copies XLA may add.
+BOUND_FACTOR = 2
+
+
+def step_bytes(fns, mesh, shape: ProbeShape, *, within: int | None = None) -> int:
   """Per-device bytes of the step of `fns` (a `StepFunctions`) compiled for one micro-batch of `shape`
-  on `mesh`, from abstract arguments (nothing is allocated or run)."""
+  on `mesh`, from abstract arguments (nothing is allocated or run). When the lowered step's bound
+  (`BOUND_FACTOR` x its bytes accessed, a few tenths of a second) is `within` bytes already, that
+  `Bound` instead, and nothing is compiled."""
   rows = shape.rows_per_device * parallel.batch_devices(mesh)
   rep = NamedSharding(mesh, P())
 
@@ -171,7 +188,18 @@ def step_bytes(fns, mesh, shape: ProbeShape) -> int:
                         fns.param_shardings)
   opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                            jax.eval_shape(fns.optimizer.init, fns.abstract_params), fns.opt_shardings)
-  return compiled_bytes(fns.lower_train(params, opt_state, inputs, batch, correction).compile())
+  lowered = fns.lower_train(params, opt_state, inputs, batch, correction)
+  if within is not None:
+    bound = Bound(BOUND_FACTOR * int(_bytes_accessed(lowered)))
+    if bound <= within:
+      return bound
+  return compiled_bytes(lowered.compile())
+
+
+def _bytes_accessed(lowered) -> float:
+  cost = lowered.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  return float(cost["bytes accessed"])
 
 
 

@@ -441,7 +441,7 @@ def _model_choice(model_cfg: ModelConfig, model: ModelSection, mesh,
     fns = build_step_functions(model_cfg, mesh, memory_plan.PROBE_LOSS, memory_plan.PROBE_TRAIN,
                                **_model_options(dataclasses.replace(model, remat=remat, attention=attention),
                                                 model_cfg))
-    return memory_plan.step_bytes(fns, mesh, shape)
+    return memory_plan.step_bytes(fns, mesh, shape, within=budget.bytes)
 
   auto = memory_plan.AUTO in (model.remat, model.attention)
   budget = memory_plan.memory_budget(list(mesh.devices.flat), model.memory_budget_gb) if auto else None

@@ -76,8 +76,10 @@ def test_explicit_values_compile_nothing():
 
 def test_the_reason_names_the_prediction_the_budget_and_the_rungs_skipped():
   choice = choose("auto", "auto", _predict([]), Budget(int(40.5 * GB), "0.9 x gpu bytes_limit"))
-  assert choice.reason() == ("auto: 30.00 GB of 40.50 GB per device predicted, 0.9 x gpu bytes_limit; "
+  assert choice.reason() == ("auto: 30.00 GB predicted of 40.50 GB per device, 0.9 x gpu bytes_limit; "
                              "too large: none+dense 100.00 GB; none+blocked 60.00 GB")
+  bounded = choose("auto", "auto", lambda r, a: memory_plan.Bound(GB // 2), Budget(40 * GB, "test"))
+  assert bounded.reason() == "auto: at most 0.50 GB (the lowered step's bound) of 40.00 GB per device, test"
 
 
 def test_qwen3_1_7b_at_16k_on_a_16gb_device_keeps_full_remat_and_blocked_attention():
@@ -129,23 +131,30 @@ def test_auto_is_the_default_and_explicit_values_parse():
 
 
 @pytest.mark.slow
-def test_a_compiled_tiny_step_is_probed_once_and_holds_its_state():
-  """One real probe at a tiny shape on one device: with room, no remat and dense attention after
-  one compile, whose bytes hold at least the float32 parameters, gradient accumulators and Adam's
-  two moments (4 x the parameters' bytes, counted from the model here), and a second trainer of
-  the same setup reuses the decision (nothing compiled)."""
+def test_a_tiny_step_is_bounded_without_a_compile_and_compiled_when_the_bound_is_not_enough():
+  """Real probes at a tiny shape on one device. With room, the lowered step's bound settles it (no
+  compile): at least the float32 parameters, gradient accumulators and Adam's two moments (4 x the
+  parameters' bytes, counted from the model here). Just above the compiled step's bytes, the bound
+  is too large, so the step is compiled, and the same bytes decide: no remat, dense attention."""
   cfg = TrainConfig.from_dict({"train": {"row_len": 64, "tokens_per_micro_batch": 256}})
   mesh = parallel.make_mesh(cfg.parallel, jax.devices()[:1])
   shape = memory_plan.probe_shape(cfg.train, ())
   assert shape == memory_plan.ProbeShape(rows_per_device=4, row_len=64)
-  model = dataclasses.replace(cfg.model, memory_budget_gb=100.0)
-  choice = train_lib._model_choice(PRESETS["tiny-qwen3"], model, mesh, shape)
-  (remat, attention, predicted), = choice.measured
-  assert (choice.remat, choice.attention, remat, attention) == ("none", "dense", "none", "dense") and choice.fits
-  params = nnx.state(abstract_model(PRESETS["tiny-qwen3"]), nnx.Param)
-  param_bytes = sum(x.size * 4 for x in jax.tree.leaves(params))
-  assert 4 * param_bytes < predicted < 100 * param_bytes, (param_bytes, predicted)
-  assert train_lib._model_choice(PRESETS["tiny-qwen3"], model, mesh, shape) is choice  # cached per setup
+  tiny = PRESETS["tiny-qwen3"]
+  choose_at = lambda gb: train_lib._model_choice(tiny, dataclasses.replace(cfg.model, memory_budget_gb=gb), mesh,
+                                                 shape)
+  roomy = choose_at(100.0)
+  (remat, attention, bound), = roomy.measured
+  assert (roomy.remat, roomy.attention, remat, attention) == ("none", "dense", "none", "dense")
+  assert isinstance(bound, memory_plan.Bound) and "(the lowered step's bound)" in roomy.reason()
+  param_bytes = sum(x.size * 4 for x in jax.tree.leaves(nnx.state(abstract_model(tiny), nnx.Param)))
+  fns = train_lib._step_functions(tiny, dataclasses.replace(cfg.model, remat="none", attention="dense"),
+                                  memory_plan.PROBE_LOSS, 1.0, memory_plan.PROBE_TRAIN, mesh)
+  compiled = memory_plan.step_bytes(fns, mesh, shape)
+  assert 4 * param_bytes < compiled < bound and not isinstance(compiled, memory_plan.Bound)
+  tight = choose_at((compiled + 1000) / 1e9)
+  assert tight.measured == (("none", "dense", compiled),) and "GB predicted" in tight.reason()
+  assert choose_at(100.0) is roomy  # decided once per setup in a process
 
 
 @pytest.mark.parametrize("attention, expected", [("dense", "attention dense"),
@@ -156,7 +165,7 @@ def test_the_start_up_line_says_what_was_chosen_and_why(attention, expected):
                                   model_choice=choice)
   line = train_lib.Trainer.model_line(trainer)
   assert line.startswith(f"model: bfloat16 compute, float32 weights, remat none, {expected}"), line
-  assert line.endswith("(auto: 30.00 GB of 40.00 GB per device predicted, model.memory_budget_gb)"), line
+  assert line.endswith("(auto: 30.00 GB predicted of 40.00 GB per device, model.memory_budget_gb)"), line
 
 
 def test_the_probe_is_the_largest_micro_batch_with_the_runs_extras():
