@@ -136,7 +136,7 @@ def matmul_flops_per_s(dtype, *, n: int = 256, max_n: int = 8192, target_s: floa
     key = jax.random.key(0)
     x = jax.device_put(jax.random.normal(key, (n, n), jnp.float32).astype(dtype), device)
     # Orthogonal-ish w (entries ~ 1/sqrt(n)): the chain neither overflows nor underflows.
-    w = jax.device_put((jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.float32) / np.sqrt(n)).astype(dtype),
+    w = jax.device_put((jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.float32) / float(np.sqrt(n))).astype(dtype),
                        device)
     seconds = _best_time(_chain, x, w, length, repeats=1)
     if seconds >= target_s or (n >= max_n and length >= 64):
