@@ -119,17 +119,6 @@ def _model_dir(shape: Shape, root: str) -> str:
   return path
 
 
-def _best_time(fn, repeats: int) -> float:
-  """Best of `repeats` calls of `fn` (which blocks until its results are ready), after a warm-up call."""
-  fn()
-  best = float("inf")
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    best = min(best, time.perf_counter() - t0)
-  return best
-
-
 class _LastCalls:
   """Stands in for the trainer's `StepFunctions`, keeping the arguments of the last old-log-prob
   pass and update it ran (nothing is blocked on: the step runs as it would)."""
@@ -164,13 +153,13 @@ def trainer_phases(trainer, recorded: _LastCalls, repeats: int) -> tuple[dict, l
   fns = recorded.fns
   heads, inputs, segment_ids = recorded.forward_args
   forward = fns.forward(heads)
-  old_logprobs_s = _best_time(lambda: jax.block_until_ready(forward(trainer.params, inputs, segment_ids)), repeats)
+  old_logprobs_s = roofline.best_time(lambda: jax.block_until_ready(forward(trainer.params, inputs, segment_ids)), repeats)
   state = [trainer.params, trainer.opt_state]
 
   def update():
     state[0], state[1], metrics = fns.train(state[0], state[1], *recorded.train_args)
     jax.block_until_ready(metrics)
-  update_s = _best_time(update, repeats)
+  update_s = roofline.best_time(update, repeats)
   trainer.params, trainer.opt_state = state
   return {"old_logprobs_s": old_logprobs_s, "update_s": update_s}, _sequence_lengths(segment_ids)
 
@@ -179,19 +168,14 @@ def sampler_phases(shape: Shape, model_dir: str, prompt_len: int) -> dict:
   """The bfloat16 sampler of the colocated engine at this shape, on its own: prefill (a call
   that generates one token per sample) and decode (the rest of a full call, per token)."""
   from trainers.serving.embedded.generation import GenerationEngine
-  from trainers.serving.embedded.sampler import SamplingOptions
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, VOCAB, prompt_len).tolist() for _ in range(shape.prompts)]
   engine = GenerationEngine(model_dir, dtype="bfloat16", seed=0)
   try:
-    def generate(new_tokens):
-      options = SamplingOptions(temperature=0.8, max_new_tokens=new_tokens, ignore_eos=True, n=shape.n, seed=0)
-      return lambda: engine.sampler.generate(prompts, options)
-    prefill_s = _best_time(generate(1), shape.phase_repeats)
-    full_s = _best_time(generate(shape.max_new_tokens), shape.phase_repeats)
+    return roofline.generation_times(engine.sampler, prompts, n=shape.n, new_tokens=shape.max_new_tokens,
+                                      repeats=shape.phase_repeats)
   finally:
     engine.close()
-  return {"prefill_s": prefill_s, "decode_s": max(full_s - prefill_s, 1e-9), "generate_s": full_s}
 
 
 def roofline_fractions(shape: Shape, phases: dict, seq_lens: list[int], limits) -> dict:
@@ -378,14 +362,23 @@ def tunix(shape: Shape, root: str, engine: str = "vanilla", limits=None) -> dict
 PHASE_COLUMNS = ("update", "old_logprobs", "prefill", "decode", "generate")
 
 
+def _label(name: str) -> str:
+  s = next(s for s in SHAPES + SGLANG_JAX_SHAPES if s.name == name)
+  return (f"{s.name}: {s.layers}-layer {s.hidden}-wide, {s.prompts * s.n} samples × {s.max_new_tokens} tokens")
+
+
 def markdown(records: list[dict], limits) -> str:
-  """The tables of docs/performance.md's colocated section, from a run's records."""
+  """The tables of docs/performance.md's colocated section, from a run's records (each shape's
+  name on its first row)."""
   lines = ["| shape | contender | step ms | steps/s | × tunix | rollout / update / weight sync ms |",
            "|---|---|---|---|---|---|"]
+  last = None
   for r in records:
     split = (f"{r['rollout_ms']:,.1f} / {r['train_ms']:,.1f} / {r['sync_ms']:,.1f}" if "sync_ms" in r else "—")
     ratio = f"**{r['ratio_to_tunix']:.2f}**" if r["contender"].startswith("ours, colocated") else f"{r['ratio_to_tunix']:.2f}"
-    lines.append(f"| {r['shape']} | {r['contender']} | {r['step_ms']:,.1f} | {r['steps_per_s']:.2f} | {ratio} | {split} |")
+    shape = _label(r["shape"]) if r["shape"] != last else ""
+    last = r["shape"]
+    lines.append(f"| {shape} | {r['contender']} | {r['step_ms']:,.1f} | {r['steps_per_s']:.2f} | {ratio} | {split} |")
   if limits is None:
     return "\n".join(lines)
   lines += ["", f"Roofline: {roofline.describe(limits)}. Each phase timed apart: ms, and achieved FLOP/s as % of the "
@@ -432,7 +425,14 @@ def main(argv=None) -> int:
   parser.add_argument("--engine", default="embedded", choices=("embedded", "sglang-jax"),
                       help="sglang-jax: every contender samples with sglang-jax (run in its venv)")
   parser.add_argument("--json", default=None, help="default benchmarks/results/colocated[-sglang-jax].json")
+  parser.add_argument("--markdown", metavar="JSON", default=None,
+                      help="print the docs' tables of a run's JSON (runs nothing)")
   args = parser.parse_args(argv)
+  if args.markdown:
+    with open(args.markdown) as f:
+      run = json.load(f)
+    print(markdown(run["records"], roofline.Limits(**run["roofline"]) if run.get("roofline") else None))
+    return 0
   sglang = args.engine == "sglang-jax"
   path = args.json or f"benchmarks/results/colocated{'-sglang-jax' if sglang else ''}.json"
   shapes = select_shapes(SGLANG_JAX_SHAPES if sglang else SHAPES, args.shapes, args.quick)
@@ -452,14 +452,15 @@ def main(argv=None) -> int:
         print(f"{shape.name:14s} {r['contender']:30s} {r['step_ms']:9.1f} {r['steps_per_s']:8.2f} "
               f"{r['ratio_to_tunix']:8.2f} {sync} {'' if length is None else f'{length:16.1f}'}", flush=True)
       records += rows
+      if not args.quick:  # after each shape: a run stopped later keeps the shapes it finished
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+          json.dump({"backend": jax.default_backend(), "devices": 1, "engine": args.engine,
+                     "roofline": limits.to_dict() if limits is not None else None, "records": records}, f, indent=1)
   finally:
     shutil.rmtree(root, ignore_errors=True)
   print("\n" + markdown(records, limits))
   if not args.quick:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-      json.dump({"backend": jax.default_backend(), "devices": 1, "engine": args.engine,
-                 "roofline": limits.to_dict() if limits is not None else None, "records": records}, f, indent=1)
     print(f"wrote {path}")
   return 0
 

@@ -79,16 +79,6 @@ def tiny(cfg: ModelConfig) -> ModelConfig:
                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512)
 
 
-def _best_time(fn, repeats: int) -> float:
-  fn()  # compiles
-  best = float("inf")
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    best = min(best, time.perf_counter() - t0)
-  return best
-
-
 def step_batch(cfg: ModelConfig, sizes: Sizes, rng) -> tuple:
   """One micro-batch of random token ids in packed rows, with its PPO batch."""
   rows = sizes.tokens // sizes.row_len
@@ -124,26 +114,13 @@ def train_step(cfg: ModelConfig, sizes: Sizes, *, attention: str, remat: str, pe
     state["params"], state["opt_state"], metrics = fns.train(state["params"], state["opt_state"], inputs, batch,
                                                              correction)
     state["loss"] = float(metrics["loss"])  # blocks
-  step_s = _best_time(step, sizes.repeats)
+  step_s = roofline.best_time(step, sizes.repeats)
   flops = roofline.model_flops(cfg, sizes.tokens, sizes.seq_len)
   peak = (device.memory_stats() or {}).get("peak_bytes_in_use")
   return {"tokens": sizes.tokens, "attention": attention, "remat": remat, "predicted_bytes": int(predicted),
           "peak_bytes_in_use": peak, "step_s": step_s, "tokens_per_s": sizes.tokens / step_s,
           "model_tflops_per_s": flops / step_s / 1e12, "mfu": flops / step_s / peak_flops,
           "of_measured_bf16_matmul": limits.fraction(flops, step_s, "bfloat16"), "loss": state["loss"]}
-
-
-def generation_times(sampler, prompts: list, *, n: int, new_tokens: int, repeats: int) -> dict:
-  """Prefill (a call generating one token per sample) and decode (the rest of a full call) of
-  `sampler` (`trainers.serving.embedded.sampler.Sampler`), every sample `new_tokens` long."""
-  from trainers.serving.embedded.sampler import SamplingOptions
-
-  def generate(tokens):
-    options = SamplingOptions(temperature=0.8, max_new_tokens=tokens, ignore_eos=True, n=n, seed=0)
-    return lambda: sampler.generate(prompts, options)
-  prefill_s = _best_time(generate(1), repeats)
-  full_s = _best_time(generate(new_tokens), repeats)
-  return {"prefill_s": prefill_s, "decode_s": max(full_s - prefill_s, 1e-9), "generate_s": full_s}
 
 
 def sampler_and_handover(cfg: ModelConfig, sizes: Sizes, root: str) -> dict:
@@ -156,7 +133,7 @@ def sampler_and_handover(cfg: ModelConfig, sizes: Sizes, root: str) -> dict:
   try:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, cfg.vocab_size, sizes.sampler_prompt_len).tolist() for _ in range(sizes.batch)]
-    times = generation_times(engine.sampler, prompts, n=1, new_tokens=sizes.new_tokens, repeats=sizes.repeats)
+    times = roofline.generation_times(engine.sampler, prompts, n=1, new_tokens=sizes.new_tokens, repeats=sizes.repeats)
     trainer_params = nnx.state(CausalLM(cfg, rngs=nnx.Rngs(1)), nnx.Param)  # float32, on the device
     cast = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(jnp.bfloat16), p))
 

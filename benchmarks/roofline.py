@@ -110,14 +110,29 @@ class Limits:
     return flops / seconds / self.matmul_flops[dtype]
 
 
-def _best_time(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))
+def best_time(fn, repeats: int) -> float:
+  """Best of `repeats` calls of `fn` (which blocks until its results are ready), after a warm-up
+  call (the compile)."""
+  fn()
   best = float("inf")
   for _ in range(repeats):
     t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    fn()
     best = min(best, time.perf_counter() - t0)
   return best
+
+
+def generation_times(sampler, prompts: list, *, n: int, new_tokens: int, repeats: int) -> dict:
+  """Prefill (a call generating one token per sample) and decode (the rest of a full call) of the
+  embedded `sampler` (`trainers.serving.embedded.sampler.Sampler`), every sample `new_tokens` long."""
+  from trainers.serving.embedded.sampler import SamplingOptions
+
+  def generate(tokens):
+    options = SamplingOptions(temperature=0.8, max_new_tokens=tokens, ignore_eos=True, n=n, seed=0)
+    return lambda: sampler.generate(prompts, options)
+  prefill_s = best_time(generate(1), repeats)
+  full_s = best_time(generate(new_tokens), repeats)
+  return {"prefill_s": prefill_s, "decode_s": max(full_s - prefill_s, 1e-9), "generate_s": full_s}
 
 
 def _matmul_chain(x, w, length):
@@ -138,14 +153,14 @@ def matmul_flops_per_s(dtype, *, n: int = 256, max_n: int = 8192, target_s: floa
     # Orthogonal-ish w (entries ~ 1/sqrt(n)): the chain neither overflows nor underflows.
     w = jax.device_put((jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.float32) / float(np.sqrt(n))).astype(dtype),
                        device)
-    seconds = _best_time(_chain, x, w, length, repeats=1)
+    seconds = best_time(lambda: jax.block_until_ready(_chain(x, w, length)), repeats=1)
     if seconds >= target_s or (n >= max_n and length >= 64):
       break
     if n < max_n:
       n *= 2
     else:
       length *= 2
-  seconds = _best_time(_chain, x, w, length, repeats=repeats)
+  seconds = best_time(lambda: jax.block_until_ready(_chain(x, w, length)), repeats)
   return 2.0 * n ** 3 * length / seconds, n
 
 
@@ -158,7 +173,7 @@ def bandwidth_bytes_per_s(num_bytes: int, *, repeats: int = 5, length: int = 1, 
   """Bytes read + written per second by `x <- x * 0.5 + 1` over a float32 buffer of `num_bytes`."""
   device = device or jax.devices()[0]
   x = jax.device_put(jnp.ones((num_bytes // 4,), jnp.float32), device)
-  seconds = _best_time(_stream, x, length, repeats=repeats)
+  seconds = best_time(lambda: jax.block_until_ready(_stream(x, length)), repeats)
   return 2.0 * x.nbytes * length / seconds
 
 

@@ -24,6 +24,7 @@ def test_dry_run_measures_every_part(tmp_path):
     assert math.isfinite(sampler[key]) and sampler[key] > 0, key
 
 
-def test_unknown_model_is_named():
+def test_unknown_model_is_named(capsys):
   with pytest.raises(SystemExit):
     gpu_step.main(["--dry-run", "--models", "qwen3-7b"])
+  assert "qwen3-7b" in capsys.readouterr().err
