@@ -19,7 +19,7 @@ The run first measures this machine's limits (`benchmarks.roofline`: dense-matmu
 float32 and bfloat16, memory bandwidth), and after each contender's steps times its phases apart
 on the programs it ran (ours: the trainer's own compiled old-log-prob pass and update on the last
 step's batch, the bfloat16 sampler's prefill and decode on the same shape; tunix: its
-`RLCluster` methods, wrapped with timers, per step) and reports each one's achieved FLOP/s
+`RLCluster` methods and our integration's old-log-prob pass, wrapped with timers, per step) and reports each one's achieved FLOP/s
 as a fraction of the matmul FLOP/s of the dtype it computes in (the update and old-log-prob
 pass float32, the sampler bfloat16). The model FLOPs, from `benchmarks.roofline`: update
 `6 N` per token + attention, old log-probs and prefill `2 N` per token + attention, decode `2 N`
@@ -256,8 +256,9 @@ def ours(shape: Shape, placement: str, root: str, engine: str = "embedded", limi
           **({"phases": phases, "roofline": roofline_fractions(shape, phases, seq_lens, limits)} if phases else {})}
 
 
-TUNIX_PHASES = {"generate": "generate_s", "get_old_per_token_logps": "old_logprobs_s", "update_actor": "update_s",
-                "sync_weights": "sync_s"}
+TUNIX_PHASES = {"generate": "generate_s", "update_actor": "update_s", "sync_weights": "sync_s"}
+# Our integration recomputes the old log-probs in its own method (its `RLCluster`'s is pointed at it).
+TUNIX_LEARNER_PHASES = {"old_per_token_logps": "old_logprobs_s"}
 
 
 def _time_methods(obj, names: dict, stamps: list, per_step: dict) -> None:
@@ -337,6 +338,7 @@ def tunix(shape: Shape, root: str, engine: str = "vanilla", limits=None) -> dict
   stamps, per_step = [], {}
   if limits is not None:
     _time_methods(cluster, TUNIX_PHASES, stamps, per_step)
+    _time_methods(learner, TUNIX_LEARNER_PHASES, stamps, per_step)
 
   def batches():
     for _ in range(shape.steps + 1):
