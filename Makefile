@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: venv engine browser test test-all test-fast demo fleet-demo demo-agent demo-sglang-jax docs docs-check example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines bench-colocated bench-colocated-sglang-jax bench-agents bench-fleet clean
+.PHONY: venv engine browser test test-all test-fast demo fleet-demo demo-agent demo-sglang-jax docs docs-check example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines bench-colocated bench-colocated-sglang-jax bench-agents bench-fleet bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -87,6 +87,9 @@ bench-colocated: $(STAMP)  ## our step colocated and with the embedded server ag
 bench-colocated-sglang-jax: $(STAMP) engine  ## the same with sglang-jax generating for every contender (its venv)
 	PYTHONPATH=. JAX_PLATFORMS=cpu $$($(PY) -m trainers.serving.sglang_jax --prepare --tunix --trainer) \
 	    -m benchmarks.colocated --engine sglang-jax
+
+bench-gpu: $(STAMP)  ## one accelerator: the step's MFU (Qwen3-0.6B, 1.7B at 16k tokens), sampler tokens/s, colocated handover (<= 8 min on an H100/H200)
+	$(PY) -m benchmarks.gpu_step --json benchmarks/results/gpu_step.json
 
 bench-agents: $(STAMP) engine  ## multi-turn vs single-turn rollouts of the same model tokens on the embedded server and sglang-jax (docs/performance.md)
 	$(PY) -m benchmarks.agents
