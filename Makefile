@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: venv engine browser test test-all test-fast demo fleet-demo demo-agent demo-sglang-jax docs docs-check example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines bench-colocated bench-colocated-sglang-jax bench-agents clean
+.PHONY: venv engine browser test test-all test-fast demo fleet-demo demo-agent demo-sglang-jax docs docs-check example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines bench-colocated bench-colocated-sglang-jax bench-agents bench-fleet bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -88,11 +88,17 @@ bench-colocated-sglang-jax: $(STAMP) engine  ## the same with sglang-jax generat
 	PYTHONPATH=. JAX_PLATFORMS=cpu $$($(PY) -m trainers.serving.sglang_jax --prepare --tunix --trainer) \
 	    -m benchmarks.colocated --engine sglang-jax
 
+bench-gpu: $(STAMP)  ## one accelerator: the step's MFU (Qwen3-0.6B, 1.7B at 16k tokens), sampler tokens/s, colocated handover (<= 8 min on an H100/H200)
+	$(PY) -m benchmarks.gpu_step --json benchmarks/results/gpu_step.json
+
 bench-agents: $(STAMP) engine  ## multi-turn vs single-turn rollouts of the same model tokens on the embedded server and sglang-jax (docs/performance.md)
 	$(PY) -m benchmarks.agents
 
 bench-engines: $(STAMP) engine  ## sglang-jax vs mis-jax serve: tokens/s and weight-sync time (docs/performance.md)
 	$(PY) -m benchmarks.engines
+
+bench-fleet: $(STAMP)  ## weight sync to 1, 2, 4 mis-jax serve workers behind sglang-router, demo and Qwen3-0.6B shapes (docs/performance.md)
+	$(PY) -m benchmarks.fleet
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -4,11 +4,26 @@ loss, side by side in one run, on this machine (`make bench-colocated`).
     python -m benchmarks.colocated [--quick] [--json benchmarks/results/colocated.json]
     python -m benchmarks.colocated --engine sglang-jax   # in sglang-jax's venv: make bench-colocated-sglang-jax
 
-Two shapes, each a 2-layer 64-wide (tunix's example, `examples/tunix_grpo_mis.py`) or a 4-layer
-256-wide Qwen3 with a 64-token vocabulary, GQA 4:2:
+Three shapes of a Qwen3 with a 64-token vocabulary (`--shapes` runs a subset):
 
-- `example`: 4 prompts × 4 samples, responses of at most 8 tokens, steady state over steps 9–24;
-- `larger`: 16 prompts × 4 samples, at most 64 tokens, steady state over steps 5–12.
+- `example`: tunix's example (`examples/tunix_grpo_mis.py`), 2 layers 64 wide (4 heads × 16 over
+  2 KV heads), 4 prompts × 4 samples, responses of at most 8 tokens, steady state over steps 9–24;
+- `larger`: 4 layers 256 wide (4 heads × 64 over 2), 16 prompts × 4 samples, at most 64 tokens,
+  steady state over steps 5–12;
+- `qwen3-0.6b-4l`: Qwen3-0.6B's width (1024 hidden, 16 heads × 128 over 8 KV heads, 3072
+  intermediate) with 4 layers, 8 prompts × 4 samples, at most 128 tokens; a step takes tens of
+  seconds on 2 CPU cores, so steady state over steps 3–4 only, and no `ours, server` row (the
+  colocated engine against tunix).
+
+The run first measures this machine's limits (`benchmarks.roofline`: dense-matmul FLOP/s in
+float32 and bfloat16, memory bandwidth), and after each contender's steps times its phases apart
+on the programs it ran (ours: the trainer's own compiled old-log-prob pass and update on the last
+step's batch, the bfloat16 sampler's prefill and decode on the same shape; tunix: its
+`RLCluster` methods and our integration's old-log-prob pass, wrapped with timers, per step) and reports each one's achieved FLOP/s
+as a fraction of the matmul FLOP/s of the dtype it computes in (the update and old-log-prob
+pass float32, the sampler bfloat16). The model FLOPs, from `benchmarks.roofline`: update
+`6 N` per token + attention, old log-probs and prefill `2 N` per token + attention, decode `2 N`
+per generated token + attention over its context; the same work for both contenders.
 
 The same work in every contender: decoupled PPO with `configs/mis.yaml` (tunix computes the
 old log-probs too), one update per step, Adam, a bfloat16 sampler of float32 weights re-synced
@@ -51,6 +66,8 @@ from unittest import mock
 import jax
 import numpy as np
 
+from benchmarks import roofline
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -69,10 +86,14 @@ class Shape:
   row_len: int  # ours: packed rows of prompt + response (two sequences or more per row)
   heads: int = 4
   kv_heads: int = 2
+  server: bool = True  # the `ours, server` contender too
+  phase_repeats: int = 5  # best of, for the phases timed apart
 
 
 SHAPES = (Shape("example", 2, 64, 128, 16, 4, 4, 8, 24, 9, 32),
-          Shape("larger", 4, 256, 768, 64, 16, 4, 64, 12, 5, 72))
+          Shape("larger", 4, 256, 768, 64, 16, 4, 64, 12, 5, 72),
+          Shape("qwen3-0.6b-4l", 4, 1024, 3072, 128, 8, 4, 128, 4, 3, 136, heads=16, kv_heads=8, server=False,
+                phase_repeats=2))
 # sglang-jax's CPU attention pads head_dim to 128: its shapes have 128-wide heads, GQA 2:1. The
 # example's shape only: at the larger one sglang-jax decodes ~100 tokens/s here (a step of ours
 # takes ~40 s), and tunix's sglang-jax run stopped inside sglang-jax's sampler (a ShardingTypeError
@@ -82,15 +103,99 @@ VOCAB = 64
 CHARS = "0123456789+=abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXY"  # ids 3..63 (0 pad, 1 bos, 2 eos)
 
 
+def _model_config(shape: Shape):
+  from trainers.models import PRESETS
+  return dataclasses.replace(PRESETS["tiny-qwen3"], num_hidden_layers=shape.layers, hidden_size=shape.hidden,
+                             intermediate_size=shape.intermediate, head_dim=shape.head_dim, vocab_size=VOCAB,
+                             num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                             tie_word_embeddings=False, initializer_range=0.02)
+
+
 def _model_dir(shape: Shape, root: str) -> str:
-  from trainers.models import PRESETS, init_checkpoint
+  from trainers.models import init_checkpoint
   path = os.path.join(root, f"init-{shape.name}")
-  config = dataclasses.replace(PRESETS["tiny-qwen3"], num_hidden_layers=shape.layers, hidden_size=shape.hidden,
-                               intermediate_size=shape.intermediate, head_dim=shape.head_dim, vocab_size=VOCAB,
-                               num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                               tie_word_embeddings=False, initializer_range=0.02)
-  init_checkpoint(path, config=config, seed=0)
+  if not os.path.exists(path):
+    init_checkpoint(path, config=_model_config(shape), seed=0)
   return path
+
+
+class _LastCalls:
+  """Stands in for the trainer's `StepFunctions`, keeping the arguments of the last old-log-prob
+  pass and update it ran (nothing is blocked on: the step runs as it would)."""
+
+  def __init__(self, fns):
+    self.fns, self.forward_args, self.train_args = fns, None, None
+
+  def __getattr__(self, name):
+    return getattr(self.fns, name)
+
+  def forward(self, heads):
+    run = self.fns.forward(heads)
+
+    def recorded(params, inputs, segment_ids):
+      self.forward_args = (heads, inputs, segment_ids)
+      return run(params, inputs, segment_ids)
+    return recorded
+
+  def train(self, params, opt_state, *rest):
+    self.train_args = rest
+    return self.fns.train(params, opt_state, *rest)
+
+
+def _sequence_lengths(segment_ids) -> list[int]:
+  ids = np.asarray(segment_ids).ravel()
+  return [int(n) for n in np.bincount(ids[ids >= 0]) if n]
+
+
+def trainer_phases(trainer, recorded: _LastCalls, repeats: int) -> tuple[dict, list[int]]:
+  """The old-log-prob pass and the update, each timed apart (best of `repeats`) on the last step's
+  batch with the trainer's own compiled programs; and the batch's sequence lengths."""
+  fns = recorded.fns
+  heads, inputs, segment_ids = recorded.forward_args
+  forward = fns.forward(heads)
+  old_logprobs_s = roofline.best_time(lambda: jax.block_until_ready(forward(trainer.params, inputs, segment_ids)), repeats)
+  state = [trainer.params, trainer.opt_state]
+
+  def update():
+    state[0], state[1], metrics = fns.train(state[0], state[1], *recorded.train_args)
+    jax.block_until_ready(metrics)
+  update_s = roofline.best_time(update, repeats)
+  trainer.params, trainer.opt_state = state
+  return {"old_logprobs_s": old_logprobs_s, "update_s": update_s}, _sequence_lengths(segment_ids)
+
+
+def sampler_phases(shape: Shape, model_dir: str, prompt_len: int) -> dict:
+  """The bfloat16 sampler of the colocated engine at this shape, on its own: prefill (a call
+  that generates one token per sample) and decode (the rest of a full call, per token)."""
+  from trainers.serving.embedded.generation import GenerationEngine
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(3, VOCAB, prompt_len).tolist() for _ in range(shape.prompts)]
+  engine = GenerationEngine(model_dir, dtype="bfloat16", seed=0)
+  try:
+    return roofline.generation_times(engine.sampler, prompts, n=shape.n, new_tokens=shape.max_new_tokens,
+                                      repeats=shape.phase_repeats)
+  finally:
+    engine.close()
+
+
+def roofline_fractions(shape: Shape, phases: dict, seq_lens: list[int], limits) -> dict:
+  """Each timed phase: seconds, model FLOPs, achieved FLOP/s over the machine's matmul FLOP/s in
+  the phase's dtype. `seq_lens`: the trained sequences (prompt + response)."""
+  cfg = _model_config(shape)
+  prompt_lens = [max(s - shape.max_new_tokens, 1) for s in seq_lens]
+  work = {"update": (roofline.train_flops(cfg, seq_lens), "float32"),
+          "old_logprobs": (roofline.forward_flops(cfg, seq_lens), "float32"),
+          "prefill": (roofline.prefill_flops(cfg, prompt_lens), "bfloat16"),
+          "decode": (roofline.decode_flops(cfg, prompt_lens, shape.max_new_tokens - 1), "bfloat16"),
+          "generate": (roofline.prefill_flops(cfg, prompt_lens)
+                       + roofline.decode_flops(cfg, prompt_lens, shape.max_new_tokens), "bfloat16")}
+  out = {}
+  for name, (flops, dtype) in work.items():
+    seconds = phases.get(f"{name}_s")
+    if seconds:
+      out[name] = {"s": seconds, "flops": flops, "dtype": dtype, "flops_per_s": flops / seconds,
+                   "fraction": limits.fraction(flops, seconds, dtype)}
+  return out
 
 
 def _step_times(stamps: list[float], shape: Shape) -> list[float]:
@@ -98,7 +203,7 @@ def _step_times(stamps: list[float], shape: Shape) -> list[float]:
   return list(np.diff(stamps[shape.first_timed - 1:]))
 
 
-def ours(shape: Shape, placement: str, root: str, engine: str = "embedded") -> dict:
+def ours(shape: Shape, placement: str, root: str, engine: str = "embedded", limits=None) -> dict:
   """Our trainer with the engine `colocated` or behind a `server` process: `mis-jax serve` (bfloat16)
   or, `engine` sglang-jax (float32, in its venv), its HTTP server taking the weights from disk."""
   from trainers.serving.sglang_jax import launcher as sglang_jax
@@ -132,7 +237,12 @@ def ours(shape: Shape, placement: str, root: str, engine: str = "embedded") -> d
     trainer = train_lib.Trainer(cfg, loss, urls=urls)
     stamps, take = [], trainer.source.next
     trainer.source.next = lambda step: stamps.append(time.perf_counter()) or take(step)
+    trainer.fns = recorded = _LastCalls(trainer.fns)
     history = trainer.run(progress=False, log=lambda *a, **k: None)
+    phases = {}
+    if limits is not None:  # after the timed steps: the phases apart, for the roofline
+      phases, seq_lens = trainer_phases(trainer, recorded, shape.phase_repeats)
+      phases.update(sampler_phases(shape, model, round(float(np.mean(seq_lens))) - shape.max_new_tokens))
   times = _step_times(stamps, shape)
   timed = history[shape.first_timed - 1:shape.steps]
   name = f"ours, {placement}" + (", sglang-jax" if engine == "sglang-jax" else "")
@@ -142,10 +252,29 @@ def ours(shape: Shape, placement: str, root: str, engine: str = "embedded") -> d
           "train_ms": 1e3 * float(np.median([h["train_s"] for h in timed])),
           "mean_response_tokens": float(np.mean([h["response_length"] for h in timed])),
           "step_s_all": [float(x) for x in times], "train_s_all": [h["train_s"] for h in timed],
-          "micro_batches": [h["micro_batches"] for h in timed]}
+          "micro_batches": [h["micro_batches"] for h in timed],
+          **({"phases": phases, "roofline": roofline_fractions(shape, phases, seq_lens, limits)} if phases else {})}
 
 
-def tunix(shape: Shape, root: str, engine: str = "vanilla") -> dict:
+TUNIX_PHASES = {"generate": "generate_s", "update_actor": "update_s", "sync_weights": "sync_s"}
+# Our integration recomputes the old log-probs in its own method (its `RLCluster`'s is pointed at it).
+TUNIX_LEARNER_PHASES = {"old_per_token_logps": "old_logprobs_s"}
+
+
+def _time_methods(obj, names: dict, stamps: list, per_step: dict) -> None:
+  """Wraps `obj`'s methods `names` (method → phase) so each call's seconds (its results blocked
+  on) add to `per_step[phase][step]`, the step being `len(stamps)` (batches asked so far)."""
+  for method, phase in names.items():
+    def timed(*args, _run=getattr(obj, method), _phase=phase, **kwargs):
+      t0 = time.perf_counter()
+      out = jax.block_until_ready(_run(*args, **kwargs))
+      steps = per_step.setdefault(_phase, {})
+      steps[len(stamps)] = steps.get(len(stamps), 0.0) + time.perf_counter() - t0
+      return out
+    setattr(obj, method, timed)
+
+
+def tunix(shape: Shape, root: str, engine: str = "vanilla", limits=None) -> dict:
   """tunix's GRPO with our loss; its sampler the example's bfloat16 copy (`vanilla`) or, `engine`
   sglang-jax (float32, in its venv), its `Engine` in process with the log-probs kept."""
   import optax
@@ -206,7 +335,10 @@ def tunix(shape: Shape, root: str, engine: str = "vanilla") -> dict:
   config = mis_tunix.MISGRPOConfig(num_generations=shape.n, beta=0.0, mis=os.path.join(ROOT, "configs/mis.yaml"))
   learner = mis_tunix.MISGRPOLearner(cluster, config, [lambda prompts, completions, **kw: [0.5] * len(completions)])
   rng = np.random.default_rng(0)
-  stamps = []
+  stamps, per_step = [], {}
+  if limits is not None:
+    _time_methods(cluster, TUNIX_PHASES, stamps, per_step)
+    _time_methods(learner, TUNIX_LEARNER_PHASES, stamps, per_step)
 
   def batches():
     for _ in range(shape.steps + 1):
@@ -215,45 +347,122 @@ def tunix(shape: Shape, root: str, engine: str = "vanilla") -> dict:
   learner.train(batches())
   times = _step_times(stamps, shape)
   lengths = cluster._rl_metrics_logger.get_metric_history("completions", "mean_length", "train")
-  return {"contender": "tunix" + (", sglang-jax" if engine == "sglang-jax" else ""), "shape": shape.name, "step_ms": 1e3 * float(np.median(times)),
-          "steps_per_s": 1.0 / float(np.median(times)),
-          "mean_response_tokens": float(np.mean(lengths[shape.first_timed - 1:shape.steps])) if len(lengths) else None}
+  record = {"contender": "tunix" + (", sglang-jax" if engine == "sglang-jax" else ""), "shape": shape.name,
+            "step_ms": 1e3 * float(np.median(times)), "steps_per_s": 1.0 / float(np.median(times)),
+            "mean_response_tokens": float(np.mean(lengths[shape.first_timed - 1:shape.steps])) if len(lengths) else None}
+  timed_steps = range(shape.first_timed, shape.steps + 1)
+  phases = {phase: float(np.median([steps.get(k, 0.0) for k in timed_steps])) for phase, steps in per_step.items()}
+  if phases:
+    record["phases"] = phases
+    # The same sequences as ours: every prompt as long as its template, every response max_new_tokens.
+    seq_lens = [len("00+00=") + 1 + shape.max_new_tokens] * (shape.prompts * shape.n)
+    record["roofline"] = {k: v for k, v in roofline_fractions(shape, phases, seq_lens, limits).items()
+                          if k in ("update", "old_logprobs", "generate")}
+  return record
+
+
+PHASE_COLUMNS = ("update", "old_logprobs", "prefill", "decode", "generate")
+
+
+def _label(name: str) -> str:
+  s = next(s for s in SHAPES + SGLANG_JAX_SHAPES if s.name == name)
+  return (f"{s.name}: {s.layers}-layer {s.hidden}-wide, {s.prompts * s.n} samples × {s.max_new_tokens} tokens")
+
+
+def markdown(records: list[dict], limits) -> str:
+  """The tables of docs/performance.md's colocated section, from a run's records (each shape's
+  name on its first row)."""
+  lines = ["| shape | contender | step ms | steps/s | × tunix | rollout / update / weight sync ms |",
+           "|---|---|---|---|---|---|"]
+  last = None
+  for r in records:
+    split = (f"{r['rollout_ms']:,.1f} / {r['train_ms']:,.1f} / {r['sync_ms']:,.1f}" if "sync_ms" in r else "—")
+    ratio = f"**{r['ratio_to_tunix']:.2f}**" if r["contender"].startswith("ours, colocated") else f"{r['ratio_to_tunix']:.2f}"
+    shape = _label(r["shape"]) if r["shape"] != last else ""
+    last = r["shape"]
+    lines.append(f"| {shape} | {r['contender']} | {r['step_ms']:,.1f} | {r['steps_per_s']:.2f} | {ratio} | {split} |")
+  if limits is None:
+    return "\n".join(lines)
+  lines += ["", f"Roofline: {roofline.describe(limits)}. Each phase timed apart: ms, and achieved FLOP/s as % of the "
+                "matmul FLOP/s of its dtype (update and old log-probs float32, the sampler bfloat16; tunix's "
+                "generation is its `RLCluster.generate`, ours the sampler's call):", "",
+            "| shape | contender | update | old log-probs | prefill | decode | whole generation |",
+            "|---|---|---|---|---|---|---|"]
+  for r in records:
+    if "roofline" not in r:
+      continue
+    cells = [(f"{1e3 * r['roofline'][k]['s']:,.1f} ms, {100 * r['roofline'][k]['fraction']:.1f} %"
+              if k in r["roofline"] else "—") for k in PHASE_COLUMNS]
+    lines.append(f"| {r['shape']} | {r['contender']} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def contenders(shape: Shape, root: str, engine: str, limits) -> list[dict]:
+  """The shape's rows, tunix's last (the base of the ratios); the phases (with `limits`) of ours
+  colocated and of tunix."""
+  rows = [ours(shape, "colocated", root, engine, limits=limits)]
+  if shape.server:
+    rows.append(ours(shape, "server", root, engine))
+  rows.append(tunix(shape, root, "sglang-jax" if engine == "sglang-jax" else "vanilla", limits=limits))
+  base = rows[-1]["steps_per_s"]
+  for r in rows:
+    r["ratio_to_tunix"] = r["steps_per_s"] / base
+  return rows
+
+
+def select_shapes(shapes, names: str | None, quick: bool) -> list[Shape]:
+  known = {s.name: s for s in shapes}
+  if names:
+    unknown = [n for n in names.split(",") if n not in known]
+    if unknown:
+      raise SystemExit(f"--shapes: unknown shape(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    shapes = [known[n] for n in names.split(",")]
+  return [dataclasses.replace(shapes[0], steps=6, first_timed=3)] if quick else list(shapes)
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--quick", action="store_true", help="the example shape, 6 steps")
+  parser.add_argument("--quick", action="store_true", help="the first shape, 6 steps; nothing written")
+  parser.add_argument("--shapes", default=None, help="comma-separated subset of: " + ", ".join(s.name for s in SHAPES))
   parser.add_argument("--engine", default="embedded", choices=("embedded", "sglang-jax"),
                       help="sglang-jax: every contender samples with sglang-jax (run in its venv)")
   parser.add_argument("--json", default=None, help="default benchmarks/results/colocated[-sglang-jax].json")
+  parser.add_argument("--markdown", metavar="JSON", default=None,
+                      help="print the docs' tables of a run's JSON (runs nothing)")
   args = parser.parse_args(argv)
+  if args.markdown:
+    with open(args.markdown) as f:
+      run = json.load(f)
+    print(markdown(run["records"], roofline.Limits(**run["roofline"]) if run.get("roofline") else None))
+    return 0
   sglang = args.engine == "sglang-jax"
   path = args.json or f"benchmarks/results/colocated{'-sglang-jax' if sglang else ''}.json"
-  shapes = SGLANG_JAX_SHAPES if sglang else SHAPES
-  shapes = [dataclasses.replace(shapes[0], steps=6, first_timed=3)] if args.quick else shapes
+  shapes = select_shapes(SGLANG_JAX_SHAPES if sglang else SHAPES, args.shapes, args.quick)
+  limits = None if sglang else roofline.measure(quick=args.quick)  # the roofline: our engine's runs
+  if limits is not None:
+    print(roofline.describe(limits), flush=True)
   root = tempfile.mkdtemp(prefix="bench-colocated-")
   records = []
-  print(f"{'shape':8s} {'contender':30s} {'step ms':>8s} {'steps/s':>8s} {'x tunix':>8s} {'sync ms':>8s} "
+  print(f"{'shape':14s} {'contender':30s} {'step ms':>9s} {'steps/s':>8s} {'x tunix':>8s} {'sync ms':>8s} "
         f"{'response tokens':>16s}")
   try:
     for shape in shapes:
-      rows = [ours(shape, "colocated", root, args.engine), ours(shape, "server", root, args.engine),
-              tunix(shape, root, "sglang-jax" if sglang else "vanilla")]
-      base = rows[-1]["steps_per_s"]
+      rows = contenders(shape, root, args.engine, limits)
       for r in rows:
-        r["ratio_to_tunix"] = r["steps_per_s"] / base
         sync = f"{r['sync_ms']:8.1f}" if "sync_ms" in r else f"{'':8s}"
         length = r.get("mean_response_tokens")
-        print(f"{shape.name:8s} {r['contender']:30s} {r['step_ms']:8.1f} {r['steps_per_s']:8.2f} "
+        print(f"{shape.name:14s} {r['contender']:30s} {r['step_ms']:9.1f} {r['steps_per_s']:8.2f} "
               f"{r['ratio_to_tunix']:8.2f} {sync} {'' if length is None else f'{length:16.1f}'}", flush=True)
       records += rows
+      if not args.quick:  # after each shape: a run stopped later keeps the shapes it finished
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+          json.dump({"backend": jax.default_backend(), "devices": 1, "engine": args.engine,
+                     "roofline": limits.to_dict() if limits is not None else None, "records": records}, f, indent=1)
   finally:
     shutil.rmtree(root, ignore_errors=True)
+  print("\n" + markdown(records, limits))
   if not args.quick:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-      json.dump({"backend": jax.default_backend(), "devices": 1, "engine": args.engine, "records": records}, f,
-                indent=1)
     print(f"wrote {path}")
   return 0
 

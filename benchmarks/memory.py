@@ -31,7 +31,12 @@ Score centering (`--centering`, contract §6.6): per model at 16k tokens per dev
 `score_centering` on — the sampler's top-20 log-probs and ids per token in the batch, the trainer's
 log-probs of those ids gathered in the chunked pass — against the same step without.
 
-Both are the decoupled-PPO loss of the reference MIS config on one micro-batch of
+`model.remat` / `model.attention` auto (`--auto`): per model at 16k tokens per device, the `after`
+step compiled with each candidate of `trainers.training.memory_plan.LADDER` (no remat + dense
+attention first) until one fits 0.9 x 16 GB, and the choice (the trainer makes the same decision
+at start-up against its own device).
+
+All are the decoupled-PPO loss of the reference MIS config on one micro-batch of
 `tokens_per_device` tokens per device (one row of that length per device). `per_device_bytes`
 = arguments + outputs + temporaries − aliased (donated) bytes of the compiled program on one
 device. Figures are XLA:CPU's; a GPU or TPU compile differs (other fusion and layouts), so
@@ -57,7 +62,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import mis_jax  # noqa: E402
-from trainers.training import parallel, step as step_lib  # noqa: E402
+from trainers.training import memory_plan, parallel, step as step_lib  # noqa: E402
 from trainers.training.config import TrainSection  # noqa: E402
 from trainers.models import ModelConfig  # noqa: E402
 from trainers.models.hf_io import abstract_model  # noqa: E402
@@ -129,12 +134,12 @@ def _analysis(compiled) -> dict:
 
 
 def after_step(cfg: ModelConfig, tokens: int, devices, section=None, *, loss=LOSS, program="train",
-               **model_kwargs) -> dict:
+               remat="full", attention="blocked", **model_kwargs) -> dict:
   """The compiled `program` of `trainers.training.step.StepFunctions`: `train` (the step) or
-  `logprobs` (the old-log-prob pass, same inputs)."""
+  `logprobs` (the old-log-prob pass, same inputs); full remat and blocked attention unless said."""
   mesh = parallel.make_mesh(section or parallel.ParallelSection(fsdp=-1), devices)
   fns = step_lib.build_step_functions(cfg, mesh, loss, OPTIM, logprob_chunk=1024, dtype=jnp.bfloat16,
-                                      param_dtype=jnp.float32, attention="blocked", remat="full", **model_kwargs)
+                                      param_dtype=jnp.float32, attention=attention, remat=remat, **model_kwargs)
   abstract, psh, osh, optimizer = fns.abstract_params, fns.param_shardings, fns.opt_shardings, fns.optimizer
   params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, psh)
   opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -174,6 +179,27 @@ def before_step(cfg: ModelConfig, tokens: int, devices) -> dict:
                            jax.eval_shape(optimizer.init, abstract))
   args = _abstract_batch(1, tokens, max(1, tokens // SEQ_LEN), dev, dev)
   return _analysis(jax.jit(step).lower(params, opt_state, *args).compile())
+
+
+# `model.remat` / `model.attention` auto (`trainers.training.memory_plan`) for a 16 GB-class device.
+AUTO_DEVICE_GB = 16.0
+AUTO_TOKENS = 16384
+
+
+def auto_record(name: str, cfg: ModelConfig, tokens: int, devices) -> dict:
+  """What `auto` chooses for the `after` step of `cfg` at `tokens` per device against `SAFETY` x
+  `AUTO_DEVICE_GB`: the candidates compiled, cheapest first, until one fits."""
+  t0 = time.perf_counter()
+  budget = memory_plan.Budget(int(memory_plan.SAFETY * AUTO_DEVICE_GB * 1e9),
+                              f"{memory_plan.SAFETY:g} x {AUTO_DEVICE_GB:g} GB")
+  choice = memory_plan.choose(
+      "auto", "auto", lambda remat, attention: after_step(cfg, tokens, devices, remat=remat,
+                                                          attention=attention)["per_device_bytes"], budget)
+  return {"model": name, "tokens_per_device": tokens, "step": "auto", "devices": len(devices),
+          "backend": jax.default_backend(), "loss": "decoupled PPO, configs/mis.yaml", "budget_bytes": budget.bytes,
+          "remat": choice.remat, "attention": choice.attention,
+          "candidates": [{"remat": r, "attention": a, "per_device_bytes": b} for r, a, b in choice.measured],
+          "compile_s": round(time.perf_counter() - t0, 1)}
 
 
 # Colocated rollouts (`rollout.placement.mode: colocated`): the engine's programs on the first device of
@@ -297,6 +323,8 @@ def main(argv=None) -> int:
                       help="models whose step is compiled with the proximal log-probs recomputed and loglinear")
   parser.add_argument("--colocated", nargs="*", default=["qwen3-1.7b"],
                       help="models whose colocated step (engine on the first device, and over the mesh) is measured by phase")
+  parser.add_argument("--auto", nargs="*", default=["qwen3-1.7b"],
+                      help="models whose `model.remat` / `model.attention` auto choice is recorded (16 GB device)")
   parser.add_argument("--moe", nargs="*", default=sorted(MOE_MODELS), help="mixture-of-experts models to measure")
   parser.add_argument("--centering", nargs="*", default=["qwen3-1.7b"],
                       help="models whose step is compiled with and without score centering (top-20)")
@@ -353,6 +381,16 @@ def main(argv=None) -> int:
           f"{'per-device GB':>14s} {'compile s':>9s}")
   for name in ([] if args.quick else args.proximal):
     records += proximal_records(name, MODELS[name], PROXIMAL_TOKENS, devices)
+  if not args.quick and args.auto:
+    print(f"\n{'auto':20s} {'tokens/dev':>10s} {'candidate (remat + attention)':>30s} {'per-device GB':>14s}  "
+          f"(budget {memory_plan.SAFETY:g} x {AUTO_DEVICE_GB:g} GB)")
+  for name in ([] if args.quick else args.auto):
+    rec = auto_record(name, MODELS[name], AUTO_TOKENS, devices)
+    records.append(rec)
+    for c in rec["candidates"]:
+      chosen = "  <- chosen" if (c["remat"], c["attention"]) == (rec["remat"], rec["attention"]) else ""
+      print(f"{name:20s} {AUTO_TOKENS:10d} {c['remat'] + ' + ' + c['attention']:>30s} "
+            f"{c['per_device_bytes'] / 1e9:14.2f}{chosen}", flush=True)
   if not args.quick and args.colocated:
     print(f"\n{'colocated':20s} {'tokens/dev':>10s} {'phase (engine on)':>40s} {'per-device GB':>14s}")
   for name in ([] if args.quick else args.colocated):

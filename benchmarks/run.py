@@ -7,8 +7,9 @@ Compares, on the same data:
   - a per-sequence reference in PyTorch eager that loops over a list of tensors the way
     list-of-tensors implementations (miles' ``mis.py``) do — the same weights, masks and
     metrics — forward+backward;
-  - the machine's streaming roofline: a jitted reduction that reads the same input bytes once
-    (the weights pass's four inputs for its fraction; all six loss inputs for the loss's).
+  - the roofline (`benchmarks.roofline`, measured first in the same run): both passes are
+    memory-bound, so each is reported as the bytes it must move (its inputs read once, its
+    outputs written once) per second, as a fraction of this machine's measured bandwidth.
 Times are the best of several runs (this 2-core VM is noisy; every path is timed the same
 way). Reports tokens/s, ratios and compiled peak (temp) memory; prints a table, writes JSON.
 
@@ -29,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import mis_jax
+from benchmarks import roofline
 
 MIS = mis_jax.MISConfig(use_tis=True, use_rs=True, tis_lower_bound=0.5, tis_upper_bound=2.0,
                         rs_veto_threshold=1e-4, tis_batch_normalize=True)  # = configs/mis.yaml
@@ -85,23 +87,9 @@ _weights = jax.jit(lambda b: mis_jax.compute_mis_weights(b.old_logprobs, b.rollo
 _loss_grad = jax.jit(jax.value_and_grad(lambda lp, b: mis_jax.policy_loss(lp, b, LOSS_CFG), has_aux=True))
 
 
-@jax.jit
-def _stream_weights(b):
-  """Reads every input byte of the weights pass once (o, q, mask, segment ids)."""
-  return (jnp.sum(b.old_logprobs) + jnp.sum(b.rollout_logprobs) + jnp.sum(b.segment_ids).astype(jnp.float32)
-          + jnp.sum(b.loss_mask.astype(jnp.float32)))
-
-
-@jax.jit
-def _stream(b, lp):
-  """Reads every input byte of the loss path once: the streaming roofline for these inputs."""
-  return _stream_weights(b) + jnp.sum(b.advantages) + jnp.sum(lp)
-
-
-def input_bytes(b, lp=None):
-  arrays = (b.old_logprobs, b.rollout_logprobs, b.segment_ids, b.loss_mask) + ((b.advantages, lp) if lp is not None
-                                                                               else ())
-  return sum(int(np.asarray(x).nbytes) for x in arrays)
+def moved_bytes(outputs, *inputs) -> int:
+  """The least traffic of a program: every input byte read once, every output byte written once."""
+  return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves((inputs, outputs)))
 
 
 def torch_reference(seqs, repeats=1):
@@ -178,7 +166,7 @@ def torch_reference(seqs, repeats=1):
   return min(times)
 
 
-def bench_shape(rng, num_seqs, max_len, row_len, *, reference=True, padded=True):
+def bench_shape(rng, num_seqs, max_len, row_len, limits, *, reference=True, padded=True):
   seqs, packing = make_data(rng, num_seqs, max_len, row_len)
   batch, lp = to_batch(seqs, packing)
   tokens = int(sum(len(s["m"]) for s in seqs))
@@ -186,13 +174,13 @@ def bench_shape(rng, num_seqs, max_len, row_len, *, reference=True, padded=True)
          "pass_options": dataclasses.asdict(mis_jax.pass_options(batch.segment_ids, batch.num_segments))}
   row["weights_s"] = timeit(_weights, batch)
   row["loss_fwd_bwd_s"] = timeit(_loss_grad, lp, batch)
-  row["stream_s"] = timeit(_stream, batch, lp)
-  row["stream_weights_s"] = timeit(_stream_weights, batch)
-  row["input_bytes"] = input_bytes(batch, lp)
-  row["weights_input_bytes"] = input_bytes(batch)
-  row["stream_GBps"] = row["input_bytes"] / row["stream_s"] / 1e9
-  row["weights_roofline_fraction"] = row["stream_weights_s"] / row["weights_s"]
-  row["loss_roofline_fraction"] = row["stream_s"] / row["loss_fwd_bwd_s"]
+  weights_in = (batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, batch.segment_ids)
+  row["weights_bytes"] = moved_bytes(_weights(batch), *weights_in)
+  row["loss_bytes"] = moved_bytes(_loss_grad(lp, batch), lp, *weights_in, batch.advantages)
+  row["weights_GBps"] = row["weights_bytes"] / row["weights_s"] / 1e9
+  row["loss_GBps"] = row["loss_bytes"] / row["loss_fwd_bwd_s"] / 1e9
+  row["weights_roofline_fraction"] = row["weights_GBps"] * 1e9 / limits.bandwidth
+  row["loss_roofline_fraction"] = row["loss_GBps"] * 1e9 / limits.bandwidth
   row["tokens_per_s"] = tokens / row["loss_fwd_bwd_s"]
   row["loss_temp_MB"] = temp_bytes(_loss_grad, lp, batch) / 1e6
   if padded:
@@ -215,19 +203,23 @@ def main(argv=None):
   args = parser.parse_args(argv)
   rng = np.random.default_rng(0)
   scale = 8 if args.quick else 1
+  limits = roofline.measure()
   out = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                      "backend": jax.default_backend(), "devices": jax.device_count(),
-                     "pass_options": "mis_jax.pass_options(segment_ids, num_segments) per shape"}}
+                     "pass_options": "mis_jax.pass_options(segment_ids, num_segments) per shape",
+                     "roofline": limits.to_dict()}}
 
-  out["named_shapes"] = [bench_shape(rng, 512 // scale, 1024, 4096), bench_shape(rng, 4096 // scale, 256, 4096)]
+  out["named_shapes"] = [bench_shape(rng, 512 // scale, 1024, 4096, limits),
+                         bench_shape(rng, 4096 // scale, 256, 4096, limits)]
   sweep = []
   for total in ([2 ** 16, 2 ** 18] if args.quick else [2 ** 16, 2 ** 18, 2 ** 20, 2 ** 22]):
-    sweep.append(bench_shape(rng, max(total // 512, 1), 1024, 4096, reference=False, padded=False))
+    sweep.append(bench_shape(rng, max(total // 512, 1), 1024, 4096, limits, reference=False, padded=False))
   out["token_sweep"] = sweep
   seg_sweep = []
   fixed = 2 ** 16 if args.quick else 2 ** 20
   for max_len in (2048, 512, 128, 32):
-    seg_sweep.append(bench_shape(rng, int(fixed / (max_len * 9 / 16)), max_len, 4096, reference=False, padded=False))
+    seg_sweep.append(bench_shape(rng, int(fixed / (max_len * 9 / 16)), max_len, 4096, limits, reference=False,
+                                 padded=False))
   out["segment_sweep"] = seg_sweep
   if not args.skip_logprobs:
     try:
@@ -251,9 +243,11 @@ def save_json(out: dict, path: str) -> dict:
 
 def print_table(out):
   print(f"\nmachine: {out['machine']}")
+  bandwidth = out["machine"]["roofline"]["bandwidth"]
+  print(f"measured bandwidth {bandwidth / 1e9:.1f} GB/s: each pass's '% bw' is its bytes moved per second over it")
   print("\nNamed shapes (decoupled PPO + reference MIS config, forward+backward; best of N):")
   hdr = ["seqs", "max_len", "tokens", "ours ms", "tok/s", "padded ms", "pad/packed", "torch loop ms", "speedup",
-         "weights ms", "weights % stream", "loss % stream", "temp MB"]
+         "weights ms", "weights % bw", "loss % bw", "temp MB"]
   print(" | ".join(hdr))
   for r in out["named_shapes"]:
     print(" | ".join([str(r["num_seqs"]), str(r["max_len"]), str(r["tokens"]), f"{1e3 * r['loss_fwd_bwd_s']:.2f}",
@@ -265,12 +259,12 @@ def print_table(out):
   for name, title in (("token_sweep", "Token sweep (time vs total tokens)"),
                       ("segment_sweep", "Segment sweep (fixed tokens, more and shorter sequences)")):
     print(f"\n{title}:")
-    print("seqs | tokens | ours ms | ns/token | weights ms | weights % stream | loss % stream | stream GB/s")
+    print("seqs | tokens | ours ms | ns/token | weights ms | weights % bw | loss % bw | weights GB/s")
     for r in out[name]:
       print(f"{r['num_seqs']} | {r['tokens']} | {1e3 * r['loss_fwd_bwd_s']:.2f} | "
             f"{1e9 * r['loss_fwd_bwd_s'] / r['tokens']:.1f} | {1e3 * r['weights_s']:.2f} | "
             f"{100 * r['weights_roofline_fraction']:.1f} | {100 * r['loss_roofline_fraction']:.1f} | "
-            f"{r['stream_GBps']:.1f}")
+            f"{r['weights_GBps']:.1f}")
   seg = out["segment_sweep"]
   per_tok = [r["loss_fwd_bwd_s"] / r["tokens"] for r in seg]
   print(f"\nsegment-count growth at fixed tokens: {max(per_tok) / min(per_tok):.2f}x "

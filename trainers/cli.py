@@ -168,7 +168,6 @@ def _train(argv: list[str] | None = None) -> int:
 
   import mis_jax
   from trainers.training import checks, distributed, train
-  from trainers.models.attention import resolve_attention_backend
   from trainers.training.rollout import ServerError
 
   args = train_parser().parse_args(argv)
@@ -186,12 +185,10 @@ def _train(argv: list[str] | None = None) -> int:
     print(f"mis-jax train: {e}", file=sys.stderr)
     return 2
 
-  attention, reason = resolve_attention_backend(cfg.model.attention)
   say = print if primary else (lambda *a, **k: None)
   say(f"algorithm: {cfg.loss.algorithm} (correction: {cfg.loss.correction}); run dir: {os.path.abspath(cfg.run_dir)}")
   say(f"mesh: {dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} device(s) in "
-      f"{jax.process_count()} process(es); model {cfg.model.dtype} compute, {cfg.model.param_dtype} weights, "
-      f"attention {attention}{f' ({reason})' if reason else ''}, remat {cfg.model.remat}")
+      f"{jax.process_count()} process(es)")
   say(f"task: {task.summary}")
   if cfg.rollout.sync.max_staleness:
     say(f"asynchronous rollouts: samples at most {cfg.rollout.sync.max_staleness} weight version(s) old, "

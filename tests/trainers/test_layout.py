@@ -6,6 +6,8 @@ tasks import neither, and the library imports no trainer code."""
 import ast
 import pathlib
 
+import pytest
+
 from helpers import parse_source
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -94,3 +96,34 @@ def test_one_rollout_backend():
                 for c in [n.left, *n.comparators] if isinstance(c, ast.Constant) and isinstance(c.value, str)
                 and c.value.startswith("/")]
       assert routes == [], (path, routes)
+
+
+@pytest.mark.slow  # ~14 s: every module imported from scratch
+def test_every_module_imports_first():
+  """Each module of `trainers` and `mis_jax` imports in an interpreter that has imported no other
+  of them: an import cycle (a module taking a name from one still being initialised) breaks only
+  the entry points that reach the cycle from its other end, so each module is tried first (one
+  subprocess that forgets both packages between modules; a missing optional dependency is not
+  ours to report)."""
+  import subprocess
+  import sys
+  names = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+                 for package in ("trainers", "mis_jax") for p in (ROOT / package).rglob("*.py")
+                 if "sglang_jax" not in p.parts or p.name == "__init__.py")
+  script = (
+      "import importlib, sys, traceback\n"
+      "failed = []\n"
+      f"for name in {names!r}:\n"
+      "  for m in [m for m in sys.modules if m.split('.')[0] in ('trainers', 'mis_jax')]:\n"
+      "    del sys.modules[m]\n"
+      "  try:\n"
+      "    importlib.import_module(name)\n"
+      "  except ModuleNotFoundError as e:  # an optional dependency (sgl_jax, tunix) is not ours\n"
+      "    if (e.name or '').split('.')[0] in ('trainers', 'mis_jax'):\n"
+      "      failed.append(f'{name}: {e}')\n"
+      "  except ImportError as e:\n"
+      "    failed.append(f'{name}: {e}')\n"
+      "print('\\n'.join(failed))\n")
+  out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip() == "", out.stdout

@@ -35,7 +35,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from trainers.agents.env import Environment, Observation, Turn
-from trainers.agents.rewards import TurnReward
+from trainers.agents import rewards as agent_rewards  # a module reference: rewards imports extras, which imports this module
 from trainers.tasks.base import Prompt
 from trainers.training import extras as extras_lib
 from trainers.training.rollout import Reply, RolloutResult, Sample
@@ -115,7 +115,7 @@ class Episodes:
   def declared_extras(cls, per_turn_rewards: bool = False) -> tuple:
     """The per-token extras an agent run adds: the `turn` index, and with per-turn rewards
     (`agent.per_turn_rewards`) each turn's reward on its tokens (`TurnReward`)."""
-    return cls.extras + ((TurnReward(),) if per_turn_rewards else ())
+    return cls.extras + ((agent_rewards.TurnReward(),) if per_turn_rewards else ())
 
   def run(self, generate: Callable[..., RolloutResult], prompts: Sequence[Prompt], make_env, *,
           sampling_params: dict, n: int, seed: int, extras=()) -> RolloutResult:
@@ -220,7 +220,7 @@ class Episodes:
         (s.weight_version, 0, len(ids))]
     tr.spans += [(v, start + a, start + b) for v, a, b in spans]
     for e in extras:
-      if e.name in (TurnIndex.name, TurnReward.name):  # the driver's own: composed in `_sample`
+      if e.name in (TurnIndex.name, agent_rewards.TurnReward.name):  # the driver's own: composed in `_sample`
         continue
       value = np.asarray(s.extras[e.name])
       if e.span == "response":
@@ -252,7 +252,7 @@ class Episodes:
     for e in extras:
       if e.name == TurnIndex.name:
         composed[e.name] = np.asarray(tr.turn_of, np.int32)
-      elif e.name == TurnReward.name:  # a turn the budget ended before its observation earned 0
+      elif e.name == agent_rewards.TurnReward.name:  # a turn the budget ended before its observation earned 0
         composed[e.name] = np.array([tr.turn_rewards.get(t, 0.0) if t > 0 else 0.0 for t in tr.turn_of], np.float32)
       elif e.span == "response":
         parts = tr.parts[e.name]

@@ -8,9 +8,10 @@ One forward serves training and inference:
 - packed training forward, `model(input_ids, positions, segment_ids)`: a token attends to the
   earlier tokens of its own segment only (segment-aware causal mask), so one row holds several
   sequences with no cross-attention and per-segment RoPE positions;
-- cached decoding, `model.decode(input_ids, positions, cache)`: one sequence per row, new keys
-  and values are written into a fixed-size KV cache at slot = position, and a query at
-  position `p` attends to slots `<= p`.
+- cached decoding, `model.decode(input_ids, cache, slot=, start=)`: one sequence per row, the rows
+  aligned in one cache layout (prompts left-padded: row `b`'s tokens fill slots `start[b]..`), so a
+  step writes every row's new keys and values with one in-place `dynamic_update_slice` at one
+  slot, and a query in slot `s` attends to slots `start[b]..s` of the first `window` slots only.
 
 The decoder layers are stacked (every layer parameter has a leading `num_hidden_layers` axis)
 and run by one `lax.scan`, so a 28-layer model compiles one layer body; the scan body can be
@@ -65,6 +66,44 @@ class LayerCache(NamedTuple):
   """Keys and values of every layer, `[num_layers, batch, cache_len, num_key_value_heads, head_dim]`."""
   k: jax.Array
   v: jax.Array
+
+
+class CacheSlots(NamedTuple):
+  """One decoding layer's view of the stacked cache (`k, v` `[L, B, S, KV, D]`): its new keys
+  and values go to slots `slot ..` of layer `layer` (one slot for all rows: an aligned layout),
+  and it attends over the first `window` slots (static)."""
+  k: jax.Array
+  v: jax.Array
+  layer: jax.Array
+  slot: jax.Array
+  window: int
+
+  def write(self, k: jax.Array, v: jax.Array) -> "CacheSlots":
+    """`k, v [B, T, KV, D]` into slots `slot .. slot + T - 1`: one in-place update per array."""
+    at = (self.layer, 0, self.slot, 0, 0)
+    put = lambda c, new: jax.lax.dynamic_update_slice(c, _stored(new, c.dtype)[None], at)
+    return self._replace(k=put(self.k, k), v=put(self.v, v))
+
+  def read(self, dtype) -> tuple[jax.Array, jax.Array]:
+    """This layer's first `window` slots, `[B, window, KV, D]` each, in `dtype`."""
+    _, b, _, kv, d = self.k.shape
+    take = lambda c: _loaded(jax.lax.dynamic_slice(c, (self.layer, 0, 0, 0, 0), (1, b, self.window, kv, d))[0], dtype)
+    return take(self.k), take(self.v)
+
+
+# A 16-bit float cache is stored as its bits (uint16): XLA:CPU updates a bfloat16 buffer by
+# converting all of it to float32 and back (the whole cache, every layer and step), an integer
+# one in place. Elsewhere the bitcast is free.
+def _storage_dtype(dtype):
+  return jnp.uint16 if jnp.dtype(dtype).itemsize == 2 else jnp.dtype(dtype)
+
+
+def _stored(x: jax.Array, storage) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x, storage) if storage == jnp.uint16 else x.astype(storage)
+
+
+def _loaded(x: jax.Array, dtype) -> jax.Array:
+  return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x.astype(dtype)
 
 
 def _expand(x: jax.Array, ndim: int) -> jax.Array:
@@ -148,10 +187,9 @@ class Attention(nnx.Module):
     self.cfg = cfg
     self.dtype = dtype
 
-  def __call__(self, x, positions, attend: Callable, cache: LayerCache | None):
-    """`attend(q [B, T, H, D], k, v [B, S, KV, D]) -> [B, T, H, D]`. With a (one-layer) cache,
-    the new keys/values are first written at slots `positions[:, 0] + arange(T)` and `k, v`
-    are the whole cache."""
+  def __call__(self, x, positions, attend: Callable, cache: CacheSlots | None):
+    """`attend(q [B, T, H, D], k, v [B, S, KV, D]) -> [B, T, H, D]`. With a cache, the new
+    keys/values are first written into it (`CacheSlots.write`) and `k, v` are its window."""
     cfg = self.cfg
     b, t, _ = x.shape
     q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
@@ -162,10 +200,8 @@ class Attention(nnx.Module):
     inv_freq = rope_inv_freq(cfg) if cfg.rope_scaling is not None else None
     q, k = rope(q, positions, inv_freq, cfg.rope_theta), rope(k, positions, inv_freq, cfg.rope_theta)
     if cache is not None:
-      write = jax.vmap(lambda c, new, start: jax.lax.dynamic_update_slice(c, new, (start, 0, 0)))
-      cache = LayerCache(write(cache.k, k.astype(cache.k.dtype), positions[:, 0]),
-                         write(cache.v, v.astype(cache.v.dtype), positions[:, 0]))
-      k, v = cache.k.astype(self.dtype), cache.v.astype(self.dtype)
+      cache = cache.write(k.astype(self.dtype), v.astype(self.dtype))
+      k, v = cache.read(self.dtype)
     out = attend(q, k, v).reshape(b, t, -1)
     return self.o_proj(out), cache
 
@@ -265,32 +301,30 @@ class CausalLM(nnx.Module):
       return x
     return jax.lax.with_sharding_constraint(x, self.activation_sharding)
 
-  def _layers(self, x, positions, attend, cache: LayerCache | None, *, remat: str, replay=None, valid=None):
-    """Runs the stacked layers with one `lax.scan` (the cache and the replayed routing
-    `[num_layers, B, T, k]`, if any, are scanned with them). Returns `(x, cache, routing)`,
+  def _layers(self, x, positions, attend, cache: CacheSlots | None, *, remat: str, replay=None, valid=None):
+    """Runs the stacked layers with one `lax.scan` (the replayed routing `[num_layers, B, T, k]`,
+    if any, is scanned with them; a decoding cache is carried). Returns `(x, cache, routing)`,
     `routing` a `moe.LayerRouting` with a leading layer axis (None for a dense model)."""
     graphdef, state = nnx.split(self.layers)
 
-    def body(x, xs):
-      layer_state, layer_cache, layer_replay = xs
+    def body(x, xs, layer_cache=None):
+      layer_state, layer_replay = xs
       x, layer_cache, routing = nnx.merge(graphdef, layer_state)(x, positions, attend, layer_cache, layer_replay,
                                                                  valid)
       return self._constrain(x), (layer_cache, routing)
 
-    if cache is not None:  # decoding: the cache is carried and updated in place, layer by layer
+    if cache is not None:  # decoding: the stacked cache is carried; each layer writes its new slots in place
       def cached(carry, xs):
-        x, full = carry
+        x, k, v = carry
         layer, layer_state, layer_replay = xs
-        layer_cache = LayerCache(*(jax.lax.dynamic_index_in_dim(c, layer, keepdims=False) for c in full))
-        x, (layer_cache, routing) = body(x, (layer_state, layer_cache, layer_replay))
-        full = LayerCache(*(jax.lax.dynamic_update_index_in_dim(c, u, layer, 0) for c, u in zip(full, layer_cache)))
-        return (x, full), routing
+        x, (slots, routing) = body(x, (layer_state, layer_replay), cache._replace(k=k, v=v, layer=layer))
+        return (x, slots.k, slots.v), routing
       layers = jnp.arange(cache.k.shape[0], dtype=jnp.int32)
-      (x, cache), routing = jax.lax.scan(cached, (self._constrain(x), cache), (layers, state, replay))
-      return x, cache, routing
+      (x, k, v), routing = jax.lax.scan(cached, (self._constrain(x), cache.k, cache.v), (layers, state, replay))
+      return x, LayerCache(k, v), routing
     if remat != "none":
       body = jax.checkpoint(body, policy=REMAT_POLICIES[remat], prevent_cse=False)
-    x, (_, routing) = jax.lax.scan(body, self._constrain(x), (state, None, replay))
+    x, (_, routing) = jax.lax.scan(body, self._constrain(x), (state, replay))
     return x, None, routing
 
   def _routing(self, routing, valid) -> Routing:
@@ -370,28 +404,42 @@ class CausalLM(nnx.Module):
     """Packed forward. All inputs `[B, T]` int32; returns logits `[B, T, vocab]` float32."""
     return self._logits(self.hidden_states(input_ids, positions, segment_ids))
 
-  def init_cache(self, batch: int, length: int, dtype=None) -> LayerCache:
+  def init_cache(self, batch: int, length: int) -> LayerCache:
+    """An empty cache for `decode`, in the compute dtype (a 16-bit float one stored as its bits, uint16)."""
     cfg = self.config
     shape = (cfg.num_hidden_layers, batch, length, cfg.num_key_value_heads, cfg.head_dim)
-    return LayerCache(jnp.zeros(shape, dtype or self.dtype), jnp.zeros(shape, dtype or self.dtype))
+    storage = _storage_dtype(self.dtype)
+    return LayerCache(jnp.zeros(shape, storage), jnp.zeros(shape, storage))
 
-  def decode(self, input_ids: jax.Array, positions: jax.Array, cache: LayerCache, *, return_routing: bool = False,
-             logits_at: jax.Array | None = None):
-    """Cached forward of `input_ids: [B, T]` at contiguous `positions: [B, T]` (one sequence
-    per row). Returns `(logits [B, T, vocab] float32, updated cache)`; a query at position `p`
-    attends to cache slots `0..p`, which must hold this row's tokens at positions `0..p`.
-    `logits_at: [B]` int: the logits of that index of each row only (`[B, 1, vocab]`: a prefill
-    needs its last prompt token's, not `T × vocab` per row).
-    With `return_routing` (mixture of experts) also each token's experts per layer,
-    `[B, T, num_hidden_layers, k]` int32 (the engine's own routing, in its dtype)."""
-    _check_ids(input_ids, positions)
-    slots = jnp.arange(cache.k.shape[2])
-    mask = slots[None, None, :] <= positions[:, :, None]
+  def decode(self, input_ids: jax.Array, cache: LayerCache, *, slot: jax.Array, start: jax.Array,
+             window: int | None = None, return_routing: bool = False, logits_at: jax.Array | None = None):
+    """Cached forward of `input_ids: [B, T]`, the rows aligned in the cache: the tokens go to
+    slots `slot .. slot + T - 1` (a scalar: one in-place write per layer for all rows), row `b`'s
+    sequence starts at slot `start[b]` (its position 0; earlier slots are its left padding), so
+    the token in slot `s` has position `s - start[b]` (RoPE) and its query attends to slots
+    `start[b] .. s`. Only the first `window` slots (static, default the whole cache; it must
+    cover `slot + T`) are read, so a step costs the filled prefix, not the cache.
+
+    Returns `(logits [B, T, vocab] float32, updated cache)`. `logits_at: [B]` int: the logits
+    of that index of each row only (`[B, 1, vocab]`: a prefill needs its last prompt token's,
+    not `T × vocab` per row). With `return_routing` (mixture of experts) also each token's
+    experts per layer, `[B, T, num_hidden_layers, k]` int32 (the engine's own routing).
+    Left padding's queries see nothing (their outputs are finite and meaningless)."""
+    _check_ids(input_ids, input_ids)
+    b, t = input_ids.shape
+    window = cache.k.shape[2] if window is None else window
+    if not 0 < window <= cache.k.shape[2]:
+      raise ValueError(f"window {window} outside the cache's 1..{cache.k.shape[2]} slots")
+    at = slot + jnp.arange(t, dtype=jnp.int32)  # [T] slots written
+    positions = jnp.maximum(at[None, :] - start[:, None], 0).astype(jnp.int32)
+    keys = jnp.arange(window, dtype=jnp.int32)
+    mask = (keys[None, None, :] >= start[:, None, None]) & (keys[None, None, :] <= at[None, :, None])
     attend = lambda q, k, v: dense_attention(q, k, v, mask)
-    x, cache, routing = self._layers(self.embed_tokens(input_ids), positions, attend, cache, remat="none")
+    slots = CacheSlots(cache.k, cache.v, jnp.int32(0), jnp.asarray(slot, jnp.int32), window)
+    x, cache, routing = self._layers(self.embed_tokens(input_ids), positions, attend, slots, remat="none")
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
-    out = self._logits(self.norm(x)), LayerCache(*cache)
+    out = self._logits(self.norm(x)), cache
     if not return_routing:
       return out
     if routing is None:

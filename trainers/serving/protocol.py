@@ -23,6 +23,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import math
+import os
 import uuid
 from typing import Annotated, Any, Literal, Sequence
 
@@ -544,6 +545,26 @@ def decode_routed_experts(value: str, num_layers: int, top_k: int, dtype: str | 
 
 
 # Error bodies, by the stage that raises them (SGLang's http_server).
+# mis-jax's own route (not SGLang's): can this server read a file the trainer wrote? The trainer
+# writes a probe with a nonce into its weight directory before step 1 and asks every worker for it:
+# the weights reach the workers through /update_weights_from_disk, so they must see that directory.
+READ_PROBE_ROUTE = "/mis_jax/read_probe"
+PROBE_PREFIX = ".mis-jax-probe-"
+
+
+def read_probe(path: Any) -> tuple[int, dict]:
+  """(status, body) of `READ_PROBE_ROUTE` for `{"path": path}`: 400 unless the file's name starts
+  with `PROBE_PREFIX` (nothing else is read); else `{"readable": true, "content": <its first 256
+  characters>}` or `{"readable": false, "error": ...}`."""
+  if not isinstance(path, str) or not os.path.basename(path).startswith(PROBE_PREFIX):
+    return 400, {"error": f"path must name a {PROBE_PREFIX}* file, got {path!r}"}
+  try:
+    with open(path, encoding="utf-8") as f:
+      return 200, {"readable": True, "content": f.read(256)}
+  except (OSError, UnicodeDecodeError) as e:
+    return 200, {"readable": False, "error": f"{type(e).__name__}: {e}"}
+
+
 def json_error_body(message: str) -> dict:
   """A body that is not a JSON object of the route's shape (`ErrorResponse`, code 400)."""
   return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}

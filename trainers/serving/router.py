@@ -31,7 +31,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     return s.getsockname()[1]
 
 
-def _die_with_parent():  # Linux: the router never outlives the process that started it
+def die_with_parent():  # Linux: the router never outlives the process that started it
   try:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
   except OSError:
@@ -39,10 +39,13 @@ def _die_with_parent():  # Linux: the router never outlives the process that sta
 
 
 def router_command(*, host: str, port: int, worker_urls=(), policy: str = "cache_aware",
-                   extra: tuple[str, ...] = ()) -> list[str]:
-  """The command line of `python -m sglang_router.launch_router` (this interpreter)."""
+                   prometheus_port: int | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+  """The command line of `python -m sglang_router.launch_router` (this interpreter); its metrics
+  exporter on `prometheus_port` (None: the router's default, 29000, one router per machine)."""
   cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
          "--policy", policy, "--log-level", "warn", *HEALTH_ARGS, *extra]
+  if prometheus_port is not None:
+    cmd += ["--prometheus-port", str(prometheus_port)]
   if worker_urls:
     cmd += ["--worker-urls", *worker_urls]
   return cmd
@@ -50,7 +53,8 @@ def router_command(*, host: str, port: int, worker_urls=(), policy: str = "cache
 
 class RouterProcess:
   """sglang-router on `host:port` (a free port by default) over `worker_urls`, in a subprocess
-  that ends with this one. A context manager, or call `close()`."""
+  that ends with this one; its metrics on another free port (several routers on one machine).
+  A context manager, or call `close()`."""
 
   def __init__(self, worker_urls=(), *, host: str = "127.0.0.1", port: int = 0, policy: str = "cache_aware",
                extra: tuple[str, ...] = (), timeout: float = 60.0):
@@ -61,9 +65,9 @@ class RouterProcess:
     port = port or free_port(host)
     self.url = f"http://{host}:{port}"
     self.process = subprocess.Popen(router_command(host=host, port=port, worker_urls=worker_urls, policy=policy,
-                                                   extra=extra),
+                                                   prometheus_port=free_port(host), extra=extra),
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    preexec_fn=_die_with_parent)
+                                    preexec_fn=die_with_parent)
     self.log: collections.deque[str] = collections.deque(maxlen=200)
     threading.Thread(target=self._drain, daemon=True).start()
     try:

@@ -24,7 +24,7 @@ import yaml
 
 import mis_jax
 from mis_jax.config import config_fields as fields_of, config_key as key, load_yaml, parse_config_value as parse_value
-from trainers.models.attention import ATTENTION_BACKENDS as ATTENTION
+from trainers.models.attention import ATTENTION_BACKENDS
 from trainers.models.decoder import REMAT_POLICIES
 from trainers.models.hf_io import DTYPES as DTYPE_TABLE
 from trainers.models.moe import MOE_DISPATCH
@@ -33,7 +33,9 @@ from trainers.tasks.rewards import REWARDS as REWARD_TABLE
 
 DTYPES = tuple(DTYPE_TABLE)
 PRESET_NAMES = tuple(sorted(PRESETS))
-REMAT = tuple(REMAT_POLICIES)
+AUTO = "auto"  # model.remat / model.attention: chosen at start-up by trainers.training.memory_plan
+REMAT = tuple(REMAT_POLICIES) + (AUTO,)
+ATTENTION = ATTENTION_BACKENDS + (AUTO,)
 REWARDS = tuple(REWARD_TABLE)
 ROUTING_REPLAY = ("none", "r3", "r2")
 TASKS = ("copy_digits", "lookup_digits", "calculator", "dataset", "jsonl")  # `jsonl`: the dataset task's former name
@@ -48,9 +50,12 @@ class ModelSection:
   init_seed: int = key(0, "seed of the preset's random weights", ge=0)
   dtype: str = key("float32", "compute dtype of the trainer's forward/backward", choices=DTYPES)
   param_dtype: str = key("float32", "master weights and optimiser state", choices=DTYPES)
-  attention: str = key("blocked", "`dense` ([T, T] reference), `blocked` (flash-style), `fused` (Pallas, else blocked)",
-                       choices=ATTENTION)
-  remat: str = key("full", "activation checkpointing of the layer scan", choices=REMAT)
+  attention: str = key(AUTO, "`dense` ([T, T] reference), `blocked` (flash-style), `fused` (Pallas, else blocked); "
+                       "`auto`: dense when the compiled step fits the memory budget, else blocked", choices=ATTENTION)
+  remat: str = key(AUTO, "activation checkpointing of the layer scan; `auto`: the least (none, dots, full) whose "
+                   "compiled step fits the memory budget", choices=REMAT)
+  memory_budget_gb: float | None = key(None, "per-device memory the `auto` choices must fit (null: 0.9 x the "
+                                       "device's bytes_limit; on CPU 0.9 x the host's RAM over its devices)", gt=0)
   logprob_chunk: int = key(1024, "tokens per chunk of the LM head (`mis_jax.token_logprobs`)", ge=1)
   moe_dispatch: str = key("grouped", "mixture of experts: `grouped` (tokens sorted by expert, blocks per expert), "
                           "`ragged_dot` (jax.lax.ragged_dot: native on TPU, dense on CPU) or `dense` (every expert "

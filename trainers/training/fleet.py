@@ -28,6 +28,8 @@ from trainers.training.engines import HttpEngine, HttpTransport
 from trainers.training.rollout import ServerError, ServerUnavailable
 from trainers.training.sglang_client import SGLangClient
 
+CONTROL_CONNECTIONS = 64  # the control pool bounds how many workers load a push at once (connections open as needed)
+
 
 def router_workers(router: HttpEngine) -> list[str]:
   """The URLs of the regular workers the router lists (`GET /workers`, sglang-router 0.3)."""
@@ -53,7 +55,7 @@ class RouterClient(SGLangClient):
     # The worker list, probes and weight pushes over a pool of their own: generation requests the
     # router sent to a paused (joining) worker hold their connections until that worker is
     # admitted, and the admission must not wait for one of them.
-    self.transport, self.log = transport.sibling(max_concurrency=8), log
+    self.transport, self.log = transport.sibling(max_concurrency=CONTROL_CONNECTIONS), log
     self._control = HttpEngine(router_url, self.transport)
     self._push_lock = threading.RLock()  # one push (or admission) at a time
     self._served: tuple[str, str] | None = None  # (path, version) every worker must serve

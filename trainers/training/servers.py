@@ -69,6 +69,7 @@ class Servers:
     the trainer's weights (or, when the push is skipped, the very checkpoint it starts from)."""
     r, self.log = self.rollout, log
     on_primary(lambda: self.client.wait_until_healthy(attempts=r.transport.health_attempts, backoff_s=r.transport.backoff_s))
+    on_primary(lambda: self.weight_sync.check_reach(log=log))  # e.g. no shared filesystem: stop now, not at a push
     if self.sampling.extras:  # a server that cannot return an extra is found before any step
       on_primary(lambda: self.client.check_extras(self.sampling.extras, self.sampling.params))
     if self._first_push(step, log=log):

@@ -296,7 +296,12 @@ class StepFunctions:
       return mis_jax.prepare_step(batch, loss_cfg, key=key)
 
     self.prepare = _jit(prepare)
-    self.train = _jit(train, donate_argnums=(0, 1), out_shardings=(param_shardings, opt_shardings, replicated))
+    train_options = {"donate_argnums": (0, 1), "out_shardings": (param_shardings, opt_shardings, replicated)}
+    self.train = _jit(train, **train_options)
+    # The memory probe (`trainers.training.memory_plan`): the step lowered for abstract arguments,
+    # apart from the run's jitted functions (their caches and trace counts are the run's own).
+    self.lower_train = lambda *args: jax.jit(train, **train_options).lower(*args)
+    self.prepare_shapes = lambda batch, key: jax.eval_shape(prepare, batch, key)
     self.init_opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)
 
   def forward(self, heads: Forward):

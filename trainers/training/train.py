@@ -42,7 +42,8 @@ from trainers.agents.env import is_agent_task
 from trainers.agents import rewards as agent_rewards
 from trainers.agents.episodes import Episodes, turn_mismatch
 from trainers.models import PRESETS, DTYPES, ModelConfig, init_checkpoint, load_hf_params
-from trainers.training import checkpointing, checks, distributed, extras as extras_lib, parallel, plan as plan_lib
+from trainers.models.attention import resolve_attention_backend
+from trainers.training import checkpointing, checks, distributed, extras as extras_lib, memory_plan, parallel, plan as plan_lib
 from trainers.training.backend import build_rollout
 from trainers.training.batch import StepBatch, build_step_batch, fresh_tokens, token_staleness
 from trainers.training.config import ModelSection, TrainConfig
@@ -123,7 +124,11 @@ class Trainer:
     self.routing_replay, self.routing_spec = checks.routing_setup(r, model_cfg)  # the plan's passes
     self.max_new_tokens = checks.max_new_tokens(r, self.task)
     self.plan: StepPlan = plan_lib.plan_step(cfg, self.routing_replay, self.routing_spec)
-    self.fns = _step_functions(model_cfg, cfg.model, cfg.loss, self.temperature, cfg.train, self.mesh)
+    # `model.remat` / `model.attention` `auto`: the cheapest whose compiled step fits the device.
+    self.model_choice = _model_choice(model_cfg, cfg.model, self.mesh, memory_plan.probe_shape(cfg.train, self.extras))
+    model_section = dataclasses.replace(cfg.model, remat=self.model_choice.remat,
+                                        attention=self.model_choice.attention)
+    self.fns = _step_functions(model_cfg, model_section, cfg.loss, self.temperature, cfg.train, self.mesh)
     # Each device reads its own shards of the HF tensors: no full copy anywhere.
     self.params = load_hf_params(start_dir, self.fns.abstract_params, self.fns.param_shardings, config=model_cfg)
     self.ref_params = jax.tree_util.tree_map(jnp.copy, self.params) if cfg.loss.kl_coef > 0 else None
@@ -247,12 +252,20 @@ class Trainer:
 
   def describe(self, log) -> None:
     """The options that change what the loop does, said once before step 1."""
+    log(self.model_line())
     if self.routing_replay == "r2" and not self.plan.compare_routing:
       log("routing replay R2: the old-log-prob pass's routing is replayed in every training forward")
     for extra in self.extras:
       said = extra.describe()
       if said:
         log(said)
+
+  def model_line(self) -> str:
+    """The start-up line of the model's options: dtypes, remat and attention, and why those."""
+    m, choice = self.cfg.model, self.model_choice
+    attention, fallback = resolve_attention_backend(choice.attention)
+    return (f"model: {m.dtype} compute, {m.param_dtype} weights, remat {choice.remat}, attention {attention}"
+            f"{f' ({fallback})' if fallback else ''} ({choice.reason()})")
 
   # --- one step ------------------------------------------------------------------------
   def sampling_params(self) -> dict:
@@ -427,14 +440,36 @@ def _ratio_range(train_lp, batch: mis_jax.PackedBatch) -> tuple[float, float] | 
 
 
 @functools.lru_cache(maxsize=8)
+def _model_choice(model_cfg: ModelConfig, model: ModelSection, mesh,
+                  shape: memory_plan.ProbeShape) -> memory_plan.ModelChoice:
+  """`memory_plan.choose` over the candidates' compiled steps, each with the probe's loss and
+  optimiser (`memory_plan.PROBE_LOSS`): once per model, shape and mesh in a process, and one
+  program for the persistent compilation cache whatever the run's loss."""
+  def predict(remat: str, attention: str) -> int:
+    fns = build_step_functions(model_cfg, mesh, memory_plan.PROBE_LOSS, memory_plan.PROBE_TRAIN,
+                               **_model_options(dataclasses.replace(model, remat=remat, attention=attention),
+                                                model_cfg))
+    return memory_plan.step_bytes(fns, mesh, shape, within=budget.bytes)
+
+  auto = memory_plan.AUTO in (model.remat, model.attention)
+  budget = memory_plan.memory_budget(list(mesh.devices.flat), model.memory_budget_gb) if auto else None
+  return memory_plan.choose(model.remat, model.attention, predict, budget)
+
+
+@functools.lru_cache(maxsize=8)
 def _step_functions(model_cfg: ModelConfig, model: ModelSection, loss_cfg: mis_jax.LossConfig,
                     temperature: float, train_cfg, mesh) -> StepFunctions:
   """The jitted step functions, shared by trainers with the same setup (so a resumed or
   repeated run in one process does not compile again)."""
   return build_step_functions(model_cfg, mesh, loss_cfg, train_cfg, temperature=temperature,
-                              logprob_chunk=model.logprob_chunk, dtype=DTYPES[model.dtype],
-                              param_dtype=DTYPES[model.param_dtype], attention=model.attention,
-                              remat=model.remat, **({"moe_dispatch": model.moe_dispatch} if model_cfg.is_moe else {}))
+                              **_model_options(model, model_cfg))
+
+
+def _model_options(model: ModelSection, model_cfg: ModelConfig) -> dict:
+  """`build_step_functions`' options of the model section (remat and attention resolved)."""
+  return dict(logprob_chunk=model.logprob_chunk, dtype=DTYPES[model.dtype], param_dtype=DTYPES[model.param_dtype],
+              attention=model.attention, remat=model.remat,
+              **({"moe_dispatch": model.moe_dispatch} if model_cfg.is_moe else {}))
 
 
 SUMMARY_KEYS = ["reward_mean", "loss", "pg_loss", "pg_clipfrac", "ppo_kl", "grad_norm", "entropy_loss",

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import collections
 import os
+import pathlib
+import secrets
 import shutil
 import time
 from typing import Protocol
@@ -24,6 +26,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from trainers.models import DTYPES, hf_io
+from trainers.serving import protocol
 from trainers.models.config import ModelConfig
 from trainers.training import distributed
 from trainers.training.errors import NoServerUp, TrainingError, on_primary
@@ -102,6 +105,10 @@ class WeightSync(Protocol):
   def rollouts_done(self) -> None:
     """A step's rollouts are generated (nothing generates until the next push)."""
 
+  def check_reach(self, log=print) -> None:
+    """Before step 1 (process 0): raises `TrainingError` when an engine could not load what the
+    pushes will give it."""
+
 
 class DiskSync:
   """Servers over HTTP: the sharded HF checkpoint under `weights_root/step_{step}` (every
@@ -132,6 +139,53 @@ class DiskSync:
 
   def rollouts_done(self) -> None:
     pass
+
+  def check_reach(self, log=print) -> None:
+    """Every server sees `weights_root` (a shared filesystem): a probe file with a nonce is
+    written there and each server is asked to read it back (`protocol.READ_PROBE_ROUTE`, a route
+    of `mis-jax serve`). A server that cannot read it, or reads other content (its path names
+    another directory), stops the run here, before step 1, naming the server and the path. SGLang
+    and sglang-jax have no such route (HTTP 404): for them this says so, and their first
+    `/update_weights_from_disk` is the check."""
+    os.makedirs(self.weights_root, exist_ok=True)
+    nonce = secrets.token_hex(8)
+    path = os.path.join(self.weights_root, f"{protocol.PROBE_PREFIX}{nonce}")
+    hf_io.atomic_write(path, lambda f: pathlib.Path(f).write_text(nonce))
+    try:
+      blind, unchecked = [], []
+      for url in self.client.live_urls():
+        seen = _read_probe(self.client.engines[url], path)
+        if seen is None:
+          unchecked.append(url)
+        elif seen != nonce:
+          blind.append(f"{url} ({seen})")
+    finally:
+      os.remove(path)
+    if unchecked:
+      log(f"{', '.join(unchecked)}: no {protocol.READ_PROBE_ROUTE} route (SGLang, sglang-jax): whether it sees "
+          f"{self.weights_root} shows at its first weight load")
+    if blind:
+      raise TrainingError(
+          f"{'; '.join(blind)} cannot read the trainer's weight directory {self.weights_root}: the weights reach "
+          f"every server through /update_weights_from_disk, so each must see that directory at the same path. "
+          f"Put run_dir on a filesystem the servers mount at the same path (docs/guides/fleet.md)")
+
+
+def _read_probe(engine, path: str) -> str | None:
+  """What `engine` reads at `path`: the content, a reason it could not, or None (no such route, or
+  the engine is down)."""
+  try:
+    reply = engine.transport.request("POST", engine.url, protocol.READ_PROBE_ROUTE, {"path": path})
+  except ServerUnavailable:
+    return None  # down now: the pushes' own logic handles it
+  except ServerError as e:
+    if e.status in (404, 405):
+      return None
+    raise TrainingError(f"{engine.url}{protocol.READ_PROBE_ROUTE}: {e}") from None
+  if not isinstance(reply, dict) or not reply.get("readable"):
+    why = reply.get("error") if isinstance(reply, dict) else repr(reply)
+    return f"not readable there: {why}"
+  return reply.get("content")
 
 
 class MemorySync:
@@ -168,3 +222,6 @@ class MemorySync:
   def rollouts_done(self) -> None:
     if self.release_between_steps:
       self.engine.release_weights()
+
+  def check_reach(self, log=print) -> None:
+    pass  # the engine is in this process

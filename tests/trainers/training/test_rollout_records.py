@@ -52,7 +52,7 @@ def _metrics_by_step(path):
   return out
 
 
-def test_save_kill_resume_then_replay_reproduces_the_metrics(server, tmp_path):
+def test_save_kill_resume_then_replay_reproduces_the_metrics(server, tmp_path, capsys):
   run, records = tmp_path / "run", tmp_path / "records"
   argv = ["train", "--config", "configs/demo.yaml", "--steps", "3", "--run-dir", str(run),
           "--save-rollouts", str(records), "--sglang-url", server.url, *SMALL]
@@ -79,8 +79,11 @@ def test_save_kill_resume_then_replay_reproduces_the_metrics(server, tmp_path):
   assert meta["format_version"] == 1 and meta["sampling_params"]["temperature"] == 1.0
   # Replay with no server: the same steps in the same order, the same metrics.
   replay = tmp_path / "replay"
+  capsys.readouterr()
   assert cli.main(["train", "--config", "configs/demo.yaml", "--steps", "3", "--run-dir", str(replay),
                    "--load-rollouts", str(records), *SMALL]) == 0
+  # model.remat / model.attention auto: the tiny step fits, so no remat and dense attention, said at start-up
+  assert "model: float32 compute, float32 weights, remat none, attention dense (auto: " in capsys.readouterr().out
   replayed = _metrics_by_step(replay / "metrics.jsonl")
   for step in (1, 2, 3):
     want = {k: v for k, v in original[step].items() if not _is_timing(k)}

@@ -197,7 +197,7 @@ def test_server_dying_mid_run_keeps_the_last_checkpoint(tmp_path):
       trainer.run(progress=False)
     assert {p for _, p in fake.requests} <= {"/health", "/generate", "/pause_generation", "/flush_cache",
                                              "/update_weights_from_disk", "/model_info", "/continue_generation",
-                                             "/server_info", "/get_server_info"}
+                                             "/server_info", "/get_server_info", "/mis_jax/read_probe"}
   resumed = _trainer(tmp_path, FakeSGLang().url, train={"steps": 3})
   assert resumed.restore_latest() and resumed.step == 2
   with pytest.raises(train_lib.TrainingError, match="already holds checkpoints"):

@@ -230,9 +230,9 @@ def test_each_enum_is_the_owning_modules():
   from trainers.models.presets import PRESETS
   from trainers.tasks.rewards import REWARDS
   choices = lambda cls, name: config_lib.fields_of(cls)[name][0].metadata["choices"]
-  assert choices(config_lib.ModelSection, "attention") is ATTENTION_BACKENDS
+  assert choices(config_lib.ModelSection, "attention") == ATTENTION_BACKENDS + ("auto",)  # auto: memory_plan
   assert choices(config_lib.ModelSection, "moe_dispatch") is MOE_DISPATCH
-  assert choices(config_lib.ModelSection, "remat") == tuple(REMAT_POLICIES)
+  assert choices(config_lib.ModelSection, "remat") == tuple(REMAT_POLICIES) + ("auto",)
   assert choices(config_lib.ModelSection, "preset") == tuple(sorted(PRESETS))
   for cls, name in ((config_lib.ModelSection, "dtype"), (config_lib.PlacementSection, "server_dtype"),
                     (config_lib.SyncSection, "weight_dtype")):

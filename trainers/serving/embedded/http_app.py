@@ -130,6 +130,12 @@ def create_app(engine: GenerationEngine, *, host: str = "127.0.0.1", port: int =
     engine.abort(obj.rid, obj.abort_all)
     return Response(status_code=200)
 
+  @app.post(protocol.READ_PROBE_ROUTE)
+  async def read_probe(request: Request):
+    body = await _json_body(request, empty_ok=False)
+    status, reply = protocol.read_probe(body.get("path") if isinstance(body, dict) else None)
+    return JSONResponse(reply, status_code=status)
+
   @app.get("/health")
   async def health():
     return Response(status_code=200)

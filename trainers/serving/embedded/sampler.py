@@ -21,8 +21,18 @@ SGLang copies a request's seed to all of its `n` samples.
 
 Shapes are static: the batch is padded to a power of two, prompts and `max_new_tokens` to
 powers of two (at least 16), stop-id lists to powers of two (at least 4), so a stream of
-requests compiles a handful of programs once. Prefill is one forward over the right-padded
-prompts; decoding is one `jax.lax.while_loop` that exits when every row has finished.
+requests compiles a handful of programs once.
+
+The KV cache holds the rows aligned: prompts are left-padded to the bucket `P`, so every row's
+token of step `t` goes to slot `P + t` and a step writes all rows' keys and values with one
+in-place `dynamic_update_slice` per layer (the decoding state is donated: XLA never copies the
+cache). Prefill is one forward over the prompts; decoding is a `jax.lax.while_loop` per
+attention window: the first power of two of slots (at least 16) that holds the tokens so far,
+so a step reads the filled prefix, not the whole cache, and a cache has about log2 windows.
+Continuous batching: every `_CHECK_STEPS` steps and at each window's end the host looks at
+which rows finished; once at most half the batch runs, the running rows move into the next
+smaller power-of-two batch (the finished rows' outputs are kept), and decoding stops when every
+row has finished. A row's tokens and log-probs do not depend on which rows share its batch.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from trainers.models import CausalLM
+from trainers.models import CausalLM, LayerCache
 
 
 _GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: smaller temperatures are greedy
@@ -153,34 +163,38 @@ def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, *, mask_wi
   return token, logp[token], support, top
 
 
-def _prefill(graphdef, params, prompt_ids, prompt_lens, temperature, max_new, *, num_steps: int,
+def _aligned_rows(x: jax.Array, start: jax.Array) -> jax.Array:
+  """`x [B, P, ...]` in the cache's left-padded layout → each row's entries from its first real
+  slot `start[b]` on (entry `t` = prompt token `t`; past the prompt: unspecified)."""
+  index = jnp.minimum(start[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None, :], x.shape[1] - 1)
+  return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
+
+
+def _prefill(graphdef, params, prompt_ids, start, temperature, max_new, *, num_steps: int,
              prompt_logprobs: bool = False, mask_width: int = 0, routed_experts: bool = False, top_width: int = 0):
-  """Rows `[B]`; `prompt_ids [B, P]` right-padded. One forward over the prompts; returns the
-  decoding state (`_decode` continues it) with empty outputs: `output_ids [B, num_steps]`,
-  `logprobs [B, num_steps]` (full vocabulary), `lengths [B]`, `stopped [B]`, `prompt_lp [B, P]`
-  (entry `t`: log-prob of prompt token `t + 1`; zeros without `prompt_logprobs`), and with
-  `mask_width > 0` `support [B, num_steps, W]` (ids, `-1` padded), `support_lp [B, num_steps, W]`
-  (renormalised over the support) and `support_size [B, num_steps]`; with `routed_experts`,
-  `prompt_routes [B, P, L, k]` (the prefill's experts) and `routes [B, num_steps, L, k]` (those
-  of the token fed at each step)."""
+  """Rows `[B]`; `prompt_ids [B, P]` left-padded (row `b`'s prompt in slots `start[b]..P-1`, so
+  every row's next token goes to slot `P`). One forward over the prompts into a cache of
+  `P + num_steps` slots; returns the decoding state (`_decode` continues it) with empty outputs:
+  `output_ids [B, num_steps]`, `logprobs [B, num_steps]` (full vocabulary), `lengths [B]`,
+  `stopped [B]`, `prompt_lp [B, P]` (entry `t`: log-prob of prompt token `t + 1`; zeros without
+  `prompt_logprobs`), and with `mask_width > 0` `support [B, num_steps, W]` (ids, `-1` padded),
+  `support_lp [B, num_steps, W]` (renormalised over the support) and `support_size [B, num_steps]`;
+  with `routed_experts`, `prompt_routes [B, P, L, k]` (the prefill's experts, entry `t` prompt
+  token `t`'s) and `routes [B, num_steps, L, k]` (those of the token fed at each step)."""
   model = nnx.merge(graphdef, params)
   batch, prompt_len = prompt_ids.shape
   cache = model.init_cache(batch, prompt_len + num_steps)
-  positions = jnp.broadcast_to(jnp.arange(prompt_len, dtype=jnp.int32), (batch, prompt_len))
   routing = {"return_routing": True} if routed_experts else {}
-  # Without prompt log-probs only each row's last prompt token needs its logits.
-  last = None if prompt_logprobs else prompt_lens - 1
-  all_logits, cache, *prompt_routes = model.decode(prompt_ids, positions, cache, logits_at=last, **routing)
+  # Without prompt log-probs only the last slot's logits are needed (every row's last prompt token).
+  last = None if prompt_logprobs else jnp.full((batch,), prompt_len - 1, jnp.int32)
+  all_logits, cache, *prompt_routes = model.decode(prompt_ids, cache, slot=jnp.int32(0), start=start,
+                                                   window=prompt_len, logits_at=last, **routing)
   if prompt_logprobs:
     lp = jax.nn.log_softmax(all_logits.astype(jnp.float32) / temperature[:, None, None], axis=-1)
     nxt = jnp.concatenate([prompt_ids[:, 1:], jnp.zeros_like(prompt_ids[:, :1])], axis=1)
-    prompt_lp = jnp.take_along_axis(lp, nxt[..., None], axis=-1)[..., 0]
+    prompt_lp = _aligned_rows(jnp.take_along_axis(lp, nxt[..., None], axis=-1)[..., 0], start)
   else:
     prompt_lp = jnp.zeros(prompt_ids.shape, jnp.float32)
-  # Rows are right-padded; pad keys land in slots >= prompt_len, which a query at position p
-  # never sees before a generated token overwrites slot p.
-  logits = (jnp.take_along_axis(all_logits, (prompt_lens - 1)[:, None, None], axis=1) if prompt_logprobs
-            else all_logits)[:, 0]
   out = {"output_ids": jnp.zeros((batch, num_steps), jnp.int32),
          "logprobs": jnp.zeros((batch, num_steps), jnp.float32)}
   if mask_width:
@@ -193,26 +207,30 @@ def _prefill(graphdef, params, prompt_ids, prompt_lens, temperature, max_new, *,
   if routed_experts:
     cfg = model.config
     out["routes"] = jnp.zeros((batch, num_steps, cfg.num_hidden_layers, cfg.num_experts_per_tok), jnp.int32)
-    out["prompt_routes"] = prompt_routes[0]
-  return {"step": jnp.int32(0), "logits": logits, "cache": cache, "out": out,
+    out["prompt_routes"] = _aligned_rows(prompt_routes[0], start)
+  return {"step": jnp.int32(0), "logits": all_logits[:, -1], "cache": cache, "out": out,
           "lengths": jnp.zeros((batch,), jnp.int32), "done": max_new <= 0, "stopped": jnp.zeros((batch,), bool),
           "prompt_lp": prompt_lp}
 
 
-def _decode(graphdef, params, state, prompt_lens, row_seeds, temperature, top_p, top_k, min_p, max_new, stop_ids,
-            until, *, mask_width: int = 0, routed_experts: bool = False, top_width: int = 0):
+def _decode(graphdef, params, state, start, row_seeds, temperature, top_p, top_k, min_p, max_new, stop_ids,
+            until, *, window: int, mask_width: int = 0, routed_experts: bool = False, top_width: int = 0):
   """Decodes from `state` (`_prefill`'s, or an earlier `_decode`'s) until every row has finished,
-  the output is full or step `until` is reached; `row_seeds [B]` uint32. One
-  `jax.lax.while_loop`; a generation cut into several calls (weights swapped between them)
-  draws the same tokens as one call with the same weights."""
+  the output is full, step `until` is reached or the next token would fall outside the cache's
+  first `window` slots (static: attention reads only those); `row_seeds [B]` uint32. One
+  `jax.lax.while_loop`; every row's token of step `t` goes to slot `P + t` (one in-place write
+  per layer). A generation cut into several calls (windows, weights swapped between them) draws
+  the same tokens as one call with the same weights."""
   model = nnx.merge(graphdef, params)
   num_steps = state["out"]["output_ids"].shape[1]
+  prompt_len = state["prompt_lp"].shape[1]
+  last = min(num_steps, window - prompt_len)  # steps this window holds
   routing = {"return_routing": True} if routed_experts else {}
   keys = jax.vmap(jax.random.key)(row_seeds)
   sample = jax.vmap(functools.partial(_filter_and_sample, mask_width=mask_width, top_width=top_width))
 
   def cond(st):
-    return (st["step"] < jnp.minimum(until, num_steps)) & ~jnp.all(st["done"])
+    return (st["step"] < jnp.minimum(until, last)) & ~jnp.all(st["done"])
 
   def body(st):
     step, out, lengths, done = st["step"], st["out"], st["lengths"], st["done"]
@@ -231,8 +249,8 @@ def _decode(graphdef, params, state, prompt_lens, row_seeds, temperature, top_p,
     hit = active & jnp.any(token[:, None] == stop_ids, axis=-1)
     stopped = st["stopped"] | hit
     done = done | hit | (lengths >= max_new)
-    next_logits, cache, *routes = model.decode(token[:, None].astype(jnp.int32),
-                                               (prompt_lens + step)[:, None], st["cache"], **routing)
+    next_logits, cache, *routes = model.decode(token[:, None].astype(jnp.int32), st["cache"], slot=prompt_len + step,
+                                               start=start, window=window, **routing)
     if routed_experts:
       out = dict(out, routes=out["routes"].at[:, step].set(routes[0][:, 0]))
     return dict(st, step=step + 1, logits=next_logits[:, 0], cache=cache, out=out, lengths=lengths, done=done,
@@ -241,8 +259,24 @@ def _decode(graphdef, params, state, prompt_lens, row_seeds, temperature, top_p,
   return jax.lax.while_loop(cond, body, state)
 
 
+def _take_rows(state, index):
+  """The decoding state of rows `index [B']` only (continuous batching: finished rows leave)."""
+  rows = lambda x: jnp.take(x, index, axis=0)
+  cache = LayerCache(*(jnp.take(c, index, axis=1) for c in state["cache"]))  # [L, B, S, KV, D]
+  return {**jax.tree.map(rows, {k: v for k, v in state.items() if k not in ("step", "cache")}),
+          "step": state["step"], "cache": cache}
+
+
+def _window(filled: int, cache_len: int) -> int:
+  """Cache slots a decoding call attends over once `filled` slots are in use: a power of two
+  (at least 16), at most the cache, so a stream of requests builds a handful of programs."""
+  return min(cache_len, _bucket(filled, 16))
+
+
 # Decoding steps between two chances to swap the weights of a running batch (a pause in place).
 SEGMENT_STEPS = 16
+# Decoding steps between two looks at which rows finished (they leave the batch when it halves).
+_CHECK_STEPS = 64
 
 
 class Sampler:
@@ -269,8 +303,11 @@ class Sampler:
     self._prefill = jax.jit(functools.partial(self._counted(_prefill), self.graphdef),
                             static_argnames=("num_steps", "prompt_logprobs", "mask_width", "routed_experts",
                                              "top_width"))
+    # The state is donated: XLA updates the carried cache in place, with no copy even on entry.
     self._decode = jax.jit(functools.partial(self._counted(_decode), self.graphdef),
-                           static_argnames=("mask_width", "routed_experts", "top_width"))
+                           static_argnames=("window", "mask_width", "routed_experts", "top_width"),
+                           donate_argnums=(1,))
+    self._take_rows = jax.jit(self._counted(_take_rows))
 
   def _counted(self, fn):
     """`fn`, counting its traces (each one a program built: `num_compiled`)."""
@@ -306,8 +343,9 @@ class Sampler:
 
   @property
   def num_compiled(self) -> int:
-    """Number of programs built so far (a prefill and a decoder per distinct bucket), counted
-    as traces, so it does not depend on which cache serves a compiled program."""
+    """Number of programs built so far (a prefill per distinct bucket, a decoder per bucket and
+    attention window, a row compaction per pair of batch buckets), counted as traces, so it does
+    not depend on which cache serves a compiled program."""
     return self._traces
 
   def generate(self, prompts: Sequence[Sequence[int]],
@@ -356,7 +394,7 @@ class Sampler:
     num_steps = _bucket(max(r[3].max_new_tokens for r in rows), 16)
     num_stop = _bucket(max(len(r[5]) for r in rows), 4)
     ids = np.zeros((batch, prompt_len), np.int32)
-    lens = np.ones((batch,), np.int32)
+    start = np.full((batch,), prompt_len - 1, np.int32)  # padding rows: a one-token prompt
     seeds = np.zeros((batch,), np.uint32)
     temp = np.ones((batch,), np.float32)
     top_p = np.ones((batch,), np.float32)
@@ -365,8 +403,8 @@ class Sampler:
     max_new = np.zeros((batch,), np.int32)  # padding rows are done before the first step
     stop = np.full((batch, num_stop), -1, np.int32)
     for b, (i, j, prompt, p, seed, stop_ids) in enumerate(rows):
-      ids[b, :len(prompt)] = prompt
-      lens[b] = len(prompt)
+      start[b] = prompt_len - len(prompt)  # left-padded: every row's next token goes to slot prompt_len
+      ids[b, start[b]:] = prompt
       seeds[b] = seed
       greedy = p.temperature < _GREEDY_BELOW
       temp[b] = 1.0 if greedy else p.temperature
@@ -382,53 +420,81 @@ class Sampler:
         r[3].top_logprobs_num for r in rows) else 0
     if routed and not self.config.is_moe:
       raise ValueError("routed experts were asked of a dense model")
-    ids, lens, seeds, temp, top_p, min_p, top_k, max_new, stop = self._placed_rows(
-        ids, lens, seeds, temp, top_p, min_p, top_k, max_new, stop)
-    state = self._prefill(current[0], ids, lens, temp, max_new, num_steps=num_steps, prompt_logprobs=prompt_logprobs,
-                          mask_width=mask_width, routed_experts=routed, top_width=top_width)
+    per_row = [start, seeds, temp, top_p, min_p, top_k, max_new, stop]
+    ids, *placed = self._placed_rows(ids, *per_row)
+    state = self._prefill(current[0], ids, placed[0], placed[2], placed[6], num_steps=num_steps,
+                          prompt_logprobs=prompt_logprobs, mask_width=mask_width, routed_experts=routed,
+                          top_width=top_width)
     starts = [[(current[1], 0)] for _ in rows]  # per row: (version, first output token it generated)
-    until, segment = 0, 0
-    while until < num_steps:
-      until = num_steps if between is None else until + SEGMENT_STEPS
-      state = self._decode(current[0], state, lens, seeds, temp, top_p, top_k, min_p, max_new, stop, np.int32(until),
-                           mask_width=mask_width, routed_experts=routed, top_width=top_width)
-      if until >= num_steps:
+    at = np.arange(batch)  # at[b]: the request row decoded in batch row b (continuous batching reorders)
+    finished = {}  # request row -> its outputs, once it has left the batch
+    step, cache_len = 0, prompt_len + num_steps
+    while step < num_steps:
+      window = _window(prompt_len + step + 1, cache_len)
+      until = min(num_steps, window - prompt_len, step + _CHECK_STEPS - step % _CHECK_STEPS)
+      if between is not None:
+        until = min(until, step + SEGMENT_STEPS - step % SEGMENT_STEPS)
+      start_, seeds_, temp_, top_p_, min_p_, top_k_, max_new_, stop_ = placed
+      state = self._decode(current[0], state, start_, seeds_, temp_, top_p_, top_k_, min_p_, max_new_, stop_,
+                           np.int32(until), window=window, mask_width=mask_width, routed_experts=routed,
+                           top_width=top_width)
+      step = until
+      if step >= num_steps:
         break
-      # Segments are dispatched without waiting for them; the host reads the rows' progress only
-      # to record a swap, and every 4 segments to stop once every row has finished.
-      segment += 1
-      swap = between()
+      # Calls are dispatched without waiting for them; the host reads the rows' progress only to
+      # record a swap, and at a window's end or every `_CHECK_STEPS` to let finished rows go.
+      swap = between() if between is not None and step % SEGMENT_STEPS == 0 else None
       if swap is not None:
         lengths, done = jax.device_get((state["lengths"], state["done"]))
         current[:] = swap
-        for b in range(len(rows)):
-          if not done[b]:
-            starts[b].append((current[1], int(lengths[b])))
-      elif segment % 4 == 0 and bool(jax.device_get(jnp.all(state["done"]))):
+        for b, r in enumerate(at):
+          if r < len(rows) and not done[b]:
+            starts[r].append((current[1], int(lengths[b])))
+      if step % _CHECK_STEPS and step != window - prompt_len:
+        continue
+      done = np.asarray(jax.device_get(state["done"]))
+      if done.all():
         break
-    out = jax.device_get({**state["out"], "lengths": state["lengths"], "stopped": state["stopped"],
-                          "prompt_lp": state["prompt_lp"]})
+      keep = np.flatnonzero(~done)
+      smaller = _bucket(len(keep), 1)
+      if smaller < len(at) and smaller % self._row_split == 0:
+        finished.update(self._outputs(state, at, done))
+        index = np.concatenate([keep, np.full(smaller - len(keep), np.flatnonzero(done)[0])])
+        state = self._take_rows(state, jnp.asarray(index, jnp.int32))
+        at = np.where(np.arange(smaller) < len(keep), at[index], batch)  # filler rows: finished copies
+        per_row = [x[index] for x in per_row]
+        placed = list(self._placed_rows(*per_row))
+    finished.update(self._outputs(state, at, np.ones(len(at), bool)))
+    out = {r: finished[r] for r in range(len(rows))}
     completions = []
     for b, (i, j, prompt, p, _, _) in enumerate(rows):
-      n = int(out["lengths"][b])
-      out_ids = out["output_ids"][b, :n]
-      finish = ("stop", int(out_ids[n - 1])) if out["stopped"][b] else ("length", p.max_new_tokens)
+      row = out[b]
+      n = int(row["lengths"])
+      out_ids = row["output_ids"][:n]
+      finish = ("stop", int(out_ids[n - 1])) if row["stopped"] else ("length", p.max_new_tokens)
       extra = {}
       if p.sampling_mask:
-        sizes = out["support_size"][b, :n]
-        masks = [out["support"][b, t, :k].tolist() for t, k in enumerate(sizes)]
-        support_lps = [out["support_lp"][b, t, :k].tolist() for t, k in enumerate(sizes)]
+        sizes = row["support_size"][:n]
+        masks = [row["support"][t, :k].tolist() for t, k in enumerate(sizes)]
+        support_lps = [row["support_lp"][t, :k].tolist() for t, k in enumerate(sizes)]
         extra = dict(sampling_mask=masks, sampling_mask_logprobs=support_lps,  # the token's is its behaviour log-prob
                      sampling_logprobs=[lps[m.index(tok)] for tok, m, lps in zip(out_ids.tolist(), masks, support_lps)])
       if p.top_logprobs_num:
         k = min(p.top_logprobs_num, self.config.vocab_size)
         extra["top_logprobs"] = [list(zip(lps[:k].tolist(), ids[:k].tolist()))
-                                 for lps, ids in zip(out["top_lp"][b, :n], out["top_ids"][b, :n])]
+                                 for lps, ids in zip(row["top_lp"][:n], row["top_ids"][:n])]
       if p.routed_experts:  # positions 0 .. len(prompt) + n - 2: the prompt's, then the fed tokens'
-        seq = np.concatenate([out["prompt_routes"][b, :len(prompt)], out["routes"][b, :n]])
+        seq = np.concatenate([row["prompt_routes"][:len(prompt)], row["routes"][:n]])
         extra["routed_experts"] = seq[:len(prompt) + n - 1]
       versions = [(v, k) for v, k in starts[b] if k < n] or starts[b][:1]  # switches after its last token: none
       completions.append(Completion(
-          i, j, len(prompt), out_ids.tolist(), out["logprobs"][b, :n].tolist(), finish,
-          out["prompt_lp"][b, :len(prompt) - 1].tolist() if prompt_logprobs else None, versions=versions, **extra))
+          i, j, len(prompt), out_ids.tolist(), row["logprobs"][:n].tolist(), finish,
+          row["prompt_lp"][:len(prompt) - 1].tolist() if prompt_logprobs else None, versions=versions, **extra))
     return completions
+
+  @staticmethod
+  def _outputs(state, at: np.ndarray, rows: np.ndarray) -> dict[int, dict[str, np.ndarray]]:
+    """The outputs of batch rows `rows` (a mask) on the host, by request row (`at`)."""
+    host = jax.device_get({**state["out"], "lengths": state["lengths"], "stopped": state["stopped"],
+                           "prompt_lp": state["prompt_lp"]})
+    return {int(r): {k: v[b] for k, v in host.items()} for b, r in enumerate(at) if rows[b]}
