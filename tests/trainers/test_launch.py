@@ -27,11 +27,18 @@ JOBSET = ROOT / "deploy" / "k8s" / "fleet-jobset.yaml"
 DEMO = ROOT / "deploy" / "local" / "fleet_demo.sh"
 
 # A stand-in for `srun` (no SLURM here): it records its arguments and the variables a step reads.
-_SRUN = """#!{python}
+# The recipe starts the workers' steps in the background and SIGTERMs them at its exit: a shell
+# that ignores SIGTERM first (the disposition survives `exec`) lets a recorder that starts late on
+# a loaded machine still write its line.
+_SRUN_SHELL = """#!/usr/bin/env bash
+trap '' TERM
+exec {python} {recorder} "$@"
+"""
+_SRUN = """
 import json, os, sys
 keys = ("JAX_COORDINATOR_PORT", "JAX_LOCAL_DEVICE_IDS", "MIS_JAX_ROUTER")
 with open(os.environ["SRUN_LOG"], "a") as f:
-  f.write(json.dumps({{"argv": sys.argv[1:], "env": {{k: os.environ.get(k) for k in keys}}}}) + "\\n")
+  f.write(json.dumps({"argv": sys.argv[1:], "env": {k: os.environ.get(k) for k in keys}}) + "\\n")
 """
 _SCONTROL = "#!/usr/bin/env bash\n[ \"$1 $2\" = 'show hostnames' ] && printf '%s\\n' $FAKE_NODES\n"
 
@@ -41,7 +48,9 @@ def run_sbatch(tmp_path, nodes, **env) -> tuple[subprocess.CompletedProcess, lis
   replaced by recorders; returns bash's result and the `srun` calls (argv, env) in order."""
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir(parents=True, exist_ok=True)
-  for name, text in (("srun", _SRUN.format(python=sys.executable)), ("scontrol", _SCONTROL)):
+  recorder = tmp_path / "srun_recorder.py"
+  recorder.write_text(_SRUN)
+  for name, text in (("srun", _SRUN_SHELL.format(python=sys.executable, recorder=recorder)), ("scontrol", _SCONTROL)):
     (bin_dir / name).write_text(text)
     (bin_dir / name).chmod(stat.S_IRWXU)
   log = tmp_path / "srun.jsonl"

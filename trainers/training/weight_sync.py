@@ -147,6 +147,7 @@ class DiskSync:
     another directory), stops the run here, before step 1, naming the server and the path. SGLang
     and sglang-jax have no such route (HTTP 404): for them this says so, and their first
     `/update_weights_from_disk` is the check."""
+    created = not os.path.isdir(self.weights_root)  # removed again after: the check leaves no trace
     os.makedirs(self.weights_root, exist_ok=True)
     nonce = secrets.token_hex(8)
     path = os.path.join(self.weights_root, f"{protocol.PROBE_PREFIX}{nonce}")
@@ -161,6 +162,11 @@ class DiskSync:
           blind.append(f"{url} ({seen})")
     finally:
       os.remove(path)
+      if created:
+        try:
+          os.rmdir(self.weights_root)
+        except OSError:
+          pass  # something else wrote there meanwhile
     if unchecked:
       log(f"{', '.join(unchecked)}: no {protocol.READ_PROBE_ROUTE} route (SGLang, sglang-jax): whether it sees "
           f"{self.weights_root} shows at its first weight load")

@@ -94,7 +94,9 @@ def make_cluster(*, with_reference=False, model=MODEL):
 
 
 def params(cluster):
-  return jax.tree.map(np.asarray, nnx.state(cluster.actor_trainer.model, nnx.Param).to_pure_dict())
+  # Copies (np.array): np.asarray of a CPU jax.Array is a view of its buffer, which a later
+  # computation may free and reuse (a 'before' snapshot that changed by itself).
+  return jax.tree.map(np.array, nnx.state(cluster.actor_trainer.model, nnx.Param).to_pure_dict())
 
 
 def record_examples(learner):

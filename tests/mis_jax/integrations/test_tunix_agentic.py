@@ -154,7 +154,9 @@ def make_learner(cluster, **settings):
 
 
 def params(model):
-  return jax.tree.map(np.asarray, nnx.state(model, nnx.Param).to_pure_dict())
+  # Copies (np.array): np.asarray of a CPU jax.Array is a view of its buffer, which a later
+  # computation may free and reuse (a 'before' snapshot that changed by itself).
+  return jax.tree.map(np.array, nnx.state(model, nnx.Param).to_pure_dict())
 
 
 def record_updates(cluster):

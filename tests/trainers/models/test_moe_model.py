@@ -313,7 +313,7 @@ def _moe_run(ts, sb, section, steps=2):
     b = batch.replace(old_logprobs=old)
     correction, step_metrics = fns.prepare(b)
     params, opt_state, metrics = fns.train(params, opt_state, inputs, b, correction)
-    out.append((jax.tree.map(np.asarray, (params, opt_state)), {k: float(v) for k, v in {**metrics, **step_metrics}.items()},
+    out.append((jax.tree.map(np.array, (params, opt_state)), {k: float(v) for k, v in {**metrics, **step_metrics}.items()},
                 np.asarray(native)))
   assert parallel.sharding_mismatches(params, fns.param_shardings) == []
   return out, fns

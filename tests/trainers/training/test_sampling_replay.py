@@ -40,8 +40,8 @@ def _with_supports(samples, seed=0):
       others = [int(v) for v in rng.permutation(64) if v != tok][:int(rng.integers(0, K))]
       ids = others + [tok]
       masks.append(tuple(int(v) for v in rng.permutation(ids)))
-    out.append(types.SimpleNamespace(**vars(s), extras={"sampling_mask": SamplingSupport(K).from_record(
-        masks, len(s.prompt_ids), len(s.response_ids))}))
+    support = SamplingSupport(K).from_record(masks, len(s.prompt_ids), len(s.response_ids))
+    out.append(types.SimpleNamespace(**{**vars(s), "extras": {**getattr(s, "extras", {}), "sampling_mask": support}}))
   return out
 
 

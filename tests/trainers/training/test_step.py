@@ -97,7 +97,7 @@ def _run(mesh, loss_cfg, sb, steps, fns=None, params=None):
     correction, step_metrics = fns.prepare(b)
     params, opt_state, metrics = fns.train(params, opt_state, inputs, b, correction)
     history.append({k: float(v) for k, v in {**metrics, **step_metrics}.items()})
-    states.append(jax.tree.map(np.asarray, (params, opt_state)))
+    states.append(jax.tree.map(np.array, (params, opt_state)))
   return states, history, (params, opt_state, fns)
 
 
