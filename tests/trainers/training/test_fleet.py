@@ -137,3 +137,18 @@ def test_the_worker_list_and_pushes_have_their_own_connections():
     assert client._control.transport is client.transport
   finally:
     client.close()
+
+
+def test_fields_the_router_drops_stop_the_run_before_step_1(fleet, tmp_path):
+  """sglang-router 0.3.2 forwards only the `/generate` fields it knows: it drops
+  `return_sampling_mask` (and `return_routed_experts`). Sampling-mask replay through it stops
+  before step 1, naming the router, although each worker returns masks when asked directly."""
+  from trainers.training.rollout import NoSamplingMask
+  router, _ = fleet
+  sections = merged(FLOAT32, {"rollout": {"transport": {"router": router.url},
+                                          "sampling": {"temperature": 1.0, "top_k": 5, "sampling_replay": "on"}},
+                              "train": {"steps": 1}})
+  cfg = make_cfg(tmp_path, "masks", **sections)
+  with pytest.raises(NoSamplingMask, match=f"router {router.url}/generate drops return_sampling_mask"):
+    train_lib.Trainer(cfg, mis_jax.LossConfig(), urls=[]).run(progress=False)
+  assert not os.path.exists(os.path.join(cfg.run_dir, "metrics.jsonl"))
