@@ -147,11 +147,14 @@ class RouterClient(SGLangClient):
       reply = self.router.generate(protocol.generate_body([[0]], extra.probe_params(sampling_params),
                                                           extra_fields=extra.request))
       try:
-        validate_sample(reply[0] if isinstance(reply, list) and reply else reply, extras=(extra,), prompt_len=1)
+        error, _ = validate_sample(reply[0] if isinstance(reply, list) and reply else reply, extras=(extra,),
+                                   prompt_len=1)
       except extra.missing as e:
         raise extra.missing(f"router {self.router.url}/generate drops {', '.join(extra.request)}: the workers "
                             f"return it when asked directly, but sglang-router forwards only the fields it knows; "
                             f"sample from the workers without the router (--sglang-url), or: {e}") from None
+      if error is not None:
+        raise extra.missing(f"router {self.router.url}/generate: malformed reply to a {extra.what} probe: {error}")
 
   def weights_served(self, model_path: str, weight_version: str) -> None:
     with self._push_lock:
