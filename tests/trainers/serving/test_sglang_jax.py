@@ -560,18 +560,32 @@ def _router_lib():
 def test_the_trainer_through_sglang_router(real_server, checkpoints, tmp_path):
   """sglang-jax as a fleet worker (issue 49): registered with a real sglang-router, the trainer
   reads it from the router's list (`rollout.transport.router`), generates through the router
-  and pushes to the worker directly. 2 float32 steps: every sample of step k from version k - 1,
+  and pushes to the worker directly. 3 float32 steps: every sample of step k from version k - 1,
   the worker serving the trainer's version after every push, k3 rounding, a gradient each step;
-  the router counted the requests; its per-row seeds reach the engine (same samples as direct)."""
+  the router counted the requests. First, seeded rows through the router are the engine's own
+  samples for those seeds (the router passes `sampling_seed`, `return_logprob`, `extra_key`)."""
   router_lib = _router_lib()
   from trainers.training.fleet import router_client
   with router_lib.RouterProcess(policy="round_robin") as router:
     router_lib.register(router.url, real_server)
+    params = {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True}
+    routed, direct = router_client(router.url, max_retries=0, poll_s=0), http_client([real_server], max_retries=0)
+    try:
+      routed.wait_until_healthy(attempts=3)
+      a, b = (c.generate([[1, 5, 9]], params, n=2, seed=11) for c in (routed, direct))
+    finally:
+      routed.close()
+      direct.close()
+    assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]
+    assert a.samples[0].response_ids != a.samples[1].response_ids  # two rows, two seeds (none: one default seed)
+    for x, y in zip(a.samples, b.samples):  # one row per request through the router, two rows in one directly
+      np.testing.assert_allclose(x.rollout_logprobs, y.rollout_logprobs, atol=1e-5)
+
     cfg = make_cfg(tmp_path, "router", model={"path": checkpoints["start"]},
                    rollout={"sampling": {"max_new_tokens": 4}, "placement": {"server_dtype": "float32"},
                             "sync": {"sync_every": 1, "initial_sync": "always"},
                             "transport": {"router": router.url, "router_poll_s": 0, "max_retries": 1}},
-                   train={"steps": 2, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 2})
+                   train={"steps": 3, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 3})
     trainer = train_lib.Trainer(cfg, LOSS, urls=[])
     versions, pushed = {}, []
     generate, push = trainer.servers.generate, trainer.servers.push
@@ -589,23 +603,10 @@ def test_the_trainer_through_sglang_router(real_server, checkpoints, tmp_path):
     before = router_lib.requests_per_worker(router.metrics_url).get(real_server, 0)
     history = trainer.run(progress=False)
     assert trainer.servers.client.urls == [real_server] == [w["url"] for w in router_lib.workers(router.url)]
-    assert [h["step"] for h in history] == [1, 2]
+    assert [h["step"] for h in history] == [1, 2, 3]
     for h in history:
       assert h["mis_k3_kl"] < 1e-6 and h["grad_norm"] > 0 and h["num_samples"] == 16, h
-    assert versions == {k: {str(k - 1)} for k in (1, 2)}  # the version barrier
-    assert pushed == [(k, str(k)) for k in range(3)]  # the initial push, then one after every step
+    assert versions == {k: {str(k - 1)} for k in (1, 2, 3)}  # the version barrier
+    assert pushed == [(k, str(k)) for k in range(4)]  # the initial push, then one after every step
     through_router = router_lib.requests_per_worker(router.metrics_url)[real_server] - before
-    assert through_router >= 16 * 2, through_router  # every sample's request (one per seeded row) went through it
-    # SGLang's fields through the router: per-row `sampling_seed`s (the client splits the rows),
-    # `return_logprob`, `extra_key`: the router's samples are the engine's own for those seeds.
-    params = {"temperature": 1.0, "max_new_tokens": 3, "ignore_eos": True}
-    routed, direct = router_client(router.url, max_retries=0, poll_s=0), http_client([real_server], max_retries=0)
-    try:
-      routed.wait_until_healthy(attempts=3)
-      a, b = (c.generate([[1, 5, 9]], params, n=2, seed=11) for c in (routed, direct))
-    finally:
-      routed.close()
-      direct.close()
-    assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]
-    assert [s.rollout_logprobs for s in a.samples] == [s.rollout_logprobs for s in b.samples]
-    assert a.samples[0].response_ids != a.samples[1].response_ids  # two rows, two seeds
+    assert through_router >= 16 * 3, through_router  # every sample's request (one per seeded row) went through it
