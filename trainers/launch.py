@@ -6,9 +6,10 @@ all start their processes with it.
 - `router`: sglang-router on `--port` (`MIS_JAX_ROUTER_PORT`), `--policy` (cache_aware), over
   `--worker-url`s if any (workers may register later);
 - `worker`: a rollout server of `--model-path` on `--port` (`--engine`: `embedded`, `mis-jax serve`
-  on loopback; `sglang` or `sglang-jax`, their own `launch_server` on `--host`, with the arguments
-  after `--`), paused, then registered with `--router` (`MIS_JAX_ROUTER`) under the address the
-  others reach it at: it holds the router's requests until the trainer's push gives it the current
+  on loopback; `sglang`, its own `launch_server` on `--host`; `sglang-jax`, its HTTP server with the
+  weight-update routes it lacks (`trainers/serving/sglang_jax/routes.py`) on `--host`; the arguments
+  after `--` passed on), paused, then registered with `--router` (`MIS_JAX_ROUTER`) under the address
+  the others reach it at: it holds the router's requests until the trainer's push gives it the current
   weights; deregistered when it is stopped (SIGTERM / SIGINT);
 - `trainer`: `mis-jax train` with the arguments after `--`, its process group (`trainer_env`) from
   the flags, else `JAX_COORDINATOR_ADDRESS` / `JAX_NUM_PROCESSES` / `JAX_PROCESS_ID`, else the
@@ -26,10 +27,14 @@ import subprocess
 import sys
 import threading
 
+from trainers.serving.sglang_jax import launcher as sglang_jax_launcher  # the standard library only
+
 ROLES = ("trainer", "worker", "router")
 ENGINES = ("embedded", "sglang", "sglang-jax")
-# The server module each engine runs (`python -m ...`, from `--python`): SGLang's and sglang-jax's own.
-SERVER_MODULES = {"sglang": "sglang.launch_server", "sglang-jax": "sgl_jax.launch_server"}
+# What `--python` runs for each engine: SGLang's own server; sglang-jax's own server started by
+# routes.py (stdlib + sgl_jax only), which adds `/update_weights_from_disk`, `/model_info` and
+# `weight_version` (sglang-jax 0.1.0rc0's `sgl_jax.launch_server` cannot take the trainer's weights).
+SERVER_ENTRY = {"sglang": ("-m", "sglang.launch_server"), "sglang-jax": ("-P", sglang_jax_launcher.ROUTES)}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -42,7 +47,7 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--policy", default="cache_aware", help="router: its routing policy")
   p.add_argument("--worker-url", action="append", default=[], help="router: workers it starts with (repeatable)")
   p.add_argument("--engine", default="embedded", choices=ENGINES,
-                 help="worker: `mis-jax serve` (embedded, loopback only), SGLang or sglang-jax (their launch_server)")
+                 help="worker: `mis-jax serve` (embedded, loopback only), SGLang or sglang-jax (their HTTP servers)")
   p.add_argument("--python", default=sys.executable, help="worker (sglang, sglang-jax): the interpreter that has it")
   p.add_argument("--advertise", default=None, metavar="HOST",
                  help="worker: the address the router and the trainer reach it at (default: --host, or this "
@@ -113,9 +118,9 @@ def _router(args) -> int:
 
 
 def worker_command(args) -> list[str]:
-  """The command line of an `sglang` or `sglang-jax` worker: its `launch_server` on `--host:--port`."""
+  """The command line of an `sglang` or `sglang-jax` worker: its HTTP server on `--host:--port`."""
   rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
-  return [args.python, "-m", SERVER_MODULES[args.engine], "--model-path", args.model_path, "--host", args.host,
+  return [args.python, *SERVER_ENTRY[args.engine], "--model-path", args.model_path, "--host", args.host,
           "--port", str(args.port or 30000), "--dtype", args.dtype, *rest]
 
 

@@ -227,7 +227,8 @@ def test_worker_command_and_address():
   args = launch.parser().parse_args(["--role", "worker", "--engine", "sglang-jax", "--model-path", "/m", "--host",
                                      "0.0.0.0", "--port", "31000", "--python", "/venv/bin/python", "--", "--device",
                                      "tpu"])
-  assert launch.worker_command(args) == ["/venv/bin/python", "-m", "sgl_jax.launch_server", "--model-path", "/m",
+  from trainers.serving.sglang_jax import launcher as sglang_jax  # its routes: the weight-update route sglang-jax lacks
+  assert launch.worker_command(args) == ["/venv/bin/python", "-P", sglang_jax.ROUTES, "--model-path", "/m",
                                          "--host", "0.0.0.0", "--port", "31000", "--dtype", "bfloat16",
                                          "--device", "tpu"]
   import socket

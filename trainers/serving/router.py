@@ -3,13 +3,15 @@ worker-management calls: what the tests, `mis-jax launch --role router|worker` a
 fleet-demo` use (docs/guides/fleet.md).
 
 Routes of sglang-router 0.3 used here: `GET /workers` (`{"workers": [{"url", "is_healthy", ...}]}`),
-`POST /workers` (`{"url": ...}`, 202: registration queued), `DELETE /workers/{id}`, `GET /health`.
+`POST /workers` (`{"url": ...}`, 202: registration queued), `DELETE /workers/{id}`, `GET /health`;
+its Prometheus exporter's `GET /metrics` (`requests_per_worker`).
 """
 
 from __future__ import annotations
 
 import collections
 import ctypes
+import re
 import signal
 import socket
 import subprocess
@@ -62,10 +64,11 @@ class RouterProcess:
       import sglang_router  # noqa: F401
     except ImportError:
       raise RuntimeError(f"sglang-router is not installed: pip install sglang-router=={ROUTER_VERSION}") from None
-    port = port or free_port(host)
+    port, metrics_port = port or free_port(host), free_port(host)
     self.url = f"http://{host}:{port}"
+    self.metrics_url = f"http://{host}:{metrics_port}/metrics"
     self.process = subprocess.Popen(router_command(host=host, port=port, worker_urls=worker_urls, policy=policy,
-                                                   prometheus_port=free_port(host), extra=extra),
+                                                   prometheus_port=metrics_port, extra=extra),
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                     preexec_fn=die_with_parent)
     self.log: collections.deque[str] = collections.deque(maxlen=200)
@@ -142,6 +145,16 @@ def deregister(router_url: str, worker_url: str) -> bool:
       httpx.delete(f"{router_url}/workers/{w['id']}", timeout=10)
       return True
   return False
+
+
+_WORKER_SUCCESSES = re.compile(r'^smg_worker_cb_outcomes_total\{worker="([^"]+)",outcome="success"\} (\d+)', re.M)
+
+
+def requests_per_worker(metrics_url: str) -> dict[str, int]:
+  """How many requests the router has proxied to each worker with success, from its metrics
+  (sglang-router 0.3's `smg_worker_cb_outcomes_total{worker, outcome="success"}`)."""
+  text = httpx.get(metrics_url, timeout=10).text
+  return {url.rstrip("/"): int(n) for url, n in _WORKER_SUCCESSES.findall(text)}
 
 
 def pause_worker(worker_url: str) -> None:

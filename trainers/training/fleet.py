@@ -24,8 +24,9 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from trainers.serving import protocol
 from trainers.training.engines import HttpEngine, HttpTransport
-from trainers.training.rollout import ServerError, ServerUnavailable
+from trainers.training.rollout import ServerError, ServerUnavailable, validate_sample
 from trainers.training.sglang_client import SGLangClient
 
 CONTROL_CONNECTIONS = 64  # the control pool bounds how many workers load a push at once (connections open as needed)
@@ -135,6 +136,25 @@ class RouterClient(SGLangClient):
     super().wait_until_healthy(attempts=attempts, backoff_s=backoff_s, max_backoff_s=max_backoff_s)
     if self._watcher is not None and not self._watcher.is_alive():
       self._watcher.start()
+
+  def check_extras(self, extras, sampling_params: dict) -> None:
+    """Each worker returns the run's per-token extras when asked directly (the base check), and
+    the router passes their request fields on: sglang-router 0.3 forwards only the `/generate`
+    fields it knows (it drops `return_sampling_mask` and `return_routed_experts`), so a run that
+    needs one stops here, before step 1, naming the router."""
+    super().check_extras(extras, sampling_params)
+    for extra in extras:
+      reply = self.router.generate(protocol.generate_body([[0]], extra.probe_params(sampling_params),
+                                                          extra_fields=extra.request))
+      try:
+        error, _ = validate_sample(reply[0] if isinstance(reply, list) and reply else reply, extras=(extra,),
+                                   prompt_len=1)
+      except extra.missing as e:
+        raise extra.missing(f"router {self.router.url}/generate drops {', '.join(extra.request)}: the workers "
+                            f"return it when asked directly, but sglang-router forwards only the fields it knows; "
+                            f"sample from the workers without the router (--sglang-url), or: {e}") from None
+      if error is not None:
+        raise extra.missing(f"router {self.router.url}/generate: malformed reply to a {extra.what} probe: {error}")
 
   def weights_served(self, model_path: str, weight_version: str) -> None:
     with self._push_lock:

@@ -542,3 +542,71 @@ def test_the_engine_never_outlives_what_started_it(checkpoints, tmp_path):
     pytest.fail("the engine outlived the process that started it")
   finally:
     owner.kill()
+
+
+def _router_lib():
+  """trainers.serving.router, with sglang-router installed (the test extra); under CI a missing
+  router fails, elsewhere it skips."""
+  try:
+    import sglang_router  # noqa: F401
+  except ImportError:
+    if os.environ.get("CI") == "true":
+      pytest.fail("sglang-router must run in CI (pip install sglang-router==0.3.2)")
+    pytest.skip("sglang-router is not installed (pip install sglang-router==0.3.2)")
+  from trainers.serving import router
+  return router
+
+
+def test_the_trainer_through_sglang_router(real_server, checkpoints, tmp_path):
+  """sglang-jax as a fleet worker (issue 49): registered with a real sglang-router, the trainer
+  reads it from the router's list (`rollout.transport.router`), generates through the router
+  and pushes to the worker directly. 3 float32 steps: every sample of step k from version k - 1,
+  the worker serving the trainer's version after every push, k3 rounding, a gradient each step;
+  the router counted the requests. First, seeded rows through the router are the engine's own
+  samples for those seeds (the router passes `sampling_seed`, `return_logprob`, `extra_key`)."""
+  router_lib = _router_lib()
+  from trainers.training.fleet import router_client
+  with router_lib.RouterProcess(policy="round_robin") as router:
+    router_lib.register(router.url, real_server)
+    params = {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True}
+    routed, direct = router_client(router.url, max_retries=0, poll_s=0), http_client([real_server], max_retries=0)
+    try:
+      routed.wait_until_healthy(attempts=3)
+      a, b = (c.generate([[1, 5, 9]], params, n=2, seed=11) for c in (routed, direct))
+    finally:
+      routed.close()
+      direct.close()
+    assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]
+    assert a.samples[0].response_ids != a.samples[1].response_ids  # two rows, two seeds (none: one default seed)
+    for x, y in zip(a.samples, b.samples):  # one row per request through the router, two rows in one directly
+      np.testing.assert_allclose(x.rollout_logprobs, y.rollout_logprobs, atol=1e-5)
+
+    cfg = make_cfg(tmp_path, "router", model={"path": checkpoints["start"]},
+                   rollout={"sampling": {"max_new_tokens": 4}, "placement": {"server_dtype": "float32"},
+                            "sync": {"sync_every": 1, "initial_sync": "always"},
+                            "transport": {"router": router.url, "router_poll_s": 0, "max_retries": 1}},
+                   train={"steps": 3, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 3})
+    trainer = train_lib.Trainer(cfg, LOSS, urls=[])
+    versions, pushed = {}, []
+    generate, push = trainer.servers.generate, trainer.servers.push
+
+    def recording(prompts, batch):
+      result = generate(prompts, batch)
+      versions[batch + 1] = {s.weight_version for s in result.samples}
+      return result
+
+    def checked_push(params, step):  # after every push the worker serves the trainer's version
+      out = push(params, step)
+      pushed.append((step, httpx.get(real_server + "/get_weight_version", timeout=10).json()["weight_version"]))
+      return out
+    trainer.servers.generate, trainer.servers.push = recording, checked_push
+    before = router_lib.requests_per_worker(router.metrics_url).get(real_server, 0)
+    history = trainer.run(progress=False)
+    assert trainer.servers.client.urls == [real_server] == [w["url"] for w in router_lib.workers(router.url)]
+    assert [h["step"] for h in history] == [1, 2, 3]
+    for h in history:
+      assert h["mis_k3_kl"] < 1e-6 and h["grad_norm"] > 0 and h["num_samples"] == 16, h
+    assert versions == {k: {str(k - 1)} for k in (1, 2, 3)}  # the version barrier
+    assert pushed == [(k, str(k)) for k in range(4)]  # the initial push, then one after every step
+    through_router = router_lib.requests_per_worker(router.metrics_url)[real_server] - before
+    assert through_router >= 16 * 3, through_router  # every sample's request (one per seeded row) went through it

@@ -137,3 +137,76 @@ def test_the_worker_list_and_pushes_have_their_own_connections():
     assert client._control.transport is client.transport
   finally:
     client.close()
+
+
+def test_fields_the_router_drops_stop_the_run_before_step_1(fleet, tmp_path):
+  """sglang-router 0.3.2 forwards only the `/generate` fields it knows: it drops
+  `return_sampling_mask` (and `return_routed_experts`). Sampling-mask replay through it stops
+  before step 1, naming the router, although each worker returns masks when asked directly."""
+  from trainers.training.rollout import NoSamplingMask
+  router, _ = fleet
+  sections = merged(FLOAT32, {"rollout": {"transport": {"router": router.url},
+                                          "sampling": {"temperature": 1.0, "top_k": 5, "sampling_replay": "on"}},
+                              "train": {"steps": 1}})
+  cfg = make_cfg(tmp_path, "masks", **sections)
+  with pytest.raises(NoSamplingMask, match=f"router {router.url}/generate drops return_sampling_mask"):
+    train_lib.Trainer(cfg, mis_jax.LossConfig(), urls=[]).run(progress=False)
+  assert not os.path.exists(os.path.join(cfg.run_dir, "metrics.jsonl"))
+
+
+class _Recorder:
+  """A worker that answers `/health` and records every `/generate` body the router forwards (what
+  reaches a worker, whatever engine it is)."""
+
+  def __init__(self):
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    bodies = self.bodies = []
+
+    class Handler(BaseHTTPRequestHandler):
+      def log_message(self, *args):
+        pass
+
+      def _reply(self, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+      def do_GET(self):
+        self._reply({})
+
+      def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))) or b"{}")
+        if self.path == "/generate":
+          bodies.append(body)
+        self._reply([{"meta_info": {}}])
+    self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+    threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+
+def test_what_the_router_forwards_to_a_worker():
+  """sglang-router 0.3.2 re-encodes `/generate` with the fields it knows: the trainer's (one seeded
+  row, as the router client splits them) reach the worker unchanged; the two per-token extras'
+  request fields are dropped (docs/guides/fleet.md; the trainer stops before step 1 for them)."""
+  from trainers.serving import protocol
+  worker = _Recorder()
+  try:
+    with router_lib.RouterProcess([worker.url]) as router:
+      body = protocol.generate_body([[1, 5, 9]], {"temperature": 1.0, "top_k": 5, "top_p": 0.9, "max_new_tokens": 3,
+                                                   "ignore_eos": True, "stop_token_ids": [2]}, seeds=[11],
+                                    extra_key="salt", extra_fields={"top_logprobs_num": 4, "return_sampling_mask": True,
+                                                                    "return_routed_experts": True})
+      body["sampling_params"] = body["sampling_params"][0]  # one seeded row, as the router client sends it
+      httpx.post(router.url + "/generate", json=body, timeout=30).raise_for_status()
+    (got,) = worker.bodies
+    assert got["sampling_params"] == body["sampling_params"] and got["sampling_params"]["sampling_seed"] == 11
+    for key in ("input_ids", "return_logprob", "extra_key", "top_logprobs_num"):
+      assert got[key] == body[key], key
+    assert "return_sampling_mask" not in got and "return_routed_experts" not in got
+  finally:
+    worker.server.shutdown()
