@@ -457,26 +457,41 @@ CENTERING_METRICS = ("score_centering_drift", "score_centering_residual_bound", 
                      "score_centering_tail_mass")
 
 
+def _centred_arms(results: dict) -> list[str]:
+  """The design's `<arm> + centering` arms whose uncentred `<arm>` it also ran."""
+  design_arms = results["design"]["arms"]
+  return [a for a in design_arms if a.endswith(CENTERED) and a[:-len(CENTERED)] in design_arms]
+
+
 def centering_table(results: dict) -> str:
   """Score centering's own effect: per setting and centred arm (`<arm> + centering`), the paired
-  difference (same seeds) to `<arm>` uncentred in final reward, AUC and drawdown, mean [95% CI];
-  and its runs' centring metrics (contract §6.6), mean [95% CI] over seeds of the run's mean over
-  steps: the drift term's size before centring (`score_centering_drift`), the bound on what is left
-  of it after (`score_centering_residual_bound`), the estimated total variation between sampler and
-  trainer (`score_centering_tv`) and the sampler's mass outside its top-k (`..._tail_mass`)."""
-  design_arms = results["design"]["arms"]
-  centred = [a for a in design_arms if a.endswith(CENTERED) and a[:-len(CENTERED)] in design_arms]
-  lines = ["| setting | arm | Δ final vs uncentred | Δ AUC | Δ drawdown | drift (before) | residual bound (after) "
-           "| TV sampler–trainer | tail mass |", "|---|---|---|---|---|---|---|---|---|"]
-  for arm in centred:
+  difference (same seeds) to `<arm>` uncentred in final reward, AUC and drawdown, mean [95% CI]."""
+  lines = ["| setting | arm | Δ final vs uncentred | Δ AUC vs uncentred | Δ drawdown vs uncentred |", "|---|---|---|---|---|"]
+  for arm in _centred_arms(results):
     rows = {r["setting"]: r for r in summarize(results, baseline=arm[:-len(CENTERED)]) if r["arm"] == arm}
     for setting in [s for s in results["design"]["settings"] if s in rows]:
-      row = rows[setting]
+      lines.append(f"| {setting} | {arm} | " + " | ".join(
+          _diff(rows[setting].get(f"{m}_minus_baseline")) for m in ("final_reward", "auc", "drawdown")) + " |")
+  return "\n".join(lines)
+
+
+def centering_metrics_table(results: dict) -> str:
+  """The centred runs' centring metrics (contract §6.6), mean [95% CI] over seeds, at step 1, over
+  all steps and over the last `final_window` steps: the drift term's size before centring
+  (`score_centering_drift`), the bound on what is left of it after (`..._residual_bound`), the
+  estimated total variation between sampler and trainer (`score_centering_tv`) and the sampler's
+  mass outside its top-k (`score_centering_tail_mass`)."""
+  window = results["design"]["final_window"]
+  spans = {"step 1": slice(0, 1), "all steps": slice(None), "final": slice(-window, None)}
+  lines = ["| setting | arm | metric | step 1 | all steps | last steps |", "|---|---|---|---|---|---|"]
+  for arm in _centred_arms(results):
+    for setting in results["design"]["settings"]:
       runs = [r for r in results["runs"] if r["setting"] == setting and r["arm"] == arm]
-      means = [_cell([np.mean([v for v in r[k] if v is not None]) for r in runs], ".2e") for k in CENTERING_METRICS]
-      lines.append(f"| {setting} | {arm} | {_diff(row.get('final_reward_minus_baseline'))} | "
-                   f"{_diff(row.get('auc_minus_baseline'))} | {_diff(row.get('drawdown_minus_baseline'))} | "
-                   + " | ".join(means) + " |")
+      if not runs:
+        continue
+      for key in CENTERING_METRICS:
+        cells = [_cell([np.mean(r[key][span]) for r in runs], ".2e") for span in spans.values()]
+        lines.append(f"| {setting} | {arm} | `{key}` | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 
@@ -587,6 +602,8 @@ def main(argv=None):
     if centred:
       print()
       print(centering_table(results))
+      print()
+      print(centering_metrics_table(results))
     print(f"\n{len(results['runs'])} runs in {results['seconds_total']:.0f} s; wrote {out}/results.json "
           "and figures")
 

@@ -56,7 +56,8 @@ def test_summary_is_means_and_paired_differences_over_seeds():
 
 def test_centering_table_pairs_each_centred_arm_with_itself_uncentred():
   """Δ is to the same arm without centring (not to standard PPO), over the common seeds; the
-  centring metrics are means over seeds of each run's mean over steps."""
+  centring metrics are means [95% CI] over seeds at step 1, of each run's mean over steps and over
+  its last `final_window` steps."""
   rng = np.random.default_rng(1)
   arms = ["standard PPO", "decoupled + MIS", "decoupled + MIS" + mismatch.CENTERED]
   runs = []
@@ -74,12 +75,15 @@ def test_centering_table_pairs_each_centred_arm_with_itself_uncentred():
   diff = [np.mean(by[(arms[2], s)]["reward_mean"][-2:]) - np.mean(by[(arms[1], s)]["reward_mean"][-2:])
           for s in range(3)]
   m, lo, hi = mismatch.t_interval(diff)
-  drift = mismatch.t_interval([np.mean(by[(arms[2], s)]["score_centering_drift"]) for s in range(3)])
   row = next(line for line in table.splitlines() if line.startswith("| fp8 | decoupled + MIS + centering |"))
-  cells = [c.strip() for c in row.strip("|").split("|")]
-  assert cells[2].startswith(f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]")
-  assert cells[5] == f"{drift[0]:.2e} [{drift[1]:.2e}, {drift[2]:.2e}]"
+  assert [c.strip() for c in row.strip("|").split("|")][2].startswith(f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]")
   assert len(table.splitlines()) == 3  # header, rule, one centred arm in one setting
+  metrics = mismatch.centering_metrics_table(results)
+  drift = [by[(arms[2], s)]["score_centering_drift"] for s in range(3)]
+  row = next(line for line in metrics.splitlines() if "`score_centering_drift`" in line)
+  want = [mismatch.t_interval(v) for v in ([d[0] for d in drift], [np.mean(d) for d in drift],
+                                           [np.mean(d[-2:]) for d in drift])]
+  assert [c.strip() for c in row.strip("|").split("|")][3:] == [f"{a:.2e} [{b:.2e}, {c:.2e}]" for a, b, c in want]
 
 
 def test_drawdown_is_fall_from_the_best_running_mean():
@@ -166,8 +170,9 @@ def test_quick_mode_end_to_end(tmp_path, capsys):
     assert os.path.getsize(os.path.join(out, name)) > 1000
   printed = capsys.readouterr().out
   assert "| fp8, sync 4 | decoupled + MIS |" in printed
-  centring = printed[printed.index("| drift (before) | residual bound (after) |"):]  # the centring table
+  centring = printed[printed.index("| Δ final vs uncentred |"):]  # the centring tables
   assert "| fp8, sync 4 | decoupled + MIS + centering |" in centring
+  assert "| fp8, sync 4 | decoupled + MIS + centering | `score_centering_drift` |" in centring
   mismatch.main(["--quick", "--out", out, "--resume"])  # nothing left to run: no server starts
   with open(os.path.join(out, "results.json")) as f:
     assert json.load(f)["runs"] == results["runs"]
