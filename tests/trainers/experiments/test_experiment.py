@@ -108,7 +108,7 @@ COMMITTED = os.path.join(os.path.dirname(__file__), "..", "..", "..", "notebooks
 
 @pytest.mark.parametrize("sub, design", [("", mismatch.FULL), ("stress", mismatch.STRESS), ("moe", mismatch.MOE),
                                          ("forms", mismatch.FORMS), ("controller", mismatch.CONTROLLER),
-                                         ("proximal", mismatch.PROXIMAL)])
+                                         ("proximal", mismatch.PROXIMAL), ("centering", mismatch.CENTERING)])
 def test_committed_results_are_the_full_design(sub, design):
   """notebooks/figures/mismatch (the grid) and its stress/ (the collapse search) hold complete
   runs of the current designs, and their summaries are what `summarize` computes from the runs."""
@@ -137,6 +137,13 @@ def test_committed_results_are_the_full_design(sub, design):
       assert a["reward_mean"] == b["reward_mean"] and a["grad_norm"] == b["grad_norm"]
       stale = (run[(arm + mismatch.LOGLINEAR, "fp8, sync 4", seed)] for arm in ("decoupled + token TIS", "decoupled + MIS"))
       assert next(stale)["grad_norm"] != next(stale)["grad_norm"]  # stale tokens: the corrections differ
+  if design is mismatch.CENTERING:  # the centred runs asked for the top-k and logged the centring at every step
+    for r in results["runs"]:
+      centred = r["arm"].endswith(mismatch.CENTERED)
+      assert r["top_logprobs_num"] == (mismatch.TOP_K if centred else 0)
+      for name in mismatch.CENTERING_METRICS:
+        assert all((v is not None and np.isfinite(v)) if centred else v is None for v in r[name]), (r["arm"], name)
+    assert os.path.isfile(os.path.join(COMMITTED, sub, "curves_score_centering_drift.png"))
   if design.preset.endswith("moe"):  # the router disagreement was measured in every arm, with or without R3
     assert all(None not in r["routing_mismatch_frac"] for r in results["runs"])
     assert "| fp8 | decoupled + MIS + R3 |" in mismatch.routing_table(results)
