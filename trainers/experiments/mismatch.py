@@ -196,6 +196,7 @@ PROXIMAL = Design(arms=("standard PPO", "decoupled + token TIS", "decoupled + to
 # engines and the stale fp8 one (the drift compounds across syncs, the paper's claim).
 CENTERING = Design(arms=("standard PPO", "standard PPO" + CENTERED, "decoupled + MIS", "decoupled + MIS" + CENTERED),
                    settings=("bf16", "fp8", "fp8, sync 4"), probe_settings=())
+# The CI-sized pipeline (`--quick`); its centred arm runs the top-k request and the centring tables.
 QUICK = Design(arms=("standard PPO", "decoupled + MIS", "decoupled + MIS" + CENTERED), settings=("fp8, sync 4",),
                probe_settings=(),
                seeds=(0, 1), steps=4,
