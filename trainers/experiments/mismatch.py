@@ -21,6 +21,10 @@ CI-sized version of the same pipeline):
 - **Proximal policy** (`PROXIMAL`, `--design proximal`): decoupled PPO (token TIS, MIS) with
   the old log-probs recomputed or interpolated by weight versions (`, loglinear`, contract
   §6.3), under the fp8 engine synchronous and synced every 4 steps; `train_s` per step.
+- **Score centering** (`CENTERING`, `--design centering`): standard PPO and the MIS arm, each
+  without and with score centering (`+ centering`, contract §6.6; the sampler's top-`TOP_K`
+  log-probs asked for), under the bf16 and fp8 engines and fp8 synced every 4 steps; the
+  centred runs record the drift term's size before centring and a bound on it after.
 - **Seeds**: each seed draws its own initial weights (`init_seed`), prompts and sampling seeds;
   every arm and setting sees the same seeds (a paired design).
 
@@ -50,19 +54,27 @@ import mis_jax
 RECORDED = ("reward_mean", "mis_k3_kl", "train_rollout_logprob_abs_diff", "grad_norm",
             "mis_kept_token_fraction", "response_length", "pg_clipfrac", "routing_mismatch_frac",
             "routing_mismatch_token_frac", "mis_ess_ratio", "mis_auto_tis_upper_bound", "mis_auto_ess_ratio",
-            "mis_auto_tis_masked_fraction", "mis_auto_target_met", "train_s")
+            "mis_auto_tis_masked_fraction", "mis_auto_target_met", "train_s", "score_centering_tv",
+            "score_centering_tail_mass", "score_centering_drift", "score_centering_residual_bound")
 R3 = " + R3"  # an arm name ending with it replays the server's routed experts (rollout.sampling.routing_replay r3)
 LOGLINEAR = ", loglinear"  # an arm name ending with it approximates the proximal policy (loss.proximal loglinear)
+CENTERED = " + centering"  # an arm name ending with it centres the scores (loss.score_centering, contract §6.6)
+# The sampler's top-k a centred arm asks for (rollout.sampling.top_logprobs_num): the toy model's
+# vocabulary is 64 tokens, so the top-20 hold all but a small tail (`score_centering_tail_mass`).
+TOP_K = 20
 
 
 def arms() -> dict[str, mis_jax.LossConfig]:
-  """The loss of every arm; `<arm> + R3` is `<arm>` with routing replay (MoE designs); the
-  policy-loss forms' arms (`FORMS`) after them."""
+  """The loss of every arm; `<arm> + R3` is `<arm>` with routing replay (MoE designs), `<arm>,
+  loglinear` with the interpolated proximal policy, `<arm> + centering` with score centering; the
+  policy-loss forms' and the controller's arms among them."""
   base = _base_arms()
   return {**base, **{name + R3: base[name] for name in ("standard PPO", "decoupled + token TIS", "decoupled + MIS")},
           **_form_arms(base["decoupled + MIS"].mis), **_controller_arms(),
           **{name + LOGLINEAR: dataclasses.replace(base[name], proximal="loglinear")
-             for name in ("decoupled + token TIS", "decoupled + MIS")}}
+             for name in ("decoupled + token TIS", "decoupled + MIS")},
+          **{name + CENTERED: dataclasses.replace(base[name], score_centering=True)
+             for name in ("standard PPO", "decoupled + MIS")}}
 
 
 def _form_arms(mis: mis_jax.MISConfig) -> dict[str, mis_jax.LossConfig]:
@@ -179,13 +191,20 @@ CONTROLLER = Design(arms=("standard PPO", "decoupled + token TIS", "decoupled + 
 PROXIMAL = Design(arms=("standard PPO", "decoupled + token TIS", "decoupled + token TIS" + LOGLINEAR,
                         "decoupled + MIS", "decoupled + MIS" + LOGLINEAR),
                   settings=("fp8", "fp8, sync 4"), probe_settings=())
-QUICK = Design(arms=("standard PPO", "decoupled + MIS"), settings=("fp8, sync 4",), probe_settings=(),
+# Score centering alone (on standard PPO: the centred arm differs from the baseline by the centring
+# only) and composed with the MIS arm, each beside its uncentred self, under the fresh bf16 and fp8
+# engines and the stale fp8 one (the drift compounds across syncs, the paper's claim).
+CENTERING = Design(arms=("standard PPO", "standard PPO" + CENTERED, "decoupled + MIS", "decoupled + MIS" + CENTERED),
+                   settings=("bf16", "fp8", "fp8, sync 4"), probe_settings=())
+# The CI-sized pipeline (`--quick`); its centred arm runs the top-k request and the centring tables.
+QUICK = Design(arms=("standard PPO", "decoupled + MIS", "decoupled + MIS" + CENTERED), settings=("fp8, sync 4",),
+               probe_settings=(),
                seeds=(0, 1), steps=4,
                prompts_per_step=4, n=4, ppo_epochs=1, final_window=2)
 
 
 # The designs run by `--design NAME` into OUT/NAME.
-DESIGNS = {"moe": MOE, "forms": FORMS, "controller": CONTROLLER, "proximal": PROXIMAL}
+DESIGNS = {"moe": MOE, "forms": FORMS, "controller": CONTROLLER, "proximal": PROXIMAL, "centering": CENTERING}
 
 
 def _init_dir(out: str, design: Design, seed: int) -> str:
@@ -210,14 +229,16 @@ def _train_config(out: str, design: Design, setting: Setting, seed: int, run_dir
   shutil.rmtree(start, ignore_errors=True)
   shutil.copytree(_init_dir(out, design, seed), start)
   every = setting.sync_every * max(1, design.steps // setting.sync_every)
-  routing = ({"routing_replay": "r3" if arm.endswith(R3) else "none", "record_routing": True}
-             if _is_moe(design) else {})
+  sampling = ({"routing_replay": "r3" if arm.endswith(R3) else "none", "record_routing": True}
+              if _is_moe(design) else {})
+  if arm.endswith(CENTERED):
+    sampling["top_logprobs_num"] = TOP_K
   row_len = max(16, 1 << (2 * design.num_digits + 2).bit_length())  # prompt k + 2, response k + 1
   return TrainConfig.from_dict({
       "run_dir": run_dir, "seed": seed,
       "model": {"path": start},
       "task": {"name": "copy_digits", "num_digits": design.num_digits},
-      "rollout": {"prompts_per_step": design.prompts_per_step, "n": design.n, "sampling": routing,
+      "rollout": {"prompts_per_step": design.prompts_per_step, "n": design.n, "sampling": sampling,
                   "sync": {"sync_every": setting.sync_every},
                   "placement": {"server_dtype": setting.server_dtype, "server_quantize": setting.server_quantize}},
       "train": {"steps": design.steps, "learning_rate": design.learning_rate, "ppo_epochs": design.ppo_epochs,
@@ -227,7 +248,8 @@ def _train_config(out: str, design: Design, setting: Setting, seed: int, run_dir
 
 def run_experiment(out: str, design: Design = FULL, *, resume: bool = False, log=print) -> dict:
   """Runs every arm × setting × seed of `design`; writes and returns `OUT/results.json`
-  (`{"design", "runs": [{"arm", "setting", "seed", "seconds", <metric>: [per step]}], ...}`)."""
+  (`{"design", "runs": [{"arm", "setting", "seed", "seconds", "top_logprobs_num", <metric>: [per step]}],
+  ...}`)."""
   from trainers.serving.embedded.server import EmbeddedServer
   from trainers.training.train import Trainer
 
@@ -259,7 +281,7 @@ def run_experiment(out: str, design: Design = FULL, *, resume: bool = False, log
         cfg = _train_config(out, design, setting, seed, run_dir, arm)
         history = Trainer(cfg, loss_cfgs[arm], urls=[server.url]).run(progress=False, log=lambda *_: None)
         record = {"arm": arm, "setting": setting_name, "seed": seed, "seconds": time.perf_counter() - t0,
-                  "step": [h["step"] for h in history]}
+                  "top_logprobs_num": cfg.rollout.sampling.top_logprobs_num, "step": [h["step"] for h in history]}
         record.update({k: [_float(h.get(k)) for h in history] for k in RECORDED})
         runs.append(record)
         _write(path, design, runs, prior_s + time.perf_counter() - start)
@@ -343,24 +365,36 @@ def summarize(results: dict, baseline: str = "standard PPO") -> list[dict]:
   return rows
 
 
+def _diff(ci) -> str:
+  """A paired difference `(mean, low, high)` as `+m [+lo, +hi]`, starred when the interval excludes 0."""
+  if ci is None:
+    return "—"
+  sig = "" if ci[1] <= 0 <= ci[2] else " *"
+  return f"{ci[0]:+.3f} [{ci[1]:+.3f}, {ci[2]:+.3f}]{sig}"
+
+
+def _cell(values, fmt: str) -> str:
+  """Mean [95% t-interval] over seeds of per-seed `values`, each in `fmt` (the mean alone for one seed)."""
+  if len(values) < 2:
+    return format(float(np.mean(values)), fmt)
+  m, lo, hi = t_interval(values)
+  return f"{m:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
+
+
 def summary_table(results: dict) -> str:
-  """The summary as a Markdown table (mean [95% CI] over seeds)."""
+  """The summary as a Markdown table: final reward, AUC and drawdown, mean [95% CI] over seeds,
+  each with its paired difference to standard PPO; the mean mismatch."""
   def fmt(ci):
     return "n/a" if ci is None else f"{ci[0]:.3f} [{ci[1]:.3f}, {ci[2]:.3f}]"
 
-  def diff(ci):
-    if ci is None:
-      return "—"
-    sig = "" if ci[1] <= 0 <= ci[2] else " *"
-    return f"{ci[0]:+.3f} [{ci[1]:+.3f}, {ci[2]:+.3f}]{sig}"
-
-  lines = ["| setting | arm | final reward | Δ vs standard PPO | AUC | Δ AUC | mis_k3_kl | abs diff |",
-           "|---|---|---|---|---|---|---|---|"]
+  lines = ["| setting | arm | final reward | Δ vs standard PPO | AUC | Δ AUC | drawdown | Δ drawdown | mis_k3_kl "
+           "| abs diff |", "|---|---|---|---|---|---|---|---|---|---|"]
   for row in results["summary"]:
     k3, ad = row["mis_k3_kl"], row["train_rollout_logprob_abs_diff"]
     lines.append(f"| {row['setting']} | {row['arm']} | {fmt(row.get('final_reward'))} | "
-                 f"{diff(row.get('final_reward_minus_baseline'))} | {fmt(row.get('auc'))} | "
-                 f"{diff(row.get('auc_minus_baseline'))} | {'n/a' if k3 is None else f'{k3:.2e}'} | "
+                 f"{_diff(row.get('final_reward_minus_baseline'))} | {fmt(row.get('auc'))} | "
+                 f"{_diff(row.get('auc_minus_baseline'))} | {fmt(row.get('drawdown'))} | "
+                 f"{_diff(row.get('drawdown_minus_baseline'))} | {'n/a' if k3 is None else f'{k3:.2e}'} | "
                  f"{'n/a' if ad is None else f'{ad:.2e}'} |")
   return "\n".join(lines)
 
@@ -388,12 +422,6 @@ def mismatch_table(results: dict, arm: str = "standard PPO") -> str:
   """Per setting, `mis_k3_kl` and `train_rollout_logprob_abs_diff` of `arm`'s runs (standard
   PPO recomputes the trainer's log-probs, so it measures them; bypass and REINFORCE do not):
   at step 1 (the initial weights) and averaged over all steps, mean [95% CI] over seeds."""
-  def cell(values):
-    if len(values) < 2:
-      return f"{np.mean(values):.2e}"
-    m, lo, hi = t_interval(values)
-    return f"{m:.2e} [{lo:.2e}, {hi:.2e}]"
-
   lines = ["| setting | mis_k3_kl, step 1 | mis_k3_kl, all steps | abs diff, step 1 | abs diff, all steps | seeds |",
            "|---|---|---|---|---|---|"]
   present = {r["setting"] for r in results["runs"]}
@@ -402,8 +430,8 @@ def mismatch_table(results: dict, arm: str = "standard PPO") -> str:
     if not runs:
       continue
     k3, ad = ([r[key] for r in runs] for key in ("mis_k3_kl", "train_rollout_logprob_abs_diff"))
-    lines.append(f"| {setting} | {cell([x[0] for x in k3])} | {cell([np.mean(x) for x in k3])} | "
-                 f"{cell([x[0] for x in ad])} | {cell([np.mean(x) for x in ad])} | {len(runs)} |")
+    lines.append(f"| {setting} | {_cell([x[0] for x in k3], '.2e')} | {_cell([np.mean(x) for x in k3], '.2e')} | "
+                 f"{_cell([x[0] for x in ad], '.2e')} | {_cell([np.mean(x) for x in ad], '.2e')} | {len(runs)} |")
   return "\n".join(lines)
 
 
@@ -411,12 +439,6 @@ def routing_table(results: dict) -> str:
   """MoE designs: per setting and arm, the router disagreement the trainer measures against the
   server's routed experts (fraction of (token, layer) choices and of tokens with any layer
   differing) and `mis_k3_kl`, at step 1 and over all steps, mean [95% CI] over seeds."""
-  def cell(values, fmt):
-    if len(values) < 2:
-      return format(float(np.mean(values)), fmt)
-    m, lo, hi = t_interval(values)
-    return f"{m:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
-
   lines = ["| setting | arm | router choices differing, step 1 | tokens differing, step 1 | routing differing, all "
            "steps | mis_k3_kl, step 1 | mis_k3_kl, all steps |", "|---|---|---|---|---|---|---|"]
   for setting in results["design"]["settings"]:
@@ -426,9 +448,51 @@ def routing_table(results: dict) -> str:
         continue
       frac, tok, k3 = ([r[k] for r in runs] for k in ("routing_mismatch_frac", "routing_mismatch_token_frac",
                                                        "mis_k3_kl"))
-      lines.append(f"| {setting} | {arm} | {cell([x[0] for x in frac], '.2%')} | {cell([x[0] for x in tok], '.2%')} | "
-                   f"{cell([np.mean(x) for x in frac], '.2%')} | {cell([x[0] for x in k3], '.2e')} | "
-                   f"{cell([np.mean(x) for x in k3], '.2e')} |")
+      lines.append(f"| {setting} | {arm} | {_cell([x[0] for x in frac], '.2%')} | {_cell([x[0] for x in tok], '.2%')} | "
+                   f"{_cell([np.mean(x) for x in frac], '.2%')} | {_cell([x[0] for x in k3], '.2e')} | "
+                   f"{_cell([np.mean(x) for x in k3], '.2e')} |")
+  return "\n".join(lines)
+
+
+CENTERING_METRICS = ("score_centering_drift", "score_centering_residual_bound", "score_centering_tv",
+                     "score_centering_tail_mass")
+
+
+def _centred_arms(results: dict) -> list[str]:
+  """The design's `<arm> + centering` arms whose uncentred `<arm>` it also ran."""
+  design_arms = results["design"]["arms"]
+  return [a for a in design_arms if a.endswith(CENTERED) and a[:-len(CENTERED)] in design_arms]
+
+
+def centering_table(results: dict) -> str:
+  """Score centering's own effect: per setting and centred arm (`<arm> + centering`), the paired
+  difference (same seeds) to `<arm>` uncentred in final reward, AUC and drawdown, mean [95% CI]."""
+  lines = ["| setting | arm | Δ final vs uncentred | Δ AUC vs uncentred | Δ drawdown vs uncentred |", "|---|---|---|---|---|"]
+  for arm in _centred_arms(results):
+    rows = {r["setting"]: r for r in summarize(results, baseline=arm[:-len(CENTERED)]) if r["arm"] == arm}
+    for setting in [s for s in results["design"]["settings"] if s in rows]:
+      lines.append(f"| {setting} | {arm} | " + " | ".join(
+          _diff(rows[setting].get(f"{m}_minus_baseline")) for m in ("final_reward", "auc", "drawdown")) + " |")
+  return "\n".join(lines)
+
+
+def centering_metrics_table(results: dict) -> str:
+  """The centred runs' centring metrics (contract §6.6), mean [95% CI] over seeds, at step 1, over
+  all steps and over the last `final_window` steps: the drift term's size before centring
+  (`score_centering_drift`), the bound on what is left of it after (`..._residual_bound`), the
+  estimated total variation between sampler and trainer (`score_centering_tv`) and the sampler's
+  mass outside its top-k (`score_centering_tail_mass`)."""
+  window = results["design"]["final_window"]
+  spans = {"step 1": slice(0, 1), "all steps": slice(None), "final": slice(-window, None)}
+  lines = ["| setting | arm | metric | step 1 | all steps | last steps |", "|---|---|---|---|---|---|"]
+  for arm in _centred_arms(results):
+    for setting in results["design"]["settings"]:
+      runs = [r for r in results["runs"] if r["setting"] == setting and r["arm"] == arm]
+      if not runs:
+        continue
+      for key in CENTERING_METRICS:
+        cells = [_cell([np.mean(r[key][span]) for r in runs], ".2e") for span in spans.values()]
+        lines.append(f"| {setting} | {arm} | `{key}` | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 
@@ -464,7 +528,7 @@ def plot(results: dict, out: str | None = None, *, key: str = "reward_mean"):
       ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.15)
     ax.set_title(setting, fontsize=10)
     ax.set_xlabel("step")
-    if key in ("mis_k3_kl", "grad_norm", "train_rollout_logprob_abs_diff"):
+    if key in ("mis_k3_kl", "grad_norm", "train_rollout_logprob_abs_diff") + CENTERING_METRICS:
       ax.set_yscale("log")
   axes[0, 0].set_ylabel(f"{key} (mean, 95% band)")
   axes[0, 0].legend(fontsize=7)
@@ -513,7 +577,8 @@ def main(argv=None):
   parser.add_argument("--design", choices=("default",) + tuple(DESIGNS), default="default",
                       help="default: the grid (OUT) and the collapse search (OUT/stress); moe: the mixture-of-experts "
                       "arm (OUT/moe); forms: GSPO and CISPO with and without MIS (OUT/forms); controller: auto "
-                      "bounds under fp8 (OUT/controller); proximal: the old log-probs recomputed or interpolated (OUT/proximal)")
+                      "bounds under fp8 (OUT/controller); proximal: the old log-probs recomputed or interpolated (OUT/proximal); "
+                      "centering: score centering alone and with MIS (OUT/centering)")
   parser.add_argument("--resume", action="store_true", help="keep the runs OUT/results.json already has")
   args = parser.parse_args(argv)
   # The full experiment is the grid (OUT) and the collapse search (OUT/stress).
@@ -525,7 +590,8 @@ def main(argv=None):
     designs = [(args.out, FULL), (os.path.join(args.out, "stress"), STRESS)]
   for out, design in designs:
     results = run_experiment(out, design, resume=args.resume)
-    for key in ("reward_mean", "mis_k3_kl", "grad_norm"):
+    centred = any(a.endswith(CENTERED) for a in design.arms)
+    for key in ("reward_mean", "mis_k3_kl", "grad_norm") + (("score_centering_drift",) if centred else ()):
       plot(results, out, key=key)
     plot_intervals(results, out)
     print(summary_table(results))
@@ -534,6 +600,11 @@ def main(argv=None):
     if _is_moe(design):
       print()
       print(routing_table(results))
+    if centred:
+      print()
+      print(centering_table(results))
+      print()
+      print(centering_metrics_table(results))
     print(f"\n{len(results['runs'])} runs in {results['seconds_total']:.0f} s; wrote {out}/results.json "
           "and figures")
 

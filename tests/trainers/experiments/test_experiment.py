@@ -54,6 +54,38 @@ def test_summary_is_means_and_paired_differences_over_seeds():
   assert "| fp8 | decoupled + MIS |" in table and "*" in table  # a 0.1 shift with noise 0.05: significant
 
 
+def test_centering_table_pairs_each_centred_arm_with_itself_uncentred():
+  """Δ is to the same arm without centring (not to standard PPO), over the common seeds; the
+  centring metrics are means [95% CI] over seeds at step 1, of each run's mean over steps and over
+  its last `final_window` steps."""
+  rng = np.random.default_rng(1)
+  arms = ["standard PPO", "decoupled + MIS", "decoupled + MIS" + mismatch.CENTERED]
+  runs = []
+  for arm, shift in zip(arms, (0.3, 0.0, 0.05)):
+    for seed in range(3):
+      centred = arm.endswith(mismatch.CENTERED)
+      runs.append({"arm": arm, "setting": "fp8", "seed": seed,
+                   "reward_mean": (np.linspace(0, 1, 6) + shift + rng.normal(0, 0.05, 6)).tolist(),
+                   "mis_k3_kl": [0.01] * 6, "train_rollout_logprob_abs_diff": [0.1] * 6,
+                   **{k: (rng.uniform(0, 1, 6).tolist() if centred else [None] * 6)
+                      for k in mismatch.CENTERING_METRICS}})
+  results = {"design": {"final_window": 2, "settings": ["fp8"], "arms": arms}, "runs": runs}
+  table = mismatch.centering_table(results)
+  by = {(r["arm"], r["seed"]): r for r in runs}
+  diff = [np.mean(by[(arms[2], s)]["reward_mean"][-2:]) - np.mean(by[(arms[1], s)]["reward_mean"][-2:])
+          for s in range(3)]
+  m, lo, hi = mismatch.t_interval(diff)
+  row = next(line for line in table.splitlines() if line.startswith("| fp8 | decoupled + MIS + centering |"))
+  assert [c.strip() for c in row.strip("|").split("|")][2].startswith(f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]")
+  assert len(table.splitlines()) == 3  # header, rule, one centred arm in one setting
+  metrics = mismatch.centering_metrics_table(results)
+  drift = [by[(arms[2], s)]["score_centering_drift"] for s in range(3)]
+  row = next(line for line in metrics.splitlines() if "`score_centering_drift`" in line)
+  want = [mismatch.t_interval(v) for v in ([d[0] for d in drift], [np.mean(d) for d in drift],
+                                           [np.mean(d[-2:]) for d in drift])]
+  assert [c.strip() for c in row.strip("|").split("|")][3:] == [f"{a:.2e} [{b:.2e}, {c:.2e}]" for a, b, c in want]
+
+
 def test_drawdown_is_fall_from_the_best_running_mean():
   assert mismatch.drawdown({"reward_mean": [0.0, 0.2, 0.4, 0.6]}, 2) == 0.0  # still improving
   # running means of 2: 0.5, 0.9, 0.5, 0.2 -> best 0.9, final 0.2
@@ -76,7 +108,7 @@ COMMITTED = os.path.join(os.path.dirname(__file__), "..", "..", "..", "notebooks
 
 @pytest.mark.parametrize("sub, design", [("", mismatch.FULL), ("stress", mismatch.STRESS), ("moe", mismatch.MOE),
                                          ("forms", mismatch.FORMS), ("controller", mismatch.CONTROLLER),
-                                         ("proximal", mismatch.PROXIMAL)])
+                                         ("proximal", mismatch.PROXIMAL), ("centering", mismatch.CENTERING)])
 def test_committed_results_are_the_full_design(sub, design):
   """notebooks/figures/mismatch (the grid) and its stress/ (the collapse search) hold complete
   runs of the current designs, and their summaries are what `summarize` computes from the runs."""
@@ -105,6 +137,13 @@ def test_committed_results_are_the_full_design(sub, design):
       assert a["reward_mean"] == b["reward_mean"] and a["grad_norm"] == b["grad_norm"]
       stale = (run[(arm + mismatch.LOGLINEAR, "fp8, sync 4", seed)] for arm in ("decoupled + token TIS", "decoupled + MIS"))
       assert next(stale)["grad_norm"] != next(stale)["grad_norm"]  # stale tokens: the corrections differ
+  if design is mismatch.CENTERING:  # the centred runs asked for the top-k and logged the centring at every step
+    for r in results["runs"]:
+      centred = r["arm"].endswith(mismatch.CENTERED)
+      assert r["top_logprobs_num"] == (mismatch.TOP_K if centred else 0)
+      for name in mismatch.CENTERING_METRICS:
+        assert all((v is not None and np.isfinite(v)) if centred else v is None for v in r[name]), (r["arm"], name)
+    assert os.path.isfile(os.path.join(COMMITTED, sub, "curves_score_centering_drift.png"))
   if design.preset.endswith("moe"):  # the router disagreement was measured in every arm, with or without R3
     assert all(None not in r["routing_mismatch_frac"] for r in results["runs"])
     assert "| fp8 | decoupled + MIS + R3 |" in mismatch.routing_table(results)
@@ -124,10 +163,23 @@ def test_quick_mode_end_to_end(tmp_path, capsys):
     assert len(r["reward_mean"]) == len(r["step"]) == design.steps
     assert all(0 <= v <= 1.25 for v in r["reward_mean"])
     assert all(v > 0 for v in r["mis_k3_kl"])  # fp8 weights, stale: a real mismatch
+    # The centred arm asked for the sampler's top-k and logged the drift before and its bound after
+    # centring, finite; the others asked for nothing and logged none.
+    centred = r["arm"].endswith(mismatch.CENTERED)
+    assert r["top_logprobs_num"] == (mismatch.TOP_K if centred else 0)
+    for name in mismatch.CENTERING_METRICS:
+      assert all((v is not None and np.isfinite(v)) if centred else v is None for v in r[name]), (r["arm"], name)
+    if centred:
+      assert all(0 < v < 1 for v in r["score_centering_tail_mass"]) and max(r["score_centering_drift"]) > 0
   assert [row["arm"] for row in results["summary"]] == list(design.arms)
-  for name in ("curves_reward_mean.png", "curves_mis_k3_kl.png", "curves_grad_norm.png", "intervals.png"):
+  for name in ("curves_reward_mean.png", "curves_mis_k3_kl.png", "curves_grad_norm.png", "intervals.png",
+               "curves_score_centering_drift.png"):
     assert os.path.getsize(os.path.join(out, name)) > 1000
-  assert "| fp8, sync 4 | decoupled + MIS |" in capsys.readouterr().out
+  printed = capsys.readouterr().out
+  assert "| fp8, sync 4 | decoupled + MIS |" in printed
+  centring = printed[printed.index("| Δ final vs uncentred |"):]  # the centring tables
+  assert "| fp8, sync 4 | decoupled + MIS + centering |" in centring
+  assert "| fp8, sync 4 | decoupled + MIS + centering | `score_centering_drift` |" in centring
   mismatch.main(["--quick", "--out", out, "--resume"])  # nothing left to run: no server starts
   with open(os.path.join(out, "results.json")) as f:
     assert json.load(f)["runs"] == results["runs"]
