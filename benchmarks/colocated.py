@@ -23,7 +23,12 @@ step's batch, the bfloat16 sampler's prefill and decode on the same shape; tunix
 as a fraction of the matmul FLOP/s of the dtype it computes in (the update and old-log-prob
 pass float32, the sampler bfloat16). The model FLOPs, from `benchmarks.roofline`: update
 `6 N` per token + attention, old log-probs and prefill `2 N` per token + attention, decode `2 N`
-per generated token + attention over its context; the same work for both contenders.
+per generated token + attention over its context; the same work for both contenders. A third
+table times the phases inside every timed step, the same way for both (each call blocked on:
+ours the sampler's call, the old-log-prob pass and the update; tunix its `RLCluster` methods),
+with the weight sync and what the step spends outside them all (requests and replies, rewards,
+batch building, transfers, metrics): the phases timed apart are each a best of a few repeats,
+so a step is not their sum.
 
 The same work in every contender: decoupled PPO with `configs/mis.yaml` (tunix computes the
 old log-probs too), one update per step, Adam, a bfloat16 sampler of float32 weights re-synced
@@ -238,9 +243,17 @@ def ours(shape: Shape, placement: str, root: str, engine: str = "embedded", limi
     stamps, take = [], trainer.source.next
     trainer.source.next = lambda step: stamps.append(time.perf_counter()) or take(step)
     trainer.fns = recorded = _LastCalls(trainer.fns)
+    per_step = {}
+    if limits is not None:  # the phases inside each step, timed as tunix's are
+      forward = recorded.forward
+      recorded.forward = lambda heads: _timed(forward(heads), "old_logprobs_s", stamps, per_step)
+      _time_methods(recorded, {"train": "update_s"}, stamps, per_step)
+      if placement == "colocated" and engine == "embedded":
+        _time_methods(trainer.servers.weight_sync.engine.inner.sampler, {"generate": "generate_s"}, stamps, per_step)
     history = trainer.run(progress=False, log=lambda *a, **k: None)
     phases = {}
     if limits is not None:  # after the timed steps: the phases apart, for the roofline
+      per_step["sync_s"] = {k + 1: h["sync_s"] for k, h in enumerate(history)}
       phases, seq_lens = trainer_phases(trainer, recorded, shape.phase_repeats)
       phases.update(sampler_phases(shape, model, round(float(np.mean(seq_lens))) - shape.max_new_tokens))
   times = _step_times(stamps, shape)
@@ -253,7 +266,8 @@ def ours(shape: Shape, placement: str, root: str, engine: str = "embedded", limi
           "mean_response_tokens": float(np.mean([h["response_length"] for h in timed])),
           "step_s_all": [float(x) for x in times], "train_s_all": [h["train_s"] for h in timed],
           "micro_batches": [h["micro_batches"] for h in timed],
-          **({"phases": phases, "roofline": roofline_fractions(shape, phases, seq_lens, limits)} if phases else {})}
+          **({"phases": phases, "roofline": roofline_fractions(shape, phases, seq_lens, limits),
+              "in_step": in_step_phases(stamps, per_step, shape)} if phases else {})}
 
 
 TUNIX_PHASES = {"generate": "generate_s", "update_actor": "update_s", "sync_weights": "sync_s"}
@@ -261,17 +275,34 @@ TUNIX_PHASES = {"generate": "generate_s", "update_actor": "update_s", "sync_weig
 TUNIX_LEARNER_PHASES = {"old_per_token_logps": "old_logprobs_s"}
 
 
+def _timed(run, phase: str, stamps: list, per_step: dict):
+  """`run`, each call's seconds (its results blocked on) added to `per_step[phase][step]`, the
+  step being `len(stamps)` (batches asked so far)."""
+  def timed(*args, **kwargs):
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(run(*args, **kwargs))
+    steps = per_step.setdefault(phase, {})
+    steps[len(stamps)] = steps.get(len(stamps), 0.0) + time.perf_counter() - t0
+    return out
+  return timed
+
+
 def _time_methods(obj, names: dict, stamps: list, per_step: dict) -> None:
-  """Wraps `obj`'s methods `names` (method → phase) so each call's seconds (its results blocked
-  on) add to `per_step[phase][step]`, the step being `len(stamps)` (batches asked so far)."""
+  """Wraps `obj`'s methods `names` (method → phase) with `_timed`."""
   for method, phase in names.items():
-    def timed(*args, _run=getattr(obj, method), _phase=phase, **kwargs):
-      t0 = time.perf_counter()
-      out = jax.block_until_ready(_run(*args, **kwargs))
-      steps = per_step.setdefault(_phase, {})
-      steps[len(stamps)] = steps.get(len(stamps), 0.0) + time.perf_counter() - t0
-      return out
-    setattr(obj, method, timed)
+    setattr(obj, method, _timed(getattr(obj, method), phase, stamps, per_step))
+
+
+def in_step_phases(stamps: list, per_step: dict, shape: Shape) -> dict:
+  """Each phase's median seconds over the timed steps as timed inside them (the same way for
+  every contender), and `outside_s`: the median of what a step spends outside those phases
+  (requests and replies, rewards, batch building, transfers, metrics, bookkeeping)."""
+  steps = range(shape.first_timed, shape.steps + 1)
+  durations = dict(zip(steps, _step_times(stamps, shape)))
+  out = {phase: float(np.median([by_step.get(k, 0.0) for k in steps])) for phase, by_step in per_step.items()}
+  out["outside_s"] = float(np.median([durations[k] - sum(by_step.get(k, 0.0) for by_step in per_step.values())
+                                      for k in steps]))
+  return out
 
 
 def tunix(shape: Shape, root: str, engine: str = "vanilla", limits=None) -> dict:
@@ -354,6 +385,7 @@ def tunix(shape: Shape, root: str, engine: str = "vanilla", limits=None) -> dict
   phases = {phase: float(np.median([steps.get(k, 0.0) for k in timed_steps])) for phase, steps in per_step.items()}
   if phases:
     record["phases"] = phases
+    record["in_step"] = in_step_phases(stamps, per_step, shape)
     # The same sequences as ours: every prompt as long as its template, every response max_new_tokens.
     seq_lens = [len("00+00=") + 1 + shape.max_new_tokens] * (shape.prompts * shape.n)
     record["roofline"] = {k: v for k, v in roofline_fractions(shape, phases, seq_lens, limits).items()
@@ -362,6 +394,7 @@ def tunix(shape: Shape, root: str, engine: str = "vanilla", limits=None) -> dict
 
 
 PHASE_COLUMNS = ("update", "old_logprobs", "prefill", "decode", "generate")
+IN_STEP_COLUMNS = ("generate_s", "old_logprobs_s", "update_s", "sync_s", "outside_s")
 
 
 def _label(name: str) -> str:
@@ -394,6 +427,15 @@ def markdown(records: list[dict], limits) -> str:
     cells = [(f"{1e3 * r['roofline'][k]['s']:,.1f} ms, {100 * r['roofline'][k]['fraction']:.1f} %"
               if k in r["roofline"] else "—") for k in PHASE_COLUMNS]
     lines.append(f"| {r['shape']} | {r['contender']} | " + " | ".join(cells) + " |")
+  lines += ["", "Inside each timed step (median ms; every contender's phases timed the same way, blocked on "
+                "within the step), and what the step spends outside them:", "",
+            "| shape | contender | step | generation | old log-probs | update | weight sync | outside them |",
+            "|---|---|---|---|---|---|---|---|"]
+  for r in records:
+    if "in_step" not in r:
+      continue
+    cells = [f"{1e3 * r['in_step'][k]:,.1f}" if k in r["in_step"] else "—" for k in IN_STEP_COLUMNS]
+    lines.append(f"| {r['shape']} | {r['contender']} | {r['step_ms']:,.1f} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 

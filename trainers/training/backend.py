@@ -54,8 +54,10 @@ def build_rollout(cfg, *, urls: list[str], start_dir: str, model_config, samplin
       raise mis_jax.ConfigError(f"rollout.placement.mode colocated generates in the trainer: no server URL is used, "
                                 f"got {', '.join(urls or [r.transport.router])}")
     engine = LOCAL_ENGINES[r.placement.engine].start(cfg, start_dir=start_dir, model_config=model_config, mesh=mesh)
+    # No HTTP body to bound: the step's prompts go in one call, so the engine batches all of their
+    # rows (up to its `max_batch_size` per compiled call) instead of running racing requests apart.
     client = SGLangClient([engine], max_concurrency=r.transport.max_concurrency,
-                          prompts_per_request=r.transport.prompts_per_request, cache_salt=r.sync.cache_salt)
+                          prompts_per_request=r.prompts_per_step, cache_salt=r.sync.cache_salt)
     weight_sync = MemorySync(client, engine, r)
   else:
     t = r.transport

@@ -134,7 +134,7 @@ class SamplingSection:
 class TransportSection:
   """The requests to the engines: concurrency, batching, timeouts, retries, and what stops a run."""
   max_concurrency: int = key(4, "HTTP requests in flight", ge=1)
-  prompts_per_request: int = key(8, "prompts batched into one /generate request", ge=1)
+  prompts_per_request: int = key(8, "prompts batched into one /generate request (colocated: a step's prompts go in one call)", ge=1)
   timeout_s: float = key(120.0, "HTTP timeout per request", gt=0)
   max_retries: int = key(3, "retries of a failed request (connection errors, timeouts, 5xx)", ge=0)
   backoff_s: float = key(0.5, "first retry delay (doubles each retry)", ge=0)

@@ -45,9 +45,8 @@ class MetricLogger:
     with open(self.path, "a") as f:
       f.write(json.dumps(metrics) + "\n")
     scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    if self.tensorboard is not None:
-      for k, v in scalars.items():
-        self.tensorboard.add_scalar(k, v, step)
+    if self.tensorboard is not None:  # one event of all the step's scalars (one per scalar: ~3 ms a step)
+      self.tensorboard.add_summary(_summary(scalars), step)
     if self.wandb is not None:
       self.wandb.log(scalars, step=step)
     shown = {k: metrics[k] for k in PROGRESS_KEYS if isinstance(metrics.get(k), (int, float))}
@@ -99,12 +98,19 @@ def _isatty(stream) -> bool:
 
 def _tensorboard(run_dir: str):
   try:
-    from tensorboardX import SummaryWriter
+    from tensorboardX.writer import FileWriter
   except ImportError:
     warnings.warn("logging.tensorboard is on but tensorboardX is not installed (pip install 'mis_jax[train]'); "
                   "metrics go to metrics.jsonl only")
     return None
-  return SummaryWriter(os.path.join(run_dir, "tensorboard"))
+  return FileWriter(os.path.join(run_dir, "tensorboard"))
+
+
+def _summary(scalars: dict):
+  """One TensorBoard `Summary` holding every scalar (each the value tensorboardX's `scalar` makes)."""
+  from tensorboardX.proto.summary_pb2 import Summary
+  from tensorboardX.summary import scalar
+  return Summary(value=[v for k, x in scalars.items() for v in scalar(k, float(x)).value])
 
 
 def _wandb(run_dir: str, cfg):

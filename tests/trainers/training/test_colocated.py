@@ -81,13 +81,17 @@ def test_colocated_equals_server_mode(tmp_path, case):
 def test_float32_engine_holds_the_trainers_current_weights(tmp_path):
   """A float32 engine colocated with a float32 trainer: at every step the rollout log-probs are
   the trainer's to rounding (`mis_k3_kl` < 1e-6), so the weights handed over are the ones just
-  trained. The engine's copy is freed while the step trains (nothing else generates then)."""
+  trained. The engine's copy is freed while the step trains (nothing else generates then). A
+  step's prompts reach the engine in one call, whatever `prompts_per_request` says (no HTTP body
+  to bound): one batch of all 16 rows, not requests racing into batches of their own."""
   cfg = make_cfg(tmp_path, model={"dtype": "float32"}, train={"steps": 3},
-                 rollout={"prompts_per_step": 4, "n": 4,
+                 rollout={"prompts_per_step": 4, "n": 4, "transport": {"prompts_per_request": 1},
                           "placement": {"mode": "colocated", "server_dtype": "float32"}})
   trainer = train_lib.Trainer(cfg, MIS, urls=[])
   engine, train = trainer.servers.weight_sync.engine.inner, trainer.fns.train
-  seen = []
+  seen, batches, generate = [], [], engine.sampler.generate
+  engine.sampler.generate = lambda prompts, *args, **kwargs: batches.append(len(prompts)) or generate(
+      prompts, *args, **kwargs)
 
   def train_step(params, *args):
     leaves = jax.tree.leaves(engine.sampler.params)
@@ -98,6 +102,7 @@ def test_float32_engine_holds_the_trainers_current_weights(tmp_path):
   assert all(h["mis_k3_kl"] < 1e-6 for h in history), [h["mis_k3_kl"] for h in history]
   assert [h["server_weight_version"] for h in history] == ["0", "1", "2"]
   assert seen == [True] * 6  # 3 steps x 2 epochs, each with the engine's weights freed
+  assert batches == [16] * 3  # one sampler call per step, of its 4 prompts x n = 4 rows
   assert not engine.released  # the last push brought them back
 
 

@@ -33,7 +33,22 @@ def test_jsonl_tensorboardx_and_non_tty_progress(tmp_path):
   assert "\r" not in out and [ln.split()[2] for ln in out.splitlines()] == ["2/5", "4/5", "5/5"]
   assert "reward_mean=0.4" in out.splitlines()[1]
   events = list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-  assert len(events) == 1 and b"reward_mean" in events[0].read_bytes()
+  assert len(events) == 1
+  steps = {e.step: {v.tag: v.simple_value for v in e.summary.value} for e in _events(events[0]) if e.summary.value}
+  assert sorted(steps) == [1, 2, 3, 4, 5]  # one event a step, holding every scalar
+  for step, values in steps.items():
+    assert values == pytest.approx({"step": step, "reward_mean": 0.1 * step, "loss": 1.0 / step, "mis_k3_kl": 1e-3})
+
+
+def _events(path):
+  """The `Event` records of a TensorBoard file (TFRecord framing: length, its CRC, data, its CRC)."""
+  from tensorboardX.proto.event_pb2 import Event
+  data, at, out = path.read_bytes(), 0, []
+  while at < len(data):
+    n = int.from_bytes(data[at:at + 8], "little")
+    out.append(Event.FromString(data[at + 12:at + 12 + n]))
+    at += 12 + n + 4
+  return out
 
 
 def test_tensorboard_off_writes_no_events(tmp_path):

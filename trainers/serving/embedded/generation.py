@@ -389,8 +389,10 @@ class GenerationEngine:
       raise ValueError(f"parameters differ from the served model's: missing {missing[:3]}, unexpected {extra[:3]}")
     def put(var, value):
       target = var.get_value()
-      # Never an alias of the caller's buffers: the trainer donates its parameters to the next step.
-      return var.replace(jax.device_put(jnp.asarray(value).astype(target.dtype), target.sharding, may_alias=False))
+      cast = jnp.asarray(value).astype(target.dtype)
+      # Never an alias of the caller's buffers (the trainer donates its parameters to the next
+      # step): a cast is a buffer of its own already; only a value taken as it is gets copied.
+      return var.replace(jax.device_put(cast, target.sharding, may_alias=False if cast is value else None))
     return nnx.from_flat_state([(path, put(var, given[path].get_value())) for path, var in served])
 
   def release_weights(self) -> None:
