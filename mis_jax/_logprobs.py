@@ -198,18 +198,12 @@ def _check_args(hidden, lm_head, targets, temperature, chunk_size, return_entrop
   vocab = lm_head.shape[1 - d_axis]
   if vocab == 0:
     raise ValueError("'lm_head' has an empty vocabulary axis (V=0)")
-  if targets.dtype == jnp.bool_ or not jnp.issubdtype(targets.dtype, jnp.integer):
-    raise TypeError(f"'targets' must be an integer array, got dtype {targets.dtype}")
+  _check_integer("targets", targets)
   if tuple(targets.shape) != tuple(hidden.shape[:-1]):
     raise ValueError(f"'targets' has shape {tuple(targets.shape)} but 'hidden' has shape "
                      f"{tuple(hidden.shape)}; targets must have hidden's leading shape "
                      f"{tuple(hidden.shape[:-1])}")
-  if _validation._is_concrete(targets) and targets.size:
-    ids = np.asarray(targets)
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab:
-      raise ValueError(f"'targets' holds ids in [{lo}, {hi}], outside [0, V={vocab}); mask such "
-                       "tokens and pass any valid id (under jit they are clipped)")
+  _check_id_range("targets", targets, vocab, "mask such tokens and pass any valid id (under jit they are clipped)")
   if isinstance(temperature, jax.core.Tracer):
     raise TypeError("temperature must be a static Python float, got a traced value")
   is_number = isinstance(temperature, (int, float, np.number)) or (
@@ -280,21 +274,29 @@ def _check_support(support_ids, support_mask, targets, vocab: int):
   return ids
 
 
+def _check_integer(name: str, ids) -> None:
+  if ids.dtype == jnp.bool_ or not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise TypeError(f"'{name}' must be an integer array, got dtype {ids.dtype}")
+
+
+def _check_id_range(name: str, ids, vocab: int, hint: str) -> None:
+  """Concrete ids outside ``[0, V)`` raise, naming `name` (traced ones are clipped by the caller)."""
+  if _validation._is_concrete(ids) and ids.size:
+    values = np.asarray(ids)
+    lo, hi = int(values.min()), int(values.max())
+    if lo < 0 or hi >= vocab:
+      raise ValueError(f"'{name}' holds ids in [{lo}, {hi}], outside [0, V={vocab}); {hint}")
+
+
 def _check_extra(extra_ids, targets, vocab: int):
   """``extra_ids [..., k]`` → int32 ids in ``[0, V)`` (concrete ids out of range raise; traced ones clip)."""
   extra_ids = _validation.as_array("extra_ids", extra_ids)
-  if extra_ids.dtype == jnp.bool_ or not jnp.issubdtype(extra_ids.dtype, jnp.integer):
-    raise TypeError(f"'extra_ids' must be an integer array, got dtype {extra_ids.dtype}")
+  _check_integer("extra_ids", extra_ids)
   lead = tuple(targets.shape)
   if extra_ids.ndim != len(lead) + 1 or tuple(extra_ids.shape[:-1]) != lead or extra_ids.shape[-1] == 0:
     raise ValueError(f"'extra_ids' has shape {tuple(extra_ids.shape)} but must be [..., k] with k >= 1 and "
                      f"targets' shape {lead} in front")
-  if _validation._is_concrete(extra_ids) and extra_ids.size:
-    ids = np.asarray(extra_ids)
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab:
-      raise ValueError(f"'extra_ids' holds ids in [{lo}, {hi}], outside [0, V={vocab}); pass any valid id at "
-                       "positions the loss masks")
+  _check_id_range("extra_ids", extra_ids, vocab, "pass any valid id at positions the loss masks")
   return jnp.clip(jnp.asarray(extra_ids).astype(jnp.int32), 0, vocab - 1)
 
 
