@@ -27,6 +27,7 @@ from mis_jax.config import config_fields as fields_of, config_key as key, load_y
 from trainers.models.attention import ATTENTION_BACKENDS
 from trainers.models.decoder import REMAT_POLICIES
 from trainers.models.hf_io import DTYPES as DTYPE_TABLE
+from trainers.models.decoder import LAYER_LOOPS, UNROLL_MAX_LAYERS
 from trainers.models.moe import MOE_DISPATCH
 from trainers.models.presets import PRESETS
 from trainers.tasks.rewards import REWARDS as REWARD_TABLE
@@ -36,6 +37,7 @@ PRESET_NAMES = tuple(sorted(PRESETS))
 AUTO = "auto"  # model.remat / model.attention: chosen at start-up by trainers.training.memory_plan
 REMAT = tuple(REMAT_POLICIES) + (AUTO,)
 ATTENTION = ATTENTION_BACKENDS + (AUTO,)
+LAYER_LOOP = LAYER_LOOPS + (AUTO,)
 REWARDS = tuple(REWARD_TABLE)
 ROUTING_REPLAY = ("none", "r3", "r2")
 TASKS = ("copy_digits", "lookup_digits", "calculator", "dataset", "jsonl")  # `jsonl`: the dataset task's former name
@@ -54,6 +56,9 @@ class ModelSection:
                        "`auto`: dense when the compiled step fits the memory budget, else blocked", choices=ATTENTION)
   remat: str = key(AUTO, "activation checkpointing of the layer scan; `auto`: the least (none, dots, full) whose "
                    "compiled step fits the memory budget", choices=REMAT)
+  layer_loop: str = key(AUTO, "the stacked layers run as one `scan` (one compiled layer body) or `unrolled` (each "
+                        f"layer its own code: a faster step); `auto`: unrolled up to {UNROLL_MAX_LAYERS} layers, "
+                        "else scan", choices=LAYER_LOOP)
   memory_budget_gb: float | None = key(None, "per-device memory the `auto` choices must fit (null: 0.9 x the "
                                        "device's bytes_limit; on CPU 0.9 x the host's RAM over its devices)", gt=0)
   logprob_chunk: int = key(1024, "tokens per chunk of the LM head (`mis_jax.token_logprobs`)", ge=1)

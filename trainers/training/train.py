@@ -43,6 +43,7 @@ from trainers.agents import rewards as agent_rewards
 from trainers.agents.episodes import Episodes, turn_mismatch
 from trainers.models import PRESETS, DTYPES, ModelConfig, init_checkpoint, load_hf_params
 from trainers.models.attention import resolve_attention_backend
+from trainers.models.decoder import resolve_layer_loop
 from trainers.training import checkpointing, checks, distributed, extras as extras_lib, memory_plan, parallel, plan as plan_lib
 from trainers.training.backend import build_rollout
 from trainers.training.batch import StepBatch, build_step_batch, fresh_tokens, token_staleness
@@ -126,8 +127,9 @@ class Trainer:
     self.plan: StepPlan = plan_lib.plan_step(cfg, self.routing_replay, self.routing_spec)
     # `model.remat` / `model.attention` `auto`: the cheapest whose compiled step fits the device.
     self.model_choice = _model_choice(model_cfg, cfg.model, self.mesh, memory_plan.probe_shape(cfg.train, self.extras))
+    self.layer_loop = resolve_layer_loop(cfg.model.layer_loop, model_cfg.num_hidden_layers)  # (loop, why)
     model_section = dataclasses.replace(cfg.model, remat=self.model_choice.remat,
-                                        attention=self.model_choice.attention)
+                                        attention=self.model_choice.attention, layer_loop=self.layer_loop[0])
     self.fns = _step_functions(model_cfg, model_section, cfg.loss, self.temperature, cfg.train, self.mesh)
     # Each device reads its own shards of the HF tensors: no full copy anywhere.
     self.params = load_hf_params(start_dir, self.fns.abstract_params, self.fns.param_shardings, config=model_cfg)
@@ -261,11 +263,13 @@ class Trainer:
         log(said)
 
   def model_line(self) -> str:
-    """The start-up line of the model's options: dtypes, remat and attention, and why those."""
+    """The start-up line of the model's options: dtypes, remat and attention, the layer loop, and
+    why those."""
     m, choice = self.cfg.model, self.model_choice
     attention, fallback = resolve_attention_backend(choice.attention)
+    loop, why = self.layer_loop
     return (f"model: {m.dtype} compute, {m.param_dtype} weights, remat {choice.remat}, attention {attention}"
-            f"{f' ({fallback})' if fallback else ''} ({choice.reason()})")
+            f"{f' ({fallback})' if fallback else ''} ({choice.reason()}), layers {loop} ({why})")
 
   # --- one step ------------------------------------------------------------------------
   def sampling_params(self) -> dict:
@@ -469,6 +473,7 @@ def _model_options(model: ModelSection, model_cfg: ModelConfig) -> dict:
   """`build_step_functions`' options of the model section (remat and attention resolved)."""
   return dict(logprob_chunk=model.logprob_chunk, dtype=DTYPES[model.dtype], param_dtype=DTYPES[model.param_dtype],
               attention=model.attention, remat=model.remat,
+              layer_loop=resolve_layer_loop(model.layer_loop, model_cfg.num_hidden_layers)[0],
               **({"moe_dispatch": model.moe_dispatch} if model_cfg.is_moe else {}))
 
 

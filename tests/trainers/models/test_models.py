@@ -14,6 +14,7 @@ from flax import nnx
 from trainers.models import (PRESETS, ModelConfig, CausalLM, hf_state_dict, init_checkpoint,
                              load_hf_checkpoint, read_hf_tensors, save_hf_checkpoint,
                              state_from_hf_tensors, teacher_forced_logprobs)
+from trainers.models.decoder import resolve_layer_loop
 
 from conftest import TINY, sequence_logits
 
@@ -180,6 +181,37 @@ def test_padding_and_neighbours_do_not_leak(tiny_model):
   packed = np.asarray(forward(tiny_model, b + a + [0, 0], [0, 1, 2, 0, 1, 2, 3, 4, 0, 1],
                               [0, 0, 0, 1, 1, 1, 1, 1, -1, -1]))
   np.testing.assert_allclose(packed[0, 3:8], alone[0, :5], atol=1e-5, rtol=0)
+
+
+def test_unrolled_layers_equal_the_layer_scan(tiny_model):
+  """`layer_loop="unrolled"` runs the same layers as the scan: the packed forward and a cached
+  prefill + decode step give the same logits (float32, up to XLA's reassociation)."""
+  graphdef, params = nnx.split(tiny_model)
+  unrolled = nnx.merge(nnx.graphdef(CausalLM(TINY, layer_loop="unrolled", rngs=nnx.Rngs(0))), params)
+  assert unrolled.layer_loop == "unrolled" and tiny_model.layer_loop == "scan"
+  ids = jnp.asarray([[1, 5, 9, 33, 7, 21, 2, 60]], jnp.int32)
+  pos, seg = jnp.arange(8, dtype=jnp.int32)[None], jnp.asarray([[0, 0, 0, 0, 1, 1, 1, 1]], jnp.int32)
+  forward = nnx.jit(lambda m: m(ids, pos, seg))
+  np.testing.assert_allclose(np.asarray(forward(unrolled)), np.asarray(forward(tiny_model)), atol=1e-5, rtol=0)
+
+  @nnx.jit
+  def decoded(m):
+    cache = m.init_cache(1, 16)
+    first, cache = m.decode(ids, cache, slot=jnp.int32(0), start=jnp.zeros((1,), jnp.int32), window=8)
+    step, cache = m.decode(ids[:, :1], cache, slot=jnp.int32(8), start=jnp.zeros((1,), jnp.int32), window=16)
+    return first, step, cache.k
+  for a, b in zip(decoded(unrolled), decoded(tiny_model)):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5, rtol=0)
+  with pytest.raises(ValueError, match="layer_loop='loop'; allowed: scan, unrolled"):
+    CausalLM(TINY, layer_loop="loop", rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("setting, layers, want", [
+    ("auto", 4, ("unrolled", "4 layers <= 8")), ("auto", 8, ("unrolled", "8 layers <= 8")),
+    ("auto", 28, ("scan", "28 layers > 8: one compiled layer body")), ("scan", 2, ("scan", "configured")),
+    ("unrolled", 28, ("unrolled", "configured"))])
+def test_the_layer_loop_is_resolved_by_depth(setting, layers, want):
+  assert resolve_layer_loop(setting, layers) == want
 
 
 def test_bfloat16_model_is_close_but_not_equal(tiny_checkpoint):

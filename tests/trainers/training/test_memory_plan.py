@@ -15,6 +15,7 @@ from flax import nnx
 import mis_jax
 from trainers.models import PRESETS
 from trainers.models.hf_io import abstract_model
+from trainers.models.decoder import resolve_layer_loop
 from trainers.training import memory_plan, parallel, train as train_lib
 from trainers.training.config import TrainConfig
 from trainers.training.memory_plan import Budget, choose
@@ -162,10 +163,11 @@ def test_a_tiny_step_is_bounded_without_a_compile_and_compiled_when_the_bound_is
 def test_the_start_up_line_says_what_was_chosen_and_why(attention, expected):
   choice = choose("auto", attention, lambda r, a: 30 * GB, Budget(40 * GB, "model.memory_budget_gb"))
   trainer = types.SimpleNamespace(cfg=TrainConfig.from_dict({"model": {"dtype": "bfloat16", "attention": attention}}),
-                                  model_choice=choice)
+                                  model_choice=choice, layer_loop=resolve_layer_loop("auto", 28))
   line = train_lib.Trainer.model_line(trainer)
   assert line.startswith(f"model: bfloat16 compute, float32 weights, remat none, {expected}"), line
-  assert line.endswith("(auto: 30.00 GB predicted of 40.00 GB per device, model.memory_budget_gb)"), line
+  assert line.endswith("(auto: 30.00 GB predicted of 40.00 GB per device, model.memory_budget_gb), "
+                       "layers scan (28 layers > 8: one compiled layer body)"), line
 
 
 def test_the_probe_is_the_largest_micro_batch_with_the_runs_extras():

@@ -289,10 +289,11 @@ def test_bf16_compute_is_close_to_float32():
   assert g16 @ g32 / (np.linalg.norm(g16) * np.linalg.norm(g32)) > 0.99
 
 
-@pytest.mark.parametrize("attention,remat", [("dense", "full"), ("blocked", "none"), ("blocked", "full"),
-                                            ("blocked", "dots")])
+@pytest.mark.parametrize("attention,remat,layer_loop", [
+    ("dense", "full", "scan"), ("blocked", "none", "scan"), ("blocked", "full", "scan"), ("blocked", "dots", "scan"),
+    ("dense", "none", "unrolled"), ("blocked", "full", "unrolled")])
 @pytest.mark.slow
-def test_attention_backends_and_remat_give_the_same_gradients(attention, remat):
+def test_attention_backends_remat_and_layer_loop_give_the_same_gradients(attention, remat, layer_loop):
   sb = _step_batch(4 * ROW_LEN, 1)
   inputs = step_lib.ModelInputs(*(jnp.asarray(x[0]) for x in (sb.input_ids, sb.positions, sb.targets)))
   seg = jnp.asarray(sb.batch.segment_ids[0])
@@ -304,7 +305,8 @@ def test_attention_backends_and_remat_give_the_same_gradients(attention, remat):
                                           entropy=False).logprobs
     return jax.jit(jax.grad(lambda p: jnp.sum(jnp.where(seg >= 0, f(p), 0.0))))(params)
 
-  _assert_trees_close(grads(attention=attention, remat=remat), grads(attention="dense", remat="none"), "grad")
+  _assert_trees_close(grads(attention=attention, remat=remat, layer_loop=layer_loop),
+                      grads(attention="dense", remat="none"), "grad")
 
 
 def test_invalid_mesh_is_a_config_error():

@@ -225,7 +225,7 @@ def test_each_enum_is_the_owning_modules():
   """The sections' choices are the implementations' own objects, not copies."""
   from trainers.models import hf_io
   from trainers.models.attention import ATTENTION_BACKENDS
-  from trainers.models.decoder import REMAT_POLICIES
+  from trainers.models.decoder import LAYER_LOOPS, REMAT_POLICIES
   from trainers.models.moe import MOE_DISPATCH
   from trainers.models.presets import PRESETS
   from trainers.tasks.rewards import REWARDS
@@ -233,6 +233,7 @@ def test_each_enum_is_the_owning_modules():
   assert choices(config_lib.ModelSection, "attention") == ATTENTION_BACKENDS + ("auto",)  # auto: memory_plan
   assert choices(config_lib.ModelSection, "moe_dispatch") is MOE_DISPATCH
   assert choices(config_lib.ModelSection, "remat") == tuple(REMAT_POLICIES) + ("auto",)
+  assert choices(config_lib.ModelSection, "layer_loop") == LAYER_LOOPS + ("auto",)  # auto: by depth
   assert choices(config_lib.ModelSection, "preset") == tuple(sorted(PRESETS))
   for cls, name in ((config_lib.ModelSection, "dtype"), (config_lib.PlacementSection, "server_dtype"),
                     (config_lib.SyncSection, "weight_dtype")):
@@ -242,5 +243,5 @@ def test_each_enum_is_the_owning_modules():
   assert all(k in mis_jax.LossConfig.keys() for keys in mis_jax.POLICY_LOSS_KEYS.values() for k in keys)
   # The config module's source holds no list of these names of its own.
   source = open(config_lib.__file__).read()
-  for literal in ('"fused"', '"ragged_dot"', '"tiny-qwen3-moe"', '"exact_match"', '"dots"', '("float32", "bfloat16")'):
+  for literal in ('"fused"', '"ragged_dot"', '"unrolled"', '"tiny-qwen3-moe"', '"exact_match"', '"dots"', '("float32", "bfloat16")'):
     assert literal not in source, literal
