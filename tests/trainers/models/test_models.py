@@ -14,7 +14,7 @@ from flax import nnx
 from trainers.models import (PRESETS, ModelConfig, CausalLM, hf_state_dict, init_checkpoint,
                              load_hf_checkpoint, read_hf_tensors, save_hf_checkpoint,
                              state_from_hf_tensors, teacher_forced_logprobs)
-from trainers.models.decoder import resolve_layer_loop
+from trainers.models.decoder import DecoderLayer, resolve_layer_loop
 
 from conftest import TINY, sequence_logits
 
@@ -204,6 +204,34 @@ def test_unrolled_layers_equal_the_layer_scan(tiny_model):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5, rtol=0)
   with pytest.raises(ValueError, match="layer_loop='loop'; allowed: scan, unrolled"):
     CausalLM(TINY, layer_loop="loop", rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("mlp_bias", [False, True])
+def test_the_fused_gate_up_product_equals_two_products(mlp_bias):
+  """The teacher-forced forward's MLP multiplies by `[W_gate | W_up]` once: the same outputs and
+  gradients as the two products (float32, up to the GEMM's summation order), biases included."""
+  cfg = dataclasses.replace(PRESETS["tiny-llama3"], mlp_bias=mlp_bias)  # Llama: the MLP's biases optional
+  assert cfg.features.mlp_bias == mlp_bias
+  mlp = CausalLM(cfg, rngs=nnx.Rngs(0)).layers
+  graphdef, state = nnx.split(mlp)
+  one = jax.tree.map(lambda a: a[0], state)  # the first layer's parameters
+  if mlp_bias:  # nonzero biases, so their concatenation is checked too
+    one = jax.tree_util.tree_map_with_path(
+        lambda path, a: a + 0.1 if "bias" in jax.tree_util.keystr(path) else a, one)
+  x = jax.random.normal(jax.random.key(1), (2, 5, cfg.hidden_size))
+
+  def run(params, fused):
+    layer = nnx.merge(nnx.graphdef(DecoderLayer(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))),
+                      params)
+    return jnp.sum(jnp.sin(layer.mlp(x, fused=fused)))
+
+  for fused in (False, True):
+    value, grads = jax.value_and_grad(run)(one, fused)
+    if not fused:
+      want_value, want_grads = value, grads
+  np.testing.assert_allclose(float(value), float(want_value), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("setting, layers, want", [
