@@ -126,10 +126,11 @@ def _model_dir(shape: Shape, root: str) -> str:
 
 class _LastCalls:
   """Stands in for the trainer's `StepFunctions`, keeping the arguments of the last old-log-prob
-  pass and update it ran (nothing is blocked on: the step runs as it would)."""
+  pass and update it ran, or of the update with its own old log-probs (`train_fused`: a step of
+  one micro-batch under `train.old_logprobs: auto`); nothing is blocked on: the step runs as it would."""
 
   def __init__(self, fns):
-    self.fns, self.forward_args, self.train_args = fns, None, None
+    self.fns, self.forward_args, self.train_args, self.fused_args = fns, None, None, None
 
   def __getattr__(self, name):
     return getattr(self.fns, name)
@@ -146,6 +147,10 @@ class _LastCalls:
     self.train_args = rest
     return self.fns.train(params, opt_state, *rest)
 
+  def train_fused(self, params, opt_state, *rest):
+    self.fused_args = rest
+    return self.fns.train_fused(params, opt_state, *rest)
+
 
 def _sequence_lengths(segment_ids) -> list[int]:
   ids = np.asarray(segment_ids).ravel()
@@ -153,20 +158,26 @@ def _sequence_lengths(segment_ids) -> list[int]:
 
 
 def trainer_phases(trainer, recorded: _LastCalls, repeats: int) -> tuple[dict, list[int]]:
-  """The old-log-prob pass and the update, each timed apart (best of `repeats`) on the last step's
-  batch with the trainer's own compiled programs; and the batch's sequence lengths."""
-  fns = recorded.fns
-  heads, inputs, segment_ids = recorded.forward_args
-  forward = fns.forward(heads)
-  old_logprobs_s = roofline.best_time(lambda: jax.block_until_ready(forward(trainer.params, inputs, segment_ids)), repeats)
+  """The old-log-prob pass (when the step made one) and the update, each timed apart (best of
+  `repeats`) on the last step's batch with the trainer's own compiled programs; and the batch's
+  sequence lengths. A fused step's update is `train_fused` (its own forward gives the old log-probs)."""
+  fns, phases = recorded.fns, {}
+  if recorded.fused_args is not None:
+    program, args, segment_ids = fns.train_fused, recorded.fused_args, recorded.fused_args[1].segment_ids
+  else:
+    heads, inputs, segment_ids = recorded.forward_args
+    forward = fns.forward(heads)
+    phases["old_logprobs_s"] = roofline.best_time(
+        lambda: jax.block_until_ready(forward(trainer.params, inputs, segment_ids)), repeats)
+    program, args = fns.train, recorded.train_args
   state = [trainer.params, trainer.opt_state]
 
   def update():
-    state[0], state[1], metrics = fns.train(state[0], state[1], *recorded.train_args)
+    state[0], state[1], metrics = program(state[0], state[1], *args)[:3]
     jax.block_until_ready(metrics)
-  update_s = roofline.best_time(update, repeats)
+  phases["update_s"] = roofline.best_time(update, repeats)
   trainer.params, trainer.opt_state = state
-  return {"old_logprobs_s": old_logprobs_s, "update_s": update_s}, _sequence_lengths(segment_ids)
+  return phases, _sequence_lengths(segment_ids)
 
 
 def sampler_phases(shape: Shape, model_dir: str, prompt_len: int) -> dict:
@@ -247,7 +258,7 @@ def ours(shape: Shape, placement: str, root: str, engine: str = "embedded", limi
     if limits is not None:  # the phases inside each step, timed as tunix's are
       forward = recorded.forward
       recorded.forward = lambda heads: _timed(forward(heads), "old_logprobs_s", stamps, per_step)
-      _time_methods(recorded, {"train": "update_s"}, stamps, per_step)
+      _time_methods(recorded, {"train": "update_s", "train_fused": "update_s"}, stamps, per_step)
       if placement == "colocated" and engine == "embedded":
         _time_methods(trainer.servers.weight_sync.engine.inner.sampler, {"generate": "generate_s"}, stamps, per_step)
     history = trainer.run(progress=False, log=lambda *a, **k: None)

@@ -18,7 +18,7 @@ import jax
 import mis_jax
 from trainers.models import PRESETS, ModelConfig, checkpoint_dir_problem
 from trainers.tasks import make_task
-from trainers.training import extras as extras_lib, parallel, rollout_records
+from trainers.training import extras as extras_lib, parallel, plan as plan_lib, rollout_records
 from trainers.training.config import TrainConfig
 from trainers.training.rollout import RoutingSpec
 
@@ -66,7 +66,7 @@ def routing_setup(r, model_cfg: ModelConfig) -> tuple[str, RoutingSpec | None]:
   """`(routing_replay, spec)` of the `rollout` section for this model, checked: `spec` (what the
   server's routed experts must look like) when they are asked for — with `r3`, or with
   `record_routing` for the routing-mismatch metrics — else None."""
-  record = r.sampling.routing_replay == "r3" if r.sampling.record_routing is None else r.sampling.record_routing
+  record = records_routing(r)
   if r.sampling.routing_replay == "r3" and not record:
     raise mis_jax.ConfigError("rollout.sampling.routing_replay r3 replays the server's routed experts: "
                               "rollout.sampling.record_routing cannot be false with it")
@@ -78,6 +78,11 @@ def routing_setup(r, model_cfg: ModelConfig) -> tuple[str, RoutingSpec | None]:
   spec = (RoutingSpec(model_cfg.num_hidden_layers, model_cfg.num_experts_per_tok, model_cfg.num_experts)
           if record else None)
   return r.sampling.routing_replay, spec
+
+
+def records_routing(r) -> bool:
+  """Whether the `rollout` section asks the server for the routed experts (`r3`, or `record_routing`)."""
+  return r.sampling.routing_replay == "r3" if r.sampling.record_routing is None else bool(r.sampling.record_routing)
 
 
 def check_sglang_jax(cfg) -> None:
@@ -128,6 +133,7 @@ def check_config(cfg: TrainConfig):
                               "whitened over tokens); call mis_jax.compute_advantages(..., estimator='gdpo') "
                               "with your reward components")
   r = cfg.rollout
+  plan_lib.plan_step(cfg, r.sampling.routing_replay, records_routing(r))  # its errors (train.old_logprobs) now
   if loss_cfg.score_centering and r.sampling.top_logprobs_num < 1:
     raise mis_jax.ConfigError("loss.score_centering needs the sampler's top-k log-probs: set "
                               "rollout.sampling.top_logprobs_num to k >= 1 (e.g. 20; contract §6.6)")

@@ -40,6 +40,7 @@ ATTENTION = ATTENTION_BACKENDS + (AUTO,)
 LAYER_LOOP = LAYER_LOOPS + (AUTO,)
 REWARDS = tuple(REWARD_TABLE)
 ROUTING_REPLAY = ("none", "r3", "r2")
+OLD_LOGPROBS = (AUTO, "separate", "from_update")  # train.old_logprobs: resolved by trainers.training.plan
 TASKS = ("copy_digits", "lookup_digits", "calculator", "dataset", "jsonl")  # `jsonl`: the dataset task's former name
 
 
@@ -230,6 +231,13 @@ class TrainSection:
   max_grad_norm: float = key(1.0, "global-norm gradient clipping", gt=0)
   adam_eps: float = key(1e-8, "AdamW epsilon", gt=0)
   ppo_epochs: int = key(1, "optimiser updates per step on the same batch", ge=1)
+  old_logprobs: str = key(AUTO, "where (standard or decoupled) PPO's old log-probs come from: `separate`, a "
+                          "forward pass before the update; `from_update`, the update's own forward (stop-gradient), exact "
+                          "only with ppo_epochs 1, the plain pass the only policy pass (no R2/R3 routing pass, no "
+                          "optimal token baseline) and no advantage stage (exclude_rejected_from_baseline, "
+                          "token baseline, covariance re-selection) — an error otherwise; a step of several "
+                          "micro-batches still takes the separate pass; `auto`: from_update exactly when exact",
+                          choices=OLD_LOGPROBS)
   tokens_per_micro_batch: int = key(4096, "tokens per device (of data x fsdp x expert) in one micro-batch; >= row_len", ge=1)
   row_len: int = key(64, "tokens per packed row (>= the longest prompt + response)", ge=2)
   advantage_estimator: str = key("grpo", "per-group advantages (contract §6.1)", choices=tuple(mis_jax.ESTIMATORS))

@@ -7,7 +7,10 @@ each a `step.Forward`: the old log-probs, `Σπ²` for the optimal token baselin
 experts), the reference pass, `mis_jax.prepare_step` once, then the advantage stages in order
 (`advantage_stages`: exclude rejected sequences from their group's baseline → the optimal token
 baseline → re-select the covariance forms' tokens from the final advantages), then the epochs.
-It returns a `StepOutcome`.
+Where that is exact (`old_logprobs_source`: one epoch, the plain pass the only policy pass, no
+advantage stage) and the step has one micro-batch, the old log-probs are the update's own
+forward's instead (`fused_old_logprobs`: `StepFunctions.train_fused`, with `prepare_step` inside;
+no separate pass), as verl does on policy. It returns a `StepOutcome`.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from trainers.training import distributed
 from trainers.training.batch import StepBatch
 from trainers.training.step import LOGPROBS, ROUTING, SUM_SQ, Forward, Heads
 
-__all__ = ["StepPlan", "StepOutcome", "StageInput", "Stage", "plan_step", "compose_stages", "run_stages",
+__all__ = ["StepPlan", "StepOutcome", "StageInput", "Stage", "plan_step", "old_logprobs_source", "compose_stages", "run_stages",
            "sequence_advantages", "exclude_rejected", "token_baseline", "reselect_covariance"]
 
 
@@ -36,7 +39,9 @@ class StepPlan:
   its heads). `old_logprobs`: the one of them whose log-probs are the loss's old log-probs, None
   when the algorithm needs none (bypass, REINFORCE-IS, `proximal: loglinear`: no pass at all).
   `compare_routing`: the rollout carries routed experts, compared with the trainer's native ones
-  (`routing_mismatch_*` metrics). `replay_native_routing` (R2): the routing pass's native experts
+  (`routing_mismatch_*` metrics). `fused_old_logprobs`: the old log-probs are the update's
+  own forward's when a step has one micro-batch (`train.old_logprobs`; `old_logprobs_reason`
+  says why or why not). `replay_native_routing` (R2): the routing pass's native experts
   are replayed in the passes after it and in every training forward. `reference`: the KL
   reference pass (reference parameters, native routing). `advantage_stages`: the names of the
   post-processing stages after `prepare_step`, in order."""
@@ -46,6 +51,22 @@ class StepPlan:
   replay_native_routing: bool = False
   reference: bool = False
   advantage_stages: tuple[str, ...] = ()
+  fused_old_logprobs: bool = False
+  old_logprobs_reason: str = "the algorithm uses none"
+
+  def fuses(self, micro_batches: int) -> bool:
+    """Whether a step of `micro_batches` takes its old log-probs from the update's own forward
+    (`StepFunctions.train_fused`): planned, and the step has one micro-batch."""
+    return self.fused_old_logprobs and micro_batches == 1
+
+  def describe(self) -> str:
+    """The start-up line of where the old log-probs come from, and why."""
+    if self.old_logprobs is None:
+      return f"old log-probs: none ({self.old_logprobs_reason})"
+    if self.fused_old_logprobs:
+      return ("old log-probs: the update's own forward when a step has one micro-batch, else a separate pass "
+              f"({self.old_logprobs_reason})")
+    return f"old log-probs: a separate {self.old_logprobs.name} pass ({self.old_logprobs_reason})"
 
   @property
   def token_baseline(self) -> Forward | None:
@@ -53,13 +74,13 @@ class StepPlan:
     return SUM_SQ if SUM_SQ in self.policy_passes else None
 
 
-def plan_step(cfg, routing_replay: str, routing_spec) -> StepPlan:
+def plan_step(cfg, routing_replay: str, records_routing: bool) -> StepPlan:
   """The plan of every step of `cfg` (a resolved `TrainConfig`), with the routing facts of
-  `checks.routing_setup` (`routing_replay`, and `routing_spec` when the server records routed
-  experts)."""
+  `checks.routing_setup` (`routing_replay`, and `records_routing`: the server records routed
+  experts). A `ConfigError` where `train.old_logprobs` asks for what is not exact."""
   loss, t = cfg.loss, cfg.train
   otb = t.advantage_estimator == "optimal_token_baseline"
-  routing = routing_replay == "r2" or routing_spec is not None
+  routing = routing_replay == "r2" or records_routing
   passes = []
   if routing:  # one pass: the old log-probs (r3: under the rollout's routing) and the native routing
     passes.append(ROUTING)
@@ -70,9 +91,44 @@ def plan_step(cfg, routing_replay: str, routing_spec) -> StepPlan:
   stages = (("exclude_rejected",) * t.exclude_rejected_from_baseline + ("token_baseline",) * otb)
   if stages and loss.uses_cov_selection:  # selected from the final advantages
     stages += ("reselect_covariance",)
-  return StepPlan(policy_passes=tuple(passes), old_logprobs=passes[0] if loss.needs_old_logprobs else None,
-                  compare_routing=routing_spec is not None, replay_native_routing=routing_replay == "r2",
-                  reference=loss.kl_coef > 0, advantage_stages=stages)
+  old = passes[0] if loss.needs_old_logprobs else None
+  fused, reason = old_logprobs_source(t, old, tuple(passes), stages)
+  return StepPlan(policy_passes=tuple(passes), old_logprobs=old,
+                  compare_routing=records_routing, replay_native_routing=routing_replay == "r2",
+                  reference=loss.kl_coef > 0, advantage_stages=stages, fused_old_logprobs=fused,
+                  old_logprobs_reason=reason)
+
+
+def old_logprobs_source(train, old: Forward | None, passes: tuple[Forward, ...],
+                        stages: tuple[str, ...]) -> tuple[bool, str]:
+  """`train.old_logprobs` resolved: whether the old log-probs come from the update's own forward
+  (stop-gradient) when a step has one micro-batch, and why. That is exact only when the parameters
+  being updated are the old policy for the whole step (one epoch) and nothing between the pass and
+  the update reads the old log-probs or another head of that pass (the plain pass the only policy
+  pass, no advantage stage); `from_update` where it is not is a `ConfigError` naming the key."""
+  choice = train.old_logprobs
+  if old is None:
+    if choice == "from_update":
+      raise mis_jax.ConfigError("train.old_logprobs: from_update needs an algorithm with old log-probs (standard or "
+                                "decoupled PPO, proximal: recompute); this one uses none")
+    return False, "the algorithm uses none"
+  if choice == "separate":
+    return False, "train.old_logprobs: separate"
+  why_not = []
+  if train.ppo_epochs != 1:
+    why_not.append(f"train.ppo_epochs {train.ppo_epochs}: the epochs after the first update moved the parameters")
+  if passes != (LOGPROBS,):
+    why_not.append(f"the {old.name} pass yields more than the old log-probs (R2/R3 routing, the optimal token "
+                   "baseline's Σπ²)")
+  if stages:
+    why_not.append(f"the advantage stages ({', '.join(stages)}) read the correction before the update")
+  if why_not and choice == "from_update":
+    raise mis_jax.ConfigError("train.old_logprobs: from_update is exact only with one epoch, the plain log-prob pass and "
+                              "no advantage stage: " + "; ".join(why_not))
+  if why_not:
+    return False, "train.old_logprobs auto: " + "; ".join(why_not)
+  return True, (f"train.old_logprobs {choice}: one epoch, the plain pass the only one, no advantage stage: the "
+                "parameters being updated are the old policy")
 
 
 class StepOutcome(NamedTuple):

@@ -12,7 +12,14 @@
 - `train(params, opt_state, inputs, batch, correction)`: a `lax.scan` over the micro-batches (of
   the batch and of the correction's per-token arrays; the step's denominators whole in each)
   accumulating float32 gradients (sharded like the parameters), then the Optax update, in one
-  program; parameters and optimiser state are donated.
+  program; parameters and optimiser state are donated;
+- `train_fused(params, opt_state, inputs, batch, key)`: the same program for a step of one
+  micro-batch whose old policy is the parameters being updated (one epoch): the old log-probs
+  are the training forward's own, stop-gradient, and `prepare_step` runs inside the
+  differentiated function on them (its outputs depend on stop-gradient values only, so the
+  gradient is `train`'s); returns a `FusedStep` with the old log-probs. No separate pass.
+  `train` and `train_fused` are one body (`update` over `loss_fn`) with two ways of giving a
+  micro-batch its correction.
 
 Every forward returns a `Heads` value (unset heads are None), never a tuple whose length depends
 on flags. Log-probs never build `[T, V]` logits: the model stops at its final hidden states and
@@ -79,6 +86,16 @@ class Forward(NamedTuple):
 
 
 LOGPROBS, SUM_SQ, ROUTING = Forward(), Forward(sum_sq=True), Forward(routing=True)
+
+
+class FusedStep(NamedTuple):
+  """What `StepFunctions.train_fused` returns: the updated `params` and `opt_state`, the step's
+  `metrics` (the correction's and the loss's) and the `old_logprobs` it trained with
+  (`[1, rows, row_len]` float32, the training forward's own, stop-gradient)."""
+  params: object
+  opt_state: object
+  metrics: dict
+  old_logprobs: jax.Array
 
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
@@ -246,41 +263,50 @@ class StepFunctions:
 
     aux_coef = float(router_aux_loss_coef)
 
-    def train(params, opt_state, inputs, batch, correction):
-      num_tokens = jnp.maximum(jnp.sum((batch.segment_ids >= 0).astype(jnp.float32)), 1.0)
-      per_token = correction.replace(denominators=None)  # scanned with the batch; the denominators are the step's
+    def loss_fn(p, mb_inputs, mb_batch, correction_of, num_tokens):
+      """One micro-batch's loss and metrics from the training forward. `correction_of(logprobs,
+      mb_batch) -> (mb_batch, correction, step_metrics)`: the step's correction for this
+      micro-batch, given the forward's own log-probs (stop-gradient); the aux is (metrics, kept
+      mask, (old log-probs, step metrics))."""
+      replay = mb_inputs.support is not None
+      heads = lp(p, mb_inputs, mb_batch.segment_ids, entropy=True, kept_mass=replay, routing_out=aux_coef > 0,
+                 topk=loss_cfg.score_centering)
+      logp = heads.logprobs
+      mb_batch, mb_correction, step_metrics = correction_of(jax.lax.stop_gradient(logp), mb_batch)
+      loss, metrics = mis_jax.policy_loss(logp, mb_batch, loss_cfg, entropy=heads.entropy, correction=mb_correction,
+                                          topk_logprobs=heads.topk_logprobs)
+      if aux_coef > 0:  # HF's load-balancing loss per micro-batch, token-weighted over the step
+        aux = heads.router_aux_loss
+        share = jnp.sum((mb_batch.segment_ids >= 0).astype(jnp.float32)) / num_tokens
+        loss = loss + aux_coef * aux * share
+        metrics["loss"] = metrics["loss"] + jax.lax.stop_gradient(aux_coef * aux * share)  # what is optimised
+        metrics["router_aux_loss"] = jax.lax.stop_gradient(aux)
+      if replay:  # kept mass and the ratio with / without renormalisation (first epoch: o = lp)
+        metrics.update(mis_jax.sampling_metrics(
+            jax.lax.stop_gradient(logp), jax.lax.stop_gradient(heads.kept_mass), mb_batch.rollout_logprobs,
+            mb_batch.loss_mask, mb_batch.segment_ids, num_segments=mb_batch.num_segments,
+            metric_reduction=loss_cfg.metric_mode))
+      return loss, (metrics, mb_correction.kept_mask, (mb_batch.old_logprobs, step_metrics))
 
-      def loss_fn(p, mb_inputs, mb_batch, mb_correction):
-        replay = mb_inputs.support is not None
-        heads = lp(p, mb_inputs, mb_batch.segment_ids, entropy=True, kept_mass=replay, routing_out=aux_coef > 0,
-                   topk=loss_cfg.score_centering)
-        logp = heads.logprobs
-        loss, metrics = mis_jax.policy_loss(logp, mb_batch, loss_cfg, entropy=heads.entropy,
-                                            correction=mb_correction.replace(denominators=correction.denominators),
-                                            topk_logprobs=heads.topk_logprobs)
-        if aux_coef > 0:  # HF's load-balancing loss per micro-batch, token-weighted over the step
-          aux = heads.router_aux_loss
-          share = jnp.sum((mb_batch.segment_ids >= 0).astype(jnp.float32)) / num_tokens
-          loss = loss + aux_coef * aux * share
-          metrics["loss"] = metrics["loss"] + jax.lax.stop_gradient(aux_coef * aux * share)  # what is optimised
-          metrics["router_aux_loss"] = jax.lax.stop_gradient(aux)
-        if replay:  # kept mass and the ratio with / without renormalisation (first epoch: o = lp)
-          metrics.update(mis_jax.sampling_metrics(
-              jax.lax.stop_gradient(logp), jax.lax.stop_gradient(heads.kept_mass), mb_batch.rollout_logprobs,
-              mb_batch.loss_mask, mb_batch.segment_ids, num_segments=mb_batch.num_segments,
-              metric_reduction=loss_cfg.metric_mode))
-        return loss, metrics
+    def update(params, opt_state, inputs, batch, per_micro_batch, correction_of):
+      """The step's body: a `lax.scan` over the micro-batches (`inputs`, `batch` and
+      `per_micro_batch`, each `correction_of`'s own) accumulating float32 gradients, then the
+      Optax update. Returns (params, opt_state, metrics, the micro-batches' `(old log-probs,
+      step metrics)` stacked)."""
+      num_tokens = jnp.maximum(jnp.sum((batch.segment_ids >= 0).astype(jnp.float32)), 1.0)
 
       def body(acc, xs):
-        mb_inputs, mb_batch, mb_correction = xs
-        (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(params, mb_inputs, mb_batch, mb_correction)
+        mb_inputs, mb_batch, mb_own = xs
+        of = functools.partial(correction_of, mb_own)
+        (_, (metrics, kept_mask, prepared)), g = jax.value_and_grad(
+            lambda p: loss_fn(p, mb_inputs, mb_batch, of, num_tokens), has_aux=True)(params)
         acc = jax.tree.map(lambda a, x, s: jax.lax.with_sharding_constraint(a + x.astype(jnp.float32), s),
                            acc, g, param_shardings)
-        return acc, (metrics, _micro_batch_weights(mb_batch, mb_correction.kept_mask, loss_cfg.metric_mode))
+        return acc, (metrics, _micro_batch_weights(mb_batch, kept_mask, loss_cfg.metric_mode), prepared)
 
       zeros = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(jnp.zeros(x.shape, jnp.float32), s),
                            params, param_shardings)
-      grads, (mb_metrics, weights) = jax.lax.scan(body, zeros, (inputs, batch, per_token))
+      grads, (mb_metrics, weights, prepared) = jax.lax.scan(body, zeros, (inputs, batch, per_micro_batch))
       metrics = combine_metrics(mb_metrics, weights, loss_cfg)
       metrics["grad_norm"] = optax.tree.norm(grads)
       # Optax mixes Python floats with int32 step counts: it needs standard promotion even when a
@@ -288,16 +314,37 @@ class StepFunctions:
       with jax.numpy_dtype_promotion("standard"):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-      return params, opt_state, metrics
+      return params, opt_state, metrics, prepared
 
-    self._passes = {heads: make_pass(heads) for heads in (LOGPROBS, SUM_SQ, ROUTING)}  # compiled when first called
-    self.logprobs = self._passes[LOGPROBS]
+    def train(params, opt_state, inputs, batch, correction):
+      def given(mb_correction, logprobs, mb_batch):  # prepared before the step, its denominators whole
+        return mb_batch, mb_correction.replace(denominators=correction.denominators), {}
+
+      per_token = correction.replace(denominators=None)  # scanned with the batch; the denominators are the step's
+      return update(params, opt_state, inputs, batch, per_token, given)[:3]
+
     def prepare(batch, key=None):  # key: clip_cov's draw; -> (correction, metrics)
       return mis_jax.prepare_step(batch, loss_cfg, key=key)
 
+    def train_fused(params, opt_state, inputs, batch, key):
+      if inputs.input_ids.shape[0] != 1:
+        raise ValueError(f"train_fused takes a step of one micro-batch, got {inputs.input_ids.shape[0]} "
+                         "(a step of several takes the old-log-prob pass, then train)")
+
+      def own(_, logprobs, mb_batch):  # o = sg(lp): the parameters being updated are the old policy
+        mb_batch = mb_batch.replace(old_logprobs=logprobs)
+        return (mb_batch, *prepare(mb_batch, key))
+
+      params, opt_state, metrics, (old, step_metrics) = update(params, opt_state, inputs, batch, None, own)
+      return FusedStep(params, opt_state, {**metrics, **{k: v[0] for k, v in step_metrics.items()}}, old)
+
+    self._passes = {heads: make_pass(heads) for heads in (LOGPROBS, SUM_SQ, ROUTING)}  # compiled when first called
+    self.logprobs = self._passes[LOGPROBS]
     self.prepare = _jit(prepare)
     train_options = {"donate_argnums": (0, 1), "out_shardings": (param_shardings, opt_shardings, replicated)}
     self.train = _jit(train, **train_options)
+    self.train_fused = _jit(train_fused, donate_argnums=(0, 1),
+                            out_shardings=FusedStep(param_shardings, opt_shardings, replicated, batch_sh))
     # The memory probe (`trainers.training.memory_plan`): the step lowered for abstract arguments,
     # apart from the run's jitted functions (their caches and trace counts are the run's own).
     self.lower_train = lambda *args: jax.jit(train, **train_options).lower(*args)

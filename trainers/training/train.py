@@ -124,7 +124,7 @@ class Trainer:
                                                      if self.agent else ())
     self.routing_replay, self.routing_spec = checks.routing_setup(r, model_cfg)  # the plan's passes
     self.max_new_tokens = checks.max_new_tokens(r, self.task)
-    self.plan: StepPlan = plan_lib.plan_step(cfg, self.routing_replay, self.routing_spec)
+    self.plan: StepPlan = plan_lib.plan_step(cfg, self.routing_replay, self.routing_spec is not None)
     # `model.remat` / `model.attention` `auto`: the cheapest whose compiled step fits the device.
     self.model_choice = _model_choice(model_cfg, cfg.model, self.mesh, memory_plan.probe_shape(cfg.train, self.extras))
     self.layer_loop = resolve_layer_loop(cfg.model.layer_loop, model_cfg.num_hidden_layers)  # (loop, why)
@@ -137,7 +137,9 @@ class Trainer:
     self.opt_state = self.fns.init_opt_state(self.params)
     self.step = 0
     self.batch_index = 0  # the rollout batch the next step takes (= step, unless stale batches were skipped)
-    self.num_old_logprob_passes = 0  # bypass and REINFORCE-IS never recompute (tested)
+    # Steps whose old log-probs the trainer computed (a separate pass, or the update's own forward
+    # when fused); bypass and REINFORCE-IS never recompute (tested).
+    self.num_old_logprob_passes = 0
     self.masked_in_a_row = 0  # steps in a row whose correction kept no token
     self.num_segments = r.prompts_per_step * r.n
     self.advantage_stages = plan_lib.compose_stages(
@@ -255,6 +257,7 @@ class Trainer:
   def describe(self, log) -> None:
     """The options that change what the loop does, said once before step 1."""
     log(self.model_line())
+    log(self.plan.describe())
     if self.routing_replay == "r2" and not self.plan.compare_routing:
       log("routing replay R2: the old-log-prob pass's routing is replayed in every training forward")
     for extra in self.extras:
@@ -344,32 +347,34 @@ class Trainer:
 
   def train_on(self, sb: StepBatch) -> StepOutcome:
     """One step of `self.plan` on `sb`: the policy's passes, the reference pass, the correction
-    (prepared once: it depends only on o and q), the advantage stages, `ppo_epochs` updates."""
+    (prepared once: it depends only on o and q), the advantage stages, `ppo_epochs` updates; or,
+    where the plan fuses them and the step has one micro-batch, the reference pass and one update
+    whose own forward gives the old log-probs."""
     plan = self.plan
+    fused = plan.fuses(sb.layout.micro_batches)
     inputs, batch = self.device_batch(sb)
     heads = {}
-    for forward in plan.policy_passes:
+    for forward in plan.policy_passes if not fused else ():
       heads[forward] = self.fns.forward(forward)(self.params, inputs, batch.segment_ids)
       if forward == ROUTING and plan.replay_native_routing:  # R2: the native routing from here on
         inputs = inputs._replace(routing=heads[forward].routing)
     recorded = sb.extras.get(extras_lib.RoutedExperts.name)  # the routed experts the server recorded
     routing = routing_metrics(distributed.to_host(heads[ROUTING].routing), recorded) if plan.compare_routing else {}
     if plan.old_logprobs is not None:
-      batch = batch.replace(old_logprobs=heads[plan.old_logprobs].logprobs)
       self.num_old_logprob_passes += 1
+      if not fused:
+        batch = batch.replace(old_logprobs=heads[plan.old_logprobs].logprobs)
     if plan.reference:  # the reference model routes natively
       batch = batch.replace(ref_logprobs=self.fns.logprobs(self.ref_params, inputs._replace(routing=None),
                                                            batch.segment_ids).logprobs)
     key = jax.random.fold_in(jax.random.key(self.cfg.seed), self.step)  # clip_cov's draw of this step
-    correction, step_metrics = self.fns.prepare(batch, key)
-    prepared, correction, stage_metrics = plan_lib.run_stages(
-        self.advantage_stages, StageInput(sb, heads.get(plan.token_baseline), key), batch, correction)
-    metrics: dict = {}
-    for _ in range(self.cfg.train.ppo_epochs):
-      self.params, self.opt_state, epoch_metrics = self.fns.train(self.params, self.opt_state, inputs, prepared,
-                                                                  correction)
-      if not metrics:  # metrics of the first epoch: before any update of this step
-        metrics = {name: float(v) for name, v in jax.device_get({**epoch_metrics, **step_metrics}).items()}  # one transfer
+    if fused:
+      self.params, self.opt_state, step_metrics, old = self.fns.train_fused(self.params, self.opt_state, inputs,
+                                                                            batch, key)
+      batch, stage_metrics = batch.replace(old_logprobs=old), {}
+      metrics = {name: float(v) for name, v in jax.device_get(step_metrics).items()}  # one transfer
+    else:
+      metrics, stage_metrics = self.prepare_and_update(sb, inputs, batch, heads, key)
     metrics["micro_batches"] = sb.layout.micro_batches
     metrics["sampling_replay"] = float(inputs.support is not None)  # log-probs, entropy and KL over the support
     metrics.update(routing)
@@ -383,6 +388,20 @@ class Trainer:
           self.params, inputs, batch.segment_ids).logprobs
       ratio_range = _ratio_range(train_lp, batch)
     return StepOutcome(metrics, old_logprobs=batch.old_logprobs, masked_ratio_range=ratio_range)
+
+  def prepare_and_update(self, sb: StepBatch, inputs, batch, heads: dict, key) -> tuple[dict, dict]:
+    """The correction once (`prepare_step`), the advantage stages, then `ppo_epochs` updates of
+    the separate path; the first epoch's metrics (with the correction's) and the stages'."""
+    correction, step_metrics = self.fns.prepare(batch, key)
+    prepared, correction, stage_metrics = plan_lib.run_stages(
+        self.advantage_stages, StageInput(sb, heads.get(self.plan.token_baseline), key), batch, correction)
+    metrics: dict = {}
+    for _ in range(self.cfg.train.ppo_epochs):
+      self.params, self.opt_state, epoch_metrics = self.fns.train(self.params, self.opt_state, inputs, prepared,
+                                                                  correction)
+      if not metrics:  # metrics of the first epoch: before any update of this step
+        metrics = {name: float(v) for name, v in jax.device_get({**epoch_metrics, **step_metrics}).items()}  # one transfer
+    return metrics, stage_metrics
 
   def watch_masked(self, metrics: dict, ratio_range, log):
     """contract §8.2's `mis_masked_whole_batch`: a step whose correction keeps no token trains on

@@ -203,7 +203,11 @@ def test_replay_with_asynchronous_rollouts(f32_server, tmp_path, step_traces):
   assert again.samples == result.samples
   history = trainer.run(progress=False)
   assert [h["step"] for h in history] == [1, 2] and all(h["sampling_replay"] == 1.0 for h in history)
-  step_traces.check("train", "prepare", "logprobs", reused=())  # once per shape bucket, supports included
+  # One epoch on one micro-batch a step: the update's own forward gives the old log-probs over the
+  # supports (`train.old_logprobs: auto`); once per shape bucket, supports included.
+  assert all(h["micro_batches"] == 1 for h in history)
+  step_traces.check("train_fused", reused=())
+  assert not {"train", "prepare", "logprobs"} & set(step_traces.calls)
   assert history[0]["mis_k3_kl"] < 1e-9 and abs(history[0]["sampling_ratio_mean_replay"] - 1) < 1e-5
   assert all(np.isfinite(h["loss"]) for h in history)
 

@@ -82,13 +82,7 @@ def _run(mesh, loss_cfg, sb, steps, fns=None, params=None):
   init = nnx.state(CausalLM(TINY, rngs=nnx.Rngs(0)), nnx.Param) if params is None else params
   params = jax.device_put(init, fns.param_shardings)
   opt_state = fns.init_opt_state(params)
-  put = lambda x: jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x)))
-  support = sb.extras.get("sampling_mask")  # the packed supports, with sampling replay
-  top_ids = sb.extras.get("top_logprob_ids")  # the sampler's top-k ids, with score centering
-  inputs = step_lib.ModelInputs(put(sb.input_ids), put(sb.positions), put(sb.targets),
-                                support=None if support is None else put(support),
-                                extra=None if top_ids is None else {"top_logprob_ids": put(top_ids)})
-  batch = jax.tree.map(put, sb.batch)
+  inputs, batch = _place(mesh, sb)
   states, history = [], []
   for _ in range(steps):
     b = batch
@@ -99,6 +93,17 @@ def _run(mesh, loss_cfg, sb, steps, fns=None, params=None):
     history.append({k: float(v) for k, v in {**metrics, **step_metrics}.items()})
     states.append(jax.tree.map(np.array, (params, opt_state)))
   return states, history, (params, opt_state, fns)
+
+
+def _place(mesh, sb):
+  """The step batch's model inputs and packed batch on `mesh` (rows split over the batch axes)."""
+  put = lambda x: jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x)))
+  support = sb.extras.get("sampling_mask")  # the packed supports, with sampling replay
+  top_ids = sb.extras.get("top_logprob_ids")  # the sampler's top-k ids, with score centering
+  inputs = step_lib.ModelInputs(put(sb.input_ids), put(sb.positions), put(sb.targets),
+                                support=None if support is None else put(support),
+                                extra=None if top_ids is None else {"top_logprob_ids": put(top_ids)})
+  return inputs, jax.tree.map(put, sb.batch)
 
 
 def _assert_trees_close(got, want, what):
@@ -204,6 +209,45 @@ def test_one_micro_batch_equals_four(algo):
   # ESS (a ratio of sums, not a mean), which micro-batches can only approximate.
   h1[0].pop("mis_ess_ratio", None), h4[0].pop("mis_ess_ratio", None)
   _assert_metrics_close(h4[0], h1[0])
+
+
+# The old log-probs from the update's own forward (`train_fused`) against the separate pass: decoupled
+# PPO with configs/mis.yaml's correction (token TIS truncated, token RS, veto, batch normalisation)
+# and plain token-level TIS (truncate at 2, nothing rejected).
+FUSED_LOSSES = {"mis_yaml": mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig.from_yaml("configs/mis.yaml")),
+                "token_tis": mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(tis_level="token"))}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", FUSED_LOSSES)
+def test_fused_update_equals_the_separate_pass(name, step_traces):
+  """One update of `train_fused` == the old-log-prob pass + `prepare` + `train` on the same batch
+  of one micro-batch: parameters, optimiser state, every metric and the old log-probs; two updates
+  trace it once. The two are different XLA programs (the forward in its own jit, and inside the
+  differentiated one), so they agree up to float32 reassociation: the old log-probs to 1e-5 (log-probs
+  of a peaky model of magnitude ~5, f32 eps ~6e-7 per op over a few hundred ops), the state and
+  metrics to the mesh tests' tolerances (rtol 1e-5; see `_assert_trees_close`)."""
+  loss_cfg, mesh = FUSED_LOSSES[name], _mesh((1, 1, 1))
+  sb = _step_batch(8 * ROW_LEN, 1)
+  assert sb.layout.micro_batches == 1
+  fns = _functions(mesh, loss_cfg)
+  (want_state,), (want_metrics,), _ = _run(mesh, loss_cfg, sb, 1, fns)
+  inputs, batch = _place(mesh, sb)
+  init = jax.device_put(nnx.state(CausalLM(TINY, rngs=nnx.Rngs(0)), nnx.Param), fns.param_shardings)
+  want_old = np.asarray(fns.logprobs(init, inputs, batch.segment_ids).logprobs)
+  assert want_metrics["mis_is_ratio_max_final"] <= 2.0 and want_metrics["mis_kept_token_fraction"] > 0
+  key = jax.random.key(0)
+  params, opt_state, metrics, old = fns.train_fused(init, fns.init_opt_state(init), inputs, batch, key)
+  assert old.shape == batch.segment_ids.shape and old.dtype == jnp.float32
+  valid = np.asarray(batch.segment_ids) >= 0
+  np.testing.assert_allclose(np.asarray(old)[valid], want_old[valid], rtol=1e-5, atol=1e-5)
+  _assert_trees_close(jax.tree.map(np.array, (params, opt_state)), want_state, "state")
+  _assert_metrics_close({k: float(v) for k, v in metrics.items()}, want_metrics)
+  fns.train_fused(params, opt_state, inputs, batch, key)  # a second step of the same shape: no new trace
+  assert len(step_traces.traces["train_fused"]) == 1 and step_traces.calls["train_fused"] == 2
+  with pytest.raises(ValueError, match="one micro-batch, got 4"):
+    four_inputs, four_batch = _place(mesh, _step_batch(2 * ROW_LEN, 1))
+    fns.train_fused(params, opt_state, four_inputs, four_batch, key)
 
 
 def test_combine_metrics_reduces_each_metric_its_own_way():

@@ -84,11 +84,16 @@ def test_end_to_end_each_algorithm(algo, server, tmp_path, step_traces):
   """Each algorithm through the embedded server, three steps. REINFORCE + IS runs with score
   centering (contract §6.6; its loss value is the uncentred one): the sampler's top-4 head asked for
   (`top_logprobs_num`), parsed, packed beside the tokens, the ids' log-probs gathered in the training
-  forward's chunked pass; its steps log the centring metrics, finite. Every run moves the weights."""
+  forward's chunked pass; its steps log the centring metrics, finite. Standard PPO runs one epoch on
+  one micro-batch a step: `train.old_logprobs: auto` takes its old log-probs from the update's own
+  forward (`train_fused`: no old-log-prob pass, no separate `prepare`; still counted and returned
+  for the records; == the separate path: test_step). Every run moves the weights."""
   import jax
-  centred = algo == "reinforce_is"
+  centred, fused = algo == "reinforce_is", algo == "ppo"
   loss_cfg = mis_jax.LossConfig(**ALGORITHMS[algo], score_centering=centred)
   sections = {"rollout": {"sampling": {"top_logprobs_num": 4}}} if centred else {}
+  if fused:
+    sections["train"] = {"ppo_epochs": 1, "tokens_per_micro_batch": 1024}
   trainer = train_lib.Trainer(make_cfg(tmp_path, **sections), loss_cfg, urls=[server.url])
   assert {e.name for e in trainer.extras} == ({"top_logprobs", "top_logprob_ids"} if centred else set())
   before = jax.tree.map(np.array, trainer.params)
@@ -96,13 +101,28 @@ def test_end_to_end_each_algorithm(algo, server, tmp_path, step_traces):
     assert trainer.plan.policy_passes == (step_lib.LOGPROBS,) and trainer.plan.old_logprobs == step_lib.LOGPROBS
   else:  # bypass and REINFORCE-IS skip the recompute entirely
     assert trainer.plan.policy_passes == () and trainer.plan.old_logprobs is None
-  history = trainer.run(progress=False)
+  assert trainer.plan.fused_old_logprobs == fused
+  logs, outcomes = [], []
+  train_on = trainer.train_on
+  trainer.train_on = lambda sb: outcomes.append(train_on(sb)) or outcomes[-1]
+  history = trainer.run(progress=False, log=logs.append)
   assert [h["step"] for h in history] == [1, 2, 3]
-  assert trainer.num_old_logprob_passes == (3 if loss_cfg.needs_old_logprobs else 0)
+  assert trainer.num_old_logprob_passes == (3 if loss_cfg.needs_old_logprobs else 0)  # steps that computed them
   # The step, the loss pass and the old-log-prob pass trace once per shape bucket, never again.
-  step_traces.check("train", "prepare", *(["logprobs"] if loss_cfg.needs_old_logprobs else []))
+  if fused:
+    assert all(h["micro_batches"] == 1 for h in history) and step_traces.calls["train_fused"] == 3
+    assert not {"train", "prepare", "logprobs"} & set(step_traces.calls), step_traces.calls
+    step_traces.check("train_fused", reused=())
+    assert "old log-probs: the update's own forward when a step has one micro-batch" in "\n".join(logs), logs
+    for outcome in outcomes:  # the records' column: the update's own log-probs
+      old = np.asarray(outcome.old_logprobs)
+      assert old.shape[0] == 1 and np.all(np.isfinite(old)) and np.all(old <= 0)
+  else:
+    step_traces.check("train", "prepare", *(["logprobs"] if loss_cfg.needs_old_logprobs else []))
+    assert "train_fused" not in step_traces.calls
   if not loss_cfg.needs_old_logprobs:
     assert not any(name.startswith("logprobs") for name in step_traces.calls), f"{algo} made a forward pass"
+    assert all(outcome.old_logprobs is None for outcome in outcomes)
   for h in history:
     assert np.isfinite(h["loss"]) and np.isfinite(h["grad_norm"]) and h["num_samples"] == 16
     assert {"mis_kl", "mis_k3_kl", "train_rollout_logprob_abs_diff", "reward_mean", "tokens_per_s"} <= set(h)
