@@ -250,6 +250,31 @@ def test_fused_update_equals_the_separate_pass(name, step_traces):
     fns.train_fused(params, opt_state, four_inputs, four_batch, key)
 
 
+# make test-all only (~5-10 s here): the mesh tests above check the same body (`update` over
+# `loss_fn`) on these meshes; this adds `prepare_step` inside it.
+@pytest.mark.slow
+@pytest.mark.repeat
+def test_fused_update_on_a_mesh_equals_one_device():
+  """`train_fused` on the (2, 2, 2) mesh (rows over data × fsdp, the head's tokens over tensor) ==
+  on one device: parameters, optimiser state, metrics and old log-probs (the mesh tests' tolerances)."""
+  loss_cfg = FUSED_LOSSES["mis_yaml"]
+  sb = _step_batch(4 * ROW_LEN, 4)
+  assert sb.layout.micro_batches == 1
+  out = {}
+  for shape in ((1, 1, 1), (2, 2, 2)):
+    mesh = _mesh(shape)
+    fns = _functions(mesh, loss_cfg)
+    params = jax.device_put(nnx.state(CausalLM(TINY, rngs=nnx.Rngs(0)), nnx.Param), fns.param_shardings)  # donated
+    inputs, batch = _place(mesh, sb)
+    step = fns.train_fused(params, fns.init_opt_state(params), inputs, batch, jax.random.key(0))
+    assert parallel.sharding_mismatches(step.params, fns.param_shardings) == []
+    out[shape] = jax.tree.map(np.array, step)
+  one, mesh = out[(1, 1, 1)], out[(2, 2, 2)]
+  _assert_trees_close((mesh.params, mesh.opt_state), (one.params, one.opt_state), "state")
+  _assert_metrics_close({k: float(v) for k, v in mesh.metrics.items()}, {k: float(v) for k, v in one.metrics.items()})
+  np.testing.assert_allclose(mesh.old_logprobs, one.old_logprobs, rtol=1e-5, atol=1e-5)
+
+
 def test_combine_metrics_reduces_each_metric_its_own_way():
   stacked = {"loss": jnp.array([0.5, 0.25, 0.0]), "mis_is_ratio_max_final": jnp.array([2.0, 3.0, 9.0]),
              "mis_is_ratio_min_final": jnp.array([0.5, 0.2, 0.0]), "mis_kl": jnp.array([1.0, 4.0, 7.0]),
