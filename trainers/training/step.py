@@ -265,14 +265,14 @@ class StepFunctions:
 
     def loss_fn(p, mb_inputs, mb_batch, correction_of, num_tokens):
       """One micro-batch's loss and metrics from the training forward. `correction_of(logprobs,
-      mb_batch) -> (mb_batch, correction, step_metrics)`: the step's correction for this
-      micro-batch, given the forward's own log-probs (stop-gradient); the aux is (metrics, kept
-      mask, (old log-probs, step metrics))."""
+      mb_batch) -> (mb_batch, correction, kept)`: the micro-batch and the step's correction for it,
+      given the forward's own log-probs (stop-gradient), and what the step keeps of it (None:
+      nothing); the aux is (metrics, kept mask, kept)."""
       replay = mb_inputs.support is not None
       heads = lp(p, mb_inputs, mb_batch.segment_ids, entropy=True, kept_mass=replay, routing_out=aux_coef > 0,
                  topk=loss_cfg.score_centering)
       logp = heads.logprobs
-      mb_batch, mb_correction, step_metrics = correction_of(jax.lax.stop_gradient(logp), mb_batch)
+      mb_batch, mb_correction, kept = correction_of(jax.lax.stop_gradient(logp), mb_batch)
       loss, metrics = mis_jax.policy_loss(logp, mb_batch, loss_cfg, entropy=heads.entropy, correction=mb_correction,
                                           topk_logprobs=heads.topk_logprobs)
       if aux_coef > 0:  # HF's load-balancing loss per micro-batch, token-weighted over the step
@@ -286,27 +286,27 @@ class StepFunctions:
             jax.lax.stop_gradient(logp), jax.lax.stop_gradient(heads.kept_mass), mb_batch.rollout_logprobs,
             mb_batch.loss_mask, mb_batch.segment_ids, num_segments=mb_batch.num_segments,
             metric_reduction=loss_cfg.metric_mode))
-      return loss, (metrics, mb_correction.kept_mask, (mb_batch.old_logprobs, step_metrics))
+      return loss, (metrics, mb_correction.kept_mask, kept)
 
     def update(params, opt_state, inputs, batch, per_micro_batch, correction_of):
       """The step's body: a `lax.scan` over the micro-batches (`inputs`, `batch` and
       `per_micro_batch`, each `correction_of`'s own) accumulating float32 gradients, then the
-      Optax update. Returns (params, opt_state, metrics, the micro-batches' `(old log-probs,
-      step metrics)` stacked)."""
+      Optax update. Returns (params, opt_state, metrics, what `correction_of` kept of each
+      micro-batch, stacked)."""
       num_tokens = jnp.maximum(jnp.sum((batch.segment_ids >= 0).astype(jnp.float32)), 1.0)
 
       def body(acc, xs):
         mb_inputs, mb_batch, mb_own = xs
         of = functools.partial(correction_of, mb_own)
-        (_, (metrics, kept_mask, prepared)), g = jax.value_and_grad(
+        (_, (metrics, kept_mask, kept)), g = jax.value_and_grad(
             lambda p: loss_fn(p, mb_inputs, mb_batch, of, num_tokens), has_aux=True)(params)
         acc = jax.tree.map(lambda a, x, s: jax.lax.with_sharding_constraint(a + x.astype(jnp.float32), s),
                            acc, g, param_shardings)
-        return acc, (metrics, _micro_batch_weights(mb_batch, kept_mask, loss_cfg.metric_mode), prepared)
+        return acc, (metrics, _micro_batch_weights(mb_batch, kept_mask, loss_cfg.metric_mode), kept)
 
       zeros = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(jnp.zeros(x.shape, jnp.float32), s),
                            params, param_shardings)
-      grads, (mb_metrics, weights, prepared) = jax.lax.scan(body, zeros, (inputs, batch, per_micro_batch))
+      grads, (mb_metrics, weights, kept) = jax.lax.scan(body, zeros, (inputs, batch, per_micro_batch))
       metrics = combine_metrics(mb_metrics, weights, loss_cfg)
       metrics["grad_norm"] = optax.tree.norm(grads)
       # Optax mixes Python floats with int32 step counts: it needs standard promotion even when a
@@ -314,11 +314,11 @@ class StepFunctions:
       with jax.numpy_dtype_promotion("standard"):
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-      return params, opt_state, metrics, prepared
+      return params, opt_state, metrics, kept
 
     def train(params, opt_state, inputs, batch, correction):
       def given(mb_correction, logprobs, mb_batch):  # prepared before the step, its denominators whole
-        return mb_batch, mb_correction.replace(denominators=correction.denominators), {}
+        return mb_batch, mb_correction.replace(denominators=correction.denominators), None
 
       per_token = correction.replace(denominators=None)  # scanned with the batch; the denominators are the step's
       return update(params, opt_state, inputs, batch, per_token, given)[:3]
@@ -333,7 +333,8 @@ class StepFunctions:
 
       def own(_, logprobs, mb_batch):  # o = sg(lp): the parameters being updated are the old policy
         mb_batch = mb_batch.replace(old_logprobs=logprobs)
-        return (mb_batch, *prepare(mb_batch, key))
+        correction, step_metrics = prepare(mb_batch, key)
+        return mb_batch, correction, (logprobs, step_metrics)
 
       params, opt_state, metrics, (old, step_metrics) = update(params, opt_state, inputs, batch, None, own)
       return FusedStep(params, opt_state, {**metrics, **{k: v[0] for k, v in step_metrics.items()}}, old)
