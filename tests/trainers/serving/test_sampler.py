@@ -125,6 +125,7 @@ def test_max_new_tokens_zero_and_one(sampler):
 
 def test_no_recompilation_within_a_bucket(sampler):
   sampler.generate([[1, 2, 3]], SamplingOptions(max_new_tokens=5, seed=0))
+  sampler.generate([[1, 2, 3]], SamplingOptions(max_new_tokens=5, seed=0, top_k=3))  # the filtering decoder
   before = sampler.num_compiled
   for prompt, params in (([1] * 15, SamplingOptions(max_new_tokens=16, temperature=0.3, seed=1)),
                          ([4, 5], SamplingOptions(max_new_tokens=2, top_p=0.5, top_k=4, seed=2,
@@ -136,11 +137,13 @@ def test_no_recompilation_within_a_bucket(sampler):
 def test_prefill_and_decode_trace_once_per_bucket(tiny_model, monkeypatch):
   """chex guards the embedded server's programs (the prefill, and the decode loop that runs in
   segments): requests of other lengths, sampling settings, seeds, stop ids, weights and segment
-  ends inside one bucket reuse them; a longer prompt is a new bucket and traces each once."""
+  ends inside one bucket reuse them; a longer prompt is a new bucket and traces each once. A
+  batch that filters its support (top-p, top-k, min-p) decodes with its own loop, once per
+  bucket too (the others draw without sorting the vocabulary)."""
   import chex
   from trainers.serving.embedded import sampler as sampler_mod
   monkeypatch.setattr(sampler_mod, "_prefill", chex.assert_max_traces(sampler_mod._prefill, n=2))
-  monkeypatch.setattr(sampler_mod, "_decode", chex.assert_max_traces(sampler_mod._decode, n=2))
+  monkeypatch.setattr(sampler_mod, "_decode", chex.assert_max_traces(sampler_mod._decode, n=4))
   fresh = Sampler(tiny_model, max_batch_size=4)
   for prompt, params in (([1, 2, 3], SamplingOptions(max_new_tokens=5, seed=0)),
                          ([1] * 15, SamplingOptions(max_new_tokens=16, temperature=0.3, seed=1)),
@@ -152,7 +155,26 @@ def test_prefill_and_decode_trace_once_per_bucket(tiny_model, monkeypatch):
   fresh.generate([[7, 8]], SamplingOptions(max_new_tokens=3, seed=5))
   monkeypatch.setattr(sampler_mod, "SEGMENT_STEPS", 4)
   fresh.generate([[7, 8]], SamplingOptions(max_new_tokens=14, seed=6, ignore_eos=True), between=lambda: None)
-  assert fresh.num_compiled == 4  # a prefill and a decoder per bucket, however many segments
+  assert fresh.num_compiled == 6  # a prefill and two decoders per bucket, however many segments
+
+
+@pytest.mark.parametrize("top_width", [0, 5])
+def test_an_unfiltered_draw_equals_the_filtering_one(top_width):
+  """With no row filtering its support, `_sample` draws without sorting the vocabulary: the same
+  tokens, log-probs and top ids (ties in id order) as the sorting path with every id kept."""
+  import jax
+  from trainers.serving.embedded.sampler import _sample
+  rng = np.random.default_rng(0)
+  logits = jnp.asarray(np.round(rng.normal(size=(16, 64)), 1), jnp.float32)  # rounded: ties
+  keys = jax.vmap(jax.random.key)(jnp.arange(16, dtype=jnp.uint32))
+  temp, ones, zeros = jnp.full((16,), 0.7), jnp.ones((16,)), jnp.zeros((16,))
+  top_k = jnp.full((16,), -1, jnp.int32)
+  draw = lambda filters: jax.vmap(lambda *a: _sample(*a, top_width=top_width, filters=filters))(
+      logits, keys, temp, ones, top_k, zeros)
+  fast, sorted_ = draw(False), draw(True)
+  assert len(set(np.asarray(fast[0]).tolist())) > 4  # a real draw, not one token
+  for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(sorted_)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_weight_swap_changes_samples_without_recompiling(sampler):

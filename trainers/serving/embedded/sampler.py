@@ -126,6 +126,25 @@ def _bucket(n: int, minimum: int) -> int:
   return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
+def _sample(logits, key, temperature, top_p, top_k, min_p, *, mask_width: int = 0, top_width: int = 0,
+            filters: bool = True):
+  """`_filter_and_sample`, or with `filters` False (no row of the batch has top-p < 1, top-k, min-p,
+  greedy decoding or a sampling mask: the support is the whole vocabulary) the same draw without
+  sorting the vocabulary: `categorical(key, log_softmax(logits / T))`, and the `top_width` most
+  likely ids by `lax.top_k` (ties in id order, as the stable sort). Tokens, log-probs and top ids
+  are those of `_filter_and_sample` (an all-kept support masks nothing)."""
+  if filters:
+    return _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, mask_width=mask_width,
+                              top_width=top_width)
+  logp = jax.nn.log_softmax(logits / temperature)
+  token = jax.random.categorical(key, logp)
+  top = None
+  if top_width:
+    top_lp, top_ids = jax.lax.top_k(logp, top_width)
+    top = {"ids": top_ids.astype(jnp.int32), "logprobs": top_lp}
+  return token, logp[token], None, top
+
+
 def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, *, mask_width: int = 0, top_width: int = 0):
   """One row: `logits [V]` float32 → `(token, log_softmax(logits / T)[token], support, top)`, with
   `support` `{ids [W], logprobs [W], size}` when `mask_width` > 0, else None, and `top`
@@ -214,7 +233,8 @@ def _prefill(graphdef, params, prompt_ids, start, temperature, max_new, *, num_s
 
 
 def _decode(graphdef, params, state, start, row_seeds, temperature, top_p, top_k, min_p, max_new, stop_ids,
-            until, *, window: int, mask_width: int = 0, routed_experts: bool = False, top_width: int = 0):
+            until, *, window: int, mask_width: int = 0, routed_experts: bool = False, top_width: int = 0,
+            filters: bool = True):
   """Decodes from `state` (`_prefill`'s, or an earlier `_decode`'s) until every row has finished,
   the output is full, step `until` is reached or the next token would fall outside the cache's
   first `window` slots (static: attention reads only those); `row_seeds [B]` uint32. One
@@ -227,7 +247,7 @@ def _decode(graphdef, params, state, start, row_seeds, temperature, top_p, top_k
   last = min(num_steps, window - prompt_len)  # steps this window holds
   routing = {"return_routing": True} if routed_experts else {}
   keys = jax.vmap(jax.random.key)(row_seeds)
-  sample = jax.vmap(functools.partial(_filter_and_sample, mask_width=mask_width, top_width=top_width))
+  sample = jax.vmap(functools.partial(_sample, mask_width=mask_width, top_width=top_width, filters=filters))
 
   def cond(st):
     return (st["step"] < jnp.minimum(until, last)) & ~jnp.all(st["done"])
@@ -305,7 +325,7 @@ class Sampler:
                                              "top_width"))
     # The state is donated: XLA updates the carried cache in place, with no copy even on entry.
     self._decode = jax.jit(functools.partial(self._counted(_decode), self.graphdef),
-                           static_argnames=("window", "mask_width", "routed_experts", "top_width"),
+                           static_argnames=("window", "mask_width", "routed_experts", "top_width", "filters"),
                            donate_argnums=(1,))
     self._take_rows = jax.jit(self._counted(_take_rows))
 
@@ -416,6 +436,9 @@ class Sampler:
     # past the vocabulary (top_k >= vocab is "every token", as in SGLang).
     mask_width = min(_bucket(max(int(top_k[b]) for b in masked), 1), self.config.vocab_size) if masked else 0
     routed = any(r[3].routed_experts for r in rows)
+    # Whether any row restricts its support (top-p, top-k, min-p, greedy, a sampling mask): else
+    # the draw needs no sort of the vocabulary (`_sample`).
+    filters = bool(mask_width or np.any(top_p < 1) or np.any(top_k > 0) or np.any(min_p > 0))
     top_width = min(_bucket(max(r[3].top_logprobs_num for r in rows), 1), self.config.vocab_size) if any(
         r[3].top_logprobs_num for r in rows) else 0
     if routed and not self.config.is_moe:
@@ -437,7 +460,7 @@ class Sampler:
       start_, seeds_, temp_, top_p_, min_p_, top_k_, max_new_, stop_ = placed
       state = self._decode(current[0], state, start_, seeds_, temp_, top_p_, top_k_, min_p_, max_new_, stop_,
                            np.int32(until), window=window, mask_width=mask_width, routed_experts=routed,
-                           top_width=top_width)
+                           top_width=top_width, filters=filters)
       step = until
       if step >= num_steps:
         break
