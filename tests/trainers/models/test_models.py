@@ -212,23 +212,13 @@ def test_the_fused_gate_up_product_equals_two_products(mlp_bias):
   gradients as the two products (float32, up to the GEMM's summation order), biases included."""
   cfg = dataclasses.replace(PRESETS["tiny-llama3"], mlp_bias=mlp_bias)  # Llama: the MLP's biases optional
   assert cfg.features.mlp_bias == mlp_bias
-  mlp = CausalLM(cfg, rngs=nnx.Rngs(0)).layers
-  graphdef, state = nnx.split(mlp)
-  one = jax.tree.map(lambda a: a[0], state)  # the first layer's parameters
+  graphdef, params = nnx.split(DecoderLayer(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
   if mlp_bias:  # nonzero biases, so their concatenation is checked too
-    one = jax.tree_util.tree_map_with_path(
-        lambda path, a: a + 0.1 if "bias" in jax.tree_util.keystr(path) else a, one)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, a: a + 0.1 if "bias" in jax.tree_util.keystr(path) else a, params)
   x = jax.random.normal(jax.random.key(1), (2, 5, cfg.hidden_size))
-
-  def run(params, fused):
-    layer = nnx.merge(nnx.graphdef(DecoderLayer(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0))),
-                      params)
-    return jnp.sum(jnp.sin(layer.mlp(x, fused=fused)))
-
-  for fused in (False, True):
-    value, grads = jax.value_and_grad(run)(one, fused)
-    if not fused:
-      want_value, want_grads = value, grads
+  run = lambda p, fused: jnp.sum(jnp.sin(nnx.merge(graphdef, p).mlp(x, fused=fused)))
+  (value, grads), (want_value, want_grads) = (jax.value_and_grad(run)(params, f) for f in (True, False))
   np.testing.assert_allclose(float(value), float(want_value), rtol=1e-6)
   for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)

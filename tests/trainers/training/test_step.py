@@ -219,7 +219,8 @@ FUSED_LOSSES = {"mis_yaml": mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConf
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", FUSED_LOSSES)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=(pytest.mark.repeat,) if name == "token_tis" else ())
+                                  for name in FUSED_LOSSES])  # token TIS: `make test-all` (the same path again)
 def test_fused_update_equals_the_separate_pass(name, step_traces):
   """One update of `train_fused` == the old-log-prob pass + `prepare` + `train` on the same batch
   of one micro-batch: parameters, optimiser state, every metric and the old log-probs; two updates
@@ -360,7 +361,7 @@ def test_bf16_compute_is_close_to_float32():
 
 @pytest.mark.parametrize("attention,remat,layer_loop", [
     ("dense", "full", "scan"), ("blocked", "none", "scan"), ("blocked", "full", "scan"), ("blocked", "dots", "scan"),
-    ("dense", "none", "unrolled"), ("blocked", "full", "unrolled")])
+    ("blocked", "full", "unrolled")])  # unrolled: each layer checkpointed with prevent_cse
 @pytest.mark.slow
 def test_attention_backends_remat_and_layer_loop_give_the_same_gradients(attention, remat, layer_loop):
   sb = _step_batch(4 * ROW_LEN, 1)
