@@ -11,6 +11,7 @@ import numpy as np
 import mis_jax
 
 
+@pytest.mark.slow  # every algorithm and form run eagerly (~15 s on 2 cores): `make test`, not test-fast
 def test_declared_reductions_name_emitted_metrics():
   rng = np.random.default_rng(0)
   seg = np.repeat(np.arange(4), 8).astype(np.int32)
