@@ -237,9 +237,11 @@ def generation_programs(cfg: ModelConfig, devices, spread: bool = False) -> dict
                          params, ids, lens, f32, i32)
   state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
                        compiled.output_shardings)  # where the prefill leaves it
-  decode = jax.jit(functools.partial(sampler_lib._decode, graphdef))
+  # The decoding loop's last window, the whole cache: its largest program.
+  decode = jax.jit(functools.partial(sampler_lib._decode, graphdef), static_argnames=("window",))
   decoded = decode.lower(params, state, lens, sd((rows,), jnp.uint32), f32, f32, i32, f32, i32,
-                         sd((rows, 4), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar))
+                         sd((rows, 4), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar),
+                         window=COLOCATED_PROMPT + COLOCATED_NEW)
   weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
   return {"prefill": _analysis(compiled), "decode": _analysis(decoded.compile()), "weight_bytes": weights}
 

@@ -250,8 +250,8 @@ class MLP(nnx.Module):
     """`fused`: the gate and up projections as one product with their kernels side by side (the
     same sums per output; one larger GEMM, and in the backward pass one gradient product and one
     transposed copy instead of two of each: the update at the 4-layer bench shape took 572–601 ms
-    against 630–700 ms, three runs each on XLA:CPU). The teacher-forced forward fuses; decoding does
-    not (the concatenated kernels would be copied in every decoding step)."""
+    against 630–700 ms, three runs each on XLA:CPU). The teacher-forced forward without remat
+    fuses (`CausalLM._layers`); decoding and rematerialised layers do not."""
     if not fused:
       return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
     gate, up = self.gate_proj, self.up_proj
@@ -278,14 +278,15 @@ class DecoderLayer(nnx.Module):
     else:
       self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-  def __call__(self, x, positions, attend, cache, replay=None, valid=None):
-    """Returns `(x, cache, routing)`; `routing` is a `moe.LayerRouting` for a MoE layer, else None."""
+  def __call__(self, x, positions, attend, cache, replay=None, valid=None, fuse_mlp=False):
+    """Returns `(x, cache, routing)`; `routing` is a `moe.LayerRouting` for a MoE layer, else None.
+    `fuse_mlp`: the MLP's gate and up projections as one product (`MLP`)."""
     h, cache = self.self_attn(self.input_layernorm(x), positions, attend, cache)
     x = x + h
     if self.is_moe:
       y, routing = self.mlp(self.post_attention_layernorm(x), replay, valid)
       return x + y, cache, routing
-    return x + self.mlp(self.post_attention_layernorm(x), fused=cache is None), cache, None
+    return x + self.mlp(self.post_attention_layernorm(x), fused=fuse_mlp), cache, None
 
 
 class CausalLM(nnx.Module):
@@ -357,10 +358,15 @@ class CausalLM(nnx.Module):
     unrolled = self.layer_loop == "unrolled"
     scan = _unrolled if unrolled else jax.lax.scan
 
+    # The gate and up projections fused in the teacher-forced forward without remat only: decoding
+    # would copy the concatenated kernels every step, and under remat the step is sized for memory
+    # (with `dots` the fused product's residuals took 11.5 % more at Qwen3-1.7B@16k).
+    fuse_mlp = cache is None and remat == "none"
+
     def body(x, xs, layer_cache=None):
       layer_state, layer_replay = xs
       x, layer_cache, routing = nnx.merge(graphdef, layer_state)(x, positions, attend, layer_cache, layer_replay,
-                                                                 valid)
+                                                                 valid, fuse_mlp)
       return self._constrain(x), (layer_cache, routing)
 
     if cache is not None:  # decoding: the stacked cache is carried; each layer writes its new slots in place
