@@ -50,7 +50,7 @@ from trainers.models.moe import MOE_DISPATCH, SparseMoeBlock, load_balancing_los
 # How the stacked layers run: one `lax.scan` over them (one compiled layer body: the compile time
 # and program size of a deep model do not grow with its depth) or a loop unrolled at trace time
 # (each layer its own code: XLA lays out and fuses each layer's backward on its own, with no
-# stacked residual buffers sliced per iteration; 19 % faster a training step at 4 layers on XLA:CPU,
+# stacked residual buffers sliced per iteration; the update 19 % faster at 4 layers on XLA:CPU,
 # docs/performance.md). `auto` (`resolve_layer_loop`): unrolled up to `UNROLL_MAX_LAYERS` layers.
 LAYER_LOOPS = ("scan", "unrolled")
 UNROLL_MAX_LAYERS = 8
