@@ -30,8 +30,9 @@ with the weight sync and what the step spends outside them all (requests and rep
 batch building, transfers, metrics): the phases timed apart are each a best of a few repeats,
 so a step is not their sum.
 
-The same work in every contender: decoupled PPO with `configs/mis.yaml` (tunix computes the
-old log-probs too), one update per step, Adam, a bfloat16 sampler of float32 weights re-synced
+The same work in every contender: decoupled PPO with `configs/mis.yaml` (old log-probs: ours
+from the update's own forward, `train.old_logprobs: auto` with one micro-batch a step; tunix's
+integration in a pass of its own), one update per step, Adam, a bfloat16 sampler of float32 weights re-synced
 after every step, no reference model. Contenders:
 
 - `ours, colocated`: `rollout.placement.mode: colocated` (the engine in the trainer's process, weights
@@ -392,11 +393,10 @@ def tunix(shape: Shape, root: str, engine: str = "vanilla", limits=None) -> dict
   record = {"contender": "tunix" + (", sglang-jax" if engine == "sglang-jax" else ""), "shape": shape.name,
             "step_ms": 1e3 * float(np.median(times)), "steps_per_s": 1.0 / float(np.median(times)),
             "mean_response_tokens": float(np.mean(lengths[shape.first_timed - 1:shape.steps])) if len(lengths) else None}
-  timed_steps = range(shape.first_timed, shape.steps + 1)
-  phases = {phase: float(np.median([steps.get(k, 0.0) for k in timed_steps])) for phase, steps in per_step.items()}
-  if phases:
-    record["phases"] = phases
+  if per_step:
     record["in_step"] = in_step_phases(stamps, per_step, shape)
+    phases = {k: v for k, v in record["in_step"].items() if k != "outside_s"}  # tunix's phases: the in-step medians
+    record["phases"] = phases
     # The same sequences as ours: every prompt as long as its template, every response max_new_tokens.
     seq_lens = [len("00+00=") + 1 + shape.max_new_tokens] * (shape.prompts * shape.n)
     record["roofline"] = {k: v for k, v in roofline_fractions(shape, phases, seq_lens, limits).items()

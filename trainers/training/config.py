@@ -25,9 +25,8 @@ import yaml
 import mis_jax
 from mis_jax.config import config_fields as fields_of, config_key as key, load_yaml, parse_config_value as parse_value
 from trainers.models.attention import ATTENTION_BACKENDS
-from trainers.models.decoder import REMAT_POLICIES
+from trainers.models.decoder import LAYER_LOOPS, REMAT_POLICIES, UNROLL_MAX_LAYERS
 from trainers.models.hf_io import DTYPES as DTYPE_TABLE
-from trainers.models.decoder import LAYER_LOOPS, UNROLL_MAX_LAYERS
 from trainers.models.moe import MOE_DISPATCH
 from trainers.models.presets import PRESETS
 from trainers.tasks.rewards import REWARDS as REWARD_TABLE

@@ -244,6 +244,7 @@ def test_fused_update_equals_the_separate_pass(name, step_traces):
   np.testing.assert_allclose(np.asarray(old)[valid], want_old[valid], rtol=1e-5, atol=1e-5)
   _assert_trees_close(jax.tree.map(np.array, (params, opt_state)), want_state, "state")
   _assert_metrics_close({k: float(v) for k, v in metrics.items()}, want_metrics)
+  assert float(metrics["grad_norm"]) > 0  # an update that moved the weights, not two equal no-ops
   fns.train_fused(params, opt_state, inputs, batch, key)  # a second step of the same shape: no new trace
   assert len(step_traces.traces["train_fused"]) == 1 and step_traces.calls["train_fused"] == 2
   with pytest.raises(ValueError, match="one micro-batch, got 4"):
