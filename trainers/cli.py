@@ -156,6 +156,7 @@ def _start_server(cfg, weights_dir: str):
     return server
   from trainers.serving.embedded.server import EmbeddedServer
   server = EmbeddedServer(weights_dir, dtype=r.server_dtype, seed=cfg.seed, quantize=r.server_quantize,
+                          layer_loop=cfg.model.layer_loop,
                           extra_args=("--enable-return-routed-experts", "--weight-version", "0"))
   print(f"embedded SGLang-protocol server on {server.url} ({r.server_dtype})")
   return server

@@ -200,7 +200,8 @@ def test_serve_rejects_bad_arguments_in_one_line(tmp_path, checkpoint, capsys):
     _assert_clean_error(capsys, code, None, *needles)
   # Wrong types are argparse's: exit 2 with the option named, no traceback.
   for argv, needle in ((["--model-path", checkpoint, "--port", "abc"], "--port"),
-                       (["--model-path", checkpoint, "--dtype", "fp4"], "--dtype"), ([], "--model-path")):
+                       (["--model-path", checkpoint, "--dtype", "fp4"], "--dtype"),
+                       (["--model-path", checkpoint, "--layer-loop", "loop"], "--layer-loop"), ([], "--model-path")):
     with pytest.raises(SystemExit) as exc:
       cli.main(["serve", *argv])
     err = capsys.readouterr().err
@@ -219,7 +220,8 @@ def test_help_lists_every_option_and_config_key_with_its_default(capsys):
       assert f"{path} (default: {'null' if field.default is None else field.default})" in text
   from trainers.serving.embedded.server import build_parser
   serve_help = " ".join(build_parser().format_help().split())
-  for option, default in (("--port", "30000"), ("--dtype", "bfloat16"), ("--max-batch-size", "64"), ("--seed", "0")):
+  for option, default in (("--port", "30000"), ("--dtype", "bfloat16"), ("--max-batch-size", "64"), ("--seed", "0"),
+                          ("--layer-loop", "auto")):
     assert option in serve_help and f"(default: {default})" in serve_help
 
 

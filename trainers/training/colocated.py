@@ -94,7 +94,8 @@ class EmbeddedLocal(LocalEngine):
   def start(cls, cfg, *, start_dir: str, model_config, mesh=None) -> "EmbeddedLocal":
     r = cfg.rollout
     engine = cls(GenerationEngine(start_dir, dtype=r.placement.server_dtype, seed=cfg.seed, quantize=r.placement.server_quantize,
-                                  weight_version="0", enable_return_routed_experts=True))
+                                  weight_version="0", enable_return_routed_experts=True,
+                                  layer_loop=cfg.model.layer_loop))
     if r.placement.colocated_devices == "mesh":
       engine._spread(mesh, model_config)
     return engine

@@ -57,8 +57,8 @@ class ModelSection:
   remat: str = key(AUTO, "activation checkpointing of the layer scan; `auto`: the least (none, dots, full) whose "
                    "compiled step fits the memory budget", choices=REMAT)
   layer_loop: str = key(AUTO, "the stacked layers run as one `scan` (one compiled layer body) or `unrolled` (each "
-                        f"layer its own code: a faster step); `auto`: unrolled up to {UNROLL_MAX_LAYERS} layers, "
-                        "else scan", choices=LAYER_LOOP)
+                        f"layer its own code: a faster step), in the trainer's step and the embedded engine's "
+                        f"decoding; `auto`: unrolled up to {UNROLL_MAX_LAYERS} layers, else scan", choices=LAYER_LOOP)
   memory_budget_gb: float | None = key(None, "per-device memory the `auto` choices must fit (null: 0.9 x the "
                                        "device's bytes_limit; on CPU 0.9 x the host's RAM over its devices)", gt=0)
   logprob_chunk: int = key(1024, "tokens per chunk of the LM head (`mis_jax.token_logprobs`)", ge=1)

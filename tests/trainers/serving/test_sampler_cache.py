@@ -79,11 +79,16 @@ def _spy(sampler, monkeypatch):
 
 
 @pytest.mark.slow
-def test_the_decode_program_updates_the_cache_in_place(sampler):
+@pytest.mark.parametrize("layer_loop", ["scan", "unrolled"])
+def test_the_decode_program_updates_the_cache_in_place(sampler, layer_loop):
   """In the compiled decoding loop, every instruction that yields a cache-shaped buffer is an
   in-place `dynamic-update-slice` (or a fusion around one), a parameter or a tuple element: no
   copy, conversion or scatter of the cache per step (the state is donated; a bfloat16 cache is
-  stored as bits, which XLA:CPU updates in place)."""
+  stored as bits, which XLA:CPU updates in place) — with the layers scanned or unrolled (the
+  engine's `layer_loop`)."""
+  if layer_loop != "scan":
+    sampler = Sampler(CausalLM(TINY, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, layer_loop=layer_loop,
+                               rngs=nnx.Rngs(0)), max_batch_size=8)
   rows, prompt_len, num_steps = 8, 16, 64
   ones = np.ones((rows,), np.float32)
   max_new, start = np.full((rows,), num_steps, np.int32), np.zeros((rows,), np.int32)

@@ -37,6 +37,7 @@ from flax import nnx
 from trainers.serving import protocol
 from trainers.models import (DTYPES, ModelConfig, abstract_model, load_hf_checkpoint, read_hf_tensors,
                              state_from_hf_tensors)
+from trainers.models.decoder import resolve_layer_loop
 from trainers.models.quantize import QUANTIZATIONS, quantize_params
 from trainers.serving.embedded.sampler import Completion, Sampler, SamplingOptions
 
@@ -63,12 +64,16 @@ class GenerationEngine:
   experts model returns, for requests with `return_routed_experts`, the experts its router
   chose (in the served dtype) at every position; without it, or for a dense model, such
   requests are answered without them, as SGLang does (its capturer does not exist then).
+  `layer_loop` (`auto` | `scan` | `unrolled`, the decoder's `layer_loop`): the decoding
+  step's layers as one scan or unrolled; `auto` unrolls up to `UNROLL_MAX_LAYERS`, as the
+  trainer does. Unrolled, each layer's weights are read where they lie: in a scan XLA:CPU
+  copies (or, bfloat16, converts) every layer's slice of the stacked weights at every step.
   """
 
   def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0,
                max_batch_size: int = 64, weight_version: str = "default", quantize: str = "none",
                sampling_mask_max_tokens: int = protocol.SAMPLING_MASK_MAX_TOKENS,
-               enable_return_routed_experts: bool = False):
+               enable_return_routed_experts: bool = False, layer_loop: str = "auto"):
     if dtype not in DTYPES:
       raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if quantize not in QUANTIZATIONS:
@@ -80,7 +85,8 @@ class GenerationEngine:
     self.model_path = os.path.abspath(model_path)
     self.dtype = dtype
     self.quantize = quantize
-    model = load_hf_checkpoint(model_path, dtype=DTYPES[dtype], param_dtype=DTYPES[dtype])
+    self.layer_loop = resolve_layer_loop(layer_loop, ModelConfig.from_pretrained(model_path).num_hidden_layers)
+    model = load_hf_checkpoint(model_path, dtype=DTYPES[dtype], param_dtype=DTYPES[dtype], layer_loop=self.layer_loop[0])
     self.config = model.config
     self.sampler = Sampler(model, max_batch_size=max_batch_size, seed=seed)
     if quantize != "none":

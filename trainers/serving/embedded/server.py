@@ -31,6 +31,7 @@ import urllib.request
 import uvicorn
 
 from trainers.models import checkpoint_dir_problem
+from trainers.models.decoder import LAYER_LOOPS, UNROLL_MAX_LAYERS
 from trainers.models.quantize import QUANTIZATIONS
 
 _LOOPBACK = ("127.0.0.1", "localhost")
@@ -54,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--quantize", default="none", choices=QUANTIZATIONS,
                       help="weight-only quantised Linear kernels (per-output-channel scales; fp8 is "
                       "float8_e4m3fn), dequantised to --dtype; re-applied at every weight update")
+  parser.add_argument("--layer-loop", default="auto", choices=("auto", *LAYER_LOOPS),
+                      help="the decoding step's layers as one scan or unrolled; auto: unrolled up to "
+                      f"{UNROLL_MAX_LAYERS} layers (each layer's weights read in place), else scan")
   parser.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed")
   parser.add_argument("--max-batch-size", type=int, default=64, help="rows per compiled batch")
   parser.add_argument("--weight-version", default="default")
@@ -70,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-_EMBEDDED_ONLY = ("quantize", "max_batch_size", "sampling_mask_max_tokens")
+_EMBEDDED_ONLY = ("quantize", "max_batch_size", "sampling_mask_max_tokens", "layer_loop")
 
 
 def check_args(args, extra: tuple[str, ...] = ()) -> str | None:
@@ -124,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     engine = GenerationEngine(args.model_path, dtype=args.dtype, seed=args.seed, quantize=args.quantize,
                     max_batch_size=args.max_batch_size, weight_version=args.weight_version,
                     sampling_mask_max_tokens=args.sampling_mask_max_tokens,
-                    enable_return_routed_experts=args.enable_return_routed_experts)
+                    enable_return_routed_experts=args.enable_return_routed_experts, layer_loop=args.layer_loop)
   except ValueError as e:  # a config.json or checkpoint this server cannot load
     print(f"mis-jax serve: --model-path {args.model_path!r}: {e}", file=sys.stderr)
     return 2
@@ -133,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
   server = _Server(uvicorn.Config(app, log_level="info" if args.verbose else "warning",
                                   access_log=args.verbose, timeout_graceful_shutdown=5))
   precision = args.dtype if args.quantize == "none" else f"{args.quantize} weights, {args.dtype}"
-  print(f"mis-jax serve: {engine.config.model_type} from {engine.model_path} ({precision}, "
+  loop, why = engine.layer_loop
+  print(f"mis-jax serve: {engine.config.model_type} from {engine.model_path} ({precision}, layers {loop}: {why}, "
         f"SGLang {_protocol_version()} protocol) on http://{host}:{port}", flush=True)
   if args.exit_with_parent:
     _exit_with_parent(server)
@@ -189,13 +194,13 @@ class EmbeddedServer:
 
   def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0, port: int = 0,
                max_batch_size: int = 64, timeout: float = 300.0, quantize: str = "none",
-               extra_args: tuple[str, ...] = ()):
+               layer_loop: str = "auto", extra_args: tuple[str, ...] = ()):
     if quantize not in QUANTIZATIONS:  # before a process starts
       raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
     self.process = subprocess.Popen(
         [sys.executable, "-m", "trainers.cli", "serve", "--model-path", str(model_path), "--dtype", dtype,
          "--seed", str(seed), "--port", str(port), "--max-batch-size", str(max_batch_size),
-         "--quantize", quantize, "--exit-with-parent", *extra_args],
+         "--quantize", quantize, "--layer-loop", layer_loop, "--exit-with-parent", *extra_args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     self.log: collections.deque[str] = collections.deque(maxlen=200)  # the server's last lines
     self._url: list[str] = []
