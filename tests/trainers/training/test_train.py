@@ -338,20 +338,29 @@ def test_shipped_trainer_configs_validate(name):
 PINNED_PLAN = {"attention": "blocked", "remat": "full"}
 
 
-def test_mesh_runs_match_one_device_and_resume_on_the_mesh(server, tmp_path):
+@pytest.fixture(scope="module")
+def f32_server(tmp_path_factory):
+  with embedded_server(tmp_path_factory, "float32") as srv:
+    yield srv
+
+
+def test_mesh_runs_match_one_device_and_resume_on_the_mesh(f32_server, tmp_path):
   """The demo loop on meshes (8) and (2, 4) reaches the same rewards and losses as one device,
   step by step; a run stopped after step 2 and resumed on the mesh continues identically, its
-  restored parameters and optimiser state on their declared shardings."""
+  restored parameters and optimiser state on their declared shardings. The server is float32:
+  from step 2 it samples from the updated weights, which each mesh reduces in its own order, and
+  a bfloat16 server rounds a weight that differs in its last float32 bit either way, so a
+  sampled token can flip (it did, once the engine's layers were unrolled: loss 1.4e-4 vs
+  -1.0e-4 at step 3); in float32 the samples move with the weights by rounding only."""
   import jax
+  server = f32_server
   loss_cfg = mis_jax.LossConfig(**ALGORITHMS["decoupled_ppo"])
   runs = {}
   # (The fsdp-only mesh is checked step by step in test_step; here the two-axis one.)
   for name, parallel_cfg, devices in (("one", {}, jax.devices()[:1]),
                                       ("data2-fsdp4", {"data": 2, "fsdp": 4}, None)):
     # The plan pinned (not `auto`, which may pick dense attention on one device and blocked on the
-    # mesh, or the reverse): step 3 samples from the weights of step 2 through a bfloat16 server,
-    # and a float reassociation of the update can round one weight differently there and change a
-    # sampled token (dense one device vs the rest: loss -0.00129 vs -0.00155 at step 3).
+    # mesh, or the reverse), so the runs differ only in their reductions' order.
     trainer = train_lib.Trainer(make_cfg(tmp_path, name, parallel=parallel_cfg, model=PINNED_PLAN), loss_cfg,
                                 urls=[server.url], devices=devices)
     runs[name] = trainer.run(progress=False)
