@@ -205,27 +205,26 @@ def test_the_engine_unrolls_a_shallow_models_layers_and_decodes_the_same(tiny_ch
   """`GenerationEngine(layer_loop="auto")` unrolls the tiny model's 2 layers (the trainer's rule);
   in float32 the unrolled decoding gives the scanned one's tokens and log-probs bit for bit. In
   bfloat16 XLA rounds in other places (each layer fused on its own), so they differ at bfloat16's
-  rounding: as close to float32 teacher forcing as the scan's."""
+  rounding: a real but small mismatch with float32 teacher forcing, as the scan's (the bound of
+  `test_bfloat16_sampler_measurably_differs_from_float32_trainer`)."""
   from trainers.serving.embedded.generation import GenerationEngine
   f32 = load_hf_checkpoint(tiny_checkpoint)
   with pytest.raises(ValueError, match="layer_loop='loop'"):
     GenerationEngine(tiny_checkpoint, layer_loop="loop")
   options = SamplingOptions(temperature=1.0, max_new_tokens=16, seed=0, ignore_eos=True)
   out, diff = {}, {}
-  for dtype in ("float32", "bfloat16"):
-    for loop in ("auto", "scan"):
-      engine = GenerationEngine(tiny_checkpoint, dtype=dtype, layer_loop=loop, max_batch_size=8)
-      engine.close()
-      assert engine.layer_loop == (("unrolled", "2 layers <= 8") if loop == "auto" else ("scan", "configured"))
-      out[dtype, loop] = engine.sampler.generate(PROMPTS, options)
-      diff[dtype, loop] = np.concatenate([np.asarray(c.logprobs) - sequence_logprobs(f32, PROMPTS[c.prompt_index],
-                                                                                     c.output_ids)
-                                          for c in out[dtype, loop]])
+  for dtype, loop in (("float32", "auto"), ("float32", "scan"), ("bfloat16", "auto")):
+    engine = GenerationEngine(tiny_checkpoint, dtype=dtype, layer_loop=loop, max_batch_size=8)
+    engine.close()
+    assert engine.layer_loop == (("unrolled", "2 layers <= 8") if loop == "auto" else ("scan", "configured"))
+    out[dtype, loop] = engine.sampler.generate(PROMPTS, options)
+    diff[dtype, loop] = np.concatenate([np.asarray(c.logprobs) - sequence_logprobs(f32, PROMPTS[c.prompt_index],
+                                                                                   c.output_ids)
+                                        for c in out[dtype, loop]])
   for a, b in zip(out["float32", "auto"], out["float32", "scan"]):
     assert a.output_ids == b.output_ids and a.logprobs == b.logprobs
   assert np.abs(diff["float32", "auto"]).max() < 1e-5
-  for loop in ("auto", "scan"):
-    assert 1e-4 < np.abs(diff["bfloat16", loop]).mean() < 0.05
+  assert 1e-4 < np.abs(diff["bfloat16", "auto"]).mean() < 0.05  # the bfloat16 mismatch MIS corrects, as scanned
 
 
 def test_invalid_requests_raise(sampler):
