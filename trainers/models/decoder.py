@@ -301,8 +301,9 @@ class CausalLM(nnx.Module):
     attention: the training forward's attention backend (`ATTENTION_BACKENDS`); decoding with a
       KV cache always uses the dense kernel.
     remat: activation checkpointing policy of the layer scan (`REMAT_POLICIES`).
-    layer_loop: `scan` (one `lax.scan` over the stacked layers) or `unrolled` (`LAYER_LOOPS`), for
-      the training forward and decoding alike.
+    layer_loop: `scan` (one `lax.scan` over the stacked layers), `unrolled` (`LAYER_LOOPS`) or
+      `auto` (`resolve_layer_loop`: by depth), for the training forward and decoding alike;
+      `self.layer_loop` is the loop chosen, `self.layer_loop_reason` why.
     activation_sharding: optional `NamedSharding` of the `[B, T, hidden]` residual stream,
       applied at every layer boundary (batch over the data axes, replicated over `tensor`).
     moe_dispatch: a mixture-of-experts model's expert computation (`trainers.models.moe`):
@@ -318,10 +319,8 @@ class CausalLM(nnx.Module):
       raise ValueError(f"remat={remat!r}; allowed: {', '.join(REMAT_POLICIES)}")
     if moe_dispatch not in MOE_DISPATCH:
       raise ValueError(f"moe_dispatch={moe_dispatch!r}; allowed: {', '.join(MOE_DISPATCH)}")
-    if layer_loop not in LAYER_LOOPS:
-      raise ValueError(f"layer_loop={layer_loop!r}; allowed: {', '.join(LAYER_LOOPS)}")
     self.config = cfg
-    self.layer_loop = layer_loop
+    self.layer_loop, self.layer_loop_reason = resolve_layer_loop(layer_loop, cfg.num_hidden_layers)
     self.dtype = dtype
     self.attention = attention
     self.remat = remat

@@ -127,7 +127,7 @@ class Trainer:
     self.plan: StepPlan = plan_lib.plan_step(cfg, self.routing_replay, self.routing_spec is not None)
     # `model.remat` / `model.attention` `auto`: the cheapest whose compiled step fits the device.
     self.model_choice = _model_choice(model_cfg, cfg.model, self.mesh, memory_plan.probe_shape(cfg.train, self.extras))
-    # `model.layer_loop` `auto`: by depth; `_model_options` resolves it for the step, this is for the start-up line.
+    # `model.layer_loop` `auto`: by depth (the model resolves it the same way); for the start-up line.
     self.layer_loop = resolve_layer_loop(cfg.model.layer_loop, model_cfg.num_hidden_layers)  # (loop, why)
     model_section = dataclasses.replace(cfg.model, remat=self.model_choice.remat,
                                         attention=self.model_choice.attention)
@@ -491,10 +491,10 @@ def _step_functions(model_cfg: ModelConfig, model: ModelSection, loss_cfg: mis_j
 
 def _model_options(model: ModelSection, model_cfg: ModelConfig) -> dict:
   """`build_step_functions`' options of the model section (remat and attention resolved; the layer
-  loop resolved here)."""
+  loop as configured: the model resolves `auto`)."""
   return dict(logprob_chunk=model.logprob_chunk, dtype=DTYPES[model.dtype], param_dtype=DTYPES[model.param_dtype],
               attention=model.attention, remat=model.remat,
-              layer_loop=resolve_layer_loop(model.layer_loop, model_cfg.num_hidden_layers)[0],
+              layer_loop=model.layer_loop,
               **({"moe_dispatch": model.moe_dispatch} if model_cfg.is_moe else {}))
 
 

@@ -202,7 +202,7 @@ def test_unrolled_layers_equal_the_layer_scan(tiny_model):
     return first, step, cache.k
   for a, b in zip(decoded(unrolled), decoded(tiny_model)):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5, rtol=0)
-  with pytest.raises(ValueError, match="layer_loop='loop'; allowed: scan, unrolled"):
+  with pytest.raises(ValueError, match="layer_loop='loop'; allowed: auto, scan, unrolled"):
     CausalLM(TINY, layer_loop="loop", rngs=nnx.Rngs(0))
 
 

@@ -87,8 +87,7 @@ def test_the_decode_program_updates_the_cache_in_place(sampler, layer_loop):
   stored as bits, which XLA:CPU updates in place) — with the layers scanned or unrolled (the
   engine's `layer_loop`)."""
   if layer_loop != "scan":
-    sampler = Sampler(CausalLM(TINY, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, layer_loop=layer_loop,
-                               rngs=nnx.Rngs(0)), max_batch_size=8)
+    sampler = Sampler(CausalLM(TINY, dtype=jnp.bfloat16, layer_loop=layer_loop, rngs=nnx.Rngs(0)), max_batch_size=8)
   rows, prompt_len, num_steps = 8, 16, 64
   ones = np.ones((rows,), np.float32)
   max_new, start = np.full((rows,), num_steps, np.int32), np.zeros((rows,), np.int32)

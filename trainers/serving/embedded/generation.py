@@ -37,7 +37,6 @@ from flax import nnx
 from trainers.serving import protocol
 from trainers.models import (DTYPES, ModelConfig, abstract_model, load_hf_checkpoint, read_hf_tensors,
                              state_from_hf_tensors)
-from trainers.models.decoder import resolve_layer_loop
 from trainers.models.quantize import QUANTIZATIONS, quantize_params
 from trainers.serving.embedded.sampler import Completion, Sampler, SamplingOptions
 
@@ -85,8 +84,8 @@ class GenerationEngine:
     self.model_path = os.path.abspath(model_path)
     self.dtype = dtype
     self.quantize = quantize
-    self.layer_loop = resolve_layer_loop(layer_loop, ModelConfig.from_pretrained(model_path).num_hidden_layers)
-    model = load_hf_checkpoint(model_path, dtype=DTYPES[dtype], param_dtype=DTYPES[dtype], layer_loop=self.layer_loop[0])
+    model = load_hf_checkpoint(model_path, dtype=DTYPES[dtype], param_dtype=DTYPES[dtype], layer_loop=layer_loop)
+    self.layer_loop = (model.layer_loop, model.layer_loop_reason)
     self.config = model.config
     self.sampler = Sampler(model, max_batch_size=max_batch_size, seed=seed)
     if quantize != "none":
