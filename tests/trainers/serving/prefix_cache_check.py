@@ -32,9 +32,10 @@ def _post(url: str, path: str, body: dict) -> httpx.Response:
 
 
 def _long_request(url: str, salt: str | None, out: dict) -> None:
-  """A P-prefixed request long enough to be paused while it holds P's KV."""
+  """A P-prefixed request long enough to be paused while it holds P's KV (400 tokens: ~2 s on
+  sglang-jax's CPU decoding, past every pause `stale_kv_sequence` tries)."""
   body = {"input_ids": PREFIX + [8], "return_logprob": True,
-          "sampling_params": {"temperature": 0, "max_new_tokens": 160, "ignore_eos": True}}
+          "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}}
   if salt is not None:
     body["extra_key"] = salt
   out["reply"] = httpx.post(url + "/generate", json=body, timeout=300).json()
@@ -55,14 +56,16 @@ def stale_kv_sequence(url: str, a_path: str, b_path: str, *, mode: str, salt: bo
   update, the same server's replies on B after its cache was flushed, and the long request's
   last streamed result."""
   salt_a, salt_b = (f"{tag}:0:wA", f"{tag}:1:wB") if salt else (None, None)
-  for attempt in range(4):  # the pause must find the long request running
+  # The pause must find the long request running: later attempts wait longer (the first may
+  # compile the long request's programs), all well inside the request's ~2 s.
+  for attempt in range(4):
     assert _post(url, "/update_weights_from_disk", {"model_path": a_path, "weight_version": f"{tag}-A"}).json()["success"]
     _post(url, "/generate", _body(salt_a))  # P cached under A
     out = {}
     thread = threading.Thread(target=_long_request, args=(url, salt_a, out))
     thread.start()
     try:
-      time.sleep(0.5 * (attempt + 1))
+      time.sleep(0.3 * (attempt + 1))
       _post(url, "/pause_generation", {"mode": mode})
       try:
         update = _post(url, "/update_weights_from_disk", {"model_path": b_path, "weight_version": f"{tag}-B"})
