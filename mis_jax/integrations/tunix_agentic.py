@@ -117,9 +117,13 @@ class MISAgenticGRPOLearner(agentic_grpo_learner.GRPOLearner):
 
   * ``q``: the sampler's log-probs of the model's tokens, exactly as tunix aligned them with
     the conversation (tunix's ``old_logprobs``); a turn whose engine returned no log-probs (or
-    not one per token) stops training before that group is trained, with
+    not one per token) stops the run with
     :class:`~mis_jax.integrations.tunix.MissingRolloutLogprobs` from ``train`` (tunix would
-    silently put 0s there);
+    silently put 0s there). Its group is refused where the rollout is produced, before it is
+    queued, so neither it nor any later group reaches an update; and when the producer stops
+    (for this or any reason) the micro-batch it leaves incomplete is dropped, not trained
+    (tunix would train the groups already queued as a short micro-batch: a partial step).
+    Updates made from earlier whole micro-batches stand, whatever order the groups finished in;
   * ``o`` (decoupled / standard PPO, or ``num_iterations`` > 1): the actor's log-probs at the
     sampling temperature, from the weights the engine sampled with: tunix's anchor (the
     weights of the last sync) when the engine has its own copy, the actor's current weights
@@ -158,10 +162,32 @@ class MISAgenticGRPOLearner(agentic_grpo_learner.GRPOLearner):
     self._kept = threading.local()
     self._bad_turns: list[str] = []
     self._bad_lock = threading.Lock()
+    self._producer_error: BaseException | None = None  # set before the producer ends the stream
     self._anchor_logps = rl_cluster.get_actor_per_token_logps
     rl_cluster.get_actor_per_token_logps = self.old_per_token_logps
     if self._engine == "vanilla":
       self._seed_every_call(rl_cluster)
+
+  async def _producer(self, orchestrator, prompt_queue, train_data_queue):
+    # tunix's producer ends the stream (puts None) in a `finally`, also when it fails; the
+    # consumer would then train the groups already queued as a short micro-batch. Hold the end
+    # back until the failure is recorded, so the consumer can tell a failed stream from a
+    # finished one.
+    stream = _HeldEnd(train_data_queue)
+    self._producer_error = None
+    try:
+      await super()._producer(orchestrator, prompt_queue, stream)
+    except BaseException as e:
+      self._producer_error = e
+      raise
+    finally:
+      stream.end()
+
+  def _data_consumer_batch_generator(self, queue, batch_size):
+    for batch in super()._data_consumer_batch_generator(queue, batch_size):
+      if len(batch) < batch_size and self._producer_error is not None:
+        return  # a micro-batch cut short by the producer's failure: never a partial step
+      yield batch
 
   def _seed_every_call(self, rl_cluster):
     generate, counter, lock = rl_cluster.rollout.generate, itertools.count(1 << 30), threading.Lock()
@@ -270,3 +296,21 @@ class MISAgenticGRPOLearner(agentic_grpo_learner.GRPOLearner):
       fields["completion_mask"] = jnp.asarray(example.completion_mask) * jnp.asarray(~untrainable)[:, None].astype(
           jnp.asarray(example.completion_mask).dtype)
     return [MISAgenticTrainExample(**fields)]
+
+
+class _HeldEnd:
+  """A proxy of tunix's train-data queue that forwards every item but the end-of-stream None,
+  which it puts only when :meth:`end` is called."""
+
+  def __init__(self, queue):
+    self._queue = queue
+
+  def put(self, item, *args, **kwargs):
+    if item is not None:
+      self._queue.put(item, *args, **kwargs)
+
+  def end(self):
+    self._queue.put(None)
+
+  def __getattr__(self, name):
+    return getattr(self._queue, name)

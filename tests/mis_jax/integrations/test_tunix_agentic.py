@@ -14,13 +14,16 @@ parameter change is the gradient times the learning rate.
 * decoupled PPO + sequence MIS with rejection, on-policy: the sampler's log-probs equal the
   trainer's on every model token of every turn (this chat parser renders append-only), every
   sequence kept, the step equal to mis_jax's on the packed model tokens;
-* an engine turn without log-probs stops training before any update, naming the engine;
+* an engine turn without log-probs stops the run, naming the engine, before its group or a later
+  one reaches an update, whichever group finishes first (both orders forced); an update made from
+  an earlier whole micro-batch stands;
 * the constructor is tunix's; config errors name the key.
 """
 
 from __future__ import annotations
 
 import inspect
+import threading
 
 import numpy as np
 import pytest
@@ -130,7 +133,7 @@ def tunix_numpy_rules():
   jax.config.update("jax_numpy_rank_promotion", old[1])
 
 
-def make_cluster(steps):
+def make_cluster(steps, mini_batch_size=None):
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:1])
   with jax.set_mesh(mesh):
     actor = qwen3.Qwen3(MODEL, rngs=nnx.Rngs(0))
@@ -141,7 +144,7 @@ def make_cluster(steps):
                                             rl_cluster_lib.Role.ROLLOUT)},
       rollout_engine="vanilla", offload_to_cpu=False,
       training_config=rl_cluster_lib.RLTrainingConfig(actor_optimizer=optax.sgd(LR), eval_every_n_steps=1000,
-                                                      max_steps=steps),
+                                                      max_steps=steps, mini_batch_size=mini_batch_size),
       rollout_config=rollout)
   return rl_cluster_lib.RLCluster(actor=actor, reference=actor, tokenizer=CharTokenizer(), cluster_config=config)
 
@@ -312,24 +315,70 @@ def test_on_policy_sequence_mis_keeps_every_turn_and_equals_mis_jax():
   np.testing.assert_allclose(logged(cluster, "loss")[0], float(loss), rtol=1e-5, atol=1e-7)
 
 
-def test_a_turn_without_logprobs_stops_before_any_update():
+def force_order(cluster, learner, *, bad, first):
+  """Group `bad`'s turns return no log-probs; every turn of the group other than `first` waits
+  until `first`'s group has been wholly processed by the learner (trained examples queued, or
+  refused). Groups by their prompt: "1+2=" is group 0, "3+4=" group 1 (DATA[0]). Events, no sleeps;
+  the wait has a deadline, so a scheduling bug fails instead of hanging."""
+  first_done = threading.Event()
+  generate = cluster.rollout.generate
+  group_of = lambda prompts: 0 if "1+2=" in str(prompts) else 1
+
+  def ordered(prompts, *args, **kwargs):
+    group = group_of(prompts)
+    if group != first and not first_done.wait(timeout=120):
+      raise TimeoutError(f"group {first} was never processed")
+    out = generate(prompts, *args, **kwargs)
+    if group == bad:
+      out.logprobs = None
+    return out
+
+  process = learner._batch_to_train_example
+
+  def processing(batch_results, *args, **kwargs):
+    try:
+      return process(batch_results, *args, **kwargs)
+    finally:
+      first_done.set()  # only `first`'s group can get here first: the other's turns wait
+
+  cluster.rollout.generate = ordered
+  learner._batch_to_train_example = processing
+
+
+@pytest.mark.parametrize("first", [0, 1], ids=["good-group-queued-first", "bad-group-first"])
+def test_a_turn_without_logprobs_stops_before_any_update(first):
+  """One micro-batch holds the step's two groups. Whichever finishes first, the group with a turn
+  lacking log-probs is refused before it is queued, and the good group already queued is not
+  trained alone as a short micro-batch (tunix would): no update at all, the error names the engine."""
   cluster = make_cluster(steps=1)
   learner = make_learner(cluster, use_tis=True)
   assert cluster.cluster_config.rollout_config.return_logprobs  # the learner asked for them
   before = params(cluster.actor_trainer.model)
-  generate, calls = cluster.rollout.generate, []
-
-  def second_turn_without_logprobs(*args, **kwargs):
-    out = generate(*args, **kwargs)
-    calls.append(1)
-    if len(calls) > 2:
-      out.logprobs = None
-    return out
-
-  cluster.rollout.generate = second_turn_without_logprobs
+  updates = record_updates(cluster)
+  force_order(cluster, learner, bad=1, first=first)
   with pytest.raises(mis_tunix.MissingRolloutLogprobs, match="'vanilla' rollout engine returned no log-probs"):
     learner.train(DATA[:1])
+  assert updates == []
   jax.tree.map(np.testing.assert_array_equal, before, params(cluster.actor_trainer.model))
+
+
+def test_updates_from_earlier_whole_micro_batches_stand():
+  """A micro-batch of one group (mini_batch_size 1): the good group finishes, is trained (one SGD
+  update, on its own rows only), then the other group's turn without log-probs stops the run."""
+  cluster = make_cluster(steps=1, mini_batch_size=1)
+  learner = make_learner(cluster, use_tis=True)
+  before = params(cluster.actor_trainer.model)
+  updates = record_updates(cluster)
+  force_order(cluster, learner, bad=1, first=0)
+  with pytest.raises(mis_tunix.MissingRolloutLogprobs, match="'vanilla' rollout engine returned no log-probs"):
+    learner.train(DATA[:1])
+  assert len(updates) == 1
+  (example,) = updates[0][1]
+  assert example.completion_ids.shape[0] == 2  # one group of num_generations=2
+  jax.tree.map(np.testing.assert_array_equal, before, params(updates[0][0]))
+  after = params(cluster.actor_trainer.model)
+  jax.tree.map(np.testing.assert_array_equal, updates[0][2], after)  # nothing after the one update
+  assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)))
 
 
 def test_the_constructor_is_tunix_agentic_one():
