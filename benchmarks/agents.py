@@ -64,7 +64,7 @@ class ToolEnv:
     self.turns, self.latency_s = turns, latency_s
 
   def step(self, turn):
-    from trainers.agents.env import Observation
+    from trainers.tasks.env import Observation
     if self.latency_s:
       time.sleep(self.latency_s)
     done = turn.index >= self.turns
@@ -161,7 +161,7 @@ def run(url: str, *, engine: str = "embedded", prompts: int, n: int, turns: int,
   setting once in turn (a load on the machine hits them all alike): each setting's median, and
   its ratio to single-turn as the median of the rounds' paired ratios."""
   from trainers.tasks.base import Prompt
-  from trainers.training.sglang_client import http_client
+  from trainers.rollout.client import http_client
   chunk = 8  # the trainer's default prompts_per_request
   rows = chunk * n  # the trainer's rows_per_request for a turn: prompts_per_request × n
   client = http_client([url], timeout_s=600, prompts_per_request=chunk)

@@ -225,8 +225,8 @@ def ours(shape: Shape, placement: str, root: str, engine: str = "embedded", limi
   or, `engine` sglang-jax (float32, in its venv), its HTTP server taking the weights from disk."""
   from trainers.serving.sglang_jax import launcher as sglang_jax
   from trainers.serving.embedded.server import EmbeddedServer
-  from trainers.training import train as train_lib
-  from trainers.training.config import TrainConfig
+  from trainers.app import trainer as train_lib
+  from trainers.config import TrainConfig
 
   import mis_jax
   model = _model_dir(shape, root)

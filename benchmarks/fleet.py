@@ -79,11 +79,11 @@ def demo_shape(tmp: str, n: int, steps: int) -> dict:
 
 def qwen3_06b_shape(tmp: str, n: int, repeats: int, state, config) -> dict:
   """`repeats` pushes of `state` (Qwen3-0.6B's shape) to `n` workers: medians of each phase."""
-  from trainers.training.fleet import router_client
-  from trainers.training.weight_sync import DiskSync
+  from trainers.rollout.fleet import router_client
+  from trainers.rollout.weight_sync import DiskSync
   init = os.path.join(tmp, "q06-init")
   if not os.path.exists(init):
-    from trainers.training.weight_sync import save_hf_sharded
+    from trainers.rollout.weight_sync import save_hf_sharded
     save_hf_sharded(state, config, init, dtype="bfloat16", num_shards=1)
   with _fleet(init, n) as (router, _):
     client = router_client(router.url, poll_s=0, timeout_s=1800, max_retries=0)

@@ -15,7 +15,7 @@ Measures, on the first device (random weights, nothing is downloaded):
    and decode tokens/s at `--batch` rows (64, its default `max_batch_size`) of `--prompt-len`
    tokens decoding `--new-tokens` each;
 4. the colocated handover of the same model (as `rollout.placement.mode: colocated` does it,
-   `trainers.training.weight_sync.MemorySync`): the trainer's float32 weights cast to bfloat16 on
+   `trainers.rollout.weight_sync.MemorySync`): the trainer's float32 weights cast to bfloat16 on
    the device and handed to the engine in memory (`GenerationEngine.update_weights`), and back
    (`release_weights`: the engine frees its copy so the next step has the memory).
 
@@ -46,7 +46,8 @@ import mis_jax
 from benchmarks import roofline
 from benchmarks.memory import LOSS, MODELS, OPTIM
 from trainers.models import CausalLM, ModelConfig, init_checkpoint
-from trainers.training import parallel, step as step_lib
+from trainers.runtime import parallel
+from trainers.learner import step as step_lib
 
 GPU_MODELS = {
     "qwen3-0.6b": ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,

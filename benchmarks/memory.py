@@ -6,12 +6,12 @@ XLA's `memory_analysis()` (nothing is run or allocated).
 
 Two steps, side by side, per model and tokens per device:
 
-- `before`: the step as it was before `trainers.training.step` — everything on one device, float32
+- `before`: the step as it was before `trainers.learner.step` — everything on one device, float32
   compute, dense `[T, T]` attention, no remat, full `[T, V]` logits with `log_softmax`, and an
   Optax update that returns a new copy of parameters and state (no donation). (The layer loop
   was unrolled; here it is the same layers in a `lax.scan` without remat, which keeps the same
   activations for the backward pass.)
-- `after`: `trainers.training.step.StepFunctions.train` — parameters, Adam state and float32 gradient
+- `after`: `trainers.learner.step.StepFunctions.train` — parameters, Adam state and float32 gradient
   accumulators FSDP-sharded over the 8 devices, bf16 compute with float32 master weights,
   blocked (flash-style) attention, full remat of the layer scan, log-probs and entropy chunk by
   chunk with `mis_jax.token_logprobs`, parameters and optimiser state donated.
@@ -32,7 +32,7 @@ Score centering (`--centering`, contract §6.6): per model at 16k tokens per dev
 log-probs of those ids gathered in the chunked pass — against the same step without.
 
 `model.remat` / `model.attention` auto (`--auto`): per model at 16k tokens per device, the `after`
-step compiled with each candidate of `trainers.training.memory_plan.LADDER` (no remat + dense
+step compiled with each candidate of `trainers.learner.memory_plan.LADDER` (no remat + dense
 attention first) until one fits 0.9 x 16 GB, and the choice (the trainer makes the same decision
 at start-up against its own device).
 
@@ -62,8 +62,9 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import mis_jax  # noqa: E402
-from trainers.training import memory_plan, parallel, step as step_lib  # noqa: E402
-from trainers.training.config import TrainSection  # noqa: E402
+from trainers.learner import memory_plan, step as step_lib  # noqa: E402
+from trainers.runtime import parallel
+from trainers.config import TrainSection  # noqa: E402
 from trainers.models import ModelConfig  # noqa: E402
 from trainers.models.hf_io import abstract_model  # noqa: E402
 
@@ -135,7 +136,7 @@ def _analysis(compiled) -> dict:
 
 def after_step(cfg: ModelConfig, tokens: int, devices, section=None, *, loss=LOSS, program="train",
                remat="full", attention="blocked", **model_kwargs) -> dict:
-  """The compiled `program` of `trainers.training.step.StepFunctions`: `train` (the step) or
+  """The compiled `program` of `trainers.learner.step.StepFunctions`: `train` (the step) or
   `logprobs` (the old-log-prob pass, same inputs); full remat and blocked attention unless said."""
   mesh = parallel.make_mesh(section or parallel.ParallelSection(fsdp=-1), devices)
   fns = step_lib.build_step_functions(cfg, mesh, loss, OPTIM, logprob_chunk=1024, dtype=jnp.bfloat16,
@@ -153,7 +154,7 @@ def after_step(cfg: ModelConfig, tokens: int, devices, section=None, *, loss=LOS
 
 
 def before_step(cfg: ModelConfig, tokens: int, devices) -> dict:
-  """The pre-`trainers.training.step` program: value_and_grad of full-logits log-probs of an f32,
+  """The pre-`trainers.learner.step` program: value_and_grad of full-logits log-probs of an f32,
   dense-attention, no-remat model, then the Optax update, un-donated, on one device."""
   graphdef, abstract = nnx.split(abstract_model(cfg, dtype=jnp.float32, param_dtype=jnp.float32,
                                                 attention="dense", remat="none"))
@@ -181,7 +182,7 @@ def before_step(cfg: ModelConfig, tokens: int, devices) -> dict:
   return _analysis(jax.jit(step).lower(params, opt_state, *args).compile())
 
 
-# `model.remat` / `model.attention` auto (`trainers.training.memory_plan`) for a 16 GB-class device.
+# `model.remat` / `model.attention` auto (`trainers.learner.memory_plan`) for a 16 GB-class device.
 AUTO_DEVICE_GB = 16.0
 AUTO_TOKENS = 16384
 

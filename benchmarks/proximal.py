@@ -31,9 +31,10 @@ from flax import nnx
 
 import mis_jax
 from trainers.models import PRESETS, CausalLM
-from trainers.training import parallel, step as step_lib
-from trainers.training.batch import build_step_batch
-from trainers.training.config import TrainSection
+from trainers.runtime import parallel
+from trainers.learner import step as step_lib
+from trainers.learner.batch import build_step_batch
+from trainers.config import TrainSection
 
 MIS = mis_jax.MISConfig.from_yaml("configs/mis.yaml")
 LOSSES = {"recompute": mis_jax.LossConfig(use_tis=True, mis=MIS),

@@ -38,8 +38,8 @@ KEYS = ("sampling_kept_mass_mean", "sampling_ratio_mean_full", "sampling_ratio_o
 
 def measure(dtype: str, setting: str, model_path: str, url: str, run_dir: str, *, prompts: int, n: int) -> dict:
   import mis_jax
-  from trainers.training import train as train_lib
-  from trainers.training.config import TrainConfig
+  from trainers.app import trainer as train_lib
+  from trainers.config import TrainConfig
   top_k, top_p, min_p = SETTINGS[setting]
   cfg = TrainConfig.from_dict({
       "seed": 0, "run_dir": run_dir, "model": {"path": model_path},

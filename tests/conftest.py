@@ -61,13 +61,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # The longest files first (measured durations, longest first): `--dist loadfile` hands whole
 # files to the two workers in collection order, so a long file collected last would leave one
 # worker running it alone at the end. Within a file, and among the rest, the order is unchanged.
-LONGEST_FIRST = ("trainers/serving/test_sglang_jax.py", "trainers/training/test_moe_train.py",
-                 "trainers/models/test_moe_model.py", "trainers/training/test_step.py",
-                 "trainers/training/test_sampling_replay.py", "trainers/training/test_train.py",
-                 "trainers/training/test_colocated.py", "mis_jax/integrations/test_tunix.py",
-                 "trainers/agents/test_agents_train.py", "trainers/training/test_fleet.py",
+LONGEST_FIRST = ("trainers/serving/test_sglang_jax.py", "trainers/app/test_moe_train.py",
+                 "trainers/models/test_moe_model.py", "trainers/learner/test_step.py",
+                 "trainers/rollout/test_sampling_replay.py", "trainers/app/test_train.py",
+                 "trainers/rollout/test_colocated.py", "mis_jax/integrations/test_tunix.py",
+                 "trainers/agents/test_agents_train.py", "trainers/rollout/test_fleet.py",
                  "mis_jax/integrations/test_tunix_agentic.py",
-                 "trainers/training/test_faults.py", "test_notebooks.py", "trainers/serving/test_server.py")
+                 "trainers/app/test_faults.py", "test_notebooks.py", "trainers/serving/test_server.py")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -115,8 +115,9 @@ PLACEHOLDERS = ("my.yaml", "/models/", "runs/rec")  # your config, your checkpoi
 def test_the_trainer_commands_and_the_readme_config_validate(tmp_path):
   """Each `mis-jax train` line of the README and the guides resolves (YAML < --set < flags, and
   every check the trainer runs before starting), except those naming a file of yours."""
-  from trainers import cli
-  from trainers.training import config as config_lib
+  from trainers.app import load
+  from trainers.commands import train as train_command
+  from trainers import config as config_lib
   lines = [(path, line) for path, line in _commands() if "mis-jax train" in line]
   checked = 0
   for path, line in lines:
@@ -126,7 +127,7 @@ def test_the_trainer_commands_and_the_readme_config_validate(tmp_path):
     if "--run-dir" not in argv and "--resume" not in argv:
       argv += ["--run-dir", str(tmp_path / f"run{checked}")]
     try:
-      cli.resolve_train_config(cli.train_parser().parse_args(argv))
+      load.resolve_train_config(train_command.train_parser().parse_args(argv))
     except Exception as e:  # noqa: BLE001 - the message names the page and the line
       raise AssertionError(f"{path}: {line}: {e}") from e
     checked += 1

@@ -131,7 +131,7 @@ def test_vanilla_tis_weights_and_jit():
 
 def test_trainer_warns_past_one_percent():
   import types
-  from trainers.training.train import NONFINITE_WARN_FRACTION, Trainer
+  from trainers.app.trainer import NONFINITE_WARN_FRACTION, Trainer
   lines = []
   state = types.SimpleNamespace(step=7, masked_in_a_row=0)
   metrics = {"mis_nonfinite_rollout_logprob_fraction": 0.02, "mis_nonfinite_rollout_logprob_count": 4.0}

@@ -133,7 +133,7 @@ def test_preset_by_name_in_flags_and_trainer_config():
   assert cfg == mis_jax.preset("icepop", denominator="kept")
   with pytest.raises(mis_jax.ConfigError, match="Valid presets"):
     loss_config_from_args({"preset": "nope"})
-  from trainers.training import config as tcfg
+  from trainers import config as tcfg
   assert tcfg.loss_config({"preset": "trl:sequence_mask"}) == mis_jax.preset("trl:sequence_mask")
   assert tcfg.loss_config({"preset": "tis", "loss_agg_mode": "token-mean"}) == mis_jax.preset(
       "tis", loss_agg_mode="token-mean")

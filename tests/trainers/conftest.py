@@ -57,7 +57,7 @@ def sequence_logits(model, seq) -> np.ndarray:
 
 
 class StepTraces:
-  """Counts the traces of the trainer's jitted step functions (`trainers.training.step._jit`), per
+  """Counts the traces of the trainer's jitted step functions (`trainers.learner.step._jit`), per
   shape bucket (the arrays' shapes and dtypes; Python values by type only): a function must trace
   once per bucket and never again, so a Python value that changes between calls as a static
   argument (a recompile every call) fails. This is the trace counter where chex cannot reach: the
@@ -103,7 +103,8 @@ class StepTraces:
 
 @pytest.fixture
 def step_traces(monkeypatch):
-  from trainers.training import step, train
+  from trainers.learner import step
+  from trainers.app import trainer as train
   traces = StepTraces()
   monkeypatch.setattr(step, "_jit", traces.jit)
   # Step functions another test built for the same setup would be reused without tracing: build anew.

@@ -1,10 +1,13 @@
-"""The package boundaries the layout shows: serving never imports training, the trainer reaches
-the server only through the wire schema (`trainers.serving.protocol`) — but for colocated
-rollouts, which host an engine (ours or sglang-jax's) in the trainer's process — models and
-tasks import neither, and the library imports no trainer code."""
+"""The layers the layout shows, bottom to top, each importing only from the layers below it
+(`LAYERS`; docs/development.md opens with the same table, checked here): the library, then
+models / tasks / serving, the config schema, the runtime, rollouts, agents, the learner, the
+composition root, the commands (and `mis-jax` itself, `trainers.cli`), the experiments. A function-level import is an import; no import cycle anywhere.
+Within rollouts, only the colocated engines and the backend that composes them reach the serving
+engines beyond their wire schema (`trainers.serving.protocol`)."""
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -12,44 +15,157 @@ from helpers import parse_source
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
+# Bottom to top: each package and what it may import besides itself (the library, `mis_jax`, is
+# open to all; it imports nothing of `trainers`).
+LAYERS = {
+    "mis_jax": (),
+    "trainers.models": (),
+    "trainers.tasks": (),
+    "trainers.serving": ("trainers.models",),
+    "trainers.config": ("trainers.models", "trainers.tasks"),
+    "trainers.runtime": ("trainers.models", "trainers.config"),
+    "trainers.rollout": ("trainers.models", "trainers.tasks", "trainers.serving", "trainers.config",
+                         "trainers.runtime"),
+    "trainers.agents": ("trainers.models", "trainers.tasks", "trainers.config", "trainers.runtime",
+                        "trainers.rollout"),
+    "trainers.learner": ("trainers.models", "trainers.config", "trainers.runtime", "trainers.rollout"),
+    "trainers.app": ("trainers.models", "trainers.tasks", "trainers.serving", "trainers.config",
+                     "trainers.runtime", "trainers.rollout", "trainers.agents", "trainers.learner"),
+    "trainers.commands": ("trainers.models", "trainers.tasks", "trainers.serving", "trainers.config",
+                          "trainers.runtime", "trainers.rollout", "trainers.agents", "trainers.learner",
+                          "trainers.app"),
+    "trainers.cli": ("trainers.commands",),
+    "trainers.experiments": ("trainers.models", "trainers.tasks", "trainers.serving", "trainers.config",
+                             "trainers.runtime", "trainers.rollout", "trainers.agents", "trainers.learner",
+                             "trainers.app", "trainers.commands"),
+}
 
-def _imports(package: str) -> dict[str, set[str]]:
+
+def _modules() -> dict[str, pathlib.Path]:
   out = {}
-  for path in (ROOT / package).rglob("*.py"):
-    names = set()
-    for node in ast.walk(parse_source(path.read_text())):
-      if isinstance(node, ast.Import):
-        names |= {a.name for a in node.names}
-      elif isinstance(node, ast.ImportFrom) and node.level == 0:
-        names |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-    out[str(path.relative_to(ROOT))] = names
+  for package in ("mis_jax", "trainers"):
+    for path in (ROOT / package).rglob("*.py"):
+      name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+      out[name.removesuffix(".__init__")] = path
   return out
 
 
-def _offenders(package, forbidden, allowed=()):
-  return {f: sorted(n for n in names if n.startswith(forbidden) and n not in allowed)
-          for f, names in _imports(package).items()
-          if any(n.startswith(forbidden) and n not in allowed for n in names)}
+def _imports(name: str, path: pathlib.Path, known) -> set[str]:
+  """The project modules `name` imports anywhere in its file (function level and TYPE_CHECKING
+  included), as the closest known module of each imported name."""
+  package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+  found = set()
+  for node in ast.walk(parse_source(path.read_text())):
+    if isinstance(node, ast.Import):
+      names = [a.name for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        parts = package.split(".")
+        base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+      # `from pkg import mod` imports `pkg.mod` (and runs `pkg`'s __init__, which is pkg's own business)
+      names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
+    else:
+      continue
+    for n in names:
+      while n and n not in known:
+        n = n.rpartition(".")[0]
+      if n and n not in (name, "trainers") and not (path.name == "__init__.py" and n.startswith(name + ".")):
+        found.add(n)
+  return found
 
 
-def test_package_boundaries():
-  assert _offenders("trainers/serving", ("trainers.training", "trainers.tasks", "trainers.cli")) == {}
-  assert _offenders("trainers/models", ("trainers.training", "trainers.serving", "trainers.tasks")) == {}
-  assert _offenders("trainers/tasks", ("trainers.training", "trainers.serving", "trainers.models")) == {}
-  # The one exception: colocated rollouts host the engine in the trainer's process.
-  assert _offenders("trainers/training", ("trainers.serving",),
-                    allowed=("trainers.serving", "trainers.serving.protocol")) == {
-      "trainers/training/colocated.py": [
-          "trainers.serving.embedded.generation", "trainers.serving.embedded.generation.GenerationEngine",
-          "trainers.serving.sglang_jax", "trainers.serving.sglang_jax.launcher", "trainers.serving.sglang_jax.routes",
-          "trainers.serving.sglang_jax.routes.InProcessEngine"]}
-  assert _offenders("mis_jax", ("trainers",)) == {}
-  assert {p.name for p in (ROOT / "trainers").iterdir() if (p / "__init__.py").exists()} >= {
-      "training", "serving", "models", "tasks"}
-  # The two engines, one folder each; the wire schema they share with the client beside them.
+def _package(module: str) -> str:
+  if module.startswith("mis_jax"):
+    return "mis_jax"
+  return ".".join(module.split(".")[:2])
+
+
+GRAPH = None
+
+
+def _graph():
+  global GRAPH
+  if GRAPH is None:
+    modules = _modules()
+    GRAPH = {name: _imports(name, path, modules) for name, path in modules.items()}
+  return GRAPH
+
+
+def test_every_package_has_a_layer():
+  packages = {_package(m) for m in _graph()} - {"trainers"}
+  assert packages == set(LAYERS), packages ^ set(LAYERS)
+
+
+def test_imports_point_down_only():
+  offenders = {}
+  for module, imported in _graph().items():
+    own = _package(module)
+    if own == "trainers":
+      continue
+    allowed = {own, "mis_jax", *LAYERS[own]}
+    bad = sorted(n for n in imported if _package(n) not in allowed)
+    if bad:
+      offenders[module] = bad
+  assert offenders == {}
+
+
+def test_no_import_cycle():
+  """Tarjan's strongly connected components of the module graph (every import counts)."""
+  graph, index, low, stack, on, cycles = _graph(), {}, {}, [], set(), []
+
+  def visit(v):
+    index[v] = low[v] = len(index)
+    stack.append(v)
+    on.add(v)
+    for w in graph.get(v, ()):
+      if w not in index:
+        visit(w)
+        low[v] = min(low[v], low[w])
+      elif w in on:
+        low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+      component = []
+      while True:
+        w = stack.pop()
+        on.discard(w)
+        component.append(w)
+        if w == v:
+          break
+      if len(component) > 1:
+        cycles.append(sorted(component))
+
+  for v in sorted(graph):
+    if v not in index:
+      visit(v)
+  assert cycles == []
+
+
+def test_a_command_imports_no_other_command():
+  for module, imported in _graph().items():
+    if module.startswith("trainers.commands.") :
+      assert not any(n.startswith("trainers.commands") and n != module for n in imported), module
+
+
+def test_rollouts_reach_the_engines_through_their_wire_schema():
+  """Only the colocated engines (hosted in the trainer's process) and the backend that composes
+  them import the serving engines; the rest of rollouts speaks the wire schema."""
+  reach = {m: sorted(n for n in imported if n.startswith("trainers.serving") and n != "trainers.serving.protocol")
+           for m, imported in _graph().items() if m.startswith("trainers.rollout")}
+  assert {m for m, names in reach.items() if names} == {"trainers.rollout.colocated", "trainers.rollout.backend"}
   assert {p.name for p in (ROOT / "trainers/serving").iterdir() if (p / "__init__.py").exists()} == {
       "embedded", "sglang_jax"}
   assert (ROOT / "trainers/serving/protocol.py").exists()
+
+
+def test_the_map_in_development_md_is_the_code():
+  """docs/development.md opens with the layers: its table lists each package, bottom to top, with
+  what it may import, as `LAYERS` does."""
+  text = (ROOT / "docs/development.md").read_text()
+  rows = re.findall(r"^\| `([\w.]+)` \| ([^|]*) \|", text, re.M)
+  table = {pkg: tuple(re.findall(r"`([\w.]+)`", imports)) for pkg, imports in rows if pkg in LAYERS}
+  assert list(table) == list(LAYERS)
+  assert table == {pkg: tuple(sorted(allowed, key=list(LAYERS).index)) for pkg, allowed in LAYERS.items()}
 
 
 def test_a_step_returns_a_value():
@@ -57,7 +173,7 @@ def test_a_step_returns_a_value():
   only the state the trainer owns (the policy, the optimiser state, the pass counter), never a
   result parked for others to read; and the passes return `Heads`, not a tuple whose length
   depends on flags."""
-  tree = parse_source((ROOT / "trainers/training/train.py").read_text())
+  tree = parse_source((ROOT / "trainers/app/trainer.py").read_text())
   (train_on,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "train_on"]
   assert ast.unparse(train_on.returns) == "StepOutcome"
   targets = [t for n in ast.walk(train_on) if isinstance(n, (ast.Assign, ast.AugAssign))
@@ -65,7 +181,7 @@ def test_a_step_returns_a_value():
   set_on_self = {e.attr for t in targets for e in ast.walk(t)
                  if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self"}
   assert set_on_self == {"params", "opt_state", "num_old_logprob_passes"}, set_on_self
-  step = parse_source((ROOT / "trainers/training/step.py").read_text())
+  step = parse_source((ROOT / "trainers/learner/step.py").read_text())
   (model_logprobs,) = [n for n in step.body if isinstance(n, ast.FunctionDef) and n.name == "model_logprobs"]
   assert ast.unparse(model_logprobs.returns) == "Heads"
 
@@ -77,13 +193,11 @@ def test_one_rollout_backend():
   same client whose engines are the router's workers), and it runs its parent's `__init__`; and
   no code in the trainer dispatches on a route string (`path == "/generate"`): an engine's routes
   are typed methods."""
-  train_imports = _imports("trainers/training")["trainers/training/train.py"]
-  composed = ("trainers.training.colocated", "trainers.training.engines", "trainers.training.sglang_client",
-              "trainers.training.weight_sync", "trainers.training.sources.ServerRollouts",
-              "trainers.training.sources.AsyncServerRollouts", "trainers.training.sources.RecordedRollouts",
-              "trainers.training.servers.Servers")
+  train_imports = _graph()["trainers.app.trainer"]
+  composed = ("trainers.rollout.colocated", "trainers.rollout.engines", "trainers.rollout.client",
+              "trainers.rollout.weight_sync", "trainers.rollout.fleet")
   assert sorted(n for n in train_imports if n.startswith(composed)) == []
-  assert "trainers.training.backend.build_rollout" in train_imports
+  assert "trainers.rollout.backend" in train_imports
   for path in (ROOT / "trainers").rglob("*.py"):
     tree = parse_source(path.read_text())
     for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
@@ -91,7 +205,7 @@ def test_one_rollout_backend():
         assert (path.name, cls.name) == ("fleet.py", "RouterClient"), (path, cls.name)
         init = next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
         assert "super().__init__(" in ast.unparse(init), f"{cls.name} skips SGLangClient.__init__"
-    if "trainers/training" in str(path):
+    if "trainers/rollout" in str(path) or "trainers/app" in str(path) or "trainers/learner" in str(path):
       routes = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Compare)
                 for c in [n.left, *n.comparators] if isinstance(c, ast.Constant) and isinstance(c.value, str)
                 and c.value.startswith("/")]

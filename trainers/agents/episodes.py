@@ -34,11 +34,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from trainers.agents.env import Environment, Observation, Turn
+from trainers.tasks.env import Environment, Observation, Turn
 from trainers.agents import rewards as agent_rewards  # a module reference: rewards imports extras, which imports this module
 from trainers.tasks.base import Prompt
-from trainers.training import extras as extras_lib
-from trainers.training.rollout import Reply, RolloutResult, Sample
+from trainers.rollout import extras as extras_lib
+from trainers.rollout.samples import Reply, RolloutResult, Sample
 
 
 @extras_lib.register

@@ -32,7 +32,7 @@ from typing import Sequence
 
 import numpy as np
 
-from trainers.training import extras as extras_lib
+from trainers.rollout import extras as extras_lib
 
 __all__ = ["TurnReward", "ESTIMATOR_SCALE", "turn_rewards", "turn_returns", "advantage_scale",
            "token_advantages"]

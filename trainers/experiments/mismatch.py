@@ -222,7 +222,7 @@ def _is_moe(design: Design) -> bool:
 
 
 def _train_config(out: str, design: Design, setting: Setting, seed: int, run_dir: str, arm: str = ""):
-  from trainers.training.config import TrainConfig
+  from trainers.config import TrainConfig
   # One path for every seed's initial weights, so that every run of an arm has the same config
   # apart from the seed and reuses the step functions compiled for the first one.
   start = os.path.join(out, "init", "current")
@@ -251,7 +251,7 @@ def run_experiment(out: str, design: Design = FULL, *, resume: bool = False, log
   (`{"design", "runs": [{"arm", "setting", "seed", "seconds", "top_logprobs_num", <metric>: [per step]}],
   ...}`)."""
   from trainers.serving.embedded.server import EmbeddedServer
-  from trainers.training.train import Trainer
+  from trainers.app.trainer import Trainer
 
   os.makedirs(out, exist_ok=True)
   path = os.path.join(out, "results.json")

@@ -12,7 +12,7 @@ import os
 import shutil
 import tempfile
 
-from trainers import cli
+from trainers.commands import command
 
 
 def main(argv=None) -> int:
@@ -21,11 +21,11 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   shutil.rmtree(args.out, ignore_errors=True)
   with tempfile.TemporaryDirectory() as run_dir:
-    code = cli.main(["train", "--config", "configs/demo.yaml", "--steps", "6", "--no-progress",
+    code = command("train").main(["--config", "configs/demo.yaml", "--steps", "6", "--no-progress",
                      "--run-dir", os.path.join(run_dir, "run"), "--save-rollouts", args.out])
     if code:
       return code
-  return cli.main(["analyze", args.out, "--out", os.path.join(args.out, "report")])
+  return command("analyze").main([args.out, "--out", os.path.join(args.out, "report")])
 
 
 if __name__ == "__main__":

@@ -282,7 +282,7 @@ def load_hf_params(path: str | os.PathLike, abstract_state: nnx.State, shardings
   the `*.safetensors` files in `path`.
 
   `shardings`: an `nnx.State` of `jax.sharding.Sharding`s with the same structure
-  (`trainers.training.parallel.param_shardings`); each device then reads only its own block of every
+  (`trainers.runtime.parallel.param_shardings`); each device then reads only its own block of every
   tensor from the files (no full copy on one device). Default: everything on the first device.
   `config`: the checkpoint's architecture (its HF weight names); default read from
   `path/config.json` when there is one.

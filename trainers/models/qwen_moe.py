@@ -6,7 +6,7 @@ Attention is Qwen3's (q/k RMSNorm, optional `attention_bias`). The HF config nam
 count `num_experts` (transformers 4.x, SGLang) or `num_local_experts` (transformers 5.x); both
 are read and both written. The shared partition rules apply inside an expert (its FFN columns
 split over `tensor`); the expert axis of `[L, E, in, out]` is split over the mesh's `expert`
-axis (`trainers.training.parallel.param_spec`). Layouts that mix dense and MoE layers (`mlp_only_layers`,
+axis (`trainers.runtime.parallel.param_spec`). Layouts that mix dense and MoE layers (`mlp_only_layers`,
 `decoder_sparse_step > 1`) are refused: the stacked layer scan needs one layer structure, and
 the published checkpoints of this family are MoE in every layer.
 

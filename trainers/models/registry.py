@@ -28,7 +28,7 @@ class Family:
     module: the NNX module class, built as `module(cfg, rngs=..., **model_kwargs)`.
     hf_name: parameter path → `(HF name with "{i}" for the layer, transposed?)`.
     tensor_rules, fsdp_rules: partition rules keyed by the last two components of a parameter
-      path (`trainers.training.parallel.param_spec`).
+      path (`trainers.runtime.parallel.param_spec`).
     hf_views: optional `(stored names, shape_of) -> {name: (stored name, view)}`: tensors a
       checkpoint may store fused, read as the per-tensor names of `hf_name` (`view.shape`,
       `view.index(index) -> stored index`).

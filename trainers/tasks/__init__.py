@@ -6,7 +6,7 @@ the same prompts) and scores a response with a float reward.
 - ``copy_digits`` (`copy_digits.py`): the built-in toy task.
 - ``lookup_digits`` (`lookup_digits.py`): the built-in multi-turn tool task (an agent task: its
   prompts start trajectories, `trainers.agents`).
-- ``calculator`` (`trainers.agents.calculator`): arithmetic with a calculator tool in Qwen3's
+- ``calculator`` (`trainers.tasks.calculator`): arithmetic with a calculator tool in Qwen3's
   ``<tool_call>`` format, for a Qwen3 tokenizer (an agent task).
 - ``dataset`` (`dataset.py`): JSONL / Parquet records (`dataset_files.py`) in the verl and TRL
   layouts, prompts rendered with the tokenizer's chat template (`chat.py`), rewards by name
@@ -25,7 +25,7 @@ __all__ = ["Prompt", "Task", "CopyDigitsTask", "DatasetTask", "LookupDigitsTask"
 
 
 def make_task(section, *, vocab_size: int, model_path: str | None = None) -> Task:
-  """The task of a config's ``task`` section (`trainers.training.config.TaskSection`); the tokenizer is
+  """The task of a config's ``task`` section (`trainers.config.TaskSection`); the tokenizer is
   ``task.tokenizer`` or, when that is null and the task needs one, ``model_path``'s."""
   if section.name == "copy_digits":
     return CopyDigitsTask(vocab_size=vocab_size, num_digits=section.num_digits or 3)
@@ -33,7 +33,7 @@ def make_task(section, *, vocab_size: int, model_path: str | None = None) -> Tas
     return LookupDigitsTask(vocab_size=vocab_size, num_digits=section.num_digits or 3,
                             tool=True if section.tool is None else section.tool)
   if section.name == "calculator":
-    from trainers.agents.calculator import CalculatorTask
+    from trainers.tasks.calculator import CalculatorTask
     return CalculatorTask(section.tokenizer, model_path=model_path, vocab_size=vocab_size,
                           chat_template_kwargs=section.chat_template_kwargs,
                           max_new_tokens=section.max_new_tokens or 512, stop_token_ids=section.stop_token_ids)

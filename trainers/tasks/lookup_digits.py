@@ -20,7 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from trainers.agents.env import Observation, Turn
+from trainers.tasks.env import Observation, Turn
 from trainers.tasks.base import Prompt
 
 

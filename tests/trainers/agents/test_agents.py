@@ -13,13 +13,13 @@ import numpy as np
 import pytest
 
 import mis_jax
-from trainers.agents.env import Observation, ToolError, Turn, call_tool
+from trainers.tasks.env import Observation, ToolError, Turn, call_tool
 from trainers.agents.episodes import Episodes, TurnIndex
 from trainers.tasks.base import Prompt
 from trainers.tasks.lookup_digits import LookupDigitsTask
-from trainers.training import extras as extras_lib
-from trainers.training.batch import build_step_batch
-from trainers.training.rollout import RolloutResult, Sample
+from trainers.rollout import extras as extras_lib
+from trainers.learner.batch import build_step_batch
+from trainers.rollout.samples import RolloutResult, Sample
 
 
 class ResponseToy(extras_lib.TokenExtra):
@@ -318,7 +318,7 @@ def test_the_mismatch_by_turn_index_is_k3_over_each_turns_tokens():
 
 def test_agent_settings_of_a_single_turn_task_are_an_error(tmp_path):
   from test_train import make_cfg
-  from trainers.training import checks
+  from trainers.app import checks
   with pytest.raises(mis_jax.ConfigError, match="agent.max_turns is set but task 'copy_digits' is single-turn"):
     checks.check_config(make_cfg(tmp_path, agent={"max_turns": 2}))
   with pytest.raises(mis_jax.ConfigError, match="task.tool is not a key of task 'copy_digits'"):

@@ -11,7 +11,7 @@ from agent_oracle import per_turn_advantages as _oracle
 from trainers.agents.episodes import Episodes, TurnIndex
 from trainers.agents.rewards import TurnReward, token_advantages, turn_returns
 from trainers.tasks.base import Prompt
-from trainers.training.rollout import RolloutResult, Sample
+from trainers.rollout.samples import RolloutResult, Sample
 
 ESTIMATORS = ("grpo", "dr_grpo", "rloo")
 
@@ -93,7 +93,7 @@ class _RewardEachTurn:
   """Reward 0.5·turn index after each turn; done after three turns (the last one's budget-free)."""
 
   def step(self, turn):
-    from trainers.agents.env import Observation
+    from trainers.tasks.env import Observation
     return Observation(ids=(50, 51), reward=0.5 * turn.index, done=turn.index == 3)
 
 
@@ -123,7 +123,7 @@ def test_the_driver_puts_each_observations_reward_on_its_turns_tokens():
 
 def test_per_turn_rewards_refuse_what_they_are_not_defined_for(tmp_path):
   from test_train import make_cfg
-  from trainers.training import checks
+  from trainers.app import checks
   agent = {"per_turn_rewards": True}
   task = {"name": "lookup_digits"}
   assert checks.check_config(make_cfg(tmp_path, task=task, agent=agent)).summary.startswith("lookup_digits")

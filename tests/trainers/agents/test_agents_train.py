@@ -15,10 +15,12 @@ import pytest
 import mis_jax
 from agent_oracle import per_turn_advantages
 from test_train import embedded_server, make_cfg
-from trainers.agents.env import Observation, Turn
+from trainers.tasks.env import Observation, Turn
 from trainers.tasks.base import Prompt
-from trainers.training import analysis, rollout_records, train as train_lib
-from trainers.training.sglang_client import SGLangClient
+from trainers.commands import analyze as analysis
+from trainers.rollout import records as rollout_records
+from trainers.app import trainer as train_lib
+from trainers.rollout.client import SGLangClient
 
 pytestmark = pytest.mark.integration  # starts servers: make test, not make test-fast
 

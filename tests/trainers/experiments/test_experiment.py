@@ -150,7 +150,7 @@ def test_committed_results_are_the_full_design(sub, design):
 
 
 @pytest.mark.slow
-@pytest.mark.repeat  # the trainer end to end on the embedded server: tests/trainers/training/test_train.py
+@pytest.mark.repeat  # the trainer end to end on the embedded server: tests/trainers/app/test_train.py
 def test_quick_mode_end_to_end(tmp_path, capsys):
   out = str(tmp_path / "quick")
   mismatch.main(["--quick", "--out", out])

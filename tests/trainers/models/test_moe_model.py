@@ -19,7 +19,8 @@ import mis_jax
 from trainers.models import (PRESETS, CausalLM, ModelConfig, hf_state_dict, load_hf_checkpoint, moe,
                              read_hf_tensors, save_hf_checkpoint)
 from trainers.serving.embedded.sampler import Sampler, SamplingOptions
-from trainers.training import parallel, step as step_lib
+from trainers.runtime import parallel
+from trainers.learner import step as step_lib
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -282,9 +283,9 @@ def moe_step_setup():
     experts = np.stack([rng.permutation(MOE.num_experts)[:2] for _ in range(n * 2)]).reshape(n, 2, 2)
     experts[0] = -1
     s.extras = {"routed_experts": experts}
-  from trainers.training.batch import build_step_batch
-  from trainers.training.extras import RoutedExperts
-  from trainers.training.rollout import RoutingSpec
+  from trainers.learner.batch import build_step_batch
+  from trainers.rollout.extras import RoutedExperts
+  from trainers.rollout.samples import RoutingSpec
   rewards = rng.uniform(0, 1, len(samples)).astype(np.float32)
   groups = np.arange(len(samples)) // 4
   adv = np.asarray(mis_jax.compute_advantages(rewards, groups, num_groups=int(groups.max()) + 1))

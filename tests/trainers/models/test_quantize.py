@@ -133,7 +133,7 @@ def test_bad_quantize_is_refused_before_anything_starts(tiny_checkpoint):
 
 
 def test_trainer_config_key():
-  from trainers.training.config import TrainConfig
+  from trainers.config import TrainConfig
   import mis_jax
   assert TrainConfig.from_dict({"rollout": {"placement": {"server_quantize": "fp8"}}}).rollout.placement.server_quantize == "fp8"
   with pytest.raises(mis_jax.ConfigError, match="rollout.placement.server_quantize has invalid value 'int4'"):

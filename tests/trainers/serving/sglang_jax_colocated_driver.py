@@ -20,8 +20,8 @@ import numpy as np
 
 from trainers.models import ModelConfig
 from trainers.serving.sglang_jax import launcher as sglang_jax
-from trainers.training import train as train_lib
-from trainers.training.config import TrainConfig
+from trainers.app import trainer as train_lib
+from trainers.config import TrainConfig
 
 GREEDY = {"input_ids": [[1, 5, 9, 12], [1, 7, 30]], "return_logprob": True,
           "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}}

@@ -5,7 +5,7 @@ body, and the seeds it sends are one per sample."""
 import pytest
 
 from trainers.serving import protocol
-from trainers.training.rollout import sample_seeds, validate_sample
+from trainers.rollout.samples import sample_seeds, validate_sample
 
 
 def _sample(finish, ids=(5, 6), **meta):

@@ -19,7 +19,7 @@ from trainers import cli
 from trainers.serving import protocol
 from trainers.serving.embedded import sampler as sampler_mod
 from trainers.models import PRESETS, init_checkpoint, load_hf_checkpoint
-from trainers.training.rollout import sample_seeds
+from trainers.rollout.samples import sample_seeds
 from trainers.serving.embedded.server import EmbeddedServer
 
 from conftest import TINY, sequence_logprobs
@@ -588,7 +588,7 @@ def test_embedded_server_reports_a_failed_start(tmp_path):
 def test_trainer_client_gets_distinct_reproducible_groups(embedded):
   """The trainer's client against the server: a seeded GRPO group is n distinct samples (one
   seed per sample), the same again for the same seed, prompt-major, with their versions."""
-  from trainers.training.sglang_client import http_client
+  from trainers.rollout.client import http_client
   client = http_client([embedded.url], prompts_per_request=2)
   try:
     sp = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 6, "ignore_eos": True,

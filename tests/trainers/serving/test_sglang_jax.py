@@ -29,10 +29,11 @@ from test_train import make_cfg, merged, raw_cfg
 from trainers.models import PRESETS, init_checkpoint
 from trainers.serving.sglang_jax import launcher as sglang_jax
 from trainers.serving.embedded.server import EmbeddedServer
-from trainers.training import rollout_records
-from trainers.training import servers as servers_lib, train as train_lib
-from trainers.training.rollout import NoSamplingMask
-from trainers.training.sglang_client import http_client
+from trainers.rollout import records as rollout_records
+from trainers.rollout import servers as servers_lib
+from trainers.app import trainer as train_lib
+from trainers.rollout.samples import NoSamplingMask
+from trainers.rollout.client import http_client
 
 pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
 
@@ -195,7 +196,7 @@ def test_asynchronous_rollouts_through_pause_and_continue(real_server, checkpoin
 def test_a_response_straddling_an_update_trains_only_its_fresh_tokens(real_server, checkpoints):
   """rollout.sync.max_token_staleness on a real engine: a long response paused in place across a
   weight update comes back with two weight_versions spans, and only the tokens after the switch
-  are trained on (tests/trainers/training/test_token_staleness.py, on the embedded server too)."""
+  are trained on (tests/trainers/rollout/test_token_staleness.py, on the embedded server too)."""
   from test_token_staleness import check_straddling_response
   check_straddling_response(real_server, checkpoints["start"], checkpoints["other"])
 
@@ -565,7 +566,7 @@ def test_the_trainer_through_sglang_router(real_server, checkpoints, tmp_path):
   the router counted the requests. First, seeded rows through the router are the engine's own
   samples for those seeds (the router passes `sampling_seed`, `return_logprob`, `extra_key`)."""
   router_lib = _router_lib()
-  from trainers.training.fleet import router_client
+  from trainers.rollout.fleet import router_client
   with router_lib.RouterProcess(policy="round_robin") as router:
     router_lib.register(router.url, real_server)
     params = {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True}

@@ -1,0 +1,70 @@
+"""Orbax checkpoints of the trainer state (params, optimiser state) plus JSON metadata.
+
+Saves are asynchronous; Orbax writes each step to a temporary directory and renames it when
+complete, so ``latest_step`` never returns a half-written checkpoint (a run killed mid-save
+resumes from the previous one). A save that fails (a read-only or full directory) stops the run
+with a `TrainingError` naming the step and the directory; the previous checkpoint stays whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import jax
+import orbax.checkpoint as ocp
+
+from trainers.runtime.errors import TrainingError
+
+
+class Checkpointer:
+
+  def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
+    self.directory = os.path.abspath(directory)
+    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
+                                           create=True)
+    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    self._pending: int | None = None  # the step of a save that may still be in flight
+
+  def save(self, step: int, state, meta: dict) -> None:
+    with self._failures(f"the checkpoint of step {self._pending}" if self._pending is not None else
+                        f"the checkpoint of step {step}"):
+      self._pending = step
+      self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                       meta=ocp.args.JsonSave(meta)))
+
+  @contextlib.contextmanager
+  def _failures(self, what: str):
+    """An Orbax failure (here, or of the previous asynchronous save, which surfaces here) as a
+    `TrainingError` that says what is left."""
+    try:
+      yield
+    except (OSError, ValueError, RuntimeError) as e:
+      kept = self._manager.latest_step()
+      raise TrainingError(f"{what} could not be written to {self.directory}: {type(e).__name__}: {e}. "
+                          + (f"The last whole checkpoint is step {kept}." if kept is not None else
+                             "There is no whole checkpoint yet.")) from None
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def restore_latest(self, like):
+    """Restores the newest complete checkpoint into the structure of ``like``, or None."""
+    step = self._manager.latest_step()
+    if step is None:
+      return None
+    abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like)
+    out = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                              meta=ocp.args.JsonRestore()))
+    return out["state"], out["meta"]
+
+  def wait(self) -> None:
+    with self._failures(f"the checkpoint of step {self._pending}"):
+      self._manager.wait_until_finished()
+    self._pending = None
+
+  def close(self) -> None:
+    try:
+      self.wait()
+    finally:
+      self._manager.close()

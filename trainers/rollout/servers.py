@@ -1,0 +1,279 @@
+"""The rollout servers from the trainer's side: what it asks them before step 1 (health, the
+per-token extras, the initial weight push), the weights it pushes after each step,
+the mismatch sanity check, and the wait for a server that went away (contract §11).
+
+`Servers` is composed by `trainers.rollout.backend.build_rollout` from a client
+(`trainers.rollout.client.SGLangClient` over its engines, on process 0) and a weight-sync
+strategy (`trainers.rollout.weight_sync`: `DiskSync` for servers over HTTP, `MemorySync` for
+an engine colocated in this process). Rollouts replayed from records have no servers' side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import warnings
+
+from trainers.models import DTYPES
+from trainers.runtime import distributed
+from trainers.runtime.errors import NoServerUp, Preempted, TrainingError, on_primary
+from trainers.rollout.samples import RolloutResult, ServerError
+from trainers.rollout.client import SGLangClient
+from trainers.rollout.weight_sync import WeightSync
+
+# The mismatch sanity check's limits (mean |Δ log p| over response tokens, mis_k3_kl) when server
+# and trainer hold the same weights. Measured on the tiny models (docs/guides/trainer.md): float32 on both sides
+# 3e-7 / 0; bf16 engine 7e-3–1.2e-2 / 4e-5–7e-4; fp8 weights 5e-2–6e-2 / 2e-3–4e-3; a batch
+# garbled by sglang-jax's overlap scheduler 1.78 / 1.23; log-probs shifted by one token ~2 / ~1.
+MISMATCH_LIMITS = {"float32": (1e-3, 1e-4), "low": (0.25, 0.1)}
+NO_RESTARTS = {"rollout/server_restarts": 0, "rollout/unavailable_s": 0.0}  # a step's metrics when none went away
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """What every `/generate` of the run asks: the sampling params, `n` per prompt, the seed, and
+  the run's per-token extras (`trainers.rollout.extras`: sampling masks, routed experts, ...)."""
+  params: dict
+  n: int
+  seed: int
+  extras: tuple = ()
+
+
+class Servers:
+  """The engines of `client` (SGLang servers or routers, or the colocated engine), their weights
+  pushed by `weight_sync`. Process 0 holds the client (`client` is None on the others); the
+  others take part in the collective weight writes and get process 0's answers.
+
+  Bookkeeping: `served_version` is the step whose weights the servers hold, `served_path` the
+  HF directory they were loaded from (what a restarted server gets back).
+  """
+
+  def __init__(self, cfg, *, client: SGLangClient | None, weight_sync: WeightSync, start_dir: str, model_config,
+               sampling: Sampling, episodes=None, log=print):
+    r = self.rollout = cfg.rollout
+    self.cfg, self.model_config, self.sampling, self.log = cfg, model_config, sampling, log
+    self.start_dir = start_dir
+    self.client, self.weight_sync = client, weight_sync
+    self.episodes = episodes  # an agent task's multi-turn driver and environments (`Episodes`, make_env), or None
+    self.weight_dtype = r.sync.weight_dtype or r.placement.server_dtype  # refined from the servers' /server_info at start
+    self.server_dtype, self.server_quantized = r.placement.server_dtype, r.placement.server_quantize != "none"
+    self.served_version, self.served_path = 0, start_dir
+    self._warned_versions = False
+    self._unavailable_since: float | None = None  # when the current step first found no server
+    self.step_events = dict(NO_RESTARTS)
+
+  # --- before step 1 -------------------------------------------------------------------------
+  def prepare(self, params, step: int, *, log=print) -> None:
+    """Health, the probes a run's options need, and the initial push: afterwards the servers hold
+    the trainer's weights (or, when the push is skipped, the very checkpoint it starts from)."""
+    r, self.log = self.rollout, log
+    on_primary(lambda: self.client.wait_until_healthy(attempts=r.transport.health_attempts, backoff_s=r.transport.backoff_s))
+    on_primary(lambda: self.weight_sync.check_reach(log=log))  # e.g. no shared filesystem: stop now, not at a push
+    if self.sampling.extras:  # a server that cannot return an extra is found before any step
+      on_primary(lambda: self.client.check_extras(self.sampling.extras, self.sampling.params))
+    if self._first_push(step, log=log):
+      self.push(params, step)
+    else:  # a fleet that admits workers during the run gives them these
+      on_primary(lambda: self.client.weights_served(self.served_path, str(step)))
+    self.served_version = step
+
+  def facts(self) -> dict:
+    """What the servers say before training (process 0): whether every one serves the
+    trainer's starting weights (`/model_info`'s `model_path` is `model.path`, or the preset's
+    initial directory), the dtype the first reports (`/server_info`), and the URLs without a
+    weight-update route."""
+    start = os.path.realpath(self.start_dir)  # (process 0 only: no collective in here)
+    serves_start, dtypes, quantized = True, set(), False
+    for url in self.client.urls:
+      info = self.client.model_info(url)
+      path = info.get("model_path")
+      serves_start &= isinstance(path, str) and os.path.realpath(path) == start
+      try:
+        sinfo = self.client.server_info(url)
+      except ServerError:
+        sinfo = {}
+      dtypes.add(sinfo.get("dtype"))
+      quantized |= sinfo.get("quantization") not in (None, "none", "")
+    missing = [url for url in self.client.urls if not self.client.has_weight_update_route(url)]
+    dtype = dtypes.pop() if len(dtypes) == 1 else None
+    return {"serves_start": serves_start, "dtype": dtype if dtype in DTYPES else None, "quantized": quantized,
+            "missing_update_route": missing}
+
+  def _first_push(self, step: int, *, log=print) -> bool:
+    """Decides the first weight push (`rollout.sync.initial_sync`) and the pushed dtype, and checks
+    that every server can load weights when the run will push any. Returns whether to push now.
+
+    `auto` skips the push when the run is not resumed and every server reports `model.path`
+    (or the preset's initial directory) as its `model_path`: it loaded the very checkpoint the
+    trainer starts from, so a push would write the same values (cast to the same dtype). A
+    resume always pushes (the servers must get the restored weights)."""
+    r, resumed = self.rollout, step > 0
+    facts = on_primary(self.facts)
+    self.server_dtype = facts["dtype"] or r.placement.server_dtype
+    self.server_quantized = facts["quantized"] or r.placement.server_quantize != "none"
+    self.weight_dtype = r.sync.weight_dtype or self.server_dtype
+    push = resumed or r.sync.initial_sync == "always" or (r.sync.initial_sync == "auto" and not facts["serves_start"])
+    first_sync = step + r.sync.sync_every - step % r.sync.sync_every  # the loop's first push
+    will_sync = push or first_sync <= self.cfg.train.steps
+    if facts["missing_update_route"] and will_sync:
+      when = "the resumed weights before step 1" if resumed else (
+          "the starting weights before step 1" if push else f"the weights after step {first_sync}")
+      raise TrainingError(
+          f"{', '.join(facts['missing_update_route'])} has no /update_weights_from_disk route (HTTP 404), so it "
+          f"cannot load {when}. Settings that need no weight push: start the server on model.path with "
+          f"rollout.sync.initial_sync: auto (or never) and rollout.sync.sync_every > train.steps (every step then trains on "
+          f"rollouts of the starting weights: decoupled PPO corrects the growing staleness), or train from records "
+          f"(rollout.records.load_dir)")
+    if distributed.is_primary():
+      if not push:
+        log(f"initial weight push skipped (rollout.sync.initial_sync {r.sync.initial_sync}): "
+            + ("every server already serves the starting weights" if facts["serves_start"] else "as configured"))
+      if facts["missing_update_route"]:
+        log(f"{', '.join(facts['missing_update_route'])} cannot load new weights; none will be pushed in "
+            f"{self.cfg.train.steps} steps (rollout.sync.sync_every {r.sync.sync_every})")
+    return push
+
+  # --- rollouts ---------------------------------------------------------------------------------
+  def generate(self, prompts: list, batch: int) -> RolloutResult:
+    """Rollout batch `batch` of the task's `prompts` (process 0): its per-sample seeds depend on
+    (seed, batch) only, so a redone batch samples the same completions from the same weights. An
+    agent task's prompts start multi-turn trajectories (`trainers.agents.episodes`), each turn of
+    every trajectory in one batched request."""
+    s, version = self.sampling, self.served_version
+    seed = s.seed * 100_003 + batch
+    if self.episodes is None:
+      result = self.client.generate([p.ids for p in prompts], s.params, n=s.n, seed=seed, extras=s.extras)
+    else:
+      episodes, make_env = self.episodes
+      result = episodes.run(self.client.generate, prompts, make_env, sampling_params=s.params, n=s.n, seed=seed,
+                            extras=s.extras)
+    result = self._own_versions(result, version)
+    self.weight_sync.rollouts_done()
+    return result
+
+  def _own_versions(self, result: RolloutResult, version: int) -> RolloutResult:
+    """Samples whose server reports no usable weight version (none, or not a step number such as
+    SGLang's "default") get the trainer's own bookkeeping: `version`, the last it pushed."""
+    bad = [s for s in result.samples if not str(s.weight_version).isdigit()]
+    if not bad:
+      return result
+    if not self._warned_versions:
+      self._warned_versions = True
+      warnings.warn(f"the server's replies carry no usable weight_version ({bad[0].weight_version!r}): using the "
+                    f"trainer's own bookkeeping (the version it last pushed)")
+    own = str(version)
+    samples = [dataclasses.replace(s, weight_version=own, weight_versions=tuple((own, a, b) for _, a, b in
+                                                                                 s.weight_versions))
+               if not str(s.weight_version).isdigit() else s for s in result.samples]
+    return dataclasses.replace(result, samples=samples)
+
+  # --- after each step --------------------------------------------------------------------------
+  def sync(self, params, step: int, *, preempted=lambda: False) -> dict:
+    """Pushes the weights of `step` every `rollout.sync.sync_every` steps; its phase times."""
+    if step % self.rollout.sync.sync_every:
+      return {}
+    while True:
+      try:
+        return self.push(params, step)
+      except NoServerUp as e:  # every server went away during the push: wait, then push again
+        try:
+          self.wait_for_restart(e, preempted=preempted)
+        except Preempted:
+          return {}  # the step is done; a resume pushes its weights
+
+  def push(self, params, step: int) -> dict:
+    """The weights of `step` into every engine (`weight_sync`); its phase times. Raises
+    `NoServerUp` when no server is up."""
+    metrics, path = self.weight_sync.push(params, step, self.weight_dtype)
+    self.served_version, self.served_path = step, path
+    return metrics
+
+  def mismatch_limits(self) -> tuple[float, float, str]:
+    """`(max mean |Δ log p|, max mis_k3_kl, what)` for the sanity check, by dtype pair: float32
+    on both sides (no quantisation) vs anything lower (`MISMATCH_LIMITS`)."""
+    exact = (self.server_dtype == "float32" and not self.server_quantized and self.weight_dtype == "float32"
+             and self.cfg.model.dtype == "float32")
+    key = "float32" if exact else "low"
+    pair = (f"server {self.server_dtype}{' quantised' if self.server_quantized else ''}, trainer "
+            f"{self.cfg.model.dtype}")
+    return (*MISMATCH_LIMITS[key], pair)
+
+  def check_mismatch(self, step: int, metrics: dict, result: RolloutResult) -> None:
+    """When the servers held the trainer's weights for this step's samples (all fresh), a
+    mismatch far beyond numerics stops the run before anything is saved or pushed."""
+    if not self.rollout.sync.mismatch_check:
+      return
+    if self.served_version != step or any(s.oldest_version != str(step) for s in result.samples):
+      return
+    max_abs, max_k3, pair = self.mismatch_limits()
+    diff, k3 = metrics.get("train_rollout_logprob_abs_diff"), metrics.get("mis_k3_kl")
+    if diff is None or k3 is None or (diff <= max_abs and k3 <= max_k3):
+      return
+    raise TrainingError(
+        f"step {step + 1}: the server and the trainer hold the same weights, yet their log-probs differ far "
+        f"beyond numerics: mean |Δ log p| {diff:.3g} (limit {max_abs:g}), mis_k3_kl {k3:.3g} (limit {max_k3:g}) for "
+        f"{pair}. Likely causes: the server runs another model or tokenizer than model.path, or an engine bug that "
+        f"garbles batches (e.g. sglang-jax's overlap scheduler: start it with --disable-overlap-schedule). Nothing "
+        f"of this step was saved or pushed; set rollout.sync.mismatch_check: false to train anyway")
+
+  # --- servers that go away -----------------------------------------------------------------
+  def readmit(self) -> None:
+    """Servers marked down that answer `/health` again get the served weights, then serve again
+    (the live ones carried on without them). Process 0; cheap when none is down."""
+    def readmit():
+      restarted = 0
+      for url in self.client.down_urls():
+        if self.client.is_healthy(url):
+          try:  # a restarted server holds its starting weights, not the run's
+            self.client.update_weights_from_disk(self.served_path, str(self.served_version), urls=[url],
+                                                 pause_mode=self.rollout.sync.pause_mode)
+          except ServerError:
+            continue  # not ready after all: tried again at the next step
+          restarted += 1  # (a server that took the weights is readmitted by the push)
+      return restarted
+    restarted = on_primary(readmit)
+    self.step_events["rollout/server_restarts"] += restarted
+    if restarted and distributed.is_primary():
+      self.log(f"{restarted} server(s) back: they serve the weights of step {self.served_version} again")
+
+  def wait_for_restart(self, error: NoServerUp, *, preempted=lambda: False) -> None:
+    """No server is up: polls `/health` with backoff until one answers (then readmits it with the
+    served weights), for at most `rollout.transport.server_restart_timeout_s` since the step first found
+    no server. A timeout of 0 stops at once, with the failure as it was. A stop asked meanwhile
+    (`preempted()`) abandons the step (`Preempted`)."""
+    timeout = self.rollout.transport.server_restart_timeout_s
+    if timeout <= 0:
+      raise error.error
+    now = time.monotonic()
+    self._unavailable_since = self._unavailable_since or now
+    deadline = self._unavailable_since + timeout
+    if distributed.is_primary():
+      self.log(f"servers unavailable ({error}); waiting up to {deadline - now:.0f} s for them "
+               f"(rollout.transport.server_restart_timeout_s {timeout:g})")
+
+    def wait():
+      delay = self.rollout.transport.backoff_s or 0.5
+      while not any(self.client.is_healthy(url) for url in self.client.urls):
+        if preempted():
+          raise Preempted("a stop was asked while waiting for the servers")
+        if time.monotonic() + delay > deadline:
+          raise TrainingError(f"{error}; no server answered /health within rollout.transport.server_restart_timeout_s "
+                              f"{timeout:g} s")
+        time.sleep(delay)
+        delay = min(delay * 2, 10.0)
+    try:
+      on_primary(wait)
+    finally:
+      self.step_events["rollout/unavailable_s"] += time.monotonic() - now
+    self.readmit()
+
+  def step_done(self) -> dict:
+    """The step's restart metrics (and a fresh wait budget for the next step)."""
+    events, self._unavailable_since = self.step_events, None
+    self.step_events = dict(NO_RESTARTS)
+    return events
+
+  def close(self) -> None:
+    if self.client is not None:
+      self.client.close()
