@@ -131,11 +131,12 @@ def test_vanilla_tis_weights_and_jit():
 
 def test_trainer_warns_past_one_percent():
   import types
-  from trainers.app.trainer import NONFINITE_WARN_FRACTION, Trainer
+  from trainers.app.hooks import NONFINITE_WARN_FRACTION, MaskedSteps
+  from trainers.config import TrainConfig
   lines = []
-  state = types.SimpleNamespace(step=7, masked_in_a_row=0)
+  watch = MaskedSteps(TrainConfig())
   metrics = {"mis_nonfinite_rollout_logprob_fraction": 0.02, "mis_nonfinite_rollout_logprob_count": 4.0}
-  Trainer.watch_masked(state, metrics, None, lines.append)
+  watch.after_step(7, metrics, None, lines.append)
   assert len(lines) == 1 and "step 7: 2.00% of the trained tokens had a NaN/inf rollout log-prob" in lines[0]
-  Trainer.watch_masked(state, {"mis_nonfinite_rollout_logprob_fraction": NONFINITE_WARN_FRACTION}, None, lines.append)
+  watch.after_step(7, {"mis_nonfinite_rollout_logprob_fraction": NONFINITE_WARN_FRACTION}, None, lines.append)
   assert len(lines) == 1

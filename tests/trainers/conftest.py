@@ -104,10 +104,10 @@ class StepTraces:
 @pytest.fixture
 def step_traces(monkeypatch):
   from trainers.learner import step
-  from trainers.app import trainer as train
+  from trainers.app import build
   traces = StepTraces()
   monkeypatch.setattr(step, "_jit", traces.jit)
   # Step functions another test built for the same setup would be reused without tracing: build anew.
-  train._step_functions.cache_clear()
+  build.step_functions.cache_clear()
   yield traces
-  train._step_functions.cache_clear()  # (none built through the counter outlives the test)
+  build.step_functions.cache_clear()  # (none built through the counter outlives the test)

@@ -169,21 +169,73 @@ def test_the_map_in_development_md_is_the_code():
 
 
 def test_a_step_returns_a_value():
-  """`Trainer.train_on` runs the plan it was given and returns a `StepOutcome`: on `self` it sets
-  only the state the trainer owns (the policy, the optimiser state, the pass counter), never a
-  result parked for others to read; and the passes return `Heads`, not a tuple whose length
-  depends on flags."""
-  tree = parse_source((ROOT / "trainers/app/trainer.py").read_text())
-  (train_on,) = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "train_on"]
-  assert ast.unparse(train_on.returns) == "StepOutcome"
-  targets = [t for n in ast.walk(train_on) if isinstance(n, (ast.Assign, ast.AugAssign))
-             for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]
-  set_on_self = {e.attr for t in targets for e in ast.walk(t)
-                 if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self"}
+  """`Learner.step` runs the parts its plan was composed into and returns a `StepOutcome`: outside
+  its constructor the learner sets on `self` only the state it owns (the policy, the optimiser
+  state, the pass counter), never a result parked for others to read; and the passes return
+  `Heads`, not a tuple whose length depends on flags."""
+  tree = parse_source((ROOT / "trainers/learner/learner.py").read_text())
+  (learner,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Learner"]
+  (step,) = [n for n in learner.body if isinstance(n, ast.FunctionDef) and n.name == "step"]
+  assert ast.unparse(step.returns) == "StepOutcome"
+  set_on_self = set()
+  for method in (n for n in learner.body if isinstance(n, ast.FunctionDef) and n.name != "__init__"):
+    targets = [t for n in ast.walk(method) if isinstance(n, (ast.Assign, ast.AugAssign))
+               for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]
+    set_on_self |= {e.attr for t in targets for e in ast.walk(t)
+                    if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self"}
   assert set_on_self == {"params", "opt_state", "num_old_logprob_passes"}, set_on_self
-  step = parse_source((ROOT / "trainers/learner/step.py").read_text())
-  (model_logprobs,) = [n for n in step.body if isinstance(n, ast.FunctionDef) and n.name == "model_logprobs"]
+  step_module = parse_source((ROOT / "trainers/learner/step.py").read_text())
+  (model_logprobs,) = [n for n in step_module.body if isinstance(n, ast.FunctionDef) and n.name == "model_logprobs"]
   assert ast.unparse(model_logprobs.returns) == "Heads"
+
+
+def _hands_out_closures(fn) -> bool:
+  """Whether `fn` is a closure factory: a function it defines is returned, registered by a decorator,
+  or stored on an object (`x.attr = inner`, `x.attr = jit(inner)`), rather than only called or passed
+  to a loop or a transform inside `fn`."""
+  inner = {n.name for n in ast.walk(fn) if n is not fn and isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+  if any(n.decorator_list for n in ast.walk(fn) if n is not fn and isinstance(n, (ast.FunctionDef,
+                                                                                    ast.AsyncFunctionDef))):
+    return True
+  def handed_out(value) -> bool:  # `inner`, a container of it, or a wrapper of it (jit, partial)
+    if isinstance(value, ast.Name):
+      return value.id in inner
+    if isinstance(value, (ast.Tuple, ast.List)):
+      return any(handed_out(v) for v in value.elts)
+    if isinstance(value, ast.Dict):
+      return any(handed_out(v) for v in value.values)
+    if isinstance(value, ast.Call) and ast.unparse(value.func).split(".")[-1] in ("jit", "partial", "shard_map"):
+      return any(handed_out(v) for v in value.args[:1])
+    return False
+
+  for node in ast.walk(fn):
+    if isinstance(node, ast.Return) and node.value is not None and handed_out(node.value):
+      return True
+    if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) for t in node.targets)
+        and handed_out(node.value)):
+      return True
+  return False
+
+
+def test_the_step_reads_in_one_screen():
+  """The learner's step is at most 25 lines and branches only on the step's own shape (which of the
+  plan's two compositions: fused or separate), never on a plan option inside it; no function that
+  builds closures (a factory) is over 40 lines anywhere."""
+  tree = parse_source((ROOT / "trainers/learner/learner.py").read_text())
+  (learner,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Learner"]
+  (step,) = [n for n in learner.body if isinstance(n, ast.FunctionDef) and n.name == "step"]
+  assert step.end_lineno - step.lineno + 1 <= 25
+  plan_reads = {ast.unparse(n) for n in ast.walk(step) if isinstance(n, ast.Attribute)
+                and ast.unparse(n.value) == "self.plan"}
+  assert plan_reads <= {"self.plan.fuses", "self.plan.old_logprobs"}, plan_reads
+  long_factories = []
+  for package in ("mis_jax", "trainers"):
+    for path in (ROOT / package).rglob("*.py"):
+      for fn in ast.walk(parse_source(path.read_text())):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) and fn.end_lineno - fn.lineno + 1 > 40:
+          if _hands_out_closures(fn):
+            long_factories.append(f"{path.relative_to(ROOT)}:{fn.lineno} {fn.name}")
+  assert long_factories == []
 
 
 def test_one_rollout_backend():

@@ -35,9 +35,10 @@ from typing import Callable, Sequence
 import numpy as np
 
 from trainers.tasks.env import Environment, Observation, Turn
-from trainers.agents import rewards as agent_rewards  # a module reference: rewards imports extras, which imports this module
+from trainers.agents import rewards as agent_rewards
 from trainers.tasks.base import Prompt
 from trainers.rollout import extras as extras_lib
+from trainers.runtime import distributed
 from trainers.rollout.samples import Reply, RolloutResult, Sample
 
 
@@ -318,3 +319,15 @@ def turn_mismatch(sb, old_logprobs, max_turns: int) -> dict:
     if at.any():
       out[f"agent/k3_turn_{t}"] = float(k3[at].mean())
   return out
+
+
+class TurnMismatch:
+  """The side job of an agent run after each step: the mismatch by turn index (`turn_mismatch`),
+  when the step computed old log-probs."""
+
+  def __init__(self, max_turns: int):
+    self.max_turns = max_turns
+
+  def after_step(self, done) -> dict:
+    old = done.outcome.old_logprobs
+    return {} if old is None else turn_mismatch(done.sb, distributed.to_host(old), self.max_turns)

@@ -134,3 +134,16 @@ def token_advantages(samples: Sequence, rewards: np.ndarray, advantages: np.ndar
     adv[len(s.prompt_ids) - 1:][model] = advantages[i] - scale[i] * earned_before[model]
     out.append(adv.astype(np.float32))
   return out
+
+
+class PerTurnAdvantages:
+  """The step-batch stage of `agent.per_turn_rewards`: each turn's return on its tokens
+  (`token_advantages` of the batch's per-sequence advantages), as the batch's per-token advantages."""
+
+  def __init__(self, estimator: str):
+    self.estimator = estimator
+
+  def __call__(self, sb, samples, rewards, groups):
+    per_token = token_advantages(samples, rewards, sb.advantages, groups, estimator=self.estimator)
+    sb.batch = sb.batch.replace(advantages=sb.tokens(per_token, 0.0, np.float32))
+    return sb

@@ -1,13 +1,11 @@
-"""The trainer's config checks: everything that can be wrong with the resolved config, the
-files it names, the mesh and the task is found here, before a server starts or anything compiles
-(a `ConfigError` naming the key and the value). `sampling_replay_width` and `routing_setup` also
-return what the trainer builds from their sections."""
+"""The run's checks: everything that can be wrong with the resolved config, the files it names,
+the mesh and the task, found before a server starts or anything compiles (a `ConfigError` naming
+the key and the value). They only raise (or warn); what a run derives is `trainers.app.spec`'s."""
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
 import os
 import sys
 import urllib.parse
@@ -16,15 +14,12 @@ import warnings
 import jax
 
 import mis_jax
-from trainers.models import PRESETS, ModelConfig, checkpoint_dir_problem
-from trainers.tasks import make_task
-from trainers.rollout import extras as extras_lib, records as rollout_records
-from trainers.runtime import parallel
-from trainers.learner import plan as plan_lib
 from trainers.agents.rewards import ESTIMATOR_SCALE
 from trainers.config import AgentSection, TrainConfig
-from trainers.tasks.env import is_agent_task
-from trainers.rollout.settings import max_new_tokens, records_routing, routing_setup, sampling_replay_width  # noqa: F401
+from trainers.models import ModelConfig
+from trainers.rollout import extras as extras_lib, records as rollout_records
+from trainers.rollout.settings import RolloutSettings
+from trainers.runtime import parallel
 
 
 def check_sglang_jax(cfg) -> None:
@@ -46,10 +41,11 @@ def check_sglang_jax(cfg) -> None:
         "--prepare --trainer) -m trainers.cli train ...` (docs/guides/trainer.md, colocated rollouts)")
 
 
-def check_config(cfg: TrainConfig):
-  """Checks across sections (the loss among them), the files they name, and the task, before
-  anything is built or started: a `ConfigError` naming the key and the value. Sequences that
-  would not fit a row are an error. Returns the task (built to check it)."""
+def check_config(cfg: TrainConfig, task, model_cfg: ModelConfig, rollout: RolloutSettings, *, max_new_tokens: int,
+                 agent: bool) -> None:
+  """Checks across sections (the loss among them), the files they name, the model and the task
+  (`agent`: multi-turn), before anything is built or started: a `ConfigError` naming the key and
+  the value. Sequences that would not fit a row are an error."""
   loss_cfg = cfg.loss
   if cfg.train.exclude_rejected_from_baseline and (loss_cfg.algorithm != "decoupled_ppo" or loss_cfg.mis is None
                                                    or loss_cfg.correction_in_loss):
@@ -75,20 +71,16 @@ def check_config(cfg: TrainConfig):
                               "whitened over tokens); call mis_jax.compute_advantages(..., estimator='gdpo') "
                               "with your reward components")
   r = cfg.rollout
-  plan_lib.plan_step(cfg, r.sampling.routing_replay, records_routing(r))  # its errors (train.old_logprobs) now
   if loss_cfg.score_centering and r.sampling.top_logprobs_num < 1:
     raise mis_jax.ConfigError("loss.score_centering needs the sampler's top-k log-probs: set "
                               "rollout.sampling.top_logprobs_num to k >= 1 (e.g. 20; contract §6.6)")
-  if loss_cfg.score_centering and sampling_replay_width(r):
+  if loss_cfg.score_centering and rollout.sampling_replay_width:
     raise mis_jax.ConfigError("loss.score_centering with sampling replay: the sampler's top-k log-probs are over "
                               "the whole vocabulary while replay makes every trainer log-prob one over the "
                               "truncated support; set rollout.sampling.sampling_replay: off, or turn centring off")
   if estimator == "grpo_passk" and r.n < 2:
     raise mis_jax.ConfigError(f"train.advantage_estimator grpo_passk compares each group's best two samples: "
                               f"rollout.n must be >= 2, got {r.n}")
-  sampling_replay_width(r)
-  model_cfg = model_config(cfg)  # config.json read once
-  routing_setup(r, model_cfg)
   if r.sampling.top_logprobs_num > model_cfg.vocab_size:
     raise mis_jax.ConfigError(f"rollout.sampling.top_logprobs_num {r.sampling.top_logprobs_num} exceeds the model's "
                               f"vocabulary ({model_cfg.vocab_size} tokens): the engine returns at most that many")
@@ -117,27 +109,20 @@ def check_config(cfg: TrainConfig):
     check_sglang_jax(cfg)
   if os.path.isfile(cfg.run_dir):
     raise mis_jax.ConfigError(f"run_dir {cfg.run_dir!r} is a file; it must be a directory (or not exist yet)")
-  try:
-    task = make_task(cfg.task, vocab_size=model_cfg.vocab_size, model_path=cfg.model.path)
-  except (ValueError, TypeError, FileNotFoundError) as e:  # they name the key, file, row and column
-    raise mis_jax.ConfigError(f"task ({cfg.task.name}): {e}") from None
   if r.records.load_dir:
-    check_records(cfg, model_cfg)
-  max_new = max_new_tokens(cfg.rollout, task)
+    check_records(cfg, model_cfg, rollout)
+  max_new = max_new_tokens
   longest = getattr(task, "max_prompt_len", None)
   if longest is not None and longest + max_new - 1 > cfg.train.row_len:
     raise mis_jax.ConfigError(
         f"train.row_len ({cfg.train.row_len}) is shorter than the longest prompt ({longest} tokens) + "
         f"max_new_tokens ({max_new}) - 1: such a sequence could not be packed; raise train.row_len to "
         f">= {longest + max_new - 1} or lower rollout.sampling.max_new_tokens")
-  from trainers.tasks.env import is_agent_task
-  from trainers.config import AgentSection
-  if cfg.agent != AgentSection() and not is_agent_task(task):
+  if cfg.agent != AgentSection() and not agent:
     changed = [k for k, v in dataclasses.asdict(cfg.agent).items() if v != getattr(AgentSection(), k)]
     raise mis_jax.ConfigError(f"agent.{changed[0]} is set but task {cfg.task.name!r} is single-turn: the agent "
                               "section configures multi-turn tasks (lookup_digits, calculator)")
   check_per_turn_rewards(cfg)
-  return task
 
 
 def check_per_turn_rewards(cfg: TrainConfig) -> None:
@@ -156,7 +141,7 @@ def check_per_turn_rewards(cfg: TrainConfig) -> None:
                               "which would drop the per-turn returns); set one of them")
 
 
-def check_records(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
+def check_records(cfg: TrainConfig, model_cfg: ModelConfig, rollout: RolloutSettings) -> None:
   """Every record file a replay will read exists and fits the model and the config (a
   `ConfigError` naming the file and the column otherwise), before anything is trained."""
   r = cfg.rollout
@@ -169,7 +154,7 @@ def check_records(cfg: TrainConfig, model_cfg: ModelConfig) -> None:
       raise rollout_records.RecordError(
           f"rollout records {r.records.load_dir!r} have no {os.path.basename(rollout_records.step_path(r.records.load_dir, missing[0]))} "
           f"(they cover steps {min(steps)}..{max(steps)}); lower train.steps to {missing[0] - 1} or less")
-    active = extras_lib.active(r, model_cfg)
+    active = extras_lib.active(rollout, model_cfg)
     for k in range(1, cfg.train.steps + 1):
       cols, _ = rollout_records.read_step(steps[k])
       rollout_records.check_fits(steps[k], cols, vocab_size=model_cfg.vocab_size, row_len=cfg.train.row_len,
@@ -197,29 +182,11 @@ def check_url(url: str) -> None:
     raise mis_jax.ConfigError(f"--sglang-url {url!r} is not a valid server URL; expected http(s)://HOST:PORT")
 
 
-def model_config(cfg: TrainConfig) -> ModelConfig:
-  """The architecture of ``model.path`` (checked: a directory with config.json and
-  safetensors), or of ``model.preset``."""
-  path = cfg.model.path
-  if not path:
-    return PRESETS[cfg.model.preset]
-  problem = checkpoint_dir_problem(path)
-  if problem:
-    raise mis_jax.ConfigError(f"model.path {path!r}: {problem}")
-  try:
-    return ModelConfig.from_pretrained(path)
-  except (ValueError, KeyError, json.JSONDecodeError) as e:
-    raise mis_jax.ConfigError(f"model.path {path!r}: config.json is not a supported config (architectures: Qwen2, "
-                              f"Qwen3, Qwen3-MoE, Llama): {e}") from None
-
-
-def check_parallel(cfg: TrainConfig, devices=None) -> jax.sharding.Mesh:
-  """The mesh of ``cfg.parallel`` checked against the devices and the model (a `ConfigError`
-  otherwise), before any server starts or anything compiles."""
-  mesh = parallel.make_mesh(cfg.parallel, devices)
-  parallel.check_model(mesh, model_config(cfg))
+def check_mesh(cfg: TrainConfig, mesh: jax.sharding.Mesh, model_cfg: ModelConfig) -> None:
+  """The mesh of ``cfg.parallel`` against the model (a `ConfigError` otherwise) and the batch (a
+  warning when some devices would get only padding)."""
+  parallel.check_model(mesh, model_cfg)
   r = cfg.rollout
   if r.prompts_per_step * r.n < parallel.batch_devices(mesh):
     warnings.warn(f"rollout.prompts_per_step x n = {r.prompts_per_step * r.n} sequences for "
                   f"{parallel.batch_devices(mesh)} batch devices (data x fsdp): some devices get only padding")
-  return mesh

@@ -1,5 +1,6 @@
-"""The composition root's first stage: the `mis-jax train` flags and YAML resolved into a typed,
-checked `TrainConfig` and its task, before anything starts."""
+"""The composition root's first stage: the `mis-jax train` flags and YAML read into a typed
+`TrainConfig` (YAML < --set < dedicated flags), then resolved (`trainers.app.spec.resolve`), before
+anything starts."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import mis_jax
 from mis_jax.config import load_yaml
 from trainers import config as config_lib
 from trainers.app import checks
+from trainers.app.spec import resolve
 
 
 def resolve_train_config(args):
@@ -41,4 +43,4 @@ def resolve_train_config(args):
   if cfg.rollout.transport.router and args.sglang_url:
     raise mis_jax.ConfigError(f"--sglang-url {args.sglang_url[0]} beside rollout.transport.router "
                               f"{cfg.rollout.transport.router}: the workers are the router's own list; give one of them")
-  return cfg, checks.check_config(cfg)
+  return cfg, resolve(cfg)

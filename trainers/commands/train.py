@@ -13,11 +13,10 @@ import jax
 
 import mis_jax
 from trainers import config as config_lib
-from trainers.app import checks, load
-from trainers.app import trainer as train
+from trainers.app import build, load, trainer
 from trainers.rollout import backend
 from trainers.runtime import distributed
-from trainers.runtime.errors import ServerError
+from trainers.runtime.errors import ServerError, TrainingError
 
 
 
@@ -79,15 +78,6 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescrip
 
 
 def main(argv: list[str] | None = None) -> int:
-  import os
-
-  import jax
-
-  import mis_jax
-  from trainers.app import checks, trainer as train
-  from trainers.runtime import distributed
-  from trainers.rollout.samples import ServerError
-
   args = train_parser().parse_args(argv)
   try:
     settings = distributed.settings_from(args)
@@ -97,42 +87,40 @@ def main(argv: list[str] | None = None) -> int:
   distributed.initialize(settings, heartbeat_timeout_s=args.heartbeat_timeout)  # before any device is used
   primary = distributed.is_primary()
   try:
-    cfg, task = load.resolve_train_config(args)
-    mesh = checks.check_parallel(cfg)  # an invalid mesh is an error before any server starts
+    cfg, spec = load.resolve_train_config(args)  # an invalid mesh too is an error before any server starts
   except mis_jax.ConfigError as e:
     print(f"mis-jax train: {e}", file=sys.stderr)
     return 2
 
   say = print if primary else (lambda *a, **k: None)
+  mesh = spec.mesh
   say(f"algorithm: {cfg.loss.algorithm} (correction: {cfg.loss.correction}); run dir: {os.path.abspath(cfg.run_dir)}")
   say(f"mesh: {dict(mesh.shape)} over {mesh.size} {mesh.devices.flat[0].platform} device(s) in "
       f"{jax.process_count()} process(es)")
-  say(f"task: {task.summary}")
+  say(f"task: {spec.task.summary}")
   if cfg.rollout.sync.max_staleness:
     say(f"asynchronous rollouts: samples at most {cfg.rollout.sync.max_staleness} weight version(s) old, "
         f"servers paused with {cfg.rollout.sync.pause_mode!r} during a sync")
   try:
     with contextlib.ExitStack() as running:  # the embedded server stops however the run ends
       urls = args.sglang_url
-      colocated = cfg.rollout.placement.mode == "colocated"
-      fleet = bool(cfg.rollout.transport.router)
-      if not urls and primary and not cfg.rollout.records.load_dir and not colocated and not fleet:  # only process 0 talks to (and starts) a server
-        server = running.enter_context(backend.start_server(cfg, train.initial_weights_dir(cfg),
-                                                                  is_moe=checks.model_config(cfg).is_moe))
+      if not urls and primary and spec.backend == "servers":  # only process 0 talks to (and starts) a server
+        server = running.enter_context(backend.start_server(cfg, build.initial_weights_dir(cfg),
+                                                            is_moe=spec.model_config.is_moe))
         urls = [server.url]
-      trainer = train.Trainer(cfg, urls=urls, task=task)
-      history = trainer.run(resume=args.resume, progress=not args.no_progress, log=say)
+      run = trainer.Trainer(urls=urls, spec=spec)
+      history = run.run(resume=args.resume, progress=not args.no_progress, log=say)
   except mis_jax.ConfigError as e:
     print(f"mis-jax train: {e}", file=sys.stderr)
     return 2
-  except (train.TrainingError, ServerError) as e:
+  except (TrainingError, ServerError) as e:
     print(f"mis-jax train: stopped: {e}", file=sys.stderr)
     return 1
   if primary:
-    train.print_summary(history, cfg)
-  if trainer.preempted:  # a clean stop on SIGTERM / SIGINT: status 0, and --resume continues
-    got = trainer.preemption.signal
-    what = f"checkpoint of step {trainer.step} saved" if trainer.step else "nothing trained yet"
+    trainer.print_summary(history, cfg)
+  if run.preempted:  # a clean stop on SIGTERM / SIGINT: status 0, and --resume continues
+    got = run.preemption.signal
+    what = f"checkpoint of step {run.step} saved" if run.step else "nothing trained yet"
     say(f"\nmis-jax train: preempted by {signal.Signals(got).name if got else 'another process'} after step "
-        f"{trainer.step}: {what}; --resume continues from it")
+        f"{run.step}: {what}; --resume continues from it")
   return 0

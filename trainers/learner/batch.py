@@ -169,3 +169,42 @@ def build_step_batch(samples, rewards, advantages, groups, *, num_segments: int,
                    response_lengths=np.array([len(s.response_ids) for s in samples]),
                    groups=np.asarray(groups, np.int32), packing=packing, layout=layout,
                    extras=packed)
+
+
+class StepBatcher:
+  """A step's rollout → its `StepBatch`: the rewards (the replayed records', the trajectories'
+  environments', else `reward(prompt, response_ids, text)`), per-sequence advantages
+  (`advantages(rewards, groups, lengths)`), per-token staleness where the run uses it (`staleness`:
+  `max_token_staleness` masks tokens older than that; `loglinear` feeds it to the loss), the tokens
+  the loss may train on (the extras' `trainable`), the packed batch, then the `stages` in order
+  (each `stage(sb, samples, rewards, groups) -> sb`, e.g. an agent run's per-turn returns)."""
+
+  def __init__(self, *, reward, advantages, extras, num_segments: int, row_len: int, tokens_per_micro_batch: int,
+               batch_devices: int, max_token_staleness: int | None = None, loglinear: bool = False, stages=()):
+    self.reward, self.advantages, self.extras, self.stages = reward, advantages, extras, tuple(stages)
+    self.layout = dict(num_segments=num_segments, row_len=row_len, tokens_per_micro_batch=tokens_per_micro_batch,
+                       batch_devices=batch_devices)
+    self.max_token_staleness, self.loglinear = max_token_staleness, loglinear
+
+  def __call__(self, prompts, result, step: int) -> StepBatch:
+    samples = result.samples
+    if result.rewards is not None:  # replayed records carry their rewards
+      rewards = np.asarray(result.rewards, np.float32)
+    elif samples and all(s.reward is not None for s in samples):  # trajectories: their environment's rewards
+      rewards = np.array([s.reward for s in samples], np.float32)
+    else:
+      rewards = np.array([self.reward(prompts[s.prompt_index], s.response_ids, s.text) for s in samples], np.float32)
+    groups = np.array([s.prompt_index for s in samples], np.int32)
+    lengths = np.array([len(s.response_ids) for s in samples], np.int32)
+    trained, metrics = None, {}
+    staleness = (token_staleness(samples, step)  # the weights being trained are version `step`
+                 if self.max_token_staleness is not None or self.loglinear else None)
+    if self.max_token_staleness is not None:
+      trained, metrics = fresh_tokens(staleness, self.max_token_staleness)
+    trained = extras_lib.trainable(self.extras, samples, trained)  # e.g. a trajectory's model tokens only
+    sb = build_step_batch(samples, rewards, self.advantages(rewards, groups, lengths), groups, **self.layout,
+                          extras=self.extras, trained_tokens=trained, staleness=staleness if self.loglinear else None)
+    for stage in self.stages:
+      sb = stage(sb, samples, rewards, groups)
+    sb.metrics.update(metrics)
+    return sb

@@ -235,122 +235,155 @@ def _jit(fn, **kwargs):
   return jax.jit(fn, **kwargs)
 
 
+class StepSetup(NamedTuple):
+  """What every jitted function of one (model, loss, optimiser, mesh) setup is bound to: the
+  model's graph, the optimiser, the loss, the sampling temperature the log-probs use, the
+  log-prob chunk, the mesh, the parameters' shardings and the MoE load-balancing coefficient."""
+  graphdef: object
+  optimizer: optax.GradientTransformation
+  loss_cfg: mis_jax.LossConfig
+  temperature: float
+  chunk_size: int
+  mesh: object
+  param_shardings: object
+  router_aux_loss_coef: float = 0.0
+
+
+def policy_heads(setup: StepSetup, params, inputs: ModelInputs, segment_ids, **heads) -> Heads:
+  """`model_logprobs` of `setup`'s model at its temperature, chunk and mesh."""
+  return model_logprobs(setup.graphdef, params, inputs, segment_ids, temperature=setup.temperature,
+                        chunk_size=setup.chunk_size, mesh=setup.mesh, **heads)
+
+
+def forward_pass(setup: StepSetup, heads: Forward, params, inputs, segment_ids) -> Heads:
+  """A teacher-forced pass yielding `heads` over the micro-batches: `Heads` of `[micro_batches, ...]`."""
+  def one(xs):
+    out = policy_heads(setup, params, xs[0], xs[1], entropy=False, sum_sq=heads.sum_sq, routing_out=heads.routing)
+    return out._replace(router_aux_loss=None)  # the training forward's, not a head of this pass
+  return jax.lax.map(one, (inputs, segment_ids))
+
+
+def micro_batch_loss(setup: StepSetup, p, mb_inputs, mb_batch, correction_of, num_tokens):
+  """One micro-batch's loss and metrics from the training forward. `correction_of(logprobs,
+  mb_batch) -> (mb_batch, correction, kept)`: the micro-batch and the step's correction for it,
+  given the forward's own log-probs (stop-gradient), and what the step keeps of it (None:
+  nothing); the aux is (metrics, kept mask, kept)."""
+  loss_cfg, aux_coef = setup.loss_cfg, float(setup.router_aux_loss_coef)
+  replay = mb_inputs.support is not None
+  heads = policy_heads(setup, p, mb_inputs, mb_batch.segment_ids, entropy=True, kept_mass=replay,
+                       routing_out=aux_coef > 0, topk=loss_cfg.score_centering)
+  logp = heads.logprobs
+  mb_batch, mb_correction, kept = correction_of(jax.lax.stop_gradient(logp), mb_batch)
+  loss, metrics = mis_jax.policy_loss(logp, mb_batch, loss_cfg, entropy=heads.entropy, correction=mb_correction,
+                                      topk_logprobs=heads.topk_logprobs)
+  if aux_coef > 0:  # HF's load-balancing loss per micro-batch, token-weighted over the step
+    aux = heads.router_aux_loss
+    share = jnp.sum((mb_batch.segment_ids >= 0).astype(jnp.float32)) / num_tokens
+    loss = loss + aux_coef * aux * share
+    metrics["loss"] = metrics["loss"] + jax.lax.stop_gradient(aux_coef * aux * share)  # what is optimised
+    metrics["router_aux_loss"] = jax.lax.stop_gradient(aux)
+  if replay:  # kept mass and the ratio with / without renormalisation (first epoch: o = lp)
+    metrics.update(mis_jax.sampling_metrics(
+        jax.lax.stop_gradient(logp), jax.lax.stop_gradient(heads.kept_mass), mb_batch.rollout_logprobs,
+        mb_batch.loss_mask, mb_batch.segment_ids, num_segments=mb_batch.num_segments,
+        metric_reduction=loss_cfg.metric_mode))
+  return loss, (metrics, mb_correction.kept_mask, kept)
+
+
+def update(setup: StepSetup, params, opt_state, inputs, batch, per_micro_batch, correction_of):
+  """The step's body: a `lax.scan` over the micro-batches (`inputs`, `batch` and
+  `per_micro_batch`, each `correction_of`'s own) accumulating float32 gradients, then the
+  Optax update. Returns (params, opt_state, metrics, what `correction_of` kept of each
+  micro-batch, stacked)."""
+  num_tokens = jnp.maximum(jnp.sum((batch.segment_ids >= 0).astype(jnp.float32)), 1.0)
+
+  def body(acc, xs):
+    mb_inputs, mb_batch, mb_own = xs
+    of = functools.partial(correction_of, mb_own)
+    (_, (metrics, kept_mask, kept)), g = jax.value_and_grad(
+        lambda p: micro_batch_loss(setup, p, mb_inputs, mb_batch, of, num_tokens), has_aux=True)(params)
+    acc = jax.tree.map(lambda a, x, s: jax.lax.with_sharding_constraint(a + x.astype(jnp.float32), s),
+                       acc, g, setup.param_shardings)
+    return acc, (metrics, _micro_batch_weights(mb_batch, kept_mask, setup.loss_cfg.metric_mode), kept)
+
+  zeros = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(jnp.zeros(x.shape, jnp.float32), s),
+                       params, setup.param_shardings)
+  grads, (mb_metrics, weights, kept) = jax.lax.scan(body, zeros, (inputs, batch, per_micro_batch))
+  metrics = combine_metrics(mb_metrics, weights, setup.loss_cfg)
+  metrics["grad_norm"] = optax.tree.norm(grads)
+  # Optax mixes Python floats with int32 step counts: it needs standard promotion even when a
+  # user (or the test suite) runs strict; the rest of the step promotes nothing implicitly.
+  with jax.numpy_dtype_promotion("standard"):
+    updates, opt_state = setup.optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  return params, opt_state, metrics, kept
+
+
+def train(setup: StepSetup, params, opt_state, inputs, batch, correction):
+  """The update with the step's correction prepared before it (`prepare`): its per-token arrays
+  scanned with the batch, its denominators the step's, whole in every micro-batch."""
+  def given(mb_correction, logprobs, mb_batch):
+    return mb_batch, mb_correction.replace(denominators=correction.denominators), None
+
+  per_token = correction.replace(denominators=None)
+  return update(setup, params, opt_state, inputs, batch, per_token, given)[:3]
+
+
+def prepare(setup: StepSetup, batch, key=None):
+  """`mis_jax.prepare_step` of the step (`key`: clip_cov's draw) → (correction, metrics)."""
+  return mis_jax.prepare_step(batch, setup.loss_cfg, key=key)
+
+
+def train_fused(setup: StepSetup, params, opt_state, inputs, batch, key):
+  """The update of a step of one micro-batch whose old policy is the parameters being updated:
+  the old log-probs are the training forward's own, stop-gradient, and `prepare` runs on them
+  inside the differentiated function. Returns a `FusedStep`."""
+  if inputs.input_ids.shape[0] != 1:
+    raise ValueError(f"train_fused takes a step of one micro-batch, got {inputs.input_ids.shape[0]} "
+                     "(a step of several takes the old-log-prob pass, then train)")
+
+  def own(_, logprobs, mb_batch):  # o = sg(lp): the parameters being updated are the old policy
+    mb_batch = mb_batch.replace(old_logprobs=logprobs)
+    correction, step_metrics = prepare(setup, mb_batch, key)
+    return mb_batch, correction, (logprobs, step_metrics)
+
+  params, opt_state, metrics, (old, step_metrics) = update(setup, params, opt_state, inputs, batch, None, own)
+  return FusedStep(params, opt_state, {**metrics, **{k: v[0] for k, v in step_metrics.items()}}, old)
+
+
+def _bound(fn, setup: StepSetup, *args, name: str | None = None):
+  """`fn` with its setup (and leading static arguments) bound, under `fn`'s name or `name` (the
+  compiled program's)."""
+  bound = functools.partial(fn, setup, *args)
+  bound.__name__ = name or fn.__name__
+  return bound
+
+
 class StepFunctions:
-  """The jitted step functions of one (model, loss, optimiser, mesh) setup; see the module doc."""
+  """The jitted step functions of one setup (`StepSetup`); see the module doc."""
 
-  def __init__(self, graphdef, optimizer, loss_cfg: mis_jax.LossConfig, *, temperature: float, mesh,
-               param_shardings, opt_shardings, logprob_chunk: int = 1024, abstract_params=None,
-               router_aux_loss_coef: float = 0.0):
-    self.mesh, self.loss_cfg, self.graphdef, self.abstract_params = mesh, loss_cfg, graphdef, abstract_params
-    self.optimizer = optimizer
-    self.param_shardings, self.opt_shardings = param_shardings, opt_shardings
-    replicated = NamedSharding(mesh, P())
-    lp = functools.partial(model_logprobs, graphdef, temperature=temperature, chunk_size=logprob_chunk,
-                           mesh=mesh)
-    batch_sh = parallel.batch_sharding(mesh)
-
-    def make_pass(heads: Forward):
-      """The jitted pass of `heads` over the micro-batches: `Heads` of `[micro_batches, ...]`."""
-      def run(params, inputs, segment_ids):
-        def one(xs):
-          out = lp(params, xs[0], xs[1], entropy=False, sum_sq=heads.sum_sq, routing_out=heads.routing)
-          return out._replace(router_aux_loss=None)  # the training forward's, not a head of this pass
-        return jax.lax.map(one, (inputs, segment_ids))
-      run.__name__ = run.__qualname__ = heads.name
-      shardings = Heads(batch_sh, sum_sq=batch_sh if heads.sum_sq else None,
-                        routing=parallel.batch_sharding(mesh, 5) if heads.routing else None)
-      return _jit(run, out_shardings=shardings)
-
-    aux_coef = float(router_aux_loss_coef)
-
-    def loss_fn(p, mb_inputs, mb_batch, correction_of, num_tokens):
-      """One micro-batch's loss and metrics from the training forward. `correction_of(logprobs,
-      mb_batch) -> (mb_batch, correction, kept)`: the micro-batch and the step's correction for it,
-      given the forward's own log-probs (stop-gradient), and what the step keeps of it (None:
-      nothing); the aux is (metrics, kept mask, kept)."""
-      replay = mb_inputs.support is not None
-      heads = lp(p, mb_inputs, mb_batch.segment_ids, entropy=True, kept_mass=replay, routing_out=aux_coef > 0,
-                 topk=loss_cfg.score_centering)
-      logp = heads.logprobs
-      mb_batch, mb_correction, kept = correction_of(jax.lax.stop_gradient(logp), mb_batch)
-      loss, metrics = mis_jax.policy_loss(logp, mb_batch, loss_cfg, entropy=heads.entropy, correction=mb_correction,
-                                          topk_logprobs=heads.topk_logprobs)
-      if aux_coef > 0:  # HF's load-balancing loss per micro-batch, token-weighted over the step
-        aux = heads.router_aux_loss
-        share = jnp.sum((mb_batch.segment_ids >= 0).astype(jnp.float32)) / num_tokens
-        loss = loss + aux_coef * aux * share
-        metrics["loss"] = metrics["loss"] + jax.lax.stop_gradient(aux_coef * aux * share)  # what is optimised
-        metrics["router_aux_loss"] = jax.lax.stop_gradient(aux)
-      if replay:  # kept mass and the ratio with / without renormalisation (first epoch: o = lp)
-        metrics.update(mis_jax.sampling_metrics(
-            jax.lax.stop_gradient(logp), jax.lax.stop_gradient(heads.kept_mass), mb_batch.rollout_logprobs,
-            mb_batch.loss_mask, mb_batch.segment_ids, num_segments=mb_batch.num_segments,
-            metric_reduction=loss_cfg.metric_mode))
-      return loss, (metrics, mb_correction.kept_mask, kept)
-
-    def update(params, opt_state, inputs, batch, per_micro_batch, correction_of):
-      """The step's body: a `lax.scan` over the micro-batches (`inputs`, `batch` and
-      `per_micro_batch`, each `correction_of`'s own) accumulating float32 gradients, then the
-      Optax update. Returns (params, opt_state, metrics, what `correction_of` kept of each
-      micro-batch, stacked)."""
-      num_tokens = jnp.maximum(jnp.sum((batch.segment_ids >= 0).astype(jnp.float32)), 1.0)
-
-      def body(acc, xs):
-        mb_inputs, mb_batch, mb_own = xs
-        of = functools.partial(correction_of, mb_own)
-        (_, (metrics, kept_mask, kept)), g = jax.value_and_grad(
-            lambda p: loss_fn(p, mb_inputs, mb_batch, of, num_tokens), has_aux=True)(params)
-        acc = jax.tree.map(lambda a, x, s: jax.lax.with_sharding_constraint(a + x.astype(jnp.float32), s),
-                           acc, g, param_shardings)
-        return acc, (metrics, _micro_batch_weights(mb_batch, kept_mask, loss_cfg.metric_mode), kept)
-
-      zeros = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(jnp.zeros(x.shape, jnp.float32), s),
-                           params, param_shardings)
-      grads, (mb_metrics, weights, kept) = jax.lax.scan(body, zeros, (inputs, batch, per_micro_batch))
-      metrics = combine_metrics(mb_metrics, weights, loss_cfg)
-      metrics["grad_norm"] = optax.tree.norm(grads)
-      # Optax mixes Python floats with int32 step counts: it needs standard promotion even when a
-      # user (or the test suite) runs strict; the rest of the step promotes nothing implicitly.
-      with jax.numpy_dtype_promotion("standard"):
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
-      return params, opt_state, metrics, kept
-
-    def train(params, opt_state, inputs, batch, correction):
-      def given(mb_correction, logprobs, mb_batch):  # prepared before the step, its denominators whole
-        return mb_batch, mb_correction.replace(denominators=correction.denominators), None
-
-      per_token = correction.replace(denominators=None)  # scanned with the batch; the denominators are the step's
-      return update(params, opt_state, inputs, batch, per_token, given)[:3]
-
-    def prepare(batch, key=None):  # key: clip_cov's draw; -> (correction, metrics)
-      return mis_jax.prepare_step(batch, loss_cfg, key=key)
-
-    def train_fused(params, opt_state, inputs, batch, key):
-      if inputs.input_ids.shape[0] != 1:
-        raise ValueError(f"train_fused takes a step of one micro-batch, got {inputs.input_ids.shape[0]} "
-                         "(a step of several takes the old-log-prob pass, then train)")
-
-      def own(_, logprobs, mb_batch):  # o = sg(lp): the parameters being updated are the old policy
-        mb_batch = mb_batch.replace(old_logprobs=logprobs)
-        correction, step_metrics = prepare(mb_batch, key)
-        return mb_batch, correction, (logprobs, step_metrics)
-
-      params, opt_state, metrics, (old, step_metrics) = update(params, opt_state, inputs, batch, None, own)
-      return FusedStep(params, opt_state, {**metrics, **{k: v[0] for k, v in step_metrics.items()}}, old)
-
-    self._passes = {heads: make_pass(heads) for heads in (LOGPROBS, SUM_SQ, ROUTING)}  # compiled when first called
+  def __init__(self, setup: StepSetup, *, opt_shardings, abstract_params=None):
+    self.setup = setup
+    self.mesh, self.loss_cfg, self.graphdef, self.abstract_params = (setup.mesh, setup.loss_cfg, setup.graphdef,
+                                                                     abstract_params)
+    self.optimizer, self.param_shardings, self.opt_shardings = setup.optimizer, setup.param_shardings, opt_shardings
+    replicated, batch_sh = NamedSharding(setup.mesh, P()), parallel.batch_sharding(setup.mesh)
+    self._passes = {  # compiled when first called
+        heads: _jit(_bound(forward_pass, setup, heads, name=heads.name),
+                    out_shardings=Heads(batch_sh, sum_sq=batch_sh if heads.sum_sq else None,
+                                        routing=parallel.batch_sharding(setup.mesh, 5) if heads.routing else None))
+        for heads in (LOGPROBS, SUM_SQ, ROUTING)}
     self.logprobs = self._passes[LOGPROBS]
-    self.prepare = _jit(prepare)
-    train_options = {"donate_argnums": (0, 1), "out_shardings": (param_shardings, opt_shardings, replicated)}
-    self.train = _jit(train, **train_options)
-    self.train_fused = _jit(train_fused, donate_argnums=(0, 1),
-                            out_shardings=FusedStep(param_shardings, opt_shardings, replicated, batch_sh))
+    self.prepare = _jit(_bound(prepare, setup))
+    train_options = {"donate_argnums": (0, 1), "out_shardings": (setup.param_shardings, opt_shardings, replicated)}
+    self.train = _jit(_bound(train, setup), **train_options)
+    self.train_fused = _jit(_bound(train_fused, setup), donate_argnums=(0, 1),
+                            out_shardings=FusedStep(setup.param_shardings, opt_shardings, replicated, batch_sh))
     # The memory probe (`trainers.learner.memory_plan`): the step lowered for abstract arguments,
     # apart from the run's jitted functions (their caches and trace counts are the run's own).
-    self.lower_train = lambda *args: jax.jit(train, **train_options).lower(*args)
-    self.prepare_shapes = lambda batch, key: jax.eval_shape(prepare, batch, key)
-    self.init_opt_state = jax.jit(optimizer.init, out_shardings=opt_shardings)
+    self.lower_train = lambda *args: jax.jit(_bound(train, setup), **train_options).lower(*args)
+    self.prepare_shapes = lambda batch, key: jax.eval_shape(_bound(prepare, setup), batch, key)
+    self.init_opt_state = jax.jit(setup.optimizer.init, out_shardings=opt_shardings)
 
   def forward(self, heads: Forward):
     """The jitted pass yielding `heads`: `(params, inputs, segment_ids) -> Heads`."""
@@ -369,7 +402,6 @@ def build_step_functions(model_cfg, mesh, loss_cfg: mis_jax.LossConfig, train_cf
   param_shardings = parallel.param_shardings(abstract, mesh, model_cfg.family)
   opt_shardings = parallel.state_shardings(jax.eval_shape(optimizer.init, abstract), abstract, param_shardings,
                                            mesh)
-  return StepFunctions(graphdef, optimizer, loss_cfg, temperature=temperature, mesh=mesh,
-                       param_shardings=param_shardings, opt_shardings=opt_shardings, logprob_chunk=logprob_chunk,
-                       abstract_params=abstract,
-                       router_aux_loss_coef=getattr(train_cfg, "router_aux_loss_coef", 0.0) if model_cfg.is_moe else 0.0)
+  setup = StepSetup(graphdef, optimizer, loss_cfg, temperature, logprob_chunk, mesh, param_shardings,
+                    getattr(train_cfg, "router_aux_loss_coef", 0.0) if model_cfg.is_moe else 0.0)
+  return StepFunctions(setup, opt_shardings=opt_shardings, abstract_params=abstract)

@@ -26,7 +26,7 @@ import mis_jax
 from trainers.runtime import distributed
 from trainers.rollout.colocated import EmbeddedLocal, SGLangJaxLocal
 from trainers.rollout.fleet import router_client
-from trainers.rollout.servers import Sampling, Servers
+from trainers.rollout.servers import NoServers, Sampling, Servers
 from trainers.rollout.client import SGLangClient, http_client
 from trainers.rollout.sources import AsyncServerRollouts, RecordedRollouts, RolloutSource, ServerRollouts
 from trainers.rollout.weight_sync import DiskSync, MemorySync
@@ -38,9 +38,9 @@ LOCAL_ENGINES = {"embedded": EmbeddedLocal, "sglang-jax": SGLangJaxLocal}  # by 
 
 
 class Rollouts(NamedTuple):
-  """What the loop generates from: the servers' side (None when the rollouts are replayed from
-  records) and the rollout source."""
-  servers: Servers | None
+  """What the loop generates from: the servers' side (`NoServers` when the rollouts are replayed
+  from records) and the rollout source."""
+  servers: Servers | NoServers
   source: RolloutSource
 
 
@@ -51,7 +51,7 @@ def build_rollout(cfg, *, urls: list[str], start_dir: str, model_config, samplin
   agent task's `(Episodes, make_env)` (its prompts start multi-turn trajectories), or None."""
   r = cfg.rollout
   if r.records.load_dir:
-    return Rollouts(None, RecordedRollouts(r.records.load_dir, sampling.extras))
+    return Rollouts(NoServers(r.records.load_dir), RecordedRollouts(r.records.load_dir, sampling.extras))
   if r.placement.mode == "colocated":
     if urls or r.transport.router:
       raise mis_jax.ConfigError(f"rollout.placement.mode colocated generates in the trainer: no server URL is used, "

@@ -62,8 +62,9 @@ class TokenExtra:
   missing_column: ClassVar[str] = ""  # why a replay needs the column (its record check's error)
 
   @classmethod
-  def activate(cls, rollout, model_config) -> "TokenExtra | None":
-    """The extra as the run of `rollout` (the config section) on `model_config` uses it, or None."""
+  def activate(cls, rollout: settings.RolloutSettings, model_config) -> "TokenExtra | None":
+    """The extra as the run of `rollout` (the section and what it derives, `settings.derive`) on
+    `model_config` uses it, or None."""
     raise NotImplementedError
 
   @staticmethod
@@ -121,8 +122,8 @@ def registered() -> dict[str, type[TokenExtra]]:
   return dict(_REGISTRY)
 
 
-def active(rollout, model_config) -> tuple[TokenExtra, ...]:
-  """The extras a run uses, decided once from its `rollout` section and model."""
+def active(rollout: settings.RolloutSettings, model_config) -> tuple[TokenExtra, ...]:
+  """The extras a run uses, decided once from its rollout settings (`settings.derive`) and model."""
   return tuple(e for e in (cls.activate(rollout, model_config) for cls in _REGISTRY.values()) if e is not None)
 
 
@@ -198,8 +199,8 @@ class SamplingSupport(TokenExtra):
 
   @classmethod
   def activate(cls, rollout, model_config):
-    width = settings.sampling_replay_width(rollout)
-    return cls(width, rollout) if width else None
+    width = rollout.sampling_replay_width
+    return cls(width, rollout.section) if width else None
 
   @staticmethod
   def record_type():
@@ -268,8 +269,8 @@ class RoutedExperts(TokenExtra):
 
   @classmethod
   def activate(cls, rollout, model_config):
-    replay, spec = settings.routing_setup(rollout, model_config)
-    return None if spec is None else cls(spec, replay)
+    spec = rollout.routing_spec
+    return None if spec is None else cls(spec, rollout.routing_replay)
 
   @staticmethod
   def record_type():

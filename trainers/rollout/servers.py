@@ -277,3 +277,30 @@ class Servers:
   def close(self) -> None:
     if self.client is not None:
       self.client.close()
+
+
+class NoServers:
+  """The servers' side of a run that replays its rollouts from records: there is none — nothing to
+  prepare, check, push or wait for."""
+
+  def __init__(self, load_dir: str):
+    self.load_dir = load_dir
+
+  def prepare(self, params, step: int, *, log=print) -> None:
+    if distributed.is_primary():
+      log(f"replaying rollout records from {self.load_dir} (no server)")
+
+  def readmit(self) -> None:
+    pass
+
+  def check_mismatch(self, step: int, metrics: dict, result: RolloutResult) -> None:
+    pass
+
+  def sync(self, params, step: int, *, preempted=lambda: False) -> dict:
+    return {}
+
+  def step_done(self) -> dict:
+    return dict(NO_RESTARTS)
+
+  def close(self) -> None:
+    pass

@@ -1,9 +1,11 @@
 """What the `rollout` section derives for a run, checked as it is derived: the support width of
-sampling-mask replay, a sample's response budget, and the routed experts asked for. The per-token
-extras (`trainers.rollout.extras`) activate from them; the composition root computes them once."""
+sampling-mask replay, the routed experts asked for, a sample's response budget. The composition root
+computes them once (`derive` → `RolloutSettings`); the per-token extras (`trainers.rollout.extras`)
+activate from that value."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import mis_jax
@@ -71,3 +73,25 @@ def routing_setup(r, model_cfg: ModelConfig) -> tuple[str, RoutingSpec | None]:
 def records_routing(r) -> bool:
   """Whether the `rollout` section asks the server for the routed experts (`r3`, or `record_routing`)."""
   return r.sampling.routing_replay == "r3" if r.sampling.record_routing is None else bool(r.sampling.record_routing)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+  """The `rollout` section (`section`) and what it derives for a model: the support width of
+  sampling-mask replay (0: off), the routing replay (`none`, `r2`, `r3`) and the routed experts'
+  shape when the server is asked for them (None: not asked)."""
+  section: object
+  sampling_replay_width: int = 0
+  routing_replay: str = "none"
+  routing_spec: RoutingSpec | None = None
+
+  @property
+  def sampling(self):
+    return self.section.sampling
+
+
+def derive(rollout, model_cfg: ModelConfig) -> RolloutSettings:
+  """The `RolloutSettings` of the `rollout` section for `model_cfg`, checked (a `ConfigError` naming
+  the key)."""
+  replay, spec = routing_setup(rollout, model_cfg)
+  return RolloutSettings(rollout, sampling_replay_width(rollout), replay, spec)

@@ -318,12 +318,12 @@ def test_the_mismatch_by_turn_index_is_k3_over_each_turns_tokens():
 
 def test_agent_settings_of_a_single_turn_task_are_an_error(tmp_path):
   from test_train import make_cfg
-  from trainers.app import checks
+  from trainers.app.spec import resolve
   with pytest.raises(mis_jax.ConfigError, match="agent.max_turns is set but task 'copy_digits' is single-turn"):
-    checks.check_config(make_cfg(tmp_path, agent={"max_turns": 2}))
+    resolve(make_cfg(tmp_path, agent={"max_turns": 2})).task
   with pytest.raises(mis_jax.ConfigError, match="task.tool is not a key of task 'copy_digits'"):
     make_cfg(tmp_path, task={"name": "copy_digits", "tool": False})
-  task = checks.check_config(make_cfg(tmp_path, task={"name": "lookup_digits", "tool": False}, agent={"max_turns": 2}))
+  task = resolve(make_cfg(tmp_path, task={"name": "lookup_digits", "tool": False}, agent={"max_turns": 2})).task
   assert task.summary == "lookup_digits (3 digits, tool off)"
 
 

@@ -123,14 +123,14 @@ def test_the_driver_puts_each_observations_reward_on_its_turns_tokens():
 
 def test_per_turn_rewards_refuse_what_they_are_not_defined_for(tmp_path):
   from test_train import make_cfg
-  from trainers.app import checks
+  from trainers.app.spec import resolve
   agent = {"per_turn_rewards": True}
   task = {"name": "lookup_digits"}
-  assert checks.check_config(make_cfg(tmp_path, task=task, agent=agent)).summary.startswith("lookup_digits")
+  assert resolve(make_cfg(tmp_path, task=task, agent=agent)).task.summary.startswith("lookup_digits")
   with pytest.raises(mis_jax.ConfigError, match="agent.per_turn_rewards needs a group-baseline advantage "
                                                 "estimator .grpo, dr_grpo, rloo.: train.advantage_estimator 'opo'"):
-    checks.check_config(make_cfg(tmp_path, task=task, agent=agent, train={"advantage_estimator": "opo"}))
+    resolve(make_cfg(tmp_path, task=task, agent=agent, train={"advantage_estimator": "opo"})).task
   with pytest.raises(mis_jax.ConfigError, match="exclude_rejected_from_baseline"):
-    checks.check_config(make_cfg(tmp_path, task=task, agent=agent, train={"exclude_rejected_from_baseline": True}))
+    resolve(make_cfg(tmp_path, task=task, agent=agent, train={"exclude_rejected_from_baseline": True})).task
   with pytest.raises(mis_jax.ConfigError, match="agent.per_turn_rewards is set but task 'copy_digits' is single-turn"):
-    checks.check_config(make_cfg(tmp_path, agent=agent))
+    resolve(make_cfg(tmp_path, agent=agent)).task

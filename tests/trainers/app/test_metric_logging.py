@@ -77,11 +77,11 @@ def test_wandb_when_asked(tmp_path, monkeypatch):
 
 def test_wandb_missing_is_a_config_error(tmp_path, monkeypatch):
   import importlib.util
-  from trainers.app import checks
+  from trainers.app.spec import resolve
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
   with pytest.raises(mis_jax.ConfigError, match="logging.wandb is true but wandb is not installed"):
-    checks.check_config(make_cfg(tmp_path, logging={"wandb": True}))
+    resolve(make_cfg(tmp_path, logging={"wandb": True})).task
 
 
 @pytest.mark.integration

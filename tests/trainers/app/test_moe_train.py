@@ -17,7 +17,9 @@ from trainers import cli
 from trainers.models import PRESETS, init_checkpoint, load_hf_checkpoint
 from trainers.serving import protocol
 from trainers.serving.embedded.server import EmbeddedServer
-from trainers.app import checks, trainer as train_lib
+from trainers.app import trainer as train_lib
+from trainers.app.spec import resolve
+from trainers.rollout import settings
 from trainers.rollout.extras import RoutedExperts
 from trainers.rollout.samples import NoRoutedExperts, RoutingSpec, ServerError, validate_sample
 
@@ -186,9 +188,9 @@ def test_routed_experts_that_do_not_fit_the_model_stop_the_run():
 def test_shipped_moe_config():
   from trainers.config import TrainConfig
   cfg = TrainConfig.from_yaml("configs/moe_r3.yaml")
-  checks.check_config(cfg)
+  resolve(cfg).task
   assert PRESETS[cfg.model.preset].is_moe and cfg.rollout.sampling.routing_replay == "r3"
-  assert checks.routing_setup(cfg.rollout, PRESETS[cfg.model.preset])[1] == RoutingSpec(2, 2, 8)
+  assert settings.routing_setup(cfg.rollout, PRESETS[cfg.model.preset])[1] == RoutingSpec(2, 2, 8)
 
 
 @pytest.mark.parametrize("algo", ["bypass_ppo", pytest.param("reinforce_is", marks=pytest.mark.repeat)])

@@ -17,7 +17,8 @@ import mis_jax
 from fake_sglang import FakeSGLang
 from helpers import cpu_process_env, free_port
 from test_train import ALGORITHMS, BASE, embedded_server, make_cfg, merged
-from trainers.app import checks, trainer as train_lib
+from trainers.app import trainer as train_lib
+from trainers.app.spec import resolve
 from trainers.models import PRESETS, CausalLM, hf_state_dict, load_hf_checkpoint, read_hf_tensors
 from trainers.rollout.weight_sync import save_hf_sharded
 from trainers.rollout.client import http_client
@@ -267,10 +268,10 @@ def test_bad_process_flags_are_one_line_errors(flags, fragment, capsys):
 
 def test_async_config_rules(tmp_path):
   with pytest.raises(mis_jax.ConfigError, match="rollout.sync.max_staleness 1 with rollout.sync.sync_every 2"):
-    checks.check_config(make_cfg(tmp_path, rollout={"sync": {"max_staleness": 1, "sync_every": 2}},
-                                 checkpoint={"every": 2}))
+    resolve(make_cfg(tmp_path, rollout={"sync": {"max_staleness": 1, "sync_every": 2}},
+                                 checkpoint={"every": 2})).task
   with pytest.warns(UserWarning, match="only decoupled PPO .* corrects for stale rollouts"):
-    checks.check_config(make_cfg(tmp_path, rollout={"sync": {"max_staleness": 1}}))
+    resolve(make_cfg(tmp_path, rollout={"sync": {"max_staleness": 1}})).task
   from trainers.config import TrainConfig
   cfg = TrainConfig.from_yaml("configs/async.yaml")
   assert (cfg.rollout.sync.max_staleness, cfg.rollout.sync.pause_mode) == (1, "retract")

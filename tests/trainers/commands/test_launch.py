@@ -21,7 +21,7 @@ from helpers import cpu_process_env, free_port
 from test_train import BASE
 from trainers.commands import launch
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+ROOT = pathlib.Path(__file__).resolve().parents[3]
 SBATCH = ROOT / "deploy" / "slurm" / "fleet.sbatch"
 JOBSET = ROOT / "deploy" / "k8s" / "fleet-jobset.yaml"
 DEMO = ROOT / "deploy" / "local" / "fleet_demo.sh"

@@ -18,7 +18,7 @@ from trainers.models.hf_io import abstract_model
 from trainers.models.decoder import resolve_layer_loop
 from trainers.learner import memory_plan
 from trainers.runtime import parallel
-from trainers.app import trainer as train_lib
+from trainers.app import build
 from trainers.config import TrainConfig
 from trainers.learner.memory_plan import Budget, choose
 
@@ -144,14 +144,14 @@ def test_a_tiny_step_is_bounded_without_a_compile_and_compiled_when_the_bound_is
   shape = memory_plan.probe_shape(cfg.train, ())
   assert shape == memory_plan.ProbeShape(rows_per_device=4, row_len=64)
   tiny = PRESETS["tiny-qwen3"]
-  choose_at = lambda gb: train_lib._model_choice(tiny, dataclasses.replace(cfg.model, memory_budget_gb=gb), mesh,
+  choose_at = lambda gb: build.model_choice(tiny, dataclasses.replace(cfg.model, memory_budget_gb=gb), mesh,
                                                  shape)
   roomy = choose_at(100.0)
   (remat, attention, bound), = roomy.measured
   assert (roomy.remat, roomy.attention, remat, attention) == ("none", "dense", "none", "dense")
   assert isinstance(bound, memory_plan.Bound) and "(the lowered step's bound)" in roomy.reason()
   param_bytes = sum(x.size * 4 for x in jax.tree.leaves(nnx.state(abstract_model(tiny), nnx.Param)))
-  fns = train_lib._step_functions(tiny, dataclasses.replace(cfg.model, remat="none", attention="dense"),
+  fns = build.step_functions(tiny, dataclasses.replace(cfg.model, remat="none", attention="dense"),
                                   memory_plan.PROBE_LOSS, 1.0, memory_plan.PROBE_TRAIN, mesh)
   compiled = memory_plan.step_bytes(fns, mesh, shape)
   assert 4 * param_bytes < compiled < bound and not isinstance(compiled, memory_plan.Bound)
@@ -164,9 +164,8 @@ def test_a_tiny_step_is_bounded_without_a_compile_and_compiled_when_the_bound_is
                                                  ("fused", "attention blocked (no fused attention kernel")])
 def test_the_start_up_line_says_what_was_chosen_and_why(attention, expected):
   choice = choose("auto", attention, lambda r, a: 30 * GB, Budget(40 * GB, "model.memory_budget_gb"))
-  trainer = types.SimpleNamespace(cfg=TrainConfig.from_dict({"model": {"dtype": "bfloat16", "attention": attention}}),
-                                  model_choice=choice, layer_loop=resolve_layer_loop("auto", 28))
-  line = train_lib.Trainer.model_line(trainer)
+  model = TrainConfig.from_dict({"model": {"dtype": "bfloat16", "attention": attention}}).model
+  line = build.model_line(model, choice, resolve_layer_loop("auto", 28))
   assert line.startswith(f"model: bfloat16 compute, float32 weights, remat none, {expected}"), line
   assert line.endswith("(auto: 30.00 GB predicted of 40.00 GB per device, model.memory_budget_gb), "
                        "layers scan (28 layers > 8: one compiled layer body)"), line

@@ -20,7 +20,7 @@ import pytest
 from fake_sglang import FakeSGLang
 from trainers.models import PRESETS
 from trainers.serving import protocol
-from trainers.rollout import extras as extras_lib, records as rollout_records
+from trainers.rollout import extras as extras_lib, records as rollout_records, settings
 from trainers.app import trainer as train_lib
 from trainers.learner.batch import build_step_batch
 from trainers.rollout.samples import Sample, ServerError, validate_sample
@@ -104,7 +104,7 @@ def test_the_toy_extra_is_one_file():
 
 def test_reply_to_model_input_and_back_out_of_the_records(toy, tmp_path):
   """validate_sample → Sample → records written and read → build_step_batch → ModelInputs."""
-  active = extras_lib.active(make_cfg(tmp_path).rollout, PRESETS["tiny-qwen3"])  # as the Trainer decides
+  active = extras_lib.active(settings.derive(make_cfg(tmp_path).rollout, PRESETS["tiny-qwen3"]), PRESETS["tiny-qwen3"])  # as the Trainer decides
   assert [e.name for e in active] == ["toy_score"]
   prompts = [(1, 2, 3), (4, 5)]
   responses = [(7, 8, 9, 10), (11, 12)]

@@ -14,7 +14,8 @@ import pytest
 import mis_jax
 from fake_sglang import FakeSGLang
 from trainers import cli
-from trainers.app import checks, trainer as train_lib
+from trainers.app import trainer as train_lib
+from trainers.rollout import settings
 from trainers.models import init_checkpoint
 from trainers.rollout.extras import SamplingSupport
 from trainers.rollout.samples import ServerError
@@ -215,4 +216,4 @@ def test_replay_with_asynchronous_rollouts(f32_server, tmp_path, step_traces):
 def test_shipped_sampling_replay_config():
   from trainers.config import TrainConfig
   cfg = TrainConfig.from_yaml("configs/sampling_replay.yaml")
-  assert cfg.rollout.sampling.sampling_replay == "on" and checks.sampling_replay_width(cfg.rollout) == 20
+  assert cfg.rollout.sampling.sampling_replay == "on" and settings.sampling_replay_width(cfg.rollout) == 20

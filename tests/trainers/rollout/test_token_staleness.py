@@ -190,9 +190,9 @@ def test_loglinear_with_fresh_tokens_is_the_bypass_ppo_step(tmp_path):
 
 
 def test_loglinear_refuses_what_needs_the_weights_before_the_step(tmp_path):
-  from trainers.app import checks
+  from trainers.app.spec import resolve
   loss = {"algorithm": "decoupled_ppo", "proximal": "loglinear", "mis": {"tis_upper_bound": 2.0}}
   with pytest.raises(mis_jax.ConfigError, match="optimal_token_baseline.*loss.proximal: recompute"):
-    checks.check_config(make_cfg(tmp_path, loss=loss, train={"advantage_estimator": "optimal_token_baseline"}))
+    resolve(make_cfg(tmp_path, loss=loss, train={"advantage_estimator": "optimal_token_baseline"})).task
   with pytest.raises(mis_jax.ConfigError, match="exclude_rejected_from_baseline needs.*loss.proximal: recompute"):
-    checks.check_config(make_cfg(tmp_path, loss=loss, train={"exclude_rejected_from_baseline": True}))
+    resolve(make_cfg(tmp_path, loss=loss, train={"exclude_rejected_from_baseline": True})).task

@@ -9,8 +9,8 @@ import pytest
 
 import mis_jax
 from trainers.models import PRESETS
-from trainers.app import checks
-from trainers.rollout import extras as extras_lib
+from trainers.app.spec import resolve
+from trainers.rollout import extras as extras_lib, settings
 from trainers.learner.batch import build_step_batch
 from trainers.rollout.samples import Sample, ServerError, validate_sample
 
@@ -29,7 +29,7 @@ def _reply(ids, top=None, **meta):
 @pytest.fixture
 def active(tmp_path):
   cfg = make_cfg(tmp_path, rollout={"sampling": {"top_logprobs_num": K}})
-  extras = extras_lib.active(cfg.rollout, PRESETS["tiny-qwen3"])
+  extras = extras_lib.active(settings.derive(cfg.rollout, PRESETS["tiny-qwen3"]), PRESETS["tiny-qwen3"])
   assert [e.name for e in extras] == ["top_logprobs", "top_logprob_ids"]
   assert all(e.request == {"top_logprobs_num": K} for e in extras)
   return extras
@@ -83,9 +83,9 @@ def test_a_server_without_the_head_is_named(active):
 def test_config_errors(tmp_path):
   base = dict(loss={"algorithm": "reinforce_is", "score_centering": True})
   with pytest.raises(mis_jax.ConfigError, match="rollout.sampling.top_logprobs_num to k >= 1"):
-    checks.check_config(make_cfg(tmp_path, **base))
+    resolve(make_cfg(tmp_path, **base)).task
   with pytest.raises(mis_jax.ConfigError, match="score_centering with sampling replay"):
-    checks.check_config(make_cfg(tmp_path, **base, rollout={"sampling": {"top_logprobs_num": 2, "top_k": 5,
-                                                                          "temperature": 1.0}}))
+    resolve(make_cfg(tmp_path, **base, rollout={"sampling": {"top_logprobs_num": 2, "top_k": 5,
+                                                                          "temperature": 1.0}})).task
   with pytest.raises(mis_jax.ConfigError, match="top_logprobs_num 100 exceeds the model's vocabulary"):
-    checks.check_config(make_cfg(tmp_path, **base, rollout={"sampling": {"top_logprobs_num": 100}}))
+    resolve(make_cfg(tmp_path, **base, rollout={"sampling": {"top_logprobs_num": 100}})).task
