@@ -45,107 +45,121 @@ def _model(body: Any, model: type):
   return protocol.convert(body, model, error=_BadBody)
 
 
-def create_app(engine: GenerationEngine, *, host: str = "127.0.0.1", port: int = 0) -> FastAPI:
-  app = FastAPI(title="mis-jax serve", version=protocol.PROTOCOL_VERSION,
-                docs_url=None, redoc_url=None, openapi_url=None)
-  app.state.address = (host, port)
+async def _bad_body(request, exc):
+  return JSONResponse(protocol.json_error_body(str(exc)), status_code=400)
 
-  @app.exception_handler(_BadBody)
-  async def _bad_body(request, exc):
-    return JSONResponse(protocol.json_error_body(str(exc)), status_code=400)
 
-  @app.exception_handler(RequestValidationError)
-  async def _validation(request, exc):
-    return JSONResponse(protocol.json_error_body(str(exc)), status_code=400)
+async def _contract(request, exc):
+  return JSONResponse(protocol.contract_error_body(str(exc)), status_code=400)
 
-  @app.exception_handler(protocol.ContractError)
-  async def _contract(request, exc):
-    return JSONResponse(protocol.contract_error_body(str(exc)), status_code=400)
 
-  @app.exception_handler(protocol.RequestError)
-  async def _request_error(request, exc):
-    return JSONResponse(protocol.request_error_body(str(exc)), status_code=exc.status_code)
+async def _request_error(request, exc):
+  return JSONResponse(protocol.request_error_body(str(exc)), status_code=exc.status_code)
 
-  @app.exception_handler(StarletteHTTPException)
-  async def _http(request, exc):  # unknown routes and methods: FastAPI's own body, as SGLang
-    return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
 
-  @app.exception_handler(Exception)
-  async def _bug(request, exc):  # a bug costs one request, not the server
-    return JSONResponse(protocol.request_error_body(f"{type(exc).__name__}: {exc}"), status_code=500)
+async def _http(request, exc):  # unknown routes and methods: FastAPI's own body, as SGLang
+  return JSONResponse({"detail": exc.detail}, status_code=exc.status_code)
 
-  @app.api_route("/generate", methods=["POST", "PUT"])
-  async def generate(request: Request):
+
+async def _bug(request, exc):  # a bug costs one request, not the server
+  return JSONResponse(protocol.request_error_body(f"{type(exc).__name__}: {exc}"), status_code=500)
+
+
+# SGLang's status codes and error bodies, by exception.
+ERROR_HANDLERS = ((_BadBody, _bad_body), (RequestValidationError, _bad_body), (protocol.ContractError, _contract),
+                  (protocol.RequestError, _request_error), (StarletteHTTPException, _http), (Exception, _bug))
+
+
+class Routes:
+  """SGLang's routes over one engine, each an `async` method (`ROUTES` maps paths and methods to
+  them); `address`: the server's (host, port), for `/server_info`."""
+
+  def __init__(self, engine: GenerationEngine, address: tuple[str, int]):
+    self.engine, self.address = engine, address
+
+  async def generate(self, request: Request):
     body = await _json_body(request, empty_ok=False)
     if not isinstance(body, dict):
       raise _BadBody(f"Input should be a valid dictionary or object to extract fields from, "
                      f"got {type(body).__name__}")
-    job = engine.submit_body(body)
-    return JSONResponse(await run_in_threadpool(engine.wait, job))
+    job = self.engine.submit_body(body)
+    return JSONResponse(await run_in_threadpool(self.engine.wait, job))
 
-  @app.post("/update_weights_from_disk")
-  async def update_weights_from_disk(request: Request):
+  async def update_weights_from_disk(self, request: Request):
     obj = _model(await _json_body(request, empty_ok=False), protocol.UpdateWeightsFromDiskRequest)
     if obj.abort_all_requests:
-      engine.abort(abort_all=True)
-    ok, message = await run_in_threadpool(engine.update_weights_from_disk, obj.model_path,
-                                          obj.weight_version)
+      self.engine.abort(abort_all=True)
+    ok, message = await run_in_threadpool(self.engine.update_weights_from_disk, obj.model_path, obj.weight_version)
     return JSONResponse({"success": ok, "message": message, "num_paused_requests": 0},
                         status_code=200 if ok else 400)
 
-  @app.get("/model_info")
-  @app.get("/get_model_info")
-  async def model_info():
-    return engine.model_info()
+  async def model_info(self):
+    return self.engine.model_info()
 
-  @app.get("/server_info")
-  @app.get("/get_server_info")
-  async def server_info():
-    return engine.server_info(*app.state.address)
+  async def server_info(self):
+    return self.engine.server_info(*self.address)
 
-  @app.get("/get_weight_version")
-  @app.get("/weight_version")
-  async def weight_version():
-    return {"weight_version": engine.weight_version}
+  async def weight_version(self):
+    return {"weight_version": self.engine.weight_version}
 
-  @app.api_route("/flush_cache", methods=["GET", "POST"])
-  async def flush_cache():
+  async def flush_cache(self):
     return PlainTextResponse(FLUSH_MESSAGE)  # no prefix cache survives a request here
 
-  @app.post("/pause_generation")
-  async def pause_generation(request: Request):
+  async def pause_generation(self, request: Request):
     obj = _model(await _json_body(request), protocol.PauseGenerationRequest)
-    await run_in_threadpool(engine.pause, obj.mode)  # "abort" waits for the running batch
+    await run_in_threadpool(self.engine.pause, obj.mode)  # "abort" waits for the running batch
     return {"message": "Generation paused successfully.", "status": "ok"}
 
-  @app.post("/continue_generation")
-  async def continue_generation(request: Request):
+  async def continue_generation(self, request: Request):
     _model(await _json_body(request), protocol.ContinueGenerationRequest)
-    engine.resume()
+    self.engine.resume()
     return {"message": "Generation continued successfully.", "status": "ok"}
 
-  @app.post("/abort_request")
-  async def abort_request(request: Request):
+  async def abort_request(self, request: Request):
     obj = _model(await _json_body(request), protocol.AbortRequest)
-    engine.abort(obj.rid, obj.abort_all)
+    self.engine.abort(obj.rid, obj.abort_all)
     return Response(status_code=200)
 
-  @app.post(protocol.READ_PROBE_ROUTE)
-  async def read_probe(request: Request):
+  async def read_probe(self, request: Request):
     body = await _json_body(request, empty_ok=False)
     status, reply = protocol.read_probe(body.get("path") if isinstance(body, dict) else None)
     return JSONResponse(reply, status_code=status)
 
-  @app.get("/health")
-  async def health():
+  async def health(self):
     return Response(status_code=200)
 
-  @app.get("/health_generate")
-  async def health_generate():
+  async def health_generate(self):
     try:
-      await run_in_threadpool(engine.health_generate)
+      await run_in_threadpool(self.engine.health_generate)
     except Exception:
       return Response(status_code=503)
     return Response(status_code=200)
 
+
+# (paths, methods, `Routes` method): SGLang 0.5.23's routes, their aliases, and the read probe.
+ROUTES = ((("/generate",), ("POST", "PUT"), "generate"),
+          (("/update_weights_from_disk",), ("POST",), "update_weights_from_disk"),
+          (("/get_model_info", "/model_info"), ("GET",), "model_info"),
+          (("/get_server_info", "/server_info"), ("GET",), "server_info"),
+          (("/weight_version", "/get_weight_version"), ("GET",), "weight_version"),
+          (("/flush_cache",), ("GET", "POST"), "flush_cache"),
+          (("/pause_generation",), ("POST",), "pause_generation"),
+          (("/continue_generation",), ("POST",), "continue_generation"),
+          (("/abort_request",), ("POST",), "abort_request"),
+          ((protocol.READ_PROBE_ROUTE,), ("POST",), "read_probe"),
+          (("/health",), ("GET",), "health"),
+          (("/health_generate",), ("GET",), "health_generate"))
+
+
+def create_app(engine: GenerationEngine, *, host: str = "127.0.0.1", port: int = 0) -> FastAPI:
+  """The FastAPI app of `engine`: `ROUTES` over a `Routes`, SGLang's error bodies (`ERROR_HANDLERS`)."""
+  app = FastAPI(title="mis-jax serve", version=protocol.PROTOCOL_VERSION,
+                docs_url=None, redoc_url=None, openapi_url=None)
+  app.state.address = (host, port)
+  for exc, handler in ERROR_HANDLERS:
+    app.add_exception_handler(exc, handler)
+  routes = Routes(engine, app.state.address)
+  for paths, methods, name in ROUTES:
+    for path in paths:
+      app.add_api_route(path, getattr(routes, name), methods=list(methods))
   return app

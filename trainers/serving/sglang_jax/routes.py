@@ -235,6 +235,12 @@ class WeightUpdates:
     # process: in single-process mode that is whoever launched the engine (a trainer, a test).
     # The engine's own process handles SIGQUIT by stopping itself: aim there.
     scheduler.parent_process = type(scheduler.parent_process)(os.getpid())
+    self._wrap_generate(tokenizer_manager)
+    self._wrap_scheduler(scheduler)
+
+  def _wrap_generate(self, tokenizer_manager) -> None:
+    """The generate path: the cache salt checked, each request under the update gate, each reply
+    stamped with its weight version."""
     generate = tokenizer_manager.generate_request
     _carry_extra_key()
 
@@ -249,6 +255,9 @@ class WeightUpdates:
           yield out
     tokenizer_manager.generate_request = generate_request
 
+  def _wrap_scheduler(self, scheduler) -> None:
+    """The scheduler loop's request step: new requests in the namespace of their weights, then the
+    queued jobs (swaps) between two batches."""
     process = scheduler.process_input_requests
 
     from sgl_jax.srt.managers.io_struct import TokenizedGenerateReqInput
@@ -548,20 +557,16 @@ class WeightUpdates:
     from fastapi import Request
     from fastapi.responses import ORJSONResponse
 
-    def bad_request(message: str):
-      return ORJSONResponse({"object": "error", "message": message, "type": "Bad Request", "param": None,
-                             "code": 400}, status_code=400)
-
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
       try:
         body = await request.json()
       except ValueError as e:
-        return bad_request(f"the body is not JSON: {e}")
+        return _bad_request(f"the body is not JSON: {e}")
       if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
-        return bad_request("model_path: Field required (a string)")
+        return _bad_request("model_path: Field required (a string)")
       if body.get("weight_version") is not None and not isinstance(body["weight_version"], str):
-        return bad_request("weight_version: Input should be a valid string")
+        return _bad_request("weight_version: Input should be a valid string")
       success, message, paused = await self.update(body)
       return ORJSONResponse({"success": success, "message": message, "num_paused_requests": paused},
                             status_code=200 if success else 400)
@@ -574,7 +579,7 @@ class WeightUpdates:
       try:
         await self.pause(body.get("mode", "abort") if isinstance(body, dict) else "abort")
       except ValueError as e:
-        return bad_request(str(e))
+        return _bad_request(str(e))
       return ORJSONResponse({"message": "Generation paused successfully.", "status": "ok"})
     # Ahead of sglang-jax's own /pause_generation: the same call, minus the mode that loses requests.
     app.router.add_api_route("/pause_generation", pause_generation, methods=["POST"])
@@ -588,6 +593,13 @@ class WeightUpdates:
     @app.get("/weight_version")
     async def get_weight_version():
       return {"weight_version": self.weight_version}
+
+
+def _bad_request(message: str):
+  """SGLang's 400 error body."""
+  from fastapi.responses import ORJSONResponse
+  return ORJSONResponse({"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400},
+                        status_code=400)
 
 
 class InProcessEngine:
