@@ -34,7 +34,7 @@ browser:
 
 # Two workers (the CI machine has 2 cores); whole files per worker keep module fixtures (servers) shared.
 test: $(STAMP) engine
-	$(PY) -m pytest -q -n 2 --dist loadfile -m "not multihost and not repeat and not browser" tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 -m "not multihost and not repeat and not browser" tests
 
 test-all: $(STAMP) engine browser  ## everything: the 2-process trainer runs and the repeats (marker repeat) included
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
