@@ -126,10 +126,14 @@ def test_the_trainer_commands_and_the_readme_config_validate(tmp_path):
     argv = shlex.split(line.split("mis-jax train", 1)[1])
     if "--run-dir" not in argv and "--resume" not in argv:
       argv += ["--run-dir", str(tmp_path / f"run{checked}")]
+    args = train_command.train_parser().parse_args(argv)
     try:
-      load.resolve_train_config(train_command.train_parser().parse_args(argv))
+      load.resolve_train_config(args)
     except Exception as e:  # noqa: BLE001 - the message names the page and the line
-      raise AssertionError(f"{path}: {line}: {e}") from e
+      # A command for several processes: every check but the mesh's (the last) holds in this one
+      # process, whose devices are a share of the run's.
+      if not ((args.num_processes or 1) > 1 and "does not divide the" in str(e)):
+        raise AssertionError(f"{path}: {line}: {e}") from e
     checked += 1
   assert checked >= 10
   readme = (ROOT / "README.md").read_text()

@@ -237,16 +237,16 @@ def test_rejected_sequences_leave_the_baseline(tmp_path):
     rollout = trainer.source.next(0)
     prompts, result = rollout.prompts, rollout.result
     sb = trainer.build_batch(prompts, result)
-    inputs, batch = trainer.device_batch(sb)
+    inputs, batch = trainer.learner.device_batch(sb)
     batch = batch.replace(old_logprobs=trainer.fns.logprobs(trainer.params, inputs, batch.segment_ids).logprobs)
     correction = trainer.fns.prepare(batch)[0]
-    assert [s.name for s in trainer.advantage_stages] == ["exclude_rejected"]
-    new_batch, _, stage_metrics = trainer.advantage_stages[0].apply(StageInput(sb), batch, correction)
+    assert [s.name for s in trainer.learner.stages] == ["exclude_rejected"]
+    new_batch, _, stage_metrics = trainer.learner.stages[0].apply(StageInput(sb), batch, correction)
     excluded = stage_metrics["num_excluded_from_baseline"]
     trainer.servers.close()
   kept = [k.any() for k in sb.per_sequence(
       mis_jax.compute_mis_weights(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, batch.segment_ids,
-                                  mis, num_segments=trainer.num_segments)[1])]
+                                  mis, num_segments=trainer.spec.num_segments)[1])]
   assert 0 < excluded == len(kept) - sum(kept)
   adv = [a[0] for a in sb.per_sequence(new_batch.advantages)]
   for i, (g, ok) in enumerate(zip(sb.groups, kept)):

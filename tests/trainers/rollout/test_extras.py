@@ -169,7 +169,7 @@ def test_the_trainer_carries_a_toy_extra(toy, tmp_path):
                              urls=[])
   rollout = replay.source.next(0)
   sb = replay.build_batch(rollout.prompts, rollout.result)
-  inputs, _ = replay.device_batch(sb)
+  inputs, _ = replay.learner.device_batch(sb)
   got = np.asarray(inputs.extra["toy_score"])
   for seq, ids in zip(sb.per_sequence(got), cols["response_ids"]):  # each response's scores, at its tokens
     assert seq[-len(ids):].tolist() == toy_scores(ids) and not seq[:-len(ids)].any()

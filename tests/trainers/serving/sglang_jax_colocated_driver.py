@@ -62,7 +62,7 @@ def _refusals(trainer, out: str) -> None:
   from trainers.serving.sglang_jax.routes import InProcessEngine
   from trainers.models.hf_io import hf_named
 
-  tensors = hf_named(trainer.params, trainer.model_config)
+  tensors = hf_named(trainer.params, trainer.spec.model_config)
   engine = InProcessEngine(sglang_jax.engine_args(trainer.cfg.model.path, dtype="float32",
                                                   extra=("--device-indexes", "0")), weight_version="0")
   try:
