@@ -337,3 +337,16 @@ def test_trajectories_cross_processes_whole():
     assert a == b and a.reward == b.reward and a.weight_versions == b.weight_versions
     for name in a.extras:
       np.testing.assert_array_equal(a.extras[name], b.extras[name])
+
+
+def test_the_old_environment_module_is_a_deprecated_alias():
+  """`trainers.agents.env` (where the agents guide had users import from) is `trainers.tasks.env`, with a
+  warning naming the new place, for one release."""
+  import importlib
+  import sys
+  from trainers.tasks import env
+  sys.modules.pop("trainers.agents.env", None)
+  with pytest.warns(DeprecationWarning, match="trainers.agents.env moved to trainers.tasks.env"):
+    old = importlib.import_module("trainers.agents.env")
+  assert (old.Observation, old.Turn, old.call_tool, old.ToolError) == (env.Observation, env.Turn, env.call_tool,
+                                                                        env.ToolError)
