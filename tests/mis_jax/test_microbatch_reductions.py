@@ -3,6 +3,7 @@ every declared name is a metric the library emits, and the reductions are the on
 trainer's step knows."""
 
 import dataclasses
+import functools
 
 import pytest
 
@@ -42,7 +43,8 @@ def test_declared_reductions_name_emitted_metrics():
   assert mis_jax.microbatch_reduction("mis_k3_kl") == "mask"
 
 
-def _emitted_metrics() -> set:
+@functools.cache  # every config form run eagerly once per process: both tests below read it
+def _emitted_metrics() -> frozenset:
   """Every metric name the library emits (names depend on the config only: each config is
   evaluated abstractly), over the config forms: the four algorithms, every policy-loss form,
   vanilla TIS and MIS configs covering every bound mode, RS, the veto, batch normalisation, every
@@ -97,7 +99,7 @@ def _emitted_metrics() -> set:
                               batch.replace(rollout_topk_logprobs=topk), topk))
   add(mis_jax.LossConfig(use_tis=None, mis=mis_jax.MISConfig(use_tis=False), get_mismatch_metrics=True))
   names.update(mis_jax.sampling_metrics(o, np.zeros_like(o), q, mask, seg, num_segments=4))
-  return names
+  return frozenset(names)
 
 
 def test_every_emitted_metric_declares_its_reduction():
