@@ -420,7 +420,10 @@ def engine_venv_runs(checkpoints, tmp_path_factory):
   init_checkpoint(moe, config=config, seed=0)
   _write_tokenizer(moe, config.vocab_size)
   loss = {"algorithm": "decoupled_ppo", "mis": {"use_rs": True, "tis_mode": "mask"}}
-  rollout = {"sampling": {"max_new_tokens": 4}, "placement": {"engine": "sglang-jax", "server_dtype": "float32"}}
+  # A call that compiles sglang-jax's programs for a new batch shape takes minutes on 2 busy cores (it did
+  # exceed the default 60 s under a loaded suite): the deadline is there to catch a hang, not a compile.
+  rollout = {"sampling": {"max_new_tokens": 4}, "placement": {"engine": "sglang-jax", "server_dtype": "float32"},
+             "transport": {"timeout_s": 600}}
   configs = {}
   for placement in ("server", "colocated"):
     configs[placement] = raw_cfg(root, placement, model={"path": checkpoints["start"], "dtype": "float32"}, loss=loss,
