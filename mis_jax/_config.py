@@ -11,27 +11,11 @@ import importlib
 import os
 from typing import Any, Callable, Mapping
 
-
-from mis_jax import _correction
-
-# The names each setting accepts, derived from the tables of their formulas in
-# `_correction` (a new level, mode, divergence or KL estimator is one entry there).
-LEVELS = _correction.LEVELS
-DIVERGENCES = tuple(_correction.DIVERGENCES)
-AGGREGATIONS = tuple(_correction.AGGREGATIONS)
-TIS_MODES = tuple(_correction.TIS_MODES)
-KL_TYPES = tuple(_correction.KL_ESTIMATORS)
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum", "seq-mean-token-sum-norm")
-DENOMINATORS = ("kept", "original")
-PROXIMAL = ("recompute", "loglinear")
-SQ_KL_TOKENS = ("trainable", "kept")  # the tokens the squared log-ratio KL is summed over (contract §6.4)
-
-
+from mis_jax import _presets
 from mis_jax._keys import ConfigError, _closest, _where, key, load_yaml, validate_fields  # noqa: F401
-
-# A bound the threshold controller sets each step (contract §3.1), and the keys that take it.
-AUTO = "auto"
-AUTO_KEYS = ("tis_upper_bound", "rs_upper_bound")
+from mis_jax._vocabulary import (AGGREGATIONS, ALGORITHMS, AUTO, AUTO_KEYS, DENOMINATORS, DIVERGENCES,  # noqa: F401
+                                 KL_TYPES, LEVELS, LOSS_AGG_MODES, PROXIMAL, SQ_KL_TOKENS, TIS_MODES, algorithm_of,
+                                 metric_reduction)
 
 # verl's registered policy losses (contract §6.2), implemented in `_policy_losses`.
 POLICY_LOSSES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean",
@@ -44,15 +28,6 @@ COV_LOSSES = ("clip_cov", "kl_cov")
 POLICY_LOSS_KEYS = {"vanilla": ("eps_clip_c",), "dppo_tv": ("eps_clip_c",), "dppo_kl": ("eps_clip_c",), "gspo": (),
                     "sapo": ("tau_pos", "tau_neg"), "gpg": (), "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
                     "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"), "geo_mean": (), "dro": ("dro_beta",), "cispo": ()}
-# The contract §6 table: algorithm -> (use_rollout_logprobs, use_tis).
-ALGORITHMS = {"ppo": (False, False), "bypass_ppo": (True, False), "decoupled_ppo": (False, True),
-              "reinforce_is": (True, True)}
-
-
-def metric_reduction(loss_agg_mode: str) -> str:
-  """How metrics are reduced under a loss mode (contract §8): per token for the token modes,
-  per sequence for the seq-mean modes."""
-  return "token-mean" if loss_agg_mode in ("token-mean", "token-sum") else "seq-mean-token-mean"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,8 +272,7 @@ class MISConfig:
   def from_preset(cls, name: str, **overrides) -> "MISConfig":
     """The MIS keys of the named preset (``mis_jax.PRESETS``: ``icepop``, ``trl:sequence_mask``,
     ...; docs/reference/presets.md), with MIS keys in ``overrides`` over them."""
-    from mis_jax import _presets
-    values = _presets.loss_values(name, {"mis": overrides})["mis"]
+    values = preset_values(name, {"mis": overrides})["mis"]
     return cls.from_dict(values, source=f"preset '{name}'")
 
   @classmethod
@@ -481,8 +455,8 @@ class LossConfig:
 
   @property
   def algorithm(self) -> str:
-    """The contract §6 table row selected by the two flags."""
-    return next(name for name, flags in ALGORITHMS.items() if flags == (self.use_rollout_logprobs, self.use_tis))
+    """The contract §6 table row selected by the two flags (``ALGORITHMS``)."""
+    return algorithm_of(self.use_rollout_logprobs, self.use_tis)
 
   @property
   def needs_old_logprobs(self) -> bool:
@@ -535,11 +509,30 @@ class LossConfig:
   def from_preset(cls, name: str, **overrides) -> "LossConfig":
     """The named preset (``mis_jax.PRESETS``; docs/reference/presets.md) as a LossConfig, with
     ``overrides`` over it: LossConfig keys replace the preset's, MIS keys go into its ``mis``."""
-    from mis_jax import _presets
-    return cls.from_dict(_presets.loss_values(name, overrides), source=f"preset '{name}'")
+    return cls.from_dict(preset_values(name, overrides), source=f"preset '{name}'")
 
   @classmethod
   def from_yaml(cls, path: str | os.PathLike) -> "LossConfig":
     """A preset file (``configs/presets/*.yaml``): LossConfig keys plus an optional ``mis:``."""
     path = os.fspath(path)
     return cls.from_dict(load_yaml(path, "loss config file") or {}, source=path)
+
+
+def preset_values(name: str, overrides: Mapping[str, Any] | None = None) -> dict:
+  """The named preset's LossConfig keys (``mis_jax.PRESETS``) with ``overrides`` over them: a
+  LossConfig key replaces the preset's, a MIS key (but ``use_tis``, a LossConfig key) goes into its
+  ``mis``; ``mis=`` a mapping is merged into the preset's MIS keys."""
+  values = _presets.get(name).loss_values()
+  loss_keys, mis_keys = set(LossConfig.keys()), set(MISConfig.keys())
+  for k, v in (overrides or {}).items():
+    if k == "mis" and isinstance(v, Mapping):
+      values["mis"].update(v)
+    elif k in loss_keys:
+      values[k] = v
+    elif k in mis_keys:
+      values["mis"][k] = v
+    else:
+      valid = sorted(loss_keys | mis_keys)
+      raise ConfigError(f"preset '{name}': unknown key '{k}'.{_closest(str(k), valid)} Valid keys: the LossConfig "
+                        "and MIS keys")
+  return values

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from mis_jax import _presets
 from mis_jax._config import (DENOMINATORS, KL_TYPES, LOSS_AGG_MODES, POLICY_LOSSES, ConfigError, LossConfig,
-                             MISConfig, load_yaml)
+                             MISConfig, load_yaml, preset_values)
 
 # flag dest -> LossConfig key, for the value-carrying loss knobs.
 _KNOBS = {
@@ -62,11 +62,11 @@ def loss_config_from_args(args: argparse.Namespace | Mapping[str, Any],
   if preset:
     # A preset file (configs/presets/*.yaml) under the base values: explicit keys win.
     if _is_preset_name(preset):  # a named preset (mis_jax.PRESETS: icepop, trl:sequence_mask, ...)
-      preset_values = _presets.loss_values(preset)
+      preset_keys = preset_values(preset)
     else:
-      preset_values = load_yaml(preset, "loss preset") or {}
-    LossConfig.from_dict(preset_values, source=preset)  # validates the file, naming it
-    out = {**preset_values, **out}
+      preset_keys = load_yaml(preset, "loss preset") or {}
+    LossConfig.from_dict(preset_keys, source=preset)  # validates the file, naming it
+    out = {**preset_keys, **out}
   unknown = set(out) - set(LossConfig.keys()) - {"custom_config_path", "custom_tis_function_path"}
   if unknown:
     raise ConfigError(f"unknown loss keys: {', '.join(sorted(unknown))}; valid keys: "

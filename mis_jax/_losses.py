@@ -21,6 +21,7 @@ from mis_jax._packing import PackedBatch
 from mis_jax._engine import PassOptions, psum
 from mis_jax._prepared import Correction, Denominators
 from mis_jax._segments import AxisName, Segments, masked_means, safe_exp
+from mis_jax._vocabulary import ALGORITHMS
 from mis_jax._weights import Corrected, correct, drop_nonfinite_rollout, mismatch_metrics, vanilla_core
 
 
@@ -47,16 +48,9 @@ def sq_log_ratio_kl(lp, q, mask, kept, segs: Segments, cfg: LossConfig, dens: De
   return aggregate(values, over, segs, cfg.loss_agg_mode, dens, loss_scale_factor=cfg.loss_scale_factor)
 
 
-# The algorithms of the contract §6 table (`LossConfig.algorithm`): the anchor of the policy-loss
-# form (contract §6.2) and whether the correction's weights multiply it. REINFORCE + IS has no
-# anchor: its form is `-w · A · lp` (gpg's, weighted), `q` standing in for `ppo_kl`.
-ALGORITHMS = {"ppo": ("old", False), "bypass_ppo": ("rollout", False), "decoupled_ppo": ("old", True),
-              "reinforce_is": ("rollout", True)}
-
-
 def _anchor(cfg: LossConfig, old, rollout):
-  """The anchor of ``cfg``'s algorithm (contract §6): the old log-probs or the rollout's."""
-  return old if ALGORITHMS[cfg.algorithm][0] == "old" else rollout
+  """The anchor of ``cfg``'s algorithm (contract §6, ``ALGORITHMS``): the old log-probs or the rollout's."""
+  return old if ALGORITHMS[cfg.algorithm].anchor == "old" else rollout
 
 
 def loglinear_proximal(lp_sg, q, staleness):
@@ -78,7 +72,7 @@ def token_loss(cfg: LossConfig, lp, lp_sg, o, q, adv, weights, kept, segs: Segme
   anchor = _anchor(cfg, o, q)
   form = "gpg" if cfg.algorithm == "reinforce_is" else cfg.policy_loss
   out = _policy_losses.FORMS[form](_policy_losses.FormInputs(
-      lp, lp_sg, anchor, adv, kept, segs, weights if ALGORITHMS[cfg.algorithm][1] else None, selected, cfg))
+      lp, lp_sg, anchor, adv, kept, segs, weights if ALGORITHMS[cfg.algorithm].weighted else None, selected, cfg))
   over_mask = {"ois": safe_exp(lp_sg - o)} if cfg.algorithm == "decoupled_ppo" else {}
   return out.pg, {"pg_clipfrac": out.clipfrac, "ppo_kl": anchor - lp_sg, **out.over_kept}, over_mask
 
@@ -428,7 +422,7 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
       selected = _policy_losses.cov_selection(_anchor(cfg, o, q), adv, kept, segs, cfg, key)
   lp_pg, centring_rows = lp, ({}, {})
   if cfg.score_centering:  # contract §6.6: the form reads lp with the centred score as its gradient
-    coefficient = jnp.abs(adv) * (weights if ALGORITHMS[cfg.algorithm][1] else 1.0)
+    coefficient = jnp.abs(adv) * (weights if ALGORITHMS[cfg.algorithm].weighted else 1.0)
     lp_pg, centring_rows = _centering.centre(lp, topk_logprobs, batch.rollout_topk_logprobs, mask, coefficient)
   pg_tok, over_kept, over_mask = token_loss(cfg, lp_pg, lp_sg, o, q, adv, weights, kept, segs, selected)
   over_mask, over_kept = {**over_mask, **centring_rows[0]}, {**over_kept, **centring_rows[1]}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from mis_jax._config import MISConfig, RSCriterion
+from mis_jax._config import MISConfig, RSCriterion, resolve_correction_fn
 from mis_jax._segments import LOG_BOUND, per_segment_mean, safe_exp
 
 MISMATCH_NAMES = ("mis_training_log_ppl", "mis_training_ppl", "mis_rollout_log_ppl", "mis_rollout_ppl", "mis_kl",
@@ -193,7 +193,6 @@ def microbatch_reduction(name: str, loss_cfg=None) -> str:
     return MICROBATCH_REDUCTIONS[name]
   own = {}
   if loss_cfg is not None and loss_cfg.correction_fn is not None:
-    from mis_jax._config import resolve_correction_fn
     own = getattr(resolve_correction_fn(loss_cfg.correction_fn), "microbatch_reductions", {})
   if name in own:
     if own[name] not in REDUCTIONS:
