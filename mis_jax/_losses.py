@@ -15,12 +15,11 @@ import jax.numpy as jnp
 from mis_jax import _centering
 from mis_jax import _correction as correction
 from mis_jax import _metrics as metrics_lib
-from mis_jax import _policy_losses
-from mis_jax._policy_losses import ppo_token_loss
 from mis_jax import _validation
-from mis_jax._config import LossConfig, resolve_correction_fn
-from mis_jax._packing import PackedBatch
+from mis_jax._config import POLICY_LOSSES, LossConfig, resolve_correction_fn
 from mis_jax._engine import PassOptions, psum
+from mis_jax._packing import PackedBatch
+from mis_jax._policy_losses import FormInputs
 from mis_jax._prepared import Correction, Denominators
 from mis_jax._segments import AxisName, Segments, masked_means, safe_exp
 from mis_jax._vocabulary import ALGORITHMS
@@ -64,6 +63,15 @@ def loglinear_proximal(lp_sg, q, staleness):
   return q + alpha * (lp_sg - q)
 
 
+def _form_of(cfg: LossConfig):
+  """The form the per-token loss runs and its config: the configured one, or under REINFORCE + IS
+  (no anchor; only ratio-free forms are allowed there) gpg's ``-w·A·lp`` (contract §6)."""
+  if cfg.algorithm == "reinforce_is":
+    gpg = POLICY_LOSSES["gpg"]
+    return gpg, gpg.config()
+  return cfg.form, cfg.policy_loss
+
+
 def token_loss(cfg: LossConfig, lp, lp_sg, o, q, adv, weights, kept, segs: Segments, selected):
   """The per-token policy loss of ``cfg``'s algorithm (contract §6) and form (§6.2).
 
@@ -72,9 +80,9 @@ def token_loss(cfg: LossConfig, lp, lp_sg, o, q, adv, weights, kept, segs: Segme
   (decoupled PPO's ``ois``).
   """
   anchor = _anchor(cfg, o, q)
-  form = "gpg" if cfg.algorithm == "reinforce_is" else cfg.policy_loss
-  out = _policy_losses.FORMS[form](_policy_losses.FormInputs(
-      lp, lp_sg, anchor, adv, kept, segs, weights if ALGORITHMS[cfg.algorithm].weighted else None, selected, cfg))
+  form, form_cfg = _form_of(cfg)
+  weighted = weights if ALGORITHMS[cfg.algorithm].weighted else None
+  out = form.fn(FormInputs(lp, lp_sg, anchor, adv, kept, segs, weighted, selected, cfg), form_cfg)
   over_mask = {"ois": safe_exp(lp_sg - o)} if cfg.algorithm == "decoupled_ppo" else {}
   return out.pg, {"pg_clipfrac": out.clipfrac, "ppo_kl": anchor - lp_sg, **out.over_kept}, over_mask
 
@@ -290,20 +298,20 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
   if loss_cfg.uses_cov_selection:
     anchor = _anchor(loss_cfg, batch.old_logprobs, batch.rollout_logprobs)
     if anchor is None:
-      raise ValueError(f"policy_loss '{loss_cfg.policy_loss}' selects tokens from the anchor log-probs: "
+      raise ValueError(f"policy_loss '{loss_cfg.policy_loss.name}' selects tokens from the anchor log-probs: "
                        f"algorithm '{loss_cfg.algorithm}' needs batch."
                        f"{_anchor(loss_cfg, 'old_logprobs', 'rollout_logprobs')}")
     anchor = jnp.where(mask, _validation.flat_float(anchor), 0.0)
     adv = jnp.where(mask, _validation.flat_float(batch.advantages), 0.0)
-    selected = _policy_losses.cov_selection(anchor, adv, kept, segs, loss_cfg, key)
+    selected = loss_cfg.form.select(anchor, adv, kept, segs, loss_cfg.policy_loss, key)
     out = out.replace(cov_selected=selected.reshape(shape))
   return out, metrics
 
 
 def _check_key(cfg: LossConfig, key, selected) -> None:
-  if cfg.policy_loss == "clip_cov" and key is None and selected is None:
-    raise ValueError("policy_loss 'clip_cov' picks its tokens at random: pass key= (a jax.random key), "
-                     "or a correction whose cov_selected prepare_step set")
+  if cfg.form.select_needs_key and key is None and selected is None:
+    raise ValueError(f"policy_loss '{cfg.policy_loss.name}' picks its tokens at random: pass key= (a jax.random "
+                     "key), or a correction whose cov_selected prepare_step set")
 
 
 def loss_denominators(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisName = None,
@@ -347,7 +355,7 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
       (default: this batch's).
     batch_norm_factor: a step-wide batch-normalisation mean for the ``mis`` correction when
       it must run per micro-batch (REINFORCE with rollout IS).
-    pass_options: how the token passes run (static); default :func:`mis_jax.pass_options`
+    pass_options: how the token passes run (static); default :func:`mis_jax.engine.pass_options`
       of ``batch.segment_ids``.
     key: a ``jax.random`` key for clip_cov's random token selection when there is no
       ``correction.cov_selected`` from :func:`prepare_step`.
@@ -460,7 +468,7 @@ def _policy_term(x: _LossInputs, corr: Corrected, arrays: dict, segs: Segments, 
     if arrays.get("cov_selected") is not None:
       selected = _validation.flat_mask(arrays["cov_selected"], corr.kept)
     else:
-      selected = _policy_losses.cov_selection(_anchor(cfg, x.o, x.q), x.adv, corr.kept, segs, cfg, key)
+      selected = cfg.form.select(_anchor(cfg, x.o, x.q), x.adv, corr.kept, segs, cfg.policy_loss, key)
   lp_pg, centring_rows = x.lp, ({}, {})
   if cfg.score_centering:  # the form reads lp with the centred score as its gradient
     coefficient = jnp.abs(x.adv) * (corr.weights if ALGORITHMS[cfg.algorithm].weighted else 1.0)

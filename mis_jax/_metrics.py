@@ -199,5 +199,5 @@ def microbatch_reduction(name: str, loss_cfg=None) -> str:
       raise ValueError(f"metric {name!r}: unknown micro-batch reduction {own[name]!r}; one of {REDUCTIONS}")
     return own[name]
   raise KeyError(f"metric {name!r} declares no micro-batch reduction (one of {REDUCTIONS}): the library declares "
-                 "its metrics' in mis_jax.MICROBATCH_REDUCTIONS; a correction function of your own declares its "
+                 "its metrics' in mis_jax.engine.MICROBATCH_REDUCTIONS; a correction function of your own declares its "
                  "metrics' as its attribute microbatch_reductions")
