@@ -157,6 +157,13 @@ def declare(reductions: dict) -> dict:
   return reductions
 
 
+def undeclare(names) -> None:
+  """Forgets the micro-batch reductions of ``names`` (the metrics of a policy-loss form that was
+  unregistered)."""
+  for name in names:
+    MICROBATCH_REDUCTIONS.pop(name, None)
+
+
 def criterion_names(metric: str, agg: str) -> dict:
   """The metrics of a divergence criterion (``criterion_token_values``, its global max and, for
   a divergence (k2, k3: a k1 band is on the log-ratio, never auto), its auto upper bound), with

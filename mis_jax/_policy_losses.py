@@ -116,6 +116,15 @@ def register_policy_loss(name: str, config: type | None = None, *, ratio_free: b
   return register
 
 
+def _forget_metrics(form: PolicyLossForm) -> None:
+  """An unregistered form's own metrics are no longer the library's (unless another form emits them)."""
+  still = {m for other in POLICY_LOSSES.values() for m in other.metrics}
+  metrics_lib.undeclare(m for m in form.metrics if m not in still)
+
+
+POLICY_LOSSES.on_unregister(_forget_metrics)
+
+
 def ppo_token_loss(logprobs, anchor_logprobs, advantages, *, eps_clip: float, eps_clip_high: float,
                    eps_clip_c: float | None = None):
   """Clipped PPO per-token loss and clip indicator (contract §6).

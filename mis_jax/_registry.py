@@ -62,6 +62,7 @@ class Registry(Mapping):
   def __init__(self, key: str, kind: str, base: type, reserved: Callable[[], Iterable[str]] = tuple):
     self.key, self.kind, self.base, self._reserved = key, kind, base, reserved
     self._entries: dict[str, Any] = {}
+    self._on_unregister: list[Callable] = []
 
   def __getitem__(self, name):
     return self._entries[name]
@@ -107,7 +108,14 @@ class Registry(Mapping):
     registered again); its config class can then be registered anew."""
     entry = self._entries.pop(name)
     del entry.config.name
+    for hook in self._on_unregister:
+      hook(entry)
     return entry
+
+  def on_unregister(self, hook: Callable) -> None:
+    """Calls ``hook(entry)`` when a choice is unregistered (what its registration declared elsewhere goes
+    with it)."""
+    self._on_unregister.append(hook)
 
   def lookup(self, name, path: str):
     """The registration called ``name``; otherwise a :class:`ConfigError` naming the key ``path`` and

@@ -50,7 +50,8 @@ CASES = [(a, c, mode, den) for a in ALGOS
 @pytest.mark.parametrize("algo,correction,mode,den", CASES)
 def test_policy_loss_matches_oracle(algo, correction, mode, den):
   cfg = loss_cfg(algo, correction, loss_agg_mode=mode, denominator=den, entropy_coef=0.01, kl_coef=0.05,
-                 eps_clip_high=0.28, policy_loss={"name": "vanilla", "eps_clip_c": 3.0}, loss_scale_factor=SCALE_FACTOR.get(mode))
+                 eps_clip_high=0.28, policy_loss={"name": "vanilla", "eps_clip_c": 3.0},
+                 loss_scale_factor=SCALE_FACTOR.get(mode))
   loss, metrics = run(cfg)
   want_loss, want, _, _ = oracle.policy_loss(SEQS, oracle_cfg(cfg))
   np.testing.assert_allclose(float(loss), want_loss, rtol=2e-5, atol=2e-6)
@@ -59,7 +60,8 @@ def test_policy_loss_matches_oracle(algo, correction, mode, den):
 
 @pytest.mark.parametrize("algo", ALGOS)
 def test_gradient_matches_finite_differences_of_oracle(algo):
-  cfg = loss_cfg(algo, "seq-mask-veto" if ALGOS[algo][1] else "vanilla", policy_loss={"name": "vanilla", "eps_clip_c": 3.0}, kl_coef=0.1,
+  cfg = loss_cfg(algo, "seq-mask-veto" if ALGOS[algo][1] else "vanilla",
+                 policy_loss={"name": "vanilla", "eps_clip_c": 3.0}, kl_coef=0.1,
                  loss_agg_mode="seq-mean-token-mean")
   grad = np.asarray(jax.grad(lambda lp: run(cfg, extra={"lp": lp})[0])(jnp.asarray(EXTRA["lp"])))
   grads = PACKING.unpack(grad)

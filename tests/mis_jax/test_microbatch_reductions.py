@@ -59,8 +59,9 @@ def _emitted_metrics() -> set:
   batch = mis_jax.PackedBatch(segment_ids=seg, loss_mask=mask, advantages=rng.normal(size=t).astype(np.float32),
                               rollout_logprobs=q, old_logprobs=o, ref_logprobs=o,
                               rollout_staleness=np.ones(t, np.float32), num_segments=4)
-  crits = tuple({"metric": m, "agg": a, "upper": 5.0} for m in mis_jax.config.DIVERGENCES for a in mis_jax.config.AGGREGATIONS)
-  auto_crits = tuple({"metric": m, "agg": a, "upper": "auto"} for m in ("k2", "k3") for a in mis_jax.config.AGGREGATIONS)
+  aggs = mis_jax.config.AGGREGATIONS
+  crits = tuple({"metric": m, "agg": a, "upper": 5.0} for m in mis_jax.config.DIVERGENCES for a in aggs)
+  auto_crits = tuple({"metric": m, "agg": a, "upper": "auto"} for m in ("k2", "k3") for a in aggs)
   mis_cfgs = [
       mis_jax.MISConfig(),
       mis_jax.MISConfig(tis_mode="clip", use_rs=True, rs_veto_threshold=1e-4, tis_batch_normalize=True),

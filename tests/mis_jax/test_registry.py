@@ -18,7 +18,8 @@ from mis_jax import estimators, forms
 from mis_jax.config import config_key, loss_config_from_args
 
 BUILTIN_FORMS = {"vanilla": ("eps_clip_c",), "dppo_tv": ("eps_clip_c",), "dppo_kl": ("eps_clip_c",), "gspo": (),
-                 "sapo": ("tau_pos", "tau_neg"), "gpg": (), "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+                 "sapo": ("tau_pos", "tau_neg"), "gpg": (),
+                 "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
                  "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"), "geo_mean": (), "dro": ("dro_beta",), "cispo": ()}
 REQUIRED = {"dro": {"dro_beta": 0.1}}
 
@@ -54,7 +55,8 @@ def test_unknown_form_names_and_bad_values_list_the_registered_forms():
   with pytest.raises(mis_jax.ConfigError, match=f"key 'policy_loss' has invalid value 'sapoo'; allowed values: "
                                                f"{listed}. Did you mean 'sapo'?"):
     mis_jax.LossConfig(policy_loss="sapoo")
-  with pytest.raises(mis_jax.ConfigError, match="key 'policy_loss.name' has invalid value 'ppo'; allowed values: vanilla"):
+  with pytest.raises(mis_jax.ConfigError,
+                     match="key 'policy_loss.name' has invalid value 'ppo'; allowed values: vanilla"):
     mis_jax.LossConfig(policy_loss={"name": "ppo"})
   with pytest.raises(mis_jax.ConfigError, match=f"key 'policy_loss' needs name: one of {listed}"):
     mis_jax.LossConfig(policy_loss={"tau_pos": 1.0})
@@ -73,7 +75,8 @@ BAD_KEYS = [  # (form, key, value, what the error says)
     ("sapo", "tau_pos", -1.0, "must be > 0, got -1.0"), ("sapo", "tau_neg", "warm", "must be a number, got the string"),
     ("vanilla", "eps_clip_c", 1.0, "must be > 1"), ("dppo_tv", "eps_clip_c", 0.5, "must be > 1"),
     ("dppo_kl", "eps_clip_c", True, "must be a number, got the boolean"),
-    ("clip_cov", "clip_cov_ratio", 1.5, "must be <= 1"), ("clip_cov", "clip_cov_lb", 9.0, "must be below 'clip_cov_ub'"),
+    ("clip_cov", "clip_cov_ratio", 1.5, "must be <= 1"),
+    ("clip_cov", "clip_cov_lb", 9.0, "must be below 'clip_cov_ub'"),
     ("kl_cov", "kl_cov_ratio", 0.0, "must be > 0"), ("kl_cov", "ppo_kl_coef", -0.1, "must be >= 0"),
     ("clip_cov", "clip_cov_ub", "wide", "must be a number"), ("dro", "dro_beta", 0.0, "must be > 0"),
 ]
@@ -130,7 +133,8 @@ def test_a_registered_form_is_a_choice_everywhere(half_form):
   cfg = mis_jax.LossConfig(use_rollout_logprobs=True, policy_loss={"name": "half_pg", "half": 0.25},
                            loss_agg_mode="token-sum")
   assert mis_jax.LossConfig.from_dict(cfg.to_dict()) == cfg
-  assert loss_config_from_args({"policy_loss": "half_pg"}, base={"use_rollout_logprobs": True}).policy_loss == HalfConfig()
+  from_flags = loss_config_from_args({"policy_loss": "half_pg"}, base={"use_rollout_logprobs": True})
+  assert from_flags.policy_loss == HalfConfig()
   with pytest.raises(mis_jax.ConfigError, match="key 'policy_loss.half' must be <= 1"):
     mis_jax.LossConfig(policy_loss={"name": "half_pg", "half": 2.0})
   seg = np.array([[0, 0, 0, 1, 1, -1]], np.int32)
@@ -141,6 +145,7 @@ def test_a_registered_form_is_a_choice_everywhere(half_form):
   loss, metrics = jax.jit(lambda x: mis_jax.policy_loss(x, batch, cfg))(lp)
   np.testing.assert_allclose(float(loss), np.sum(np.where(mask, -0.25 * adv * lp, 0.0)), rtol=1e-6)
   assert float(metrics["half_positive"]) == 0.5 and mis_jax.microbatch_reduction("half_positive") == "kept"
+  assert mis_jax.engine.MICROBATCH_REDUCTIONS["half_positive"] == "kept"  # declared with the form
   grad = jax.grad(lambda x: mis_jax.policy_loss(x, batch, cfg)[0])(lp)
   np.testing.assert_allclose(np.asarray(grad), np.where(mask, -0.25 * adv, 0.0), rtol=1e-6)
 
@@ -152,10 +157,15 @@ def test_an_unregistered_form_is_no_choice():
   with pytest.raises(mis_jax.ConfigError, match="key 'policy_loss' has invalid value 'half_pg'"):
     mis_jax.LossConfig(policy_loss="half_pg")
   assert list(forms.POLICY_LOSSES) == list(BUILTIN_FORMS) and HalfConfig.name == ""
+  forms.register_policy_loss("half_pg", HalfConfig, metrics=("half_positive", "pg_clipfrac_lower"))(half_pg)
+  forms.POLICY_LOSSES.unregister("half_pg")  # its metric goes with it; one dppo_tv emits too stays
+  assert "half_positive" not in mis_jax.engine.MICROBATCH_REDUCTIONS
+  assert mis_jax.engine.MICROBATCH_REDUCTIONS["pg_clipfrac_lower"] == "kept"
 
 
 def test_registering_a_taken_name_or_a_bad_config_is_an_error(half_form):
-  with pytest.raises(ValueError, match=r"policy-loss form 'sapo' is registered already \(by mis_jax._policy_losses.sapo\)"):
+  with pytest.raises(ValueError,
+                     match=r"policy-loss form 'sapo' is registered already \(by mis_jax._policy_losses.sapo\)"):
     forms.register_policy_loss("sapo")(half_pg)
   with pytest.raises(ValueError, match="'half_pg' is registered already"):
     forms.register_policy_loss("half_pg", HalfConfig)(half_pg)
@@ -200,7 +210,8 @@ def test_flat_form_keys_map_onto_the_form_with_a_warning():
                                                r"moved into its form's config, policy_loss=\{'name': 'sapo', "
                                                r"'tau_pos': 2.0\}"):
     mis_jax.LossConfig(tau_pos=2.0)
-  with pytest.raises(AttributeError, match="'tau_pos' is a key of policy_loss sapo, not of this config's form 'vanilla'"):
+  with pytest.raises(AttributeError,
+                     match="'tau_pos' is a key of policy_loss sapo, not of this config's form 'vanilla'"):
     mis_jax.LossConfig().tau_pos
   with pytest.raises(AttributeError, match="has no attribute 'nope'"):
     mis_jax.LossConfig().nope
@@ -309,7 +320,8 @@ def test_estimator_keys_and_the_old_norm_by_std_keyword():
   new = run(estimator={"name": "grpo_passk", "norm_by_std": False})
   with pytest.warns(DeprecationWarning, match=r"pass estimator=\{'name': 'grpo_passk', 'norm_by_std': False\}"):
     np.testing.assert_array_equal(run(estimator="grpo_passk", norm_by_std=False), new)
-  with pytest.raises(mis_jax.ConfigError, match="norm_by_std=False is a key of estimator grpo_passk / gdpo, not of grpo"):
+  with pytest.raises(mis_jax.ConfigError,
+                     match="norm_by_std=False is a key of estimator grpo_passk / gdpo, not of grpo"):
     run(estimator="grpo", norm_by_std=False)
   with pytest.warns(DeprecationWarning, match="norm_by_std"):
     np.testing.assert_array_equal(run(estimator="grpo", norm_by_std=True), run(estimator="grpo"))

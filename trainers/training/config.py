@@ -239,7 +239,8 @@ class TrainSection:
                           choices=OLD_LOGPROBS)
   tokens_per_micro_batch: int = key(4096, "tokens per device (of data x fsdp x expert) in one micro-batch; >= row_len", ge=1)
   row_len: int = key(64, "tokens per packed row (>= the longest prompt + response)", ge=2)
-  advantage_estimator: str = key("grpo", "per-group advantages (contract §6.1)", choices=tuple(mis_jax.estimators.ESTIMATORS))
+  advantage_estimator: str = key("grpo", "per-group advantages (contract §6.1)",
+                                 choices=tuple(mis_jax.estimators.ESTIMATORS))
   exclude_rejected_from_baseline: bool = key(False, "sequences rejected whole leave their group's baseline (contract §6.1)")
   router_aux_loss_coef: float = key(0.0, "mixture of experts: weight of HF's load-balancing loss (RL recipes: 0)", ge=0)
   max_consecutive_masked_steps: int = key(3, "steps in a row whose correction keeps no token (a warning each) before "
