@@ -26,7 +26,7 @@ KEY = jax.random.key(0)
 
 
 def form_config(form: str) -> mis_jax.LossConfig:
-  return dataclasses.replace(LOSS_CFG, policy_loss=form, **FORM_KEYS.get(form, {}))
+  return dataclasses.replace(LOSS_CFG, policy_loss={"name": form, **FORM_KEYS.get(form, {})})
 
 
 def bench_forms(rng, num_seqs, max_len, row_len) -> dict:
@@ -34,7 +34,7 @@ def bench_forms(rng, num_seqs, max_len, row_len) -> dict:
   batch, lp = to_batch(seqs, packing)
   tokens = int(sum(len(s["m"]) for s in seqs))
   out = {"num_seqs": num_seqs, "max_len": max_len, "tokens": tokens, "packed_shape": list(batch.shape), "forms": {}}
-  for form in mis_jax.POLICY_LOSSES:
+  for form in mis_jax.forms.POLICY_LOSSES:
     cfg = form_config(form)
     prepare = jax.jit(lambda b, key, cfg=cfg: mis_jax.prepare_step(b, cfg, key=key))
     correction, _ = prepare(batch, KEY)

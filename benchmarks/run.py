@@ -171,7 +171,7 @@ def bench_shape(rng, num_seqs, max_len, row_len, limits, *, reference=True, padd
   batch, lp = to_batch(seqs, packing)
   tokens = int(sum(len(s["m"]) for s in seqs))
   row = {"num_seqs": num_seqs, "max_len": max_len, "tokens": tokens, "packed_shape": list(batch.shape),
-         "pass_options": dataclasses.asdict(mis_jax.pass_options(batch.segment_ids, batch.num_segments))}
+         "pass_options": dataclasses.asdict(mis_jax.engine.pass_options(batch.segment_ids, batch.num_segments))}
   row["weights_s"] = timeit(_weights, batch)
   row["loss_fwd_bwd_s"] = timeit(_loss_grad, lp, batch)
   weights_in = (batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, batch.segment_ids)
@@ -206,7 +206,7 @@ def main(argv=None):
   limits = roofline.measure()
   out = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
                      "backend": jax.default_backend(), "devices": jax.device_count(),
-                     "pass_options": "mis_jax.pass_options(segment_ids, num_segments) per shape",
+                     "pass_options": "mis_jax.engine.pass_options(segment_ids, num_segments) per shape",
                      "roofline": limits.to_dict()}}
 
   out["named_shapes"] = [bench_shape(rng, 512 // scale, 1024, 4096, limits),

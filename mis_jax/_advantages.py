@@ -3,121 +3,81 @@
 Rewards are per sequence; each prompt is sampled ``n`` times (a group). Group statistics use
 ``jax.ops.segment_sum`` over group ids, so groups of different sizes need no padding. Besides
 our ``grpo``, ``dr_grpo`` and ``rloo``, verl's outcome estimators are here by their verl names.
+
+Each estimator is a registered function with a frozen config of its own keys
+(:func:`register_advantage_estimator`; :data:`ESTIMATORS`): ``fn(x: EstimatorInputs, cfg) -> [N]``.
+A new estimator is its function, its config (omitted without keys) and the registration:
+``compute_advantages(..., estimator={"name": NAME, <its keys>})`` then takes it.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Per-sequence estimators (compute_advantages), then the per-token one (optimal_token_baseline).
-SEQUENCE_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo",
-                       "grpo_passk", "gpg", "gdpo")
-ESTIMATORS = SEQUENCE_ESTIMATORS + ("optimal_token_baseline",)
-# Estimators that read each response's token count (a length-weighted baseline or token whitening).
-NEEDS_LENGTHS = ("reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "gdpo")
+from mis_jax._keys import ConfigError, key
+from mis_jax._registry import ChoiceConfig, Registry
+
 _STD_EPS = 1e-6
 _WHITEN_EPS = 1e-8
 
 
-def _whiten_over_tokens(values, lengths):
-  """verl's ``masked_whiten`` of a per-sequence value broadcast to its ``n_i`` tokens:
-  ``(x - μ) / sqrt(var + 1e-8)`` with the token-weighted mean ``μ = Σ n x / Σ n`` and the
-  unbiased token variance ``Σ n (x - μ)² / (Σ n - 1)``."""
-  n = lengths.astype(jnp.float32)
-  total = jnp.sum(n)
-  mean = jnp.sum(n * values) / jnp.maximum(total, 1.0)
-  var = jnp.sum(n * (values - mean) ** 2) / jnp.maximum(total - 1.0, 1.0)
-  return (values - mean) * jax.lax.rsqrt(var + _WHITEN_EPS)
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig(ChoiceConfig):
+  """The keys of one advantage estimator (contract §6.1): subclass it as a frozen dataclass of
+  ``key(...)`` fields and register it with its function (:func:`register_advantage_estimator`)."""
+
+  KEY = "estimator"
 
 
-def compute_advantages(rewards, group_ids, *, num_groups: int, estimator: str = "grpo", in_baseline=None,
-                       lengths=None, reward_weights=None, norm_by_std: bool = True):
-  """Per-sequence advantages (contract §6.1).
+class Estimator(NamedTuple):
+  """A registered advantage estimator (``mis_jax.estimators.ESTIMATORS[name]``).
 
-  With ``g`` a sequence's group, ``mean_g`` / ``std_g`` (``ddof=1``) over the group's baseline
-  members and ``n_g`` their number:
-
-  - ``grpo``: ``(R - mean_g R) / (std_g R + 1e-6)``; no division for a group of one.
-  - ``dr_grpo``: ``R - mean_g R``.
-  - ``rloo``: ``R_i - mean_{j≠i} R_j``; a group of one has no baseline (``A = R``).
-  - ``reinforce_plus_plus``: ``R`` whitened over the batch's tokens (verl's ``masked_whiten``:
-    each sequence weighs its token count; outcome rewards, γ = 1).
-  - ``reinforce_plus_plus_baseline``: ``R - mean_g R`` (0 baseline for a group of one), then
-    whitened over the tokens.
-  - ``opo``: ``R - Σ_g |y| R / Σ_g |y|``, the length-weighted group mean (0 for a group of one).
-  - ``grpo_passk``: only each group's best sequence learns, with ``(R_max - R_2nd) / (std_g + 1e-6)``
-    (no division without ``norm_by_std``); groups need two members.
-  - ``gpg``: ``α (R - mean_g R)``, ``α = N / #{R ≠ 0}`` over the batch (0 baseline for a group of one).
-  - ``gdpo``: rewards ``[N, K]``; ``Σ_k w_k · grpo'(R_k)`` whitened over the tokens, where
-    ``grpo'`` is verl's GRPO (a group of one: ``R / (1 + 1e-6)``; without ``norm_by_std``
-    ``R - mean_g R``), ``w`` = ``reward_weights`` (default ones).
-
-  Args:
-    rewards: ``[N]`` float rewards (``[N, K]`` for ``gdpo``).
-    group_ids: ``[N]`` int group (prompt) of every sequence, in ``[0, num_groups)``.
-    num_groups: static number of groups.
-    estimator: one of ``mis_jax.SEQUENCE_ESTIMATORS`` (``optimal_token_baseline`` is per token:
-      :func:`optimal_token_baseline`).
-    in_baseline: optional ``[N]`` bool; sequences with False (e.g. rejected whole by the
-      correction) are left out of their group's statistics, as in verl PR #6452. They still
-      receive an advantage relative to the remaining members.
-    lengths: ``[N]`` response token counts, for the estimators in :data:`NEEDS_LENGTHS`.
-    reward_weights: ``gdpo``'s ``[K]`` weights.
-    norm_by_std: ``grpo_passk`` and ``gdpo``: divide by the group's std (verl's
-      ``norm_adv_by_std_in_grpo``).
-
-  Returns:
-    ``[N]`` float32 advantages.
+  Attributes:
+    name: the estimator's name, the value of ``estimator``.
+    config: its :class:`AdvantageConfig` subclass (its own keys).
+    fn: ``fn(x: EstimatorInputs, cfg) -> [N]`` float32 per-sequence advantages; for a per-token
+      estimator, the function that computes them (with its own arguments).
+    per_token: the advantages are per token (:func:`optimal_token_baseline`), not from
+      :func:`compute_advantages`.
+    needs_lengths: reads each response's token count (``lengths=``).
+    reward_components: takes ``[N, K]`` rewards (``[N]`` is one component).
   """
-  if estimator not in SEQUENCE_ESTIMATORS:
-    if estimator == "optimal_token_baseline":
-      raise ValueError("estimator='optimal_token_baseline' gives per-token advantages: call "
-                       "mis_jax.optimal_token_baseline (it needs the old log-probs and Σπ² per token)")
-    raise ValueError(f"estimator={estimator!r} is invalid; allowed values: {', '.join(ESTIMATORS)}")
-  rewards = jnp.asarray(rewards, jnp.float32)
-  group_ids = jnp.asarray(group_ids, jnp.int32)
-  want_ndim = 2 if estimator == "gdpo" else 1
-  if rewards.ndim not in (want_ndim, 1) or group_ids.ndim != 1 or rewards.shape[0] != group_ids.shape[0]:
-    raise ValueError(f"rewards {rewards.shape} and group_ids {group_ids.shape} must be [N] (gdpo: [N, K]) and [N]")
-  if estimator in NEEDS_LENGTHS:
-    if lengths is None:
-      raise ValueError(f"estimator={estimator!r} needs lengths= (each response's token count)")
-    lengths = jnp.asarray(lengths)
-    if lengths.shape != group_ids.shape:
-      raise ValueError(f"lengths {lengths.shape} must have group_ids' shape {group_ids.shape}")
-  member = jnp.ones(group_ids.shape, bool) if in_baseline is None else jnp.asarray(in_baseline, bool)
-  stats = _GroupStats(group_ids, num_groups, member)
-  if estimator == "gdpo":
-    return _gdpo(rewards if rewards.ndim == 2 else rewards[:, None], stats, lengths, reward_weights, norm_by_std)
-  if estimator == "reinforce_plus_plus":
-    return _whiten_over_tokens(rewards, lengths)
-  mean, n = stats.mean(rewards), stats.count()
-  if estimator == "rloo":
-    # Leave-one-out mean over the other baseline members.
-    others = n - member.astype(jnp.float32)
-    total = stats.sum(rewards)
-    baseline = jnp.where(others > 0, (total - jnp.where(member, rewards, 0.0)) / jnp.maximum(others, 1.0), 0.0)
-    return rewards - baseline
-  if estimator == "dr_grpo":
-    return rewards - mean
-  if estimator == "grpo":
-    return jnp.where(n > 1, (rewards - mean) / (stats.std(rewards) + _STD_EPS), rewards - mean)
-  verl_mean = jnp.where(n > 1, mean, 0.0)  # verl's estimators take no baseline from a group of one
-  if estimator == "reinforce_plus_plus_baseline":
-    return _whiten_over_tokens(rewards - verl_mean, lengths)
-  if estimator == "opo":
-    n_tok = lengths.astype(jnp.float32)
-    baseline = stats.sum(n_tok * rewards) / jnp.maximum(stats.sum(n_tok), 1.0)
-    return rewards - jnp.where(n > 1, baseline, 0.0)
-  if estimator == "gpg":
-    alpha = rewards.shape[0] / jnp.maximum(jnp.sum((rewards != 0).astype(jnp.float32)), 1.0)
-    return alpha * (rewards - verl_mean)
-  return _grpo_passk(rewards, stats, norm_by_std)
+  name: str
+  config: type | None
+  fn: Callable
+  per_token: bool = False
+  needs_lengths: bool = False
+  reward_components: bool = False
 
 
-class _GroupStats:
+# The registered estimators, by name; per-sequence ones (compute_advantages) are SEQUENCE_ESTIMATORS.
+ESTIMATORS = Registry("estimator", "advantage estimator", AdvantageConfig)
+SEQUENCE_ESTIMATORS = ESTIMATORS.where(lambda e: not e.per_token)
+# Estimators that read each response's token count (a length-weighted baseline or token whitening).
+NEEDS_LENGTHS = ESTIMATORS.where(lambda e: e.needs_lengths)
+
+
+def register_advantage_estimator(name: str, config: type | None = None, *, per_token: bool = False,
+                                 needs_lengths: bool = False, reward_components: bool = False):
+  """Registers the decorated function as the advantage estimator ``name``, with ``config`` its keys.
+
+  ``fn(x: EstimatorInputs, cfg) -> [N]`` gets the rewards with their group statistics and the
+  estimator's config (an instance of ``config``, a frozen dataclass subclassing
+  :class:`AdvantageConfig`; None: no keys of its own). A name registered already is an error.
+  """
+  def register(fn):
+    ESTIMATORS.add(Estimator(name, config, fn, per_token, needs_lengths, reward_components))
+    return fn
+  return register
+
+
+class GroupStats:
   """Per-group statistics over the baseline members, broadcast back to the sequences."""
 
   def __init__(self, group_ids, num_groups, member):
@@ -140,8 +100,90 @@ class _GroupStats:
     return jnp.sqrt(self.sum((x - self.mean(x)) ** 2) / jnp.maximum(self.count() - 1.0, 1.0))
 
 
-def _grpo_passk(rewards, stats: _GroupStats, norm_by_std: bool):
-  """Only each group's best member (the first of equal best) gets ``R_max - R_2nd``."""
+class EstimatorInputs(NamedTuple):
+  """What an estimator reads: ``rewards`` (float32 ``[N]``, or ``[N, K]`` for one with reward
+  components), their :class:`GroupStats` (``member``: the sequences in their group's baseline),
+  ``lengths`` (``[N]`` token counts, or None) and ``reward_weights`` (``[K]`` or None)."""
+  rewards: jax.Array
+  stats: GroupStats
+  lengths: jax.Array | None
+  reward_weights: jax.Array | None
+
+
+def _whiten_over_tokens(values, lengths):
+  """verl's ``masked_whiten`` of a per-sequence value broadcast to its ``n_i`` tokens:
+  ``(x - μ) / sqrt(var + 1e-8)`` with the token-weighted mean ``μ = Σ n x / Σ n`` and the
+  unbiased token variance ``Σ n (x - μ)² / (Σ n - 1)``."""
+  n = lengths.astype(jnp.float32)
+  total = jnp.sum(n)
+  mean = jnp.sum(n * values) / jnp.maximum(total, 1.0)
+  var = jnp.sum(n * (values - mean) ** 2) / jnp.maximum(total - 1.0, 1.0)
+  return (values - mean) * jax.lax.rsqrt(var + _WHITEN_EPS)
+
+
+def _verl_mean(x: EstimatorInputs):
+  """The group mean, 0 for a group of one (verl's estimators take no baseline from it)."""
+  mean, n = x.stats.mean(x.rewards), x.stats.count()
+  return jnp.where(n > 1, mean, 0.0)
+
+
+@register_advantage_estimator("grpo")
+def grpo(x: EstimatorInputs, cfg: AdvantageConfig):
+  """``(R - mean_g R) / (std_g R + 1e-6)``; no division for a group of one."""
+  rewards, stats = x.rewards, x.stats
+  mean, n = stats.mean(rewards), stats.count()
+  return jnp.where(n > 1, (rewards - mean) / (stats.std(rewards) + _STD_EPS), rewards - mean)
+
+
+@register_advantage_estimator("dr_grpo")
+def dr_grpo(x: EstimatorInputs, cfg: AdvantageConfig):
+  """``R - mean_g R``."""
+  return x.rewards - x.stats.mean(x.rewards)
+
+
+@register_advantage_estimator("rloo")
+def rloo(x: EstimatorInputs, cfg: AdvantageConfig):
+  """``R_i - mean_{j≠i} R_j`` over the other baseline members; a group of one has no baseline."""
+  rewards, stats = x.rewards, x.stats
+  others = stats.count() - stats.member.astype(jnp.float32)
+  total = stats.sum(rewards)
+  baseline = jnp.where(others > 0, (total - jnp.where(stats.member, rewards, 0.0)) / jnp.maximum(others, 1.0), 0.0)
+  return rewards - baseline
+
+
+@register_advantage_estimator("reinforce_plus_plus", needs_lengths=True)
+def reinforce_plus_plus(x: EstimatorInputs, cfg: AdvantageConfig):
+  """``R`` whitened over the batch's tokens (outcome rewards, γ = 1)."""
+  return _whiten_over_tokens(x.rewards, x.lengths)
+
+
+@register_advantage_estimator("reinforce_plus_plus_baseline", needs_lengths=True)
+def reinforce_plus_plus_baseline(x: EstimatorInputs, cfg: AdvantageConfig):
+  """``R - mean_g R`` (0 baseline for a group of one), whitened over the tokens."""
+  return _whiten_over_tokens(x.rewards - _verl_mean(x), x.lengths)
+
+
+@register_advantage_estimator("opo", needs_lengths=True)
+def opo(x: EstimatorInputs, cfg: AdvantageConfig):
+  """``R - Σ_g |y| R / Σ_g |y|``, the length-weighted group mean (0 for a group of one)."""
+  rewards, stats = x.rewards, x.stats
+  n = stats.count()
+  n_tok = x.lengths.astype(jnp.float32)
+  baseline = stats.sum(n_tok * rewards) / jnp.maximum(stats.sum(n_tok), 1.0)
+  return rewards - jnp.where(n > 1, baseline, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class GrpoPasskConfig(AdvantageConfig):
+  """``grpo_passk``'s keys."""
+  norm_by_std: bool = key(True, "divide the gap by the group's std (verl's norm_adv_by_std_in_grpo)")
+
+
+@register_advantage_estimator("grpo_passk", GrpoPasskConfig)
+def grpo_passk(x: EstimatorInputs, cfg: GrpoPasskConfig):
+  """Only each group's best member (the first of equal best) gets ``R_max - R_2nd`` (divided by
+  ``std_g + 1e-6`` with ``norm_by_std``); groups need two members."""
+  rewards, stats = x.rewards, x.stats
   if not isinstance(stats.count(), jax.core.Tracer):
     small = np.asarray(stats.count()) < 2
     if small.any():
@@ -155,14 +197,34 @@ def _grpo_passk(rewards, stats: _GroupStats, norm_by_std: bool):
   best = idx == first
   second = stats.max(rewards, stats.member & ~best)
   gap = best_r - second
-  if norm_by_std:
+  if cfg.norm_by_std:
     gap = gap / (stats.std(rewards) + _STD_EPS)
   return jnp.where(best & (stats.count() >= 2), gap, 0.0)
 
 
-def _gdpo(rewards, stats: _GroupStats, lengths, reward_weights, norm_by_std: bool):
+@register_advantage_estimator("gpg")
+def gpg(x: EstimatorInputs, cfg: AdvantageConfig):
+  """``α (R - mean_g R)``, ``α = N / #{R ≠ 0}`` over the batch (0 baseline for a group of one)."""
+  rewards = x.rewards
+  verl_mean = _verl_mean(x)
+  alpha = rewards.shape[0] / jnp.maximum(jnp.sum((rewards != 0).astype(jnp.float32)), 1.0)
+  return alpha * (rewards - verl_mean)
+
+
+@dataclasses.dataclass(frozen=True)
+class GdpoConfig(AdvantageConfig):
+  """``gdpo``'s keys."""
+  norm_by_std: bool = key(True, "divide each component's centred reward by its group's std (verl's "
+                          "norm_adv_by_std_in_grpo)")
+
+
+@register_advantage_estimator("gdpo", GdpoConfig, needs_lengths=True, reward_components=True)
+def gdpo(x: EstimatorInputs, cfg: GdpoConfig):
+  """``Σ_k w_k · grpo'(R_k)`` whitened over the tokens, ``grpo'`` verl's GRPO (a group of one:
+  ``R / (1 + 1e-6)``; without ``norm_by_std`` ``R - mean_g R``), ``w`` = ``reward_weights``."""
+  rewards, stats = x.rewards if x.rewards.ndim == 2 else x.rewards[:, None], x.stats
   k = rewards.shape[1]
-  weights = jnp.ones((k,), jnp.float32) if reward_weights is None else jnp.asarray(reward_weights, jnp.float32)
+  weights = jnp.ones((k,), jnp.float32) if x.reward_weights is None else jnp.asarray(x.reward_weights, jnp.float32)
   if weights.shape != (k,):
     raise ValueError(f"reward_weights has shape {weights.shape}; gdpo's rewards have {k} components")
   n = stats.count()
@@ -171,10 +233,103 @@ def _gdpo(rewards, stats: _GroupStats, lengths, reward_weights, norm_by_std: boo
     r = rewards[:, j]
     mean = jnp.where(n > 1, stats.mean(r), 0.0)
     std = jnp.where(n > 1, stats.std(r), 1.0)
-    total = total + weights[j] * ((r - mean) / (std + _STD_EPS) if norm_by_std else r - mean)
-  return _whiten_over_tokens(total, lengths)
+    total = total + weights[j] * ((r - mean) / (std + _STD_EPS) if cfg.norm_by_std else r - mean)
+  return _whiten_over_tokens(total, x.lengths)
 
 
+def estimator_config(estimator, *, norm_by_std: bool | None = None) -> AdvantageConfig:
+  """The estimator's config from its config, its name or ``{name, <its keys>}``; ``norm_by_std``, the
+  keyword :func:`compute_advantages` took before estimators had configs, folded in with a
+  DeprecationWarning (an estimator without the key takes only its default, True)."""
+  if isinstance(estimator, str) and estimator not in ESTIMATORS:
+    raise ConfigError(f"estimator={estimator!r} is invalid; allowed values: {', '.join(ESTIMATORS)}")
+  cfg = ESTIMATORS.config_of(estimator)
+  if norm_by_std is None:
+    return cfg
+  owners = " / ".join(ESTIMATORS.owners("norm_by_std"))
+  if "norm_by_std" in cfg.keys():
+    warnings.warn(f"compute_advantages(norm_by_std=) moved into the estimator's config: pass "
+                  f"estimator={{'name': '{cfg.name}', 'norm_by_std': {norm_by_std}}}", DeprecationWarning, stacklevel=3)
+    return dataclasses.replace(cfg, norm_by_std=norm_by_std)
+  if norm_by_std is not True:
+    raise ConfigError(f"norm_by_std={norm_by_std!r} is a key of estimator {owners}, not of {cfg.name}")
+  warnings.warn(f"compute_advantages(norm_by_std=) moved into the estimator's config (a key of {owners}); "
+                f"{cfg.name} has no such key: drop it", DeprecationWarning, stacklevel=3)
+  return cfg
+
+
+def compute_advantages(rewards, group_ids, *, num_groups: int, estimator="grpo", in_baseline=None,
+                       lengths=None, reward_weights=None, norm_by_std: bool | None = None):
+  """Per-sequence advantages (contract §6.1).
+
+  With ``g`` a sequence's group, ``mean_g`` / ``std_g`` (``ddof=1``) over the group's baseline
+  members and ``n_g`` their number:
+
+  - ``grpo``: ``(R - mean_g R) / (std_g R + 1e-6)``; no division for a group of one.
+  - ``dr_grpo``: ``R - mean_g R``.
+  - ``rloo``: ``R_i - mean_{j≠i} R_j``; a group of one has no baseline (``A = R``).
+  - ``reinforce_plus_plus``: ``R`` whitened over the batch's tokens (verl's ``masked_whiten``:
+    each sequence weighs its token count; outcome rewards, γ = 1).
+  - ``reinforce_plus_plus_baseline``: ``R - mean_g R`` (0 baseline for a group of one), then
+    whitened over the tokens.
+  - ``opo``: ``R - Σ_g |y| R / Σ_g |y|``, the length-weighted group mean (0 for a group of one).
+  - ``grpo_passk``: only each group's best sequence learns, with ``(R_max - R_2nd) / (std_g + 1e-6)``
+    (no division without its key ``norm_by_std``); groups need two members.
+  - ``gpg``: ``α (R - mean_g R)``, ``α = N / #{R ≠ 0}`` over the batch (0 baseline for a group of one).
+  - ``gdpo``: rewards ``[N, K]``; ``Σ_k w_k · grpo'(R_k)`` whitened over the tokens, where
+    ``grpo'`` is verl's GRPO (a group of one: ``R / (1 + 1e-6)``; without its key ``norm_by_std``
+    ``R - mean_g R``), ``w`` = ``reward_weights`` (default ones).
+
+  Args:
+    rewards: ``[N]`` float rewards (``[N, K]`` for ``gdpo``).
+    group_ids: ``[N]`` int group (prompt) of every sequence, in ``[0, num_groups)``.
+    num_groups: static number of groups.
+    estimator: a per-sequence estimator of ``mis_jax.estimators.SEQUENCE_ESTIMATORS`` (static): its
+      name (its defaults), ``{"name": NAME, <its keys>}`` or its config
+      (``optimal_token_baseline`` is per token: :func:`optimal_token_baseline`).
+    in_baseline: optional ``[N]`` bool; sequences with False (e.g. rejected whole by the
+      correction) are left out of their group's statistics, as in verl PR #6452. They still
+      receive an advantage relative to the remaining members.
+    lengths: ``[N]`` response token counts, for the estimators that read them
+      (``mis_jax.estimators.NEEDS_LENGTHS``).
+    reward_weights: ``gdpo``'s ``[K]`` weights.
+    norm_by_std: deprecated: the key of ``grpo_passk`` and ``gdpo``, given in ``estimator``.
+
+  Returns:
+    ``[N]`` float32 advantages.
+  """
+  cfg = estimator_config(estimator, norm_by_std=norm_by_std)
+  entry = ESTIMATORS[cfg.name]
+  if entry.per_token:
+    fn = entry.fn
+    where = f"mis_jax.{fn.__name__}" if fn.__module__ == __name__ else f"{fn.__module__}.{fn.__qualname__}"
+    raise ValueError(f"estimator={cfg.name!r} gives per-token advantages: call {where} (it needs the old log-probs "
+                     "and Σπ² per token)")
+  rewards = jnp.asarray(rewards, jnp.float32)
+  group_ids = jnp.asarray(group_ids, jnp.int32)
+  want_ndim = 2 if entry.reward_components else 1
+  if rewards.ndim not in (want_ndim, 1) or group_ids.ndim != 1 or rewards.shape[0] != group_ids.shape[0]:
+    raise ValueError(f"rewards {rewards.shape} and group_ids {group_ids.shape} must be [N] (gdpo: [N, K]) and [N]")
+  if entry.needs_lengths:
+    if lengths is None:
+      raise ValueError(f"estimator={cfg.name!r} needs lengths= (each response's token count)")
+    lengths = jnp.asarray(lengths)
+    if lengths.shape != group_ids.shape:
+      raise ValueError(f"lengths {lengths.shape} must have group_ids' shape {group_ids.shape}")
+  member = jnp.ones(group_ids.shape, bool) if in_baseline is None else jnp.asarray(in_baseline, bool)
+  stats = GroupStats(group_ids, num_groups, member)
+  return entry.fn(EstimatorInputs(rewards, stats, lengths, reward_weights), cfg)
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimalTokenBaselineConfig(AdvantageConfig):
+  """``optimal_token_baseline``'s keys (the keywords of :func:`optimal_token_baseline`)."""
+  handle_zero_tail: bool = key(True, "past the second-longest response of a group, its unique longest one gets no "
+                               "baseline (verl's default)")
+  epsilon: float = key(1e-8, "added to the baseline's denominator", gt=0)
+
+
+@register_advantage_estimator("optimal_token_baseline", OptimalTokenBaselineConfig, per_token=True)
 def optimal_token_baseline(rewards, group_ids, segment_ids, loss_mask, old_logprobs, sum_pi_squared, *,
                            num_groups: int, num_segments: int, is_weights=None, handle_zero_tail: bool = True,
                            epsilon: float = 1e-8):

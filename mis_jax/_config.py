@@ -2,57 +2,27 @@
 
 Everything here runs in Python, once, before anything is traced. Errors name the file
 (when there is one), the key and the allowed values, and suggest the closest valid key.
+
+The names each key accepts come from below (:mod:`mis_jax._vocabulary`); the policy-loss forms are
+a registry (:data:`POLICY_LOSSES`) that the forms fill as they are defined (:mod:`mis_jax._policy_losses`,
+or your own module): ``LossConfig.policy_loss`` holds one form's config, its own keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import os
+import warnings
 from typing import Any, Callable, Mapping
 
-
-from mis_jax import _correction
-
-# The names each setting accepts, derived from the tables of their formulas in
-# `_correction` (a new level, mode, divergence or KL estimator is one entry there).
-LEVELS = _correction.LEVELS
-DIVERGENCES = tuple(_correction.DIVERGENCES)
-AGGREGATIONS = tuple(_correction.AGGREGATIONS)
-TIS_MODES = tuple(_correction.TIS_MODES)
-KL_TYPES = tuple(_correction.KL_ESTIMATORS)
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "token-sum", "seq-mean-token-sum-norm")
-DENOMINATORS = ("kept", "original")
-PROXIMAL = ("recompute", "loglinear")
-SQ_KL_TOKENS = ("trainable", "kept")  # the tokens the squared log-ratio KL is summed over (contract §6.4)
-
-
+from mis_jax import _presets
 from mis_jax._keys import ConfigError, _closest, _where, key, load_yaml, validate_fields  # noqa: F401
-
-# A bound the threshold controller sets each step (contract §3.1), and the keys that take it.
-AUTO = "auto"
-AUTO_KEYS = ("tis_upper_bound", "rs_upper_bound")
-
-# verl's registered policy losses (contract §6.2), implemented in `_policy_losses`.
-POLICY_LOSSES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean",
-                 "dro", "cispo")
-# Forms without a ratio to an anchor: the only ones REINFORCE + IS (whose ratio is the IS weight) takes.
-RATIO_FREE_LOSSES = ("vanilla", "gpg")
-# Forms that select tokens by the step's advantage × log-prob covariance.
-COV_LOSSES = ("clip_cov", "kl_cov")
-# Each form's own LossConfig keys (contract §6.2); the other keys are common to every form.
-POLICY_LOSS_KEYS = {"vanilla": ("eps_clip_c",), "dppo_tv": ("eps_clip_c",), "dppo_kl": ("eps_clip_c",), "gspo": (),
-                    "sapo": ("tau_pos", "tau_neg"), "gpg": (), "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
-                    "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"), "geo_mean": (), "dro": ("dro_beta",), "cispo": ()}
-# The contract §6 table: algorithm -> (use_rollout_logprobs, use_tis).
-ALGORITHMS = {"ppo": (False, False), "bypass_ppo": (True, False), "decoupled_ppo": (False, True),
-              "reinforce_is": (True, True)}
-
-
-def metric_reduction(loss_agg_mode: str) -> str:
-  """How metrics are reduced under a loss mode (contract §8): per token for the token modes,
-  per sequence for the seq-mean modes."""
-  return "token-mean" if loss_agg_mode in ("token-mean", "token-sum") else "seq-mean-token-mean"
+from mis_jax._registry import ChoiceConfig, Registry
+from mis_jax._vocabulary import (AGGREGATIONS, ALGORITHMS, AUTO, AUTO_KEYS, DENOMINATORS, DIVERGENCES,  # noqa: F401
+                                 KL_TYPES, LEVELS, LOSS_AGG_MODES, PROXIMAL, SQ_KL_TOKENS, TIS_MODES, algorithm_of,
+                                 metric_reduction)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,10 +265,9 @@ class MISConfig:
 
   @classmethod
   def from_preset(cls, name: str, **overrides) -> "MISConfig":
-    """The MIS keys of the named preset (``mis_jax.PRESETS``: ``icepop``, ``trl:sequence_mask``,
+    """The MIS keys of the named preset (``mis_jax.config.PRESETS``: ``icepop``, ``trl:sequence_mask``,
     ...; docs/reference/presets.md), with MIS keys in ``overrides`` over them."""
-    from mis_jax import _presets
-    values = _presets.loss_values(name, {"mis": overrides})["mis"]
+    values = preset_values(name, {"mis": overrides})["mis"]
     return cls.from_dict(values, source=f"preset '{name}'")
 
   @classmethod
@@ -342,6 +311,75 @@ def resolve_correction_fn(spec: Callable | str | None) -> Callable | None:
   return fn
 
 
+# --- policy-loss forms: a registry of tagged configs (contract §6.2) -----------------------------
+
+@dataclasses.dataclass(frozen=True)
+class PolicyLossConfig(ChoiceConfig):
+  """The keys of one policy-loss form (contract §6.2), the value of ``LossConfig.policy_loss``.
+
+  Each form's config subclasses this as a frozen dataclass of ``key(...)`` fields and registers with
+  its function (:func:`mis_jax.forms.register_policy_loss`); ``name`` is the form's. The keys every
+  form shares (``eps_clip``, ``eps_clip_high``, the aggregation) stay in :class:`LossConfig`.
+  """
+
+  KEY = "policy_loss"
+
+
+# The registered forms, by name (`mis_jax.forms.POLICY_LOSSES`): filled by `register_policy_loss`. A
+# form's own keys may not take the name of a LossConfig key.
+POLICY_LOSSES = Registry("policy_loss", "policy-loss form", PolicyLossConfig, reserved=lambda: LossConfig.keys())
+
+
+def policy_loss_of(value, where: str | None = None) -> PolicyLossConfig:
+  """A form's config from its config, its name (its defaults) or ``{name: FORM, <its keys>}`` (errors name
+  the key ``policy_loss``; ``where``, as a key's parser gets it, is not needed)."""
+  return POLICY_LOSSES.config_of(value)
+
+
+def form_mapping(value) -> dict:
+  """``{name: FORM, <keys>}`` of a ``policy_loss`` value as written: a name gives ``{name}``, a mapping
+  itself, a form's config all its keys."""
+  if isinstance(value, PolicyLossConfig):
+    return value.to_dict()
+  if isinstance(value, Mapping):
+    return dict(value)
+  return {"name": value}
+
+
+def is_form_key(name: str) -> bool:
+  """Whether ``name`` is some registered form's own key (a LossConfig key before forms had configs)."""
+  return bool(POLICY_LOSSES.owners(name))
+
+
+def with_form_keys(policy_loss, flat: Mapping[str, Any]) -> PolicyLossConfig:
+  """``policy_loss`` with form keys written beside it, flat, as LossConfig keys were before forms had
+  configs (``LossConfig(policy_loss="sapo", tau_pos=2.0)``): a key of the form sets it; a key of another
+  form that is unset (None) or at that form's default is dropped, as it meant nothing then either;
+  any other is a :class:`ConfigError` naming the form that has it."""
+  values = form_mapping(policy_loss)
+  own = POLICY_LOSSES.lookup(values.get("name"), "policy_loss.name").config.keys()
+  for k, v in flat.items():
+    if k in own:
+      values[k] = v
+    elif v is not None and any(v != _default(POLICY_LOSSES[o].config, k) for o in POLICY_LOSSES.owners(k)):
+      owners = POLICY_LOSSES.owners(k)
+      raise ConfigError(f"key '{k}' is a key of policy_loss {' / '.join(owners)}, not of {values['name']}: it moved "
+                        f"into its form's config, policy_loss={{'name': '{owners[0]}', '{k}': {v!r}}}")
+  return policy_loss_of(values)
+
+
+def _default(config: type, k: str):
+  field = next(f for f in dataclasses.fields(config) if f.name == k)
+  return field.default
+
+
+def _moved_keys_warning(keys, form: str) -> None:
+  listed = ", ".join(f"'{k}': ..." for k in keys)
+  warnings.warn(f"LossConfig's {', '.join(keys)} moved into the form's config: write "
+                f"policy_loss={{'name': '{form}', {listed}}} (mis_jax.forms.POLICY_LOSSES['{form}'].config)",
+                DeprecationWarning, stacklevel=3)
+
+
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
   """Policy-loss settings (contract §6–7). Hashable, so it can be a static jit argument.
@@ -349,6 +387,13 @@ class LossConfig:
   ``use_tis`` left ``None`` takes its value from the MIS config (a file that sets
   ``use_tis: true`` turns correction on without the flag); an explicit value that contradicts
   the file is an error.
+
+  ``policy_loss`` is the form's config (a :class:`PolicyLossConfig`: its name and its own keys, such
+  as ``sapo``'s ``tau_pos``); its name, or ``{"name": FORM, <its keys>}``, is read as that config. The
+  keys here are those every form shares. The form keys that were LossConfig keys (``tau_pos``,
+  ``tau_neg``, ``clip_cov_ratio``, ``clip_cov_lb``, ``clip_cov_ub``, ``kl_cov_ratio``, ``ppo_kl_coef``,
+  ``dro_beta``, ``eps_clip_c``) are still accepted beside ``policy_loss`` for one release, with a
+  ``DeprecationWarning``, when they are the form's (:func:`with_form_keys`).
   """
 
   use_tis: bool | None = key(None, "rollout correction on (null: the MIS config's use_tis)")
@@ -359,18 +404,10 @@ class LossConfig:
   get_mismatch_metrics: bool = key(False, "mismatch metrics without changing the loss")
   eps_clip: float = key(0.2, "PPO clip range, in (0, 1)", gt=0)
   eps_clip_high: float | None = key(None, "upper clip range (null: eps_clip)", gt=0)
-  eps_clip_c: float | None = key(None, "dual-clip constant of vanilla; DPPO's ratio truncation (null: off; DPPO: 20)", gt=1)
   loss_agg_mode: str = key("seq-mean-token-mean", "loss aggregation (contract §7)", choices=LOSS_AGG_MODES)
   loss_scale_factor: float | None = key(None, "seq-mean-token-sum-norm's constant divisor (Dr. GRPO's: the longest response allowed)", gt=0)
-  policy_loss: str = key("vanilla", "the per-token policy loss, by verl's name (contract §6.2)", choices=POLICY_LOSSES)
-  tau_pos: float = key(1.0, "sapo: gate temperature where A > 0", gt=0)
-  tau_neg: float = key(1.05, "sapo: gate temperature where A <= 0", gt=0)
-  clip_cov_ratio: float = key(0.0002, "clip_cov: share of the step's tokens whose loss is cut", gt=0, le=1)
-  clip_cov_lb: float = key(1.0, "clip_cov: lower bound of a candidate's covariance")
-  clip_cov_ub: float = key(5.0, "clip_cov: upper bound of a candidate's covariance")
-  kl_cov_ratio: float = key(0.0002, "kl_cov: share of the step's tokens given the KL penalty", gt=0, le=1)
-  ppo_kl_coef: float = key(0.1, "kl_cov: coefficient of |lp - anchor| on the selected tokens", ge=0)
-  dro_beta: float | None = key(None, "dro: quadratic log-ratio penalty (required by dro)", gt=0)
+  policy_loss: PolicyLossConfig | str = key("vanilla", "the per-token policy loss, by verl's name (contract §6.2), "
+                                            "with its own keys", choices=POLICY_LOSSES, parse=policy_loss_of)
   denominator: str = key("kept", "tokens the loss is divided by (contract §7)", choices=DENOMINATORS)
   tis_clip: float = key(2.0, "vanilla TIS upper clip", gt=0)
   tis_clip_low: float = key(0.0, "vanilla TIS lower clip, below tis_clip", ge=0)
@@ -389,7 +426,7 @@ class LossConfig:
 
   def __post_init__(self):
     set_ = lambda k, v: object.__setattr__(self, k, v)
-    validate_fields(self, lambda name: _where(None, name))  # types, choices, ranges of the keys
+    validate_fields(self, lambda name: _where(None, name))  # types, choices, ranges of the keys; the form's
     if self.mis is not None and not isinstance(self.mis, MISConfig):
       if isinstance(self.mis, Mapping):
         set_("mis", MISConfig.from_dict(self.mis))
@@ -420,21 +457,13 @@ class LossConfig:
 
   def _check_policy_loss(self):
     """Combinations of the policy loss with the algorithm and the other keys that mean nothing."""
-    form = self.policy_loss
-    if form not in RATIO_FREE_LOSSES and self.use_rollout_logprobs and self.use_tis:
+    name = self.policy_loss.name
+    if not self.form.ratio_free and self.use_rollout_logprobs and self.use_tis:
       raise ConfigError(
-          f"policy_loss '{form}' forms a ratio to an anchor policy, but REINFORCE + IS (use_rollout_logprobs "
+          f"policy_loss '{name}' forms a ratio to an anchor policy, but REINFORCE + IS (use_rollout_logprobs "
           "and use_tis both true) has none: its ratio is the IS weight. Use bypass PPO (use_tis: false) to "
-          f"anchor '{form}' on the rollout log-probs, or decoupled PPO (use_rollout_logprobs: false) to anchor "
+          f"anchor '{name}' on the rollout log-probs, or decoupled PPO (use_rollout_logprobs: false) to anchor "
           "it on the old log-probs with the correction's weights")
-    if self.eps_clip_c is not None and form not in ("vanilla", "dppo_tv", "dppo_kl"):
-      raise ConfigError(f"key 'eps_clip_c' is the dual clip of policy_loss 'vanilla' (and DPPO's ratio "
-                        f"truncation); policy_loss '{form}' has no use for it")
-    if form == "dro" and self.dro_beta is None:
-      raise ConfigError("policy_loss 'dro' needs key 'dro_beta' (> 0), the weight of its quadratic log-ratio "
-                        "penalty; verl has no default either")
-    if form == "clip_cov" and not self.clip_cov_lb < self.clip_cov_ub:
-      raise ConfigError(f"key 'clip_cov_lb' ({self.clip_cov_lb}) must be below 'clip_cov_ub' ({self.clip_cov_ub})")
     if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.loss_scale_factor is None:
       raise ConfigError("loss_agg_mode 'seq-mean-token-sum-norm' needs key 'loss_scale_factor' (Dr. GRPO's "
                         "constant, such as the longest response allowed): a packed batch has no padded "
@@ -452,9 +481,26 @@ class LossConfig:
                         f"{self.use_rollout_logprobs}) has none. Set use_tis: true and use_rollout_logprobs: false, "
                         "or proximal: recompute")
     if self.uses_cov_selection:
-      raise ConfigError(f"policy_loss '{self.policy_loss}' selects its tokens once per step from the anchor "
+      raise ConfigError(f"policy_loss '{self.policy_loss.name}' selects its tokens once per step from the anchor "
                         "log-probs, which proximal 'loglinear' only knows inside the loss (they follow the "
                         "current log-probs); use proximal: recompute")
+
+  def __getattr__(self, name: str):
+    # The form keys that were LossConfig keys read through to the form's config, for one release.
+    form = self.__dict__.get("policy_loss") if not name.startswith("_") else None
+    if not isinstance(form, PolicyLossConfig) or not is_form_key(name):
+      raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+    if name not in form.keys():
+      raise AttributeError(f"'{name}' is a key of policy_loss {' / '.join(POLICY_LOSSES.owners(name))}, not of "
+                           f"this config's form '{form.name}' (its keys live in LossConfig.policy_loss)")
+    warnings.warn(f"LossConfig.{name} moved into the form's config: read LossConfig.policy_loss.{name}",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(form, name)
+
+  @property
+  def form(self):
+    """The registration of the policy-loss form (its config class, function and properties)."""
+    return POLICY_LOSSES[self.policy_loss.name]
 
   @property
   def metric_mode(self) -> str:
@@ -463,13 +509,15 @@ class LossConfig:
 
   @property
   def uses_cov_selection(self) -> bool:
-    """Whether the policy loss selects tokens by covariance (clip_cov, kl_cov): it then needs a key."""
-    return self.policy_loss in COV_LOSSES
+    """Whether the form selects its tokens once per step (clip_cov, kl_cov: by covariance), in
+    :func:`mis_jax.prepare_step`."""
+    return self.form.select is not None
 
   def to_dict(self) -> dict[str, Any]:
-    """The keys as JSON-able values (the MIS config as its keys, a correction function as its
-    import path or repr)."""
+    """The keys as JSON-able values (the form as ``{name, <its keys>}``, the MIS config as its keys,
+    a correction function as its import path or repr)."""
     out = {k: getattr(self, k) for k in self.keys()}
+    out["policy_loss"] = self.policy_loss.to_dict()
     out["mis"] = None if self.mis is None else self.mis.to_dict()
     if self.correction_fn is not None and not isinstance(self.correction_fn, str):
       out["correction_fn"] = repr(self.correction_fn)
@@ -481,8 +529,8 @@ class LossConfig:
 
   @property
   def algorithm(self) -> str:
-    """The contract §6 table row selected by the two flags."""
-    return next(name for name, flags in ALGORITHMS.items() if flags == (self.use_rollout_logprobs, self.use_tis))
+    """The contract §6 table row selected by the two flags (``ALGORITHMS``)."""
+    return algorithm_of(self.use_rollout_logprobs, self.use_tis)
 
   @property
   def needs_old_logprobs(self) -> bool:
@@ -512,15 +560,16 @@ class LossConfig:
 
   @classmethod
   def from_dict(cls, values: Mapping[str, Any], *, source: str | None = None) -> "LossConfig":
-    """From a mapping of LossConfig keys; ``mis`` may be a mapping of MIS keys and
-    ``custom_config_path`` a MIS YAML file (the two are exclusive)."""
+    """From a mapping of LossConfig keys; ``policy_loss`` may be a form's name or a mapping
+    ``{name, <its keys>}``, ``mis`` a mapping of MIS keys and ``custom_config_path`` a MIS YAML file
+    (the two are exclusive)."""
     where = f"{source}: " if source else ""
     if not isinstance(values, Mapping):
       raise ConfigError(f"{where}a loss config must be a mapping, got {type(values).__name__}")
     values = dict(values)
     valid = cls.keys() + ("custom_config_path",)
     for name in values:
-      if name not in valid:
+      if name not in valid and not is_form_key(str(name)):
         raise ConfigError(f"{where}unknown loss key '{name}'.{_closest(str(name), valid)} Valid keys: {', '.join(valid)}")
     path = values.pop("custom_config_path", None)
     if path is not None and values.get("mis") is not None:
@@ -533,13 +582,50 @@ class LossConfig:
 
   @classmethod
   def from_preset(cls, name: str, **overrides) -> "LossConfig":
-    """The named preset (``mis_jax.PRESETS``; docs/reference/presets.md) as a LossConfig, with
+    """The named preset (``mis_jax.config.PRESETS``; docs/reference/presets.md) as a LossConfig, with
     ``overrides`` over it: LossConfig keys replace the preset's, MIS keys go into its ``mis``."""
-    from mis_jax import _presets
-    return cls.from_dict(_presets.loss_values(name, overrides), source=f"preset '{name}'")
+    return cls.from_dict(preset_values(name, overrides), source=f"preset '{name}'")
 
   @classmethod
   def from_yaml(cls, path: str | os.PathLike) -> "LossConfig":
     """A preset file (``configs/presets/*.yaml``): LossConfig keys plus an optional ``mis:``."""
     path = os.fspath(path)
     return cls.from_dict(load_yaml(path, "loss config file") or {}, source=path)
+
+
+def _accepting_form_keys(init):
+  """``LossConfig.__init__`` taking the form keys that were LossConfig keys (``tau_pos=`` beside
+  ``policy_loss="sapo"``) for one release: folded into the form's config with a DeprecationWarning."""
+  @functools.wraps(init)
+  def __init__(self, *args, **kwargs):
+    flat = {k: kwargs.pop(k) for k in list(kwargs) if k not in _FIELDS and is_form_key(k)}
+    if flat:
+      form = kwargs.get("policy_loss", "vanilla")
+      kwargs["policy_loss"] = with_form_keys(form, flat)
+      _moved_keys_warning(list(flat), kwargs["policy_loss"].name)
+    init(self, *args, **kwargs)
+  return __init__
+
+
+_FIELDS = frozenset(LossConfig.keys())
+LossConfig.__init__ = _accepting_form_keys(LossConfig.__init__)
+
+
+def preset_values(name: str, overrides: Mapping[str, Any] | None = None) -> dict:
+  """The named preset's LossConfig keys (``mis_jax.config.PRESETS``) with ``overrides`` over them: a
+  LossConfig key replaces the preset's, a MIS key (but ``use_tis``, a LossConfig key) goes into its
+  ``mis``; ``mis=`` a mapping is merged into the preset's MIS keys."""
+  values = _presets.get(name).loss_values()
+  loss_keys, mis_keys = set(LossConfig.keys()), set(MISConfig.keys())
+  for k, v in (overrides or {}).items():
+    if k == "mis" and isinstance(v, Mapping):
+      values["mis"].update(v)
+    elif k in loss_keys or is_form_key(k):
+      values[k] = v
+    elif k in mis_keys:
+      values["mis"][k] = v
+    else:
+      valid = sorted(loss_keys | mis_keys)
+      raise ConfigError(f"preset '{name}': unknown key '{k}'.{_closest(str(k), valid)} Valid keys: the LossConfig "
+                        "and MIS keys")
+  return values

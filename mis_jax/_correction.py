@@ -8,15 +8,12 @@ Notation (docs/contract.md): ``m`` trained mask, ``r = o - q`` the token log-rat
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from mis_jax._segments import LOG_BOUND, safe_exp
-
-if TYPE_CHECKING:  # the configs import this module's tables for their names
-  from mis_jax._config import MISConfig, RSCriterion
 
 BATCH_NORM_EPS = 1e-8
 
@@ -83,23 +80,14 @@ class Bounds(NamedTuple):
   m2_max: Any = None
   criteria_upper: tuple = ()  # per criterion of rs_criteria: its upper bound (an auto one resolved)
 
-  @classmethod
-  def of(cls, cfg: MISConfig) -> "Bounds":
-    """A config's fixed bounds (contract §3–4 defaults); None for those it leaves to the controller."""
-    uppers = tuple(None if c.auto else c.upper for c in cfg.rs_criteria)
-    if cfg.tis_auto:
-      return cls(None, None, cfg.rs_lower_bound, None if cfg.rs_auto else cfg.rs_upper_bound, None, uppers)
-    return cls(cfg.lower, cfg.tis_upper_bound, cfg.rs_lower_bound if cfg.rs_auto else cfg.rs_lower,
-               None if cfg.rs_auto else cfg.rs_upper, None, uppers)
 
-
-def bounded_weights(w_raw, cfg: MISConfig, bounds: Bounds):
+def bounded_weights(w_raw, tis_mode: str, bounds: Bounds):
   """IS weights per ``tis_mode`` (contract §3, ``TIS_MODES``) and the tokens IS keeps.
 
   Returns:
     ``(w, keep_is)``: ``keep_is`` is None unless ``tis_mode`` is ``mask``.
   """
-  return TIS_MODES[cfg.tis_mode](w_raw, bounds.tis_lower, bounds.tis_upper)
+  return TIS_MODES[tis_mode](w_raw, bounds.tis_lower, bounds.tis_upper)
 
 
 def in_band(value, lower: float | None, upper: float | None):
@@ -202,17 +190,17 @@ def divergence(metric: str, r):
   return DIVERGENCES[metric](r)
 
 
-def segment_divergence(crit: RSCriterion, seg_total, count):
-  """The per-sequence aggregate of a criterion's divergence over trained tokens: ``seq_sum``
+def segment_divergence(agg: str, seg_total, count):
+  """The per-sequence aggregate ``agg`` of a criterion's divergence over trained tokens: ``seq_sum``
   and ``seq_max`` as given (``seg_total`` is the segment's sum or max), ``seq_mean`` =
   ``seq_sum / max(n_s, 1)``."""
-  return seg_total / jnp.maximum(count, 1.0) if crit.agg == "seq_mean" else seg_total
+  return seg_total / jnp.maximum(count, 1.0) if agg == "seq_mean" else seg_total
 
 
-def criterion_value(crit: RSCriterion, aggregated):
+def criterion_value(metric: str, aggregated):
   """The value a criterion's band bounds (contract §4.1): the aggregated divergence for k2/k3,
   and for k1 the aggregated log-ratio ``-agg(k1)`` (bounds are on ``log(π_train/π_rollout)``)."""
-  return -aggregated if crit.metric == "k1" else aggregated
+  return -aggregated if metric == "k1" else aggregated
 
 
 # --- contract §6: KL penalty to a reference policy -----------------------------------------

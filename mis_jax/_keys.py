@@ -62,10 +62,12 @@ def _number(value: Any, where: str, *, allow_none: bool) -> float | None:
   return value
 
 
-def key(default, doc: str, *, ge=None, gt=None, le=None, choices=None, factory=None):
+def key(default, doc: str, *, ge=None, gt=None, le=None, choices=None, factory=None, parse=None):
   """A config key: its default, one line of meaning, and its constraints (checked on load,
-  shown in `mis-jax train --help` and docs/reference/config.md)."""
-  meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "choices": choices}
+  shown in `mis-jax train --help` and docs/reference/config.md). ``parse(value, where)``, for a key
+  whose value is a config of its own (a registered choice: :mod:`mis_jax._registry`), reads and
+  checks it instead; ``choices`` then only names the values for the docs."""
+  meta = {"doc": doc, "ge": ge, "gt": gt, "le": le, "choices": choices, "parse": parse}
   if factory is not None:
     return dataclasses.field(default_factory=factory, metadata=meta)
   return dataclasses.field(default=default, metadata=meta)
@@ -98,6 +100,8 @@ def _as_int(value, where: str) -> int:
 def parse_value(value, typ, meta: dict, where: str):
   """`value` checked against a key's type and constraints; returns it normalised. Errors are
   `ConfigError("<where> must ...")`, `where` naming the key as its caller writes it."""
+  if meta.get("parse") is not None:
+    return meta["parse"](value, where)
   args = typing.get_args(typ)
   if type(None) in args:
     if value is None:
@@ -133,8 +137,6 @@ def parse_value(value, typ, meta: dict, where: str):
     if b is not None and not ok(value, b):
       raise ConfigError(f"{where} must be {text} {b}, got {value!r}")
   return value
-
-
 
 
 def validate_fields(obj, where) -> None:

@@ -7,20 +7,22 @@ jittable with the :class:`LossConfig` static. Global denominators computed once 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
 from mis_jax import _centering
 from mis_jax import _correction as correction
 from mis_jax import _metrics as metrics_lib
-from mis_jax import _policy_losses
-from mis_jax._policy_losses import ppo_token_loss
 from mis_jax import _validation
-from mis_jax._config import LossConfig, resolve_correction_fn
-from mis_jax._packing import PackedBatch
+from mis_jax._config import POLICY_LOSSES, LossConfig, resolve_correction_fn
 from mis_jax._engine import PassOptions, psum
+from mis_jax._packing import PackedBatch
+from mis_jax._policy_losses import FormInputs
 from mis_jax._prepared import Correction, Denominators
 from mis_jax._segments import AxisName, Segments, masked_means, safe_exp
+from mis_jax._vocabulary import ALGORITHMS
 from mis_jax._weights import Corrected, correct, drop_nonfinite_rollout, mismatch_metrics, vanilla_core
 
 
@@ -47,16 +49,9 @@ def sq_log_ratio_kl(lp, q, mask, kept, segs: Segments, cfg: LossConfig, dens: De
   return aggregate(values, over, segs, cfg.loss_agg_mode, dens, loss_scale_factor=cfg.loss_scale_factor)
 
 
-# The algorithms of the contract §6 table (`LossConfig.algorithm`): the anchor of the policy-loss
-# form (contract §6.2) and whether the correction's weights multiply it. REINFORCE + IS has no
-# anchor: its form is `-w · A · lp` (gpg's, weighted), `q` standing in for `ppo_kl`.
-ALGORITHMS = {"ppo": ("old", False), "bypass_ppo": ("rollout", False), "decoupled_ppo": ("old", True),
-              "reinforce_is": ("rollout", True)}
-
-
 def _anchor(cfg: LossConfig, old, rollout):
-  """The anchor of ``cfg``'s algorithm (contract §6): the old log-probs or the rollout's."""
-  return old if ALGORITHMS[cfg.algorithm][0] == "old" else rollout
+  """The anchor of ``cfg``'s algorithm (contract §6, ``ALGORITHMS``): the old log-probs or the rollout's."""
+  return old if ALGORITHMS[cfg.algorithm].anchor == "old" else rollout
 
 
 def loglinear_proximal(lp_sg, q, staleness):
@@ -68,6 +63,15 @@ def loglinear_proximal(lp_sg, q, staleness):
   return q + alpha * (lp_sg - q)
 
 
+def _form_of(cfg: LossConfig):
+  """The form the per-token loss runs and its config: the configured one, or under REINFORCE + IS
+  (no anchor; only ratio-free forms are allowed there) gpg's ``-w·A·lp`` (contract §6)."""
+  if cfg.algorithm == "reinforce_is":
+    gpg = POLICY_LOSSES["gpg"]
+    return gpg, gpg.config()
+  return cfg.form, cfg.policy_loss
+
+
 def token_loss(cfg: LossConfig, lp, lp_sg, o, q, adv, weights, kept, segs: Segments, selected):
   """The per-token policy loss of ``cfg``'s algorithm (contract §6) and form (§6.2).
 
@@ -76,9 +80,9 @@ def token_loss(cfg: LossConfig, lp, lp_sg, o, q, adv, weights, kept, segs: Segme
   (decoupled PPO's ``ois``).
   """
   anchor = _anchor(cfg, o, q)
-  form = "gpg" if cfg.algorithm == "reinforce_is" else cfg.policy_loss
-  out = _policy_losses.FORMS[form](_policy_losses.FormInputs(
-      lp, lp_sg, anchor, adv, kept, segs, weights if ALGORITHMS[cfg.algorithm][1] else None, selected, cfg))
+  form, form_cfg = _form_of(cfg)
+  weighted = weights if ALGORITHMS[cfg.algorithm].weighted else None
+  out = form.fn(FormInputs(lp, lp_sg, anchor, adv, kept, segs, weighted, selected, cfg), form_cfg)
   over_mask = {"ois": safe_exp(lp_sg - o)} if cfg.algorithm == "decoupled_ppo" else {}
   return out.pg, {"pg_clipfrac": out.clipfrac, "ppo_kl": anchor - lp_sg, **out.over_kept}, over_mask
 
@@ -294,20 +298,20 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
   if loss_cfg.uses_cov_selection:
     anchor = _anchor(loss_cfg, batch.old_logprobs, batch.rollout_logprobs)
     if anchor is None:
-      raise ValueError(f"policy_loss '{loss_cfg.policy_loss}' selects tokens from the anchor log-probs: "
+      raise ValueError(f"policy_loss '{loss_cfg.policy_loss.name}' selects tokens from the anchor log-probs: "
                        f"algorithm '{loss_cfg.algorithm}' needs batch."
                        f"{_anchor(loss_cfg, 'old_logprobs', 'rollout_logprobs')}")
     anchor = jnp.where(mask, _validation.flat_float(anchor), 0.0)
     adv = jnp.where(mask, _validation.flat_float(batch.advantages), 0.0)
-    selected = _policy_losses.cov_selection(anchor, adv, kept, segs, loss_cfg, key)
+    selected = loss_cfg.form.select(anchor, adv, kept, segs, loss_cfg.policy_loss, key)
     out = out.replace(cov_selected=selected.reshape(shape))
   return out, metrics
 
 
 def _check_key(cfg: LossConfig, key, selected) -> None:
-  if cfg.policy_loss == "clip_cov" and key is None and selected is None:
-    raise ValueError("policy_loss 'clip_cov' picks its tokens at random: pass key= (a jax.random key), "
-                     "or a correction whose cov_selected prepare_step set")
+  if cfg.form.select_needs_key and key is None and selected is None:
+    raise ValueError(f"policy_loss '{cfg.policy_loss.name}' picks its tokens at random: pass key= (a jax.random "
+                     "key), or a correction whose cov_selected prepare_step set")
 
 
 def loss_denominators(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisName = None,
@@ -351,7 +355,7 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
       (default: this batch's).
     batch_norm_factor: a step-wide batch-normalisation mean for the ``mis`` correction when
       it must run per micro-batch (REINFORCE with rollout IS).
-    pass_options: how the token passes run (static); default :func:`mis_jax.pass_options`
+    pass_options: how the token passes run (static); default :func:`mis_jax.engine.pass_options`
       of ``batch.segment_ids``.
     key: a ``jax.random`` key for clip_cov's random token selection when there is no
       ``correction.cov_selected`` from :func:`prepare_step`.
@@ -366,95 +370,131 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
   """
   arrays, denominators = _check_batch(logprobs, batch, loss_cfg, entropy, correction, denominators, topk_logprobs)
   _check_key(loss_cfg, key, arrays.get("cov_selected"))
-  cfg = loss_cfg
-  mode = cfg.metric_mode
-  shape = jnp.shape(batch.segment_ids)
   segs = Segments(batch.segment_ids, batch.num_segments, axis_name, pass_options)
+  x = _loss_inputs(logprobs, arrays, segs, loss_cfg, axis_name)
+  corr = _corrected(x, arrays, segs, loss_cfg, jnp.shape(batch.segment_ids), batch_norm_factor)
+  pg_tok, over_kept, over_mask = _policy_term(x, corr, arrays, segs, loss_cfg, key, topk_logprobs,
+                                              batch.rollout_topk_logprobs)
+  if denominators is None:
+    denominators = Denominators.from_stats(corr.kept_stats if loss_cfg.denominator == "kept" else corr.mask_stats)
+  loss, values = _loss_terms(x, corr.kept, pg_tok, entropy, segs, loss_cfg, denominators)
+  sg = jax.lax.stop_gradient
+  rows = [(x.mask, corr.mask_stats, over_mask), (corr.kept, corr.kept_stats, over_kept)]
+  metrics = {**corr.metrics, **masked_means(rows, segs, loss_cfg.metric_mode)}
+  metrics.update({k: sg(v) for k, v in values.items()})
+  metrics.update(x.nonfinite)
+  metrics["loss"] = sg(loss)
+  return loss, metrics
+
+
+class _LossInputs(NamedTuple):
+  """The loss's flat ``[T]`` inputs: the trained mask ``m`` (rollout log-probs that are not finite
+  dropped, their count in ``nonfinite``), ``lp`` (with the gradient) and the stop-gradient others, 0
+  off ``m``; ``monitor`` the trainer log-probs mismatch monitoring reads."""
+  mask: jax.Array
+  nonfinite: dict
+  lp: jax.Array
+  lp_sg: jax.Array
+  adv: jax.Array
+  q: jax.Array | None
+  o: jax.Array | None
+  ref: jax.Array | None
+  monitor: jax.Array
+
+
+def _loss_inputs(logprobs, arrays: dict, segs: Segments, cfg: LossConfig, axis_name) -> _LossInputs:
+  """The flat inputs; ``o`` is loglinear's approximation with ``proximal: loglinear`` (contract §6.3)."""
   mask = _validation.flat_mask(arrays["loss_mask"], segs.valid)
   nonfinite = {}
   if arrays.get("rollout_logprobs") is not None:  # contract §8.4: such tokens leave m, for every algorithm
     mask, nonfinite = drop_nonfinite_rollout(_validation.flat_float(arrays["rollout_logprobs"]), mask, axis_name)
-  sg = jax.lax.stop_gradient
 
   def flat(name):
-    x = arrays.get(name)
-    return None if x is None else jnp.where(mask, sg(_validation.flat_float(x)), 0.0)
+    v = arrays.get(name)
+    return None if v is None else jnp.where(mask, jax.lax.stop_gradient(_validation.flat_float(v)), 0.0)
 
   # Masked positions may hold NaN/inf: select (never multiply) before any arithmetic so
   # neither values nor gradients leak.
   lp = jnp.where(mask, _validation.flat_float(logprobs), 0.0)
-  lp_sg = sg(lp)
+  lp_sg = jax.lax.stop_gradient(lp)
   adv, q, o, ref = flat("advantages"), flat("rollout_logprobs"), flat("old_logprobs"), flat("ref_logprobs")
   # Mismatch monitoring reads the trainer's log-probs: o, or sg(lp) when there are none (or o is
   # only loglinear's approximation).
   monitor = lp_sg if o is None else o
   if cfg.proximal == "loglinear":
     o = loglinear_proximal(lp_sg, q, flat("rollout_staleness"))
-  metrics = {}
+  return _LossInputs(mask, nonfinite, lp, lp_sg, adv, q, o, ref, monitor)
 
-  # Correction stage, and mismatch monitoring whenever rollout log-probs are present (contract
-  # §8.1). The correction reads o in decoupled PPO and sg(lp) in REINFORCE, so when those are
-  # the log-probs monitored the correction's own passes compute the mismatch metrics.
-  weights, kept = jnp.ones_like(lp), mask
+
+def _corrected(x: _LossInputs, arrays: dict, segs: Segments, cfg: LossConfig, shape, batch_norm_factor) -> Corrected:
+  """The correction stage: the weights and kept mask (the step's precomputed ones, or the correction run
+  here), the mismatch monitoring whenever rollout log-probs are present (contract §8.1), and the
+  :class:`MaskStats` of ``m`` and ``m'``. The correction reads ``o`` in decoupled PPO and ``sg(lp)`` in
+  REINFORCE, so when those are the log-probs monitored the correction's own passes monitor too."""
+  weights, kept, metrics = jnp.ones_like(x.lp), x.mask, {}
   mask_stats = kept_stats = None  # MaskStats of m and m', once counted
   mismatch_done = False
   if cfg.use_tis:
     if arrays.get("is_weights") is not None:
-      weights = flat("is_weights")
-      kept = _validation.flat_mask(arrays["kept_mask"], mask)
+      weights = jnp.where(x.mask, jax.lax.stop_gradient(_validation.flat_float(arrays["is_weights"])), 0.0)
+      kept = _validation.flat_mask(arrays["kept_mask"], x.mask)
     else:
-      train_lp = o if cfg.algorithm == "decoupled_ppo" else lp_sg
+      train_lp = x.o if cfg.algorithm == "decoupled_ppo" else x.lp_sg
       # The correction's passes monitor too when they read the monitored log-probs: o in decoupled
       # PPO (recomputed, not loglinear's approximation), sg(lp) in REINFORCE without o.
-      mismatch_done = q is not None and cfg.proximal == "recompute" and (cfg.algorithm == "decoupled_ppo" or o is None)
-      result = _run_correction(train_lp, q, mask, segs, cfg, shape, batch_norm_factor, mismatch=mismatch_done,
-                               adv=adv)
+      mismatch_done = x.q is not None and cfg.proximal == "recompute" and (cfg.algorithm == "decoupled_ppo"
+                                                                            or x.o is None)
+      result = _run_correction(train_lp, x.q, x.mask, segs, cfg, shape, batch_norm_factor, mismatch=mismatch_done,
+                               adv=x.adv)
       weights, kept, metrics = result.weights, result.kept, result.metrics
       mask_stats, kept_stats = result.mask_stats, result.kept_stats
-  if q is not None and not mismatch_done:
-    mismatch, mask_stats = mismatch_metrics(monitor, q, mask, segs, mode)
+  if x.q is not None and not mismatch_done:
+    mismatch, mask_stats = mismatch_metrics(x.monitor, x.q, x.mask, segs, cfg.metric_mode)
     metrics = {**mismatch, **metrics}
   if mask_stats is None:
-    mask_stats = segs.mask_stats(mask)
+    mask_stats = segs.mask_stats(x.mask)
   if kept_stats is None:  # without correction m' = m; precomputed kept masks are counted here
     kept_stats = mask_stats if not cfg.use_tis else segs.mask_stats(kept)
+  return Corrected(weights, kept, metrics, mask_stats, kept_stats)
 
-  # Per-token policy loss of the selected algorithm and form.
+
+def _policy_term(x: _LossInputs, corr: Corrected, arrays: dict, segs: Segments, cfg: LossConfig, key, topk_logprobs,
+                 rollout_topk_logprobs):
+  """The form's per-token loss (:func:`token_loss`) on the step's selected tokens (a form with a
+  ``select`` function), its ``lp`` carrying the centred score with ``score_centering`` (contract §6.6).
+  Returns ``(pg, over_kept, over_mask)`` with the centring's metric rows among them."""
   selected = None
   if cfg.uses_cov_selection:
     if arrays.get("cov_selected") is not None:
-      selected = _validation.flat_mask(arrays["cov_selected"], kept)
+      selected = _validation.flat_mask(arrays["cov_selected"], corr.kept)
     else:
-      selected = _policy_losses.cov_selection(_anchor(cfg, o, q), adv, kept, segs, cfg, key)
-  lp_pg, centring_rows = lp, ({}, {})
-  if cfg.score_centering:  # contract §6.6: the form reads lp with the centred score as its gradient
-    coefficient = jnp.abs(adv) * (weights if ALGORITHMS[cfg.algorithm][1] else 1.0)
-    lp_pg, centring_rows = _centering.centre(lp, topk_logprobs, batch.rollout_topk_logprobs, mask, coefficient)
-  pg_tok, over_kept, over_mask = token_loss(cfg, lp_pg, lp_sg, o, q, adv, weights, kept, segs, selected)
-  over_mask, over_kept = {**over_mask, **centring_rows[0]}, {**over_kept, **centring_rows[1]}
+      selected = cfg.form.select(_anchor(cfg, x.o, x.q), x.adv, corr.kept, segs, cfg.policy_loss, key)
+  lp_pg, centring_rows = x.lp, ({}, {})
+  if cfg.score_centering:  # the form reads lp with the centred score as its gradient
+    coefficient = jnp.abs(x.adv) * (corr.weights if ALGORITHMS[cfg.algorithm].weighted else 1.0)
+    lp_pg, centring_rows = _centering.centre(x.lp, topk_logprobs, rollout_topk_logprobs, x.mask, coefficient)
+  pg_tok, over_kept, over_mask = token_loss(cfg, lp_pg, x.lp_sg, x.o, x.q, x.adv, corr.weights, corr.kept, segs,
+                                            selected)
+  return pg_tok, {**over_kept, **centring_rows[1]}, {**over_mask, **centring_rows[0]}
 
-  # The loss terms, aggregated together (one stacked reduction).
-  if denominators is None:
-    denominators = Denominators.from_stats(kept_stats if cfg.denominator == "kept" else mask_stats)
+
+def _loss_terms(x: _LossInputs, kept, pg_tok, entropy, segs: Segments, cfg: LossConfig, dens: Denominators):
+  """``loss = pg_loss - entropy_coef·entropy_loss + kl_coef·kl_loss + sq_kl_coef·sq_kl_loss``, the terms
+  aggregated over ``m'`` with the step's denominators (one stacked reduction; the squared KL over its
+  own tokens, contract §6.4). Returns ``(loss, {term: value})``."""
   terms = {"pg_loss": pg_tok}
   if entropy is not None:
-    terms["entropy_loss"] = jnp.where(mask, _validation.flat_float(entropy), 0.0)
-  if ref is not None:
-    terms["kl_loss"] = jnp.where(mask, kl_penalty(lp, ref, cfg.kl_type), 0.0)
-  agg = aggregate(list(terms.values()), kept, segs, cfg.loss_agg_mode, denominators,
-                  loss_scale_factor=cfg.loss_scale_factor)
+    terms["entropy_loss"] = jnp.where(x.mask, _validation.flat_float(entropy), 0.0)
+  if x.ref is not None:
+    terms["kl_loss"] = jnp.where(x.mask, kl_penalty(x.lp, x.ref, cfg.kl_type), 0.0)
+  agg = aggregate(list(terms.values()), kept, segs, cfg.loss_agg_mode, dens, loss_scale_factor=cfg.loss_scale_factor)
   values = dict(zip(terms, (agg[i] for i in range(len(terms)))))
   loss = values["pg_loss"]
   if entropy is not None:
     loss = loss - cfg.entropy_coef * values["entropy_loss"]
-  if ref is not None:
+  if x.ref is not None:
     loss = loss + cfg.kl_coef * values["kl_loss"]
-  if cfg.sq_kl_coef > 0:  # contract §6.4: τ·(lp - q)², over m or m', the loss's aggregation and denominators
-    values["sq_kl_loss"] = sq_log_ratio_kl(lp, q, mask, kept, segs, cfg, denominators)
+  if cfg.sq_kl_coef > 0:
+    values["sq_kl_loss"] = sq_log_ratio_kl(x.lp, x.q, x.mask, kept, segs, cfg, dens)
     loss = loss + cfg.sq_kl_coef * values["sq_kl_loss"]
-
-  metrics = {**metrics, **masked_means([(mask, mask_stats, over_mask), (kept, kept_stats, over_kept)], segs, mode)}
-  metrics.update({k: sg(v) for k, v in values.items()})
-  metrics.update(nonfinite)
-  metrics["loss"] = sg(loss)
-  return loss, metrics
+  return loss, values

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from mis_jax._config import MISConfig, RSCriterion
+from mis_jax._config import MISConfig, RSCriterion, resolve_correction_fn
 from mis_jax._segments import LOG_BOUND, per_segment_mean, safe_exp
 
 MISMATCH_NAMES = ("mis_training_log_ppl", "mis_training_ppl", "mis_rollout_log_ppl", "mis_rollout_ppl", "mis_kl",
@@ -157,6 +157,13 @@ def declare(reductions: dict) -> dict:
   return reductions
 
 
+def undeclare(names) -> None:
+  """Forgets the micro-batch reductions of ``names`` (the metrics of a policy-loss form that was
+  unregistered)."""
+  for name in names:
+    MICROBATCH_REDUCTIONS.pop(name, None)
+
+
 def criterion_names(metric: str, agg: str) -> dict:
   """The metrics of a divergence criterion (``criterion_token_values``, its global max and, for
   a divergence (k2, k3: a k1 band is on the log-ratio, never auto), its auto upper bound), with
@@ -193,12 +200,11 @@ def microbatch_reduction(name: str, loss_cfg=None) -> str:
     return MICROBATCH_REDUCTIONS[name]
   own = {}
   if loss_cfg is not None and loss_cfg.correction_fn is not None:
-    from mis_jax._config import resolve_correction_fn
     own = getattr(resolve_correction_fn(loss_cfg.correction_fn), "microbatch_reductions", {})
   if name in own:
     if own[name] not in REDUCTIONS:
       raise ValueError(f"metric {name!r}: unknown micro-batch reduction {own[name]!r}; one of {REDUCTIONS}")
     return own[name]
   raise KeyError(f"metric {name!r} declares no micro-batch reduction (one of {REDUCTIONS}): the library declares "
-                 "its metrics' in mis_jax.MICROBATCH_REDUCTIONS; a correction function of your own declares its "
+                 "its metrics' in mis_jax.engine.MICROBATCH_REDUCTIONS; a correction function of your own declares its "
                  "metrics' as its attribute microbatch_reductions")

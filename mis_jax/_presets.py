@@ -16,6 +16,9 @@ framework as a prefix: ``trl:sequence_mask``, ``ms-swift:sequence_mask``.
 The masked modes of all of them zero a masked token's weight and keep it in the loss's
 denominator: ``denominator: original`` (contract §7). The loss aggregation (``loss_agg_mode``)
 is not part of a preset: each framework has its own loss types; set it beside the preset.
+
+The table is data, key names and values: :meth:`mis_jax.LossConfig.from_preset` (and
+``mis_jax._config.preset_values``) expand and validate it, so this module imports no config.
 """
 
 from __future__ import annotations
@@ -116,25 +119,3 @@ def get(name: str) -> Preset:
                       f"'trl:{name}' (TRL's vllm_importance_sampling_mode) or 'ms-swift:{name}' (ms-swift's "
                       "rollout_importance_sampling_mode)")
   raise ConfigError(f"unknown preset '{name}'.{_closest(name, PRESET_NAMES)} Valid presets: {', '.join(PRESET_NAMES)}")
-
-
-def loss_values(name: str, overrides: Mapping[str, Any] | None = None) -> dict:
-  """The preset's LossConfig keys with ``overrides`` over them: a LossConfig key replaces the
-  preset's, a MIS key (but ``use_tis``, a LossConfig key) goes into its ``mis``; ``mis=`` a
-  mapping is merged into the preset's MIS keys."""
-  from mis_jax._config import LossConfig, MISConfig
-
-  values = get(name).loss_values()
-  loss_keys, mis_keys = set(LossConfig.keys()), set(MISConfig.keys())
-  for k, v in (overrides or {}).items():
-    if k == "mis" and isinstance(v, Mapping):
-      values["mis"].update(v)
-    elif k in loss_keys:
-      values[k] = v
-    elif k in mis_keys:
-      values["mis"][k] = v
-    else:
-      valid = sorted(loss_keys | mis_keys)
-      raise ConfigError(f"preset '{name}': unknown key '{k}'.{_closest(str(k), valid)} Valid keys: the LossConfig "
-                        "and MIS keys")
-  return values

@@ -68,7 +68,7 @@ class Segments:
     segment_ids: int array, any shape; ``-1`` marks padding.
     num_segments: static upper bound on segment ids.
     axis_name: mesh axis name(s) over which the batch is sharded, or None.
-    options: how passes run; default :func:`mis_jax.pass_options` of ``segment_ids``.
+    options: how passes run; default :func:`mis_jax.engine.pass_options` of ``segment_ids``.
   """
 
   def __init__(self, segment_ids: jax.Array, num_segments: int, axis_name: AxisName = None,
@@ -76,7 +76,7 @@ class Segments:
     if options is None:
       options = pass_options(segment_ids, num_segments)
     if not isinstance(options, PassOptions):
-      raise TypeError(f"pass options must be a mis_jax.PassOptions, got {type(options).__name__}")
+      raise TypeError(f"pass options must be a mis_jax.engine.PassOptions, got {type(options).__name__}")
     self.options = options
     self.ids = jnp.reshape(segment_ids, (-1,)).astype(jnp.int32)
     self.num_segments = int(num_segments)

@@ -9,6 +9,7 @@ gradient equal the single-device ones.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -61,31 +62,36 @@ def sharded_policy_loss(mesh: Mesh, loss_cfg: LossConfig, *, data_axis="data",
   axis_name = names if len(names) > 1 else names[0]
   spec = batch_partition_spec(data_axis if not isinstance(data_axis, list) else tuple(data_axis), seq_axis)
 
-  def loss_fn(logprobs, batch: PackedBatch, entropy=None, key=None, correction: Correction | None = None,
-              topk_logprobs=None):
-    _check_batch(logprobs, batch, loss_cfg, entropy, correction, topk_logprobs=topk_logprobs)  # before tracing
-    if len(batch.shape) != 2:
-      raise ValueError(f"sharded_policy_loss needs [rows, row_len] arrays, got shape {batch.shape}")
-    rows, cols = batch.shape
-    n_data = _axis_size(mesh, data_axis)
-    n_seq = 1 if seq_axis is None else mesh.shape[seq_axis]
-    if rows % n_data or cols % n_seq:
-      raise ValueError(f"batch shape {batch.shape} must divide into the mesh: rows by {n_data} "
-                       f"({data_axis}), row_len by {n_seq} ({seq_axis})")
-    bspec = jax.tree_util.tree_map(lambda _: spec, batch)
-    inner = lambda lp, b, ent, k, c, topk: policy_loss(lp, b, loss_cfg, entropy=ent, axis_name=axis_name, key=k,
-                                                       correction=c, topk_logprobs=topk)
-    espec = None if entropy is None else spec
-    cspec = None
-    if correction is not None:  # per-token arrays like the batch, the step's denominators replicated
-      cspec = jax.tree_util.tree_map(lambda _: spec, correction.replace(denominators=None)).replace(
-          denominators=None if correction.denominators is None else P())
-    tspec = None if topk_logprobs is None else spec
-    mapped = jax.shard_map(inner, mesh=mesh, in_specs=(spec, bspec, espec, None if key is None else P(), cspec, tspec),
-                           out_specs=P())
-    return mapped(logprobs, batch, entropy, key, correction, topk_logprobs)
+  return functools.partial(_sharded_policy_loss, mesh=mesh, loss_cfg=loss_cfg, data_axis=data_axis,
+                           seq_axis=seq_axis, axis_name=axis_name, spec=spec)
 
-  return loss_fn
+
+def _sharded_policy_loss(logprobs, batch: PackedBatch, entropy=None, key=None, correction: Correction | None = None,
+                         topk_logprobs=None, *, mesh: Mesh, loss_cfg: LossConfig, data_axis, seq_axis, axis_name,
+                         spec: P):
+  """:func:`sharded_policy_loss`'s function: the inputs checked before tracing, then `policy_loss` under
+  `shard_map` (per-token arrays as `spec`, the correction's denominators and the key replicated)."""
+  _check_batch(logprobs, batch, loss_cfg, entropy, correction, topk_logprobs=topk_logprobs)  # before tracing
+  if len(batch.shape) != 2:
+    raise ValueError(f"sharded_policy_loss needs [rows, row_len] arrays, got shape {batch.shape}")
+  rows, cols = batch.shape
+  n_data = _axis_size(mesh, data_axis)
+  n_seq = 1 if seq_axis is None else mesh.shape[seq_axis]
+  if rows % n_data or cols % n_seq:
+    raise ValueError(f"batch shape {batch.shape} must divide into the mesh: rows by {n_data} "
+                     f"({data_axis}), row_len by {n_seq} ({seq_axis})")
+  bspec = jax.tree_util.tree_map(lambda _: spec, batch)
+  inner = lambda lp, b, ent, k, c, topk: policy_loss(lp, b, loss_cfg, entropy=ent, axis_name=axis_name, key=k,
+                                                     correction=c, topk_logprobs=topk)
+  espec = None if entropy is None else spec
+  cspec = None
+  if correction is not None:  # per-token arrays like the batch, the step's denominators replicated
+    cspec = jax.tree_util.tree_map(lambda _: spec, correction.replace(denominators=None)).replace(
+        denominators=None if correction.denominators is None else P())
+  tspec = None if topk_logprobs is None else spec
+  mapped = jax.shard_map(inner, mesh=mesh, in_specs=(spec, bspec, espec, None if key is None else P(), cspec, tspec),
+                         out_specs=P())
+  return mapped(logprobs, batch, entropy, key, correction, topk_logprobs)
 
 
 def _axis_size(mesh: Mesh, axis) -> int:

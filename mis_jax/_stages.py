@@ -229,7 +229,7 @@ class ImportanceWeights(Stage):
   def apply(self, tokens, bounds, state, rows):
     cfg = self.cfg
     w_raw = tokens.raw_weights(cfg.tis_level)
-    w, keep_is = correction.bounded_weights(w_raw, cfg, bounds)
+    w, keep_is = correction.bounded_weights(w_raw, cfg.tis_mode, bounds)
     w = jnp.where(tokens.m, w, 0.0)
     if keep_is is not None:
       tokens.narrow(keep_is)
@@ -353,13 +353,14 @@ class Criterion(Stage):
   def segments(self, own, seg):
     if self.per_token:
       return None
-    return correction.criterion_value(self.crit, correction.segment_divergence(self.crit, own["agg"],
-                                                                              seg.mask_stats.counts))
+    crit = self.crit
+    return correction.criterion_value(crit.metric, correction.segment_divergence(crit.agg, own["agg"],
+                                                                                seg.mask_stats.counts))
 
   def token_values(self, tokens: Tokens, state):
     """The value its band bounds, at every token."""
     if self.per_token:
-      return correction.criterion_value(self.crit, correction.divergence(self.crit.metric, tokens.r))
+      return correction.criterion_value(self.crit.metric, correction.divergence(self.crit.metric, tokens.r))
     return tokens.to_tokens(state)
 
   def apply(self, tokens, bounds, state, rows):
@@ -376,7 +377,7 @@ class Criterion(Stage):
     if not crit.auto:
       return
     if self.per_token:
-      units = step.token_units(correction.criterion_value(crit, correction.divergence(crit.metric, step.r)))
+      units = step.token_units(correction.criterion_value(crit.metric, correction.divergence(crit.metric, step.r)))
     else:
       live = (step.seg.mask_stats.counts > 0).astype(jnp.float32)
       units = controller.Units(step.seg.states[self.name], live, live, None)
@@ -531,6 +532,15 @@ class KPopMask(Stage):
     tokens.narrow(keep)
     if rows is not None:
       rows.means.update({"mis_kpop_masked_fraction": ~keep, "mis_kpop_binary_kl": value})
+
+
+def fixed_bounds(cfg: MISConfig) -> correction.Bounds:
+  """A config's fixed bounds (contract §3–4 defaults); None for those it leaves to the controller."""
+  uppers = tuple(None if c.auto else c.upper for c in cfg.rs_criteria)
+  if cfg.tis_auto:
+    return correction.Bounds(None, None, cfg.rs_lower_bound, None if cfg.rs_auto else cfg.rs_upper_bound, None, uppers)
+  return correction.Bounds(cfg.lower, cfg.tis_upper_bound, cfg.rs_lower_bound if cfg.rs_auto else cfg.rs_lower,
+                           None if cfg.rs_auto else cfg.rs_upper, None, uppers)
 
 
 def stages_of(cfg: MISConfig | None) -> tuple:

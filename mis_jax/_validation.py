@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mis_jax._config import LOSS_AGG_MODES, metric_reduction as _metric_reduction
+from mis_jax._vocabulary import LOSS_AGG_MODES, metric_reduction as _metric_reduction
 
 
 def _is_concrete(x) -> bool:

@@ -208,7 +208,7 @@ def _step_thresholds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m, i
     others = [s for s in plan.stages if s is not stage]
     return stages_lib.compose(others, tokens, bounds, seg.states, rejected_at).kept
 
-  step = stages_lib.Step(plan.cfg, seg, segs, r, m, correction.Bounds.of(plan.cfg), kept_without)
+  step = stages_lib.Step(plan.cfg, seg, segs, r, m, stages_lib.fixed_bounds(plan.cfg), kept_without)
   for stage in sorted(plan.stages, key=lambda stage: stage.BOUND_ORDER):
     stage.resolve(step)
   if step.has_target:
@@ -270,7 +270,7 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
   if plan.thresholds:
     bounds, auto_metrics = _step_thresholds(plan, seg, segs, arrays["o"], arrays["q"], mask, inputs=arrays)
   else:
-    bounds = correction.Bounds.of(cfg) if plan.tis else None
+    bounds = stages_lib.fixed_bounds(cfg) if plan.tis else None
   p2 = segs.run_pass(arrays, _token_body(plan, seg, bounds))
   token_means = {k[len(_MEAN):]: v / seg.divisor for k, v in p2.items() if k.startswith(_MEAN)}
   metrics = {}
@@ -352,7 +352,7 @@ def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids
     batch_norm_factor: a precomputed batch-normalisation mean to use instead of computing it
       (for micro-batches whose weights depend on the current policy).
     pass_options: how the token passes run (static); default
-      :func:`mis_jax.pass_options` of ``segment_ids`` (pass it explicitly under ``jit`` to tie
+      :func:`mis_jax.engine.pass_options` of ``segment_ids`` (pass it explicitly under ``jit`` to tie
       it to where the data lives).
     advantages: per-token advantages (same shape), needed by ``opsm_delta`` (OPSM masks
       sequences by their advantage's sign, contract §4.2).

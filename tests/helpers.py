@@ -77,6 +77,15 @@ def pad_one_per_row(seqs, row_len=None):
   return batch, extra
 
 
+def loss_keys(cfg: mis_jax.LossConfig) -> dict:
+  """A LossConfig as the NumPy oracle's flat dict: its keys, the form's name and own keys beside them,
+  the MIS config as its keys (a correction function left out)."""
+  d = cfg.to_dict()
+  d.pop("correction_fn")
+  form = d.pop("policy_loss")
+  return {**d, "policy_loss": form["name"], **{k: v for k, v in form.items() if k != "name"}}
+
+
 def assert_metrics_close(got, want, rtol=2e-5, atol=2e-6):
   assert set(got) == set(want), f"key sets differ: extra {set(got) - set(want)}, missing {set(want) - set(got)}"
   for k in want:

@@ -391,9 +391,20 @@ def cov_selection(seqs, anchors, K, lc):
   return sel
 
 
+def flat_loss_keys(lc):
+  """A dict loss config with the form's own keys beside ``policy_loss`` (its name): ``LossConfig.to_dict``
+  writes the form as ``{name, <its keys>}``."""
+  form = lc.get("policy_loss", "vanilla")
+  if not isinstance(form, dict):
+    return lc
+  return {**lc, **{k: v for k, v in form.items() if k != "name"}, "policy_loss": form["name"]}
+
+
 def policy_loss(seqs, lc):
-  """Loss and metrics of contract §6–8 for a dict loss config ``lc``. clip_cov's random
-  selection comes in as ``lc["cov_selected"]`` (a list of per-sequence bool arrays)."""
+  """Loss and metrics of contract §6–8 for a dict loss config ``lc`` (flat keys, or the form nested as
+  ``LossConfig.to_dict`` writes it). clip_cov's random selection comes in as ``lc["cov_selected"]`` (a
+  list of per-sequence bool arrays)."""
+  lc = flat_loss_keys(lc)
   agg_mode = lc.get("loss_agg_mode", "seq-mean-token-mean")
   mode = "token-mean" if agg_mode in ("token-mean", "token-sum") else "seq-mean-token-mean"
   form = lc.get("policy_loss", "vanilla")
@@ -519,6 +530,7 @@ def token_scales(K, dmasks, mode, scale_factor=None):
 def pg_lp_coefficients(seqs, lc, W, K):
   """``∂ pg_loss / ∂ lp_t`` per sequence for REINFORCE + IS (``-w A``) and the vanilla form
   (``-A ρ`` where the unclipped branch counts, times decoupled PPO's weights), aggregated."""
+  lc = flat_loss_keys(lc)
   use_tis, use_roll = lc.get("use_tis", False), lc.get("use_rollout_logprobs", False)
   lo = lc.get("eps_clip", 0.2)
   hi = lc.get("eps_clip_high") or lo

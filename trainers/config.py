@@ -8,7 +8,7 @@ is an error naming where it lives now.
 
 ``loss`` is parsed into a typed :class:`mis_jax.LossConfig` (``TrainConfig.loss``): the algorithm is one key,
 ``algorithm`` (the contract §6 row, mapped onto ``use_rollout_logprobs`` × ``use_tis``), the policy-loss form a
-tagged section ``policy_loss: {name: FORM, <that form's own keys>}`` (``mis_jax.POLICY_LOSS_KEYS``), and every
+tagged section ``policy_loss: {name: FORM, <that form's own keys>}`` (``mis_jax.forms.POLICY_LOSS_KEYS``), and every
 other `LossConfig` key, ``custom_config_path`` (the MIS YAML) and ``preset`` sit beside them. Every key has a
 type and constraints (`key(...)`), checked on load: an int is never 1.5 or text, numbers are in range, enums
 are one of their values. The enums are the implementations' own (each imported from the module that owns it).
@@ -239,7 +239,8 @@ class TrainSection:
                           choices=OLD_LOGPROBS)
   tokens_per_micro_batch: int = key(4096, "tokens per device (of data x fsdp x expert) in one micro-batch; >= row_len", ge=1)
   row_len: int = key(64, "tokens per packed row (>= the longest prompt + response)", ge=2)
-  advantage_estimator: str = key("grpo", "per-group advantages (contract §6.1)", choices=tuple(mis_jax.ESTIMATORS))
+  advantage_estimator: str = key("grpo", "per-group advantages (contract §6.1)",
+                                 choices=tuple(mis_jax.estimators.ESTIMATORS))
   exclude_rejected_from_baseline: bool = key(False, "sequences rejected whole leave their group's baseline (contract §6.1)")
   router_aux_loss_coef: float = key(0.0, "mixture of experts: weight of HF's load-balancing loss (RL recipes: 0)", ge=0)
   max_consecutive_masked_steps: int = key(3, "steps in a row whose correction keeps no token (a warning each) before "
@@ -363,11 +364,10 @@ def parse_section(section_cls, values, where: str):
   return section_cls(**kwargs)
 
 
-# --- the loss section: nested in the YAML, a flat `LossConfig` in Python ---------------------------------------
-_FORM_KEYS = {k for keys in mis_jax.POLICY_LOSS_KEYS.values() for k in keys}
+# --- the loss section: `algorithm` in the YAML for LossConfig's two flags ---------------------------------------
 _FLAGS = ("use_rollout_logprobs", "use_tis")  # set by `loss.algorithm`
 # The section's keys beside `algorithm` and `policy_loss`: LossConfig's others, the MIS file, a preset.
-LOSS_KEYS = (("algorithm",) + tuple(k for k in mis_jax.LossConfig.keys() if k not in _FLAGS and k not in _FORM_KEYS)
+LOSS_KEYS = (("algorithm",) + tuple(k for k in mis_jax.LossConfig.keys() if k not in _FLAGS)
              + ("custom_config_path", "custom_tis_function_path", "preset"))
 ALGORITHM_DOC = ("the algorithm, a row of contract §6: `ppo` (use_rollout_logprobs false, use_tis false), "
                  "`bypass_ppo` (true, false), `decoupled_ppo` (false, true), `reinforce_is` (true, true); null: "
@@ -375,13 +375,13 @@ ALGORITHM_DOC = ("the algorithm, a row of contract §6: `ppo` (use_rollout_logpr
 
 
 def _forms_of(k: str) -> list[str]:
-  return [form for form, keys in mis_jax.POLICY_LOSS_KEYS.items() if k in keys]
+  return [form for form, keys in mis_jax.forms.POLICY_LOSS_KEYS.items() if k in keys]
 
 
 def loss_values(section, where: str = "loss") -> dict:
-  """The `loss` section (nested: `algorithm`, `policy_loss: {name: FORM, ...}`) as the flat `LossConfig` keys
-  `mis_jax.config.loss_config_from_args` takes as its base. Errors are `KeyConfigError`s naming the key; a key of the
-  flat form names where it lives now."""
+  """The `loss` section (nested: `algorithm`, `policy_loss: {name: FORM, ...}`) as the `LossConfig` keys
+  `mis_jax.config.loss_config_from_args` takes as its base (`policy_loss` as `{name, <its keys>}`). Errors are
+  `KeyConfigError`s naming the key; a key of the flat form names where it lives now."""
   if section is None:
     return {}
   if not isinstance(section, dict):
@@ -393,21 +393,21 @@ def loss_values(section, where: str = "loss") -> dict:
       given = {f: section[f] for f in _FLAGS if f in section}
       hint = ""
       if all(isinstance(section.get(f, False), bool) for f in _FLAGS):
-        name = next(n for n, flags in mis_jax.ALGORITHMS.items()
+        name = next(n for n, flags in mis_jax.config.ALGORITHMS.items()
                     if flags == (section.get("use_rollout_logprobs", False), section.get("use_tis", True)))
         hint = f": {', '.join(f'{f} {_yaml(x)}' for f, x in given.items())} is algorithm: {name}"
-      raise KeyConfigError(path, f"{path} moved to {where}.algorithm ({' | '.join(mis_jax.ALGORITHMS)}){hint}")
-    if k in _FORM_KEYS:
+      raise KeyConfigError(path, f"{path} moved to {where}.algorithm ({' | '.join(mis_jax.config.ALGORITHMS)}){hint}")
+    if _forms_of(k):
       forms = _forms_of(k)
       raise KeyConfigError(path, f"{path} moved to {where}.policy_loss.{k}, a key of policy_loss "
                                  f"{' / '.join(forms)} (write policy_loss: {{name: {forms[0]}, {k}: {_yaml(v)}}})")
     if k == "algorithm":
       if v is not None:
         try:
-          name = parse_value(v, str, {"choices": tuple(mis_jax.ALGORITHMS)}, path)
+          name = parse_value(v, str, {"choices": tuple(mis_jax.config.ALGORITHMS)}, path)
         except mis_jax.ConfigError as e:
           raise KeyConfigError(path, str(e)) from None
-        out.update(zip(_FLAGS, mis_jax.ALGORITHMS[name]))
+        out.update(zip(_FLAGS, mis_jax.config.ALGORITHMS[name]))
       continue
     if k == "policy_loss":
       out.update(_policy_loss(v, path))
@@ -419,8 +419,8 @@ def loss_values(section, where: str = "loss") -> dict:
 
 
 def _policy_loss(value, where: str) -> dict:
-  """`policy_loss: {name: FORM, <FORM's own keys>}` as flat LossConfig keys."""
-  forms = tuple(mis_jax.POLICY_LOSS_KEYS)
+  """`policy_loss: {name: FORM, <FORM's own keys>}`, checked, as LossConfig's `policy_loss`."""
+  forms = tuple(mis_jax.forms.POLICY_LOSS_KEYS)
   if not isinstance(value, dict):
     raise KeyConfigError(where, f"{where} is a tagged section: write policy_loss: {{name: {_yaml(value)}}} "
                                 f"(name: one of {', '.join(forms)}, beside it that form's own keys)")
@@ -430,37 +430,34 @@ def _policy_loss(value, where: str) -> dict:
     name = parse_value(value["name"], str, {"choices": forms}, f"{where}.name")
   except mis_jax.ConfigError as e:
     raise KeyConfigError(f"{where}.name", str(e)) from None
-  own = mis_jax.POLICY_LOSS_KEYS[name]
-  out = {"policy_loss": name}
+  own = mis_jax.forms.POLICY_LOSS_KEYS[name]
+  form = {"name": name}
   for k, v in value.items():
     if k == "name":
       continue
     path = f"{where}.{k}"
     if k not in own:
-      if k in _FORM_KEYS:
+      if _forms_of(k):
         raise KeyConfigError(path, f"{path} is a key of policy_loss {' / '.join(_forms_of(k))}, not of {name}"
                                    f" ({_own_keys(name)})")
       raise KeyConfigError(path, f"unknown key '{path}'.{_suggest(k, own)} {_own_keys(name)}, beside name")
-    out[k] = v
-  return out
+    form[k] = v
+  return {"policy_loss": form}
 
 
 def _own_keys(form: str) -> str:
-  own = mis_jax.POLICY_LOSS_KEYS[form]
+  own = mis_jax.forms.POLICY_LOSS_KEYS[form]
   return f"{form}'s keys: {', '.join(own)}" if own else f"{form} has no keys of its own"
 
 
 def loss_to_dict(loss: mis_jax.LossConfig) -> dict:
   """A `LossConfig` as the trainer's nested `loss` section (`algorithm`, `policy_loss: {name, ...}`); the
   keys of the forms it does not use are left out."""
-  flat = loss.to_dict()
   out: dict[str, Any] = {}
-  for k, v in flat.items():
+  for k, v in loss.to_dict().items():
     if k == "use_tis":
       out["algorithm"] = loss.algorithm
-    elif k == "policy_loss":
-      out["policy_loss"] = {"name": v, **{f: flat[f] for f in mis_jax.POLICY_LOSS_KEYS[v]}}
-    elif k not in _FLAGS and k not in _FORM_KEYS:
+    elif k not in _FLAGS:  # policy_loss: {name, its keys} already
       out[k] = v
   return out
 
@@ -472,8 +469,8 @@ def loss_config(section, args=None, *, source: str | None = None, origins: dict 
     base = loss_values(section)
     flags = {} if args is None else dict(vars(args)) if not isinstance(args, dict) else dict(args)
     nested = section or {}
-    for flag, path, value in _renamed_flags(nested, base):
-      if flags.get(flag) is not None and not mis_jax.config.same_value(flags[flag], base[flag]):
+    for flag, path, value, given in _renamed_flags(nested, base):
+      if flags.get(flag) is not None and not mis_jax.config.same_value(flags[flag], given):
         raise KeyConfigError(path, f"--{flag.replace('_', '-')} {_yaml(flags[flag])} contradicts {path}: "
                                    f"{_yaml(value)} in the config; remove one of them")
     if nested.get("algorithm") is not None and flags.get("use_tis") is None:
@@ -487,15 +484,17 @@ def loss_config(section, args=None, *, source: str | None = None, origins: dict 
 
 
 def _renamed_flags(nested: dict, base: dict):
-  """The library flags whose key the trainer's section spells otherwise: `(flag, path, value)`."""
+  """The library flags whose key the trainer's section spells otherwise: `(flag, path, value as written, the
+  flag's value it means)`."""
   if nested.get("algorithm") is not None:
     for flag in _FLAGS:
-      yield flag, "loss.algorithm", nested["algorithm"]
+      yield flag, "loss.algorithm", nested["algorithm"], base[flag]
   if "policy_loss" in base:
-    yield "policy_loss", "loss.policy_loss.name", base["policy_loss"]
-    for k in mis_jax.POLICY_LOSS_KEYS[base["policy_loss"]]:
-      if k in base and k in mis_jax.config.LOSS_FLAG_KEYS:
-        yield k, f"loss.policy_loss.{k}", base[k]
+    form = base["policy_loss"]
+    yield "policy_loss", "loss.policy_loss.name", form["name"], form["name"]
+    for k in mis_jax.forms.POLICY_LOSS_KEYS[form["name"]]:
+      if k in form and k in mis_jax.config.LOSS_FLAG_KEYS:
+        yield k, f"loss.policy_loss.{k}", form[k], form[k]
 
 
 def _check_algorithm_against_mis(algorithm: str, base: dict, flags: dict) -> None:
@@ -608,21 +607,24 @@ def reference_table() -> str:
     for path, field, _ in config_keys(cls, section):
       row(path, field.default, field.metadata["doc"], field.metadata.get("choices"))
   loss_fields = {f.name: f for f in dataclasses.fields(mis_jax.LossConfig)}
-  row("loss.algorithm", None, ALGORITHM_DOC, tuple(mis_jax.ALGORITHMS))
+  row("loss.algorithm", None, ALGORITHM_DOC, tuple(mis_jax.config.ALGORITHMS))
   for k in mis_jax.LossConfig.keys():
     f = loss_fields[k]
     if k == "policy_loss":
       row("loss.policy_loss.name", f.default, "the policy-loss form, by verl's name (contract §6.2); beside `name`, "
           "only that form's own keys (the rows below, each naming its forms)", f.metadata["choices"])
-      for form, keys in mis_jax.POLICY_LOSS_KEYS.items():
-        for fk in keys if form not in ("dppo_tv", "dppo_kl") else ():  # eps_clip_c: listed once, under vanilla
-          row(f"loss.policy_loss.{fk}", loss_fields[fk].default, loss_fields[fk].metadata["doc"])
+      listed = set()  # a key of several forms (eps_clip_c) once, under the first
+      for form in mis_jax.forms.POLICY_LOSSES.values():
+        for fk in dataclasses.fields(form.config):
+          if fk.name not in listed:
+            listed.add(fk.name)
+            row(f"loss.policy_loss.{fk.name}", fk.default, fk.metadata["doc"])
     elif k == "mis":
       row("loss.mis", None, "the MIS keys inline (contract §9), instead of custom_config_path")
     elif k == "correction_fn":
       row("loss.correction_fn", None, "your correction function, `pkg.mod:fn` with the signature of "
           "`mis_jax.compute_mis_weights` (`--custom-tis-function-path`)")
-    elif k not in _FLAGS and k not in _FORM_KEYS:
+    elif k not in _FLAGS:
       row(f"loss.{k}", f.default, f.metadata["doc"], f.metadata.get("choices"))
   row("loss.custom_config_path", None, "the MIS YAML file (contract §9; configs/mis.yaml), instead of mis")
   row("loss.preset", None, "a loss preset (configs/presets/*.yaml: flat LossConfig keys) under this section's keys")

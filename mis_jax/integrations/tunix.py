@@ -38,7 +38,7 @@ mis_jax's aggregation; asking it for correction raises an error that says to use
 :class:`MISGRPOLearner`.
 
 tunix's settings map to mis_jax's: ``epsilon`` → ``eps_clip``, ``epsilon_high`` →
-``eps_clip_high``, ``epsilon_c`` → ``eps_clip_c``, ``beta`` → ``kl_coef``, ``kl_loss_mode``
+``eps_clip_high``, ``epsilon_c`` → the ``vanilla`` form's ``eps_clip_c``, ``beta`` → ``kl_coef``, ``kl_loss_mode``
 ``kl``/``mse_kl``/``low_var_kl`` → ``kl_type`` ``k1``/``k2``/``k3``, ``loss_agg_mode``
 ``token-mean``/``sequence-mean-token-mean``/``seq-mean-token-sum`` → ours of the same meaning.
 Anything else (``gspo-token``, other aggregation modes, ``kl_clamp_value``, tunix's sequence
@@ -242,7 +242,7 @@ def _loss_config(algo_config, *, use_tis, use_rollout_logprobs, get_mismatch_met
   return LossConfig(use_tis=use_tis, use_rollout_logprobs=use_rollout_logprobs,
                     get_mismatch_metrics=get_mismatch_metrics, eps_clip=float(epsilon),
                     eps_clip_high=None if high is None else float(high),
-                    eps_clip_c=None if dual is None else float(dual),
+                    policy_loss={"name": "vanilla", "eps_clip_c": None if dual is None else float(dual)},
                     loss_agg_mode=_AGG_MODES[agg], denominator=denominator, tis_clip=tis_clip,
                     tis_clip_low=tis_clip_low, mis=mis, entropy_coef=entropy_coef,
                     kl_coef=float(beta), kl_type=_KL_MODES[kl_mode])

@@ -123,11 +123,11 @@ def test_verl_estimators_match_loop(estimator):
   rewards = rng.integers(0, 3, len(groups)).astype(np.float32)  # ties, zeros
   if estimator == "gdpo":
     rewards = np.stack([rewards, rng.normal(size=len(groups)).astype(np.float32)], axis=1)
-  kw = dict(lengths=lengths) if estimator in mis_jax._advantages.NEEDS_LENGTHS else {}
+  kw = dict(lengths=lengths) if estimator in mis_jax.estimators.NEEDS_LENGTHS else {}
   got = mis_jax.compute_advantages(rewards, groups, num_groups=4, estimator=estimator, **kw)
   np.testing.assert_allclose(np.asarray(got), verl_oracle(estimator, rewards, groups, lengths), rtol=1e-5, atol=1e-5)
   if estimator in ("gdpo", "grpo_passk"):
-    got = mis_jax.compute_advantages(rewards, groups, num_groups=4, estimator=estimator, norm_by_std=False,
+    got = mis_jax.compute_advantages(rewards, groups, num_groups=4, estimator={"name": estimator, "norm_by_std": False},
                                      **kw, **({"reward_weights": [0.3, 2.0]} if estimator == "gdpo" else {}))
     want = verl_oracle(estimator, rewards, groups, lengths, weights=[0.3, 2.0], norm=False)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
@@ -192,7 +192,7 @@ def test_jit_equals_eager_and_otb_packed_equals_padded():
   groups = np.array([0, 0, 0, 1, 1, 2, 2, 2])
   lengths = rng.integers(1, 7, len(groups)).astype(np.int32)
   rewards = rng.integers(0, 3, len(groups)).astype(np.float32)
-  for estimator in mis_jax.SEQUENCE_ESTIMATORS:
+  for estimator in mis_jax.estimators.SEQUENCE_ESTIMATORS:
     r = np.stack([rewards, rng.normal(size=len(groups)).astype(np.float32)], 1) if estimator == "gdpo" else rewards
     fn = lambda r, g, n: mis_jax.compute_advantages(r, g, num_groups=3, estimator=estimator, lengths=n)
     np.testing.assert_allclose(np.asarray(jax.jit(fn)(r, groups, lengths)), np.asarray(fn(r, groups, lengths)),

@@ -1,4 +1,4 @@
-"""The pass engine (mis_jax.PassOptions): chunked passes == one pass for weights, kept mask,
+"""The pass engine (mis_jax.engine.PassOptions): chunked passes == one pass for weights, kept mask,
 every metric, the loss and its gradient, for chunks that divide the batch, chunks with a
 smaller last chunk, and inside shard_map; the oracle under jit across every engine path
 ({1, many lanes} x {paired, unpaired} x {chunked with a tail, one chunk}); options resolved
@@ -37,11 +37,11 @@ MIS_CONFIGS = [
 MODES = ("seq-mean-token-mean", "token-mean")
 # This batch's CPU options (pass_options: lanes 1 for its mean segment length of 21) with a
 # given chunk size.
-DEFAULT = mis_jax.pass_options(BATCH.segment_ids, BATCH.num_segments, platform="cpu")
+DEFAULT = mis_jax.engine.pass_options(BATCH.segment_ids, BATCH.num_segments, platform="cpu")
 
 
 def chunks(n, **kw):
-  return mis_jax.PassOptions(chunk_tokens=n, lanes=kw.get("lanes", DEFAULT.lanes), paired=kw.get("paired", True))
+  return mis_jax.engine.PassOptions(chunk_tokens=n, lanes=kw.get("lanes", DEFAULT.lanes), paired=kw.get("paired", True))
 
 
 def weights(cfg, mode, options, batch=BATCH):
@@ -65,10 +65,10 @@ def test_chunking_plan():
   assert _engine.chunking(296, 30) == (30, 9, 26)  # 296 = 8 * 37: no divisor in [15, 30]
   assert _engine.chunking(296, 1000) == (296, 1, 0)
   with pytest.raises(ValueError, match="chunk_tokens must be a positive int"):
-    mis_jax.PassOptions(chunk_tokens=0)
+    mis_jax.engine.PassOptions(chunk_tokens=0)
   with pytest.raises(ValueError, match="lanes must be a power of two"):
-    mis_jax.PassOptions(lanes=3)
-  with pytest.raises(TypeError, match="pass options must be a mis_jax.PassOptions"):
+    mis_jax.engine.PassOptions(lanes=3)
+  with pytest.raises(TypeError, match="pass options must be a mis_jax.engine.PassOptions"):
     mis_jax.compute_mis_weights(BATCH.old_logprobs, BATCH.rollout_logprobs, BATCH.loss_mask, BATCH.segment_ids,
                                 MIS_CONFIGS[0], num_segments=BATCH.num_segments, pass_options={"chunk_tokens": 8})
 
@@ -124,7 +124,7 @@ def test_chunked_inside_shard_map():
 GRID_CFG = mis_jax.MISConfig(tis_level="geometric", tis_mode="clip", tis_lower_bound=0.8, tis_upper_bound=1.2,
                              use_rs=True, rs_level="sequence", rs_upper_bound=5.0, rs_veto_threshold=1e-4,
                              tis_batch_normalize=True, rs_criteria=CRITERIA)
-GRID = [mis_jax.PassOptions(chunk_tokens=c, lanes=lanes, paired=p)
+GRID = [mis_jax.engine.PassOptions(chunk_tokens=c, lanes=lanes, paired=p)
         for lanes, p, c in itertools.product((1, 4), (True, False), (30, None))]
 
 
@@ -138,12 +138,12 @@ def test_every_engine_path_matches_oracle_under_jit(options):
 
 def test_pass_options_follow_where_the_inputs_live():
   ids = np.zeros((4, 1024), np.int32)
-  assert mis_jax.pass_options(ids, 4, platform="cpu") == mis_jax.PassOptions(8192, 8, True)
-  assert mis_jax.pass_options(ids, 4, platform="gpu") == mis_jax.PassOptions(None, 8, False)
-  assert mis_jax.pass_options(ids, 4096, platform="tpu").lanes == 1  # short segments: no lanes
-  assert mis_jax.pass_options(ids, 64, platform="cpu").lanes == 4  # mean length 64: 64 // 16
+  assert mis_jax.engine.pass_options(ids, 4, platform="cpu") == mis_jax.engine.PassOptions(8192, 8, True)
+  assert mis_jax.engine.pass_options(ids, 4, platform="gpu") == mis_jax.engine.PassOptions(None, 8, False)
+  assert mis_jax.engine.pass_options(ids, 4096, platform="tpu").lanes == 1  # short segments: no lanes
+  assert mis_jax.engine.pass_options(ids, 64, platform="cpu").lanes == 4  # mean length 64: 64 // 16
   on_cpu = jax.device_put(ids, jax.devices("cpu")[0])
-  assert mis_jax.pass_options(on_cpu, 4) == mis_jax.pass_options(ids, 4, platform="cpu")
+  assert mis_jax.engine.pass_options(on_cpu, 4) == mis_jax.engine.pass_options(ids, 4, platform="cpu")
 
 
 def _count(jaxpr, name):
@@ -167,7 +167,7 @@ def test_reference_config_scatter_count(paired, want):
   weights (2 sums: 1 paired scatter); the loss aggregation and the metrics over m and m'
   reuse those counts (MaskStats), so a lost share is one more scatter."""
   cfg = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig.from_yaml("configs/mis.yaml"))
-  options = mis_jax.PassOptions(chunk_tokens=None, lanes=1, paired=paired)
+  options = mis_jax.engine.PassOptions(chunk_tokens=None, lanes=1, paired=paired)
   jaxpr = jax.make_jaxpr(lambda lp, b: mis_jax.policy_loss(lp, b, cfg, pass_options=options))(EXTRA["lp"], BATCH)
   assert _count(jaxpr.jaxpr, "scatter-add") == want
 
@@ -188,7 +188,7 @@ def test_chunking_follows_the_options_even_with_closed_over_numpy_ids():
 
 def test_segments_hold_no_state_between_traces():
   """A Segments built outside any trace serves two jits and eager calls alike."""
-  segs = mis_jax.Segments(BATCH.segment_ids, BATCH.num_segments, options=chunks(None))
+  segs = mis_jax.engine.Segments(BATCH.segment_ids, BATCH.num_segments, options=chunks(None))
   x = np.where(np.asarray(BATCH.loss_mask), 1.0, 0.0).astype(np.float32)
   want = np.asarray(segs.sum(x.reshape(-1)))
   for fn in (jax.jit(lambda x: segs.sum(x.reshape(-1))), jax.jit(lambda x: 2.0 * segs.sum(x.reshape(-1)))):

@@ -9,7 +9,7 @@ import pytest
 
 import mis_jax
 import oracle
-from helpers import assert_metrics_close, pack, pad_one_per_row, random_seqs
+from helpers import assert_metrics_close, loss_keys, pack, pad_one_per_row, random_seqs
 
 ALGOS = {"ppo": (False, False), "bypass_ppo": (True, False), "decoupled_ppo": (False, True),
          "reinforce_is": (True, True)}
@@ -34,9 +34,7 @@ def loss_cfg(algo, correction="vanilla", **kw):
 
 
 def oracle_cfg(cfg: mis_jax.LossConfig):
-  d = {k: getattr(cfg, k) for k in mis_jax.LossConfig.keys() if k not in ("mis", "correction_fn")}
-  d["mis"] = cfg.mis.to_dict() if cfg.mis is not None else None
-  return d
+  return loss_keys(cfg)
 
 
 def run(cfg, batch=BATCH, extra=EXTRA, **kw):
@@ -46,13 +44,14 @@ def run(cfg, batch=BATCH, extra=EXTRA, **kw):
 SCALE_FACTOR = {"seq-mean-token-sum-norm": 7.0}
 CASES = [(a, c, mode, den) for a in ALGOS
          for c in (MIS_CONFIGS if ALGOS[a][1] else ["vanilla"])
-         for mode, den in itertools.product(mis_jax.LOSS_AGG_MODES, mis_jax.DENOMINATORS)]
+         for mode, den in itertools.product(mis_jax.config.LOSS_AGG_MODES, mis_jax.config.DENOMINATORS)]
 
 
 @pytest.mark.parametrize("algo,correction,mode,den", CASES)
 def test_policy_loss_matches_oracle(algo, correction, mode, den):
   cfg = loss_cfg(algo, correction, loss_agg_mode=mode, denominator=den, entropy_coef=0.01, kl_coef=0.05,
-                 eps_clip_high=0.28, eps_clip_c=3.0, loss_scale_factor=SCALE_FACTOR.get(mode))
+                 eps_clip_high=0.28, policy_loss={"name": "vanilla", "eps_clip_c": 3.0},
+                 loss_scale_factor=SCALE_FACTOR.get(mode))
   loss, metrics = run(cfg)
   want_loss, want, _, _ = oracle.policy_loss(SEQS, oracle_cfg(cfg))
   np.testing.assert_allclose(float(loss), want_loss, rtol=2e-5, atol=2e-6)
@@ -61,7 +60,8 @@ def test_policy_loss_matches_oracle(algo, correction, mode, den):
 
 @pytest.mark.parametrize("algo", ALGOS)
 def test_gradient_matches_finite_differences_of_oracle(algo):
-  cfg = loss_cfg(algo, "seq-mask-veto" if ALGOS[algo][1] else "vanilla", eps_clip_c=3.0, kl_coef=0.1,
+  cfg = loss_cfg(algo, "seq-mask-veto" if ALGOS[algo][1] else "vanilla",
+                 policy_loss={"name": "vanilla", "eps_clip_c": 3.0}, kl_coef=0.1,
                  loss_agg_mode="seq-mean-token-mean")
   grad = np.asarray(jax.grad(lambda lp: run(cfg, extra={"lp": lp})[0])(jnp.asarray(EXTRA["lp"])))
   grads = PACKING.unpack(grad)
@@ -136,7 +136,7 @@ MICRO_CASES = [("ppo", "vanilla", "kept"), ("bypass_ppo", "vanilla", "kept"),
 
 
 @pytest.mark.parametrize("algo,correction,den", MICRO_CASES)
-@pytest.mark.parametrize("mode", mis_jax.LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", mis_jax.config.LOSS_AGG_MODES)
 def test_microbatches_sum_to_full_batch(algo, correction, den, mode):
   cfg = loss_cfg(algo, correction, loss_agg_mode=mode, denominator=den, kl_coef=0.1, entropy_coef=0.01,
                  loss_scale_factor=SCALE_FACTOR.get(mode))
@@ -196,7 +196,7 @@ def test_decoupled_with_o_equal_q_is_standard_ppo(correction):
 
 def test_bypass_with_o_equal_q_is_standard_ppo():
   batch = BATCH.replace(rollout_logprobs=BATCH.old_logprobs)
-  for mode in mis_jax.LOSS_AGG_MODES:
+  for mode in mis_jax.config.LOSS_AGG_MODES:
     a, ma = run(loss_cfg("ppo", loss_agg_mode=mode, loss_scale_factor=SCALE_FACTOR.get(mode)), batch)
     b, mb = run(loss_cfg("bypass_ppo", loss_agg_mode=mode, loss_scale_factor=SCALE_FACTOR.get(mode)), batch)
     np.testing.assert_allclose(float(b), float(a), rtol=1e-6)
@@ -270,7 +270,7 @@ def test_a_batch_masked_whole_gives_zero_loss_and_finite_gradients(algo):
   seg = np.repeat(np.arange(4), 8).astype(np.int32)
   q = -rng.uniform(0.1, 2.0, seg.size).astype(np.float32)
   mis = mis_jax.MISConfig(tis_mode="mask", tis_lower_bound=0.5, tis_upper_bound=2.0)
-  for mode, den in itertools.product(mis_jax.LOSS_AGG_MODES, mis_jax.DENOMINATORS):
+  for mode, den in itertools.product(mis_jax.config.LOSS_AGG_MODES, mis_jax.config.DENOMINATORS):
     cfg = mis_jax.LossConfig(use_tis=True, mis=mis, loss_agg_mode=mode, denominator=den,
                              use_rollout_logprobs=algo == "reinforce_is",
                              loss_scale_factor=8.0 if mode == "seq-mean-token-sum-norm" else None)

@@ -1,4 +1,4 @@
-"""Each metric's micro-batch reduction is declared beside the metrics (`mis_jax.MICROBATCH_REDUCTIONS`):
+"""Each metric's micro-batch reduction is declared beside the metrics (`mis_jax.engine.MICROBATCH_REDUCTIONS`):
 every declared name is a metric the library emits, and the reductions are the ones the
 trainer's step knows."""
 
@@ -36,8 +36,8 @@ def test_declared_reductions_name_emitted_metrics():
   auto = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(tis_upper_bound="auto", target_ess_ratio=0.9))
   emitted |= set(mis_jax.prepare_step(batch, auto)[1])  # the threshold controller's (contract §3.1)
   emitted |= _emitted_metrics()  # every config form's: the table declares every metric the library emits
-  assert set(mis_jax.MICROBATCH_REDUCTIONS) <= emitted, set(mis_jax.MICROBATCH_REDUCTIONS) - emitted
-  assert set(mis_jax.MICROBATCH_REDUCTIONS.values()) <= {"sum", "min", "max", "mask", "kept", "seqs"}
+  assert set(mis_jax.engine.MICROBATCH_REDUCTIONS) <= emitted, set(mis_jax.engine.MICROBATCH_REDUCTIONS) - emitted
+  assert set(mis_jax.engine.MICROBATCH_REDUCTIONS.values()) <= {"sum", "min", "max", "mask", "kept", "seqs"}
   assert mis_jax.microbatch_reduction("mis_rs_k3_seq_max_max") == "max"
   assert mis_jax.microbatch_reduction("mis_rs_k3_seq_max_masked_fraction") == "mask"
   assert mis_jax.microbatch_reduction("mis_k3_kl") == "mask"
@@ -61,8 +61,9 @@ def _emitted_metrics() -> frozenset:
   batch = mis_jax.PackedBatch(segment_ids=seg, loss_mask=mask, advantages=rng.normal(size=t).astype(np.float32),
                               rollout_logprobs=q, old_logprobs=o, ref_logprobs=o,
                               rollout_staleness=np.ones(t, np.float32), num_segments=4)
-  crits = tuple({"metric": m, "agg": a, "upper": 5.0} for m in mis_jax.DIVERGENCES for a in mis_jax.AGGREGATIONS)
-  auto_crits = tuple({"metric": m, "agg": a, "upper": "auto"} for m in ("k2", "k3") for a in mis_jax.AGGREGATIONS)
+  aggs = mis_jax.config.AGGREGATIONS
+  crits = tuple({"metric": m, "agg": a, "upper": 5.0} for m in mis_jax.config.DIVERGENCES for a in aggs)
+  auto_crits = tuple({"metric": m, "agg": a, "upper": "auto"} for m in ("k2", "k3") for a in aggs)
   mis_cfgs = [
       mis_jax.MISConfig(),
       mis_jax.MISConfig(tis_mode="clip", use_rs=True, rs_veto_threshold=1e-4, tis_batch_normalize=True),
@@ -85,10 +86,11 @@ def _emitted_metrics() -> frozenset:
       names.update(out)
 
   for roll, tis in itertools.product((False, True), repeat=2):
-    forms = ("vanilla", "gpg") if roll and tis else mis_jax.POLICY_LOSSES
+    forms = ("vanilla", "gpg") if roll and tis else mis_jax.forms.POLICY_LOSSES
     for form, mis in itertools.product(forms, mis_cfgs + [None] if tis else [None]):
-      add(mis_jax.LossConfig(use_rollout_logprobs=roll, use_tis=tis, mis=mis, policy_loss=form, kl_coef=0.1,
-                             entropy_coef=0.01, get_mismatch_metrics=True, dro_beta=0.1 if form == "dro" else None,
+      own = {"dro_beta": 0.1} if form == "dro" else {}
+      add(mis_jax.LossConfig(use_rollout_logprobs=roll, use_tis=tis, mis=mis, policy_loss={"name": form, **own},
+                             kl_coef=0.1, entropy_coef=0.01, get_mismatch_metrics=True,
                              denominator="original" if roll and tis else "kept"), -o)
   for mis in mis_cfgs[:5]:
     add(mis_jax.LossConfig(use_tis=True, mis=mis, proximal="loglinear"))
@@ -106,9 +108,9 @@ def test_every_emitted_metric_declares_its_reduction():
   """Every metric the library emits, in every config form, has a declared micro-batch reduction
   (an undeclared one is an error, never a silent "mask"), and every declared one is emitted."""
   emitted = _emitted_metrics()
-  undeclared = sorted(n for n in emitted if n not in mis_jax.MICROBATCH_REDUCTIONS)
+  undeclared = sorted(n for n in emitted if n not in mis_jax.engine.MICROBATCH_REDUCTIONS)
   assert undeclared == [], undeclared
-  assert set(mis_jax.MICROBATCH_REDUCTIONS) == emitted, set(mis_jax.MICROBATCH_REDUCTIONS) - emitted
+  assert set(mis_jax.engine.MICROBATCH_REDUCTIONS) == emitted, set(mis_jax.engine.MICROBATCH_REDUCTIONS) - emitted
   with pytest.raises(KeyError, match="'not_a_metric' declares no micro-batch reduction"):
     mis_jax.microbatch_reduction("not_a_metric")
 
@@ -130,7 +132,7 @@ def test_a_metric_declared_twice_differently_is_an_error():
     _metrics.declare({"loss": "mask"})
   with pytest.raises(ValueError, match="unknown micro-batch reduction 'mean'"):
     _metrics.declare({"new_metric": "mean"})
-  assert "new_metric" not in mis_jax.MICROBATCH_REDUCTIONS
+  assert "new_metric" not in mis_jax.engine.MICROBATCH_REDUCTIONS
 
 
 def _combine(values, weights, how):

@@ -66,7 +66,7 @@ CASES = (
 
 
 def _cfg(algo, mis, mode):
-  use_rollout, use_tis = mis_jax.ALGORITHMS[algo]
+  use_rollout, use_tis = mis_jax.config.ALGORITHMS[algo]
   return mis_jax.LossConfig(use_tis=use_tis, use_rollout_logprobs=use_rollout,
                             mis=None if mis in (None, "none") else MIS[mis], loss_agg_mode=mode,
                             kl_coef=0.1, entropy_coef=0.01, get_mismatch_metrics=True)

@@ -2,6 +2,8 @@
 the NumPy oracle (written from the papers' formulas), finite differences, micro-batches, 8
 devices and jit; the combinations that mean nothing are refused before tracing."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +12,7 @@ from jax.sharding import AxisType
 
 import mis_jax
 import oracle
-from helpers import assert_metrics_close, pack, random_seqs
+from helpers import assert_metrics_close, loss_keys, pack, random_seqs
 
 SEQS = random_seqs(np.random.default_rng(7), n_seqs=10, mismatch=0.3, catastrophic=0.03, with_ref=True,
                    with_entropy=True, lp_noise=0.25)
@@ -23,19 +25,19 @@ FORM_KEYS = {"vanilla": {"eps_clip_c": 3.0}, "dppo_tv": {"eps_clip_c": 1.5}, "dp
              "sapo": {"tau_pos": 1.2, "tau_neg": 2.0}, "gpg": {}, "geo_mean": {}, "dro": {"dro_beta": 0.3},
              "cispo": {}, "clip_cov": {"clip_cov_ratio": 0.1, "clip_cov_lb": 0.05, "clip_cov_ub": 2.0},
              "kl_cov": {"kl_cov_ratio": 0.1, "ppo_kl_coef": 0.5}}
-assert set(FORM_KEYS) == set(mis_jax.POLICY_LOSSES)
+assert set(FORM_KEYS) == set(mis_jax.forms.POLICY_LOSSES)
 KEY = jax.random.key(3)
 
 
 def cfg_of(form, algo, mis=REFERENCE, **kw):
   roll, tis = ALGOS[algo]
-  return mis_jax.LossConfig(use_rollout_logprobs=roll, use_tis=tis, mis=mis if tis else None, policy_loss=form,
-                            eps_clip_high=0.28, kl_coef=0.05, entropy_coef=0.01, **FORM_KEYS[form], **kw)
+  return mis_jax.LossConfig(use_rollout_logprobs=roll, use_tis=tis, mis=mis if tis else None,
+                            policy_loss={"name": form, **FORM_KEYS[form]}, eps_clip_high=0.28, kl_coef=0.05,
+                            entropy_coef=0.01, **kw)
 
 
 def oracle_cfg(cfg, correction=None):
-  d = {k: getattr(cfg, k) for k in mis_jax.LossConfig.keys() if k not in ("mis", "correction_fn")}
-  d["mis"] = cfg.mis.to_dict() if cfg.mis is not None else None
+  d = loss_keys(cfg)
   if correction is not None and correction.cov_selected is not None:
     d["cov_selected"] = PACKING.unpack(np.asarray(correction.cov_selected))
   return d
@@ -51,7 +53,7 @@ def prepared(cfg):
   return mis_jax.prepare_step(BATCH, cfg, key=KEY)[0].replace(denominators=None) if cfg.uses_cov_selection else None
 
 
-CASES = [(f, a) for f in mis_jax.POLICY_LOSSES for a in ALGOS]
+CASES = [(f, a) for f in mis_jax.forms.POLICY_LOSSES for a in ALGOS]
 
 
 @pytest.mark.parametrize("form,algo", CASES)
@@ -98,8 +100,8 @@ def test_clip_cov_selection_draws_k_candidates_by_key():
   cov = (adv - adv.mean()) * (anchor - anchor.mean())
   draws = set()
   for ratio, (lb, ub) in [(0.1, (0.05, 2.0)), (0.5, (0.05, 2.0)), (0.1, (3.0, 4.0))]:
-    cfg = cfg_of("clip_cov", "ppo").__class__(**{**cfg_of("clip_cov", "ppo").__dict__, "clip_cov_ratio": ratio,
-                                                 "clip_cov_lb": lb, "clip_cov_ub": ub})
+    cfg = dataclasses.replace(cfg_of("clip_cov", "ppo"), policy_loss={"name": "clip_cov", "clip_cov_ratio": ratio,
+                                                                      "clip_cov_lb": lb, "clip_cov_ub": ub})
     candidates = {flat[j] for j in np.flatnonzero((cov > lb) & (cov < ub))}
     for seed in (0, 1):
       sel = PACKING.unpack(np.asarray(mis_jax.prepare_step(BATCH, cfg, key=jax.random.key(seed))[0].cov_selected))
@@ -110,7 +112,7 @@ def test_clip_cov_selection_draws_k_candidates_by_key():
   assert len(draws) >= 3, "the key does not change the draw"
 
 
-@pytest.mark.parametrize("form", mis_jax.POLICY_LOSSES)
+@pytest.mark.parametrize("form", mis_jax.forms.POLICY_LOSSES)
 def test_gradient_matches_finite_differences(form):
   algo = "ppo" if form == "vanilla" else "decoupled_ppo"
   cfg = cfg_of(form, algo, mis=mis_jax.MISConfig(tis_level="token", tis_mode="clip", tis_upper_bound=1.5))
@@ -131,7 +133,7 @@ def test_gradient_matches_finite_differences(form):
     assert not grads[i][~s["m"]].any(), "gradient leaked into masked tokens"
 
 
-@pytest.mark.parametrize("form", mis_jax.POLICY_LOSSES)
+@pytest.mark.parametrize("form", mis_jax.forms.POLICY_LOSSES)
 def test_microbatches_and_jit_equal_one_batch(form):
   cfg = cfg_of(form, "decoupled_ppo")
   full, full_metrics = run(cfg)
@@ -162,7 +164,7 @@ def test_eight_devices_equal_one(layout):
   batch, extra, _ = pack(seqs, row_len=16, num_rows=8)
   sharded_batch, lp, ent = mis_jax.shard_batch(mesh, (batch, extra["lp"], extra["ent"]), data_axis=data_axis,
                                                seq_axis=seq_axis)
-  for form in mis_jax.POLICY_LOSSES:
+  for form in mis_jax.forms.POLICY_LOSSES:
     cfg = cfg_of(form, "decoupled_ppo")
     f = lambda lp, b, ent: mis_jax.policy_loss(lp, b, cfg, entropy=ent, key=KEY)
     (loss0, metrics0), grad0 = jax.value_and_grad(f, has_aux=True)(jnp.asarray(extra["lp"]), batch, extra["ent"])
@@ -183,19 +185,21 @@ def test_reinforce_is_takes_the_ratio_free_forms():
   a = run(mis_jax.LossConfig(**base))[0]
   b = run(mis_jax.LossConfig(**base, policy_loss="gpg"))[0]
   np.testing.assert_allclose(float(a), float(b), rtol=1e-7)
-  for form in set(mis_jax.POLICY_LOSSES) - {"vanilla", "gpg"}:
+  for form in set(mis_jax.forms.POLICY_LOSSES) - {"vanilla", "gpg"}:
     with pytest.raises(mis_jax.ConfigError, match=f"policy_loss '{form}' forms a ratio.*REINFORCE"):
-      mis_jax.LossConfig(**base, policy_loss=form, **FORM_KEYS[form])
+      mis_jax.LossConfig(**base, policy_loss={"name": form, **FORM_KEYS[form]})
 
 
 @pytest.mark.parametrize("kw,match", [
     (dict(policy_loss="dro"), "needs key 'dro_beta'"),
-    (dict(policy_loss="gspo", eps_clip_c=3.0), "policy_loss 'gspo' has no use for it"),
-    (dict(policy_loss="clip_cov", clip_cov_lb=5.0, clip_cov_ub=1.0), "'clip_cov_lb' .* must be below"),
+    (dict(policy_loss={"name": "gspo", "eps_clip_c": 3.0}),
+     "key 'policy_loss.eps_clip_c' is a key of policy_loss vanilla / dppo_tv / dppo_kl, not of gspo"),
+    (dict(policy_loss={"name": "clip_cov", "clip_cov_lb": 5.0, "clip_cov_ub": 1.0}),
+     "'policy_loss.clip_cov_lb' .* must be below"),
     (dict(loss_agg_mode="seq-mean-token-sum-norm"), "needs key 'loss_scale_factor'"),
     (dict(loss_scale_factor=100.0), "only by loss_agg_mode 'seq-mean-token-sum-norm'"),
     (dict(policy_loss="ppo"), "key 'policy_loss'.*'ppo'"),
-    (dict(policy_loss="sapo", tau_neg=0.0), "key 'tau_neg'"),
+    (dict(policy_loss={"name": "sapo", "tau_neg": 0.0}), "key 'policy_loss.tau_neg' must be > 0"),
 ])
 def test_meaningless_settings_are_refused(kw, match):
   with pytest.raises(mis_jax.ConfigError, match=match):

@@ -83,8 +83,8 @@ FORMULAS = {
 
 
 def test_every_preset_has_a_formula_and_a_source():
-  assert set(FORMULAS) == set(mis_jax.PRESET_NAMES)
-  for p in mis_jax.PRESETS.values():
+  assert set(FORMULAS) == set(mis_jax.config.PRESET_NAMES)
+  for p in mis_jax.config.PRESETS.values():
     assert p.sources and all(s.startswith("https://") for s in p.sources)
 
 

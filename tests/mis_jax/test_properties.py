@@ -9,6 +9,7 @@ from hypothesis import given, strategies as st
 
 import mis_jax
 import oracle
+from helpers import loss_keys
 
 ROWS, ROW_LEN, NSEG = 4, 16, 8
 CONFIGS = {
@@ -18,7 +19,8 @@ CONFIGS = {
         mis=mis_jax.MISConfig(tis_level="sequence", tis_mode="mask", tis_upper_bound=5.0, use_rs=True,
                               rs_level="geometric", rs_veto_threshold=1e-6, tis_batch_normalize=True)),
     "decoupled-geo-clip": mis_jax.LossConfig(
-        use_tis=True, denominator="original", loss_agg_mode="seq-mean-token-sum", eps_clip_c=3.0,
+        use_tis=True, denominator="original", loss_agg_mode="seq-mean-token-sum",
+        policy_loss={"name": "vanilla", "eps_clip_c": 3.0},
         mis=mis_jax.MISConfig(tis_level="geometric", tis_mode="clip", tis_batch_normalize=True)),
 }
 
@@ -103,8 +105,7 @@ def test_moderate_inputs_match_oracle(data, name):
   seqs, batch, lp = data
   cfg = CONFIGS[name]
   (loss, metrics), _ = loss_and_grad(name)(lp, batch)
-  ocfg = {k: getattr(cfg, k) for k in mis_jax.LossConfig.keys() if k not in ("mis", "correction_fn")}
-  ocfg["mis"] = cfg.mis.to_dict()
+  ocfg = loss_keys(cfg)
   for s in seqs:
     s.update({k: s[k].astype(np.float32).astype(np.float64) for k in ("o", "q", "lp", "adv")})
   if not seqs:
@@ -125,7 +126,7 @@ def test_length_one_sequences_sequence_level_equals_token_level(r):
   q = np.zeros_like(o)
   m = packing.segment_ids >= 0
   out = {}
-  for level in mis_jax.LEVELS:
+  for level in mis_jax.config.LEVELS:
     cfg = mis_jax.MISConfig(tis_level=level, tis_mode="mask", use_rs=True, tis_batch_normalize=True)
     out[level] = _mis_jit(o, q, m, packing.segment_ids, cfg)
   for level in ("sequence", "geometric"):

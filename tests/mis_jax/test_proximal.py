@@ -51,7 +51,8 @@ def run(cfg, batch=BATCH, lp=None, **kw):
                                       ("seq-mean-token-sum-norm", "kept")])
 def test_loglinear_matches_oracle(correction, mode, den):
   cfg = cfg_for(correction, loss_agg_mode=mode, denominator=den, entropy_coef=0.01, kl_coef=0.05,
-                eps_clip_high=0.28, eps_clip_c=3.0, loss_scale_factor=SCALE_FACTOR.get(mode))
+                eps_clip_high=0.28, policy_loss={"name": "vanilla", "eps_clip_c": 3.0},
+                loss_scale_factor=SCALE_FACTOR.get(mode))
   assert not cfg.needs_old_logprobs and cfg.correction_in_loss
   loss, metrics = run(cfg)
   seqs = [{k: v for k, v in s.items() if k != "o"} for s in SEQS]  # no old log-probs: none were computed
@@ -62,7 +63,7 @@ def test_loglinear_matches_oracle(correction, mode, den):
 
 def test_loglinear_gradient_matches_finite_differences_of_oracle():
   """The proximal log-probs follow sg(lp): the gradient flows through the policy ratio only."""
-  cfg = cfg_for("seq-mask-veto", eps_clip_c=3.0, kl_coef=0.1)
+  cfg = cfg_for("seq-mask-veto", policy_loss={"name": "vanilla", "eps_clip_c": 3.0}, kl_coef=0.1)
   grads = PACKING.unpack(np.asarray(jax.grad(lambda lp: run(cfg, lp=lp)[0])(jnp.asarray(EXTRA["lp"]))))
   ocfg = dict(oracle_cfg(cfg), proximal="loglinear")
   base = [{k: v for k, v in s.items() if k != "o"} for s in SEQS]

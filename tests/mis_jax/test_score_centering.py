@@ -94,7 +94,7 @@ ALGOS = {  # (use_rollout_logprobs, use_tis, mis)
 }
 # REINFORCE + IS in every aggregation mode; the other algorithms in one mode each (both metric
 # reductions covered), a second mode under `repeat` (make test-all). Each group is one program.
-ONCE = tuple([("reinforce_is", mode) for mode in mis_jax.LOSS_AGG_MODES]
+ONCE = tuple([("reinforce_is", mode) for mode in mis_jax.config.LOSS_AGG_MODES]
              + [("ppo", "token-mean"), ("decoupled_ppo", "seq-mean-token-mean"), ("bypass_ppo", "token-sum"),
                 ("reinforce_vanilla_tis", "seq-mean-token-sum")])
 REPEATS = (("ppo", "seq-mean-token-mean"), ("decoupled_ppo", "token-mean"), ("bypass_ppo", "seq-mean-token-mean"),
@@ -305,8 +305,8 @@ CHAIN_RULE_CASES = {  # forms of other shapes, and the threshold controller choo
     "dppo_tv": dict(policy_loss="dppo_tv"), "gspo": dict(policy_loss="gspo"), "geo_mean": dict(policy_loss="geo_mean"),
     "controller": dict(mis=dict(tis_upper_bound="auto", target_ess_ratio=0.9, use_rs=True, rs_upper_bound="auto",
                                 max_masked_fraction=0.1)),
-    "sapo": dict(policy_loss="sapo"), "kl_cov": dict(policy_loss="kl_cov", kl_cov_ratio=0.2),
-    "dro": dict(policy_loss="dro", dro_beta=0.5)}
+    "sapo": dict(policy_loss="sapo"), "kl_cov": dict(policy_loss={"name": "kl_cov", "kl_cov_ratio": 0.2}),
+    "dro": dict(policy_loss={"name": "dro", "dro_beta": 0.5})}
 
 
 CHAIN_ONCE = ("dppo_tv", "gspo", "geo_mean", "controller")

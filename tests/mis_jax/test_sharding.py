@@ -123,7 +123,7 @@ def test_sharded_loss_takes_the_steps_correction():
   """`sharded_policy_loss(...)(..., correction=)`: the step's Correction (decoupled PPO's weights
   and kept mask, kl_cov's selection, the denominators) sharded like the batch (its denominators
   replicated) gives the single-device loss with the same correction."""
-  cfg = mis_jax.LossConfig(use_tis=True, mis=MIS, policy_loss="kl_cov", kl_cov_ratio=0.1, kl_coef=0.1,
+  cfg = mis_jax.LossConfig(use_tis=True, mis=MIS, policy_loss={"name": "kl_cov", "kl_cov_ratio": 0.1}, kl_coef=0.1,
                            entropy_coef=0.01)
   correction, _ = mis_jax.prepare_step(BATCH, cfg)
   lp, ent = model_logprobs(PARAMS, TOKENS, TARGETS)

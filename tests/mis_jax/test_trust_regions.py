@@ -16,7 +16,8 @@ from jax.sharding import AxisType
 import mis_jax
 import oracle
 import prime_rl_reference as ref
-from helpers import assert_metrics_close, assert_weights_match_oracle, pack, prepare_step_on_mesh, random_seqs
+from helpers import (assert_metrics_close, assert_weights_match_oracle, loss_keys, pack, prepare_step_on_mesh,
+                     random_seqs)
 
 SEQS = random_seqs(np.random.default_rng(5), n_seqs=12, mismatch=0.5, catastrophic=0.03, lp_noise=0.3)
 BATCH, EXTRA, PACKING = pack(SEQS, row_len=16, num_rows=8)
@@ -27,7 +28,7 @@ MASKS = {  # the options, alone and together with the other rejections
     "kpop": dict(kpop_phi=0.01),
     "all": dict(dppo_tv_delta=0.06, kpop_phi=0.015, use_rs=True, rs_veto_threshold=1e-4, tis_mode="clip"),
 }
-MODES = mis_jax.LOSS_AGG_MODES if hasattr(mis_jax, "LOSS_AGG_MODES") else mis_jax.config.LOSS_AGG_MODES
+MODES = mis_jax.config.LOSS_AGG_MODES
 
 
 def mis_cfg(name, **kw):
@@ -74,9 +75,7 @@ def _loss_cfg(algo, masks, mode, sq=0.0, tokens="trainable", **kw):
 
 
 def _oracle_cfg(cfg):
-  d = {k: getattr(cfg, k) for k in mis_jax.LossConfig.keys() if k not in ("mis", "correction_fn")}
-  d["mis"] = cfg.mis.to_dict() if cfg.mis is not None else None
-  return d
+  return loss_keys(cfg)
 
 
 CASES = [("decoupled_ppo", "tv", 0.0, "trainable"), ("decoupled_ppo", "kpop", 0.3, "kept"),

@@ -48,7 +48,7 @@ def _check_against_oracle(cfg, mode):
 
 
 @pytest.mark.parametrize("level,tis_mode,rs,veto,bn", list(itertools.product(
-    mis_jax.LEVELS, mis_jax.TIS_MODES, RS_OPTIONS, [None, 1e-4], [False, True])))
+    mis_jax.config.LEVELS, mis_jax.config.TIS_MODES, RS_OPTIONS, [None, 1e-4], [False, True])))
 def test_mis_matches_oracle(level, tis_mode, rs, veto, bn):
   cfg = mis_jax.MISConfig(tis_level=level, tis_mode=tis_mode, tis_upper_bound=2.5, tis_lower_bound=0.4,
                           rs_veto_threshold=veto, tis_batch_normalize=bn, **RS_OPTIONS[rs])
@@ -61,8 +61,8 @@ def test_mis_matches_oracle(level, tis_mode, rs, veto, bn):
   assert set(metrics) == expected
 
 
-@pytest.mark.parametrize("mode", mis_jax.LOSS_AGG_MODES)
-@pytest.mark.parametrize("level", mis_jax.LEVELS)
+@pytest.mark.parametrize("mode", mis_jax.config.LOSS_AGG_MODES)
+@pytest.mark.parametrize("level", mis_jax.config.LEVELS)
 def test_metric_reductions_match_oracle(mode, level):
   cfg = mis_jax.MISConfig(tis_level=level, tis_mode="clip", use_rs=True, rs_veto_threshold=1e-4,
                           tis_batch_normalize=True)

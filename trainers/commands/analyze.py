@@ -13,7 +13,7 @@ sampling temperature), and writes `report.md`, `report.json` and PNG figures:
   size left — so thresholds are chosen from one's own data.
 - what the threshold controller (`auto` bounds, contract §3.1) would have chosen at each recorded
   step, for a few targets (ESS ratios, masked shares), with what each reaches;
-- the advantages every per-sequence estimator (`mis_jax.SEQUENCE_ESTIMATORS` but `gdpo`, which
+- the advantages every per-sequence estimator (`mis_jax.estimators.SEQUENCE_ESTIMATORS` but `gdpo`, which
   needs several rewards) gives the recorded rewards, step by step over the recorded groups: their
   spread, the share of sequences left without signal, and for the run's own estimator the largest
   difference to the recorded advantages.
@@ -109,7 +109,7 @@ def settings_grid(o, q, mask, seg, num_segments, mode) -> list[dict]:
   """What each setting would do to these records (the library's own metrics of it)."""
   import mis_jax
   out = []
-  for level in mis_jax.LEVELS:
+  for level in mis_jax.config.LEVELS:
     for bound in BOUNDS:
       for tis_mode in ("truncate", "mask"):
         m = _metrics(o, q, mask, seg, num_segments,
@@ -163,7 +163,7 @@ def advantages_report(rows: list[dict], run_estimator: str | None = None) -> lis
   import mis_jax
   steps = sorted({int(r["step"]) for r in rows})
   out = []
-  for estimator in mis_jax.SEQUENCE_ESTIMATORS:
+  for estimator in mis_jax.estimators.SEQUENCE_ESTIMATORS:
     if estimator == "gdpo":
       continue
     got, recorded = [], []

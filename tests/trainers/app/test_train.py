@@ -266,7 +266,8 @@ def test_policy_loss_and_optimal_token_baseline_end_to_end(server, tmp_path, ste
   optimal token baseline: the run trains, its per-token advantages are verl's (a loop over the
   step's π, Σπ² and squared IS weights), and every pass traces once per shape bucket."""
   from test_advantages import otb_oracle
-  loss_cfg = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(**MIS), policy_loss="kl_cov", kl_cov_ratio=0.1)
+  loss_cfg = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(**MIS), policy_loss={"name": "kl_cov",
+                                                                                          "kl_cov_ratio": 0.1})
   seen = []
   token_baseline = plan_lib.token_baseline
 

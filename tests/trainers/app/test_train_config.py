@@ -101,7 +101,7 @@ def test_the_former_placement_string_names_placement_mode(tmp_path, capsys):
   assert cfg.rollout.placement.mode == "colocated"
 
 
-@pytest.mark.parametrize("algorithm,flags", sorted(mis_jax.ALGORITHMS.items()))
+@pytest.mark.parametrize("algorithm,flags", sorted(mis_jax.config.ALGORITHMS.items()))
 def test_algorithm_sets_the_two_booleans(algorithm, flags):
   loss = {"algorithm": algorithm}
   if algorithm == "reinforce_is":
@@ -141,12 +141,13 @@ def test_the_flat_booleans_name_the_algorithm_key(flags, algorithm):
 
 def test_policy_loss_is_a_tagged_section():
   cfg = TrainConfig.from_dict({"loss": {"policy_loss": {"name": "sapo", "tau_pos": 2.0}}})
-  assert (cfg.loss.policy_loss, cfg.loss.tau_pos, cfg.loss.tau_neg) == ("sapo", 2.0, 1.05)
-  assert cfg.loss == mis_jax.LossConfig(policy_loss="sapo", tau_pos=2.0)
+  form = cfg.loss.policy_loss
+  assert (form.name, form.tau_pos, form.tau_neg) == ("sapo", 2.0, 1.05)
+  assert cfg.loss == mis_jax.LossConfig(policy_loss={"name": "sapo", "tau_pos": 2.0})
   cfg = TrainConfig.from_dict({"loss": {"policy_loss": {"name": "dro", "dro_beta": 0.1}}})
-  assert (cfg.loss.policy_loss, cfg.loss.dro_beta) == ("dro", 0.1)
-  assert TrainConfig.from_dict({"loss": {"policy_loss": {"name": "gspo"}}}).loss.policy_loss == "gspo"
-  # The library's own checks still run on the flat config: dro needs its beta.
+  assert (cfg.loss.policy_loss.name, cfg.loss.policy_loss.dro_beta) == ("dro", 0.1)
+  assert TrainConfig.from_dict({"loss": {"policy_loss": {"name": "gspo"}}}).loss.policy_loss.name == "gspo"
+  # The library's own checks still run on the form's config: dro needs its beta.
   assert "policy_loss 'dro' needs key 'dro_beta'" in _error({"loss": {"policy_loss": {"name": "dro"}}})
 
 
@@ -164,7 +165,7 @@ def test_the_flat_loss_form_names_the_tagged_one(tmp_path, capsys):
   assert "loss.policy_loss needs name: one of vanilla" in _error({"loss": {"policy_loss": {"tau_pos": 1}}})
   assert "unknown key 'loss.policy_loss.tau'. Did you mean 'tau_pos'?" in _error(
       {"loss": {"policy_loss": {"name": "sapo", "tau": 1}}})
-  for key in sorted({k for keys in mis_jax.POLICY_LOSS_KEYS.values() for k in keys}):
+  for key in sorted({k for keys in mis_jax.forms.POLICY_LOSS_KEYS.values() for k in keys}):
     message = _error({"loss": {key: 1.5}})
     assert f"loss.{key} moved to loss.policy_loss.{key}, a key of policy_loss" in message, message
   assert cli.main(["train", "--run-dir", str(tmp_path / "run"), "--set", "loss.tau_pos=2"]) == 2
@@ -178,7 +179,7 @@ def test_the_flat_loss_form_names_the_tagged_one(tmp_path, capsys):
 def test_the_library_flags_still_apply_over_the_nested_section():
   args = train_command.train_parser().parse_args(["--policy-loss", "gspo", "--eps-clip", "0.3"])
   cfg, _ = load.resolve_train_config(args)  # configs/demo.yaml: algorithm decoupled_ppo, no policy_loss
-  assert (cfg.loss.policy_loss, cfg.loss.eps_clip, cfg.loss.algorithm) == ("gspo", 0.3, "decoupled_ppo")
+  assert (cfg.loss.policy_loss.name, cfg.loss.eps_clip, cfg.loss.algorithm) == ("gspo", 0.3, "decoupled_ppo")
   args = train_command.train_parser().parse_args(["--use-tis", "--set", "loss.algorithm=decoupled_ppo"])
   assert load.resolve_train_config(args)[0].loss.algorithm == "decoupled_ppo"  # agreeing: fine
 
@@ -241,8 +242,8 @@ def test_each_enum_is_the_owning_modules():
                     (config_lib.SyncSection, "weight_dtype")):
     assert choices(cls, name) == tuple(hf_io.DTYPES)
   assert config_lib.REWARDS == tuple(REWARDS)
-  assert set(mis_jax.POLICY_LOSS_KEYS) == set(mis_jax.POLICY_LOSSES)
-  assert all(k in mis_jax.LossConfig.keys() for keys in mis_jax.POLICY_LOSS_KEYS.values() for k in keys)
+  assert set(mis_jax.forms.POLICY_LOSS_KEYS) == set(mis_jax.forms.POLICY_LOSSES)
+  assert not any(k in mis_jax.LossConfig.keys() for keys in mis_jax.forms.POLICY_LOSS_KEYS.values() for k in keys)
   # The config module's source holds no list of these names of its own.
   source = open(config_lib.__file__).read()
   for literal in ('"fused"', '"ragged_dot"', '"unrolled"', '"tiny-qwen3-moe"', '"exact_match"', '"dots"', '("float32", "bfloat16")'):

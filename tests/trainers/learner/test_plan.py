@@ -15,7 +15,7 @@ LOSSES = {
     "ppo": mis_jax.LossConfig(),
     "decoupled": mis_jax.LossConfig(use_tis=True, mis=MIS),
     "decoupled_kl": mis_jax.LossConfig(use_tis=True, mis=MIS, kl_coef=0.1),  # the reference pass stays apart
-    "kl_cov": mis_jax.LossConfig(use_tis=True, mis=MIS, policy_loss="kl_cov", kl_cov_ratio=0.1),
+    "kl_cov": mis_jax.LossConfig(use_tis=True, mis=MIS, policy_loss={"name": "kl_cov", "kl_cov_ratio": 0.1}),
     "bypass": mis_jax.LossConfig(use_rollout_logprobs=True),
     "reinforce_is": mis_jax.LossConfig(use_tis=True, use_rollout_logprobs=True, denominator="original"),
     "loglinear": mis_jax.LossConfig(use_tis=True, mis=MIS, proximal="loglinear"),
