@@ -168,9 +168,14 @@ def kpop_divergence(log_p, log_q):
 
 # --- contract §4.1: divergence criteria ------------------------------------------------------
 
+def k3(r):
+  """``exp(r) - 1 - r`` of an already clipped ``r``, as ``max(expm1(r) - r, 0)``: accurate for small ``r``
+  and never negative (``exp(r) - 1 - r`` in float32 goes below 0 for ``|r|`` under ~1e-4)."""
+  return jnp.maximum(jnp.expm1(r) - r, 0.0)
+
+
 def _k3(r):
-  rc = jnp.clip(r, -LOG_BOUND, LOG_BOUND)
-  return jnp.exp(rc) - 1.0 - rc
+  return k3(jnp.clip(r, -LOG_BOUND, LOG_BOUND))
 
 
 # Per-token divergences (contract §4.1) of the raw, unclipped ``r`` (only k3 exponentiates, so

@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from mis_jax._config import MISConfig, RSCriterion, resolve_correction_fn
+from mis_jax._correction import k3
 from mis_jax._segments import LOG_BOUND, per_segment_mean, safe_exp
 
 MISMATCH_NAMES = ("mis_training_log_ppl", "mis_training_ppl", "mis_rollout_log_ppl", "mis_rollout_ppl", "mis_kl",
@@ -23,12 +24,13 @@ MISMATCH_NAMES = ("mis_training_log_ppl", "mis_training_ppl", "mis_rollout_log_p
 def mismatch_token_values(r) -> dict:
   """Per-token rows of contract §8.1, each averaged over ``m`` by ``R_m``.
 
-  ``mis_k3_kl``: ``exp(r) - r - 1``; ``mis_chi2_token``: ``exp(r)² - 1`` (so its mean is
+  ``mis_k3_kl``: ``exp(r) - r - 1``, computed as ``max(expm1(r) - r, 0)`` (never
+  negative: ``exp(r) - r - 1`` in float32 goes below 0 for ``|r|`` under ~1e-4); ``mis_chi2_token``: ``exp(r)² - 1`` (so its mean is
   ``mean_m(exp(r)²) - 1``); ``train_rollout_logprob_abs_diff``: ``|o - q|``; ``r`` is clipped
   to ±B where it is exponentiated (contract §12.10), raw in ``|o - q|``.
   """
   rc = jnp.clip(r, -LOG_BOUND, LOG_BOUND)
-  return {"mis_k3_kl": jnp.exp(rc) - rc - 1.0, "mis_chi2_token": jnp.exp(2.0 * rc) - 1.0,
+  return {"mis_k3_kl": k3(rc), "mis_chi2_token": jnp.exp(2.0 * rc) - 1.0,
           "train_rollout_logprob_abs_diff": jnp.abs(r)}
 
 

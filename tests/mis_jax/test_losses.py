@@ -288,3 +288,22 @@ def test_a_batch_masked_whole_gives_zero_loss_and_finite_gradients(algo):
       if whole:
         assert float(loss) == 0.0 and np.all(np.asarray(grad) == 0.0), (mode, den)
   assert mis_jax.microbatch_reduction("mis_masked_whole_batch") == "min"
+
+
+def test_k3_is_never_negative_and_accurate_at_tiny_mismatch():
+  """`mis_k3_kl` = mean `exp(r) - r - 1`, computed as `expm1(r) - r`: at |r| ~ 1e-4 the float32 form
+  `exp(r) - r - 1` goes negative (contract §8.1's k3 is >= 0); the value matches float64."""
+  rng = np.random.default_rng(7)
+  t = 64
+  q = (-rng.uniform(0.5, 3.0, t)).astype(np.float32)
+  o = (q + rng.choice([-1.0, 1.0], t) * rng.uniform(0.5e-4, 1.5e-4, t)).astype(np.float32)
+  batch = mis_jax.PackedBatch(segment_ids=np.zeros(t, np.int32), loss_mask=np.ones(t, bool),
+                              advantages=np.ones(t, np.float32), rollout_logprobs=q, old_logprobs=o, num_segments=1)
+  cfg = mis_jax.LossConfig(get_mismatch_metrics=True, loss_agg_mode="token-mean")
+  _, metrics = jax.jit(lambda lp: mis_jax.policy_loss(lp, batch, cfg))(jnp.asarray(o))
+  r = o.astype(np.float64) - q.astype(np.float64)
+  want = float(np.mean(np.expm1(r) - r))
+  naive = float(np.mean(np.exp(r.astype(np.float32)) - r.astype(np.float32) - np.float32(1.0)))
+  assert float(metrics["mis_k3_kl"]) >= 0.0
+  np.testing.assert_allclose(float(metrics["mis_k3_kl"]), want, rtol=0.05)
+  assert abs(naive - want) > abs(float(metrics["mis_k3_kl"]) - want)  # the old form was the worse one

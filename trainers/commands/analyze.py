@@ -189,7 +189,8 @@ def analyze(rows: list[dict], mode: str = "seq-mean-token-mean", run_estimator: 
   import mis_jax
   o, q, mask, seg, num_segments = packed(rows)
   r = (o - q).astype(np.float64)
-  k3 = np.exp(np.clip(r, -20, 20)) - np.clip(r, -20, 20) - 1
+  rc = np.clip(np.asarray(r, np.float64), -20, 20)
+  k3 = np.maximum(np.expm1(rc) - rc, 0.0)  # float64, never negative
   keep = [model_tokens(x) for x in rows]
   lengths = np.array([int(k.sum()) for k in keep])
   positions = np.concatenate([np.arange(n) for n in lengths])
@@ -231,8 +232,8 @@ def by_turn(rows: list[dict], r: np.ndarray) -> list[dict]:
     return []
   turns = np.concatenate([np.asarray(row["turn"])[model_tokens(row)] if row.get("turn") is not None
                           else np.ones(int(model_tokens(row).sum()), int) for row in rows])
-  c = np.clip(r, -20, 20)
-  k3 = np.exp(c) - c - 1
+  c = np.clip(np.asarray(r, np.float64), -20, 20)
+  k3 = np.maximum(np.expm1(c) - c, 0.0)
   return [{"turn": int(t), "tokens": int((turns == t).sum()), "mean_abs_log_ratio": float(np.abs(r[turns == t]).mean()),
            "mean_k3": float(k3[turns == t].mean())} for t in np.unique(turns)]
 
