@@ -288,3 +288,19 @@ def test_killed_after_a_weights_write_and_in_the_resumed_push_then_the_server_re
   assert f"step {r + 1}: 1 server(s) back: they serve the weights of step {r} again" in again.output, again.output[-3000:]
   assert [x["rollout/server_restarts"] for x in _rows(run)] == [int(k == r + 1) for k in range(1, STEPS + 1)]
   assert_same_as_reference(world, run, restarted=True)
+
+
+@pytest.mark.repeat
+@pytest.mark.parametrize("fault,own_server", [
+    ("pushed:3:kill", True),  # the trainer alone: the server it started notices and stops itself
+    ("metrics:1:kill-group", False),  # before any checkpoint: --resume starts from the beginning
+    ("checkpoint:2:kill-group", False),  # inside the first checkpoint's write
+    ("weights:5:kill", False),
+])
+def test_more_kill_points(world, tmp_path, fault, own_server):
+  """The same guarantee at the other points and kinds of kill (make test-all)."""
+  point, step, _ = fault.split(":")
+  run = tmp_path / "run"
+  Launched(world, run, fault=fault, own_server=own_server).killed(point, int(step))
+  world.run_here(run, resume=True)
+  assert_same_as_reference(world, run)
