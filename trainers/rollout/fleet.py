@@ -9,13 +9,14 @@ on every worker: the push returns once each live worker serves the new version.
 Workers that join and leave while the run goes on:
 
 - a worker registered with the router during the run is found by a watcher thread (every
-  `rollout.transport.router_poll_s`) and at every push, and gets the served weights at once.
-  A worker started paused (`mis-jax launch --role worker` pauses it before it registers) holds
-  every request the router sends it until that push's `continue_generation`, so its first
-  samples carry the current version (SGLang holds requests while paused, as `mis-jax serve` does);
-  Before that, a worker is probed for the trainer's weight directory as the fleet is before step 1
+  `rollout.transport.router_poll_s`), before every batch's generation and at every push, and gets the
+  served weights at once. A worker started paused (`mis-jax launch --role worker` pauses it before it
+  registers) holds every request the router sends it until that push's `continue_generation`, so
+  its first samples carry the current version (SGLang holds requests while paused, as `mis-jax
+  serve` does). Before that, a worker is probed for the trainer's weight directory as the fleet is before step 1
   (`admission_check`: `DiskSync.sees_weights`); one that cannot read it is removed from the router
-  (it would serve other weights), and the trainer says why;
+  (it would serve other weights), and the trainer says why (a request the router sent it before that
+  stays held by the paused worker until the transport's timeout, then goes to another);
 - a worker that dies is marked down, and the trainer logs it with its URL and the step: when the
   router's health check reports it unhealthy (its worker list, read by the watcher) or when a push
   fails past the transport's retries. The servers' side readmits it with the served weights when it
@@ -209,6 +210,16 @@ class RouterClient(SGLangClient):
       self._served = (model_path, weight_version)
 
   # --- generation and weight sync --------------------------------------------------------
+  def generate(self, prompts, sampling_params: dict, **kwargs):
+    """`SGLangClient.generate` through the router, once the worker list is read: a worker
+    registered since the last poll is admitted (or refused) before any request of the batch can
+    reach it."""
+    try:
+      self.refresh()
+    except (ServerError, ServerUnavailable):
+      pass  # the router is away: the requests fail, and the run waits for it
+    return super().generate(prompts, sampling_params, **kwargs)
+
   def _send(self, body: dict):
     """Through the router. sglang-router 0.3 parses `sampling_params` as one mapping (HTTP 422 for
     SGLang's per-row list): a body with per-sample params (seeds) goes as one request per row, in
