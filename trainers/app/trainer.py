@@ -40,6 +40,7 @@ class Trainer:
   records, colocated rollouts or a router). `run` trains."""
 
   def __init__(self, cfg=None, loss_cfg=None, *, urls: list[str], devices=None, task=None, spec: RunSpec | None = None):
+    faults.check()  # the crash tests' hook, when set, is well formed
     if spec is None:
       spec = resolve(cfg if loss_cfg is None else cfg.replace(loss=loss_cfg), devices=devices, task=task)
     cfg = self.cfg = spec.cfg
@@ -124,7 +125,6 @@ class Trainer:
     """Before step 1: the checkpoint to resume from, the servers, the source, the records; every
     part is closed when the run ends, however it ends. Returns the step-metrics sink. `Preempted`:
     a stop was asked while the first weight push waited for the servers."""
-    faults.check()  # the crash tests' hook, when set, is well formed
     if resume and self.restore_latest():
       if distributed.is_primary():
         log(f"resumed from checkpoint at step {self.step} ({self.checkpoints.directory})")

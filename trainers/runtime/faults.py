@@ -12,7 +12,8 @@ Off unless the environment variable `MIS_JAX_FAULT` is `POINT:STEP[:ACTION]`: wh
   a server) and SIGCONT it.
 
 The points (`POINTS`) are where a crash leaves a different state on disk; each is reached once per
-step. A malformed `MIS_JAX_FAULT` is an error naming it when the trainer starts (`check`).
+step. A malformed `MIS_JAX_FAULT` is a `ConfigError` naming it before the trainer builds anything
+(`check`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from __future__ import annotations
 import functools
 import os
 import signal
+
+from mis_jax import ConfigError
 
 ENV = "MIS_JAX_FAULT"
 POINTS = {
@@ -38,13 +41,13 @@ def _armed(value: str | None) -> tuple[str, int, str] | None:
   parts = value.split(":")
   point, step, action = (parts + ["kill-group"])[:3] if len(parts) in (2, 3) else (None, None, None)
   if point not in POINTS or not str(step).isdigit() or action not in ACTIONS or len(parts) > 3:
-    raise ValueError(f"{ENV}={value!r}: expected POINT:STEP[:ACTION] with POINT one of {', '.join(POINTS)}, STEP a "
+    raise ConfigError(f"{ENV}={value!r}: expected POINT:STEP[:ACTION] with POINT one of {', '.join(POINTS)}, STEP a "
                      f"step number and ACTION one of {', '.join(ACTIONS)}")
   return point, int(step), action
 
 
 def check() -> None:
-  """Raises `ValueError` naming `MIS_JAX_FAULT` when it is set and malformed."""
+  """Raises `ConfigError` naming `MIS_JAX_FAULT` when it is set and malformed."""
   _armed(os.environ.get(ENV))
 
 

@@ -28,6 +28,7 @@ import pytest
 
 from helpers import cpu_process_env, free_port
 from test_train import BASE, merged
+from trainers import cli
 from trainers.app import checkpointing, trainer as train_lib
 from trainers.config import TrainConfig
 from trainers.models import init_checkpoint
@@ -215,12 +216,22 @@ def assert_same_as_reference(world, run_dir, *, restarted=False):
   like = {"params": like.params, "opt_state": like.opt_state}
   (want, want_meta), (have, have_meta) = (_final_state(d, like) for d in (world.reference, run_dir))
   assert have_meta == want_meta and want_meta["step"] == STEPS, (have_meta, want_meta)
+  assert want_meta["num_old_logprob_passes"] == STEPS  # the run's, not the resumed process's
   assert len(have) == len(want) and all(a.dtype == b.dtype and a.tobytes() == b.tobytes() for a, b in zip(have, want))
   assert _weight_dirs(run_dir) == _weight_dirs(world.reference) == [f"step_{STEPS}"]
   for name in sorted(os.listdir(os.path.join(world.reference, "weights", f"step_{STEPS}"))):
     if name.endswith((".safetensors", ".json")):
       a, b = (open(os.path.join(d, "weights", f"step_{STEPS}", name), "rb").read() for d in (world.reference, run_dir))
       assert a == b, name
+
+
+@pytest.mark.parametrize("value", ["metrics", "metrics:x", "nowhere:3", "metrics:3:explode", "metrics:3:kill:1"])
+def test_a_malformed_hook_stops_before_anything_starts(tmp_path, monkeypatch, capsys, value):
+  monkeypatch.setenv(faults.ENV, value)
+  assert cli.main(["train", "--config", "configs/demo.yaml", "--run-dir", str(tmp_path / "run")]) == 2
+  err = capsys.readouterr().err
+  assert f"{faults.ENV}={value!r}: expected POINT:STEP[:ACTION] with POINT one of weights, pushed, metrics, " in err
+  assert not (tmp_path / "run").exists()
 
 
 def test_the_process_group_killed_after_a_metrics_row(world, tmp_path):
@@ -269,7 +280,8 @@ def test_killed_after_a_weights_write_and_in_the_resumed_push_then_the_server_re
   run = tmp_path / "run"
   Launched(world, run, fault="weights:6:kill-group").killed("weights", 6)
   r = checkpointing.Checkpointer(str(run / "checkpoints")).latest_step()
-  assert r in (2, 4) and _weight_dirs(run) == ["step_5", "step_6"] and [x["step"] for x in _rows(run)] == [1, 2, 3, 4, 5]
+  assert r in (2, 4) and _weight_dirs(run) == ["step_5", "step_6"]
+  assert [x["step"] for x in _rows(run)] == [1, 2, 3, 4, 5]
 
   resumed = Launched(world, run, fault=f"weights:{r}:kill-group", resume=True)
   resumed.killed("weights", r)
@@ -285,7 +297,8 @@ def test_killed_after_a_weights_write_and_in_the_resumed_push_then_the_server_re
   again.wait_for_line(rf"^step {r + 1}: server {re.escape(world.url)} went down \(/generate: ")
   world.server = _serve(world.root / "start", world.port)
   assert again.wait() == 0, again.output[-3000:]
-  assert f"step {r + 1}: 1 server(s) back: they serve the weights of step {r} again" in again.output, again.output[-3000:]
+  back = f"step {r + 1}: 1 server(s) back: they serve the weights of step {r} again"
+  assert back in again.output, again.output[-3000:]
   assert [x["rollout/server_restarts"] for x in _rows(run)] == [int(k == r + 1) for k in range(1, STEPS + 1)]
   assert_same_as_reference(world, run, restarted=True)
 
