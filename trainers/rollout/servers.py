@@ -296,18 +296,18 @@ class Servers:
                f"{what} (rollout.transport.server_restart_timeout_s {timeout:g})")
 
     def wait():
-      delay, why = self.rollout.transport.backoff_s or 0.5, "the step failed again after they came back"
+      delay, why, readmitted = self.rollout.transport.backoff_s or 0.5, "the step failed again after they came back", 0
       while True:
         if preempted():
           raise Preempted(f"a stop was asked while waiting for {what}")
-        left = deadline - time.monotonic()
-        if left <= 0:
+        if time.monotonic() >= deadline:
           raise TrainingError(f"{self.at}: {error}; waited rollout.transport.server_restart_timeout_s "
                               f"({timeout:g} s) for {what}, in vain: {why}")
         (done, back), why = ready()
+        readmitted += back
         if done:
-          return back
-        time.sleep(min(delay, max(left, 0.0)))
+          return readmitted
+        time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
         delay = min(delay * 2, 10.0)
     try:
       return on_primary(wait)
