@@ -585,59 +585,98 @@ def _router_lib():
   return router
 
 
-def test_the_trainer_through_sglang_router(real_server, checkpoints, tmp_path):
-  """sglang-jax as a fleet worker (issue 49): registered with a real sglang-router, the trainer
-  reads it from the router's list (`rollout.transport.router`), generates through the router
-  and pushes to the worker directly. 3 float32 steps: every sample of step k from version k - 1,
-  the worker serving the trainer's version after every push, k3 rounding, a gradient each step;
-  the router counted the requests. First, seeded rows through the router are the engine's own
-  samples for those seeds (the router passes `sampling_seed`, `return_logprob`, `extra_key`)."""
+def _launched_worker(model_path, router_url, port):
+  """`mis-jax launch --role worker --engine sglang-jax` (its venv's interpreter, sglang-jax's CPU flags
+  after `--`), once it says it registered (paused) with the router: `(process, its output so far)`."""
+  rest = sglang_jax.engine_args(model_path, dtype="float32")[4:]  # the CPU defaults, not the path
+  worker = subprocess.Popen(
+      [sys.executable, "-m", "trainers.cli", "launch", "--role", "worker", "--engine", "sglang-jax",
+       "--python", engine_python(), "--model-path", model_path, "--router", router_url, "--port", str(port),
+       "--dtype", "float32", "--start-timeout", "300", "--", *rest],
+      env={**sglang_jax.engine_env(), "PYTHONPATH": os.getcwd(), "PYTHONUNBUFFERED": "1"},
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  lines = []
+  for line in worker.stdout:  # (it ends the pipe if it fails: --start-timeout bounds its start)
+    lines.append(line)
+    if "registered with" in line:
+      break
+  return worker, lines
+
+
+def test_the_trainer_through_sglang_router(checkpoints, tmp_path):
+  """sglang-jax as a fleet worker (issue 49), started by `mis-jax launch --role worker --engine
+  sglang-jax` (issue 62): paused and registered with a real sglang-router; the trainer reads it from
+  the router's list (`rollout.transport.router`), admits it, generates through the router and pushes
+  to the worker directly. 3 float32 steps: every sample of step k from version k - 1, the worker
+  serving the trainer's version after every push, k3 rounding, a gradient each step; the router
+  counted the requests. First, seeded rows through the router are the engine's own samples for
+  those seeds (the router passes `sampling_seed`, `return_logprob`, `extra_key`). Last, SIGTERM
+  deregisters the worker and its engine stops."""
   router_lib = _router_lib()
   from trainers.rollout.fleet import router_client
+  port = free_port()
+  worker_url = f"http://127.0.0.1:{port}"
   with router_lib.RouterProcess(policy="round_robin") as router:
-    router_lib.register(router.url, real_server)
-    params = {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True}
-    routed, direct = router_client(router.url, max_retries=0, poll_s=0), http_client([real_server], max_retries=0)
+    worker, lines = _launched_worker(checkpoints["start"], router.url, port)
     try:
-      routed.wait_until_healthy(attempts=3)
-      a, b = (c.generate([[1, 5, 9]], params, n=2, seed=11) for c in (routed, direct))
+      assert f"worker {worker_url} registered with {router.url}" in "".join(lines), "".join(lines)[-3000:]
+      assert [w["url"] for w in router_lib.workers(router.url)] == [worker_url]
+      _through_the_router(router_lib, router, worker_url, router_client, checkpoints, tmp_path)
     finally:
-      routed.close()
-      direct.close()
-    assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]
-    assert a.samples[0].response_ids != a.samples[1].response_ids  # two rows, two seeds (none: one default seed)
-    for x, y in zip(a.samples, b.samples):  # one row per request through the router, two rows in one directly
-      np.testing.assert_allclose(x.rollout_logprobs, y.rollout_logprobs, atol=1e-5)
+      worker.send_signal(signal.SIGTERM)
+      out = "".join(lines) + worker.communicate(timeout=120)[0]
+    assert worker.returncode == 0, out[-3000:]
+    assert router_lib.workers(router.url) == []  # deregistered
+  with pytest.raises(httpx.TransportError):  # its engine stopped with it
+    httpx.get(worker_url + "/health", timeout=5)
 
-    cfg = make_cfg(tmp_path, "router", model={"path": checkpoints["start"]},
-                   rollout={"sampling": {"max_new_tokens": 4}, "placement": {"server_dtype": "float32"},
-                            "sync": {"sync_every": 1, "initial_sync": "always"},
-                            "transport": {"router": router.url, "router_poll_s": 0, "max_retries": 1}},
-                   train={"steps": 3, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 3})
-    trainer = train_lib.Trainer(cfg, LOSS, urls=[])
-    versions, pushed = {}, []
-    generate, push = trainer.servers.generate, trainer.servers.push
 
-    def recording(prompts, batch):
-      result = generate(prompts, batch)
-      versions[batch + 1] = {s.weight_version for s in result.samples}
-      return result
+def _through_the_router(router_lib, router, worker, router_client, checkpoints, tmp_path):
+  """The seeded rows through the router against `worker` directly, then the trainer's 3 steps (the
+  worker admitted by the first router client: continued, it was paused)."""
+  params = {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True}
+  routed, direct = router_client(router.url, max_retries=0, poll_s=0), http_client([worker], max_retries=0)
+  try:
+    routed.wait_until_healthy(attempts=3)
+    a, b = (c.generate([[1, 5, 9]], params, n=2, seed=11) for c in (routed, direct))
+  finally:
+    routed.close()
+    direct.close()
+  assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]
+  assert a.samples[0].response_ids != a.samples[1].response_ids  # two rows, two seeds (none: one default seed)
+  for x, y in zip(a.samples, b.samples):  # one row per request through the router, two rows in one directly
+    np.testing.assert_allclose(x.rollout_logprobs, y.rollout_logprobs, atol=1e-5)
 
-    def checked_push(params, step):  # after every push the worker serves the trainer's version
-      out = push(params, step)
-      pushed.append((step, httpx.get(real_server + "/get_weight_version", timeout=10).json()["weight_version"]))
-      return out
-    trainer.servers.generate, trainer.servers.push = recording, checked_push
-    before = router_lib.requests_per_worker(router.metrics_url).get(real_server, 0)
-    history = trainer.run(progress=False)
-    assert trainer.servers.client.urls == [real_server] == [w["url"] for w in router_lib.workers(router.url)]
-    assert [h["step"] for h in history] == [1, 2, 3]
-    for h in history:
-      assert h["mis_k3_kl"] < 1e-6 and h["grad_norm"] > 0 and h["num_samples"] == 16, h
-    assert versions == {k: {str(k - 1)} for k in (1, 2, 3)}  # the version barrier
-    assert pushed == [(k, str(k)) for k in range(4)]  # the initial push, then one after every step
-    through_router = router_lib.requests_per_worker(router.metrics_url)[real_server] - before
-    assert through_router >= 16 * 3, through_router  # every sample's request (one per seeded row) went through it
+  cfg = make_cfg(tmp_path, "router", model={"path": checkpoints["start"]},
+                 rollout={"sampling": {"max_new_tokens": 4}, "placement": {"server_dtype": "float32"},
+                          "sync": {"sync_every": 1, "initial_sync": "always"},
+                          "transport": {"router": router.url, "router_poll_s": 0, "max_retries": 1}},
+                 train={"steps": 3, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 3})
+  trainer = train_lib.Trainer(cfg, LOSS, urls=[])
+  versions, pushed = {}, []
+  generate, push = trainer.servers.generate, trainer.servers.push
+
+  def recording(prompts, batch):
+    result = generate(prompts, batch)
+    versions[batch + 1] = {s.weight_version for s in result.samples}
+    return result
+
+  def checked_push(params, step):  # after every push the worker serves the trainer's version
+    out = push(params, step)
+    pushed.append((step, httpx.get(worker + "/get_weight_version", timeout=10).json()["weight_version"]))
+    return out
+  trainer.servers.generate, trainer.servers.push = recording, checked_push
+  before = router_lib.requests_per_worker(router.metrics_url).get(worker, 0)
+  history = trainer.run(progress=False)
+  assert trainer.servers.client.urls == [worker] == [w["url"] for w in router_lib.workers(router.url)]
+  assert trainer.servers.client.admitted == [(worker, None)]
+  assert [h["step"] for h in history] == [1, 2, 3]
+  for h in history:
+    assert h["mis_k3_kl"] < 1e-6 and h["grad_norm"] > 0 and h["num_samples"] == 16, h
+  assert versions == {k: {str(k - 1)} for k in (1, 2, 3)}  # the version barrier
+  assert pushed == [(k, str(k)) for k in range(4)]  # the initial push, then one after every step
+  through_router = router_lib.requests_per_worker(router.metrics_url)[worker] - before
+  assert through_router >= 16 * 3, through_router  # every sample's request (one per seeded row) went through it
 
 
 def test_the_samplers_top_logprobs_from_a_live_engine(real_server, checkpoints):
@@ -669,47 +708,3 @@ def test_the_samplers_top_logprobs_from_a_live_engine(real_server, checkpoints):
       np.testing.assert_array_equal(top_ids[j], np.argsort(-row, kind="stable")[:4], err_msg=f"token {j}")
       np.testing.assert_allclose(top_lp[j], row[top_ids[j]], atol=1e-4, err_msg=f"token {j}")
       np.testing.assert_allclose(s.rollout_logprobs[j], row[token], atol=1e-4)
-
-
-def test_a_worker_started_by_mis_jax_launch(checkpoints, tmp_path):
-  """`mis-jax launch --role worker --engine sglang-jax` (its venv's interpreter; sglang-jax's CPU flags
-  after `--`): the worker starts paused and registers with the router; the trainer, reading the
-  router's list, admits it and trains 2 float32 steps through the router, every sample of step k
-  from version k - 1, mismatch rounding. SIGTERM deregisters it and its engine stops."""
-  router_lib = _router_lib()
-  port = free_port()
-  url = f"http://127.0.0.1:{port}"
-  rest = sglang_jax.engine_args(checkpoints["start"], dtype="float32")[4:]  # the CPU defaults, not the path
-  with router_lib.RouterProcess(policy="round_robin") as router:
-    worker = subprocess.Popen(
-        [sys.executable, "-m", "trainers.cli", "launch", "--role", "worker", "--engine", "sglang-jax",
-         "--python", engine_python(), "--model-path", checkpoints["start"], "--router", router.url,
-         "--port", str(port), "--dtype", "float32", "--start-timeout", "300", "--", *rest],
-        env={**sglang_jax.engine_env(), "PYTHONPATH": os.getcwd(), "PYTHONUNBUFFERED": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines = []
-    try:
-      for line in worker.stdout:  # (until it says it registered; it ends the pipe if it fails)
-        lines.append(line)
-        if "registered with" in line:
-          break
-      assert f"worker {url} registered with {router.url}" in "".join(lines), "".join(lines)[-3000:]
-      assert [w["url"] for w in router_lib.workers(router.url)] == [url]
-      cfg = make_cfg(tmp_path, "launched", model={"path": checkpoints["start"]},
-                     rollout={"sampling": {"max_new_tokens": 4}, "placement": {"server_dtype": "float32"},
-                              "sync": {"initial_sync": "always"},
-                              "transport": {"router": router.url, "router_poll_s": 0, "max_retries": 1}},
-                     train={"steps": 2, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 2})
-      trainer = train_lib.Trainer(cfg, LOSS, urls=[])  # (the programs of this file's other runs)
-      history = trainer.run(progress=False)
-      assert trainer.servers.client.urls == [url] and trainer.servers.client.admitted == [(url, None)]
-      assert [h["server_weight_version"] for h in history] == ["0", "1"]
-      for h in history:
-        assert h["mis_k3_kl"] < 1e-6 and h["grad_norm"] > 0 and h["num_samples"] == 16, h
-    finally:
-      worker.send_signal(signal.SIGTERM)
-      out = "".join(lines) + worker.communicate(timeout=120)[0]
-    assert worker.returncode == 0, out[-3000:]
-    assert router_lib.workers(router.url) == []  # deregistered
-  with pytest.raises(httpx.TransportError):  # its engine stopped with it
-    httpx.get(url + "/health", timeout=5)
