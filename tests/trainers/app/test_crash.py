@@ -258,7 +258,9 @@ def test_the_trainer_killed_inside_a_checkpoint_write(world, tmp_path):
   assert checkpointing.Checkpointer(str(run / "checkpoints")).latest_step() == 2
   assert any(name.startswith("4.orbax-checkpoint-tmp") for name in os.listdir(run / "checkpoints"))
   logged = [r["step"] for r in _rows(run)]  # (the loop goes on while Orbax writes: step 5 may be done too)
-  assert logged == list(range(1, len(logged) + 1)) and len(logged) >= 4 and _weight_dirs(run) == [f"step_{logged[-1]}"]
+  assert logged == list(range(1, len(logged) + 1)) and len(logged) >= 4
+  # The last logged step's weights served (pushed before its row), the next step's maybe written or pushed.
+  assert _weight_dirs(run) and set(_weight_dirs(run)) <= {f"step_{logged[-1]}", f"step_{logged[-1] + 1}"}
   world.run_here(run, resume=True)
   assert_same_as_reference(world, run)
 
