@@ -116,7 +116,7 @@ def test_a_push_no_server_takes_ends_at_the_deadline_naming_it(tmp_path):
   with pytest.raises(TrainingError) as stop:
     trainer.servers.sync(trainer.params, 3)
   assert 1.0 <= time.monotonic() - t0 < 4.0
-  assert (f"the weight push after step 3: weight sync at step 3: " in str(stop.value)
+  assert ("the weight push after step 3: weight sync at step 3: " in str(stop.value)
           and f"(1 s) for a server to load the weights of step 3, in vain: no answer to /health from {fake.url}"
           in str(stop.value)), str(stop.value)
   trainer.servers.close()
