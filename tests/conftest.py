@@ -63,7 +63,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # worker running it alone at the end. Within a file, and among the rest, the order is unchanged.
 LONGEST_FIRST = ("trainers/serving/test_sglang_jax.py", "trainers/app/test_moe_train.py",
                  "trainers/models/test_moe_model.py", "trainers/learner/test_step.py",
-                 "trainers/rollout/test_sampling_replay.py", "trainers/app/test_train.py",
+                 "trainers/rollout/test_sampling_replay.py", "trainers/app/test_train.py", "trainers/app/test_crash.py",
                  "trainers/rollout/test_colocated.py", "mis_jax/integrations/test_tunix.py",
                  "trainers/agents/test_agents_train.py", "trainers/rollout/test_fleet.py",
                  "mis_jax/integrations/test_tunix_agentic.py",

@@ -2,7 +2,8 @@
 
 It speaks the native routes the trainer uses with random (but well-formed) completions, and
 injects one fault on request: 5xx or 4xx on /generate, malformed samples, failed weight
-syncs, or death after a number of generations. It records every request it receives.
+syncs (`missing_weights`: an update from a directory that does not exist fails, as on a real
+server), or death after a number of generations. It records every request it receives.
 
 With `upstream` (a real server's URL) it is a proxy instead: every request goes to the real
 server, and the fault changes what the trainer sees — `shift_logprobs` (each response token
@@ -13,6 +14,7 @@ gets the next token's log-prob: a server that garbles its output), `no_model_inf
 """
 
 import json
+import os
 import random
 import threading
 import time
@@ -159,6 +161,8 @@ class FakeSGLang:
           fake.events.append(("update", start, time.perf_counter()))
           if fake.fault == "sync_fail" and fake.generate_calls >= fake.after:
             return self._reply(400, {"success": False, "message": "shapes mismatch"})
+          if fake.fault == "missing_weights" and not os.path.isdir(body["model_path"]):  # as a real server
+            return self._reply(400, {"success": False, "message": f"{body['model_path']} does not exist"})
           if fake.fault != "sync_version_stuck":
             fake.weight_version = body.get("weight_version", fake.weight_version)
           return self._reply(200, {"success": True, "message": "ok", "num_paused_requests": 0})

@@ -12,8 +12,10 @@ A trajectory comes back as one `Sample`: `response_ids` hold the model's turns a
 observations between them; the `turn` extra (`TurnIndex`) says, per response token, the model turn
 that sampled it (1, 2, …) or 0 for the environment's tokens, which the loss never trains on and
 whose log-probs (stored as 0) never enter a ratio. Rollout log-probs, weight-version spans (each
-turn's own version: turns of one trajectory may straddle weight updates), sampling supports and
-routed experts are each turn's, placed at its tokens.
+turn's own version: turns of one trajectory may straddle weight updates) and sampling supports are
+each turn's, placed at its tokens; routed experts (one row per input position) are, at each
+position, those of the turn that computed it first — the routing that sampled each turn's tokens,
+and for an observation, the next turn's prefill of it.
 
 Budgets: `max_turns` model turns; each turn at most the run's `max_new_tokens`; the response (model
 and environment tokens) at most `max_total_tokens`; the whole trajectory at most `max_context`
@@ -84,7 +86,7 @@ class _Trajectory:
   turn_of: list[int] = dataclasses.field(default_factory=list)
   spans: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
   parts: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(list))  # "response" extras
-  sequence: dict = dataclasses.field(default_factory=dict)  # "sequence" extras: the last turn's
+  sequence: dict = dataclasses.field(default_factory=dict)  # "sequence" extras: each row from the turn that computed it
   texts: list[str] = dataclasses.field(default_factory=list)
   reward: float = 0.0
   turn_rewards: dict[int, float] = dataclasses.field(default_factory=dict)  # model turn → its observation's reward
@@ -226,8 +228,11 @@ class Episodes:
       value = np.asarray(s.extras[e.name])
       if e.span == "response":
         tr.parts[e.name].append((start, value[:len(ids)]))
-      else:  # every input position of this turn's sequence: the last turn's cover the trajectory
-        tr.sequence[e.name] = value[:context_len + len(ids) - 1]
+      else:  # the input positions this turn computed first (its prefill of the new context, then the
+        # positions that sampled its tokens); earlier ones keep the turn that computed them (R3: each
+        # turn's own routing for the tokens it sampled, even when the weights moved between turns)
+        rows, have = value[:context_len + len(ids) - 1], tr.sequence.get(e.name)
+        tr.sequence[e.name] = rows if have is None else np.concatenate([have, rows[len(have):]])
     tr.texts.append(s.text)
     tr.finish, tr.version, tr.turns = s.finish_reason, s.weight_version, tr.turns + 1
 
@@ -263,9 +268,9 @@ class Episodes:
           value[start:start + len(part)] = part
         composed[e.name] = value
       else:
-        last = tr.sequence[e.name]
-        value = np.full((len(tr.prompt) + length - 1,) + last.shape[1:], e.fill, e.dtype)
-        value[:len(last)] = last
+        rows = tr.sequence[e.name]
+        value = np.full((len(tr.prompt) + length - 1,) + rows.shape[1:], e.fill, e.dtype)
+        value[:len(rows)] = rows
         composed[e.name] = value
     return Sample(prompt_index=tr.prompt_index, prompt_ids=tr.prompt, response_ids=tuple(tr.response),
                   rollout_logprobs=tuple(tr.logprobs), finish_reason=tr.finish, text="".join(tr.texts),

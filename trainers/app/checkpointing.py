@@ -2,8 +2,9 @@
 
 Saves are asynchronous; Orbax writes each step to a temporary directory and renames it when
 complete, so ``latest_step`` never returns a half-written checkpoint (a run killed mid-save
-resumes from the previous one). A save that fails (a read-only or full directory) stops the run
-with a `TrainingError` naming the step and the directory; the previous checkpoint stays whole.
+resumes from the previous one; the crash tests kill it there: `trainers.runtime.faults`'
+`checkpoint` point). A save that fails (a read-only or full directory) stops the run with a
+`TrainingError` naming the step and the directory; the previous checkpoint stays whole.
 """
 
 from __future__ import annotations
@@ -14,7 +15,19 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
+from trainers.runtime import faults
 from trainers.runtime.errors import TrainingError
+
+
+class _Commit(ocp.path.atomicity.AtomicRenameTemporaryPath):
+  """Orbax's atomic rename, with the crash tests' point between a step's files written and their
+  commit (the rename of its temporary directory; Orbax's background thread)."""
+
+  async def finalize(self):
+    name = self.get_final().name
+    if name.isdigit():  # the step's directory (its items, `state` and `meta`, are committed before it)
+      faults.reached("checkpoint", int(name))
+    await super().finalize()
 
 
 class Checkpointer:
@@ -22,7 +35,7 @@ class Checkpointer:
   def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
     self.directory = os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-                                           create=True)
+                                           create=True, temporary_path_class=_Commit)
     self._manager = ocp.CheckpointManager(self.directory, options=options)
     self._pending: int | None = None  # the step of a save that may still be in flight
 

@@ -27,7 +27,7 @@ from trainers.rollout.backend import build_rollout
 from trainers.rollout.records import NoRecords, RecordWriter
 from trainers.rollout.servers import Sampling
 from trainers.rollout.sources import Rollout
-from trainers.runtime import distributed
+from trainers.runtime import distributed, faults
 from trainers.runtime.errors import NoServerUp, Preempted, TrainingError
 from trainers.runtime.preemption import Preemption
 
@@ -40,6 +40,7 @@ class Trainer:
   records, colocated rollouts or a router). `run` trains."""
 
   def __init__(self, cfg=None, loss_cfg=None, *, urls: list[str], devices=None, task=None, spec: RunSpec | None = None):
+    faults.check()  # the crash tests' hook, when set, is well formed
     if spec is None:
       spec = resolve(cfg if loss_cfg is None else cfg.replace(loss=loss_cfg), devices=devices, task=task)
     cfg = self.cfg = spec.cfg
@@ -89,8 +90,11 @@ class Trainer:
     (then `self.preempted`, and the last finished step is checkpointed). The steps' metrics."""
     history = []
     with self.preemption, contextlib.ExitStack() as open_parts:
-      log_metrics = self.start(resume=resume, progress=progress, log=log, open_parts=open_parts)
-      while self.step < self.cfg.train.steps and not self.preemption.requested():
+      try:
+        log_metrics = self.start(resume=resume, progress=progress, log=log, open_parts=open_parts)
+      except Preempted:  # a stop asked while the first push waited for the servers: nothing more to do
+        log_metrics = None
+      while log_metrics is not None and self.step < self.cfg.train.steps and not self.preemption.requested():
         t0 = time.perf_counter()
         rollout = self.next_rollout()
         if rollout is None:
@@ -108,6 +112,7 @@ class Trainer:
         metrics.update(self.step_metrics(sb, rollout, t0, t1, t2, time.perf_counter()))
         history.append(metrics)
         log_metrics(self.step, metrics)  # before the checkpoint: a step checkpointed is a step logged
+        faults.reached("metrics", self.step)
         self.masked.after_step(self.step, metrics, outcome.masked_ratio_range, log)
         if self.step % self.cfg.checkpoint.every == 0 or self.step == self.cfg.train.steps:
           self.save_checkpoint()
@@ -118,7 +123,8 @@ class Trainer:
 
   def start(self, *, resume: bool, progress: bool, log, open_parts: contextlib.ExitStack):
     """Before step 1: the checkpoint to resume from, the servers, the source, the records; every
-    part is closed when the run ends, however it ends. Returns the step-metrics sink."""
+    part is closed when the run ends, however it ends. Returns the step-metrics sink. `Preempted`:
+    a stop was asked while the first weight push waited for the servers."""
     if resume and self.restore_latest():
       if distributed.is_primary():
         log(f"resumed from checkpoint at step {self.step} ({self.checkpoints.directory})")
@@ -131,7 +137,7 @@ class Trainer:
     if distributed.is_primary():
       for line in [build.model_line(self.cfg.model, self.model_choice, self.spec.layer_loop), *self.spec.describe()]:
         log(line)
-    self.servers.prepare(self.params, self.step, log=log)
+    self.servers.prepare(self.params, self.step, log=log, preempted=self.preemption.asked)
     self.source.start(self.batch_index)
     self.records.start(self.step)
     if not distributed.is_primary():
@@ -146,7 +152,7 @@ class Trainer:
     """This step's rollout. When no server can serve it, the servers are waited for
     (`rollout.transport.server_restart_timeout_s`), get the served weights back, and the step's batch is
     taken again from its start. None when a stop is asked meanwhile."""
-    self.servers.readmit()
+    self.servers.readmit(self.step + 1)
     while True:
       try:
         return self.source.next(self.step)
@@ -193,6 +199,8 @@ class Trainer:
       return False
     state, meta = restored
     self.learner.params, self.learner.opt_state, self.step = state["params"], state["opt_state"], int(meta["step"])
+    # The run's count, not this process's: the steps before the checkpoint computed theirs.
+    self.learner.num_old_logprob_passes = int(meta.get("num_old_logprob_passes", 0))
     self.batch_index = int(meta.get("batch_index", self.step))
     return True
 

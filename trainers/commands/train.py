@@ -15,7 +15,7 @@ import mis_jax
 from trainers import config as config_lib
 from trainers.app import build, load, trainer
 from trainers.rollout import backend
-from trainers.runtime import distributed
+from trainers.runtime import distributed, faults
 from trainers.runtime.errors import ServerError, TrainingError
 
 
@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> int:
   primary = distributed.is_primary()
   try:
     cfg, spec = load.resolve_train_config(args)  # an invalid mesh too is an error before any server starts
+    faults.check()  # (the crash tests' hook)
   except mis_jax.ConfigError as e:
     print(f"mis-jax train: {e}", file=sys.stderr)
     return 2

@@ -7,7 +7,8 @@ cluster apart from its trainer): who generates, and how the trainer's weights re
 - servers over HTTP (`rollout.placement.mode: server`): a client of one `HttpEngine` per URL (process
   0's) and `DiskSync` (the sharded HF checkpoint, then the client's update sequence); with
   `rollout.transport.router`, a `fleet.RouterClient` instead: generation through sglang-router, the
-  pushes to each of the workers it lists (workers that join get the served weights first);
+  pushes to each of the workers it lists (workers that join are probed for the weight directory, then
+  get the served weights);
 - colocated (`rollout.placement.mode: colocated`): a client of the engine in this process
   (`colocated.EmbeddedLocal`, or `SGLangJaxLocal` for `rollout.placement.engine: sglang-jax`) and
   `MemorySync` (the weights handed over in memory).
@@ -75,6 +76,8 @@ def build_rollout(cfg, *, urls: list[str], start_dir: str, model_config, samplin
               if distributed.is_primary() else None)  # only process 0 talks to the servers
     weight_sync = DiskSync(client, model_config, weights_root=os.path.join(os.path.abspath(cfg.run_dir), "weights"),
                            pause_mode=r.sync.pause_mode)
+    if t.router and client is not None:  # a worker joining mid-run is probed as the fleet is before step 1
+      client.admission_check = weight_sync.sees_weights
   servers = Servers(cfg, client=client, weight_sync=weight_sync, start_dir=start_dir, model_config=model_config,
                     sampling=sampling, episodes=episodes)
   rejected = r.transport.max_rejected_fraction

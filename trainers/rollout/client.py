@@ -37,9 +37,10 @@ class SGLangClient:
   """
 
   def __init__(self, engines: Sequence[Engine], *, max_concurrency: int = 4, prompts_per_request: int = 8,
-               cache_salt: bool = True):
+               cache_salt: bool = True, log=print):
     if not engines:
       raise ValueError("at least one engine is needed")
+    self.log = log  # what happens to the engines (one goes down, one joins): the servers' side stamps the step
     self.engines = {e.url: e for e in engines}
     self.urls = list(self.engines)
     # The salt: this client's own token, the updates it has begun and the version they load.
@@ -71,9 +72,15 @@ class SGLangClient:
     with self._lock:
       return [u for u in self.urls if u in self._down]
 
-  def mark_down(self, url: str) -> None:
+  def mark_down(self, url: str, why: str = "") -> None:
+    """`url` failed past its retries (`why`): no request goes to it until it is readmitted. Logged
+    once, when it goes down."""
     with self._lock:
+      new = url in self.engines and url not in self._down
       self._down.add(url)
+      live = len([u for u in self.urls if u not in self._down])
+    if new:
+      self.log(f"server {url} went down ({why or 'failed past its retries'}); {live} of {len(self.urls)} serve")
 
   def readmit(self, url: str) -> None:
     with self._lock:
@@ -81,6 +88,11 @@ class SGLangClient:
 
   def is_healthy(self, url: str, timeout_s: float = 5.0) -> bool:
     return self.engines[url].is_healthy(timeout_s)
+
+  def serving(self) -> tuple[bool, str]:
+    """Whether generation can go on (an engine is live), and if not, why."""
+    live = self.live_urls()
+    return bool(live), "" if live else f"every server is down ({', '.join(self.urls)})"
 
   def _pick(self) -> str:
     live = self.live_urls()
@@ -187,7 +199,7 @@ class SGLangClient:
       try:
         return url, self.engines[url].generate(body)
       except ServerUnavailable as e:
-        self.mark_down(url)
+        self.mark_down(url, f"/generate: {e}")
         if not self.live_urls():
           raise ServerUnavailable(f"{e} (no other server is up)") from None
 
@@ -215,7 +227,7 @@ class SGLangClient:
       try:
         loaded = self._update_one(self.engines[url], model_path, weight_version, attempts, pause_mode)
       except ServerUnavailable as e:
-        self.mark_down(url)
+        self.mark_down(url, f"loading weight version {weight_version}: {e}")
         return e
       self.readmit(url)  # it holds the weights pushed to every live engine
       return loaded

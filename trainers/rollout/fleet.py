@@ -9,14 +9,23 @@ on every worker: the push returns once each live worker serves the new version.
 Workers that join and leave while the run goes on:
 
 - a worker registered with the router during the run is found by a watcher thread (every
-  `rollout.transport.router_poll_s`) and at every push, and gets the served weights at once.
-  A worker started paused (`mis-jax launch --role worker` pauses it before it registers) holds
-  every request the router sends it until that push's `continue_generation`, so its first
-  samples carry the current version (SGLang holds requests while paused, as `mis-jax serve` does);
-- a worker that dies fails its pushes past the transport's retries and is marked down (the
-  router stops routing to it after its own health checks); the servers' side readmits it with
-  the served weights when it answers `/health` again (`Servers.readmit`); a worker removed from
-  the router's list is dropped from the fleet.
+  `rollout.transport.router_poll_s`), before every batch's generation and at every push, and gets the
+  served weights at once. A worker started paused (`mis-jax launch --role worker` pauses it before it
+  registers) holds every request the router sends it until that push's `continue_generation`, so
+  its first samples carry the current version (SGLang holds requests while paused, as `mis-jax
+  serve` does). Before that, a worker is probed for the trainer's weight directory as the fleet is before step 1
+  (`admission_check`: `DiskSync.sees_weights`); one that cannot read it is removed from the router
+  (it would serve other weights), and the trainer says why (a request the router sent it before that
+  stays held by the paused worker until the transport's timeout, then goes to another);
+- a worker that dies is marked down, and the trainer logs it with its URL and the step: when the
+  router's health check reports it unhealthy (its worker list, read by the watcher) or when a push
+  fails past the transport's retries. The servers' side readmits it with the served weights when it
+  answers `/health` again (`Servers.readmit`); a worker removed from the router's list is dropped
+  from the fleet.
+
+When the router itself is away, generation fails and the run waits for it (`serving`: the router
+answers `/health` and lists a live worker) up to `rollout.transport.server_restart_timeout_s`, then
+stops with an error naming it; the pushes go to the known workers directly meanwhile.
 """
 
 from __future__ import annotations
@@ -32,15 +41,16 @@ from trainers.rollout.client import SGLangClient
 CONTROL_CONNECTIONS = 64  # the control pool bounds how many workers load a push at once (connections open as needed)
 
 
-def router_workers(router: HttpEngine) -> list[str]:
-  """The URLs of the regular workers the router lists (`GET /workers`, sglang-router 0.3)."""
+def router_workers(router: HttpEngine) -> dict[str, dict]:
+  """The regular workers the router lists (`GET /workers`, sglang-router 0.3), by URL: each its
+  entry (`id`, `is_healthy`: the router's own health check, ...)."""
   reply = router.transport.request("GET", router.url, "/workers")
   workers = reply.get("workers") if isinstance(reply, dict) else None
   if not isinstance(workers, list):
     raise ServerError(f"{router.url}/workers: expected {{'workers': [...]}} (sglang-router >= 0.3), got "
                       f"{str(reply)[:200]!r}")
-  return [w["url"].rstrip("/") for w in workers
-          if isinstance(w, dict) and isinstance(w.get("url"), str) and w.get("worker_type", "regular") == "regular"]
+  return {w["url"].rstrip("/"): w for w in workers
+          if isinstance(w, dict) and isinstance(w.get("url"), str) and w.get("worker_type", "regular") == "regular"}
 
 
 class RouterClient(SGLangClient):
@@ -51,13 +61,17 @@ class RouterClient(SGLangClient):
 
   def __init__(self, router_url: str, transport: HttpTransport, *, poll_s: float = 1.0, log=print, **kwargs):
     self.router = HttpEngine(router_url, transport)  # generation: `transport`'s connections
-    super().__init__([self.router], **kwargs)  # the workers replace it at the first refresh
+    super().__init__([self.router], log=log, **kwargs)  # the workers replace it at the first refresh
     self.engines, self.urls = {}, []
     # The worker list, probes and weight pushes over a pool of their own: generation requests the
     # router sent to a paused (joining) worker hold their connections until that worker is
     # admitted, and the admission must not wait for one of them.
-    self.transport, self.log = transport.sibling(max_concurrency=CONTROL_CONNECTIONS), log
+    self.transport = transport.sibling(max_concurrency=CONTROL_CONNECTIONS)
     self._control = HttpEngine(router_url, self.transport)
+    # `url -> why it cannot read the trainer's weight directory` (None: it can, or cannot tell),
+    # asked of every worker before it joins (`DiskSync.sees_weights`; None: no such check).
+    self.admission_check = None
+    self.refused: list[str] = []  # workers removed from the router because they failed it
     self._push_lock = threading.RLock()  # one push (or admission) at a time
     self._served: tuple[str, str] | None = None  # (path, version) every worker must serve
     self.admitted: list[tuple[str, str | None]] = []  # (url, version it got on joining), in order
@@ -75,7 +89,7 @@ class RouterClient(SGLangClient):
     listed = router_workers(self._control)
     with self._push_lock:
       with self._lock:
-        new = [u for u in listed if u not in self.engines]
+        new = [u for u in listed if u not in self.engines and u not in self.refused]
         gone = [u for u in self.urls if u not in listed]
         for url in gone:
           self.engines.pop(url)
@@ -84,32 +98,55 @@ class RouterClient(SGLangClient):
         for url in new:
           self.engines[url] = HttpEngine(url, self.transport)
           self.urls.append(url)
+        failing = [u for u, w in listed.items() if w.get("is_healthy") is False and u in self.engines
+                   and u not in self._down and u not in new]
       self.dropped += gone
       for url in gone:
         self.log(f"router {self.router.url}: worker {url} left the fleet")
+      for url in failing:  # (its own /health asked too: the router's check lags a worker that came back)
+        if not self.engines[url].is_healthy(timeout_s=2.0):
+          self.mark_down(url, f"router {self.router.url}'s health check reports it unhealthy")
       for url in new:
-        self._admit(url)
+        self._admit(url, listed[url])
     return new
 
-  def _admit(self, url: str) -> None:
+  def _admit(self, url: str, entry: dict) -> None:
+    if self._served is not None and self.admission_check is not None:  # (before step 1: `check_reach` probes all)
+      why = self.admission_check(url)
+      if why is not None:
+        self._refuse(url, entry, why)
+        return
     version = None
     if self._served is not None:
       path, version = self._served
       try:
         self._update_one(self.engines[url], path, version, 3, "abort")
-      except (ServerError, ServerUnavailable) as e:
-        self.mark_down(url)  # readmitted with the served weights once it answers /health
-        self.log(f"router {self.router.url}: new worker {url} could not load the weights of step {version} "
-                 f"({e}); marked down")
+      except (ServerError, ServerUnavailable) as e:  # readmitted with the served weights once it answers /health
+        self.mark_down(url, f"new worker of router {self.router.url}: it could not load the weights of step "
+                            f"{version}: {e}")
         version = None
     else:  # before step 1: it serves what the first push (or its skip) decides
       try:
         self.engines[url].resume()
-      except (ServerError, ServerUnavailable):
-        self.mark_down(url)
+      except (ServerError, ServerUnavailable) as e:
+        self.mark_down(url, f"new worker of router {self.router.url}: /continue_generation failed: {e}")
     self.admitted.append((url, version))
     self.log(f"router {self.router.url}: worker {url} joined the fleet"
              + (f" (weights of step {version} loaded)" if version is not None else ""))
+
+  def _refuse(self, url: str, entry: dict, why: str) -> None:
+    """`url` cannot serve the trainer's weights (`why`): out of the fleet and off the router's list,
+    so no request goes to it."""
+    with self._lock:
+      self.engines.pop(url, None)
+      self.urls.remove(url)
+    self.refused.append(url)
+    try:
+      self.transport.request("DELETE", self.router.url, f"/workers/{entry.get('id')}")
+      removed = "removed from the router"
+    except (ServerError, ServerUnavailable) as e:
+      removed = f"not removed from the router ({e}): deregister it"
+    self.log(f"router {self.router.url}: worker {url} refused, {removed}: {why}")
 
   def _watch(self, poll_s: float) -> None:
     while not self._stop.wait(poll_s):
@@ -156,11 +193,33 @@ class RouterClient(SGLangClient):
       if error is not None:
         raise extra.missing(f"router {self.router.url}/generate: malformed reply to a {extra.what} probe: {error}")
 
+  def serving(self) -> tuple[bool, str]:
+    """The router answers `/health` and lists a worker that is not down."""
+    if not self.router.is_healthy():
+      return False, f"router {self.router.url} does not answer /health"
+    try:
+      self.refresh()
+    except (ServerError, ServerUnavailable) as e:
+      return False, f"router {self.router.url}'s worker list cannot be read: {e}"
+    if not self.live_urls():
+      return False, f"router {self.router.url} lists no live worker ({', '.join(self.urls) or 'none'})"
+    return True, ""
+
   def weights_served(self, model_path: str, weight_version: str) -> None:
     with self._push_lock:
       self._served = (model_path, weight_version)
 
   # --- generation and weight sync --------------------------------------------------------
+  def generate(self, prompts, sampling_params: dict, **kwargs):
+    """`SGLangClient.generate` through the router, once the worker list is read: a worker
+    registered since the last poll is admitted (or refused) before any request of the batch can
+    reach it."""
+    try:
+      self.refresh()
+    except (ServerError, ServerUnavailable):
+      pass  # the router is away: the requests fail, and the run waits for it
+    return super().generate(prompts, sampling_params, **kwargs)
+
   def _send(self, body: dict):
     """Through the router. sglang-router 0.3 parses `sampling_params` as one mapping (HTTP 422 for
     SGLang's per-row list): a body with per-sample params (seeds) goes as one request per row, in

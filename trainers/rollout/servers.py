@@ -60,23 +60,28 @@ class Servers:
     self.server_dtype, self.server_quantized = r.placement.server_dtype, r.placement.server_quantize != "none"
     self.served_version, self.served_path = 0, start_dir
     self._warned_versions = False
-    self._unavailable_since: float | None = None  # when the current step first found no server
+    self.at = "start"  # where the run is, for the fleet's events ("step 4", "the weight push after step 4")
+    self._deadline: float | None = None  # when the servers' current absence stops the run (once per step)
     self.step_events = dict(NO_RESTARTS)
+    if client is not None:  # what happens to the engines is logged with where the run is
+      client.log = lambda line: self.log(f"{self.at}: {line}")
 
   # --- before step 1 -------------------------------------------------------------------------
-  def prepare(self, params, step: int, *, log=print) -> None:
+  def prepare(self, params, step: int, *, log=print, preempted=lambda: False) -> None:
     """Health, the probes a run's options need, and the initial push: afterwards the servers hold
-    the trainer's weights (or, when the push is skipped, the very checkpoint it starts from)."""
-    r, self.log = self.rollout, log
+    the trainer's weights (or, when the push is skipped, the very checkpoint it starts from). A
+    push no server took waits for them as a step's does (`Preempted`: a stop was asked meanwhile)."""
+    r, self.log, self.at = self.rollout, log, f"the weight push before step {step + 1}"
     on_primary(lambda: self.client.wait_until_healthy(attempts=r.transport.health_attempts, backoff_s=r.transport.backoff_s))
     on_primary(lambda: self.weight_sync.check_reach(log=log))  # e.g. no shared filesystem: stop now, not at a push
     if self.sampling.extras:  # a server that cannot return an extra is found before any step
       on_primary(lambda: self.client.check_extras(self.sampling.extras, self.sampling.params))
     if self._first_push(step, log=log):
-      self.push(params, step)
+      self._push_until_taken(params, step, preempted)
     else:  # a fleet that admits workers during the run gives them these
       on_primary(lambda: self.client.weights_served(self.served_path, str(step)))
     self.served_version = step
+    self.step_done()  # (its waits are not step 1's)
 
   def facts(self) -> dict:
     """What the servers say before training (process 0): whether every one serves the
@@ -173,14 +178,20 @@ class Servers:
     """Pushes the weights of `step` every `rollout.sync.sync_every` steps; its phase times."""
     if step % self.rollout.sync.sync_every:
       return {}
+    self.at = f"the weight push after step {step}"
+    try:
+      return self._push_until_taken(params, step, preempted)
+    except Preempted:
+      return {}  # the step is done; a resume pushes its weights
+
+  def _push_until_taken(self, params, step: int, preempted) -> dict:
+    """`push`; when no server took the weights, waits for one to answer `/health` (the step's one
+    deadline) and pushes again."""
     while True:
       try:
         return self.push(params, step)
       except NoServerUp as e:  # every server went away during the push: wait, then push again
-        try:
-          self.wait_for_restart(e, preempted=preempted)
-        except Preempted:
-          return {}  # the step is done; a resume pushes its weights
+        self._wait(e, preempted, f"a server to load the weights of step {step}", self._answering)
 
   def push(self, params, step: int) -> dict:
     """The weights of `step` into every engine (`weight_sync`); its phase times. Raises
@@ -218,59 +229,94 @@ class Servers:
         f"of this step was saved or pushed; set rollout.sync.mismatch_check: false to train anyway")
 
   # --- servers that go away -----------------------------------------------------------------
-  def readmit(self) -> None:
+  def readmit(self, step: int | None = None) -> None:
     """Servers marked down that answer `/health` again get the served weights, then serve again
-    (the live ones carried on without them). Process 0; cheap when none is down."""
-    def readmit():
-      restarted = 0
-      for url in self.client.down_urls():
-        if self.client.is_healthy(url):
-          try:  # a restarted server holds its starting weights, not the run's
-            self.client.update_weights_from_disk(self.served_path, str(self.served_version), urls=[url],
-                                                 pause_mode=self.rollout.sync.pause_mode)
-          except ServerError:
-            continue  # not ready after all: tried again at the next step
-          restarted += 1  # (a server that took the weights is readmitted by the push)
-      return restarted
-    restarted = on_primary(readmit)
+    (the live ones carried on without them). Process 0; cheap when none is down. `step`: the step
+    about to run (where the fleet's events are logged)."""
+    if step is not None:
+      self.at = f"step {step}"
+    self._count_back(on_primary(lambda: self._readmit_down()[0]))
+
+  def _readmit_down(self) -> tuple[int, dict[str, str]]:
+    """(process 0) Each server marked down that answers `/health` is given the served weights (a
+    restarted server holds its starting weights, not the run's) and serves again. Returns how many
+    came back and, for the others, why not."""
+    back, why = 0, {}
+    for url in self.client.down_urls():
+      if not self.client.is_healthy(url):
+        why[url] = "no answer to /health"
+        continue
+      try:
+        self.client.update_weights_from_disk(self.served_path, str(self.served_version), urls=[url],
+                                             pause_mode=self.rollout.sync.pause_mode)
+      except ServerError as e:  # (ServerUnavailable included) not ready after all, or the weights are not loadable
+        why[url] = f"answers /health, but did not take the weights of step {self.served_version} ({e})"
+        continue
+      back += 1  # (a server that took the weights is readmitted by the push)
+    return back, why
+
+  def _count_back(self, restarted: int) -> None:
     self.step_events["rollout/server_restarts"] += restarted
     if restarted and distributed.is_primary():
-      self.log(f"{restarted} server(s) back: they serve the weights of step {self.served_version} again")
+      self.log(f"{self.at}: {restarted} server(s) back: they serve the weights of step {self.served_version} again")
 
   def wait_for_restart(self, error: NoServerUp, *, preempted=lambda: False) -> None:
-    """No server is up: polls `/health` with backoff until one answers (then readmits it with the
-    served weights), for at most `rollout.transport.server_restart_timeout_s` since the step first found
-    no server. A timeout of 0 stops at once, with the failure as it was. A stop asked meanwhile
-    (`preempted()`) abandons the step (`Preempted`)."""
+    """No server could generate: waits until one that went away serves the served weights again
+    (readmitted: it answers `/health` and took them), with backoff, up to the step's deadline
+    (`_wait`). A stop asked meanwhile (`preempted()`) abandons the step (`Preempted`)."""
+    def served() -> tuple[tuple[bool, int], str]:
+      back, why = self._readmit_down()
+      serving, reason = self.client.serving()
+      return (serving, back), "; ".join([*(f"{url}: {w}" for url, w in why.items()), *([reason] if reason else [])])
+    back = self._wait(error, preempted, f"a server to serve the weights of step {self.served_version} "
+                                        f"({self.served_path})", served)
+    self._count_back(back)
+
+  def _answering(self) -> tuple[tuple[bool, int], str]:
+    """(process 0) Whether a server answers `/health` (a push can be tried again), and if not, why."""
+    if any(self.client.is_healthy(url) for url in self.client.urls):
+      return (True, 0), ""
+    return (False, 0), f"no answer to /health from {', '.join(self.client.urls) or 'any server'}"
+
+  def _wait(self, error: NoServerUp, preempted, what: str, ready) -> int:
+    """Polls `ready()` (process 0: `((done, servers readmitted), why not)`) with backoff until it is
+    done, for at most `rollout.transport.server_restart_timeout_s` since the step first found no
+    server: one deadline, computed then and never extended by a retry, checked before every poll.
+    Past it, a `TrainingError` naming what was waited for and why it never came; a timeout of 0
+    stops at once, with the failure as it was. Returns the servers readmitted."""
     timeout = self.rollout.transport.server_restart_timeout_s
     if timeout <= 0:
       raise error.error
     now = time.monotonic()
-    self._unavailable_since = self._unavailable_since or now
-    deadline = self._unavailable_since + timeout
+    if self._deadline is None:
+      self._deadline = now + timeout
+    deadline = self._deadline
     if distributed.is_primary():
-      self.log(f"servers unavailable ({error}); waiting up to {deadline - now:.0f} s for them "
-               f"(rollout.transport.server_restart_timeout_s {timeout:g})")
+      self.log(f"{self.at}: servers unavailable ({error}); waiting up to {max(deadline - now, 0):.0f} s more for "
+               f"{what} (rollout.transport.server_restart_timeout_s {timeout:g})")
 
     def wait():
-      delay = self.rollout.transport.backoff_s or 0.5
-      while not any(self.client.is_healthy(url) for url in self.client.urls):
+      delay, why, readmitted = self.rollout.transport.backoff_s or 0.5, "the step failed again after they came back", 0
+      while True:
         if preempted():
-          raise Preempted("a stop was asked while waiting for the servers")
-        if time.monotonic() + delay > deadline:
-          raise TrainingError(f"{error}; no server answered /health within rollout.transport.server_restart_timeout_s "
-                              f"{timeout:g} s")
-        time.sleep(delay)
+          raise Preempted(f"a stop was asked while waiting for {what}")
+        if time.monotonic() >= deadline:
+          raise TrainingError(f"{self.at}: {error}; waited rollout.transport.server_restart_timeout_s "
+                              f"({timeout:g} s) for {what}, in vain: {why}")
+        (done, back), why = ready()
+        readmitted += back
+        if done:
+          return readmitted
+        time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
         delay = min(delay * 2, 10.0)
     try:
-      on_primary(wait)
+      return on_primary(wait)
     finally:
       self.step_events["rollout/unavailable_s"] += time.monotonic() - now
-    self.readmit()
 
   def step_done(self) -> dict:
     """The step's restart metrics (and a fresh wait budget for the next step)."""
-    events, self._unavailable_since = self.step_events, None
+    events, self._deadline = self.step_events, None
     self.step_events = dict(NO_RESTARTS)
     return events
 
@@ -286,11 +332,11 @@ class NoServers:
   def __init__(self, load_dir: str):
     self.load_dir = load_dir
 
-  def prepare(self, params, step: int, *, log=print) -> None:
+  def prepare(self, params, step: int, *, log=print, preempted=lambda: False) -> None:
     if distributed.is_primary():
       log(f"replaying rollout records from {self.load_dir} (no server)")
 
-  def readmit(self) -> None:
+  def readmit(self, step: int | None = None) -> None:
     pass
 
   def check_mismatch(self, step: int, metrics: dict, result: RolloutResult) -> None:

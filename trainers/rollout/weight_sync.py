@@ -28,7 +28,7 @@ from safetensors.numpy import save_file
 from trainers.models import DTYPES, hf_io
 from trainers.serving import protocol
 from trainers.models.config import ModelConfig
-from trainers.runtime import distributed
+from trainers.runtime import distributed, faults
 from trainers.runtime.errors import NoServerUp, TrainingError, on_primary
 from trainers.rollout.samples import ServerError, ServerUnavailable
 
@@ -113,15 +113,27 @@ class WeightSync(Protocol):
 class DiskSync:
   """Servers over HTTP: the sharded HF checkpoint under `weights_root/step_{step}` (every
   process), then process 0's `client` updates every live server concurrently (`NoServerUp`
-  when none is up). The newest two weight directories are kept."""
+  when none is up).
+
+  What the servers serve is pinned: `served` is the directory the last push loaded (what a server
+  that comes back is given, `Servers.readmit`). Only once the servers took a new directory is every
+  other `step_*` directory deleted — whatever its number: those a killed run left past the step it
+  resumes from go too. A push no server took deletes nothing (the served directory and the new one
+  stay), and the same push retried after a wait loads what it wrote without writing it again."""
 
   def __init__(self, client, model_config: ModelConfig, *, weights_root: str, pause_mode: str):
     self.client, self.model_config = client, model_config  # client: process 0's (None elsewhere)
     self.weights_root, self.pause_mode = weights_root, pause_mode
+    self.served: str | None = None  # pinned: what the servers hold (None: nothing pushed by this process yet)
+    self._written: str | None = None  # the directory this process wrote last
 
   def push(self, params, step: int, weight_dtype: str) -> tuple[dict, str]:
     path = os.path.join(self.weights_root, f"step_{step}")
-    times = save_hf_sharded(params, self.model_config, path, dtype=weight_dtype)
+    times = {}
+    if path != self._written:
+      times = save_hf_sharded(params, self.model_config, path, dtype=weight_dtype)
+      self._written = path
+      faults.reached("weights", step)
 
     def update():
       try:
@@ -131,11 +143,18 @@ class DiskSync:
       except ServerError as e:
         raise TrainingError(f"weight sync at step {step} failed: {e}") from None
     times.update(on_primary(update))
-    if distributed.is_primary():  # keep the newest few weight directories (the servers may still read the current one)
-      old = sorted((d for d in os.listdir(self.weights_root) if d.startswith("step_")), key=lambda d: int(d[5:]))[:-2]
-      for d in old:
-        shutil.rmtree(os.path.join(self.weights_root, d), ignore_errors=True)
+    self.served = path
+    if distributed.is_primary():
+      self._prune()
+    faults.reached("pushed", step)
     return {f"sync/{k}": v for k, v in times.items()}, path
+
+  def _prune(self) -> None:
+    """Deletes every weight directory but the served one (process 0, once the servers took it)."""
+    for name in os.listdir(self.weights_root):
+      path = os.path.join(self.weights_root, name)
+      if name.startswith("step_") and path != self.served:
+        shutil.rmtree(path, ignore_errors=True)
 
   def rollouts_done(self) -> None:
     pass
@@ -147,19 +166,42 @@ class DiskSync:
     another directory), stops the run here, before step 1, naming the server and the path. SGLang
     and sglang-jax have no such route (HTTP 404): for them this says so, and their first
     `/update_weights_from_disk` is the check."""
+    blind, unchecked = self._probe(self.client.live_urls())
+    if unchecked:
+      log(f"{', '.join(unchecked)}: no {protocol.READ_PROBE_ROUTE} route (SGLang, sglang-jax): whether it sees "
+          f"{self.weights_root} shows at its first weight load")
+    if blind:
+      raise TrainingError(f"{'; '.join(f'{url} ({why})' for url, why in blind.items())} {self._blind_advice()}")
+
+  def sees_weights(self, url: str) -> str | None:
+    """The check of `check_reach` for one server joining the fleet during the run (process 0): why
+    it cannot read the weight directory, or None (it can, or it has no probe route: then its first
+    weight load is the check)."""
+    blind, _ = self._probe([url])
+    return f"{blind[url]}: it {self._blind_advice()}" if blind else None
+
+  def _blind_advice(self) -> str:
+    return (f"cannot read the trainer's weight directory {self.weights_root}: the weights reach every server "
+            f"through /update_weights_from_disk, so each must see that directory at the same path. Put run_dir on "
+            f"a filesystem the servers mount at the same path (docs/guides/fleet.md)")
+
+  def _probe(self, urls) -> tuple[dict[str, str], list[str]]:
+    """`({url: what it read instead}, [urls without the probe route])`: a probe file with a nonce
+    written under `weights_root`, read back by each server, removed (with `weights_root`, when the
+    probe made it)."""
     created = not os.path.isdir(self.weights_root)  # removed again after: the check leaves no trace
     os.makedirs(self.weights_root, exist_ok=True)
     nonce = secrets.token_hex(8)
     path = os.path.join(self.weights_root, f"{protocol.PROBE_PREFIX}{nonce}")
     hf_io.atomic_write(path, lambda f: pathlib.Path(f).write_text(nonce))
     try:
-      blind, unchecked = [], []
-      for url in self.client.live_urls():
+      blind, unchecked = {}, []
+      for url in urls:
         seen = _read_probe(self.client.engines[url], path)
         if seen is None:
           unchecked.append(url)
         elif seen != nonce:
-          blind.append(f"{url} ({seen})")
+          blind[url] = seen
     finally:
       os.remove(path)
       if created:
@@ -167,14 +209,7 @@ class DiskSync:
           os.rmdir(self.weights_root)
         except OSError:
           pass  # something else wrote there meanwhile
-    if unchecked:
-      log(f"{', '.join(unchecked)}: no {protocol.READ_PROBE_ROUTE} route (SGLang, sglang-jax): whether it sees "
-          f"{self.weights_root} shows at its first weight load")
-    if blind:
-      raise TrainingError(
-          f"{'; '.join(blind)} cannot read the trainer's weight directory {self.weights_root}: the weights reach "
-          f"every server through /update_weights_from_disk, so each must see that directory at the same path. "
-          f"Put run_dir on a filesystem the servers mount at the same path (docs/guides/fleet.md)")
+    return blind, unchecked
 
 
 def _read_probe(engine, path: str) -> str | None:

@@ -31,7 +31,8 @@ class ResponseToy(extras_lib.TokenExtra):
 
 
 class SequenceToy(extras_lib.TokenExtra):
-  """A sequence-span extra (as routed experts are): every input position's index."""
+  """A sequence-span extra (as routed experts are): every input position's index, plus 1000 times the
+  number of the call that computed it (so each row tells which turn's reply it came from)."""
   name, span, fill, dtype = "toy_sequence", "sequence", -1, np.int32
 
 
@@ -68,7 +69,7 @@ class ScriptedEngine:
         if e.name == "toy_response":
           values[e.name] = np.asarray(ids, np.int32) * 10
         elif e.name == "toy_sequence":
-          values[e.name] = np.arange(len(ctx) + len(ids) - 1, dtype=np.int32)
+          values[e.name] = np.arange(len(ctx) + len(ids) - 1, dtype=np.int32) + 1000 * len(self.calls)
         else:
           values[e.name] = np.ones(len(ids), np.int32)
       result.samples.append(Sample(prompt_index=i, prompt_ids=tuple(ctx), response_ids=ids,
@@ -101,6 +102,23 @@ def _run(engine, episodes=Episodes(max_turns=4), env=lambda p: EchoEnv(), n=2, e
   return episodes.run(engine, PROMPTS, env, sampling_params={"max_new_tokens": 3}, n=n, seed=0, extras=extras)
 
 
+def _first_fed(sample) -> np.ndarray:
+  """For each input position of a trajectory (all but its last token), the model turn whose request
+  fed that token first: the prompt in turn 1; a turn's own tokens in that turn, but for its last one
+  (sampled, never fed by it), fed by the next turn as the observation after it is."""
+  turn, prompt = list(sample.extras["turn"]), len(sample.prompt_ids)
+  out, last_model = [], 0
+  for i in range(prompt + len(turn) - 1):
+    if i < prompt:
+      out.append(1)
+      continue
+    t = turn[i - prompt]
+    last_model = t or last_model
+    ends_its_turn = t > 0 and turn[i - prompt + 1] != t
+    out.append(t + ends_its_turn if t > 0 else last_model + 1)
+  return np.asarray(out)
+
+
 def test_a_trajectory_is_exactly_the_sampled_and_the_observed_ids():
   engine = ScriptedEngine()
   result = _run(engine)
@@ -127,11 +145,12 @@ def test_a_trajectory_is_exactly_the_sampled_and_the_observed_ids():
     # Each turn's version over its own tokens.
     assert s.weight_versions == (("7", 0, 3), ("7", 6, 9), ("7", 12, 15))
     # A response-span extra at its turn's tokens, its fill at the environment's; a sequence-span
-    # extra from the last turn (which covers every position).
+    # extra (R3's routed experts) at each input position from the turn that fed it first: the turn
+    # whose reply sampled from that position's forward, not the last turn's.
     toy = s.extras["toy_response"]
     np.testing.assert_array_equal(toy[turn == 0], -1)
     np.testing.assert_array_equal(toy[turn > 0], np.asarray(s.response_ids)[turn > 0] * 10)
-    np.testing.assert_array_equal(s.extras["toy_sequence"], np.arange(len(seq) - 1))
+    np.testing.assert_array_equal(s.extras["toy_sequence"], np.arange(len(seq) - 1) + 1000 * _first_fed(s))
     assert s.reward == pytest.approx(1.25 + 0.25 + 0.25)
     assert s.text == "".join(f"t{n}" for n in (len(s.prompt_ids), len(s.prompt_ids) + 6, len(s.prompt_ids) + 12))
   m = result.metrics

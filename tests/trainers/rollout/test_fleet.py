@@ -1,9 +1,13 @@
 """The trainer sampling from a fleet behind the real sglang-router (`rollout.transport.router`):
 two `mis-jax serve` workers (float32) and the router on 127.0.0.1, started and stopped here. The
-version barrier on every worker, both workers used, a worker killed and another registered
-while the run goes on."""
+version barrier on every worker, both workers used, a worker killed (the trainer logs it with its
+URL and the step) and another registered while the run goes on; a worker joining mid-run that
+cannot read the weight directory refused; the router itself gone: the run waits for it up to its
+timeout, stops naming it, and resumes once it is back, nothing lost."""
 
+import json
 import os
+import re
 
 import httpx
 import pytest
@@ -15,7 +19,11 @@ from trainers.serving.embedded.server import EmbeddedServer
 from trainers.rollout import fleet as fleet_lib
 from trainers.app import trainer as train_lib
 
+from helpers import free_port
+from test_shared_weights import server_in_own_view
 from test_train import make_cfg, merged
+from trainers.app import checkpointing
+from trainers.runtime.errors import TrainingError
 
 pytestmark = pytest.mark.integration
 
@@ -103,6 +111,7 @@ def test_ten_float32_steps_through_the_router(fleet, tmp_path):
 def test_a_worker_dies_and_another_joins(fleet, checkpoint, tmp_path):
   router, (a, b) = fleet
   trainer, versions = _trainer(tmp_path, router, "churn", 5)
+  logs = []
   with _worker(checkpoint) as c:  # started now (it takes seconds), registered at step 4
     sync = trainer.servers.sync
     joined = {}
@@ -117,8 +126,12 @@ def test_a_worker_dies_and_another_joins(fleet, checkpoint, tmp_path):
         router_lib.register(router.url, c.url)
       return out
     trainer.servers.sync = churn
-    history = trainer.run(progress=False)
+    history = trainer.run(progress=False, log=logs.append)
     assert [h["step"] for h in history] == list(range(1, 6))  # no step failed
+    # The death in the trainer's log, with the URL and the step: the router's health check (read by
+    # the watcher) or the next push found it.
+    died = [line for line in logs if f"server {b.url} went down (" in line]
+    assert len(died) == 1 and re.match(r"(step [345]|the weight push after step [34]): ", died[0]), logs
     assert versions == {k: {str(k - 1)} for k in range(1, 6)}
     client = trainer.servers.client
     assert (c.url, "3") in client.admitted  # it got the weights of step 3 as it joined (before serving)
@@ -127,6 +140,81 @@ def test_a_worker_dies_and_another_joins(fleet, checkpoint, tmp_path):
     assert b.url in client.down_urls() or b.url in client.dropped
     for gone in (b.url, c.url):  # the module's router is shared: later tests see live workers only
       router_lib.deregister(router.url, gone)
+
+
+def test_a_worker_joining_mid_run_that_cannot_read_the_weights_is_refused(fleet, checkpoint, tmp_path):
+  """A worker that sees another filesystem at the run directory (its own mount namespace, as a node
+  without the shared filesystem), paused and registered with the router after step 1 (as `mis-jax
+  launch --role worker` registers one): probed before it gets anything, as the fleet is before step
+  1, it is refused and removed from the router, the trainer saying why; the run goes on with the
+  other worker, every sample from the trainer's weights."""
+  runs = tmp_path / "runs"
+  runs.mkdir()
+  proc, blind = server_in_own_view(checkpoint, runs)
+  try:
+    a = fleet[1][0]  # (a router of its own over the fleet's first worker)
+    with router_lib.RouterProcess([a.url], policy="round_robin") as router:
+      trainer, versions = _trainer(runs, router, "blind", 3)
+      sync, logs = trainer.servers.sync, []
+
+      def join(params, step, **kw):
+        out = sync(params, step, **kw)
+        if step == 1:
+          router_lib.pause_worker(blind)
+          router_lib.register(router.url, blind)
+        return out
+      trainer.servers.sync = join
+      history = trainer.run(progress=False, log=logs.append)
+      assert [h["step"] for h in history] == [1, 2, 3] and versions == {k: {str(k - 1)} for k in (1, 2, 3)}
+      assert trainer.servers.client.refused == [blind] and [w["url"] for w in router_lib.workers(router.url)] == [a.url]
+      (refused,) = [line for line in logs if f"worker {blind} refused" in line]
+      weights = os.path.join(trainer.run_dir, "weights")
+      assert re.match(r"(step 2|the weight push after step 1): ", refused), refused  # (the watcher, or step 2's batch)
+      assert "removed from the router: not readable there: FileNotFoundError" in refused, refused
+      assert f"cannot read the trainer's weight directory {weights}" in refused, refused
+  finally:
+    proc.terminate()
+    log = proc.communicate(timeout=30)[0]
+  assert "POST /mis_jax/read_probe" in log and "POST /update_weights_from_disk" not in log
+  assert "POST /generate" not in log
+
+
+def test_the_router_gone_stops_the_run_at_its_timeout_and_loses_nothing(fleet, tmp_path):
+  """The router SIGKILLed after step 2 (its push done): step 3's rollouts fail, the run waits for the
+  router up to `server_restart_timeout_s` and stops with an error naming it; steps 1 and 2 are logged
+  and checkpointed, nothing after. A router back on the same port: `--resume` finishes, each step
+  logged once."""
+  a = fleet[1][0]  # (a router of its own over the fleet's first worker)
+  port = free_port()
+  router = router_lib.RouterProcess([a.url], policy="round_robin", port=port)
+  try:
+    sections = merged(FLOAT32, {"rollout": {"transport": {"router": router.url, "server_restart_timeout_s": 3}},
+                                "train": {"steps": 4}})
+    cfg = make_cfg(tmp_path, "gone", **sections)
+    trainer = train_lib.Trainer(cfg, mis_jax.LossConfig(), urls=[])
+    sync = trainer.servers.sync
+
+    def kill_router(params, step, **kw):
+      out = sync(params, step, **kw)
+      if step == 2:
+        router.process.kill()
+        router.process.wait()
+      return out
+    trainer.servers.sync = kill_router
+    with pytest.raises(TrainingError) as stop:
+      trainer.run(progress=False)
+    message = str(stop.value)
+    assert message.startswith("step 3: rollout batch 2: ") and "server_restart_timeout_s (3 s)" in message
+    assert f"in vain: router {router.url} does not answer /health" in message, message
+    rows = [json.loads(line)["step"] for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+    assert rows == [1, 2] and checkpointing.Checkpointer(os.path.join(cfg.run_dir, "checkpoints")).latest_step() == 2
+  finally:
+    router.close()
+  with router_lib.RouterProcess([a.url], policy="round_robin", port=port):
+    history = train_lib.Trainer(cfg, mis_jax.LossConfig(), urls=[]).run(resume=True, progress=False)
+  assert [h["step"] for h in history] == [3, 4] and all(h["mis_k3_kl"] < 1e-6 for h in history)
+  rows = [json.loads(line)["step"] for line in open(os.path.join(cfg.run_dir, "metrics.jsonl"))]
+  assert rows == [1, 2, 3, 4]
 
 
 def test_the_worker_list_and_pushes_have_their_own_connections():

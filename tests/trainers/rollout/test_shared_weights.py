@@ -35,7 +35,7 @@ def test_probe_route_reads_only_probe_files(tmp_path):
     assert status == 400 and "must name a .mis-jax-probe-* file" in body["error"]
 
 
-def _server_in_own_view(model, hidden):
+def server_in_own_view(model, hidden):
   """`mis-jax serve` of `model` that sees an empty tmpfs at `hidden` (its own mount namespace)."""
   port = free_port()
   serve = [sys.executable, "-m", "trainers.cli", "serve", "--model-path", str(model), "--dtype", "float32",
@@ -64,7 +64,7 @@ def test_a_server_without_the_weight_directory_stops_the_run_before_step_1(tmp_p
   model, runs = tmp_path / "model", tmp_path / "runs"
   init_checkpoint(model, preset="tiny-qwen3", seed=1)
   runs.mkdir()
-  proc, url = _server_in_own_view(model, runs)
+  proc, url = server_in_own_view(model, runs)
   try:
     cfg = make_cfg(runs, "run", model={"path": str(model)},
                    rollout={"placement": {"server_dtype": "float32"}, "sync": {"initial_sync": "always"}})

@@ -7,7 +7,9 @@ the trainer took them), metrics and final parameters written for the test to com
 
 Also, with `"errors": true` in a config, after its run: in-memory updates the engine must
 refuse (a missing tensor, a tensor with no place, a wrong shape), and the reply that follows
-each (greedy, so comparable), written to `errors.json`.
+each (greedy, so comparable), written to `errors.json`. With `"three_turns": true` the run's task
+is `ThreeTurns` (multi-turn trajectories: an environment that answers every model turn, done after
+the third).
 """
 
 import contextlib
@@ -23,12 +25,43 @@ from trainers.serving.sglang_jax import launcher as sglang_jax
 from trainers.app import trainer as train_lib
 from trainers.config import TrainConfig
 
+class ThreeTurns:
+  """Prompts `[1, d, d, 13]`; the environment answers model turn t with `[13, 40 + t, 13]`, done after
+  turn 3, rewarding the share of digit tokens (as test_agents_train.py's, which needs pytest: this
+  runs in the engine's venv)."""
+  stop_token_ids = (2,)
+  max_new_tokens = 4
+  max_prompt_len = 4
+  summary = "three turns"
+
+  def prompts(self, seed, step, count):
+    from trainers.tasks.base import Prompt
+    rng = np.random.default_rng([seed, step])
+    return [Prompt(ids=(1, *(int(x) for x in rng.integers(3, 13, 2)), 13)) for _ in range(count)]
+
+  def environment(self, prompt):
+    return _ThreeTurnsEnv()
+
+
+class _ThreeTurnsEnv:
+  def __init__(self):
+    self.digits = self.tokens = 0
+
+  def step(self, turn):
+    from trainers.tasks.env import Observation
+    self.digits += sum(3 <= t < 13 for t in turn.ids)
+    self.tokens += len(turn.ids)
+    done = turn.index == 3
+    return Observation(ids=() if done else (13, 40 + turn.index, 13),
+                       reward=self.digits / self.tokens if done else 0.0, done=done)
+
+
 GREEDY = {"input_ids": [[1, 5, 9, 12], [1, 7, 30]], "return_logprob": True,
           "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}}
 
 
 def _run(raw: dict, out: str) -> None:
-  errors = raw.pop("errors", False)
+  errors, three_turns = raw.pop("errors", False), raw.pop("three_turns", False)
   cfg = TrainConfig.from_dict(raw)
   r = cfg.rollout
   with contextlib.ExitStack() as stack:
@@ -38,7 +71,7 @@ def _run(raw: dict, out: str) -> None:
           cfg.model.path, dtype=r.placement.server_dtype, weight_version="0", extra=("--random-seed", str(cfg.seed)),
           enable_return_routed_experts=ModelConfig.from_pretrained(cfg.model.path).is_moe))
       urls = [server.url]
-    trainer = train_lib.Trainer(cfg, urls=urls)
+    trainer = train_lib.Trainer(cfg, urls=urls, task=ThreeTurns() if three_turns else None)
     rollouts = []
     take = trainer.source.next
     trainer.source.next = lambda step: rollouts.append(take(step)) or rollouts[-1]
@@ -48,6 +81,7 @@ def _run(raw: dict, out: str) -> None:
   samples = [[{"response_ids": list(map(int, s.response_ids)),
                "rollout_logprobs": [float(v) for v in s.rollout_logprobs],
                "weight_versions": s.weight_versions,
+               "turn": None if "turn" not in s.extras else np.asarray(s.extras["turn"]).tolist(),
                "routed_experts": None if s.routed_experts is None else np.asarray(s.routed_experts).tolist()}
               for s in x.result.samples] for x in rollouts]
   with open(os.path.join(out, "run.json"), "w") as f:

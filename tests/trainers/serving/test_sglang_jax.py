@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -24,7 +25,7 @@ import numpy as np
 import pytest
 
 import mis_jax
-from helpers import parse_source
+from helpers import free_port, parse_source
 from test_train import make_cfg, merged, raw_cfg
 from trainers.models import PRESETS, init_checkpoint
 from trainers.serving.sglang_jax import launcher as sglang_jax
@@ -410,9 +411,9 @@ def _in_engine_venv(configs: dict, root, devices: int) -> dict:
 def engine_venv_runs(checkpoints, tmp_path_factory):
   """The trainer in sglang-jax's venv, with sglang-jax colocated and behind its HTTP server (float32
   engine and trainer, the trainer FSDP over 2 devices, the colocated engine on the first): the
-  dense model for 2 steps x 2 epochs (then bad in-memory updates, `errors.json`), and a tiny
-  Qwen3-MoE (its tokenizer: sglang-jax returns routed experts through its detokenizer) replaying the
-  engine's routed experts (R3) for 3 steps."""
+  dense model for 2 steps x 2 epochs (then bad in-memory updates, `errors.json`), three-turn
+  trajectories for 2 steps, and a tiny Qwen3-MoE (its tokenizer: sglang-jax returns routed experts
+  through its detokenizer) replaying the engine's routed experts (R3) for 3 steps."""
   root = tmp_path_factory.mktemp("engine-venv")
   config = dataclasses.replace(PRESETS["tiny-qwen3-moe"], head_dim=128, num_attention_heads=2, num_key_value_heads=1,
                                initializer_range=0.1)
@@ -434,6 +435,14 @@ def engine_venv_runs(checkpoints, tmp_path_factory):
                                           rollout=merged(rollout, {"sampling": {"routing_replay": "r3"},
                                                                    "placement": {"mode": placement}}),
                                           train={"steps": 3, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 3})
+    configs[f"agent-{placement}"] = raw_cfg(root, f"agent-{placement}", model={"path": checkpoints["start"],
+                                                                             "dtype": "float32"}, loss=loss,
+                                            agent={"max_turns": 4},
+                                            rollout=merged(rollout, {"placement": {"mode": placement},
+                                                                     "prompts_per_step": 2}),
+                                            train={"steps": 2, "row_len": 32, "tokens_per_micro_batch": 128,
+                                                   "ppo_epochs": 1},
+                                            checkpoint={"every": 2}, three_turns=True)
   configs["colocated"]["errors"] = True
   return root, _in_engine_venv(configs, root, devices=2)
 
@@ -472,6 +481,24 @@ def test_colocated_sglang_jax_equals_its_server(engine_venv_runs):
     assert not errors[case]["ok"] and named in errors[case]["message"], errors[case]
     assert errors[case]["version"] == "0" and errors[case]["same_reply"], errors[case]
   assert errors["good"]["ok"] and errors["good"]["version"] == "final", errors["good"]
+
+
+def test_multi_turn_trajectories_colocated_equal_its_server(engine_venv_runs):
+  """Multi-turn rollouts (trainers.agents) with sglang-jax's Engine in the trainer's process: the
+  three-turn trajectories, their metrics and the parameters after 2 steps equal the same run's
+  behind its HTTP server; every turn of step k from version k - 1 (each turn its own span), and in
+  float32 every turn index's mismatch is rounding (the weights handed over in memory are the ones
+  just trained)."""
+  _, runs = engine_venv_runs
+  _assert_same_runs(runs["agent-server"], runs["agent-colocated"])
+  run = runs["agent-colocated"][0]
+  assert [len(step) for step in run["samples"]] == [8, 8]
+  for k, (step, h) in enumerate(zip(run["samples"], run["history"]), start=1):
+    assert h["agent/turns_mean"] == 3 and h["grad_norm"] > 0, h
+    assert h["mis_k3_kl"] < 1e-6 and all(h[f"agent/k3_turn_{t}"] < 1e-6 for t in (1, 2, 3)), h
+    for s in step:
+      assert sorted(set(s["turn"])) == [0, 1, 2, 3]
+      assert [v for v, _, _ in s["weight_versions"]] == [str(k - 1)] * 3
 
 
 def test_routing_replay_r3_colocated_and_through_its_server(engine_venv_runs):
@@ -561,56 +588,126 @@ def _router_lib():
   return router
 
 
-def test_the_trainer_through_sglang_router(real_server, checkpoints, tmp_path):
-  """sglang-jax as a fleet worker (issue 49): registered with a real sglang-router, the trainer
-  reads it from the router's list (`rollout.transport.router`), generates through the router
-  and pushes to the worker directly. 3 float32 steps: every sample of step k from version k - 1,
-  the worker serving the trainer's version after every push, k3 rounding, a gradient each step;
-  the router counted the requests. First, seeded rows through the router are the engine's own
-  samples for those seeds (the router passes `sampling_seed`, `return_logprob`, `extra_key`)."""
+def _launched_worker(model_path, router_url, port):
+  """`mis-jax launch --role worker --engine sglang-jax` (its venv's interpreter, sglang-jax's CPU flags
+  after `--`), once it says it registered (paused) with the router: `(process, its output so far)`."""
+  rest = sglang_jax.engine_args(model_path, dtype="float32")[4:]  # the CPU defaults, not the path
+  worker = subprocess.Popen(
+      [sys.executable, "-m", "trainers.cli", "launch", "--role", "worker", "--engine", "sglang-jax",
+       "--python", engine_python(), "--model-path", model_path, "--router", router_url, "--port", str(port),
+       "--dtype", "float32", "--start-timeout", "300", "--", *rest],
+      env={**sglang_jax.engine_env(), "PYTHONPATH": os.getcwd(), "PYTHONUNBUFFERED": "1"},
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+  lines = []
+  for line in worker.stdout:  # (it ends the pipe if it fails: --start-timeout bounds its start)
+    lines.append(line)
+    if "registered with" in line:
+      break
+  return worker, lines
+
+
+def test_the_trainer_through_sglang_router(checkpoints, tmp_path):
+  """sglang-jax as a fleet worker (issue 49), started by `mis-jax launch --role worker --engine
+  sglang-jax` (issue 62): paused and registered with a real sglang-router; the trainer reads it from
+  the router's list (`rollout.transport.router`), admits it, generates through the router and pushes
+  to the worker directly. 3 float32 steps: every sample of step k from version k - 1, the worker
+  serving the trainer's version after every push, k3 rounding, a gradient each step; the router
+  counted the requests. First, seeded rows through the router are the engine's own samples for
+  those seeds (the router passes `sampling_seed`, `return_logprob`, `extra_key`). Last, SIGTERM
+  deregisters the worker and its engine stops."""
   router_lib = _router_lib()
   from trainers.rollout.fleet import router_client
+  port = free_port()
+  worker_url = f"http://127.0.0.1:{port}"
   with router_lib.RouterProcess(policy="round_robin") as router:
-    router_lib.register(router.url, real_server)
-    params = {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True}
-    routed, direct = router_client(router.url, max_retries=0, poll_s=0), http_client([real_server], max_retries=0)
+    worker, lines = _launched_worker(checkpoints["start"], router.url, port)
     try:
-      routed.wait_until_healthy(attempts=3)
-      a, b = (c.generate([[1, 5, 9]], params, n=2, seed=11) for c in (routed, direct))
+      assert f"worker {worker_url} registered with {router.url}" in "".join(lines), "".join(lines)[-3000:]
+      assert [w["url"] for w in router_lib.workers(router.url)] == [worker_url]
+      _through_the_router(router_lib, router, worker_url, router_client, checkpoints, tmp_path)
     finally:
-      routed.close()
-      direct.close()
-    assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]
-    assert a.samples[0].response_ids != a.samples[1].response_ids  # two rows, two seeds (none: one default seed)
-    for x, y in zip(a.samples, b.samples):  # one row per request through the router, two rows in one directly
-      np.testing.assert_allclose(x.rollout_logprobs, y.rollout_logprobs, atol=1e-5)
+      worker.send_signal(signal.SIGTERM)
+      out = "".join(lines) + worker.communicate(timeout=120)[0]
+    assert worker.returncode == 0, out[-3000:]
+    assert router_lib.workers(router.url) == []  # deregistered
+  with pytest.raises(httpx.TransportError):  # its engine stopped with it
+    httpx.get(worker_url + "/health", timeout=5)
 
-    cfg = make_cfg(tmp_path, "router", model={"path": checkpoints["start"]},
-                   rollout={"sampling": {"max_new_tokens": 4}, "placement": {"server_dtype": "float32"},
-                            "sync": {"sync_every": 1, "initial_sync": "always"},
-                            "transport": {"router": router.url, "router_poll_s": 0, "max_retries": 1}},
-                   train={"steps": 3, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 3})
-    trainer = train_lib.Trainer(cfg, LOSS, urls=[])
-    versions, pushed = {}, []
-    generate, push = trainer.servers.generate, trainer.servers.push
 
-    def recording(prompts, batch):
-      result = generate(prompts, batch)
-      versions[batch + 1] = {s.weight_version for s in result.samples}
-      return result
+def _through_the_router(router_lib, router, worker, router_client, checkpoints, tmp_path):
+  """The seeded rows through the router against `worker` directly, then the trainer's 3 steps (the
+  worker admitted by the first router client: continued, it was paused)."""
+  params = {"temperature": 1.0, "max_new_tokens": 4, "ignore_eos": True}
+  routed, direct = router_client(router.url, max_retries=0, poll_s=0), http_client([worker], max_retries=0)
+  try:
+    routed.wait_until_healthy(attempts=3)
+    a, b = (c.generate([[1, 5, 9]], params, n=2, seed=11) for c in (routed, direct))
+  finally:
+    routed.close()
+    direct.close()
+  assert [s.response_ids for s in a.samples] == [s.response_ids for s in b.samples]
+  assert a.samples[0].response_ids != a.samples[1].response_ids  # two rows, two seeds (none: one default seed)
+  for x, y in zip(a.samples, b.samples):  # one row per request through the router, two rows in one directly
+    np.testing.assert_allclose(x.rollout_logprobs, y.rollout_logprobs, atol=1e-5)
 
-    def checked_push(params, step):  # after every push the worker serves the trainer's version
-      out = push(params, step)
-      pushed.append((step, httpx.get(real_server + "/get_weight_version", timeout=10).json()["weight_version"]))
-      return out
-    trainer.servers.generate, trainer.servers.push = recording, checked_push
-    before = router_lib.requests_per_worker(router.metrics_url).get(real_server, 0)
-    history = trainer.run(progress=False)
-    assert trainer.servers.client.urls == [real_server] == [w["url"] for w in router_lib.workers(router.url)]
-    assert [h["step"] for h in history] == [1, 2, 3]
-    for h in history:
-      assert h["mis_k3_kl"] < 1e-6 and h["grad_norm"] > 0 and h["num_samples"] == 16, h
-    assert versions == {k: {str(k - 1)} for k in (1, 2, 3)}  # the version barrier
-    assert pushed == [(k, str(k)) for k in range(4)]  # the initial push, then one after every step
-    through_router = router_lib.requests_per_worker(router.metrics_url)[real_server] - before
-    assert through_router >= 16 * 3, through_router  # every sample's request (one per seeded row) went through it
+  cfg = make_cfg(tmp_path, "router", model={"path": checkpoints["start"]},
+                 rollout={"sampling": {"max_new_tokens": 4}, "placement": {"server_dtype": "float32"},
+                          "sync": {"sync_every": 1, "initial_sync": "always"},
+                          "transport": {"router": router.url, "router_poll_s": 0, "max_retries": 1}},
+                 train={"steps": 3, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 3})
+  trainer = train_lib.Trainer(cfg, LOSS, urls=[])
+  versions, pushed = {}, []
+  generate, push = trainer.servers.generate, trainer.servers.push
+
+  def recording(prompts, batch):
+    result = generate(prompts, batch)
+    versions[batch + 1] = {s.weight_version for s in result.samples}
+    return result
+
+  def checked_push(params, step):  # after every push the worker serves the trainer's version
+    out = push(params, step)
+    pushed.append((step, httpx.get(worker + "/get_weight_version", timeout=10).json()["weight_version"]))
+    return out
+  trainer.servers.generate, trainer.servers.push = recording, checked_push
+  before = router_lib.requests_per_worker(router.metrics_url).get(worker, 0)
+  history = trainer.run(progress=False)
+  assert trainer.servers.client.urls == [worker] == [w["url"] for w in router_lib.workers(router.url)]
+  assert trainer.servers.client.admitted == [(worker, None)]
+  assert [h["step"] for h in history] == [1, 2, 3]
+  for h in history:
+    assert h["mis_k3_kl"] < 1e-6 and h["grad_norm"] > 0 and h["num_samples"] == 16, h
+  assert versions == {k: {str(k - 1)} for k in (1, 2, 3)}  # the version barrier
+  assert pushed == [(k, str(k)) for k in range(4)]  # the initial push, then one after every step
+  through_router = router_lib.requests_per_worker(router.metrics_url)[worker] - before
+  assert through_router >= 16 * 3, through_router  # every sample's request (one per seeded row) went through it
+
+
+def test_the_samplers_top_logprobs_from_a_live_engine(real_server, checkpoints):
+  """`rollout.sampling.top_logprobs_num` against sglang-jax: the client asks for the top 4 of every
+  response token and parses them into the two extras score centering reads (contract §6.6); at
+  every token they are the model's own top 4 — ids and log-probs — by an independent full forward of
+  the trainer's model in float32, and the sampled token's log-prob is its entry in the full row."""
+  import jax
+  from trainers.models import load_hf_checkpoint
+  from trainers.rollout.extras import SamplerTopIds, SamplerTopLogprobs
+  assert _update(real_server, checkpoints["start"], "top").json()["success"]  # (other tests move its weights)
+  extras = (SamplerTopLogprobs(4, MODEL.vocab_size), SamplerTopIds(4, MODEL.vocab_size))
+  client = http_client([real_server], max_retries=0)
+  try:
+    result = client.generate([[1, 5, 9], [1, 7, 7, 3, 30]], {"temperature": 1.0, "max_new_tokens": 5,
+                                                               "ignore_eos": True}, n=2, seed=5, extras=extras)
+  finally:
+    client.close()
+  assert len(result.samples) == 4 and result.num_rejected == 0
+  model = load_hf_checkpoint(checkpoints["start"])
+  for s in result.samples:
+    seq = np.asarray(s.prompt_ids + s.response_ids, np.int32)[None]
+    positions, segments = np.arange(seq.shape[1], dtype=np.int32)[None], np.zeros_like(seq)
+    logp = np.asarray(jax.nn.log_softmax(model(seq, positions, segments)[0].astype(np.float32), axis=-1))
+    top_ids, top_lp = s.extras["top_logprob_ids"], s.extras["top_logprobs"]
+    assert top_ids.shape == top_lp.shape == (len(s.response_ids), 4)
+    for j, token in enumerate(s.response_ids):
+      row = logp[len(s.prompt_ids) - 1 + j]
+      np.testing.assert_array_equal(top_ids[j], np.argsort(-row, kind="stable")[:4], err_msg=f"token {j}")
+      np.testing.assert_allclose(top_lp[j], row[top_ids[j]], atol=1e-4, err_msg=f"token {j}")
+      np.testing.assert_allclose(s.rollout_logprobs[j], row[token], atol=1e-4)
