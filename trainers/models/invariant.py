@@ -192,3 +192,10 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, dtype) -> jax
   cos, sin = round_to(jnp.cos(emb), dtype), round_to(jnp.sin(emb), dtype)
   x1, x2 = jnp.split(x, 2, axis=-1)
   return round_to(round_to(x * cos, dtype) + round_to(jnp.concatenate([-x2, x1], axis=-1) * sin, dtype), dtype)
+
+
+def temperature_log_softmax(logits: jax.Array, temperature: jax.Array) -> jax.Array:
+  """`log_softmax(logits / T)` as exact mode's sampler and trainer both compute it: `logits · (1/T)`
+  (`temperature`: float32, a scalar or one per leading row), then `log_softmax` with its sum ordered."""
+  inv_t = 1.0 / jnp.asarray(temperature, jnp.float32)
+  return log_softmax(logits * inv_t.reshape(inv_t.shape + (1,) * (logits.ndim - inv_t.ndim)))

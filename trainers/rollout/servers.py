@@ -15,6 +15,7 @@ import os
 import time
 import warnings
 
+import mis_jax
 from trainers.models import DTYPES
 from trainers.runtime import distributed
 from trainers.runtime.errors import NoServerUp, Preempted, TrainingError, on_primary
@@ -60,6 +61,7 @@ class Servers:
     self.server_dtype, self.server_quantized = r.placement.server_dtype, r.placement.server_quantize != "none"
     self.served_version, self.served_path = 0, start_dir
     self._warned_versions = False
+    self._warned_exact = False
     self._unavailable_since: float | None = None  # when the current step first found no server
     self.step_events = dict(NO_RESTARTS)
 
@@ -84,7 +86,7 @@ class Servers:
     initial directory), the dtype the first reports (`/server_info`), and the URLs without a
     weight-update route."""
     start = os.path.realpath(self.start_dir)  # (process 0 only: no collective in here)
-    serves_start, dtypes, quantized = True, set(), False
+    serves_start, dtypes, quantized, inexact = True, set(), False, []
     for url in self.client.urls:
       info = self.client.model_info(url)
       path = info.get("model_path")
@@ -95,10 +97,14 @@ class Servers:
         sinfo = {}
       dtypes.add(sinfo.get("dtype"))
       quantized |= sinfo.get("quantization") not in (None, "none", "")
+      if sinfo.get("arithmetic") != "batch_invariant":  # exact mode's engines (contract §13)
+        inexact.append(f"{url} ({sinfo.get('frontend') or 'an SGLang server'}, dtype {sinfo.get('dtype')}, arithmetic "
+                       f"{sinfo.get('arithmetic', 'not reported')})")
     missing = [url for url in self.client.urls if not self.client.has_weight_update_route(url)]
+    served = sorted(map(str, dtypes))
     dtype = dtypes.pop() if len(dtypes) == 1 else None
     return {"serves_start": serves_start, "dtype": dtype if dtype in DTYPES else None, "quantized": quantized,
-            "missing_update_route": missing}
+            "missing_update_route": missing, "dtypes": served, "inexact": inexact}
 
   def _first_push(self, step: int, *, log=print) -> bool:
     """Decides the first weight push (`rollout.sync.initial_sync`) and the pushed dtype, and checks
@@ -110,6 +116,8 @@ class Servers:
     resume always pushes (the servers must get the restored weights)."""
     r, resumed = self.rollout, step > 0
     facts = on_primary(self.facts)
+    if r.placement.exact:
+      self._check_exact(facts)
     self.server_dtype = facts["dtype"] or r.placement.server_dtype
     self.server_quantized = facts["quantized"] or r.placement.server_quantize != "none"
     self.weight_dtype = r.sync.weight_dtype or self.server_dtype
@@ -133,6 +141,22 @@ class Servers:
         log(f"{', '.join(facts['missing_update_route'])} cannot load new weights; none will be pushed in "
             f"{self.cfg.train.steps} steps (rollout.sync.sync_every {r.sync.sync_every})")
     return push
+
+  def _check_exact(self, facts: dict) -> None:
+    """Exact mode (`rollout.placement.exact`): every engine computes in batch-invariant arithmetic, in
+    `rollout.placement.server_dtype` (the trainer's exact pass casts the weights to it), unquantised."""
+    r = self.rollout
+    if facts["inexact"]:
+      raise mis_jax.ConfigError(
+          f"rollout.placement.exact: {', '.join(facts['inexact'])} does not report batch-invariant arithmetic, so its "
+          "log-probs cannot equal the trainer's exact pass; start `mis-jax serve --arithmetic batch_invariant` (or "
+          "give no --sglang-url: the trainer starts one), or set rollout.placement.exact: false")
+    if facts["dtypes"] != [r.placement.server_dtype]:
+      raise mis_jax.ConfigError(f"rollout.placement.exact: the servers serve {', '.join(facts['dtypes'])}, "
+                                f"rollout.placement.server_dtype is {r.placement.server_dtype}: the exact pass computes in "
+                                "the served dtype; set server_dtype to the servers'")
+    if facts["quantized"]:
+      raise mis_jax.ConfigError("rollout.placement.exact: a server serves quantised weights; exact mode needs unquantised ones")
 
   # --- rollouts ---------------------------------------------------------------------------------
   def generate(self, prompts: list, batch: int) -> RolloutResult:
@@ -208,6 +232,11 @@ class Servers:
       return
     max_abs, max_k3, pair = self.mismatch_limits()
     diff, k3 = metrics.get("train_rollout_logprob_abs_diff"), metrics.get("mis_k3_kl")
+    if self.rollout.placement.exact and diff and not self._warned_exact:  # fresh samples: equal bit for bit
+      self._warned_exact = True
+      warnings.warn(f"step {step + 1}: rollout.placement.exact, the engine held the trainer's weights, yet the old and "
+                    f"the rollout log-probs differ (mean |Δ log p| {diff:.3g}, mis_k3_kl {k3:.3g}): exactness is "
+                    "broken (contract §13 lists what breaks it, e.g. a pause in place across this step's update)")
     if diff is None or k3 is None or (diff <= max_abs and k3 <= max_k3):
       return
     raise TrainingError(
