@@ -71,6 +71,11 @@ class StepPlan:
     return f"old log-probs: a separate {self.old_logprobs.name} pass ({self.old_logprobs_reason})"
 
   @property
+  def routing_pass(self) -> Forward | None:
+    """The pass giving the native routed experts (`ROUTING`, or exact mode's `EXACT_ROUTING`; None: none)."""
+    return next((forward for forward in self.policy_passes if forward.routing), None)
+
+  @property
   def token_baseline(self) -> Forward | None:
     """The pass giving the optimal token baseline its `π` and `Σπ²` (None: no token baseline)."""
     return SUM_SQ if SUM_SQ in self.policy_passes else None
