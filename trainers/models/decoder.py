@@ -287,7 +287,7 @@ class MLP(nnx.Module):
     arithmetic never fuses them (the same sums either way)."""
     if self.arithmetic == "batch_invariant":
       dtype = self.dtype
-      h = invariant.round_to(invariant.round_to(jax.nn.silu(_linear(self.gate_proj, x, dtype)), dtype)
+      h = invariant.round_to(invariant.round_to(invariant.silu(_linear(self.gate_proj, x, dtype)), dtype)
                              * _linear(self.up_proj, x, dtype), dtype)
       return _linear(self.down_proj, h, dtype)
     if not fused:

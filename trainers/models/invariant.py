@@ -22,6 +22,13 @@ longer attention window add nothing: a token's attention over its sequence is th
 engine's cache window and in a trainer's packed row. Maxima (`max`, `top_k`, `argmax`) are exact
 in any order and stay XLA's.
 
+Every product that an addition consumes passes a guard (`_rounded`, a select LLVM cannot see
+through), so it is rounded before it is added: LLVM contracts a multiply and an add into an FMA
+(one rounding) in some of XLA's fused kernels and not in others, even at optimisation level 0 (a
+64-term sum fused with the `exp` after it came out contracted, alone it did not). Square roots and
+reciprocals are IEEE's correctly rounded `sqrt` and division (not XLA's `rsqrt`), and the sigmoid
+is `1 / (1 + exp(-x))`; `exp`, `log`, `sin` and `cos` are XLA's.
+
 A 16-bit compute dtype is emulated in float32 carriers, rounded to nearest-even
 (`lax.reduce_precision`, which XLA never drops: `convert(convert(x, bf16), f32)` may be folded away
 under XLA's default excess precision) wherever the default model's bfloat16 path rounds: after
@@ -81,9 +88,18 @@ def _expand(x: jax.Array, ndim: int) -> jax.Array:
   return x.reshape((1,) * (ndim - x.ndim) + x.shape)
 
 
+def _rounded(x: jax.Array) -> jax.Array:
+  """`x`, as a value an addition cannot absorb unrounded: a select on `x`'s own NaN-ness (the
+  same value, NaN included) between a product and the add that consumes it, so LLVM cannot
+  contract the two into an FMA (XLA keeps the select; a `reduce_precision` to float32 or a bit
+  trick it or LLVM folds away)."""
+  return jnp.where(x != x, jnp.nan, x)
+
+
 def _chain(term, n: int, init: jax.Array) -> jax.Array:
-  """`init + term(0) + term(1) + ... + term(n - 1)`, left to right. Up to `4 × _UNROLL` terms are
-  written out; a longer sum runs a `fori_loop` over blocks of `_UNROLL` (the same order)."""
+  """`init + term(0) + term(1) + ... + term(n - 1)`, left to right, each term rounded first
+  (`_rounded`). Up to `4 × _UNROLL` terms are written out; a longer sum runs a `fori_loop` over
+  blocks of `_UNROLL` (the same order)."""
   acc = init
   start = 0
   if n > 4 * _UNROLL:
@@ -91,13 +107,13 @@ def _chain(term, n: int, init: jax.Array) -> jax.Array:
 
     def body(b, acc):
       for j in range(_UNROLL):
-        acc = acc + term(b * _UNROLL + j)
+        acc = acc + _rounded(term(b * _UNROLL + j))
       return acc
 
     acc = lax.fori_loop(0, blocks, body, acc)
     start = blocks * _UNROLL
   for i in range(start, n):
-    acc = acc + term(i)
+    acc = acc + _rounded(term(i))
   return acc
 
 
@@ -139,11 +155,27 @@ def linear(x: jax.Array, kernel: jax.Array, bias: jax.Array | None, dtype) -> ja
   return y
 
 
+def reciprocal_sqrt(v: jax.Array) -> jax.Array:
+  """`1 / sqrt(v)`: IEEE's correctly rounded square root, then division (XLA's `rsqrt` differs from
+  kernel to kernel; the guard keeps XLA from rewriting `1 / sqrt` into it)."""
+  return 1.0 / _rounded(jnp.sqrt(v))
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, dtype) -> jax.Array:
-  """`round(round(w) · round(x / sqrt(Σ x² / D + eps)))`, the sum over the last axis ordered."""
-  mean_sq = ordered_sum(x * x, -1) / np.float32(x.shape[-1])
-  y = round_to(x * lax.rsqrt(mean_sq + np.float32(eps))[..., None], dtype)
+  """`round(round(w) · round(x · 1/sqrt(Σ x² · (1/D) + eps)))`, the sum over the last axis ordered."""
+  mean_sq = _rounded(ordered_sum(x * x, -1) * np.float32(1.0 / x.shape[-1]))
+  y = round_to(x * reciprocal_sqrt(mean_sq + np.float32(eps))[..., None], dtype)
   return round_to(_expand(carried(weight, dtype), x.ndim) * y, dtype)
+
+
+def sigmoid(x: jax.Array) -> jax.Array:
+  """`1 / (1 + exp(-x))` (XLA's `logistic` is not one formula across kernels)."""
+  return 1.0 / (1.0 + _rounded(jnp.exp(-x)))
+
+
+def silu(x: jax.Array) -> jax.Array:
+  """`x · sigmoid(x)`."""
+  return x * sigmoid(x)
 
 
 def logsumexp(z: jax.Array) -> jax.Array:
@@ -175,7 +207,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, dtype) 
   g = h // kvh
   qs = jnp.transpose(q.reshape(b, t, kvh, g, d), (4, 0, 2, 3, 1))[..., None]  # [D, B, KV, G, T, 1]
   ks = jnp.transpose(k, (3, 0, 2, 1))[:, :, :, None, None, :]  # [D, B, KV, 1, 1, S]
-  scores = ordered_contract(qs, ks) * np.float32(d ** -0.5)  # [B, KV, G, T, S]
+  scores = _rounded(ordered_contract(qs, ks) * np.float32(d ** -0.5))  # [B, KV, G, T, S]
   scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
   probs = round_to(softmax(scores), dtype)
   ps = jnp.moveaxis(probs, -1, 0)[..., None]  # [S, B, KV, G, T, 1]
@@ -191,11 +223,12 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray, dtype) -> jax
   emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
   cos, sin = round_to(jnp.cos(emb), dtype), round_to(jnp.sin(emb), dtype)
   x1, x2 = jnp.split(x, 2, axis=-1)
-  return round_to(round_to(x * cos, dtype) + round_to(jnp.concatenate([-x2, x1], axis=-1) * sin, dtype), dtype)
+  rotated = jnp.concatenate([-x2, x1], axis=-1)
+  return round_to(_rounded(round_to(x * cos, dtype)) + _rounded(round_to(rotated * sin, dtype)), dtype)
 
 
 def temperature_log_softmax(logits: jax.Array, temperature: jax.Array) -> jax.Array:
   """`log_softmax(logits / T)` as exact mode's sampler and trainer both compute it: `logits · (1/T)`
   (`temperature`: float32, a scalar or one per leading row), then `log_softmax` with its sum ordered."""
   inv_t = 1.0 / jnp.asarray(temperature, jnp.float32)
-  return log_softmax(logits * inv_t.reshape(inv_t.shape + (1,) * (logits.ndim - inv_t.ndim)))
+  return log_softmax(_rounded(logits * inv_t.reshape(inv_t.shape + (1,) * (logits.ndim - inv_t.ndim))))

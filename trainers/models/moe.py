@@ -217,7 +217,7 @@ class SparseMoeBlock(nnx.Module):
     w = invariant.round_to(w, dtype)
 
     def expert(wg, wu, wd):  # [H, F], [H, F], [F, H] -> [N, H]
-      gate = invariant.round_to(jax.nn.silu(invariant.linear(x, wg, None, dtype)), dtype)
+      gate = invariant.round_to(invariant.silu(invariant.linear(x, wg, None, dtype)), dtype)
       return invariant.linear(invariant.round_to(gate * invariant.linear(x, wu, None, dtype), dtype), wd, None, dtype)
 
     e = self.experts
