@@ -122,6 +122,11 @@ class Servers:
     self.server_quantized = facts["quantized"] or r.placement.server_quantize != "none"
     self.weight_dtype = r.sync.weight_dtype or self.server_dtype
     push = resumed or r.sync.initial_sync == "always" or (r.sync.initial_sync == "auto" and not facts["serves_start"])
+    # Exact mode: an engine serving the starting checkpoint holds it cast to its dtype only; the exact
+    # pass's copy went through the pushed dtype first, which a narrower pushed dtype rounds.
+    narrower = DTYPES[self.weight_dtype].itemsize < DTYPES[self.server_dtype].itemsize
+    if r.placement.exact and narrower and r.sync.initial_sync == "auto":
+      push = True
     first_sync = step + r.sync.sync_every - step % r.sync.sync_every  # the loop's first push
     will_sync = push or first_sync <= self.cfg.train.steps
     if facts["missing_update_route"] and will_sync:

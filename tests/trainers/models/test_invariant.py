@@ -36,7 +36,7 @@ def numpy_sum(x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("m, k, n", [(1, 64, 64), (5, 64, 48), (17, 100, 30), (3, 200, 8)])
 def test_matmul_is_the_numpy_left_to_right_loop(m, k, n):
-  """Up to 64 terms written out, longer sums (100, 200) a loop over blocks of 16: the same order."""
+  """A loop over blocks of terms, the odd one written out: the same order."""
   rng = np.random.default_rng(m * k)
   x = rng.standard_normal((m, k)).astype(np.float32)
   w = rng.standard_normal((k, n)).astype(np.float32)
