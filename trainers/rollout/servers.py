@@ -15,6 +15,8 @@ import os
 import time
 import warnings
 
+import jax.numpy as jnp
+
 import mis_jax
 from trainers.models import DTYPES
 from trainers.runtime import distributed
@@ -124,7 +126,7 @@ class Servers:
     push = resumed or r.sync.initial_sync == "always" or (r.sync.initial_sync == "auto" and not facts["serves_start"])
     # Exact mode: an engine serving the starting checkpoint holds it cast to its dtype only; the exact
     # pass's copy went through the pushed dtype first, which a narrower pushed dtype rounds.
-    narrower = DTYPES[self.weight_dtype].itemsize < DTYPES[self.server_dtype].itemsize
+    narrower = jnp.dtype(DTYPES[self.weight_dtype]).itemsize < jnp.dtype(DTYPES[self.server_dtype]).itemsize
     if r.placement.exact and narrower and r.sync.initial_sync == "auto":
       push = True
     first_sync = step + r.sync.sync_every - step % r.sync.sync_every  # the loop's first push
