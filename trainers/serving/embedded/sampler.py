@@ -186,9 +186,9 @@ def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, *, mask_wi
   if not mask_width:
     return token, logp[token], None, top
   first = rank[:mask_width] < size
-  lse = invariant.logsumexp(masked) if invariant_sums else jax.nn.logsumexp(masked)
+  logsumexp = invariant.logsumexp if invariant_sums else jax.nn.logsumexp
   support = {"ids": jnp.where(first, order[:mask_width], -1).astype(jnp.int32),
-             "logprobs": jnp.where(first, sorted_logp[:mask_width] - lse, 0.0),
+             "logprobs": jnp.where(first, sorted_logp[:mask_width] - logsumexp(masked), 0.0),
              "size": size.astype(jnp.int32)}
   return token, logp[token], support, top
 
