@@ -86,13 +86,15 @@ def test_exact_pass_holds_the_engines_copy_of_the_weights(weight_dtype, served_d
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
-def test_a_rows_values_do_not_depend_on_the_batch(dtype):
-  """Each row alone equals the same row inside a batch of 17 (another kernel for XLA's own products)."""
+@pytest.mark.parametrize("width", [64, 37])
+def test_a_rows_values_do_not_depend_on_the_batch(dtype, width):
+  """Each row alone equals the same row inside a batch of 17 (another kernel for XLA's own products),
+  at a width of whole vectors and at one that leaves a remainder (37)."""
   rng = np.random.default_rng(2)
   carry = lambda a: np.asarray(jit(lambda v: invariant.round_to(v, dtype))(a))
-  x = carry(rng.standard_normal((17, 64)).astype(np.float32))
-  w = carry(rng.standard_normal((64, 48)).astype(np.float32) * 0.2)
-  norm = carry(rng.standard_normal(64).astype(np.float32) + 1)
+  x = carry(rng.standard_normal((17, width)).astype(np.float32))
+  w = carry(rng.standard_normal((width, 48)).astype(np.float32) * 0.2)
+  norm = carry(rng.standard_normal(width).astype(np.float32) + 1)
   fns = {"linear": lambda v: invariant.linear(v, w, None, dtype), "rms_norm": lambda v: invariant.rms_norm(v, norm, 1e-6, dtype),
          "log_softmax": invariant.log_softmax, "softmax": invariant.softmax, "logsumexp": invariant.logsumexp,
          "temperature_log_softmax": lambda v: invariant.temperature_log_softmax(v * 3, jnp.float32(0.7)),
