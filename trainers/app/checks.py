@@ -45,6 +45,9 @@ def check_exact(cfg) -> None:
   """`rollout.placement.exact`: what exact mode cannot hold (ConfigError), and what it changes nothing for (a
   warning), before anything starts."""
   r, loss = cfg.rollout, cfg.loss
+  if jax.default_backend() != "cpu":
+    raise mis_jax.ConfigError(f"rollout.placement.exact is built and verified on XLA:CPU (its programs' compile options "
+                              f"and the kernels it was checked against); this run's backend is {jax.default_backend()}")
   if r.placement.engine != "embedded":
     raise mis_jax.ConfigError(f"rollout.placement.exact needs rollout.placement.engine embedded (this package's engine "
                               f"in batch-invariant arithmetic); {r.placement.engine} decodes with its own kernels, whose "

@@ -84,6 +84,8 @@ class GenerationEngine:
       raise ValueError(f"sampling_mask_max_tokens must be positive, got {sampling_mask_max_tokens}")
     if arithmetic == "batch_invariant" and quantize != "none":
       raise ValueError(f"arithmetic batch_invariant serves unquantised weights, got quantize {quantize!r}")
+    if arithmetic == "batch_invariant" and jax.default_backend() != "cpu":
+      raise ValueError(f"arithmetic batch_invariant is built and verified on XLA:CPU, not {jax.default_backend()}")
     self.sampling_mask_max_tokens = sampling_mask_max_tokens
     self.enable_return_routed_experts = enable_return_routed_experts
     self.model_path = os.path.abspath(model_path)
