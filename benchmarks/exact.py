@@ -119,7 +119,7 @@ def proof_run(root: str, name: str, *, exact: bool, mode: str, dtype: str, steps
     gaps.append(max(float(np.max(np.abs(np.asarray(o, np.float64) - np.asarray(r, np.float64))))
                     for o, r in zip(cols["old_logprobs"], cols["rollout_logprobs"]) if r))
   keys = ("mis_k3_kl", "train_rollout_logprob_abs_diff", "mis_is_ratio_min_final", "mis_is_ratio_max_final",
-          "grad_norm", "reward_mean")
+          "grad_norm", "reward_mean", "ppo_kl", "pg_clipfrac")
   out = {"name": name, "exact": exact, "mode": mode, "dtype": dtype, "seconds": round(time.perf_counter() - t0, 1),
          "max_abs_logprob_diff": gaps, **{k: [float(h[k]) for h in history] for k in keys}}
   zero = all(k == 0.0 for k in out["mis_k3_kl"]) and all(g == 0.0 for g in gaps)
@@ -206,11 +206,12 @@ def table_cost(rows: list[dict]) -> str:
 
 
 def table_proof(rows: list[dict]) -> str:
-  lines = ["| run | steps | max mis_k3_kl | max \\|old − rollout\\| | IS weights exactly 1 | grad norm > 0 every step |",
-           "|---|---|---|---|---|---|"]
+  lines = ["| run | steps | max mis_k3_kl | max \\|old − rollout\\| | IS weights exactly 1 | grad norm > 0 every step "
+           "| mean \\|ppo_kl\\| | mean pg_clipfrac | final reward |", "|---|---|---|---|---|---|---|---|---|"]
   for r in rows:
     lines.append(f"| {r['name']} | {len(r['mis_k3_kl'])} | {max(r['mis_k3_kl']):.2e} | {max(r['max_abs_logprob_diff']):.2e} "
-                 f"| {r['is_weights_exactly_one']} | {r['nonzero_gradient_every_step']} |")
+                 f"| {r['is_weights_exactly_one']} | {r['nonzero_gradient_every_step']} | "
+                 f"{np.mean(np.abs(r['ppo_kl'])):.1e} | {np.mean(r['pg_clipfrac']):.1e} | {r['reward_mean'][-1]:.3f} |")
   return "\n".join(lines)
 
 
