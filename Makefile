@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: venv engine browser test test-all test-fast demo fleet-demo demo-agent demo-sglang-jax docs docs-check example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-engines bench-colocated bench-colocated-sglang-jax bench-agents bench-fleet bench-gpu clean
+.PHONY: venv engine browser test test-all test-fast demo fleet-demo demo-agent demo-sglang-jax docs docs-check example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-exact bench-engines bench-colocated bench-colocated-sglang-jax bench-agents bench-fleet bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -80,6 +80,9 @@ bench-memory: $(STAMP)  ## compiled per-device memory of the training step, 8 si
 
 bench-replay: $(STAMP)  ## truncated sampling vs sampling-mask replay on the embedded server (the table in docs/guides/trainer.md)
 	$(PY) -m benchmarks.sampling_replay
+
+bench-exact: $(STAMP)  ## exact mode: XLA:CPU's row-dependence probe, 20 demo steps of zero mismatch (bf16/f32, colocated/serve) and the control, the cost against the default (docs/performance.md)
+	$(PY) -m benchmarks.exact
 
 bench-colocated: $(STAMP)  ## our step colocated and with the embedded server against tunix's GRPO (docs/performance.md)
 	$(PY) -m benchmarks.colocated

@@ -172,6 +172,11 @@ class PlacementSection:
   server_dtype: str = key("bfloat16", "embedded server precision", choices=DTYPES)
   server_quantize: str = key("none", "embedded server's weight-only quantisation of Linear kernels (per-channel "
                              "scales, on top of `server_dtype`)", choices=("none", "int8", "fp8"))
+  exact: bool = key(False, "exact mode (contract §13): the embedded engine (colocated or `mis-jax serve "
+                    "--arithmetic batch_invariant`) and the trainer's old-log-prob pass compute in batch-invariant "
+                    "arithmetic on the same weights (the pass in `server_dtype` on the engine's copy), so the "
+                    "sampled tokens' log-probs are equal bit for bit for fresh weights and a sample's do not depend "
+                    "on its batch; slower rollouts and old-log-prob pass (docs/performance.md)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,7 +313,8 @@ def config_keys(section_cls, prefix: str):
 
 # The flat rollout keys before the rollout section was split: each names where it lives now.
 # (Keys added to the nested sections since were never flat.)
-NEVER_FLAT = {"rollout.transport.router", "rollout.transport.router_poll_s", "rollout.sampling.top_logprobs_num"}
+NEVER_FLAT = {"rollout.transport.router", "rollout.transport.router_poll_s", "rollout.sampling.top_logprobs_num",
+              "rollout.placement.exact"}
 MOVED = {f"rollout.{path.rpartition('.')[2]}": path for path, _, _ in config_keys(RolloutSection, "rollout")
          if path.count(".") == 2 and path != "rollout.placement.mode" and path not in NEVER_FLAT}
 MOVED["rollout.placement"] = "rollout.placement.mode"  # was a string; the name is the section's now

@@ -50,7 +50,7 @@ def build_learner(spec: RunSpec, start_dir: str) -> tuple[Learner, memory_plan.M
   model = dataclasses.replace(cfg.model, layer_loop=spec.layer_loop[0])
   choice = model_choice(model_cfg, model, spec.mesh, memory_plan.probe_shape(cfg.train, spec.extras))
   model = dataclasses.replace(model, remat=choice.remat, attention=choice.attention)
-  fns = step_functions(model_cfg, model, cfg.loss, spec.temperature, cfg.train, spec.mesh)
+  fns = step_functions(model_cfg, model, cfg.loss, spec.temperature, cfg.train, spec.mesh, exact_pass(cfg))
   params = load_hf_params(start_dir, fns.abstract_params, fns.param_shardings, config=model_cfg)
   r = cfg.rollout
   learner = Learner(fns, spec.plan, params=params, mesh=spec.mesh, seed=cfg.seed, ppo_epochs=cfg.train.ppo_epochs,
@@ -116,12 +116,21 @@ def model_choice(model_cfg: ModelConfig, model: ModelSection, mesh,
   return memory_plan.choose(model.remat, model.attention, predict, budget)
 
 
+def exact_pass(cfg: TrainConfig) -> tuple[str, str] | None:
+  """Exact mode's `(served dtype, pushed dtype)` (`rollout.placement.exact`), the casts that make the
+  engine's copy of the weights; None without exact mode."""
+  r = cfg.rollout
+  if not r.placement.exact:
+    return None
+  return r.placement.server_dtype, r.sync.weight_dtype or r.placement.server_dtype
+
+
 @functools.lru_cache(maxsize=8)
 def step_functions(model_cfg: ModelConfig, model: ModelSection, loss_cfg: mis_jax.LossConfig,
-                   temperature: float, train_cfg, mesh) -> StepFunctions:
+                   temperature: float, train_cfg, mesh, exact: tuple[str, str] | None = None) -> StepFunctions:
   """The jitted step functions, shared by trainers with the same setup (so a resumed or
   repeated run in one process does not compile again)."""
-  return build_step_functions(model_cfg, mesh, loss_cfg, train_cfg, temperature=temperature,
+  return build_step_functions(model_cfg, mesh, loss_cfg, train_cfg, temperature=temperature, exact=exact,
                               **model_options(model, model_cfg))
 
 

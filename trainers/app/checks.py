@@ -41,6 +41,26 @@ def check_sglang_jax(cfg) -> None:
         "--prepare --trainer) -m trainers.cli train ...` (docs/guides/trainer.md, colocated rollouts)")
 
 
+def check_exact(cfg) -> None:
+  """`rollout.placement.exact`: what exact mode cannot hold (ConfigError), and what it changes nothing for (a
+  warning), before anything starts."""
+  r, loss = cfg.rollout, cfg.loss
+  if jax.default_backend() != "cpu":
+    raise mis_jax.ConfigError(f"rollout.placement.exact is built and verified on XLA:CPU (its programs' compile options "
+                              f"and the kernels it was checked against); this run's backend is {jax.default_backend()}")
+  if r.placement.engine != "embedded":
+    raise mis_jax.ConfigError(f"rollout.placement.exact needs rollout.placement.engine embedded (this package's engine "
+                              f"in batch-invariant arithmetic); {r.placement.engine} decodes with its own kernels, whose "
+                              "log-probs no trainer pass reproduces bit for bit")
+  if r.placement.server_quantize != "none":
+    raise mis_jax.ConfigError(f"rollout.placement.exact serves unquantised weights: rollout.placement.server_quantize "
+                              f"{r.placement.server_quantize!r} runs XLA's quantised products; set it to none")
+  if not loss.needs_old_logprobs:
+    warnings.warn(f"rollout.placement.exact with loss.algorithm {loss.algorithm}: the loss takes the rollout's "
+                  "log-probs as the old policy's and makes no old-log-prob pass, so exact mode only makes the "
+                  "rollouts batch-invariant (contract §13)")
+
+
 def check_config(cfg: TrainConfig, task, model_cfg: ModelConfig, rollout: RolloutSettings, *, max_new_tokens: int,
                  agent: bool) -> None:
   """Checks across sections (the loss among them), the files they name, the model and the task
@@ -105,6 +125,8 @@ def check_config(cfg: TrainConfig, task, model_cfg: ModelConfig, rollout: Rollou
       raise mis_jax.ConfigError(f"rollout.placement.mode colocated runs one engine in the trainer's process; with "
                                 f"{jax.process_count()} processes each would need its own share of the prompts, "
                                 "which is not supported yet: use rollout.placement.mode server (SGLang servers over HTTP)")
+  if r.placement.exact:
+    check_exact(cfg)
   if r.placement.engine == "sglang-jax":
     check_sglang_jax(cfg)
   if os.path.isfile(cfg.run_dir):

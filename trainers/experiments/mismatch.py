@@ -21,6 +21,11 @@ CI-sized version of the same pipeline):
 - **Proximal policy** (`PROXIMAL`, `--design proximal`): decoupled PPO (token TIS, MIS) with
   the old log-probs recomputed or interpolated by weight versions (`, loglinear`, contract
   §6.3), under the fp8 engine synchronous and synced every 4 steps; `train_s` per step.
+- **Exact mode** (`EXACT`, `--design exact`): standard PPO (no correction) and the MIS arm under a
+  bf16 engine, with and without exact mode (`rollout.placement.exact`: the engine and the trainer's
+  old-log-prob pass in batch-invariant arithmetic, contract §13), fresh and synced every 4 steps
+  (stale rollouts, which exactness cannot make on-policy); `exact_table` pairs each arm's exact runs
+  with its default ones, seed by seed.
 - **Score centering** (`CENTERING`, `--design centering`): standard PPO and the MIS arm, each
   without and with score centering (`+ centering`, contract §6.6; the sampler's top-`TOP_K`
   log-probs asked for), under the bf16 and fp8 engines and fp8 synced every 4 steps; the
@@ -123,16 +128,21 @@ class Setting:
   server_dtype: str = "bfloat16"
   server_quantize: str = "none"
   sync_every: int = 1
+  exact: bool = False  # rollout.placement.exact: the engine in batch-invariant arithmetic, the exact pass
 
 
 SETTINGS = {
     "fp32": Setting("float32", "none", 1),
     "bf16": Setting("bfloat16", "none", 1),
+    "bf16, exact": Setting("bfloat16", "none", 1, exact=True),
     "int8": Setting("bfloat16", "int8", 1),
     "fp8": Setting("bfloat16", "fp8", 1),
+    "bf16, sync 4": Setting("bfloat16", "none", 4),
+    "bf16, exact, sync 4": Setting("bfloat16", "none", 4, exact=True),
     "fp8, sync 4": Setting("bfloat16", "fp8", 4),
     "fp8, sync 8": Setting("bfloat16", "fp8", 8),
 }
+EXACT_PAIRS = {"bf16, exact": "bf16", "bf16, exact, sync 4": "bf16, sync 4"}  # exact mode's setting: its default
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +206,10 @@ PROXIMAL = Design(arms=("standard PPO", "decoupled + token TIS", "decoupled + to
 # engines and the stale fp8 one (the drift compounds across syncs, the paper's claim).
 CENTERING = Design(arms=("standard PPO", "standard PPO" + CENTERED, "decoupled + MIS", "decoupled + MIS" + CENTERED),
                    settings=("bf16", "fp8", "fp8, sync 4"), probe_settings=())
+# Exact mode against the default bf16 engine, without and with the MIS correction, fresh and stale.
+EXACT = Design(arms=("standard PPO", "decoupled + MIS"),
+               settings=("bf16", "bf16, exact", "bf16, sync 4", "bf16, exact, sync 4"), probe_settings=(),
+               seeds=tuple(range(10)))
 # The CI-sized pipeline (`--quick`); its centred arm runs the top-k request and the centring tables.
 QUICK = Design(arms=("standard PPO", "decoupled + MIS", "decoupled + MIS" + CENTERED), settings=("fp8, sync 4",),
                probe_settings=(),
@@ -204,7 +218,8 @@ QUICK = Design(arms=("standard PPO", "decoupled + MIS", "decoupled + MIS" + CENT
 
 
 # The designs run by `--design NAME` into OUT/NAME.
-DESIGNS = {"moe": MOE, "forms": FORMS, "controller": CONTROLLER, "proximal": PROXIMAL, "centering": CENTERING}
+DESIGNS = {"moe": MOE, "forms": FORMS, "controller": CONTROLLER, "proximal": PROXIMAL, "centering": CENTERING,
+           "exact": EXACT}
 
 
 def _init_dir(out: str, design: Design, seed: int) -> str:
@@ -240,7 +255,8 @@ def _train_config(out: str, design: Design, setting: Setting, seed: int, run_dir
       "task": {"name": "copy_digits", "num_digits": design.num_digits},
       "rollout": {"prompts_per_step": design.prompts_per_step, "n": design.n, "sampling": sampling,
                   "sync": {"sync_every": setting.sync_every},
-                  "placement": {"server_dtype": setting.server_dtype, "server_quantize": setting.server_quantize}},
+                  "placement": {"server_dtype": setting.server_dtype, "server_quantize": setting.server_quantize,
+                                "exact": setting.exact}},
       "train": {"steps": design.steps, "learning_rate": design.learning_rate, "ppo_epochs": design.ppo_epochs,
                 "tokens_per_micro_batch": 128 * row_len, "row_len": row_len},
       "checkpoint": {"every": every, "max_to_keep": 1}})
@@ -273,6 +289,7 @@ def run_experiment(out: str, design: Design = FULL, *, resume: bool = False, log
       continue
     with EmbeddedServer(_init_dir(out, design, design.seeds[0]), dtype=setting.server_dtype,
                         quantize=setting.server_quantize, seed=0,
+                        arithmetic="batch_invariant" if setting.exact else "default",
                         extra_args=("--enable-return-routed-experts",) if _is_moe(design) else ()) as server:
       for arm, seed in todo:
         run_dir = os.path.join(out, "runs", "tmp")
@@ -454,6 +471,29 @@ def routing_table(results: dict) -> str:
   return "\n".join(lines)
 
 
+def exact_table(results: dict) -> str:
+  """Exact mode's own effect: per arm and staleness, the paired difference (same seeds) of the exact
+  setting to its default one (`EXACT_PAIRS`) in final reward, AUC and drawdown, mean [95% CI], and
+  both settings' mean `mis_k3_kl` and |Δ log p|."""
+  rows = {(r["setting"], r["arm"]): r for r in results["summary"]}
+  window = results["design"]["final_window"]
+  lines = ["| arm | setting vs default | Δ final reward | Δ AUC | Δ drawdown | mis_k3_kl, exact / default "
+           "| abs diff, exact / default |", "|---|---|---|---|---|---|---|"]
+  fns = {"final_reward": lambda r: final_reward(r, window), "auc": auc, "drawdown": lambda r: drawdown(r, window)}
+  for arm in results["design"]["arms"]:
+    for exact, default in EXACT_PAIRS.items():
+      a = {r["seed"]: r for r in results["runs"] if r["arm"] == arm and r["setting"] == exact}
+      b = {r["seed"]: r for r in results["runs"] if r["arm"] == arm and r["setting"] == default}
+      common = sorted(set(a) & set(b))
+      if len(common) < 2:
+        continue
+      cells = [_diff(t_interval([fn(a[s]) - fn(b[s]) for s in common])) for fn in fns.values()]
+      k3 = " / ".join(f"{rows[(s, arm)]['mis_k3_kl']:.2e}" for s in (exact, default))
+      ad = " / ".join(f"{rows[(s, arm)]['train_rollout_logprob_abs_diff']:.2e}" for s in (exact, default))
+      lines.append(f"| {arm} | {exact} vs {default} | " + " | ".join(cells) + f" | {k3} | {ad} |")
+  return "\n".join(lines)
+
+
 CENTERING_METRICS = ("score_centering_drift", "score_centering_residual_bound", "score_centering_tv",
                      "score_centering_tail_mass")
 
@@ -578,7 +618,8 @@ def main(argv=None):
                       help="default: the grid (OUT) and the collapse search (OUT/stress); moe: the mixture-of-experts "
                       "arm (OUT/moe); forms: GSPO and CISPO with and without MIS (OUT/forms); controller: auto "
                       "bounds under fp8 (OUT/controller); proximal: the old log-probs recomputed or interpolated (OUT/proximal); "
-                      "centering: score centering alone and with MIS (OUT/centering)")
+                      "centering: score centering alone and with MIS (OUT/centering); exact: exact mode against a bf16 "
+                      "engine, with and without MIS, fresh and stale (OUT/exact)")
   parser.add_argument("--resume", action="store_true", help="keep the runs OUT/results.json already has")
   args = parser.parse_args(argv)
   # The full experiment is the grid (OUT) and the collapse search (OUT/stress).
@@ -600,6 +641,9 @@ def main(argv=None):
     if _is_moe(design):
       print()
       print(routing_table(results))
+    if any(s in EXACT_PAIRS for s in design.settings):
+      print()
+      print(exact_table(results))
     if centred:
       print()
       print(centering_table(results))

@@ -20,7 +20,7 @@ import mis_jax
 from trainers.learner import plan as plan_lib
 from trainers.learner.batch import StepBatch
 from trainers.learner.plan import StageInput, StepOutcome, StepPlan
-from trainers.learner.step import ROUTING, Forward, Heads, ModelInputs, StepFunctions
+from trainers.learner.step import Forward, Heads, ModelInputs, StepFunctions
 from trainers.rollout import extras as extras_lib
 from trainers.runtime import distributed, parallel
 from trainers.runtime.errors import TrainingError
@@ -85,7 +85,7 @@ class Learner:
 
   # --- the parts ---------------------------------------------------------------------------
   def _policy_pass(self, forward: Forward) -> Part:
-    replay_native = forward == ROUTING and self.plan.replay_native_routing  # R2: the native routing from here on
+    replay_native = forward.routing and self.plan.replay_native_routing  # R2: the native routing from here on
 
     def run(state: StepState) -> None:
       state.heads[forward] = self.fns.forward(forward)(self.params, state.inputs, state.batch.segment_ids)
@@ -95,7 +95,7 @@ class Learner:
 
   def _compare_routing(self, state: StepState) -> None:
     recorded = state.sb.extras.get(extras_lib.RoutedExperts.name)  # the routed experts the server recorded
-    state.side_metrics.update(routing_metrics(distributed.to_host(state.heads[ROUTING].routing), recorded))
+    state.side_metrics.update(routing_metrics(distributed.to_host(state.heads[self.plan.routing_pass].routing), recorded))
 
   def _old_logprobs(self, state: StepState) -> None:
     state.batch = state.batch.replace(old_logprobs=state.heads[self.plan.old_logprobs].logprobs)

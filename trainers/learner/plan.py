@@ -10,7 +10,9 @@ baseline → re-select the covariance forms' tokens from the final advantages), 
 Where that is exact (`old_logprobs_source`: one epoch, the plain pass the only policy pass, no
 advantage stage) and the step has one micro-batch, the old log-probs are the update's own
 forward's instead (`fused_old_logprobs`: `StepFunctions.train_fused`, with `prepare_step` inside;
-no separate pass), as verl does on policy. It returns a `StepOutcome`.
+no separate pass), as verl does on policy. In exact mode (`rollout.placement.exact`) the old log-probs
+come from the exact pass (`EXACT`: the engine's arithmetic on its copy of the weights), never from
+the update's forward. It returns a `StepOutcome`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 import mis_jax
 from trainers.runtime import distributed
 from trainers.learner.batch import StepBatch
-from trainers.learner.step import LOGPROBS, ROUTING, SUM_SQ, Forward, Heads
+from trainers.learner.step import EXACT, EXACT_ROUTING, LOGPROBS, ROUTING, SUM_SQ, Forward, Heads
 
 __all__ = ["StepPlan", "StepOutcome", "StageInput", "Stage", "plan_step", "old_logprobs_source", "compose_stages", "run_stages",
            "sequence_advantages", "exclude_rejected", "token_baseline", "reselect_covariance"]
@@ -69,6 +71,11 @@ class StepPlan:
     return f"old log-probs: a separate {self.old_logprobs.name} pass ({self.old_logprobs_reason})"
 
   @property
+  def routing_pass(self) -> Forward | None:
+    """The pass giving the native routed experts (`ROUTING`, or exact mode's `EXACT_ROUTING`; None: none)."""
+    return next((forward for forward in self.policy_passes if forward.routing), None)
+
+  @property
   def token_baseline(self) -> Forward | None:
     """The pass giving the optimal token baseline its `π` and `Σπ²` (None: no token baseline)."""
     return SUM_SQ if SUM_SQ in self.policy_passes else None
@@ -81,8 +88,11 @@ def plan_step(cfg, routing_replay: str, records_routing: bool) -> StepPlan:
   loss, t = cfg.loss, cfg.train
   otb = t.advantage_estimator == "optimal_token_baseline"
   routing = routing_replay == "r2" or records_routing
+  exact = cfg.rollout.placement.exact and loss.needs_old_logprobs
   passes = []
-  if routing:  # one pass: the old log-probs (r3: under the rollout's routing) and the native routing
+  if exact:  # the old log-probs (and the native routing) as the engine computes them
+    passes.append(EXACT_ROUTING if routing else EXACT)
+  elif routing:  # one pass: the old log-probs (r3: under the rollout's routing) and the native routing
     passes.append(ROUTING)
   elif loss.needs_old_logprobs and not otb:
     passes.append(LOGPROBS)
@@ -112,6 +122,12 @@ def old_logprobs_source(train, old: Forward | None, passes: tuple[Forward, ...],
       raise mis_jax.ConfigError("train.old_logprobs: from_update needs an algorithm with old log-probs (standard or "
                                 "decoupled PPO, proximal: recompute); this one uses none")
     return False, "the algorithm uses none"
+  if old is not None and old.exact:
+    if choice == "from_update":
+      raise mis_jax.ConfigError("train.old_logprobs: from_update with rollout.placement.exact: exact mode's old log-probs "
+                                "are the engine's arithmetic on its copy of the weights (the exact pass), not the "
+                                "update's float32 forward; set train.old_logprobs: auto or separate")
+    return False, "rollout.placement.exact: the engine's arithmetic on its copy of the weights"
   if choice == "separate":
     return False, "train.old_logprobs: separate"
   why_not = []

@@ -13,6 +13,12 @@
   the batch and of the correction's per-token arrays; the step's denominators whole in each)
   accumulating float32 gradients (sharded like the parameters), then the Optax update, in one
   program; parameters and optimiser state are donated;
+- `forward(EXACT)` / `forward(EXACT_ROUTING)` (exact mode, `rollout.placement.exact`): the old
+  policy's log-probs as the engine computes them — the parameters cast as the weight handover casts
+  them (`ExactPass.served`: to the pushed, then to the served dtype), the decoder in batch-invariant
+  arithmetic (`trainers.models.invariant`) in the served dtype, the log-probs of the sampler's own
+  `log_softmax(logits / T)` (over the replayed support, renormalised, with sampling replay): bit
+  for bit the engine's for samples of these weights (contract §13);
 - `train_fused(params, opt_state, inputs, batch, key)`: the same program for a step of one
   micro-batch whose old policy is the parameters being updated (one epoch): the old log-probs
   are the training forward's own, stop-gradient, and `prepare_step` runs inside the
@@ -40,7 +46,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import mis_jax
 from trainers.runtime import parallel
-from trainers.models.hf_io import abstract_model
+from trainers.models import invariant
+from trainers.models.hf_io import DTYPES, abstract_model
 
 class ModelInputs(NamedTuple):
   """Model inputs of packed rows: `input_ids`, `positions`, `targets` (next tokens), int32, and
@@ -76,16 +83,18 @@ class Heads(NamedTuple):
 
 class Forward(NamedTuple):
   """Which heads a jitted pass over a step's batch yields besides the log-probs (its program and
-  its name in the trace counts)."""
+  its name in the trace counts); `exact`: exact mode's pass (the engine's arithmetic and weights)."""
   sum_sq: bool = False
   routing: bool = False
+  exact: bool = False
 
   @property
   def name(self) -> str:
-    return "logprobs" + "_sum_sq" * self.sum_sq + "_routing" * self.routing
+    return "logprobs" + "_sum_sq" * self.sum_sq + "_routing" * self.routing + "_exact" * self.exact
 
 
 LOGPROBS, SUM_SQ, ROUTING = Forward(), Forward(sum_sq=True), Forward(routing=True)
+EXACT, EXACT_ROUTING = Forward(exact=True), Forward(routing=True, exact=True)
 
 
 class FusedStep(NamedTuple):
@@ -183,6 +192,77 @@ def _head_logprobs(model, hidden, inputs: ModelInputs, *, temperature, chunk_siz
                                                                                                  *args)
 
 
+class ExactPass(NamedTuple):
+  """Exact mode's old-log-prob pass (`rollout.placement.exact`): the engine's `served_dtype` and the
+  `weight_dtype` the handover casts the parameters to first, and the batch-invariant decoder's
+  graph in the served dtype."""
+  served_dtype: str
+  weight_dtype: str
+  graphdef: object
+
+  def served(self, params):
+    """The parameters as the engine holds them: each float array rounded to `weight_dtype` (what the
+    handover sends), then to `served_dtype` (what the engine casts to), stored in `served_dtype`.
+    `lax.reduce_precision` rounds as a cast does (to nearest, ties to even) and, unlike a cast
+    pair, is never folded away by XLA."""
+    served = DTYPES[self.served_dtype]
+
+    def cast(x):
+      if not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+      y = invariant.round_to(x.astype(jnp.float32), DTYPES[self.weight_dtype])
+      return invariant.round_to(y, served).astype(served)
+    return jax.tree.map(cast, params)
+
+
+def exact_logprobs(model, hidden, targets, support, temperature, *, chunk_size: int):
+  """Per-token log-probs as exact mode's sampler reports them (`trainers.serving.embedded.sampler`):
+  `invariant.temperature_log_softmax(logits, T)[target]`, and with a replayed `support` (`[..., K]`
+  ids, `-1` padded; an empty row is the whole vocabulary) renormalised over it:
+  `lp[target] - invariant.logsumexp(lp restricted to the support)`. `hidden [B, T, D]` from a
+  batch-invariant `model`; `chunk_size` tokens' logits at a time (the values do not depend on it)."""
+  b, t, d = hidden.shape
+  n = b * t
+  size = min(chunk_size, n)
+  pad = -n % size
+  flat = lambda x, fill: jnp.pad(x.reshape((n,) + x.shape[2:]), ((0, pad),) + ((0, 0),) * (x.ndim - 2),
+                                 constant_values=fill)
+  chunks = lambda x: x.reshape(((n + pad) // size, size) + x.shape[1:])
+  xs = (chunks(flat(hidden, 0.0)), chunks(flat(targets, 0))) + ((chunks(flat(support, -1)),) if support is not None
+                                                                  else ())
+
+  def one(args):
+    h, y = args[:2]
+    lp = invariant.temperature_log_softmax(model.logits(h), temperature)
+    picked = jnp.take_along_axis(lp, y[:, None], axis=-1)[:, 0]
+    if support is None:
+      return picked
+    ids = args[2]
+    vocab = lp.shape[-1]
+    listed = jnp.any(ids[:, :, None] == jnp.arange(vocab, dtype=ids.dtype)[None, None, :], axis=1)  # [size, V]
+    kept = listed | ~jnp.any(ids >= 0, axis=1, keepdims=True)
+    return picked - invariant.logsumexp(jnp.where(kept, lp, -jnp.inf))
+
+  return jax.lax.map(one, xs).reshape(-1)[:n].reshape(b, t)
+
+
+def exact_pass(setup: "StepSetup", heads: Forward, served_params, inputs, segment_ids, temperature) -> Heads:
+  """Exact mode's teacher-forced pass over the micro-batches (`served_params`: `ExactPass.served`'s;
+  `temperature`: a float32 scalar, divided as the sampler divides): `Heads` of `[micro_batches, ...]`,
+  the native routing with `heads.routing`."""
+  def one(xs):
+    mb, seg = xs
+    model = nnx.merge(setup.exact.graphdef, served_params)
+    routing = None
+    if heads.routing:
+      hidden, routing = model.hidden_states(mb.input_ids, mb.positions, seg, routing=mb.routing, return_routing=True)
+    else:
+      hidden = model.hidden_states(mb.input_ids, mb.positions, seg, routing=mb.routing)
+    logp = exact_logprobs(model, hidden, mb.targets, mb.support, temperature, chunk_size=setup.chunk_size)
+    return Heads(logp, routing=None if routing is None else routing.native)
+  return jax.lax.map(one, (inputs, segment_ids))
+
+
 def _micro_batch_weights(batch: mis_jax.PackedBatch, kept_mask, mode: str):
   """Per micro-batch weights of its metrics in the step's: the number of loss-mask and of
   kept tokens (token-mean) or live segments (seq-mean modes), and live segments always.
@@ -238,7 +318,8 @@ def _jit(fn, **kwargs):
 class StepSetup(NamedTuple):
   """What every jitted function of one (model, loss, optimiser, mesh) setup is bound to: the
   model's graph, the optimiser, the loss, the sampling temperature the log-probs use, the
-  log-prob chunk, the mesh, the parameters' shardings and the MoE load-balancing coefficient."""
+  log-prob chunk, the mesh, the parameters' shardings, the MoE load-balancing coefficient and,
+  in exact mode, the exact old-log-prob pass."""
   graphdef: object
   optimizer: optax.GradientTransformation
   loss_cfg: mis_jax.LossConfig
@@ -247,6 +328,7 @@ class StepSetup(NamedTuple):
   mesh: object
   param_shardings: object
   router_aux_loss_coef: float = 0.0
+  exact: ExactPass | None = None
 
 
 def policy_heads(setup: StepSetup, params, inputs: ModelInputs, segment_ids, **heads) -> Heads:
@@ -373,6 +455,15 @@ class StepFunctions:
                     out_shardings=Heads(batch_sh, sum_sq=batch_sh if heads.sum_sq else None,
                                         routing=parallel.batch_sharding(setup.mesh, 5) if heads.routing else None))
         for heads in (LOGPROBS, SUM_SQ, ROUTING)}
+    if setup.exact is not None:  # the cast to the engine's copy, then its arithmetic (its compile options)
+      served = _jit(setup.exact.served, out_shardings=setup.param_shardings)
+      temperature = jnp.float32(setup.temperature)
+      for heads in (EXACT, EXACT_ROUTING):
+        run = _jit(_bound(exact_pass, setup, heads, name=heads.name), compiler_options=invariant.COMPILER_OPTIONS,
+                   out_shardings=Heads(batch_sh, routing=parallel.batch_sharding(setup.mesh, 5) if heads.routing
+                                       else None))
+        self._passes[heads] = functools.partial(
+            lambda run, params, inputs, segment_ids: run(served(params), inputs, segment_ids, temperature), run)
     self.logprobs = self._passes[LOGPROBS]
     self.prepare = _jit(_bound(prepare, setup))
     train_options = {"donate_argnums": (0, 1), "out_shardings": (setup.param_shardings, opt_shardings, replicated)}
@@ -391,10 +482,12 @@ class StepFunctions:
 
 
 def build_step_functions(model_cfg, mesh, loss_cfg: mis_jax.LossConfig, train_cfg, *, temperature: float = 1.0,
-                         logprob_chunk: int = 1024, **model_kwargs) -> StepFunctions:
+                         logprob_chunk: int = 1024, exact: tuple[str, str] | None = None,
+                         **model_kwargs) -> StepFunctions:
   """`StepFunctions` for the registered architecture of `model_cfg` (`model_kwargs`: `dtype`, `param_dtype`,
   `attention`, `remat`) on `mesh`: the parameter shardings from the partition rules, the
-  optimiser state's from them, and the residual stream constrained to the batch split."""
+  optimiser state's from them, and the residual stream constrained to the batch split. `exact`:
+  exact mode's `(served_dtype, weight_dtype)` (the `EXACT` passes), or None."""
   if mesh.size > 1:
     model_kwargs.setdefault("activation_sharding", parallel.activation_sharding(mesh))
   graphdef, abstract = nnx.split(abstract_model(model_cfg, **model_kwargs))
@@ -402,6 +495,13 @@ def build_step_functions(model_cfg, mesh, loss_cfg: mis_jax.LossConfig, train_cf
   param_shardings = parallel.param_shardings(abstract, mesh, model_cfg.family)
   opt_shardings = parallel.state_shardings(jax.eval_shape(optimizer.init, abstract), abstract, param_shardings,
                                            mesh)
+  exact_pass_ = None
+  if exact is not None:
+    served_dtype, weight_dtype = exact
+    exact_graph, _ = nnx.split(abstract_model(model_cfg, dtype=DTYPES[served_dtype], param_dtype=DTYPES[served_dtype],
+                                              arithmetic="batch_invariant",
+                                              layer_loop=model_kwargs.get("layer_loop", "scan")))
+    exact_pass_ = ExactPass(served_dtype, weight_dtype, exact_graph)
   setup = StepSetup(graphdef, optimizer, loss_cfg, temperature, logprob_chunk, mesh, param_shardings,
-                    getattr(train_cfg, "router_aux_loss_coef", 0.0) if model_cfg.is_moe else 0.0)
+                    getattr(train_cfg, "router_aux_loss_coef", 0.0) if model_cfg.is_moe else 0.0, exact_pass_)
   return StepFunctions(setup, opt_shardings=opt_shardings, abstract_params=abstract)

@@ -43,7 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from trainers.models.attention import ATTENTION_BACKENDS, dense_attention, packed_attention
+from trainers.models import invariant
+from trainers.models.attention import ATTENTION_BACKENDS, dense_attention, packed_attention, segment_mask
 from trainers.models.config import ModelConfig
 from trainers.models.moe import MOE_DISPATCH, SparseMoeBlock, load_balancing_loss
 
@@ -143,12 +144,15 @@ def _expand(x: jax.Array, ndim: int) -> jax.Array:
 class RMSNorm(nnx.Module):
   """`w * x / sqrt(mean(x², -1) + eps)`, normalised in float32 then cast back, as in HF."""
 
-  def __init__(self, dim: int, *, eps: float, dtype, param_dtype):
+  def __init__(self, dim: int, *, eps: float, dtype, param_dtype, arithmetic: str = "default"):
     self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
     self.eps = eps
     self.dtype = dtype
+    self.arithmetic = arithmetic
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    if self.arithmetic == "batch_invariant":
+      return invariant.rms_norm(x, self.weight[...], self.eps, self.dtype)
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
     return _expand(self.weight[...].astype(self.dtype), x.ndim) * x32.astype(self.dtype)
@@ -199,7 +203,7 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | None, theta:
 
 class Attention(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, arithmetic: str = "default", rngs: nnx.Rngs):
     init = nnx.initializers.normal(cfg.initializer_range)
     dense = lambda i, o, bias: nnx.Linear(i, o, use_bias=bias, kernel_init=init, dtype=dtype,
                                           param_dtype=param_dtype, rngs=rngs)
@@ -211,14 +215,17 @@ class Attention(nnx.Module):
     self.o_proj = dense(h * d, cfg.hidden_size, features.o_bias)
     self.qk_norm = features.qk_norm
     if self.qk_norm:
-      self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
-      self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+      self.q_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype, arithmetic=arithmetic)
+      self.k_norm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype, arithmetic=arithmetic)
     self.cfg = cfg
     self.dtype = dtype
+    self.arithmetic = arithmetic
 
   def __call__(self, x, positions, attend: Callable, cache: CacheSlots | None):
     """`attend(q [B, T, H, D], k, v [B, S, KV, D]) -> [B, T, H, D]`. With a cache, the new
     keys/values are first written into it (`CacheSlots.write`) and `k, v` are its window."""
+    if self.arithmetic == "batch_invariant":
+      return self._invariant(x, positions, attend, cache)
     cfg = self.cfg
     b, t, _ = x.shape
     q = self.q_proj(x).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
@@ -234,10 +241,33 @@ class Attention(nnx.Module):
     out = attend(q, k, v).reshape(b, t, -1)
     return self.o_proj(out), cache
 
+  def _invariant(self, x, positions, attend, cache: CacheSlots | None):
+    """`__call__` in batch-invariant arithmetic (`invariant`): float32 carriers of `dtype` values;
+    the cache stores and returns them exactly."""
+    cfg, dtype = self.cfg, self.dtype
+    b, t, _ = x.shape
+    q = _linear(self.q_proj, x, dtype).reshape(b, t, cfg.num_attention_heads, cfg.head_dim)
+    k = _linear(self.k_proj, x, dtype).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+    v = _linear(self.v_proj, x, dtype).reshape(b, t, cfg.num_key_value_heads, cfg.head_dim)
+    if self.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    inv_freq = rope_inv_freq(cfg)
+    q, k = invariant.rope(q, positions, inv_freq, dtype), invariant.rope(k, positions, inv_freq, dtype)
+    if cache is not None:
+      cache = cache.write(k.astype(dtype), v.astype(dtype))  # exact: the carriers hold `dtype` values
+      k, v = (c.astype(jnp.float32) for c in cache.read(dtype))
+    out = attend(q, k, v).reshape(b, t, -1)
+    return _linear(self.o_proj, out, dtype), cache
+
+
+def _linear(layer: nnx.Linear, x: jax.Array, dtype) -> jax.Array:
+  """An `nnx.Linear` in batch-invariant arithmetic."""
+  return invariant.linear(x, layer.kernel[...], None if layer.bias is None else layer.bias[...], dtype)
+
 
 class MLP(nnx.Module):
 
-  def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, arithmetic: str = "default", rngs: nnx.Rngs):
     init = nnx.initializers.normal(cfg.initializer_range)
     bias = cfg.features.mlp_bias
     dense = lambda i, o: nnx.Linear(i, o, use_bias=bias, kernel_init=init, dtype=dtype,
@@ -245,13 +275,21 @@ class MLP(nnx.Module):
     self.gate_proj = dense(cfg.hidden_size, cfg.intermediate_size)
     self.up_proj = dense(cfg.hidden_size, cfg.intermediate_size)
     self.down_proj = dense(cfg.intermediate_size, cfg.hidden_size)
+    self.dtype = dtype
+    self.arithmetic = arithmetic
 
   def __call__(self, x, *, fused: bool = False):
     """`fused`: the gate and up projections as one product with their kernels side by side (the
     same sums per output; one larger GEMM, and in the backward pass one gradient product and one
     transposed copy instead of two of each: the update at the 4-layer bench shape took 572–601 ms
     against 630–700 ms, three runs each on XLA:CPU). The teacher-forced forward without remat
-    fuses (`CausalLM._layers`); decoding and rematerialised layers do not."""
+    fuses (`CausalLM._layers`); decoding and rematerialised layers do not. Batch-invariant
+    arithmetic never fuses them (the same sums either way)."""
+    if self.arithmetic == "batch_invariant":
+      dtype = self.dtype
+      h = invariant.round_to(invariant.round_to(invariant.silu(_linear(self.gate_proj, x, dtype)), dtype)
+                             * _linear(self.up_proj, x, dtype), dtype)
+      return _linear(self.down_proj, h, dtype)
     if not fused:
       return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
     gate, up = self.gate_proj, self.up_proj
@@ -266,27 +304,34 @@ class MLP(nnx.Module):
 class DecoderLayer(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, moe_dispatch: str = "grouped",
-               activation_sharding=None, rngs: nnx.Rngs):
-    norm = lambda: RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+               activation_sharding=None, arithmetic: str = "default", rngs: nnx.Rngs):
+    norm = lambda: RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype,
+                           arithmetic=arithmetic)
     self.input_layernorm = norm()
-    self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, arithmetic=arithmetic, rngs=rngs)
     self.post_attention_layernorm = norm()
     self.is_moe = cfg.features.moe
     if self.is_moe:
       self.mlp = SparseMoeBlock(cfg, dtype=dtype, param_dtype=param_dtype, dispatch=moe_dispatch,
-                                activation_sharding=activation_sharding, rngs=rngs)
+                                activation_sharding=activation_sharding, arithmetic=arithmetic, rngs=rngs)
     else:
-      self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+      self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, arithmetic=arithmetic, rngs=rngs)
+    self.dtype = dtype
+    self.arithmetic = arithmetic
 
   def __call__(self, x, positions, attend, cache, replay=None, valid=None, fuse_mlp=False):
     """Returns `(x, cache, routing)`; `routing` is a `moe.LayerRouting` for a MoE layer, else None.
     `fuse_mlp`: the MLP's gate and up projections as one product (`MLP`)."""
     h, cache = self.self_attn(self.input_layernorm(x), positions, attend, cache)
-    x = x + h
+    if self.arithmetic == "batch_invariant":  # the residual adds rounded to the compute dtype
+      add = lambda a, b: invariant.round_to(a + b, self.dtype)
+    else:
+      add = lambda a, b: a + b
+    x = add(x, h)
     if self.is_moe:
       y, routing = self.mlp(self.post_attention_layernorm(x), replay, valid)
-      return x + y, cache, routing
-    return x + self.mlp(self.post_attention_layernorm(x), fused=fuse_mlp), cache, None
+      return add(x, y), cache, routing
+    return add(x, self.mlp(self.post_attention_layernorm(x), fused=fuse_mlp)), cache, None
 
 
 class CausalLM(nnx.Module):
@@ -308,17 +353,25 @@ class CausalLM(nnx.Module):
       applied at every layer boundary (batch over the data axes, replicated over `tensor`).
     moe_dispatch: a mixture-of-experts model's expert computation (`trainers.models.moe`):
       `grouped` (sorted by expert, `ragged_dot`) or `dense` (every expert on every token).
+    arithmetic: `default` (XLA's kernels) or `batch_invariant` (`trainers.models.invariant`: every
+      float sum left to right, a 16-bit `dtype` emulated in float32 carriers, so a token's values do
+      not depend on its batch, row, padding, or on decoding it over a cache against scoring its
+      sequence at once; `attention`, `moe_dispatch` and the MLP fusion are then unused: attention
+      is dense, the experts dense; a forward only (its programs compile with
+      `invariant.COMPILER_OPTIONS`).
   """
 
   def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
                attention: str = "dense", remat: str = "none", activation_sharding=None,
-               moe_dispatch: str = "grouped", layer_loop: str = "scan", rngs: nnx.Rngs):
+               moe_dispatch: str = "grouped", layer_loop: str = "scan", arithmetic: str = "default",
+               rngs: nnx.Rngs):
     if attention not in ATTENTION_BACKENDS:
       raise ValueError(f"attention={attention!r}; allowed: {', '.join(ATTENTION_BACKENDS)}")
     if remat not in REMAT_POLICIES:
       raise ValueError(f"remat={remat!r}; allowed: {', '.join(REMAT_POLICIES)}")
     if moe_dispatch not in MOE_DISPATCH:
       raise ValueError(f"moe_dispatch={moe_dispatch!r}; allowed: {', '.join(MOE_DISPATCH)}")
+    self.arithmetic = invariant.check_arithmetic(arithmetic)
     self.config = cfg
     self.layer_loop, self.layer_loop_reason = resolve_layer_loop(layer_loop, cfg.num_hidden_layers)
     self.dtype = dtype
@@ -334,14 +387,25 @@ class CausalLM(nnx.Module):
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def stacked(rngs):
       return DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, moe_dispatch=moe_dispatch,
-                          activation_sharding=activation_sharding, rngs=rngs)
+                          activation_sharding=activation_sharding, arithmetic=arithmetic, rngs=rngs)
 
     self.layers = stacked(rngs)
-    self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype)
+    self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype,
+                        arithmetic=arithmetic)
     if not cfg.tie_word_embeddings:
       self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False,
                                 kernel_init=nnx.initializers.normal(cfg.initializer_range),
                                 dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+  @property
+  def invariant(self) -> bool:
+    """Whether the model computes in batch-invariant arithmetic (`arithmetic`)."""
+    return self.arithmetic == "batch_invariant"
+
+  def _embed(self, input_ids: jax.Array) -> jax.Array:
+    if self.invariant:  # a float32 carrier of the compute dtype's values
+      return invariant.carried(jnp.take(self.embed_tokens.embedding[...], input_ids, axis=0), self.dtype)
+    return self.embed_tokens(input_ids)
 
   def _constrain(self, x):
     if self.activation_sharding is None:
@@ -423,7 +487,7 @@ class CausalLM(nnx.Module):
     """
     _check_ids(input_ids, positions, segment_ids)
     valid = segment_ids >= 0
-    x, _, layer_routing = self._layers(self.embed_tokens(input_ids), positions, self._packed_attend(segment_ids),
+    x, _, layer_routing = self._layers(self._embed(input_ids), positions, self._packed_attend(segment_ids),
                                        None, remat=self.remat, replay=self._replay(routing, input_ids.shape),
                                        valid=valid)
     hidden = self.norm(x)
@@ -438,6 +502,9 @@ class CausalLM(nnx.Module):
     fused kernels run per device in a `shard_map` — rows over the batch axes, heads over
     `tensor` when the mesh has one — so each device loops over its own rows' blocks and a
     Pallas kernel sees local arrays; dense attention is left to XLA's partitioner."""
+    if self.invariant:  # dense, its sums ordered; XLA partitions it on a mesh (element-wise: no value changes)
+      mask = segment_mask(segment_ids)
+      return lambda q, k, v: invariant.attention(q, k, v, mask, self.dtype)
     backend = self.attention
     local = lambda q, k, v, seg: packed_attention(q, k, v, seg, backend=backend)
     sharding = self.activation_sharding
@@ -451,7 +518,15 @@ class CausalLM(nnx.Module):
                            check_vma=False)
     return lambda q, k, v: attend(q, k, v, segment_ids)
 
+  def logits(self, hidden: jax.Array) -> jax.Array:
+    """The LM head on final hidden states (`hidden_states`): float32 `[..., vocab]` logits."""
+    return self._logits(hidden)
+
   def _logits(self, x: jax.Array) -> jax.Array:
+    if self.invariant:
+      head, layout = self.head()
+      return invariant.round_to(invariant.matmul(x, invariant.carried(head.T if layout == "vd" else head, self.dtype)),
+                                self.dtype)
     logits = self.embed_tokens.attend(x) if self.config.tie_word_embeddings else self.lm_head(x)
     return logits.astype(jnp.float32)
 
@@ -489,9 +564,12 @@ class CausalLM(nnx.Module):
     positions = jnp.maximum(at[None, :] - start[:, None], 0).astype(jnp.int32)
     keys = jnp.arange(window, dtype=jnp.int32)
     mask = (keys[None, None, :] >= start[:, None, None]) & (keys[None, None, :] <= at[None, :, None])
-    attend = lambda q, k, v: dense_attention(q, k, v, mask)
+    if self.invariant:
+      attend = lambda q, k, v: invariant.attention(q, k, v, mask, self.dtype)
+    else:
+      attend = lambda q, k, v: dense_attention(q, k, v, mask)
     slots = CacheSlots(cache.k, cache.v, jnp.int32(0), jnp.asarray(slot, jnp.int32), window)
-    x, cache, routing = self._layers(self.embed_tokens(input_ids), positions, attend, slots, remat="none")
+    x, cache, routing = self._layers(self._embed(input_ids), positions, attend, slots, remat="none")
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
     out = self._logits(self.norm(x)), cache

@@ -49,6 +49,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from trainers.models import invariant
+
 MOE_DISPATCH = ("dense", "grouped", "ragged_dot")
 
 
@@ -160,7 +162,7 @@ class SparseMoeBlock(nnx.Module):
   """Router (`gate`, HF `mlp.gate.weight [E, H]`) and experts; see the module doc."""
 
   def __init__(self, cfg, *, dtype, param_dtype, dispatch: str = "grouped", activation_sharding=None,
-               rngs: nnx.Rngs):
+               arithmetic: str = "default", rngs: nnx.Rngs):
     if dispatch not in MOE_DISPATCH:
       raise ValueError(f"moe_dispatch={dispatch!r}; allowed: {', '.join(MOE_DISPATCH)}")
     self.gate = nnx.Linear(cfg.hidden_size, cfg.num_experts, use_bias=False,
@@ -172,27 +174,57 @@ class SparseMoeBlock(nnx.Module):
     self.dispatch = dispatch
     self.dtype = dtype
     self.activation_sharding = activation_sharding
+    self.arithmetic = arithmetic
 
   def __call__(self, x: jax.Array, replay: jax.Array | None = None, valid: jax.Array | None = None):
     """`x [B, T, H]`, `replay [B, T, k]` or None, `valid [B, T]` bool (real tokens, for the
     load-balancing statistics) → `(y [B, T, H], LayerRouting)`."""
     b, t, h = x.shape
     flat = x.reshape(b * t, h)
-    probs = jax.nn.softmax(self.gate(flat).astype(jnp.float32), axis=-1)
-    experts, weights, native = route(probs, self.top_k, self.norm_topk_prob,
-                                     None if replay is None else replay.reshape(b * t, -1), self.dtype)
-    kernels = [p.kernel[...].astype(self.dtype) for p in (self.experts.gate_proj, self.experts.up_proj,
-                                                            self.experts.down_proj)]
-    fn = DISPATCH[self.dispatch]
-    if self.activation_sharding is not None:
-      fn = _on_mesh(fn, self.activation_sharding)
-    y = fn(flat.astype(self.dtype), experts, weights, *kernels)
+    if self.arithmetic == "batch_invariant":
+      y, probs, native = self._invariant(flat, None if replay is None else replay.reshape(b * t, -1))
+    else:
+      probs = jax.nn.softmax(self.gate(flat).astype(jnp.float32), axis=-1)
+      experts, weights, native = route(probs, self.top_k, self.norm_topk_prob,
+                                       None if replay is None else replay.reshape(b * t, -1), self.dtype)
+      kernels = [p.kernel[...].astype(self.dtype) for p in (self.experts.gate_proj, self.experts.up_proj,
+                                                              self.experts.down_proj)]
+      fn = DISPATCH[self.dispatch]
+      if self.activation_sharding is not None:
+        fn = _on_mesh(fn, self.activation_sharding)
+      y = fn(flat.astype(self.dtype), experts, weights, *kernels)
     real = (jnp.ones((b * t,), bool) if valid is None else valid.reshape(-1))[:, None]
     num_experts = probs.shape[-1]
     counts = jnp.sum(jnp.where(real[..., None], jax.nn.one_hot(native, num_experts, dtype=jnp.float32), 0.0),
                      axis=(0, 1))
     prob_sums = jnp.sum(jnp.where(real, probs, 0.0), axis=0)
     return y.reshape(b, t, h), LayerRouting(native.reshape(b, t, -1), counts, prob_sums)
+
+
+  def _invariant(self, x, replay):
+    """The block in batch-invariant arithmetic (`invariant`) on float32 carriers `x [N, H]`: the
+    router's product and softmax ordered, the top-k exact, the renormalisation summed in top-k
+    order; every expert on every token (dense), each token's `Σ_j w_j y_{e_j}` left to right in
+    top-k order. Returns `(y, probs, native)`."""
+    dtype = self.dtype
+    probs = invariant.softmax(invariant.linear(x, self.gate.kernel[...], None, dtype))
+    _, native = jax.lax.top_k(probs, self.top_k)
+    native = native.astype(jnp.int32)
+    experts = native if replay is None else jnp.where(replay[:, :1] >= 0, replay, native)
+    w = jnp.take_along_axis(probs, experts, axis=-1)
+    if self.norm_topk_prob:
+      w = w / invariant.ordered_sum(w, -1)[:, None]
+    w = invariant.round_to(w, dtype)
+
+    def expert(wg, wu, wd):  # [H, F], [H, F], [F, H] -> [N, H]
+      gate = invariant.round_to(invariant.silu(invariant.linear(x, wg, None, dtype)), dtype)
+      return invariant.linear(invariant.round_to(gate * invariant.linear(x, wu, None, dtype), dtype), wd, None, dtype)
+
+    e = self.experts
+    outputs = jax.vmap(expert)(e.gate_proj.kernel[...], e.up_proj.kernel[...], e.down_proj.kernel[...])  # [E, N, H]
+    chosen = jnp.take_along_axis(outputs, experts.T[:, :, None], axis=0)  # [k, N, H]
+    y = invariant.round_to(invariant.ordered_contract(w.T[:, :, None], chosen), dtype)
+    return y, probs, native
 
 
 DISPATCH = {"dense": dense_dispatch, "grouped": grouped_dispatch, "ragged_dot": ragged_dot_dispatch}

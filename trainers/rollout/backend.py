@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple
 
 import mis_jax
 from trainers.runtime import distributed
-from trainers.rollout.colocated import EmbeddedLocal, SGLangJaxLocal
+from trainers.rollout.colocated import EmbeddedLocal, SGLangJaxLocal, arithmetic
 from trainers.rollout.fleet import router_client
 from trainers.rollout.servers import NoServers, Sampling, Servers
 from trainers.rollout.client import SGLangClient, http_client
@@ -102,7 +102,7 @@ def start_server(cfg, weights_dir: str, *, is_moe: bool):
     print(f"sglang-jax {sglang_jax.VERSION} server on {server.url} ({r.server_dtype})")
     return server
   server = EmbeddedServer(weights_dir, dtype=r.server_dtype, seed=cfg.seed, quantize=r.server_quantize,
-                          layer_loop=cfg.model.layer_loop,
+                          layer_loop=cfg.model.layer_loop, arithmetic=arithmetic(cfg),
                           extra_args=("--enable-return-routed-experts", "--weight-version", "0"))
-  print(f"embedded SGLang-protocol server on {server.url} ({r.server_dtype})")
+  print(f"embedded SGLang-protocol server on {server.url} ({r.server_dtype}{', exact' if r.exact else ''})")
   return server

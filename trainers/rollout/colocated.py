@@ -28,6 +28,11 @@ from trainers.runtime import parallel
 from trainers.rollout.samples import ServerError
 
 
+def arithmetic(cfg) -> str:
+  """The embedded engine's arithmetic for `cfg`: batch-invariant in exact mode (`rollout.placement.exact`)."""
+  return "batch_invariant" if cfg.rollout.placement.exact else "default"
+
+
 class LocalEngine:
   """An `Engine` in this process. `inner`: a `GenerationEngine`, or sglang-jax's
   (`sglang_jax.routes.InProcessEngine`); its request errors are SGLang's 400s."""
@@ -95,7 +100,7 @@ class EmbeddedLocal(LocalEngine):
     r = cfg.rollout
     engine = cls(GenerationEngine(start_dir, dtype=r.placement.server_dtype, seed=cfg.seed, quantize=r.placement.server_quantize,
                                   weight_version="0", enable_return_routed_experts=True,
-                                  layer_loop=cfg.model.layer_loop))
+                                  layer_loop=cfg.model.layer_loop, arithmetic=arithmetic(cfg)))
     if r.placement.colocated_devices == "mesh":
       engine._spread(mesh, model_config)
     return engine

@@ -15,6 +15,9 @@ import os
 import time
 import warnings
 
+import jax.numpy as jnp
+
+import mis_jax
 from trainers.models import DTYPES
 from trainers.runtime import distributed
 from trainers.runtime.errors import NoServerUp, Preempted, TrainingError, on_primary
@@ -62,6 +65,7 @@ class Servers:
     self._warned_versions = False
     self.at = "start"  # where the run is, for the fleet's events ("step 4", "the weight push after step 4")
     self._deadline: float | None = None  # when the servers' current absence stops the run (once per step)
+    self._warned_exact = False
     self.step_events = dict(NO_RESTARTS)
     if client is not None:  # what happens to the engines is logged with where the run is
       client.log = lambda line: self.log(f"{self.at}: {line}")
@@ -89,7 +93,7 @@ class Servers:
     initial directory), the dtype the first reports (`/server_info`), and the URLs without a
     weight-update route."""
     start = os.path.realpath(self.start_dir)  # (process 0 only: no collective in here)
-    serves_start, dtypes, quantized = True, set(), False
+    serves_start, dtypes, quantized, inexact = True, set(), False, []
     for url in self.client.urls:
       info = self.client.model_info(url)
       path = info.get("model_path")
@@ -100,10 +104,14 @@ class Servers:
         sinfo = {}
       dtypes.add(sinfo.get("dtype"))
       quantized |= sinfo.get("quantization") not in (None, "none", "")
+      if sinfo.get("arithmetic") != "batch_invariant":  # exact mode's engines (contract §13)
+        inexact.append(f"{url} ({sinfo.get('frontend') or 'an SGLang server'}, dtype {sinfo.get('dtype')}, arithmetic "
+                       f"{sinfo.get('arithmetic', 'not reported')})")
     missing = [url for url in self.client.urls if not self.client.has_weight_update_route(url)]
+    served = sorted(map(str, dtypes))
     dtype = dtypes.pop() if len(dtypes) == 1 else None
     return {"serves_start": serves_start, "dtype": dtype if dtype in DTYPES else None, "quantized": quantized,
-            "missing_update_route": missing}
+            "missing_update_route": missing, "dtypes": served, "inexact": inexact}
 
   def _first_push(self, step: int, *, log=print) -> bool:
     """Decides the first weight push (`rollout.sync.initial_sync`) and the pushed dtype, and checks
@@ -115,10 +123,17 @@ class Servers:
     resume always pushes (the servers must get the restored weights)."""
     r, resumed = self.rollout, step > 0
     facts = on_primary(self.facts)
+    if r.placement.exact:
+      self._check_exact(facts)
     self.server_dtype = facts["dtype"] or r.placement.server_dtype
     self.server_quantized = facts["quantized"] or r.placement.server_quantize != "none"
     self.weight_dtype = r.sync.weight_dtype or self.server_dtype
     push = resumed or r.sync.initial_sync == "always" or (r.sync.initial_sync == "auto" and not facts["serves_start"])
+    # Exact mode: an engine serving the starting checkpoint holds it cast to its dtype only; the exact
+    # pass's copy went through the pushed dtype first, which a narrower pushed dtype rounds.
+    narrower = jnp.dtype(DTYPES[self.weight_dtype]).itemsize < jnp.dtype(DTYPES[self.server_dtype]).itemsize
+    if r.placement.exact and narrower and r.sync.initial_sync == "auto":
+      push = True
     first_sync = step + r.sync.sync_every - step % r.sync.sync_every  # the loop's first push
     will_sync = push or first_sync <= self.cfg.train.steps
     if facts["missing_update_route"] and will_sync:
@@ -138,6 +153,22 @@ class Servers:
         log(f"{', '.join(facts['missing_update_route'])} cannot load new weights; none will be pushed in "
             f"{self.cfg.train.steps} steps (rollout.sync.sync_every {r.sync.sync_every})")
     return push
+
+  def _check_exact(self, facts: dict) -> None:
+    """Exact mode (`rollout.placement.exact`): every engine computes in batch-invariant arithmetic, in
+    `rollout.placement.server_dtype` (the trainer's exact pass casts the weights to it), unquantised."""
+    r = self.rollout
+    if facts["inexact"]:
+      raise mis_jax.ConfigError(
+          f"rollout.placement.exact: {', '.join(facts['inexact'])} does not report batch-invariant arithmetic, so its "
+          "log-probs cannot equal the trainer's exact pass; start `mis-jax serve --arithmetic batch_invariant` (or "
+          "give no --sglang-url: the trainer starts one), or set rollout.placement.exact: false")
+    if facts["dtypes"] != [r.placement.server_dtype]:
+      raise mis_jax.ConfigError(f"rollout.placement.exact: the servers serve {', '.join(facts['dtypes'])}, "
+                                f"rollout.placement.server_dtype is {r.placement.server_dtype}: the exact pass computes in "
+                                "the served dtype; set server_dtype to the servers'")
+    if facts["quantized"]:
+      raise mis_jax.ConfigError("rollout.placement.exact: a server serves quantised weights; exact mode needs unquantised ones")
 
   # --- rollouts ---------------------------------------------------------------------------------
   def generate(self, prompts: list, batch: int) -> RolloutResult:
@@ -219,6 +250,11 @@ class Servers:
       return
     max_abs, max_k3, pair = self.mismatch_limits()
     diff, k3 = metrics.get("train_rollout_logprob_abs_diff"), metrics.get("mis_k3_kl")
+    if self.rollout.placement.exact and diff and not self._warned_exact:  # fresh samples: equal bit for bit
+      self._warned_exact = True
+      warnings.warn(f"step {step + 1}: rollout.placement.exact, the engine held the trainer's weights, yet the old and "
+                    f"the rollout log-probs differ (mean |Δ log p| {diff:.3g}, mis_k3_kl {k3:.3g}): exactness is "
+                    "broken (contract §13 lists what breaks it, e.g. a pause in place across this step's update)")
     if diff is None or k3 is None or (diff <= max_abs and k3 <= max_k3):
       return
     raise TrainingError(

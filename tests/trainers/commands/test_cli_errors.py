@@ -151,6 +151,12 @@ def test_paths_urls_and_cross_key_checks(tmp_path, capsys):
       (["--set", "checkpoint.every=5", "--set", "rollout.sync.sync_every=2"], ("checkpoint.every (5)", "sync_every (2)")),
       (["--set", "parallel.data=3"], ("parallel", "data=3", "does not divide")),
       (["--set", "parallel.tensor=8"], ("parallel.tensor=8", "num_attention_heads")),
+      (["--set", "rollout.placement.exact=true", "--set", "rollout.placement.engine=sglang-jax"],
+       ("rollout.placement.exact needs rollout.placement.engine embedded", "sglang-jax")),
+      (["--set", "rollout.placement.exact=true", "--set", "rollout.placement.server_quantize=fp8"],
+       ("rollout.placement.exact serves unquantised weights", "server_quantize 'fp8'")),
+      (["--set", "rollout.placement.exact=true", "--set", "train.old_logprobs=from_update"],
+       ("train.old_logprobs: from_update with rollout.placement.exact",)),
   ]
   for argv, needles in cases:
     code, run_dir = _train(tmp_path, *argv)
@@ -191,6 +197,10 @@ def test_serve_rejects_bad_arguments_in_one_line(tmp_path, checkpoint, capsys):
       (["--model-path", checkpoint, "--max-batch-size", "0"], ("--max-batch-size 0",)),
       (["--model-path", checkpoint, "--seed", "-2"], ("--seed -2",)),
       (["--model-path", checkpoint, "--sampling-mask-max-tokens", "0"], ("--sampling-mask-max-tokens 0",)),
+      (["--model-path", checkpoint, "--arithmetic", "batch_invariant", "--quantize", "int8"],
+       ("--arithmetic batch_invariant serves unquantised weights", "--quantize int8")),
+      (["--engine", "sglang-jax", "--model-path", checkpoint, "--arithmetic", "batch_invariant"],
+       ("--arithmetic is an option of the embedded engine",)),
       # The cheap arguments come first: a bad port is reported as such whatever the model path.
       (["--model-path", str(tmp_path / "missing"), "--port", "99999"], ("--port 99999",)),
       (["--model-path", str(tmp_path / "empty"), "--max-batch-size", "0"], ("--max-batch-size 0",)),
@@ -201,7 +211,8 @@ def test_serve_rejects_bad_arguments_in_one_line(tmp_path, checkpoint, capsys):
   # Wrong types are argparse's: exit 2 with the option named, no traceback.
   for argv, needle in ((["--model-path", checkpoint, "--port", "abc"], "--port"),
                        (["--model-path", checkpoint, "--dtype", "fp4"], "--dtype"),
-                       (["--model-path", checkpoint, "--layer-loop", "loop"], "--layer-loop"), ([], "--model-path")):
+                       (["--model-path", checkpoint, "--layer-loop", "loop"], "--layer-loop"),
+                       (["--model-path", checkpoint, "--arithmetic", "exact"], "--arithmetic"), ([], "--model-path")):
     with pytest.raises(SystemExit) as exc:
       cli.main(["serve", *argv])
     err = capsys.readouterr().err

@@ -86,6 +86,31 @@ def test_centering_table_pairs_each_centred_arm_with_itself_uncentred():
   assert [c.strip() for c in row.strip("|").split("|")][3:] == [f"{a:.2e} [{b:.2e}, {c:.2e}]" for a, b, c in want]
 
 
+def test_exact_table_pairs_each_exact_setting_with_its_default():
+  """Δ is exact minus default of the same arm and staleness, over the seeds both ran; the mismatch
+  columns are each setting's mean."""
+  rng = np.random.default_rng(2)
+  runs = []
+  for setting, shift, k3 in (("bf16", 0.0, 4e-5), ("bf16, exact", 0.02, 0.0), ("bf16, sync 4", -0.1, 0.2),
+                             ("bf16, exact, sync 4", -0.1, 0.2)):
+    for seed in range(4):
+      runs.append({"arm": "standard PPO", "setting": setting, "seed": seed,
+                   "reward_mean": (np.linspace(0, 1, 6) + shift + rng.normal(0, 0.02, 6)).tolist(),
+                   "mis_k3_kl": [k3] * 6, "train_rollout_logprob_abs_diff": [10 * k3] * 6})
+  results = {"design": {"final_window": 2, "settings": list(mismatch.EXACT.settings), "arms": ["standard PPO"]},
+             "runs": runs}
+  results["summary"] = mismatch.summarize(results)
+  table = mismatch.exact_table(results)
+  by = {(r["setting"], r["seed"]): r for r in runs}
+  diff = [np.mean(by[("bf16, exact", s)]["reward_mean"][-2:]) - np.mean(by[("bf16", s)]["reward_mean"][-2:])
+          for s in range(4)]
+  m, lo, hi = mismatch.t_interval(diff)
+  row = next(line for line in table.splitlines() if "| bf16, exact vs bf16 |" in line)
+  cells = [c.strip() for c in row.strip("|").split("|")]
+  assert cells[2].startswith(f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]") and cells[5] == "0.00e+00 / 4.00e-05"
+  assert len(table.splitlines()) == 4  # header, rule, fresh and stale
+
+
 def test_drawdown_is_fall_from_the_best_running_mean():
   assert mismatch.drawdown({"reward_mean": [0.0, 0.2, 0.4, 0.6]}, 2) == 0.0  # still improving
   # running means of 2: 0.5, 0.9, 0.5, 0.2 -> best 0.9, final 0.2
@@ -108,7 +133,8 @@ COMMITTED = os.path.join(os.path.dirname(__file__), "..", "..", "..", "notebooks
 
 @pytest.mark.parametrize("sub, design", [("", mismatch.FULL), ("stress", mismatch.STRESS), ("moe", mismatch.MOE),
                                          ("forms", mismatch.FORMS), ("controller", mismatch.CONTROLLER),
-                                         ("proximal", mismatch.PROXIMAL), ("centering", mismatch.CENTERING)])
+                                         ("proximal", mismatch.PROXIMAL), ("centering", mismatch.CENTERING),
+                                         ("exact", mismatch.EXACT)])
 def test_committed_results_are_the_full_design(sub, design):
   """notebooks/figures/mismatch (the grid) and its stress/ (the collapse search) hold complete
   runs of the current designs, and their summaries are what `summarize` computes from the runs."""
@@ -144,6 +170,16 @@ def test_committed_results_are_the_full_design(sub, design):
       for name in mismatch.CENTERING_METRICS:
         assert all((v is not None and np.isfinite(v)) if centred else v is None for v in r[name]), (r["arm"], name)
     assert os.path.isfile(os.path.join(COMMITTED, sub, "curves_score_centering_drift.png"))
+  if design is mismatch.EXACT:  # fresh exact runs: zero mismatch at every step; stale ones: only the first step
+    for r in results["runs"]:
+      exact, stale = mismatch.SETTINGS[r["setting"]].exact, mismatch.SETTINGS[r["setting"]].sync_every > 1
+      if exact and not stale:
+        assert max(r["mis_k3_kl"]) == 0.0 and max(r["train_rollout_logprob_abs_diff"]) == 0.0, r["seed"]
+      elif exact:  # the steps right after a push are fresh and exact; the stale ones are not
+        every = mismatch.SETTINGS[r["setting"]].sync_every
+        assert all(k3 == 0.0 for k3 in r["mis_k3_kl"][::every]) and max(r["mis_k3_kl"]) > 0, r["seed"]
+      else:
+        assert min(r["train_rollout_logprob_abs_diff"]) > 0, (r["setting"], r["seed"])
   if design.preset.endswith("moe"):  # the router disagreement was measured in every arm, with or without R3
     assert all(None not in r["routing_mismatch_frac"] for r in results["runs"])
     assert "| fp8 | decoupled + MIS + R3 |" in mismatch.routing_table(results)

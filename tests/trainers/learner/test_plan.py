@@ -42,8 +42,9 @@ CASES = [
 ]
 
 
-def _cfg(loss: str, **train) -> TrainConfig:
-  return TrainConfig.from_dict({"train": {"ppo_epochs": 1, **train}}).replace(loss=LOSSES[loss])
+def _cfg(loss: str, exact: bool = False, **train) -> TrainConfig:
+  return TrainConfig.from_dict({"train": {"ppo_epochs": 1, **train},
+                                "rollout": {"placement": {"exact": exact}}}).replace(loss=LOSSES[loss])
 
 
 @pytest.mark.parametrize("loss,train,routing,want", CASES)
@@ -70,6 +71,31 @@ def test_auto_fuses_the_old_logprobs_exactly_when_exact(loss, train, routing, wa
 def test_from_update_where_it_is_not_exact_is_a_config_error(loss, train, routing, reason):
   with pytest.raises(mis_jax.ConfigError, match=r"train.old_logprobs: from_update .*" + reason):
     plan_lib.plan_step(_cfg(loss, old_logprobs="from_update", **train), *routing)
+
+
+# Exact mode (rollout.placement.exact): (loss, train keys, routing) -> the policy passes, the old-log-prob pass
+EXACT_CASES = [
+    ("ppo", {}, ("none", False), (step_lib.EXACT,), step_lib.EXACT),
+    ("decoupled", {"ppo_epochs": 2}, ("none", False), (step_lib.EXACT,), step_lib.EXACT),
+    ("decoupled", {}, ("r3", True), (step_lib.EXACT_ROUTING,), step_lib.EXACT_ROUTING),
+    ("decoupled", {}, ("none", True), (step_lib.EXACT_ROUTING,), step_lib.EXACT_ROUTING),
+    ("decoupled", OTB, ("none", False), (step_lib.EXACT, step_lib.SUM_SQ), step_lib.EXACT),
+    ("bypass", {}, ("none", False), (), None),  # no old-log-prob pass: the loss reads the rollout's
+    ("bypass", {}, ("none", True), (step_lib.ROUTING,), None),
+]
+
+
+@pytest.mark.parametrize("loss,train,routing,passes,old", EXACT_CASES)
+def test_exact_mode_takes_the_old_logprobs_from_the_exact_pass_never_the_update(loss, train, routing, passes, old):
+  plan = plan_lib.plan_step(_cfg(loss, exact=True, **train), *routing)
+  assert (plan.policy_passes, plan.old_logprobs) == (passes, old)
+  assert not plan.fused_old_logprobs and not plan.fuses(1)
+  assert plan.routing_pass == next((p for p in passes if p.routing), None)
+  if old is not None:
+    assert plan.describe() == (f"old log-probs: a separate {old.name} pass (rollout.placement.exact: the engine's "
+                               "arithmetic on its copy of the weights)")
+    with pytest.raises(mis_jax.ConfigError, match="train.old_logprobs: from_update with rollout.placement.exact"):
+      plan_lib.plan_step(_cfg(loss, exact=True, old_logprobs="from_update", **train), *routing)
 
 
 def test_cli_rejects_from_update_with_two_epochs_before_anything_starts(tmp_path, capsys):

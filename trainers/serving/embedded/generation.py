@@ -67,24 +67,33 @@ class GenerationEngine:
   step's layers as one scan or unrolled; `auto` unrolls up to `UNROLL_MAX_LAYERS`, as the
   trainer does. Unrolled, each layer's weights are read where they lie: in a scan XLA:CPU
   copies (or, bfloat16, converts) every layer's slice of the stacked weights at every step.
+  `arithmetic` (the decoder's): `batch_invariant` is exact mode (contract §13): a sample's
+  tokens and log-probs do not depend on its batch, and equal a teacher-forced pass of the
+  decoder in the same arithmetic on the same weights bit for bit; unquantised weights only.
   """
 
   def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0,
                max_batch_size: int = 64, weight_version: str = "default", quantize: str = "none",
                sampling_mask_max_tokens: int = protocol.SAMPLING_MASK_MAX_TOKENS,
-               enable_return_routed_experts: bool = False, layer_loop: str = "auto"):
+               enable_return_routed_experts: bool = False, layer_loop: str = "auto", arithmetic: str = "default"):
     if dtype not in DTYPES:
       raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if quantize not in QUANTIZATIONS:
       raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
     if sampling_mask_max_tokens < 1:
       raise ValueError(f"sampling_mask_max_tokens must be positive, got {sampling_mask_max_tokens}")
+    if arithmetic == "batch_invariant" and quantize != "none":
+      raise ValueError(f"arithmetic batch_invariant serves unquantised weights, got quantize {quantize!r}")
+    if arithmetic == "batch_invariant" and jax.default_backend() != "cpu":
+      raise ValueError(f"arithmetic batch_invariant is built and verified on XLA:CPU, not {jax.default_backend()}")
     self.sampling_mask_max_tokens = sampling_mask_max_tokens
     self.enable_return_routed_experts = enable_return_routed_experts
     self.model_path = os.path.abspath(model_path)
     self.dtype = dtype
     self.quantize = quantize
-    model = load_hf_checkpoint(model_path, dtype=DTYPES[dtype], param_dtype=DTYPES[dtype], layer_loop=layer_loop)
+    model = load_hf_checkpoint(model_path, dtype=DTYPES[dtype], param_dtype=DTYPES[dtype], layer_loop=layer_loop,
+                               arithmetic=arithmetic)
+    self.arithmetic = model.arithmetic
     self.layer_loop = (model.layer_loop, model.layer_loop_reason)
     self.config = model.config
     self.sampler = Sampler(model, max_batch_size=max_batch_size, seed=seed)
@@ -460,6 +469,7 @@ class GenerationEngine:
         "disaggregation_mode": "null", "internal_states": [self.internal_state()],
         "sampling_mask_max_tokens": self.sampling_mask_max_tokens,
         "enable_return_routed_experts": self.enable_return_routed_experts,
+        "arithmetic": self.arithmetic,  # `batch_invariant`: exact mode (contract §13); not an SGLang field
         "version": protocol.PROTOCOL_VERSION, "frontend": "mis-jax"}
 
 

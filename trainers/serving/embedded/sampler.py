@@ -32,7 +32,11 @@ so a step reads the filled prefix, not the whole cache, and a cache has about lo
 Continuous batching: every `_CHECK_STEPS` steps and at each window's end the host looks at
 which rows finished; once at most half the batch runs, the running rows move into the next
 smaller power-of-two batch (the finished rows' outputs are kept), and decoding stops when every
-row has finished. A row's tokens and log-probs do not depend on which rows share its batch.
+row has finished. A row's random draws do not depend on which rows share its batch; its log-probs
+do, in the last bits of XLA's kernels (a bfloat16 prompt alone and as row 16 of 32 differed by up
+to 0.029, float32 by 7e-6), unless the model computes in batch-invariant arithmetic (exact mode,
+contract §13), where they are equal bit for bit. Such a model's programs compile with
+`invariant.COMPILER_OPTIONS`, and its log-probs' sums are ordered (`invariant.temperature_log_softmax`).
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from trainers.models import CausalLM, LayerCache
+from trainers.models import CausalLM, LayerCache, invariant
 
 
 _GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: smaller temperatures are greedy
@@ -126,17 +130,26 @@ def _bucket(n: int, minimum: int) -> int:
   return max(minimum, 1 << max(n - 1, 0).bit_length())
 
 
+def _log_probs(logits, temperature, invariant_sums: bool):
+  """`log_softmax(logits / temperature)`: XLA's, or with `invariant_sums` the batch-invariant one
+  (`invariant.temperature_log_softmax`, which exact mode's trainer computes too)."""
+  if invariant_sums:
+    return invariant.temperature_log_softmax(logits, temperature)
+  return jax.nn.log_softmax(logits / temperature)
+
+
 def _sample(logits, key, temperature, top_p, top_k, min_p, *, mask_width: int = 0, top_width: int = 0,
-            filters: bool = True):
+            filters: bool = True, invariant_sums: bool = False):
   """`_filter_and_sample`, or with `filters` False (no row of the batch has top-p < 1, top-k, min-p,
   greedy decoding or a sampling mask: the support is the whole vocabulary) the same draw without
   sorting the vocabulary: `categorical(key, log_softmax(logits / T))`, and the `top_width` most
   likely ids by `lax.top_k` (ties in id order, as the stable sort). Tokens, log-probs and top ids
-  are those of `_filter_and_sample` (an all-kept support masks nothing)."""
+  are those of `_filter_and_sample` (an all-kept support masks nothing). `invariant_sums`: the
+  log-probs' sums in batch-invariant order (a model in `batch_invariant` arithmetic)."""
   if filters:
     return _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, mask_width=mask_width,
-                              top_width=top_width)
-  logp = jax.nn.log_softmax(logits / temperature)
+                              top_width=top_width, invariant_sums=invariant_sums)
+  logp = _log_probs(logits, temperature, invariant_sums)
   token = jax.random.categorical(key, logp)
   top = None
   if top_width:
@@ -145,7 +158,8 @@ def _sample(logits, key, temperature, top_p, top_k, min_p, *, mask_width: int = 
   return token, logp[token], None, top
 
 
-def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, *, mask_width: int = 0, top_width: int = 0):
+def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, *, mask_width: int = 0, top_width: int = 0,
+                       invariant_sums: bool = False):
   """One row: `logits [V]` float32 → `(token, log_softmax(logits / T)[token], support, top)`, with
   `support` `{ids [W], logprobs [W], size}` when `mask_width` > 0, else None, and `top`
   `{ids [k], logprobs [k]}` (the `top_width` most likely, full vocabulary) when `top_width` > 0.
@@ -160,7 +174,7 @@ def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, *, mask_wi
   `output_token_sampling_logprobs`).
   """
   vocab = logits.shape[-1]
-  logp = jax.nn.log_softmax(logits / temperature)
+  logp = _log_probs(logits, temperature, invariant_sums)
   order = jnp.argsort(-logp)  # stable: equal probabilities keep id order
   sorted_logp = logp[order]
   sorted_p = jnp.exp(sorted_logp)
@@ -176,8 +190,9 @@ def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, *, mask_wi
   if not mask_width:
     return token, logp[token], None, top
   first = rank[:mask_width] < size
+  logsumexp = invariant.logsumexp if invariant_sums else jax.nn.logsumexp
   support = {"ids": jnp.where(first, order[:mask_width], -1).astype(jnp.int32),
-             "logprobs": jnp.where(first, sorted_logp[:mask_width] - jax.nn.logsumexp(masked), 0.0),
+             "logprobs": jnp.where(first, sorted_logp[:mask_width] - logsumexp(masked), 0.0),
              "size": size.astype(jnp.int32)}
   return token, logp[token], support, top
 
@@ -208,7 +223,9 @@ def _prefill(graphdef, params, prompt_ids, start, temperature, max_new, *, num_s
   last = None if prompt_logprobs else jnp.full((batch,), prompt_len - 1, jnp.int32)
   all_logits, cache, *prompt_routes = model.decode(prompt_ids, cache, slot=jnp.int32(0), start=start,
                                                    window=prompt_len, logits_at=last, **routing)
-  if prompt_logprobs:
+  if prompt_logprobs and model.invariant:
+    lp = invariant.temperature_log_softmax(all_logits.astype(jnp.float32), temperature)
+  elif prompt_logprobs:
     lp = jax.nn.log_softmax(all_logits.astype(jnp.float32) / temperature[:, None, None], axis=-1)
     nxt = jnp.concatenate([prompt_ids[:, 1:], jnp.zeros_like(prompt_ids[:, :1])], axis=1)
     prompt_lp = _aligned_rows(jnp.take_along_axis(lp, nxt[..., None], axis=-1)[..., 0], start)
@@ -247,7 +264,8 @@ def _decode(graphdef, params, state, start, row_seeds, temperature, top_p, top_k
   last = min(num_steps, window - prompt_len)  # steps this window holds
   routing = {"return_routing": True} if routed_experts else {}
   keys = jax.vmap(jax.random.key)(row_seeds)
-  sample = jax.vmap(functools.partial(_sample, mask_width=mask_width, top_width=top_width, filters=filters))
+  sample = jax.vmap(functools.partial(_sample, mask_width=mask_width, top_width=top_width, filters=filters,
+                                      invariant_sums=model.invariant))
 
   def cond(st):
     return (st["step"] < jnp.minimum(until, last)) & ~jnp.all(st["done"])
@@ -316,18 +334,21 @@ class Sampler:
     self.graphdef, self.params = nnx.split(model)
     self.eos_token_ids = tuple(self.config.eos_token_id if eos_token_ids is None else eos_token_ids)
     self.max_batch_size = _bucket(max_batch_size, 1)
+    self.arithmetic = model.arithmetic
     self._rng = np.random.default_rng(seed)
     self._traces = 0
     self.rows: jax.sharding.NamedSharding | None = None  # `shard`: a batch's rows split over devices
     self._row_split = 1
+    # A batch-invariant model's programs compile as its arithmetic requires (`invariant.COMPILER_OPTIONS`).
+    options = {"compiler_options": invariant.COMPILER_OPTIONS} if model.invariant else {}
     self._prefill = jax.jit(functools.partial(self._counted(_prefill), self.graphdef),
                             static_argnames=("num_steps", "prompt_logprobs", "mask_width", "routed_experts",
-                                             "top_width"))
+                                             "top_width"), **options)
     # The state is donated: XLA updates the carried cache in place, with no copy even on entry.
     self._decode = jax.jit(functools.partial(self._counted(_decode), self.graphdef),
                            static_argnames=("window", "mask_width", "routed_experts", "top_width", "filters"),
-                           donate_argnums=(1,))
-    self._take_rows = jax.jit(self._counted(_take_rows))
+                           donate_argnums=(1,), **options)
+    self._take_rows = jax.jit(self._counted(_take_rows), **options)
 
   def _counted(self, fn):
     """`fn`, counting its traces (each one a program built: `num_compiled`)."""

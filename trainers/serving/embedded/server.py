@@ -32,6 +32,7 @@ import uvicorn
 
 from trainers.models import checkpoint_dir_problem
 from trainers.models.decoder import LAYER_LOOPS, UNROLL_MAX_LAYERS
+from trainers.models.invariant import ARITHMETICS
 from trainers.models.quantize import QUANTIZATIONS
 
 _LOOPBACK = ("127.0.0.1", "localhost")
@@ -58,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--layer-loop", default="auto", choices=("auto", *LAYER_LOOPS),
                       help="the decoding step's layers as one scan or unrolled; auto: unrolled up to "
                       f"{UNROLL_MAX_LAYERS} layers (each layer's weights read in place), else scan")
+  parser.add_argument("--arithmetic", default="default", choices=ARITHMETICS,
+                      help="batch_invariant: exact mode (docs/contract.md §13): every float sum in one fixed "
+                      "order, so a sample's log-probs do not depend on its batch and equal, bit for bit, a "
+                      "trainer's teacher-forced pass in the same arithmetic on the same weights (slower)")
   parser.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed")
   parser.add_argument("--max-batch-size", type=int, default=64, help="rows per compiled batch")
   parser.add_argument("--weight-version", default="default")
@@ -74,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
   return parser
 
 
-_EMBEDDED_ONLY = ("quantize", "max_batch_size", "sampling_mask_max_tokens", "layer_loop")
+_EMBEDDED_ONLY = ("quantize", "max_batch_size", "sampling_mask_max_tokens", "layer_loop", "arithmetic")
 
 
 def check_args(args, extra: tuple[str, ...] = ()) -> str | None:
@@ -88,6 +93,9 @@ def check_args(args, extra: tuple[str, ...] = ()) -> str | None:
       flag = "--" + given[0].replace("_", "-")
       return (f"{flag} is an option of the embedded engine; sglang-jax takes its own flags after `--` "
               "(e.g. -- --quantization ...)")
+  if args.arithmetic == "batch_invariant" and args.quantize != "none":
+    return (f"--arithmetic batch_invariant serves unquantised weights (--quantize {args.quantize}: the "
+            "quantised kernels are XLA's products)")
   if not 0 <= args.port <= 65535:
     return f"--port {args.port} must be in 0..65535 (0 picks a free port)"
   if args.max_batch_size < 1:
@@ -128,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     engine = GenerationEngine(args.model_path, dtype=args.dtype, seed=args.seed, quantize=args.quantize,
                     max_batch_size=args.max_batch_size, weight_version=args.weight_version,
                     sampling_mask_max_tokens=args.sampling_mask_max_tokens,
-                    enable_return_routed_experts=args.enable_return_routed_experts, layer_loop=args.layer_loop)
+                    enable_return_routed_experts=args.enable_return_routed_experts, layer_loop=args.layer_loop,
+                    arithmetic=args.arithmetic)
   except ValueError as e:  # a config.json or checkpoint this server cannot load
     print(f"mis-jax serve: --model-path {args.model_path!r}: {e}", file=sys.stderr)
     return 2
@@ -137,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
   server = _Server(uvicorn.Config(app, log_level="info" if args.verbose else "warning",
                                   access_log=args.verbose, timeout_graceful_shutdown=5))
   precision = args.dtype if args.quantize == "none" else f"{args.quantize} weights, {args.dtype}"
+  if args.arithmetic != "default":
+    precision += f", {args.arithmetic} arithmetic"
   loop, why = engine.layer_loop
   print(f"mis-jax serve: {engine.config.model_type} from {engine.model_path} ({precision}, layers {loop}: {why}, "
         f"SGLang {_protocol_version()} protocol) on http://{host}:{port}", flush=True)
@@ -194,13 +205,14 @@ class EmbeddedServer:
 
   def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0, port: int = 0,
                max_batch_size: int = 64, timeout: float = 300.0, quantize: str = "none",
-               layer_loop: str = "auto", extra_args: tuple[str, ...] = ()):
+               layer_loop: str = "auto", arithmetic: str = "default", extra_args: tuple[str, ...] = ()):
     if quantize not in QUANTIZATIONS:  # before a process starts
       raise ValueError(f"quantize must be one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
     self.process = subprocess.Popen(
         [sys.executable, "-m", "trainers.cli", "serve", "--model-path", str(model_path), "--dtype", dtype,
          "--seed", str(seed), "--port", str(port), "--max-batch-size", str(max_batch_size),
-         "--quantize", quantize, "--layer-loop", layer_loop, "--exit-with-parent", *extra_args],
+         "--quantize", quantize, "--layer-loop", layer_loop, "--arithmetic", arithmetic, "--exit-with-parent",
+         *extra_args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     self.log: collections.deque[str] = collections.deque(maxlen=200)  # the server's last lines
     self._url: list[str] = []
