@@ -353,7 +353,7 @@ class GenerationEngine:
       return False, f"Failed to load weights from {path!r}: {e}"
     with self._weights:
       try:
-        model = nnx.merge(self.sampler.graphdef, self.sampler.params)
+        model = nnx.merge(self.sampler.graphdef, self.sampler.served_params())
         self.sampler.set_params(self._served_params(model, tensors))
       except ValueError as e:
         return False, f"Failed to load weights from {path!r}: {e}"
@@ -387,13 +387,13 @@ class GenerationEngine:
     """`params` matched by path to the served weights, each cast to their dtype and put on their
     devices (a resharding: the trainer's shards gathered where the engine holds its copy)."""
     given = dict(nnx.to_flat_state(params))
-    served = nnx.to_flat_state(self.sampler.params)
+    served = nnx.to_flat_state(self.sampler.served_params())
     missing = [path for path, _ in served if path not in given]
     if missing or len(given) != len(served):
       extra = sorted(set(given) - {path for path, _ in served})
       raise ValueError(f"parameters differ from the served model's: missing {missing[:3]}, unexpected {extra[:3]}")
     def put(var, value):
-      target = var.get_value()
+      target = var.get_value()  # (a bfloat16 weight: held as its bits by the sampler, which converts it)
       cast = jnp.asarray(value).astype(target.dtype)
       # Never an alias of the caller's buffers (the trainer donates its parameters to the next
       # step): a cast is a buffer of its own already; only a value taken as it is gets copied.
