@@ -75,7 +75,9 @@ class Servers:
     if self._first_push(step, log=log):
       self.push(params, step)
     else:  # a fleet that admits workers during the run gives them these
-      on_primary(lambda: self.client.weights_served(self.served_path, str(step)))
+      self.weight_sync.start(params, step, self.weight_dtype)
+      on_primary(lambda: self.client.weights_served(self.weight_sync.served_load(self.served_path, str(step)),
+                                                    str(step)))
     self.served_version = step
 
   def facts(self) -> dict:
@@ -226,8 +228,9 @@ class Servers:
       for url in self.client.down_urls():
         if self.client.is_healthy(url):
           try:  # a restarted server holds its starting weights, not the run's
-            self.client.update_weights_from_disk(self.served_path, str(self.served_version), urls=[url],
-                                                 pause_mode=self.rollout.sync.pause_mode)
+            version = str(self.served_version)
+            self.client.update_weights(self.weight_sync.served_load(self.served_path, version), version, urls=[url],
+                                       pause_mode=self.rollout.sync.pause_mode)
           except ServerError:
             continue  # not ready after all: tried again at the next step
           restarted += 1  # (a server that took the weights is readmitted by the push)
