@@ -192,7 +192,6 @@ class HttpSync:
       for sender in senders.values():
         sender.join()
     self.snapshot_push, self.snapshot_version = push, version
-    t_streamed = time.perf_counter()
     buckets = {u: streams[by_delta[u]].count for u in targets}
     staged, refused = [], []
     for url, sender in senders.items():
@@ -202,14 +201,16 @@ class HttpSync:
         refused.append(url)  # it does not serve the delta's base after all: whole, from the snapshot
       else:
         self.client.mark_down(url)
+    resent = 0
     for url in refused:
       try:
-        buckets[url] = self._stream_snapshot(self.client.engines[url])
+        buckets[url], sent = self._stream_snapshot(self.client.engines[url])
         staged.append(url)
+        resent += sent
       except ServerError:
         self.client.mark_down(url)
-    metrics = {"gather_s": gather_s, "stream_s": t_streamed - t0 - gather_s,
-               "sent_bytes": float(sum(s.sent_bytes for s in senders.values())),
+    metrics = {"gather_s": gather_s, "stream_s": time.perf_counter() - t0 - gather_s,
+               "sent_bytes": float(resent + sum(s.sent_bytes for s in senders.values())),
                "delta_workers": float(sum(by_delta[u] for u in staged if u not in refused)),
                "full_workers": float(sum(not by_delta[u] or u in refused for u in staged))}
     if True in streams and total:
@@ -236,21 +237,21 @@ class HttpSync:
     metrics["total_s"] = time.perf_counter() - t0
     return {f"sync/{k}": v for k, v in metrics.items()}
 
-  def _stream_snapshot(self, engine) -> int:
-    """The snapshot, whole, staged on `engine` as push `snapshot_push`; returns its bucket count."""
-    sent = []
-    buckets = _Buckets(self.bucket_bytes, sent.append)
+  def _stream_snapshot(self, engine) -> tuple[int, int]:
+    """The snapshot, whole, staged on `engine` as push `snapshot_push`; `(buckets, bytes)` sent."""
+    ready, sent = [], 0
+    buckets = _Buckets(self.bucket_bytes, ready.append)
     query = {"push": self.snapshot_push, "weight_version": self.snapshot_version}
-    for pieces in self.snapshot.values():
-      for name, block in pieces:
-        buckets.add([(name, block)])
-        for bucket in sent:
-          engine.stage_weights({**query, "bucket": bucket.index}, bucket.chunks(), bucket.nbytes)
-        sent.clear()
-    buckets.flush()
-    for bucket in sent:
-      engine.stage_weights({**query, "bucket": bucket.index}, bucket.chunks(), bucket.nbytes)
-    return buckets.count
+    for entries in [*self.snapshot.values(), None]:
+      if entries is None:
+        buckets.flush()
+      else:
+        buckets.add(entries)
+      for bucket in ready:
+        engine.stage_weights({**query, "bucket": bucket.index}, bucket.chunks(), bucket.nbytes)
+        sent += bucket.nbytes
+      ready.clear()
+    return buckets.count, sent
 
   # --- the served weights --------------------------------------------------------------------------
   def start(self, params, step: int, weight_dtype: str) -> None:
@@ -271,7 +272,7 @@ class HttpSync:
         if version != self.snapshot_version or self.snapshot_push is None:
           raise ServerError(f"{engine.url}: the weights of version {version} are no longer held here (version "
                             f"{self.snapshot_version} is)")
-        n = self._stream_snapshot(engine)
+        n, _ = self._stream_snapshot(engine)
         reply = engine.commit_weights({"push": self.snapshot_push, "weight_version": version, "num_buckets": n,
                                        "flush_cache": True})
         if isinstance(reply, dict) and reply.get("success"):
