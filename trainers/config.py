@@ -314,7 +314,8 @@ def config_keys(section_cls, prefix: str):
 
 # The flat rollout keys before the rollout section was split: each names where it lives now.
 # (Keys added to the nested sections since were never flat.)
-NEVER_FLAT = {"rollout.transport.router", "rollout.transport.router_poll_s", "rollout.sampling.top_logprobs_num"}
+NEVER_FLAT = {"rollout.transport.router", "rollout.transport.router_poll_s", "rollout.sampling.top_logprobs_num",
+              "rollout.sync.via", "rollout.sync.delta", "rollout.sync.bucket_mb"}
 MOVED = {f"rollout.{path.rpartition('.')[2]}": path for path, _, _ in config_keys(RolloutSection, "rollout")
          if path.count(".") == 2 and path != "rollout.placement.mode" and path not in NEVER_FLAT}
 MOVED["rollout.placement"] = "rollout.placement.mode"  # was a string; the name is the section's now
