@@ -2,12 +2,14 @@
 serving, then swapped in whole (all or nothing).
 
 HF tensors arrive one at a time — read from a checkpoint's files, or streamed over HTTP in buckets
-(`protocol.WEIGHTS_STAGE_ROUTE`) — and each goes straight to its place in a buffer of the served
-layout: one per parameter, 64-byte aligned, so that on CPU the swap takes it as the device buffer
-without a copy. A delta (only the values that changed since the weights the engine serves, by
-flat index into the HF tensor) starts a parameter's buffer from a copy of its served values; a
-parameter no tensor or delta touched keeps its served buffer. So a load holds the served weights
-plus at most one new copy, never a whole checkpoint beside them.
+(`protocol.WEIGHTS_STAGE_ROUTE`) — and each goes straight to its place in a host buffer, one per
+parameter in the served layout, 64-byte aligned, so that on CPU the swap takes it as a device
+buffer without a copy (a tensor HF stores transposed is transposed into place tile by tile, ~4×
+faster than NumPy's strided copy of the whole, or XLA's of 16-bit values, here). A delta (only
+the values that changed since the weights the engine serves, by flat index into the HF tensor)
+starts a parameter's buffer from a copy of its served values; a parameter no tensor or delta
+touched keeps its served buffer. So a load holds the served weights plus at most one new copy
+(and one tensor in flight), never a whole checkpoint beside them.
 
 `raw`: the tensors are kept by name as they came and converted at the end by the engine's own path
 (weight-only quantisation computes its scales from the checkpoint's values; a checkpoint whose
@@ -29,6 +31,20 @@ from trainers.models.decoder import WEIGHT_BITS
 
 # The staged buffer's dtype for a served dtype (NumPy has no bfloat16 of its own).
 _HOST = {np.dtype(jax.numpy.bfloat16): np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32): np.dtype(np.float32)}
+
+
+TRANSPOSE_TILE = 128
+
+
+def transpose_into(dst: np.ndarray, src: np.ndarray, tile: int = TRANSPOSE_TILE) -> None:
+  """`dst[...] = src.T` (2-D, cast to `dst`'s dtype) tile by tile: each tile's reads and writes
+  stay in cache, where a strided copy of the whole misses on every element of one side."""
+  if dst.shape != src.shape[::-1] or src.ndim != 2:
+    raise ValueError(f"cannot transpose {list(src.shape)} into {list(dst.shape)}")
+  rows, cols = src.shape
+  for i in range(0, rows, tile):
+    for j in range(0, cols, tile):
+      dst[j:j + tile, i:i + tile] = src[i:i + tile, j:j + tile].T
 
 
 class StageError(ValueError):
@@ -78,15 +94,15 @@ class WeightStage:
     return self._buffers[path]
 
   def destination(self, name: str, dtype, shape) -> np.ndarray | None:
-    """`safetensors_stream.Reader`'s destination: a full tensor already in the served dtype and
-    layout is read straight into its place; anything else arrives apart and is placed by `put`."""
+    """`safetensors_stream.Reader`'s destination: a whole tensor of the served dtype and layout is
+    read straight into its place; anything else arrives apart and is placed by `put`."""
     if self.raw or name not in self.slots:
       return None
     slot = self.slots[name]
     if slot.transpose or tuple(shape) != slot.shape:
       return None
-    buf = self._buffer(slot.path, from_served=self.base is not None)
-    return buf[slot.lead] if buf.dtype == np.dtype(dtype) else None
+    block = self._buffer(slot.path, from_served=self.base is not None)[slot.lead]
+    return block if block.dtype == np.dtype(dtype) else None
 
   def put(self, name: str, array: np.ndarray) -> None:
     """A whole HF tensor (HF layout, any float dtype: cast to the served one as a load casts)."""
@@ -100,10 +116,11 @@ class WeightStage:
     slot = self._slot(name)
     if tuple(array.shape) != slot.shape:
       raise StageError(f"tensor {name!r} has shape {list(array.shape)}, the served model {list(slot.shape)}")
-    buf = self._buffer(slot.path, from_served=self.base is not None)
-    block = buf[slot.lead]
-    if not np.shares_memory(block, array):  # (else it was read into its place)
-      block[...] = array.T if slot.transpose else array
+    block = self._buffer(slot.path, from_served=self.base is not None)[slot.lead]
+    if slot.transpose:
+      transpose_into(block, array)
+    elif not np.shares_memory(block, array):  # (else it was read into its place)
+      block[...] = array
     self.seen.add(name)
 
   def put_delta(self, name: str, index: np.ndarray, values: np.ndarray) -> None:
