@@ -69,6 +69,7 @@ class WeightStage:
     self._served = dict(nnx.to_flat_state(served))
     self._logical = dict(nnx.to_flat_state(logical))
     self._buffers: dict[tuple, np.ndarray] = {}
+    self._scratch: dict[tuple, np.ndarray] = {}  # (shape, dtype) -> where a tensor to transpose is read
     self.tensors: dict[str, np.ndarray] = {}  # raw: the tensors by name
     self.seen: set[str] = set()
     self.buckets: set[int] = set()
@@ -99,8 +100,13 @@ class WeightStage:
     if self.raw or name not in self.slots:
       return None
     slot = self.slots[name]
-    if slot.transpose or tuple(shape) != slot.shape:
+    if tuple(shape) != slot.shape:
       return None
+    if slot.transpose:  # read into one reused buffer, transposed into place by `put` before the next
+      key = (tuple(shape), np.dtype(dtype))
+      if key not in self._scratch:
+        self._scratch[key] = np.empty(shape, dtype)
+      return self._scratch[key]
     block = self._buffer(slot.path, from_served=self.base is not None)[slot.lead]
     return block if block.dtype == np.dtype(dtype) else None
 
@@ -155,6 +161,7 @@ class WeightStage:
     devices; a parameter nothing touched is its served array. The staging's buffers pass to the
     result (on CPU without a copy); the stage is empty afterwards. Raises `StageError` when a
     full push left tensors out."""
+    self._scratch.clear()
     missing = self.missing()
     if missing:
       raise StageError(f"{len(missing)} tensors never arrived: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
