@@ -335,3 +335,15 @@ def test_no_server_took_the_push():
   with pytest.raises(ServerError, match="no longer held"):
     sync.served_load(None, "0")(client.engines[client.urls[0]])
   client.close()
+
+
+def test_transpose_into_against_numpy():
+  from trainers.serving.embedded.staging import transpose_into
+  rng = np.random.default_rng(0)
+  for shape, tile in (((300, 257), 64), ((5, 3), 128), ((128, 128), 128), ((1, 1000), 7)):
+    src = rng.standard_normal(shape).astype(jnp.bfloat16)
+    dst = np.empty(shape[::-1], jnp.float32)
+    transpose_into(dst, src, tile=tile)
+    np.testing.assert_array_equal(dst, src.T.astype(np.float32))
+  with pytest.raises(ValueError, match="cannot transpose"):
+    transpose_into(np.empty((3, 4)), np.empty((3, 4)))
