@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: venv engine browser test test-all test-fast demo fleet-demo demo-agent demo-sglang-jax docs docs-check example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-exact bench-engines bench-colocated bench-colocated-sglang-jax bench-agents bench-fleet bench-gpu clean
+.PHONY: venv engine browser test test-all test-fast demo fleet-demo demo-agent demo-sglang-jax docs docs-check example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-exact bench-engines bench-colocated bench-colocated-sglang-jax bench-agents bench-fleet bench-sync bench-real bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -102,6 +102,12 @@ bench-engines: $(STAMP) engine  ## sglang-jax vs mis-jax serve: tokens/s and wei
 
 bench-fleet: $(STAMP)  ## weight sync to 1, 2, 4 mis-jax serve workers behind sglang-router, demo and Qwen3-0.6B shapes (docs/performance.md)
 	$(PY) -m benchmarks.fleet
+
+bench-sync: $(STAMP)  ## weights through a file, streamed over HTTP, as deltas: 1 and 4 workers, demo and Qwen3-0.6B shapes, against the machine's file floor (docs/performance.md; ~15 GB at 4 workers)
+	$(PY) -m benchmarks.sync
+
+bench-real: $(STAMP)  ## Qwen3-0.6B from transformers trained 3 steps with its server: peak memory against the state, phases against the file floor (docs/performance.md; ~14 GB)
+	$(PY) -m benchmarks.real_size
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -193,6 +193,13 @@ class SyncSection:
                                  "requests for after the update)", choices=("abort", "retract", "in_place"))
   weight_dtype: str | None = key(None, "dtype of the HF weights pushed to the servers (null: the dtype the server "
                                        "reports in /server_info, else placement.server_dtype)", choices=DTYPES)
+  via: str = key("disk", "how the weights reach servers over HTTP: `disk` (an HF checkpoint under run_dir, loaded by "
+                 "/update_weights_from_disk: the servers must see run_dir at the same path) or `http` (streamed to each "
+                 "server in buckets, no shared filesystem: mis-jax serve and the sglang-jax launcher; "
+                 "docs/guides/fleet.md)", choices=("disk", "http"))
+  delta: bool = key(False, "via http: send a server that holds the last push only the values that changed since "
+                    "it (bit for bit; a new, restarted or lagging server gets the weights whole)")
+  bucket_mb: int = key(128, "via http: megabytes of tensors per request", ge=1)
   initial_sync: str = key("auto", "push the starting weights before step 1: `auto` = unless every server already "
                           "serves model.path (its /model_info model_path) and the run is not resumed; `always`; "
                           "`never` (a resume always pushes)", choices=("auto", "always", "never"))
@@ -314,7 +321,8 @@ def config_keys(section_cls, prefix: str):
 # The flat rollout keys before the rollout section was split: each names where it lives now.
 # (Keys added to the nested sections since were never flat.)
 NEVER_FLAT = {"rollout.transport.router", "rollout.transport.router_poll_s", "rollout.sampling.top_logprobs_num",
-              "rollout.placement.exact"}
+              "rollout.placement.exact",
+              "rollout.sync.via", "rollout.sync.delta", "rollout.sync.bucket_mb"}
 MOVED = {f"rollout.{path.rpartition('.')[2]}": path for path, _, _ in config_keys(RolloutSection, "rollout")
          if path.count(".") == 2 and path != "rollout.placement.mode" and path not in NEVER_FLAT}
 MOVED["rollout.placement"] = "rollout.placement.mode"  # was a string; the name is the section's now
@@ -593,6 +601,11 @@ class TrainConfig:
         # Checkpoints land on sync steps, so a resumed run can restore the server's weights exactly.
         (c.every % r.sync.sync_every == 0, f"checkpoint.every ({c.every}) must be a multiple of "
                                            f"rollout.sync.sync_every ({r.sync.sync_every})"),
+        (not r.sync.delta or r.sync.via == "http", "rollout.sync.delta streams only what changed: it needs "
+                                                   "rollout.sync.via http (got disk)"),
+        (r.sync.via == "disk" or r.placement.mode == "server",
+         f"rollout.sync.via {r.sync.via}: colocated rollouts hand the weights over in memory (rollout.placement.mode "
+         f"colocated); leave rollout.sync.via at disk"),
     ] + [(False, problem) for problem in self.task.problems()]
     for ok, message in checks:  # (from_dict names the file)
       if not ok:

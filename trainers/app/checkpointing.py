@@ -30,13 +30,21 @@ class _Commit(ocp.path.atomicity.AtomicRenameTemporaryPath):
     await super().finalize()
 
 
+# Bytes of arrays Orbax serialises at once (its default, 96 GB, is all of them): each in flight
+# holds a host copy and its encoded chunks, ~0.9x its size beside the state (a Qwen3-0.6B state of
+# 7.2 GB saved with 3.5 GB more resident); a few at a time cost the same seconds on a CPU host.
+SAVE_CONCURRENT_GB = 1
+
+
 class Checkpointer:
 
   def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
     self.directory = os.path.abspath(directory)
     options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
                                            create=True, temporary_path_class=_Commit)
-    self._manager = ocp.CheckpointManager(self.directory, options=options)
+    handlers = {"state": ocp.StandardCheckpointHandler(save_concurrent_gb=SAVE_CONCURRENT_GB),
+                "meta": ocp.JsonCheckpointHandler()}
+    self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
     self._pending: int | None = None  # the step of a save that may still be in flight
 
   def save(self, step: int, state, meta: dict) -> None:

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from trainers.models import invariant
 from trainers.models.attention import ATTENTION_BACKENDS, dense_attention, packed_attention, segment_mask
@@ -136,6 +137,35 @@ def _loaded(x: jax.Array, dtype) -> jax.Array:
   return jax.lax.bitcast_convert_type(x, dtype) if x.dtype == jnp.uint16 else x.astype(dtype)
 
 
+# An engine holds its bfloat16 weights as their bits (`WEIGHT_BITS`, `weight_bits`), as it holds its
+# cache and for the same reason: XLA:CPU slices (or gathers from) a bfloat16 array by converting
+# all of it to float32, and the conversion of weights that do not change during a call is hoisted
+# out of the decoding loops into a float32 copy of the whole model (3.6 GB of temporaries beside
+# Qwen3-0.6B's 1.2 GB of weights). `decode` reads such weights a piece at a time, converting each
+# piece as it is used: a layer's weights in its turn, the embedding's rows of the tokens, the output
+# projection in `DECODE_VOCAB_CHUNK`-row chunks. The training forward never sees bits.
+WEIGHT_BITS = jnp.uint16
+DECODE_VOCAB_CHUNK = 8192
+
+
+def weight_bits(state):
+  """`state` (arrays or `jax.ShapeDtypeStruct`s) with its bfloat16 leaves as their bits (`WEIGHT_BITS`)."""
+  def bits(a):
+    if a.dtype != jnp.bfloat16:
+      return a
+    if isinstance(a, jax.ShapeDtypeStruct):
+      return jax.ShapeDtypeStruct(a.shape, WEIGHT_BITS, sharding=a.sharding)
+    return jax.lax.bitcast_convert_type(a, WEIGHT_BITS)
+  return jax.tree.map(bits, state)
+
+
+def from_weight_bits(x):
+  """A weight held as its bits (`WEIGHT_BITS`) as the bfloat16 it is; anything else as it is."""
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct(x.shape, jnp.bfloat16, sharding=x.sharding) if x.dtype == WEIGHT_BITS else x
+  return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == WEIGHT_BITS else x
+
+
 def _expand(x: jax.Array, ndim: int) -> jax.Array:
   """Lifts a trailing-axis vector to rank `ndim` (explicit, so rank promotion can stay 'raise')."""
   return x.reshape((1,) * (ndim - x.ndim) + x.shape)
@@ -155,7 +185,7 @@ class RMSNorm(nnx.Module):
       return invariant.rms_norm(x, self.weight[...], self.eps, self.dtype)
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
-    return _expand(self.weight[...].astype(self.dtype), x.ndim) * x32.astype(self.dtype)
+    return _expand(from_weight_bits(self.weight[...]).astype(self.dtype), x.ndim) * x32.astype(self.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
@@ -293,8 +323,14 @@ class MLP(nnx.Module):
     if not fused:
       return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
     gate, up = self.gate_proj, self.up_proj
-    kernel = jnp.concatenate([gate.kernel[...], up.kernel[...]], axis=-1).astype(gate.dtype)
-    h = jnp.dot(x.astype(gate.dtype), kernel)
+
+    def product(x, w_gate, w_up):
+      kernel = jnp.concatenate([w_gate, w_up], axis=-1).astype(gate.dtype)
+      return checkpoint_name(jnp.dot(x.astype(gate.dtype), kernel), "fused_gate_up")
+    # The backward pass concatenates the kernels again rather than keep the forward's copy (every
+    # layer's, stacked: 0.7 GB at Qwen3-0.6B in float32, more than a short batch's activations).
+    h = jax.checkpoint(product, policy=jax.checkpoint_policies.save_only_these_names("fused_gate_up"))(
+        x, gate.kernel[...], up.kernel[...])
     if gate.bias is not None:
       h = h + _expand(jnp.concatenate([gate.bias[...], up.bias[...]]).astype(gate.dtype), h.ndim)
     g, u = jnp.split(h, 2, axis=-1)
@@ -436,6 +472,7 @@ class CausalLM(nnx.Module):
       def cached(carry, xs):
         x, k, v = carry
         layer, layer_state, layer_replay = xs
+        layer_state = jax.tree.map(from_weight_bits, layer_state)  # this layer's only (`WEIGHT_BITS`)
         x, (slots, routing) = body(x, (layer_state, layer_replay), cache._replace(k=k, v=v, layer=layer))
         return (x, slots.k, slots.v), routing
       layers = jnp.arange(cache.k.shape[0], dtype=jnp.int32)
@@ -530,6 +567,34 @@ class CausalLM(nnx.Module):
     logits = self.embed_tokens.attend(x) if self.config.tie_word_embeddings else self.lm_head(x)
     return logits.astype(jnp.float32)
 
+  def _embed_rows(self, input_ids: jax.Array) -> jax.Array:
+    """`embed_tokens(input_ids)` of decoding: an embedding held as bits (`WEIGHT_BITS`) gathered as bits."""
+    table = self.embed_tokens.embedding[...]
+    if table.dtype != WEIGHT_BITS:
+      return self.embed_tokens(input_ids)
+    return from_weight_bits(jnp.take(table, input_ids, axis=0)).astype(self.dtype)
+
+  def _chunked_logits(self, x: jax.Array) -> jax.Array:
+    """`_logits(x)` of decoding: an output projection held as bits (`WEIGHT_BITS`) is read in
+    `DECODE_VOCAB_CHUNK`-row chunks, each converted as it is used."""
+    w, layout = self.head()
+    if w.dtype != WEIGHT_BITS:
+      return self._logits(x)
+    w = w if layout == "vd" else w.T  # [V, D]
+    vocab, chunk = w.shape[0], DECODE_VOCAB_CHUNK
+
+    def block(rows):  # in the compute dtype, then float32, as `_logits`
+      return jnp.einsum("btd,vd->btv", x, from_weight_bits(rows).astype(self.dtype)).astype(jnp.float32)
+
+    full, parts = vocab // chunk, []
+    if full:
+      _, ys = jax.lax.scan(lambda _, i: (None, block(jax.lax.dynamic_slice_in_dim(w, i * chunk, chunk))), None,
+                           jnp.arange(full))  # [full, B, T, chunk]
+      parts.append(jnp.moveaxis(ys, 0, 2).reshape(x.shape[:2] + (full * chunk,)))
+    if vocab % chunk:
+      parts.append(block(w[full * chunk:]))
+    return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
+
   def __call__(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
     """Packed forward. All inputs `[B, T]` int32; returns logits `[B, T, vocab]` float32."""
     return self._logits(self.hidden_states(input_ids, positions, segment_ids))
@@ -569,10 +634,10 @@ class CausalLM(nnx.Module):
     else:
       attend = lambda q, k, v: dense_attention(q, k, v, mask)
     slots = CacheSlots(cache.k, cache.v, jnp.int32(0), jnp.asarray(slot, jnp.int32), window)
-    x, cache, routing = self._layers(self._embed(input_ids), positions, attend, slots, remat="none")
+    x, cache, routing = self._layers(self._embed_rows(input_ids), positions, attend, slots, remat="none")
     if logits_at is not None:
       x = jnp.take_along_axis(x, logits_at[:, None, None], axis=1)
-    out = self._logits(self.norm(x)), cache
+    out = self._chunked_logits(self.norm(x)), cache
     if not return_routing:
       return out
     if routing is None:

@@ -19,6 +19,7 @@ import itertools
 import json
 import os
 import tempfile
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +75,42 @@ def hf_arrays(path: tuple, x, config: ModelConfig | None = None) -> dict[str, ob
   return {hf: fix(x[idx]) for hf, idx in _stacked_names(name, x.shape)}
 
 
+class HFSlot(NamedTuple):
+  """Where one HF tensor lives in a parameter state: the parameter's `path`, the `lead` index of its
+  stacked axes (layer, expert), whether HF stores it transposed, and its HF `shape`."""
+  path: tuple
+  lead: tuple
+  transpose: bool
+  shape: tuple
+
+
+def hf_slots(state, config: ModelConfig | None = None) -> dict[str, HFSlot]:
+  """`{hf_name: HFSlot}` of every HF tensor of a parameter state (arrays or
+  `jax.ShapeDtypeStruct`s), by `config`'s architecture's name map."""
+  out = {}
+  for path, var in param_leaves(state):
+    shape = tuple(var.get_value().shape)
+    name, transpose = _name_map(config)(path)
+    block = shape[_lead(name):]
+    for hf, idx in _stacked_names(name, shape):
+      out[hf] = HFSlot(path, tuple(idx), transpose, tuple(block[::-1] if transpose else block))
+  return out
+
+
+def hf_transposed(path: tuple, config: ModelConfig | None = None) -> bool:
+  """Whether HF stores parameter `path`'s per-layer blocks transposed (Linear kernels: ours
+  `[..., in, out]`, HF's `[..., out, in]`); `jnp.swapaxes(x, -1, -2)` of such a parameter is its HF
+  layout with the leading stacked axes kept, which `hf_pieces` cuts without a copy."""
+  return _name_map(config)(path)[1]
+
+
+def hf_pieces(path: tuple, x_hf, config: ModelConfig | None = None) -> list[tuple[str, object]]:
+  """`[(hf_name, block)]` of a parameter already in HF layout (`hf_transposed`): one block per layer
+  (and expert) when stacked, each a view of `x_hf`."""
+  name, _ = _name_map(config)(path)
+  return [(hf, x_hf[idx]) for hf, idx in _stacked_names(name, x_hf.shape)]
+
+
 def hf_named(params: nnx.State, config: ModelConfig) -> dict[str, object]:
   """A parameter state as `{hf_name: array}` in HF layout, the arrays where they are (traceable:
   colocated rollouts compile it)."""
@@ -123,6 +160,20 @@ def atomic_write(dest: str, write) -> None:
   except BaseException:
     os.unlink(tmp)
     raise
+
+
+def checkpoint_files(path: str | os.PathLike) -> list[str]:
+  """The `*.safetensors` files of the checkpoint directory `path`, sorted."""
+  files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+  if not files:
+    raise FileNotFoundError(f"no *.safetensors file in {path}")
+  return files
+
+
+def skipped_on_load(name: str, tie_word_embeddings: bool) -> bool:
+  """A stored tensor a load leaves out: a recomputed buffer (`rotary_emb.inv_freq`), or a tied
+  model's `lm_head.weight` (the embedding is its output projection)."""
+  return name.endswith(_IGNORED_SUFFIXES) or (tie_word_embeddings and name == "lm_head.weight")
 
 
 def read_hf_tensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
@@ -202,8 +253,7 @@ def _check_names(model_state, reader: _Reader, tie_word_embeddings: bool) -> Non
         missing.append(hf)
       elif reader.shape(hf) != tuple(want):
         bad.append(f"{hf}: checkpoint {reader.shape(hf)} vs model {tuple(want)}")
-  unexpected = [n for n in names if n not in seen and not n.endswith(_IGNORED_SUFFIXES)
-                and not (tie_word_embeddings and n == "lm_head.weight")]
+  unexpected = [n for n in names if n not in seen and not skipped_on_load(n, tie_word_embeddings)]
   if missing or bad or unexpected:
     parts = [f"{label}: {', '.join(sorted(items)[:8])}{' ...' if len(items) > 8 else ''}"
              for label, items in (("missing", missing), ("shape mismatch", bad),

@@ -5,7 +5,8 @@ cluster apart from its trainer): who generates, and how the trainer's weights re
 
 - records (`rollout.records.load_dir`): a `RecordedRollouts` source and no servers' side at all;
 - servers over HTTP (`rollout.placement.mode: server`): a client of one `HttpEngine` per URL (process
-  0's) and `DiskSync` (the sharded HF checkpoint, then the client's update sequence); with
+  0's) and the weight sync `rollout.sync.via` names (`WEIGHT_SYNCS`): `DiskSync` (the sharded HF
+  checkpoint, then the client's update sequence) or `HttpSync` (streamed in buckets); with
   `rollout.transport.router`, a `fleet.RouterClient` instead: generation through sglang-router, the
   pushes to each of the workers it lists (workers that join are probed for the weight directory, then
   get the served weights);
@@ -20,7 +21,6 @@ synchronously, or ahead in a thread with bounded staleness (`rollout.sync.max_st
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable, NamedTuple
 
 import mis_jax
@@ -30,12 +30,14 @@ from trainers.rollout.fleet import router_client
 from trainers.rollout.servers import NoServers, Sampling, Servers
 from trainers.rollout.client import SGLangClient, http_client
 from trainers.rollout.sources import AsyncServerRollouts, RecordedRollouts, RolloutSource, ServerRollouts
+from trainers.rollout.weight_stream import HttpSync
 from trainers.rollout.weight_sync import DiskSync, MemorySync
 from trainers.runtime.errors import ServerError
 from trainers.serving.embedded.server import EmbeddedServer
 from trainers.serving.sglang_jax import launcher as sglang_jax
 
 LOCAL_ENGINES = {"embedded": EmbeddedLocal, "sglang-jax": SGLangJaxLocal}  # by rollout.placement.engine
+WEIGHT_SYNCS = {"disk": DiskSync, "http": HttpSync}  # servers over HTTP, by rollout.sync.via
 
 
 class Rollouts(NamedTuple):
@@ -74,10 +76,9 @@ def build_rollout(cfg, *, urls: list[str], start_dir: str, model_config, samplin
                           max_concurrency=t.max_concurrency, prompts_per_request=t.prompts_per_request,
                           cache_salt=r.sync.cache_salt)
               if distributed.is_primary() else None)  # only process 0 talks to the servers
-    weight_sync = DiskSync(client, model_config, weights_root=os.path.join(os.path.abspath(cfg.run_dir), "weights"),
-                           pause_mode=r.sync.pause_mode)
-    if t.router and client is not None:  # a worker joining mid-run is probed as the fleet is before step 1
-      client.admission_check = weight_sync.sees_weights
+    weight_sync = WEIGHT_SYNCS[r.sync.via].build(cfg, client, model_config)
+    if t.router and client is not None and isinstance(weight_sync, DiskSync):
+      client.admission_check = weight_sync.sees_weights  # a worker joining mid-run is probed as the fleet before step 1
   servers = Servers(cfg, client=client, weight_sync=weight_sync, start_dir=start_dir, model_config=model_config,
                     sampling=sampling, episodes=episodes)
   rejected = r.transport.max_rejected_fraction

@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from trainers.serving import protocol
 from trainers.rollout.engines import Engine, HttpEngine, HttpTransport
@@ -53,6 +53,7 @@ class SGLangClient:
     self._next = itertools.count()
     self._down: set[str] = set()  # engines that failed past their retries, until readmitted
     self._lock = threading.Lock()
+    self.push_lock = threading.RLock()  # one weight push (or admission of an engine) at a time
 
   def begin_weights(self, version: str) -> None:
     """Requests sent from now on go to the prefix-cache namespace of weights `version`: called
@@ -204,42 +205,55 @@ class SGLangClient:
           raise ServerUnavailable(f"{e} (no other server is up)") from None
 
   # --- weight sync ---------------------------------------------------------------------
-  def weights_served(self, model_path: str, weight_version: str) -> None:
-    """The weights every engine serves before step 1 (when no initial push is made); a fleet that
-    admits engines during the run (`trainers.rollout.fleet.RouterClient`) gives them these."""
+  def weights_served(self, load: "Load", weight_version: str) -> None:
+    """The weights every engine serves before step 1 (when no initial push is made), as the load
+    that gives an engine them (`disk_load`, or a weight sync's own); a fleet that admits engines
+    during the run (`trainers.rollout.fleet.RouterClient`) gives them these."""
+
+  def refresh_workers(self) -> None:
+    """Before a push: the engines are this client's own list (a router's fleet reads its list)."""
+
   def update_weights_from_disk(self, model_path: str, weight_version: str, *, attempts: int = 3,
                                pause_mode: str = "abort", urls: Sequence[str] | None = None) -> dict[str, float]:
+    """`update_weights` of the HF checkpoint at `model_path` (`/update_weights_from_disk`)."""
+    return self.update_weights(disk_load(model_path, weight_version), weight_version, attempts=attempts,
+                               pause_mode=pause_mode, urls=urls)
+
+  def update_weights(self, load: "Load", weight_version: str, *, attempts: int = 3, pause_mode: str = "abort",
+                     urls: Sequence[str] | None = None, served: "Load | None" = None) -> dict[str, float]:
     """contract §11 sequence on every engine, all engines concurrently: pause (``pause_mode``:
     ``abort`` ends in-flight requests, ``retract`` keeps them for after the update), flush,
-    update, verify, continue.
+    ``load(engine)`` (the update call: ``/update_weights_from_disk``, or the commit of weights
+    streamed to it beforehand), verify, continue.
 
     ``urls``: those engines only (default: every live one, or every one when none is up). Retries the update a bounded number
     of times; raises :class:`ServerError` if an engine keeps answering ``success: false`` or its
     ``weight_version`` does not change, so training never goes on against unknown weights. An
     engine that fails past its retries is marked down (it gets the weights when readmitted);
-    :class:`ServerUnavailable` when none took them. Returns ``{"server_load_s": slowest update
-    call, "servers_paused_s": slowest pause-to-continue}``.
+    :class:`ServerUnavailable` when none took them. ``served``: the load that gives an engine these
+    weights later (a fleet's joining workers; default ``load``). Returns ``{"server_load_s":
+    slowest update call, "servers_paused_s": slowest pause-to-continue}``.
     """
     targets = list(urls) if urls is not None else (self.live_urls() or self.urls)  # none up: try them all
     self.begin_weights(weight_version)
 
     def update(url):
       try:
-        loaded = self._update_one(self.engines[url], model_path, weight_version, attempts, pause_mode)
+        loaded = self._update_one(self.engines[url], load, weight_version, attempts, pause_mode)
       except ServerUnavailable as e:
         self.mark_down(url, f"loading weight version {weight_version}: {e}")
         return e
       self.readmit(url)  # it holds the weights pushed to every live engine
       return loaded
-    with ThreadPoolExecutor(max_workers=len(targets)) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
       outcomes = list(pool.map(update, targets))
     times = [t for t in outcomes if not isinstance(t, ServerUnavailable)]
     if not times:
-      raise outcomes[0]
+      raise outcomes[0] if outcomes else ServerUnavailable("no server to update")
     return {"server_load_s": max(t[0] for t in times), "servers_paused_s": max(t[1] for t in times)}
 
   @staticmethod
-  def _update_one(engine: Engine, model_path, weight_version, attempts, pause_mode) -> tuple[float, float]:
+  def _update_one(engine: Engine, load: "Load", weight_version, attempts, pause_mode) -> tuple[float, float]:
     t_pause = time.perf_counter()
     engine.pause(pause_mode)
     try:
@@ -252,8 +266,7 @@ class SGLangClient:
       t_load = time.perf_counter()
       for _ in range(attempts):
         try:  # SGLang answers a failed update with success: false (HTTP 400): retry it
-          reply = engine.update_weights_from_disk({"model_path": model_path, "weight_version": weight_version,
-                                                   "flush_cache": True})
+          reply = load(engine)
         except ServerError as e:
           last = str(e)
           continue
@@ -270,6 +283,17 @@ class SGLangClient:
     finally:
       engine.resume()
     return load, time.perf_counter() - t_pause
+
+
+# An engine's update call, given the engine: its reply (`success`, `message`). `disk_load` is
+# `/update_weights_from_disk`; a streamed push commits what it staged there.
+Load = Callable[[Engine], Any]
+
+
+def disk_load(model_path: str, weight_version: str) -> Load:
+  """The load of the HF checkpoint at `model_path` as weights `weight_version`."""
+  return lambda engine: engine.update_weights_from_disk({"model_path": model_path, "weight_version": weight_version,
+                                                         "flush_cache": True})
 
 
 def http_client(urls: Sequence[str], *, timeout_s: float = 120.0, max_retries: int = 3, backoff_s: float = 0.5,

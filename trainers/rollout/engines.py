@@ -11,7 +11,7 @@ cannot be used, `ServerUnavailable` when it failed past its retries (down or res
 from __future__ import annotations
 
 import time
-from typing import Any, Protocol
+from typing import Any, Iterable, Protocol
 
 import httpx
 
@@ -55,6 +55,16 @@ class Engine(Protocol):
   def has_weight_update_route(self) -> bool:
     """Whether it can load weights from disk."""
 
+  def stage_weights(self, query: dict, chunks: Iterable, nbytes: int) -> Any:
+    """`POST protocol.WEIGHTS_STAGE_ROUTE`: one bucket of streamed weights (`nbytes` bytes in
+    `chunks`); `ServerError` with status 409 when the engine refuses a delta."""
+
+  def commit_weights(self, body: dict) -> Any:
+    """`POST protocol.WEIGHTS_COMMIT_ROUTE`: the reply (`success`, `message`)."""
+
+  def discard_weights(self, body: dict) -> None:
+    """`POST protocol.WEIGHTS_DISCARD_ROUTE`."""
+
   def close(self) -> None:
     ...
 
@@ -96,6 +106,23 @@ class HttpTransport:
         time.sleep(delay)
         delay *= 2
     raise ServerUnavailable(f"{url}{path} failed after {self.max_retries + 1} attempts: {last}")
+
+  def send(self, url: str, path: str, params: dict, chunks: Iterable, nbytes: int):
+    """`POST url + path` of `nbytes` raw bytes from `chunks` (buffers sent as they lie), once: a
+    body cannot be sent again from where a broken connection left it, so a connection error or a
+    timeout (every read and write within `timeout_s`) is `ServerUnavailable` at once, a 4xx
+    `ServerError` with the server's message."""
+    try:
+      resp = self.http.post(url + path, params=params, content=chunks,
+                            headers={"content-type": "application/octet-stream", "content-length": str(nbytes)})
+    except httpx.TransportError as e:
+      raise ServerUnavailable(f"{url}{path}: {type(e).__name__}: {e}") from None
+    if resp.status_code >= 500:
+      raise ServerUnavailable(f"{url}{path}: HTTP {resp.status_code}: {_message(resp)}")
+    if resp.status_code >= 400:
+      raise ServerError(f"{url}{path} rejected the request (HTTP {resp.status_code}): {_message(resp)}",
+                        status=resp.status_code)
+    return resp.json() if resp.content else None
 
   def close(self) -> None:
     self.http.close()  # (idempotent: every engine of the client closes it)
@@ -177,6 +204,15 @@ class HttpEngine:
       if e.status is None:
         raise
     return True
+
+  def stage_weights(self, query: dict, chunks: Iterable, nbytes: int):
+    return self.transport.send(self.url, protocol.WEIGHTS_STAGE_ROUTE, query, chunks, nbytes)
+
+  def commit_weights(self, body: dict):
+    return self._post(protocol.WEIGHTS_COMMIT_ROUTE, body)
+
+  def discard_weights(self, body: dict) -> None:
+    self._post(protocol.WEIGHTS_DISCARD_ROUTE, body)
 
   def close(self) -> None:
     self.transport.close()

@@ -72,8 +72,7 @@ class RouterClient(SGLangClient):
     # asked of every worker before it joins (`DiskSync.sees_weights`; None: no such check).
     self.admission_check = None
     self.refused: list[str] = []  # workers removed from the router because they failed it
-    self._push_lock = threading.RLock()  # one push (or admission) at a time
-    self._served: tuple[str, str] | None = None  # (path, version) every worker must serve
+    self._served: tuple = None  # (load, version): what every worker must serve, and how one gets it
     self.admitted: list[tuple[str, str | None]] = []  # (url, version it got on joining), in order
     self.dropped: list[str] = []
     self._stop = threading.Event()
@@ -87,7 +86,7 @@ class RouterClient(SGLangClient):
     """Reads the router's worker list: new workers join the fleet (with the served weights, if
     any were pushed yet), those no longer listed leave it. Returns the new ones."""
     listed = router_workers(self._control)
-    with self._push_lock:
+    with self.push_lock:
       with self._lock:
         new = [u for u in listed if u not in self.engines and u not in self.refused]
         gone = [u for u in self.urls if u not in listed]
@@ -118,9 +117,9 @@ class RouterClient(SGLangClient):
         return
     version = None
     if self._served is not None:
-      path, version = self._served
+      load, version = self._served
       try:
-        self._update_one(self.engines[url], path, version, 3, "abort")
+        self._update_one(self.engines[url], load, version, 3, "abort")
       except (ServerError, ServerUnavailable) as e:  # readmitted with the served weights once it answers /health
         self.mark_down(url, f"new worker of router {self.router.url}: it could not load the weights of step "
                             f"{version}: {e}")
@@ -205,9 +204,9 @@ class RouterClient(SGLangClient):
       return False, f"router {self.router.url} lists no live worker ({', '.join(self.urls) or 'none'})"
     return True, ""
 
-  def weights_served(self, model_path: str, weight_version: str) -> None:
-    with self._push_lock:
-      self._served = (model_path, weight_version)
+  def weights_served(self, load, weight_version: str) -> None:
+    with self.push_lock:
+      self._served = (load, weight_version)
 
   # --- generation and weight sync --------------------------------------------------------
   def generate(self, prompts, sampling_params: dict, **kwargs):
@@ -238,21 +237,26 @@ class RouterClient(SGLangClient):
       out += reply
     return self.router.url, out
 
-  def update_weights_from_disk(self, model_path: str, weight_version: str, *, attempts: int = 3,
-                               pause_mode: str = "abort", urls=None) -> dict[str, float]:
-    with self._push_lock:
+  def update_weights(self, load, weight_version: str, *, attempts: int = 3, pause_mode: str = "abort", urls=None,
+                     served=None) -> dict[str, float]:
+    with self.push_lock:
       if urls is None:
-        try:
-          self.refresh()  # a worker that joined since the last poll gets this push
-        except (ServerError, ServerUnavailable) as e:
-          self.log(f"router {self.router.url}: worker list not read ({e}); pushing to the known workers")
-        if not self.urls:
-          raise ServerUnavailable(f"router {self.router.url} lists no worker")
-      out = super().update_weights_from_disk(model_path, weight_version, attempts=attempts,
-                                             pause_mode=pause_mode, urls=urls)
-      if urls is None:
-        self._served = (model_path, weight_version)
+        self.refresh_workers()  # a worker that joined since the last poll gets this push
+      out = super().update_weights(load, weight_version, attempts=attempts, pause_mode=pause_mode, urls=urls)
+      if urls is None or served is not None:
+        self._served = (served or load, weight_version)
       return out
+
+  def refresh_workers(self) -> None:
+    """Reads the router's worker list before a push (`refresh`; on failure, the known workers get
+    it); `ServerUnavailable` when it lists none."""
+    with self.push_lock:
+      try:
+        self.refresh()
+      except (ServerError, ServerUnavailable) as e:
+        self.log(f"router {self.router.url}: worker list not read ({e}); pushing to the known workers")
+      if not self.urls:
+        raise ServerUnavailable(f"router {self.router.url} lists no worker")
 
   def close(self):
     self._stop.set()

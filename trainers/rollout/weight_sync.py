@@ -16,25 +16,62 @@ import os
 import pathlib
 import secrets
 import shutil
+import tempfile
 import time
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors.numpy import save_file
-
-from trainers.models import DTYPES, hf_io
+from trainers.models import DTYPES, hf_io, safetensors_stream as sts
 from trainers.serving import protocol
 from trainers.models.config import ModelConfig
 from trainers.runtime import distributed, faults
 from trainers.runtime.errors import NoServerUp, TrainingError, on_primary
+from trainers.rollout.client import Load, disk_load
 from trainers.rollout.samples import ServerError, ServerUnavailable
 
 
-# One jitted cast per dtype, shared by every save (a new jit per call would recompile each sync).
-_CASTS = {name: jax.jit(lambda x, d=dt: x.astype(d)) for name, dt in hf_io.DTYPES.items()}
+# One jitted cast per (dtype, HF transposition), shared by every push (a new jit per call would
+# recompile each sync).
+_HF_CASTS: dict = {}
+
+
+def _hf_cast(dtype: str, transpose: bool):
+  if (dtype, transpose) not in _HF_CASTS:
+    dt = hf_io.DTYPES[dtype]
+    _HF_CASTS[dtype, transpose] = jax.jit(lambda x: (jnp.swapaxes(x, -1, -2) if transpose else x).astype(dt))
+  return _HF_CASTS[dtype, transpose]
+
+
+def _sorted_leaves(state) -> list[tuple[str, tuple, object]]:
+  return sorted(((".".join(map(str, p)), p, v.get_value()) for p, v in hf_io.param_leaves(state)), key=lambda t: t[0])
+
+
+def hf_params(state: nnx.State, config: ModelConfig, dtype: str):
+  """Collective: every parameter of `state`, in name order, cast to `dtype` and laid out as HF's on
+  its devices (one jitted pass: Linear kernels transposed, the stacked axes kept), then gathered
+  whole to the host: yields `(name, host array, [(hf_name, block)])`, each block a view of the host
+  array. On one CPU process the host array is the cast's own buffer (no copy). One parameter is
+  in flight at a time: the caller keeps what it needs of it."""
+  for key, p, x in _sorted_leaves(state):
+    full = distributed.to_host(_hf_cast(dtype, hf_io.hf_transposed(p, config))(x))
+    yield key, full, hf_io.hf_pieces(p, full, config)
+
+
+class _Spec(NamedTuple):  # what a header needs of a tensor that is not gathered yet
+  shape: tuple
+  dtype: np.dtype
+
+
+def hf_layout(state: nnx.State, config: ModelConfig, dtype: str) -> dict[str, list[tuple[str, _Spec]]]:
+  """`{parameter name: [(hf_name, spec)]}` in the order `hf_params` yields them, from shapes alone."""
+  slots, host = hf_io.hf_slots(state, config), np.dtype(hf_io.DTYPES[dtype])
+  by_path = collections.defaultdict(list)
+  for name, slot in slots.items():
+    by_path[slot.path].append((name, _Spec(slot.shape, host)))
+  return {key: by_path[p] for key, p, _ in _sorted_leaves(state)}
 
 
 def shard_plan(sizes: dict[str, int], num_shards: int) -> dict[str, int]:
@@ -56,43 +93,56 @@ def save_hf_sharded(state: nnx.State, config: ModelConfig, path: str | os.PathLi
   `model.safetensors.index.json` + `config.json`, the layout SGLang and `transformers` load.
 
   Collective: every process calls it with the same (sharded, possibly multi-process) `state`.
-  Each parameter, cast to `dtype` on its devices, is gathered in turn and kept only by the
-  process that owns its file (file `k` belongs to process `k % process_count`, files balanced
-  by `shard_plan`), which converts it to HF names and layout and writes that file; processes
-  write their files in parallel. Process 0 writes the index and the config; every file is
-  renamed into place whole. Returns the seconds spent gathering and writing (this process).
+  Each parameter, cast to `dtype` and laid out as HF's on its devices (`hf_params`), is gathered
+  in turn and written at once by the process that owns its file (file `k` belongs to process
+  `k % process_count`, files balanced by `shard_plan`), straight from the gathered buffer: a
+  file's header is known from the shapes before any tensor is, so no more than one parameter is
+  held on the host. Process 0 writes the index and the config; every file is renamed into place
+  whole. Returns the seconds spent gathering (with the cast) and writing (this process).
   """
   if dtype not in hf_io.DTYPES:
     raise ValueError(f"dtype must be one of {sorted(hf_io.DTYPES)}, got {dtype!r}")
-  t0 = time.perf_counter()
-  leaves = sorted(((".".join(map(str, p)), p, v.get_value()) for p, v in hf_io.param_leaves(state)),
-                  key=lambda t: t[0])
+  layout = hf_layout(state, config, dtype)
   itemsize = np.dtype(hf_io.DTYPES[dtype]).itemsize
-  num_shards = max(1, min(num_shards or jax.process_count(), len(leaves)))
-  plan = shard_plan({k: int(np.prod(x.shape)) * itemsize for k, _, x in leaves}, num_shards)
+  num_shards = max(1, min(num_shards or jax.process_count(), len(layout)))
+  plan = shard_plan({k: sum(int(np.prod(sp.shape)) for _, sp in ts) * itemsize for k, ts in layout.items()}, num_shards)
   files = [f"model-{k + 1:05d}-of-{num_shards:05d}.safetensors" for k in range(num_shards)]
   me, procs = jax.process_index(), jax.process_count()
-  cast = _CASTS[dtype]
-  mine, weight_map, total = collections.defaultdict(dict), {}, 0
-  for key, p, x in leaves:
-    if x.dtype != hf_io.DTYPES[dtype]:
-      x = cast(x)  # on the devices: half the bytes to gather for bf16
-    full = distributed.to_host(x)
-    for name, a in hf_io.hf_arrays(p, full, config).items():
-      weight_map[name] = files[plan[key]]
-      total += a.size * itemsize
-      if plan[key] % procs == me:
-        mine[plan[key]][name] = np.ascontiguousarray(a)
-  t1 = time.perf_counter()
   os.makedirs(path, exist_ok=True)
-  for k, tensors in mine.items():
-    hf_io.atomic_write(os.path.join(path, files[k]), lambda f, t=tensors: save_file(t, f, metadata={"format": "pt"}))
+  mine = {k: [t for key in layout if plan[key] == k for t in layout[key]] for k in range(num_shards) if k % procs == me}
+  handles, gather_s, write_s = {}, 0.0, 0.0
+  try:
+    for k, tensors in mine.items():
+      fd, tmp = tempfile.mkstemp(dir=path, prefix=".tmp-")
+      handles[k] = (os.fdopen(fd, "wb"), tmp)
+      handles[k][0].write(sts.header(tensors, {"format": "pt"}))
+    t = time.perf_counter()
+    for key, _, pieces in hf_params(state, config, dtype):
+      t1 = time.perf_counter()
+      gather_s += t1 - t
+      if plan[key] in handles:
+        f = handles[plan[key]][0]
+        for _, block in pieces:
+          f.write(memoryview(np.ascontiguousarray(block).reshape(-1).view(np.uint8)))
+      t = time.perf_counter()
+      write_s += t - t1
+    for k, (f, tmp) in handles.items():
+      f.close()
+      os.chmod(tmp, 0o644)  # a server running as another user must read it
+      os.replace(tmp, os.path.join(path, files[k]))
+    handles = {}
+  finally:
+    for f, tmp in handles.values():
+      f.close()
+      os.unlink(tmp)
   if me == 0:
+    weight_map = {name: files[plan[key]] for key, ts in layout.items() for name, _ in ts}
+    total = sum(int(np.prod(sp.shape)) for ts in layout.values() for _, sp in ts) * itemsize
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     hf_io.write_json(os.path.join(path, "model.safetensors.index.json"), index)
     hf_io.write_json(os.path.join(path, "config.json"), config.to_hf_dict(dtype=dtype))
   distributed.barrier(f"save_hf_sharded {os.path.abspath(path)}")
-  return {"gather_s": t1 - t0, "write_s": time.perf_counter() - t1}
+  return {"gather_s": gather_s, "write_s": write_s}
 
 
 class WeightSync(Protocol):
@@ -108,6 +158,13 @@ class WeightSync(Protocol):
   def check_reach(self, log=print) -> None:
     """Before step 1 (process 0): raises `TrainingError` when an engine could not load what the
     pushes will give it."""
+
+  def start(self, params, step: int, weight_dtype: str) -> None:
+    """The engines serve the starting weights `params` of `step` without a push (collective)."""
+
+  def served_load(self, path: str | None, version: str) -> Load:
+    """How an engine that joins or comes back gets the served weights of `version` (`path`: the
+    HF directory they were loaded from, None when none was written)."""
 
 
 class DiskSync:
@@ -126,6 +183,11 @@ class DiskSync:
     self.weights_root, self.pause_mode = weights_root, pause_mode
     self.served: str | None = None  # pinned: what the servers hold (None: nothing pushed by this process yet)
     self._written: str | None = None  # the directory this process wrote last
+
+  @classmethod
+  def build(cls, cfg, client, model_config: ModelConfig) -> "DiskSync":
+    return cls(client, model_config, weights_root=os.path.join(os.path.abspath(cfg.run_dir), "weights"),
+               pause_mode=cfg.rollout.sync.pause_mode)
 
   def push(self, params, step: int, weight_dtype: str) -> tuple[dict, str]:
     path = os.path.join(self.weights_root, f"step_{step}")
@@ -158,6 +220,12 @@ class DiskSync:
 
   def rollouts_done(self) -> None:
     pass
+
+  def start(self, params, step: int, weight_dtype: str) -> None:
+    pass  # the servers loaded the starting directory themselves
+
+  def served_load(self, path: str | None, version: str) -> Load:
+    return disk_load(path, version)
 
   def check_reach(self, log=print) -> None:
     """Every server sees `weights_root` (a shared filesystem): a probe file with a nonce is
@@ -263,6 +331,14 @@ class MemorySync:
   def rollouts_done(self) -> None:
     if self.release_between_steps:
       self.engine.release_weights()
+
+  def start(self, params, step: int, weight_dtype: str) -> None:
+    pass
+
+  def served_load(self, path: str | None, version: str) -> Load:
+    def load(engine):  # never needed: the one engine is in this process and never goes away
+      raise ServerError(f"{engine.url}: the colocated engine gets its weights in memory only")
+    return load
 
   def check_reach(self, log=print) -> None:
     pass  # the engine is in this process

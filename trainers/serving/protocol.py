@@ -565,6 +565,26 @@ def read_probe(path: Any) -> tuple[int, dict]:
     return 200, {"readable": False, "error": f"{type(e).__name__}: {e}"}
 
 
+# mis-jax's own routes (not SGLang's; contract §11): the weights of a step streamed over HTTP in
+# buckets, for fleets without a shared filesystem. Each bucket is a safetensors stream (POST body,
+# application/octet-stream; query `push`, `weight_version`, `bucket`, and `base` for a delta) whose
+# metadata `format` is `WEIGHTS_FORMAT`; the engine stages it beside the served weights. A tensor
+# comes whole under its HF name, or as a delta: `name` + `DELTA_INDEX_SUFFIX` (uint32 flat indices
+# into the HF tensor) then `name` + `DELTA_VALUES_SUFFIX` (the values there), relative to the
+# weights of push `base` — refused with HTTP 409 by an engine that does not serve exactly those.
+# The commit (JSON `{"push", "weight_version", "num_buckets", "flush_cache"}`) swaps every staged
+# tensor in at once and answers as /update_weights_from_disk does (`success`, `message`); the
+# discard (`{"push"}`) drops a stage. No request ever runs on a half-updated model: until the
+# commit the served weights are untouched, and the commit is one swap between two batches.
+WEIGHTS_STAGE_ROUTE = "/mis_jax/weights/stage"
+WEIGHTS_COMMIT_ROUTE = "/mis_jax/weights/commit"
+WEIGHTS_DISCARD_ROUTE = "/mis_jax/weights/discard"
+WEIGHTS_DIGEST_ROUTE = "/mis_jax/weights/digest"  # GET: sha256 of the served weights (`weights_digest`)
+WEIGHTS_FORMAT = "mis_jax.weights.v1"
+DELTA_INDEX_SUFFIX = ":delta_index"
+DELTA_VALUES_SUFFIX = ":delta_values"
+
+
 def json_error_body(message: str) -> dict:
   """A body that is not a JSON object of the route's shape (`ErrorResponse`, code 400)."""
   return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}

@@ -24,6 +24,7 @@ from trainers.commands import launch
 ROOT = pathlib.Path(__file__).resolve().parents[3]
 SBATCH = ROOT / "deploy" / "slurm" / "fleet.sbatch"
 JOBSET = ROOT / "deploy" / "k8s" / "fleet-jobset.yaml"
+JOBSET_HTTP = ROOT / "deploy" / "k8s" / "fleet-jobset-http.yaml"
 DEMO = ROOT / "deploy" / "local" / "fleet_demo.sh"
 
 # A stand-in for `srun` (no SLURM here): it records its arguments and the variables a step reads.
@@ -186,6 +187,46 @@ def test_jobset_recipe():
     assert pod["volumes"] == [{"name": "shared", "persistentVolumeClaim": {"claimName": "mis-jax-shared"}}]
   assert flag(commands["workers"], "--model-path") == "/shared/model"
   assert "model.path=/shared/model" in commands["trainer"] and flag(commands["trainer"], "--run-dir").startswith("/shared/")
+  for command in commands.values():
+    launch.parser().parse_args(command[2:command.index("--")] if "--" in command else command[2:])
+
+
+def test_jobset_recipe_over_http_needs_no_shared_volume():
+  """The same fleet with the weights streamed over HTTP: no PersistentVolumeClaim at all, the
+  workers mount nothing, the trainer and the workers start from the same model path (in the
+  image), the trainer's overrides are valid settings, and only its run directory (checkpoints) is
+  on storage its hosts share."""
+  service, jobset = yaml.safe_load_all(JOBSET_HTTP.read_text())
+  _, plain = yaml.safe_load_all(JOBSET.read_text())
+  assert "persistentVolumeClaim" not in json.dumps(jobset) and "ReadWriteMany" not in json.dumps(jobset)
+  jobs, same = _jobs(jobset), _jobs(plain)
+  assert sorted(jobs) == sorted(same)
+  for name in jobs:  # the roles, pods and counts are those of the shared-volume recipe
+    assert jobs[name]["replicas"] == same[name]["replicas"]
+    assert _container(jobs[name]).get("resources") == _container(same[name]).get("resources")
+  assert "volumes" not in jobs["workers"]["template"]["spec"]["template"]["spec"]
+  assert "volumeMounts" not in _container(jobs["workers"])
+  commands = {name: _container(job)["command"] for name, job in jobs.items()}
+  trainer = commands["trainer"]
+  sets = [trainer[i + 1] for i, a in enumerate(trainer) if a == "--set"]
+  assert {"rollout.sync.via=http", "rollout.sync.delta=true"} <= set(sets)
+  assert f"model.path={flag(commands['workers'], '--model-path')}" in sets
+  from mis_jax.config import load_yaml
+  from trainers import config as config_lib
+  from trainers.commands.train import train_parser
+  args = train_parser().parse_args(trainer[trainer.index("--") + 1:])
+  raw = load_yaml(str(ROOT / args.config), "trainer config")
+  for assignment in args.set:
+    config_lib.set_override(raw, assignment)
+  cfg = config_lib.TrainConfig.from_dict(raw)
+  assert cfg.rollout.sync.via == "http" and cfg.rollout.sync.delta and cfg.model.path == "/models/model"
+  pod = jobs["trainer"]["template"]["spec"]["template"]["spec"]
+  (volume,) = pod["volumes"]
+  assert volume["csi"]["driver"] == "gcsfuse.csi.storage.gke.io"
+  assert _container(jobs["trainer"])["volumeMounts"] == [{"name": volume["name"], "mountPath": "/runs"}]
+  assert flag(trainer, "--run-dir").startswith("/runs/")
+  router_url = f"http://{service['metadata']['name']}:{int(flag(commands['router'], '--port'))}"
+  assert flag(commands["workers"], "--router") == flag(trainer, "--router") == router_url
   for command in commands.values():
     launch.parser().parse_args(command[2:command.index("--")] if "--" in command else command[2:])
 

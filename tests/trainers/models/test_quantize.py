@@ -115,7 +115,7 @@ def test_mismatch_grows_with_coarser_weights_on_a_fixed_batch(tiny_checkpoint):
                                 ("int8", "bfloat16", "int8"), ("fp8", "bfloat16", "fp8")):
     engine = GenerationEngine(tiny_checkpoint, dtype=dtype, quantize=quantize)
     engine.close()
-    served = nnx.merge(engine.sampler.graphdef, engine.sampler.params)
+    served = engine.sampler.served_model()
     k3[name] = _k3(o, np.concatenate([sequence_logprobs(served, s[:1], s[1:]) for s in seqs]))
   assert k3["fp32"][0] < 1e-9
   assert k3["fp32"][0] < k3["bf16"][0] < k3["int8"][0] < k3["fp8"][0]

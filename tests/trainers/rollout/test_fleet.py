@@ -65,11 +65,14 @@ def fleet(checkpoint):
   """Two workers behind a round-robin router (both are used whatever the prompts)."""
   with _worker(checkpoint) as a, _worker(checkpoint) as b:
     with router_lib.RouterProcess([a.url, b.url], policy="round_robin") as router:
-      yield router, [a, b]
+      workers = [a, b]
+      yield router, workers
+      workers[1].close()  # (a replacement's)
 
 
-def _trainer(tmp_path, router, name, steps):
-  sections = merged(FLOAT32, {"rollout": {"transport": {"router": router.url}}, "train": {"steps": steps}})
+def _trainer(tmp_path, router, name, steps, sync=None):
+  sections = merged(FLOAT32, {"rollout": {"transport": {"router": router.url}, "sync": sync or {}},
+                              "train": {"steps": steps}})
   cfg = make_cfg(tmp_path, name, **sections)
   trainer = train_lib.Trainer(cfg, mis_jax.LossConfig(), urls=[])
   versions = {}  # step -> the weight versions of every sample it trained on
@@ -108,11 +111,20 @@ def test_ten_float32_steps_through_the_router(fleet, tmp_path):
   assert all(n >= 10 for n in used), used  # both workers served every step's requests (round robin)
 
 
-def test_a_worker_dies_and_another_joins(fleet, checkpoint, tmp_path):
+@pytest.mark.parametrize("via", ["disk", "http"])
+def test_a_worker_dies_and_another_joins(fleet, checkpoint, tmp_path, via):
+  """Worker b is killed after step 2, worker c registers after step 3 and is given the weights of
+  step 3 as it joins — from the served directory, or streamed whole from the trainer's snapshot
+  (`via: http`, deltas to the worker that holds the last push): no step fails, every sample of
+  step k is version k - 1, the survivors end on version 5."""
   router, (a, b) = fleet
-  trainer, versions = _trainer(tmp_path, router, "churn", 5)
+  if b.process.poll() is not None:  # killed by the run before: a fresh worker in its place
+    b = fleet[1][1] = _worker(checkpoint)
+    router_lib.register(router.url, b.url)
+  sync = {"via": "http", "delta": True} if via == "http" else {}
+  trainer, versions = _trainer(tmp_path, router, f"churn-{via}", 5, sync)
   logs = []
-  with _worker(checkpoint) as c:  # started now (it takes seconds), registered at step 4
+  with b, _worker(checkpoint) as c:  # c: started now (it takes seconds), registered at step 4
     sync = trainer.servers.sync
     joined = {}
 
@@ -138,6 +150,8 @@ def test_a_worker_dies_and_another_joins(fleet, checkpoint, tmp_path):
     assert _generate_calls(c) > joined["calls"]  # and served from step 4 on: its samples are all version >= 3
     assert _version(c.url) == _version(a.url) == "5"
     assert b.url in client.down_urls() or b.url in client.dropped
+    if via == "http":
+      assert history[-1]["sync/delta_workers"] >= 1 and history[-1]["sync/sent_bytes"] > 0
     for gone in (b.url, c.url):  # the module's router is shared: later tests see live workers only
       router_lib.deregister(router.url, gone)
 

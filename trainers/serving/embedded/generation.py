@@ -25,6 +25,7 @@ Pause and abort follow SGLang's tokenizer manager and scheduler:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import threading
@@ -32,13 +33,16 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from trainers.serving import protocol
-from trainers.models import (DTYPES, ModelConfig, abstract_model, load_hf_checkpoint, read_hf_tensors,
-                             state_from_hf_tensors)
+from trainers.models import DTYPES, ModelConfig, abstract_model, hf_io, state_from_hf_tensors
+from trainers.models import safetensors_stream as sts
+from trainers.models.decoder import weight_bits
 from trainers.models.quantize import QUANTIZATIONS, quantize_params
 from trainers.serving.embedded.sampler import Completion, Sampler, SamplingOptions
+from trainers.serving.embedded.staging import StageError, WeightStage, read_checkpoint, weights_digest
 
 
 @dataclasses.dataclass
@@ -91,19 +95,25 @@ class GenerationEngine:
     self.model_path = os.path.abspath(model_path)
     self.dtype = dtype
     self.quantize = quantize
-    model = load_hf_checkpoint(model_path, dtype=DTYPES[dtype], param_dtype=DTYPES[dtype], layer_loop=layer_loop,
-                               arithmetic=arithmetic)
+    self.config = ModelConfig.from_pretrained(model_path)
+    model = abstract_model(self.config, dtype=DTYPES[dtype], param_dtype=DTYPES[dtype], layer_loop=layer_loop,
+                           arithmetic=arithmetic)
     self.arithmetic = model.arithmetic
     self.layer_loop = (model.layer_loop, model.layer_loop_reason)
-    self.config = model.config
-    self.sampler = Sampler(model, max_batch_size=max_batch_size, seed=seed)
-    if quantize != "none":
-      self.sampler.set_params(self._served_params(model, read_hf_tensors(model_path)))
+    graphdef, logical = nnx.split(model)  # every variable of the module is a parameter
+    first = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    logical = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=first), logical)
+    stage = self._stage(served=weight_bits(logical), logical=logical, graphdef=graphdef, path=model_path)
+    read_checkpoint(stage, model_path)
+    self.sampler = Sampler(nnx.merge(graphdef, self._staged(stage, graphdef)), max_batch_size=max_batch_size, seed=seed)
+    self.served_push: str | None = None  # the push (`stage_weights`) whose weights are served; None: a file's
+    self._staging: WeightStage | None = None
     self.seed = seed
     self.weight_version = weight_version
     self.released = False  # release_weights() freed the served weights (until the next update)
     self.tokenizer = _load_tokenizer(model_path)
     self._weights = threading.Lock()  # held while a batch runs and while weights change
+    self._stage_lock = threading.Lock()  # guards `_staging`
     self._cv = threading.Condition()  # guards the queue, pause state and the rid registry
     self._queue: list[_Job] = []
     self._running: list[_Job] = []
@@ -348,8 +358,32 @@ class GenerationEngine:
       return {"paused": self._paused, "num_running_reqs": running,
               "num_waiting_reqs": len(self._rids) - running - held, "num_paused_reqs": held}
 
+  # ---- weights ------------------------------------------------------------------------------
+  def _stage(self, *, served=None, logical=None, graphdef=None, path: str | None = None, version=None, push=None,
+             base=None) -> WeightStage:
+    """An empty stage for the next weights (`staging.WeightStage`), in the served layout unless the
+    engine quantises (its scales come from the tensors as given) or the files at `path` store
+    tensors under other names (fused experts, read through the architecture's views)."""
+    served = self.sampler.params if served is None else served
+    logical = self.sampler.served_params() if logical is None else logical
+    raw = self.quantize != "none"
+    stage = WeightStage(served, logical, self.config, version=version, push=push, base=base, raw=raw)
+    stage.graphdef = graphdef or self.sampler.graphdef
+    if path is not None and not raw:
+      names = {n for f in hf_io.checkpoint_files(path) for n in sts.tensor_names(f)}
+      stage.raw = not all(n in stage.slots or hf_io.skipped_on_load(n, self.config.tie_word_embeddings) for n in names)
+    return stage
+
+  def _staged(self, stage: WeightStage, graphdef=None) -> nnx.State:
+    """The stage's weights as the sampler holds them (`ValueError` when they cannot be)."""
+    if not stage.raw:
+      return stage.state()
+    model = nnx.merge(stage.graphdef, stage.logical)
+    return weight_bits(self._served_params(model, stage.tensors))
+
   def update_weights_from_disk(self, path: str, weight_version: str | None) -> tuple[bool, str]:
-    """Loads `path` (HF safetensors) in place of the current weights, all or nothing."""
+    """Loads `path` (HF safetensors) in place of the current weights, all or nothing: read tensor
+    by tensor into a stage while the served weights keep serving, then swapped in."""
     try:
       new_config = ModelConfig.from_pretrained(path)
       ignore = ("initializer_range", "bos_token_id", "eos_token_id")
@@ -357,19 +391,85 @@ class GenerationEngine:
               and getattr(new_config, f.name) != getattr(self.config, f.name)]
       if diff:
         raise ValueError(f"config.json differs from the served model in {', '.join(diff)}")
-      tensors = read_hf_tensors(path)
+      stage = self._stage(path=path, version=weight_version)
+      read_checkpoint(stage, path)
+      state = self._staged(stage)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
       return False, f"Failed to load weights from {path!r}: {e}"
     with self._weights:
       try:
-        model = nnx.merge(self.sampler.graphdef, self.sampler.params)
-        self.sampler.set_params(self._served_params(model, tensors))
+        self.sampler.set_params(state)
       except ValueError as e:
         return False, f"Failed to load weights from {path!r}: {e}"
       message = self._set_version(weight_version, "Succeeded to update model weights.")
       self.model_path = os.path.abspath(path)
-      self.released = False
+      self.released, self.served_push = False, None
+    del state, stage  # (the stage refers to the replaced weights)
+    _free_replaced()
     return True, message
+
+  def stage_bucket(self, *, push: str, version: str | None, bucket: int, base: str | None = None) -> "BucketSink":
+    """A sink for bucket `bucket` of push `push` (`protocol.WEIGHTS_STAGE_ROUTE`): its bytes, fed as
+    they arrive, go to the stage of that push (a new push discards what an older one staged). A
+    delta (`base`: the push it is relative to) is refused (`StageConflict`) unless the engine
+    serves exactly that push's weights in its own layout: the pusher then sends them whole."""
+    with self._stage_lock:
+      stage = self._staging
+      if stage is None or stage.push != push:
+        if base is not None and (base != self.served_push or self.quantize != "none"):
+          why = (f"it serves {'push ' + repr(self.served_push) if self.served_push else 'weights not pushed here'}"
+                 if self.quantize == "none" else "it quantises, from whole tensors")
+          raise StageConflict(f"a delta relative to push {base!r} cannot be applied: {why}; send the weights whole")
+        stage = self._staging = self._stage(version=version, push=push, base=base)
+      elif (stage.version, stage.base) != (version, base):
+        raise StageError(f"push {push!r} is staging weight_version {stage.version!r} with base {stage.base!r}, "
+                         f"not {version!r} with {base!r}")
+      return BucketSink(self, stage, bucket)
+
+  def commit_weights(self, push: str, weight_version: str | None, num_buckets: int) -> tuple[bool, str]:
+    """The weights of push `push`, every one of its `num_buckets` buckets staged, in place of the
+    served ones, all or nothing (`protocol.WEIGHTS_COMMIT_ROUTE`); the stage is emptied either way."""
+    with self._stage_lock:
+      stage = self._staging
+      if stage is None or stage.push != push:
+        return False, f"no weights staged for push {push!r} (staging: {stage.push if stage else None!r})"
+      self._staging = None
+      missing = sorted(set(range(num_buckets)) - stage.buckets)
+      extra = sorted(stage.buckets - set(range(num_buckets)))
+      if missing or extra or stage.version != weight_version:
+        return False, (f"push {push!r} cannot be committed as weight_version {weight_version!r} of {num_buckets} "
+                       f"buckets: staged version {stage.version!r}, buckets missing {missing[:8]}, unexpected {extra[:8]}")
+      try:
+        state = self._staged(stage)
+      except ValueError as e:
+        return False, f"Failed to update weights from push {push!r}: {e}"
+    with self._weights:
+      try:
+        self.sampler.set_params(state)
+      except ValueError as e:
+        return False, f"Failed to update weights from push {push!r}: {e}"
+      self.released, self.served_push = False, push
+      message = self._set_version(weight_version, f"Succeeded to update model weights ({stage.nbytes} bytes "
+                                                  f"received{', a delta' if stage.base else ''}).")
+    del state, stage
+    _free_replaced()
+    return True, message
+
+  def weights_digest(self) -> dict:
+    """`protocol.WEIGHTS_DIGEST_ROUTE`: the served weights' `staging.weights_digest`, their version and push."""
+    with self._weights:
+      if self.released:
+        raise RuntimeError("the served weights were released")
+      return {"weight_version": self.weight_version, "push": self.served_push,
+              "digest": weights_digest(self.sampler.params)}
+
+  def discard_weights(self, push: str | None = None) -> bool:
+    """Drops what push `push` (any, None) staged; whether anything was."""
+    with self._stage_lock:
+      if self._staging is None or (push is not None and self._staging.push != push):
+        return False
+      self._staging = None
+      return True
 
   def update_weights(self, params: nnx.State, weight_version: str | None) -> tuple[bool, str]:
     """The in-memory counterpart of `update_weights_from_disk` (colocated rollouts): `params`, a
@@ -382,8 +482,10 @@ class GenerationEngine:
         self.sampler.set_params(jax.block_until_ready(self._placed(self._quantized(params))))
       except ValueError as e:
         return False, f"Failed to update model weights in memory: {e}"
-      self.released = False
-      return True, self._set_version(weight_version, "Succeeded to update model weights in memory.")
+      self.released, self.served_push = False, None
+      message = self._set_version(weight_version, "Succeeded to update model weights in memory.")
+    _free_replaced()
+    return True, message
 
   def _quantized(self, params: nnx.State) -> nnx.State:
     if self.quantize == "none":
@@ -396,13 +498,13 @@ class GenerationEngine:
     """`params` matched by path to the served weights, each cast to their dtype and put on their
     devices (a resharding: the trainer's shards gathered where the engine holds its copy)."""
     given = dict(nnx.to_flat_state(params))
-    served = nnx.to_flat_state(self.sampler.params)
+    served = nnx.to_flat_state(self.sampler.served_params())
     missing = [path for path, _ in served if path not in given]
     if missing or len(given) != len(served):
       extra = sorted(set(given) - {path for path, _ in served})
       raise ValueError(f"parameters differ from the served model's: missing {missing[:3]}, unexpected {extra[:3]}")
     def put(var, value):
-      target = var.get_value()
+      target = var.get_value()  # (a bfloat16 weight: held as its bits by the sampler, which converts it)
       cast = jnp.asarray(value).astype(target.dtype)
       # Never an alias of the caller's buffers (the trainer donates its parameters to the next
       # step): a cast is a buffer of its own already; only a value taken as it is gets copied.
@@ -471,6 +573,76 @@ class GenerationEngine:
         "enable_return_routed_experts": self.enable_return_routed_experts,
         "arithmetic": self.arithmetic,  # `batch_invariant`: exact mode (contract §13); not an SGLang field
         "version": protocol.PROTOCOL_VERSION, "frontend": "mis-jax"}
+
+
+def _free_replaced() -> None:
+  """Frees the weights a swap replaced now: nnx's `State` and `Variable` objects sit in reference
+  cycles, which only the cycle collector frees, so the old copy would otherwise stay until it
+  happens to run (Qwen3-0.6B: 1.2 GB held between two loads)."""
+  gc.collect()
+
+
+class StageConflict(ValueError):
+  """A delta the engine cannot apply (it does not serve the weights it is relative to): HTTP 409."""
+
+
+class BucketSink:
+  """One bucket's bytes into a stage as they arrive (`feed`, then `close`), its tensors placed by
+  `safetensors_stream.Reader`: a tensor `name` whole, or a delta as the pair `name` +
+  `protocol.DELTA_INDEX_SUFFIX` (flat indices, uint32) then `name` + `protocol.DELTA_VALUES_SUFFIX`.
+  Any error discards the whole stage (its buffers may hold part of the bucket)."""
+
+  def __init__(self, engine: GenerationEngine, stage: WeightStage, bucket: int):
+    self.engine, self.stage, self.bucket = engine, stage, bucket
+    self.tensors = 0
+    self._index: tuple[str, np.ndarray] | None = None
+    self._reader = sts.Reader(self._destination, self._done)
+
+  def _destination(self, name, dtype, shape):
+    if name.endswith((protocol.DELTA_INDEX_SUFFIX, protocol.DELTA_VALUES_SUFFIX)):
+      return None
+    return self.stage.destination(name, dtype, shape)
+
+  def _done(self, name: str, array: np.ndarray) -> None:
+    self.tensors += 1
+    if name.endswith(protocol.DELTA_INDEX_SUFFIX):
+      self._index = (name[:-len(protocol.DELTA_INDEX_SUFFIX)], array)
+    elif name.endswith(protocol.DELTA_VALUES_SUFFIX):
+      target = name[:-len(protocol.DELTA_VALUES_SUFFIX)]
+      if self._index is None or self._index[0] != target:
+        raise StageError(f"delta values of {target!r} without its indices just before them")
+      self.stage.put_delta(target, self._index[1].astype(np.int64, copy=False), array)
+      self._index = None
+    else:
+      self.stage.put(name, array)
+
+  def _guarded(self, fn, *args):
+    with self.engine._stage_lock:
+      if self.engine._staging is not self.stage:
+        raise StageError(f"push {self.stage.push!r} is no longer staged (a newer push or a discard replaced it)")
+      try:
+        return fn(*args)
+      except BaseException:
+        self.engine._staging = None
+        raise
+
+  def feed(self, chunk) -> None:
+    self._guarded(self._reader.feed, chunk)
+
+  def close(self) -> None:
+    def finish():
+      self._reader.close()
+      if self._index is not None:
+        raise StageError(f"delta indices of {self._index[0]!r} without their values")
+      fmt = self._reader.metadata.get("format")
+      if fmt != protocol.WEIGHTS_FORMAT:
+        raise StageError(f"bucket metadata format is {fmt!r}, expected {protocol.WEIGHTS_FORMAT!r}")
+      self.stage.buckets.add(self.bucket)
+    self._guarded(finish)
+
+  def abandon(self) -> None:
+    """The bucket will not arrive whole (the client went away): its stage is dropped."""
+    self.engine.discard_weights(self.stage.push)
 
 
 def _engine_params(item: protocol.Item, context: int, routed_experts: bool = False) -> SamplingOptions:

@@ -17,7 +17,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from trainers.serving import protocol
-from trainers.serving.embedded.generation import GenerationEngine
+from trainers.serving.embedded.generation import GenerationEngine, StageConflict, StageError
+
+# A bucket's bytes are handed to the stage (in a worker thread) in pieces of about this size.
+STAGE_FEED_BYTES = 8 << 20
 
 FLUSH_MESSAGE = ("Cache flushed.\nPlease check backend logs for more details. (When there are "
                  "running or waiting requests, the operation will not be performed.)\n")
@@ -93,6 +96,62 @@ class Routes:
     return JSONResponse({"success": ok, "message": message, "num_paused_requests": 0},
                         status_code=200 if ok else 400)
 
+  async def stage_weights(self, request: Request):
+    """`protocol.WEIGHTS_STAGE_ROUTE`: one bucket, staged as its bytes arrive."""
+    q = request.query_params
+    push, bucket = q.get("push"), q.get("bucket", "")
+    if not push or not bucket.isdigit():
+      raise _BadBody(f"query needs push (a name) and bucket (an index), got push={push!r} bucket={bucket!r}")
+    try:
+      sink = await run_in_threadpool(self.engine.stage_bucket, push=push, version=q.get("weight_version"),
+                                     bucket=int(bucket), base=q.get("base"))
+    except StageConflict as e:
+      return JSONResponse(protocol.request_error_body(str(e)), status_code=409)
+    except StageError as e:
+      raise _BadBody(str(e)) from None
+    pending, size = [], 0
+
+    def feed(pieces):
+      for piece in pieces:
+        sink.feed(piece)
+    try:
+      async for chunk in request.stream():
+        pending.append(chunk)
+        size += len(chunk)
+        if size >= STAGE_FEED_BYTES:
+          await run_in_threadpool(feed, pending)
+          pending, size = [], 0
+      await run_in_threadpool(feed, pending)
+      await run_in_threadpool(sink.close)
+    except ValueError as e:  # (StageError included) the stage was discarded
+      raise _BadBody(f"bucket {bucket} of push {push!r}: {e}") from None
+    except BaseException:
+      sink.abandon()  # the client went away mid-bucket
+      raise
+    return {"success": True, "push": push, "bucket": int(bucket), "tensors": sink.tensors}
+
+  async def commit_weights(self, request: Request):
+    """`protocol.WEIGHTS_COMMIT_ROUTE`: the staged push in place of the served weights (SGLang's
+    update reply)."""
+    body = await _json_body(request, empty_ok=False)
+    if not isinstance(body, dict) or not isinstance(body.get("push"), str) or not isinstance(body.get("num_buckets"), int):
+      raise _BadBody("commit needs push (a string) and num_buckets (an integer)")
+    version = body.get("weight_version")
+    if version is not None and not isinstance(version, str):
+      raise _BadBody("weight_version: Input should be a valid string")
+    if body.get("abort_all_requests"):
+      self.engine.abort(abort_all=True)
+    ok, message = await run_in_threadpool(self.engine.commit_weights, body["push"], version, body["num_buckets"])
+    return JSONResponse({"success": ok, "message": message, "num_paused_requests": 0}, status_code=200 if ok else 400)
+
+  async def discard_weights(self, request: Request):
+    body = await _json_body(request)
+    push = body.get("push") if isinstance(body, dict) else None
+    return {"discarded": self.engine.discard_weights(push if isinstance(push, str) else None)}
+
+  async def weights_digest(self):
+    return await run_in_threadpool(self.engine.weights_digest)
+
   async def model_info(self):
     return self.engine.model_info()
 
@@ -136,7 +195,8 @@ class Routes:
     return Response(status_code=200)
 
 
-# (paths, methods, `Routes` method): SGLang 0.5.23's routes, their aliases, and the read probe.
+# (paths, methods, `Routes` method): SGLang 0.5.23's routes, their aliases, the read probe and
+# the streamed weights' routes.
 ROUTES = ((("/generate",), ("POST", "PUT"), "generate"),
           (("/update_weights_from_disk",), ("POST",), "update_weights_from_disk"),
           (("/get_model_info", "/model_info"), ("GET",), "model_info"),
@@ -147,6 +207,10 @@ ROUTES = ((("/generate",), ("POST", "PUT"), "generate"),
           (("/continue_generation",), ("POST",), "continue_generation"),
           (("/abort_request",), ("POST",), "abort_request"),
           ((protocol.READ_PROBE_ROUTE,), ("POST",), "read_probe"),
+          ((protocol.WEIGHTS_STAGE_ROUTE,), ("POST",), "stage_weights"),
+          ((protocol.WEIGHTS_COMMIT_ROUTE,), ("POST",), "commit_weights"),
+          ((protocol.WEIGHTS_DISCARD_ROUTE,), ("POST",), "discard_weights"),
+          ((protocol.WEIGHTS_DIGEST_ROUTE,), ("GET",), "weights_digest"),
           (("/health",), ("GET",), "health"),
           (("/health_generate",), ("GET",), "health_generate"))
 

@@ -53,6 +53,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from trainers.models import CausalLM, LayerCache, invariant
+from trainers.models.decoder import from_weight_bits, weight_bits
 
 
 _GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: smaller temperatures are greedy
@@ -297,6 +298,10 @@ def _decode(graphdef, params, state, start, row_seeds, temperature, top_p, top_k
   return jax.lax.while_loop(cond, body, state)
 
 
+def _abstract(x) -> jax.ShapeDtypeStruct:
+  return x if isinstance(x, jax.ShapeDtypeStruct) else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+
 def _take_rows(state, index):
   """The decoding state of rows `index [B']` only (continuous batching: finished rows leave)."""
   rows = lambda x: jnp.take(x, index, axis=0)
@@ -331,7 +336,8 @@ class Sampler:
   def __init__(self, model: CausalLM, *, eos_token_ids: Sequence[int] | None = None,
                max_batch_size: int = 64, seed: int = 0):
     self.config = model.config
-    self.graphdef, self.params = nnx.split(model)
+    self.graphdef, params = nnx.split(model)
+    self.params = weight_bits(params)  # bfloat16 weights as their bits (`decoder.WEIGHT_BITS`: no float32 copy)
     self.eos_token_ids = tuple(self.config.eos_token_id if eos_token_ids is None else eos_token_ids)
     self.max_batch_size = _bucket(max_batch_size, 1)
     self.arithmetic = model.arithmetic
@@ -358,12 +364,22 @@ class Sampler:
     return traced
 
   def set_params(self, params: nnx.State) -> None:
-    """Swaps the weights (same structure, shapes and dtypes: nothing recompiles)."""
+    """Swaps the weights (same structure, shapes and dtypes: nothing recompiles). bfloat16 weights
+    may come as themselves (converted here) or as their bits already (`decoder.weight_bits`)."""
     old = jax.tree.map(lambda x: (x.shape, x.dtype), self.params)
-    new = jax.tree.map(lambda x: (x.shape, x.dtype), params)
+    new = jax.tree.map(lambda x: (x.shape, x.dtype), weight_bits(jax.tree.map(_abstract, params)))
     if old != new:
       raise ValueError("new parameters differ in structure, shape or dtype")
-    self.params = params
+    self.params = weight_bits(params)
+
+  def served_model(self) -> CausalLM:
+    """The served model with its weights in their dtype (a bfloat16 copy of the bits: for checks)."""
+    return nnx.merge(self.graphdef, jax.tree.map(from_weight_bits, self.params))
+
+  def served_params(self) -> nnx.State:
+    """The served weights' structure, shapes, dtypes (bfloat16, not its bits) and shardings, as
+    `jax.ShapeDtypeStruct`s: what a new set of weights must match."""
+    return jax.tree.map(lambda x: from_weight_bits(_abstract(x)), self.params)
 
   def shard(self, shardings: nnx.State, rows: jax.sharding.NamedSharding) -> None:
     """Places the weights by `shardings` (a state of shardings, e.g. a trainer's FSDP/TP layout

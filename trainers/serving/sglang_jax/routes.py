@@ -22,6 +22,12 @@ sampler and generation are untouched):
   (`{"version", "start", "end"}` over the completion tokens) for a request that an update
   (with `pause_generation` `retract` or `in_place`) split between two versions.
 - `GET /model_info` (SGLang's keys, `weight_version` among them) and `GET /get_weight_version`.
+- mis-jax's streamed weights (`rollout.sync.via: http`, contract §11; the routes and format of
+  `trainers.serving.protocol.WEIGHTS_*`, repeated here since this file cannot import the package):
+  each bucket (a safetensors stream) is kept by name as it came; the commit loads them as an
+  in-memory update (`WeightUpdates.update` with tensors) — between two batches, all or nothing. A
+  delta is refused (HTTP 409: nothing here keeps the pushed tensors a delta would apply to), so
+  the trainer sends this engine the weights whole.
 - `extra_key` (SGLang's prefix-cache namespace, the trainer's cache salt) honoured in a batch
   request as in a single one (sglang-jax 0.1.0rc0 drops it when it splits a batch), a list's
   length checked.
@@ -62,6 +68,44 @@ RETRACT_REFUSED = (
 
 # Appended to every request's prefix-cache key (SGLang's `extra_key`): the weights' epoch.
 _EPOCH = "\x1fmis-jax-weights:{}\x1f"
+
+# trainers.serving.protocol's streamed-weights routes and format (a test checks they agree).
+WEIGHTS_STAGE_ROUTE = "/mis_jax/weights/stage"
+WEIGHTS_COMMIT_ROUTE = "/mis_jax/weights/commit"
+WEIGHTS_DISCARD_ROUTE = "/mis_jax/weights/discard"
+WEIGHTS_FORMAT = "mis_jax.weights.v1"
+DELTA_SUFFIXES = (":delta_index", ":delta_values")
+
+
+def _read_bucket(raw: bytes) -> tuple[dict, dict]:
+  """`(metadata, {name: array})` of a safetensors stream, each array a view of `raw`."""
+  import ml_dtypes
+  import numpy as np
+
+  dtypes = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
+            "U32": np.uint32, "I32": np.int32, "I64": np.int64}
+  if len(raw) < 8:
+    raise ValueError(f"{len(raw)} bytes: not a safetensors stream")
+  n = int.from_bytes(raw[:8], "little")
+  if n > len(raw) - 8:
+    raise ValueError(f"a header of {n} bytes in a body of {len(raw)}")
+  try:
+    header = json.loads(raw[8:8 + n])
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"safetensors header is not JSON: {e}") from None
+  meta = header.pop("__metadata__", None) or {}
+  data, tensors, end = memoryview(raw)[8 + n:], {}, 0
+  for name, e in header.items():
+    try:
+      dtype = dtypes[e["dtype"]]
+      begin, stop = e["data_offsets"]
+      tensors[name] = np.frombuffer(data[begin:stop], dtype).reshape(e["shape"])
+    except (KeyError, TypeError, ValueError) as err:
+      raise ValueError(f"tensor {name!r}: {type(err).__name__}: {err}") from None
+    end = max(end, stop)
+  if end != len(data):
+    raise ValueError(f"{len(data)} data bytes, the header accounts for {end}")
+  return meta, tensors
 
 
 def _check_extra_key(obj) -> None:
@@ -225,6 +269,7 @@ class WeightUpdates:
     self._gate = None
     self._transfer = None  # (served leaves it fills, compiled program), for in-memory updates
     self._loading = threading.Lock()  # one load at a time: the in-memory trace patches its loader class
+    self._staging: dict | None = None  # a streamed push's buckets, until its commit
 
   # ---- wiring -------------------------------------------------------------------------------
   def attach(self, tokenizer_manager, scheduler) -> None:
@@ -533,6 +578,46 @@ class WeightUpdates:
     logger.info("weights from %s in %.2f s, version %s", source, time.perf_counter() - t0, self.weight_version)
     return True, message + note, 0
 
+  # ---- weights streamed over HTTP -----------------------------------------------------------------
+  def stage(self, query: dict, raw: bytes) -> tuple[int, dict]:
+    """`WEIGHTS_STAGE_ROUTE`: one bucket kept for the commit of its push (a new push drops an older
+    one's). `(HTTP status, reply)`."""
+    push, bucket = query.get("push"), query.get("bucket", "")
+    if not push or not bucket.isdigit():
+      return 400, _error_body(f"query needs push (a name) and bucket (an index), got {push!r}, {bucket!r}")
+    if query.get("base") is not None:
+      return 409, _error_body(f"a delta relative to push {query['base']!r} cannot be applied: the sglang-jax launcher "
+                              f"keeps no copy of the pushed tensors; send the weights whole")
+    staging = self._staging
+    if staging is None or staging["push"] != push:
+      staging = self._staging = {"push": push, "version": query.get("weight_version"), "tensors": {}, "buckets": set()}
+    try:
+      meta, tensors = _read_bucket(raw)
+      if meta.get("format") != WEIGHTS_FORMAT:
+        raise ValueError(f"metadata format {meta.get('format')!r}, expected {WEIGHTS_FORMAT!r}")
+      if any(name.endswith(DELTA_SUFFIXES) for name in tensors):
+        raise ValueError("delta entries in a push without a base")
+    except ValueError as e:
+      self._staging = None
+      return 400, _error_body(f"bucket {bucket} of push {push!r}: {e}")
+    staging["tensors"].update(tensors)
+    staging["buckets"].add(int(bucket))
+    return 200, {"success": True, "push": push, "bucket": int(bucket), "tensors": len(tensors)}
+
+  async def commit(self, body: dict) -> tuple[bool, str]:
+    """`WEIGHTS_COMMIT_ROUTE`: the staged push in place of the served weights (`update` from memory)."""
+    staging, self._staging = self._staging, None
+    push, version, count = body.get("push"), body.get("weight_version"), body.get("num_buckets")
+    if staging is None or staging["push"] != push:
+      return False, f"no weights staged for push {push!r}"
+    if staging["buckets"] != set(range(count if isinstance(count, int) else -1)) or staging["version"] != version:
+      return False, (f"push {push!r} cannot be committed as weight_version {version!r} of {count} buckets: staged "
+                     f"{staging['version']!r}, buckets {sorted(staging['buckets'])[:8]}")
+    ok, message, _ = await self.update({"weight_version": version, "flush_cache": body.get("flush_cache", True),
+                                        "abort_all_requests": body.get("abort_all_requests", False)},
+                                       tensors=staging["tensors"])
+    return ok, message
+
   def model_info(self) -> dict:
     """SGLang's `/model_info` reply (`weight_version` among its keys)."""
     tm = self.tokenizer_manager
@@ -589,17 +674,49 @@ class WeightUpdates:
     async def model_info():
       return self.model_info()
 
+    @app.post(WEIGHTS_STAGE_ROUTE)
+    async def stage_weights(request: Request):
+      status, reply = self.stage(dict(request.query_params), await request.body())
+      return ORJSONResponse(reply, status_code=status)
+
+    @app.post(WEIGHTS_COMMIT_ROUTE)
+    async def commit_weights(request: Request):
+      try:
+        body = await request.json()
+      except ValueError as e:
+        return _bad_request(f"the body is not JSON: {e}")
+      if not isinstance(body, dict) or not isinstance(body.get("push"), str):
+        return _bad_request("push: Field required (a string)")
+      success, message = await self.commit(body)
+      return ORJSONResponse({"success": success, "message": message, "num_paused_requests": 0},
+                            status_code=200 if success else 400)
+
+    @app.post(WEIGHTS_DISCARD_ROUTE)
+    async def discard_weights(request: Request):
+      try:
+        body = await request.json()
+      except ValueError:
+        body = {}
+      push = body.get("push") if isinstance(body, dict) else None
+      dropped = self._staging is not None and push in (None, self._staging["push"])
+      if dropped:
+        self._staging = None
+      return ORJSONResponse({"discarded": dropped})
+
     @app.get("/get_weight_version")
     @app.get("/weight_version")
     async def get_weight_version():
       return {"weight_version": self.weight_version}
 
 
+def _error_body(message: str) -> dict:
+  return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
+
+
 def _bad_request(message: str):
   """SGLang's 400 error body."""
   from fastapi.responses import ORJSONResponse
-  return ORJSONResponse({"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400},
-                        status_code=400)
+  return ORJSONResponse(_error_body(message), status_code=400)
 
 
 class InProcessEngine:
