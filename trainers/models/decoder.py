@@ -182,7 +182,7 @@ class RMSNorm(nnx.Module):
 
   def __call__(self, x: jax.Array) -> jax.Array:
     if self.arithmetic == "batch_invariant":
-      return invariant.rms_norm(x, self.weight[...], self.eps, self.dtype)
+      return invariant.rms_norm(x, from_weight_bits(self.weight[...]), self.eps, self.dtype)
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.eps)
     return _expand(from_weight_bits(self.weight[...]).astype(self.dtype), x.ndim) * x32.astype(self.dtype)
@@ -562,6 +562,7 @@ class CausalLM(nnx.Module):
   def _logits(self, x: jax.Array) -> jax.Array:
     if self.invariant:
       head, layout = self.head()
+      head = from_weight_bits(head)
       return invariant.round_to(invariant.matmul(x, invariant.carried(head.T if layout == "vd" else head, self.dtype)),
                                 self.dtype)
     logits = self.embed_tokens.attend(x) if self.config.tie_word_embeddings else self.lm_head(x)
@@ -570,6 +571,8 @@ class CausalLM(nnx.Module):
   def _embed_rows(self, input_ids: jax.Array) -> jax.Array:
     """`embed_tokens(input_ids)` of decoding: an embedding held as bits (`WEIGHT_BITS`) gathered as bits."""
     table = self.embed_tokens.embedding[...]
+    if self.invariant:  # a float32 carrier of the compute dtype's values, as `_embed`
+      return invariant.carried(from_weight_bits(jnp.take(table, input_ids, axis=0)), self.dtype)
     if table.dtype != WEIGHT_BITS:
       return self.embed_tokens(input_ids)
     return from_weight_bits(jnp.take(table, input_ids, axis=0)).astype(self.dtype)
@@ -578,7 +581,7 @@ class CausalLM(nnx.Module):
     """`_logits(x)` of decoding: an output projection held as bits (`WEIGHT_BITS`) is read in
     `DECODE_VOCAB_CHUNK`-row chunks, each converted as it is used."""
     w, layout = self.head()
-    if w.dtype != WEIGHT_BITS:
+    if w.dtype != WEIGHT_BITS or self.invariant:  # (batch-invariant: the head whole, in its ordered product)
       return self._logits(x)
     w = w if layout == "vd" else w.T  # [V, D]
     vocab, chunk = w.shape[0], DECODE_VOCAB_CHUNK

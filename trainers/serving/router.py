@@ -126,11 +126,14 @@ def workers(router_url: str) -> list[dict]:
   return httpx.get(router_url + "/workers", timeout=10).json().get("workers", [])
 
 
-def register(router_url: str, worker_url: str, *, timeout: float = 60.0) -> None:
-  """Adds `worker_url` to the router (`POST /workers`) and waits until it is listed."""
+def register(router_url: str, worker_url: str, *, timeout: float = 60.0, wait: bool = True) -> None:
+  """Adds `worker_url` to the router (`POST /workers`) and waits until it is listed (`wait`: a
+  trainer watching the router may remove it again before this sees it; such a caller waits itself)."""
   resp = httpx.post(router_url + "/workers", json={"url": worker_url}, timeout=10)
   if resp.status_code >= 400:
     raise RuntimeError(f"{router_url}/workers refused {worker_url}: HTTP {resp.status_code} {resp.text[:300]}")
+  if not wait:
+    return
   deadline = time.monotonic() + timeout
   while worker_url.rstrip("/") not in [w.get("url", "").rstrip("/") for w in workers(router_url)]:
     if time.monotonic() > deadline:

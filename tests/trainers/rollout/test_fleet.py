@@ -8,6 +8,7 @@ timeout, stops naming it, and resumes once it is back, nothing lost."""
 import json
 import os
 import re
+import time
 
 import httpx
 import pytest
@@ -175,7 +176,14 @@ def test_a_worker_joining_mid_run_that_cannot_read_the_weights_is_refused(fleet,
         out = sync(params, step, **kw)
         if step == 1:
           router_lib.pause_worker(blind)
-          router_lib.register(router.url, blind)
+          # Listed, or already refused: the trainer's watcher may probe and remove it before a
+          # wait for the listing sees it (a race this test once lost under load).
+          router_lib.register(router.url, blind, wait=False)
+          deadline = time.monotonic() + 60
+          while blind not in trainer.servers.client.refused and blind not in [
+              w["url"] for w in router_lib.workers(router.url)]:
+            assert time.monotonic() < deadline, f"{router.url} neither lists nor refused {blind}"
+            time.sleep(0.05)
         return out
       trainer.servers.sync = join
       history = trainer.run(progress=False, log=logs.append)

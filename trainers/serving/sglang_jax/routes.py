@@ -639,16 +639,20 @@ class WeightUpdates:
 
   # ---- routes -------------------------------------------------------------------------------------
   def add_routes(self, app) -> None:
+    self._add_sglang_routes(app)
+    self._add_weight_stream_routes(app)
+
+  def _add_sglang_routes(self, app) -> None:
+    """The SGLang routes sglang-jax lacks or answers otherwise."""
     from fastapi import Request
     from fastapi.responses import ORJSONResponse
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request):
-      try:
-        body = await request.json()
-      except ValueError as e:
-        return _bad_request(f"the body is not JSON: {e}")
-      if not isinstance(body, dict) or not isinstance(body.get("model_path"), str):
+      body = await _json_object(request)
+      if isinstance(body, str):
+        return _bad_request(body)
+      if not isinstance(body.get("model_path"), str):
         return _bad_request("model_path: Field required (a string)")
       if body.get("weight_version") is not None and not isinstance(body["weight_version"], str):
         return _bad_request("weight_version: Input should be a valid string")
@@ -657,10 +661,7 @@ class WeightUpdates:
                             status_code=200 if success else 400)
 
     async def pause_generation(request: Request):
-      try:
-        body = await request.json()
-      except ValueError:
-        body = {}
+      body = await _json_object(request)
       try:
         await self.pause(body.get("mode", "abort") if isinstance(body, dict) else "abort")
       except ValueError as e:
@@ -674,6 +675,16 @@ class WeightUpdates:
     async def model_info():
       return self.model_info()
 
+    @app.get("/get_weight_version")
+    @app.get("/weight_version")
+    async def get_weight_version():
+      return {"weight_version": self.weight_version}
+
+  def _add_weight_stream_routes(self, app) -> None:
+    """mis-jax's streamed-weights routes (contract §11): stage, commit, discard."""
+    from fastapi import Request
+    from fastapi.responses import ORJSONResponse
+
     @app.post(WEIGHTS_STAGE_ROUTE)
     async def stage_weights(request: Request):
       status, reply = self.stage(dict(request.query_params), await request.body())
@@ -681,11 +692,10 @@ class WeightUpdates:
 
     @app.post(WEIGHTS_COMMIT_ROUTE)
     async def commit_weights(request: Request):
-      try:
-        body = await request.json()
-      except ValueError as e:
-        return _bad_request(f"the body is not JSON: {e}")
-      if not isinstance(body, dict) or not isinstance(body.get("push"), str):
+      body = await _json_object(request)
+      if isinstance(body, str):
+        return _bad_request(body)
+      if not isinstance(body.get("push"), str):
         return _bad_request("push: Field required (a string)")
       success, message = await self.commit(body)
       return ORJSONResponse({"success": success, "message": message, "num_paused_requests": 0},
@@ -693,20 +703,21 @@ class WeightUpdates:
 
     @app.post(WEIGHTS_DISCARD_ROUTE)
     async def discard_weights(request: Request):
-      try:
-        body = await request.json()
-      except ValueError:
-        body = {}
+      body = await _json_object(request)
       push = body.get("push") if isinstance(body, dict) else None
       dropped = self._staging is not None and push in (None, self._staging["push"])
       if dropped:
         self._staging = None
       return ORJSONResponse({"discarded": dropped})
 
-    @app.get("/get_weight_version")
-    @app.get("/weight_version")
-    async def get_weight_version():
-      return {"weight_version": self.weight_version}
+
+async def _json_object(request) -> dict | str:
+  """A request's JSON body, {} for JSON that is not an object, or why it is not JSON (a string)."""
+  try:
+    body = await request.json()
+  except ValueError as e:
+    return f"the body is not JSON: {e}"
+  return body if isinstance(body, dict) else {}
 
 
 def _error_body(message: str) -> dict:
