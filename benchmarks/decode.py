@@ -109,7 +109,7 @@ def _measure(tree: str, repeats: int, rollout: bool) -> dict:
           "print('RESULT ' + json.dumps(m.child(int(sys.argv[2]), sys.argv[3] == '1')))")
   proc = subprocess.run([sys.executable, "-c", code, os.path.abspath(__file__), str(repeats), "1" if rollout else "0"],
                         cwd=tree, env=env, capture_output=True, text=True)
-  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
   if proc.returncode or not lines:
     raise RuntimeError(f"measuring {tree} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
   return json.loads(lines[-1][len("RESULT "):])

@@ -90,7 +90,6 @@ def probe(quick: bool) -> list[dict]:
 # --- proof -------------------------------------------------------------------------------------------------
 def proof_run(root: str, name: str, *, exact: bool, mode: str, dtype: str, steps: int, prompts: int) -> dict:
   """`configs/demo.yaml` for `steps` steps; per step the mismatch as the metrics and the records give it."""
-  import mis_jax
   from trainers import config as config_lib
   from trainers.app import build, trainer as train_lib
   from trainers.config import TrainConfig

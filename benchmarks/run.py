@@ -26,7 +26,6 @@ import platform
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 import mis_jax
@@ -115,10 +114,16 @@ def torch_reference(seqs, repeats=1):
       o, q = t["o"], t["q"]
       r = (o - q) * m
       mo, mq = mmean(o, m), mmean(q, m)
-      add("training_log_ppl", -mo); add("training_ppl", torch.exp(-mo))
-      add("rollout_log_ppl", -mq); add("rollout_ppl", torch.exp(-mq))
-      add("kl", mmean(q - o, m)); rc = torch.clamp(r, -B, B); add("k3_kl", mmean(torch.exp(rc) - rc - 1, m))
-      add("log_ppl_diff", mq - mo); add("log_ppl_abs_diff", (mq - mo).abs()); add("ppl_ratio", torch.exp(mq - mo))
+      add("training_log_ppl", -mo)
+      add("training_ppl", torch.exp(-mo))
+      add("rollout_log_ppl", -mq)
+      add("rollout_ppl", torch.exp(-mq))
+      add("kl", mmean(q - o, m))
+      rc = torch.clamp(r, -B, B)
+      add("k3_kl", mmean(torch.exp(rc) - rc - 1, m))
+      add("log_ppl_diff", mq - mo)
+      add("log_ppl_abs_diff", (mq - mo).abs())
+      add("ppl_ratio", torch.exp(mq - mo))
       add("chi2_token", mmean(torch.exp(rc) ** 2, m) - 1)
       add("chi2_seq", torch.exp(2 * torch.clamp(r.sum(), -B, B)) - 1)
       add("abs_diff", mmean((o - q).abs(), m))
@@ -144,11 +149,13 @@ def torch_reference(seqs, repeats=1):
       w = w / mu
       add("is_ratio_mean_final", mmean(w, km))
       if km.sum() > 0:
-        add("is_ratio_min_final", w[km.bool()].min()); add("is_ratio_max_final", w[km.bool()].max())
+        add("is_ratio_min_final", w[km.bool()].min())
+        add("is_ratio_max_final", w[km.bool()].max())
       ratio = torch.exp(torch.clamp(lp - t["o"], -B, B))
       pg1, pg2 = -t["adv"] * ratio, -t["adv"] * torch.clamp(ratio, 0.8, 1.2)
       pg = torch.maximum(pg1, pg2) * w
-      add("pg_clipfrac", mmean((pg2 > pg1).float(), km)); add("ppo_kl", mmean(t["o"] - lp, km))
+      add("pg_clipfrac", mmean((pg2 > pg1).float(), km))
+      add("ppo_kl", mmean(t["o"] - lp, km))
       if km.sum() > 0:
         total = total + (pg * km).sum() / km.sum()
         n += 1

@@ -444,8 +444,8 @@ def policy_loss(seqs, lc):
       pg.append(-w * A * lp)
       clip.append(np.zeros(len(m)))
     else:
-      l, r = form_loss(form, s, anchor, A, k, w if algo == "decoupled" else None, sel, lc)
-      pg.append(l)
+      loss_k, r = form_loss(form, s, anchor, A, k, w if algo == "decoupled" else None, sel, lc)
+      pg.append(loss_k)
       clip.append(r.pop("pg_clipfrac"))
       for name, x in r.items():
         rows.setdefault(name, []).append(x)

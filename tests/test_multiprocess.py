@@ -16,7 +16,7 @@ from test_sharding import single_device  # noqa: F401  (fixture)
 
 
 @pytest.mark.slow
-def test_two_processes_equal_one(tmp_path, single_device):
+def test_two_processes_equal_one(tmp_path, single_device):  # noqa: F811  (the fixture)
   out = tmp_path / "result.json"
   port = free_port()
   worker = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")

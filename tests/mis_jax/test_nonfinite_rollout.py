@@ -130,7 +130,6 @@ def test_vanilla_tis_weights_and_jit():
 
 
 def test_trainer_warns_past_one_percent():
-  import types
   from trainers.app.hooks import NONFINITE_WARN_FRACTION, MaskedSteps
   from trainers.config import TrainConfig
   lines = []

@@ -141,7 +141,7 @@ def _flash_forward(q, k, v, seg_q, seg_k, lo, hi, block_q, block_k):
     qi, q_blk, sq, lo_i, hi_i = xs
 
     def step(kj, carry):
-      m, l, acc = carry
+      m, denom, acc = carry
       k_blk = lax.dynamic_index_in_dim(kb, kj, keepdims=False)
       v_blk = lax.dynamic_index_in_dim(vb, kj, keepdims=False)
       sk = lax.dynamic_index_in_dim(skb, kj, keepdims=False)
@@ -151,18 +151,18 @@ def _flash_forward(q, k, v, seg_q, seg_k, lo, hi, block_q, block_k):
       # where, not a product: a fully masked row so far has m_new == finfo.min and exp(0) = 1.
       p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
       corr = jnp.exp(m - m_new)
-      l = l * corr + p.sum(axis=-1)
+      denom = denom * corr + p.sum(axis=-1)
       pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), v_blk,
                       preferred_element_type=jnp.float32)
-      return m_new, l, acc * corr[..., None] + pv
+      return m_new, denom, acc * corr[..., None] + pv
 
     init = (jnp.full((b, kvh, g, block_q), _MASKED, jnp.float32),
             jnp.zeros((b, kvh, g, block_q), jnp.float32),
             jnp.zeros((b, kvh, g, block_q, d), jnp.float32))
-    m, l, acc = lax.fori_loop(lo_i, hi_i + 1, step, init)
-    # l == 0 only for rows that see nothing (internal query padding): keep them finite.
-    seen = l > 0
-    safe_l = jnp.where(seen, l, 1.0)
+    m, denom, acc = lax.fori_loop(lo_i, hi_i + 1, step, init)
+    # denom == 0 only for rows that see nothing (internal query padding): keep them finite.
+    seen = denom > 0
+    safe_l = jnp.where(seen, denom, 1.0)
     out = (acc / safe_l[..., None]).astype(q.dtype)
     lse = jnp.where(seen, m + jnp.log(safe_l), 0.0)
     return jnp.transpose(out, (0, 3, 1, 2, 4)), lse

@@ -129,7 +129,7 @@ def test_a_trajectory_is_exactly_the_sampled_and_the_observed_ids():
     seq = s.prompt_ids + s.response_ids
     turn = s.extras["turn"]
     # Rebuild the trajectory from the engine's replies and the environment's observations alone.
-    want, pos = list(s.prompt_ids), 0
+    want = list(s.prompt_ids)
     for t in (1, 2, 3):
       ctx = tuple(want)
       assert any(ctx == c for c in engine.calls[t - 1]), "each turn's request is the trajectory so far"

@@ -6,7 +6,6 @@ model rarely calls the tool task's tool), so every trajectory is multi-turn from
 reward (the share of digit tokens in the model's turns) varies across a group, so every step
 trains."""
 
-import json
 
 import jax
 import numpy as np

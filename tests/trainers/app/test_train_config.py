@@ -134,7 +134,7 @@ def test_no_algorithm_leaves_use_tis_to_the_mis_config():
     ({"use_rollout_logprobs": False}, "ppo")])
 def test_the_flat_booleans_name_the_algorithm_key(flags, algorithm):
   message = _error({"loss": flags})
-  assert f"moved to loss.algorithm (ppo | bypass_ppo | decoupled_ppo | reinforce_is)" in message, message
+  assert "moved to loss.algorithm (ppo | bypass_ppo | decoupled_ppo | reinforce_is)" in message, message
   if len(flags) == 2 or "use_tis" in flags:
     assert f"is algorithm: {algorithm}" in message, message
 

@@ -14,7 +14,7 @@ from trainers import cli
 from trainers.app import load
 from trainers.commands import train as train_command
 from trainers import config as config_lib
-from trainers.models import PRESETS, init_checkpoint
+from trainers.models import init_checkpoint
 
 
 def _bad_values(typ, meta) -> list[str]:

@@ -8,7 +8,6 @@ import json
 import os
 import pathlib
 import re
-import shlex
 import stat
 import subprocess
 import sys

@@ -6,7 +6,6 @@ and one real compile at a tiny shape (bytes that follow the options and the rows
 import dataclasses
 import json
 import os
-import types
 
 import jax
 import pytest

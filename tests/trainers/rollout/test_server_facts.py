@@ -4,9 +4,7 @@ routes or fields (`/model_info`, the weight-update route, `weight_version`), and
 sanity check — against a real `mis-jax serve` process, directly or behind a proxy that
 removes routes or garbles replies (`fake_sglang.FakeSGLang(upstream=...)`)."""
 
-import json
 
-import numpy as np
 import pytest
 
 import mis_jax

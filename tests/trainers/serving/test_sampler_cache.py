@@ -12,7 +12,6 @@ import pytest
 from flax import nnx
 
 from trainers.models import CausalLM
-from trainers.serving.embedded import sampler as sampler_mod
 from trainers.serving.embedded.sampler import Sampler, SamplingOptions
 
 from conftest import TINY, sequence_logits
