@@ -40,13 +40,23 @@ def bench_loss(rng, num_seqs, max_len, row_len, k) -> dict:
   centred_cfg = dataclasses.replace(LOSS_CFG, score_centering=True)
   correction, _ = jax.jit(lambda b: mis_jax.prepare_step(b, LOSS_CFG))(batch)
   plain = jax.jit(jax.value_and_grad(lambda lp, b, c: mis_jax.policy_loss(lp, b, LOSS_CFG, correction=c), has_aux=True))
-  centred = jax.jit(jax.value_and_grad(
-      lambda lp, t, b, c: mis_jax.policy_loss(lp, b, centred_cfg, correction=c, topk_logprobs=t), argnums=(0, 1),
-      has_aux=True))
-  row = {"num_seqs": num_seqs, "max_len": max_len, "tokens": int(sum(len(s["m"]) for s in seqs)), "top_k": k,
-         "plain_s": timeit(plain, lp, batch, correction), "centred_s": timeit(centred, lp, topk, centred_batch, correction),
-         "plain_temp_MB": temp_bytes(plain, lp, batch, correction) / 1e6,
-         "centred_temp_MB": temp_bytes(centred, lp, topk, centred_batch, correction) / 1e6}
+  centred = jax.jit(
+    jax.value_and_grad(
+      lambda lp, t, b, c: mis_jax.policy_loss(lp, b, centred_cfg, correction=c, topk_logprobs=t),
+      argnums=(0, 1),
+      has_aux=True,
+    )
+  )
+  row = {
+    "num_seqs": num_seqs,
+    "max_len": max_len,
+    "tokens": int(sum(len(s["m"]) for s in seqs)),
+    "top_k": k,
+    "plain_s": timeit(plain, lp, batch, correction),
+    "centred_s": timeit(centred, lp, topk, centred_batch, correction),
+    "plain_temp_MB": temp_bytes(plain, lp, batch, correction) / 1e6,
+    "centred_temp_MB": temp_bytes(centred, lp, topk, centred_batch, correction) / 1e6,
+  }
   row["centred_over_plain"] = row["centred_s"] / row["plain_s"]
   return row
 
@@ -77,8 +87,10 @@ def bench_logprobs(rng, tokens, hidden, vocab, k, chunk=1024) -> dict:
 def run(quick: bool = False, k: int = 20) -> dict:
   rng = np.random.default_rng(0)
   scale = 8 if quick else 1
-  return {"loss": [bench_loss(rng, 512 // scale, 1024, 4096, k), bench_loss(rng, 4096 // scale, 256, 4096, k)],
-          "logprobs": [bench_logprobs(rng, 4096 // scale, 256, 32768 // scale, k)]}
+  return {
+    "loss": [bench_loss(rng, 512 // scale, 1024, 4096, k), bench_loss(rng, 4096 // scale, 256, 4096, k)],
+    "logprobs": [bench_logprobs(rng, 4096 // scale, 256, 32768 // scale, k)],
+  }
 
 
 def print_table(out: dict) -> None:
@@ -86,14 +98,18 @@ def print_table(out: dict) -> None:
   print("\nloss pass (decoupled PPO + reference MIS config)")
   print("seqs | tokens | k | plain ms | centred ms | × plain | plain temp MB | centred temp MB")
   for r in out["loss"]:
-    print(f"{r['num_seqs']} | {r['tokens']} | {r['top_k']} | {1e3 * r['plain_s']:.2f} | {1e3 * r['centred_s']:.2f} | "
-          f"{r['centred_over_plain']:.2f} | {r['plain_temp_MB']:.1f} | {r['centred_temp_MB']:.1f}")
+    print(
+      f"{r['num_seqs']} | {r['tokens']} | {r['top_k']} | {1e3 * r['plain_s']:.2f} | {1e3 * r['centred_s']:.2f} | "
+      f"{r['centred_over_plain']:.2f} | {r['plain_temp_MB']:.1f} | {r['centred_temp_MB']:.1f}"
+    )
   print("\nchunked log-prob pass (bf16 LM head, log-probs + entropy; + the top-k ids' log-probs)")
   print("tokens | D | V | k | plain ms | centred ms | × plain | plain temp MB | centred temp MB")
   for r in out["logprobs"]:
-    print(f"{r['tokens']} | {r['hidden']} | {r['vocab']} | {r['top_k']} | {1e3 * r['plain_s']:.1f} | "
-          f"{1e3 * r['centred_s']:.1f} | {r['centred_over_plain']:.2f} | {r['plain_temp_MB']:.1f} | "
-          f"{r['centred_temp_MB']:.1f}")
+    print(
+      f"{r['tokens']} | {r['hidden']} | {r['vocab']} | {r['top_k']} | {1e3 * r['plain_s']:.1f} | "
+      f"{1e3 * r['centred_s']:.1f} | {r['centred_over_plain']:.2f} | {r['plain_temp_MB']:.1f} | "
+      f"{r['centred_temp_MB']:.1f}"
+    )
 
 
 def main(argv=None):
@@ -102,8 +118,15 @@ def main(argv=None):
   parser.add_argument("--top-k", type=int, default=20)
   parser.add_argument("--json", default="benchmarks/results/centering.json")
   args = parser.parse_args(argv)
-  out = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
-                     "backend": jax.default_backend()}, **run(quick=args.quick, k=args.top_k)}
+  out = {
+    "machine": {
+      "platform": platform.platform(),
+      "cpus": os.cpu_count(),
+      "jax": jax.__version__,
+      "backend": jax.default_backend(),
+    },
+    **run(quick=args.quick, k=args.top_k),
+  }
   print_table(out)
   return save_json(out, args.json)
 

@@ -96,10 +96,11 @@ class Shape:
   phase_repeats: int = 5  # best of, for the phases timed apart
 
 
-SHAPES = (Shape("example", 2, 64, 128, 16, 4, 4, 8, 24, 9, 32),
-          Shape("larger", 4, 256, 768, 64, 16, 4, 64, 12, 5, 72),
-          Shape("qwen3-0.6b-4l", 4, 1024, 3072, 128, 8, 4, 128, 4, 3, 136, heads=16, kv_heads=8, server=False,
-                phase_repeats=2))
+SHAPES = (
+  Shape("example", 2, 64, 128, 16, 4, 4, 8, 24, 9, 32),
+  Shape("larger", 4, 256, 768, 64, 16, 4, 64, 12, 5, 72),
+  Shape("qwen3-0.6b-4l", 4, 1024, 3072, 128, 8, 4, 128, 4, 3, 136, heads=16, kv_heads=8, server=False, phase_repeats=2),
+)
 # sglang-jax's CPU attention pads head_dim to 128: its shapes have 128-wide heads, GQA 2:1. The
 # example's shape only: at the larger one sglang-jax decodes ~100 tokens/s here (a step of ours
 # takes ~40 s), and tunix's sglang-jax run stopped inside sglang-jax's sampler (a ShardingTypeError
@@ -111,14 +112,24 @@ CHARS = "0123456789+=abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXY"  # ids
 
 def _model_config(shape: Shape):
   from trainers.models import PRESETS
-  return dataclasses.replace(PRESETS["tiny-qwen3"], num_hidden_layers=shape.layers, hidden_size=shape.hidden,
-                             intermediate_size=shape.intermediate, head_dim=shape.head_dim, vocab_size=VOCAB,
-                             num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                             tie_word_embeddings=False, initializer_range=0.02)
+
+  return dataclasses.replace(
+    PRESETS["tiny-qwen3"],
+    num_hidden_layers=shape.layers,
+    hidden_size=shape.hidden,
+    intermediate_size=shape.intermediate,
+    head_dim=shape.head_dim,
+    vocab_size=VOCAB,
+    num_attention_heads=shape.heads,
+    num_key_value_heads=shape.kv_heads,
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+  )
 
 
 def _model_dir(shape: Shape, root: str) -> str:
   from trainers.models import init_checkpoint
+
   path = os.path.join(root, f"init-{shape.name}")
   if not os.path.exists(path):
     init_checkpoint(path, config=_model_config(shape), seed=0)
@@ -142,6 +153,7 @@ class _LastCalls:
     def recorded(params, inputs, segment_ids):
       self.forward_args = (heads, inputs, segment_ids)
       return run(params, inputs, segment_ids)
+
     return recorded
 
   def train(self, params, opt_state, *rest):
@@ -169,13 +181,15 @@ def trainer_phases(trainer, recorded: _LastCalls, repeats: int) -> tuple[dict, l
     heads, inputs, segment_ids = recorded.forward_args
     forward = fns.forward(heads)
     phases["old_logprobs_s"] = roofline.best_time(
-        lambda: jax.block_until_ready(forward(trainer.params, inputs, segment_ids)), repeats)
+      lambda: jax.block_until_ready(forward(trainer.params, inputs, segment_ids)), repeats
+    )
     program, args = fns.train, recorded.train_args
   state = [trainer.params, trainer.opt_state]
 
   def update():
     state[0], state[1], metrics = program(state[0], state[1], *args)[:3]
     jax.block_until_ready(metrics)
+
   phases["update_s"] = roofline.best_time(update, repeats)
   trainer.params, trainer.opt_state = state
   return phases, _sequence_lengths(segment_ids)
@@ -185,12 +199,14 @@ def sampler_phases(shape: Shape, model_dir: str, prompt_len: int) -> dict:
   """The bfloat16 sampler of the colocated engine at this shape, on its own: prefill (a call
   that generates one token per sample) and decode (the rest of a full call, per token)."""
   from trainers.serving.embedded.generation import GenerationEngine
+
   rng = np.random.default_rng(0)
   prompts = [rng.integers(3, VOCAB, prompt_len).tolist() for _ in range(shape.prompts)]
   engine = GenerationEngine(model_dir, dtype="bfloat16", seed=0)
   try:
-    return roofline.generation_times(engine.sampler, prompts, n=shape.n, new_tokens=shape.max_new_tokens,
-                                      repeats=shape.phase_repeats)
+    return roofline.generation_times(
+      engine.sampler, prompts, n=shape.n, new_tokens=shape.max_new_tokens, repeats=shape.phase_repeats
+    )
   finally:
     engine.close()
 
@@ -200,24 +216,33 @@ def roofline_fractions(shape: Shape, phases: dict, seq_lens: list[int], limits) 
   the phase's dtype. `seq_lens`: the trained sequences (prompt + response)."""
   cfg = _model_config(shape)
   prompt_lens = [max(s - shape.max_new_tokens, 1) for s in seq_lens]
-  work = {"update": (roofline.train_flops(cfg, seq_lens), "float32"),
-          "old_logprobs": (roofline.forward_flops(cfg, seq_lens), "float32"),
-          "prefill": (roofline.prefill_flops(cfg, prompt_lens), "bfloat16"),
-          "decode": (roofline.decode_flops(cfg, prompt_lens, shape.max_new_tokens - 1), "bfloat16"),
-          "generate": (roofline.prefill_flops(cfg, prompt_lens)
-                       + roofline.decode_flops(cfg, prompt_lens, shape.max_new_tokens), "bfloat16")}
+  work = {
+    "update": (roofline.train_flops(cfg, seq_lens), "float32"),
+    "old_logprobs": (roofline.forward_flops(cfg, seq_lens), "float32"),
+    "prefill": (roofline.prefill_flops(cfg, prompt_lens), "bfloat16"),
+    "decode": (roofline.decode_flops(cfg, prompt_lens, shape.max_new_tokens - 1), "bfloat16"),
+    "generate": (
+      roofline.prefill_flops(cfg, prompt_lens) + roofline.decode_flops(cfg, prompt_lens, shape.max_new_tokens),
+      "bfloat16",
+    ),
+  }
   out = {}
   for name, (flops, dtype) in work.items():
     seconds = phases.get(f"{name}_s")
     if seconds:
-      out[name] = {"s": seconds, "flops": flops, "dtype": dtype, "flops_per_s": flops / seconds,
-                   "fraction": limits.fraction(flops, seconds, dtype)}
+      out[name] = {
+        "s": seconds,
+        "flops": flops,
+        "dtype": dtype,
+        "flops_per_s": flops / seconds,
+        "fraction": limits.fraction(flops, seconds, dtype),
+      }
   return out
 
 
 def _step_times(stamps: list[float], shape: Shape) -> list[float]:
   """Seconds per step over the timed steps: stamp `k` is when step `k + 1` asked for its batch."""
-  return list(np.diff(stamps[shape.first_timed - 1:]))
+  return list(np.diff(stamps[shape.first_timed - 1 :]))
 
 
 def ours(shape: Shape, placement: str, root: str, engine: str = "embedded", limits=None) -> dict:
@@ -229,28 +254,46 @@ def ours(shape: Shape, placement: str, root: str, engine: str = "embedded", limi
   from trainers.config import TrainConfig
 
   import mis_jax
+
   model = _model_dir(shape, root)
   run_dir = os.path.join(root, f"run-{shape.name}-{placement}-{engine}")
   dtype = "float32" if engine == "sglang-jax" else "bfloat16"
-  cfg = TrainConfig.from_dict({
-      "run_dir": run_dir, "seed": 0, "model": {"path": model, "remat": "none"},
+  cfg = TrainConfig.from_dict(
+    {
+      "run_dir": run_dir,
+      "seed": 0,
+      "model": {"path": model, "remat": "none"},
       "task": {"name": "copy_digits", "num_digits": 3},
-      "rollout": {"prompts_per_step": shape.prompts, "n": shape.n,
-                  "sampling": {"temperature": 0.8, "max_new_tokens": shape.max_new_tokens},
-                  "placement": {"mode": placement, "engine": engine, "server_dtype": dtype},
-                  "sync": {"mismatch_check": False}},
-      "train": {"steps": shape.steps + 1, "learning_rate": 1e-3, "ppo_epochs": 1, "row_len": shape.row_len,
-                "tokens_per_micro_batch": 8192},
-      "checkpoint": {"every": 1000, "max_to_keep": 1}})
+      "rollout": {
+        "prompts_per_step": shape.prompts,
+        "n": shape.n,
+        "sampling": {"temperature": 0.8, "max_new_tokens": shape.max_new_tokens},
+        "placement": {"mode": placement, "engine": engine, "server_dtype": dtype},
+        "sync": {"mismatch_check": False},
+      },
+      "train": {
+        "steps": shape.steps + 1,
+        "learning_rate": 1e-3,
+        "ppo_epochs": 1,
+        "row_len": shape.row_len,
+        "tokens_per_micro_batch": 8192,
+      },
+      "checkpoint": {"every": 1000, "max_to_keep": 1},
+    }
+  )
   loss = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig.from_yaml(os.path.join(ROOT, "configs/mis.yaml")))
   sampling_params = train_lib.Trainer.sampling_params
-  with contextlib.ExitStack() as running, mock.patch.object(
-      train_lib.Trainer, "sampling_params", lambda self: {**sampling_params(self), "ignore_eos": True}):
+  with (
+    contextlib.ExitStack() as running,
+    mock.patch.object(train_lib.Trainer, "sampling_params", lambda self: {**sampling_params(self), "ignore_eos": True}),
+  ):
     urls = []
     if placement == "server" and engine == "sglang-jax":
       urls = [running.enter_context(sglang_jax.SGLangJaxServer(model, dtype=dtype, weight_version="0")).url]
     elif placement == "server":
-      urls = [running.enter_context(EmbeddedServer(model, dtype=dtype, seed=0, extra_args=("--weight-version", "0"))).url]
+      urls = [
+        running.enter_context(EmbeddedServer(model, dtype=dtype, seed=0, extra_args=("--weight-version", "0"))).url
+      ]
     trainer = train_lib.Trainer(cfg, loss, urls=urls)
     stamps, take = [], trainer.source.next
     trainer.source.next = lambda step: stamps.append(time.perf_counter()) or take(step)
@@ -269,17 +312,30 @@ def ours(shape: Shape, placement: str, root: str, engine: str = "embedded", limi
       phases, seq_lens = trainer_phases(trainer, recorded, shape.phase_repeats)
       phases.update(sampler_phases(shape, model, round(float(np.mean(seq_lens))) - shape.max_new_tokens))
   times = _step_times(stamps, shape)
-  timed = history[shape.first_timed - 1:shape.steps]
+  timed = history[shape.first_timed - 1 : shape.steps]
   name = f"ours, {placement}" + (", sglang-jax" if engine == "sglang-jax" else "")
-  return {"contender": name, "shape": shape.name, "step_ms": 1e3 * float(np.median(times)),
-          "steps_per_s": 1.0 / float(np.median(times)), "sync_ms": 1e3 * float(np.median([h["sync_s"] for h in timed])),
-          "rollout_ms": 1e3 * float(np.median([h["rollout_s"] for h in timed])),
-          "train_ms": 1e3 * float(np.median([h["train_s"] for h in timed])),
-          "mean_response_tokens": float(np.mean([h["response_length"] for h in timed])),
-          "step_s_all": [float(x) for x in times], "train_s_all": [h["train_s"] for h in timed],
-          "micro_batches": [h["micro_batches"] for h in timed],
-          **({"phases": phases, "roofline": roofline_fractions(shape, phases, seq_lens, limits),
-              "in_step": in_step_phases(stamps, per_step, shape)} if phases else {})}
+  return {
+    "contender": name,
+    "shape": shape.name,
+    "step_ms": 1e3 * float(np.median(times)),
+    "steps_per_s": 1.0 / float(np.median(times)),
+    "sync_ms": 1e3 * float(np.median([h["sync_s"] for h in timed])),
+    "rollout_ms": 1e3 * float(np.median([h["rollout_s"] for h in timed])),
+    "train_ms": 1e3 * float(np.median([h["train_s"] for h in timed])),
+    "mean_response_tokens": float(np.mean([h["response_length"] for h in timed])),
+    "step_s_all": [float(x) for x in times],
+    "train_s_all": [h["train_s"] for h in timed],
+    "micro_batches": [h["micro_batches"] for h in timed],
+    **(
+      {
+        "phases": phases,
+        "roofline": roofline_fractions(shape, phases, seq_lens, limits),
+        "in_step": in_step_phases(stamps, per_step, shape),
+      }
+      if phases
+      else {}
+    ),
+  }
 
 
 TUNIX_PHASES = {"generate": "generate_s", "update_actor": "update_s", "sync_weights": "sync_s"}
@@ -290,12 +346,14 @@ TUNIX_LEARNER_PHASES = {"old_per_token_logps": "old_logprobs_s"}
 def _timed(run, phase: str, stamps: list, per_step: dict):
   """`run`, each call's seconds (its results blocked on) added to `per_step[phase][step]`, the
   step being `len(stamps)` (batches asked so far)."""
+
   def timed(*args, **kwargs):
     t0 = time.perf_counter()
     out = jax.block_until_ready(run(*args, **kwargs))
     steps = per_step.setdefault(phase, {})
     steps[len(stamps)] = steps.get(len(stamps), 0.0) + time.perf_counter() - t0
     return out
+
   return timed
 
 
@@ -312,8 +370,9 @@ def in_step_phases(stamps: list, per_step: dict, shape: Shape) -> dict:
   steps = range(shape.first_timed, shape.steps + 1)
   durations = dict(zip(steps, _step_times(stamps, shape)))
   out = {phase: float(np.median([by_step.get(k, 0.0) for k in steps])) for phase, by_step in per_step.items()}
-  out["outside_s"] = float(np.median([durations[k] - sum(by_step.get(k, 0.0) for by_step in per_step.values())
-                                      for k in steps]))
+  out["outside_s"] = float(
+    np.median([durations[k] - sum(by_step.get(k, 0.0) for by_step in per_step.values()) for k in steps])
+  )
   return out
 
 
@@ -349,32 +408,52 @@ def tunix(shape: Shape, root: str, engine: str = "vanilla", limits=None) -> dict
       return 0
 
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:1])
-  model_cfg = qwen3.ModelConfig(num_layers=shape.layers, vocab_size=VOCAB, embed_dim=shape.hidden,
-                                hidden_dim=shape.intermediate, num_heads=shape.heads, head_dim=shape.head_dim,
-                                num_kv_heads=shape.kv_heads,
-                                rope_theta=1_000_000, norm_eps=1e-6, use_tied_embedding=False)
+  model_cfg = qwen3.ModelConfig(
+    num_layers=shape.layers,
+    vocab_size=VOCAB,
+    embed_dim=shape.hidden,
+    hidden_dim=shape.intermediate,
+    num_heads=shape.heads,
+    head_dim=shape.head_dim,
+    num_kv_heads=shape.kv_heads,
+    rope_theta=1_000_000,
+    norm_eps=1e-6,
+    use_tied_embedding=False,
+  )
   rollout_engine, engine_config = BF16Rollout, {}
   if engine == "sglang-jax":
     # Its end-of-sequence id outside the vocabulary: every response max_new_tokens long, as ours.
-    rollout_engine, engine_config = sglang_jax_rollout(model_cfg, os.path.join(root, f"tunix-{shape.name}"), CHARS,
-                                                       eos_id=1000)
+    rollout_engine, engine_config = sglang_jax_rollout(
+      model_cfg, os.path.join(root, f"tunix-{shape.name}"), CHARS, eos_id=1000
+    )
     engine_config["rollout_sglang_jax_context_length"] = 8 + shape.max_new_tokens + 8
     # Our engine's flags (the reward here is constant, so the example's reason to sample freely is moot).
     engine_config["rollout_sglang_jax_enable_deterministic_sampling"] = True
   with jax.set_mesh(mesh):
     actor = qwen3.Qwen3(model_cfg, rngs=nnx.Rngs(0))
   cluster = rl_cluster_lib.RLCluster(
-      actor=actor, reference=actor, tokenizer=Tokenizer(),
-      cluster_config=rl_cluster_lib.ClusterConfig(
-          role_to_mesh={role: mesh for role in (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE,
-                                                rl_cluster_lib.Role.ROLLOUT)},
-          rollout_engine=rollout_engine,
-          training_config=rl_cluster_lib.RLTrainingConfig(actor_optimizer=optax.adam(1e-3), eval_every_n_steps=10_000,
-                                                          max_steps=shape.steps + 1),
-          rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=shape.max_new_tokens, max_prompt_length=8,
-                                                    temperature=0.8, top_p=1.0,
-                                                    kv_cache_size=8 + shape.max_new_tokens + 8, seed=0,
-                                                    **engine_config)))
+    actor=actor,
+    reference=actor,
+    tokenizer=Tokenizer(),
+    cluster_config=rl_cluster_lib.ClusterConfig(
+      role_to_mesh={
+        role: mesh for role in (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT)
+      },
+      rollout_engine=rollout_engine,
+      training_config=rl_cluster_lib.RLTrainingConfig(
+        actor_optimizer=optax.adam(1e-3), eval_every_n_steps=10_000, max_steps=shape.steps + 1
+      ),
+      rollout_config=base_rollout.RolloutConfig(
+        max_tokens_to_generate=shape.max_new_tokens,
+        max_prompt_length=8,
+        temperature=0.8,
+        top_p=1.0,
+        kv_cache_size=8 + shape.max_new_tokens + 8,
+        seed=0,
+        **engine_config,
+      ),
+    ),
+  )
   config = mis_tunix.MISGRPOConfig(num_generations=shape.n, beta=0.0, mis=os.path.join(ROOT, "configs/mis.yaml"))
   learner = mis_tunix.MISGRPOLearner(cluster, config, [lambda prompts, completions, **kw: [0.5] * len(completions)])
   rng = np.random.default_rng(0)
@@ -387,20 +466,28 @@ def tunix(shape: Shape, root: str, engine: str = "vanilla", limits=None) -> dict
     for _ in range(shape.steps + 1):
       stamps.append(time.perf_counter())
       yield {"prompts": np.array([f"{a}+{b}=" for a, b in rng.integers(0, 50, (shape.prompts, 2))])}
+
   learner.train(batches())
   times = _step_times(stamps, shape)
   lengths = cluster._rl_metrics_logger.get_metric_history("completions", "mean_length", "train")
-  record = {"contender": "tunix" + (", sglang-jax" if engine == "sglang-jax" else ""), "shape": shape.name,
-            "step_ms": 1e3 * float(np.median(times)), "steps_per_s": 1.0 / float(np.median(times)),
-            "mean_response_tokens": float(np.mean(lengths[shape.first_timed - 1:shape.steps])) if len(lengths) else None}
+  record = {
+    "contender": "tunix" + (", sglang-jax" if engine == "sglang-jax" else ""),
+    "shape": shape.name,
+    "step_ms": 1e3 * float(np.median(times)),
+    "steps_per_s": 1.0 / float(np.median(times)),
+    "mean_response_tokens": float(np.mean(lengths[shape.first_timed - 1 : shape.steps])) if len(lengths) else None,
+  }
   if per_step:
     record["in_step"] = in_step_phases(stamps, per_step, shape)
     phases = {k: v for k, v in record["in_step"].items() if k != "outside_s"}  # tunix's phases: the in-step medians
     record["phases"] = phases
     # The same sequences as ours: every prompt as long as its template, every response max_new_tokens.
     seq_lens = [len("00+00=") + 1 + shape.max_new_tokens] * (shape.prompts * shape.n)
-    record["roofline"] = {k: v for k, v in roofline_fractions(shape, phases, seq_lens, limits).items()
-                          if k in ("update", "old_logprobs", "generate")}
+    record["roofline"] = {
+      k: v
+      for k, v in roofline_fractions(shape, phases, seq_lens, limits).items()
+      if k in ("update", "old_logprobs", "generate")
+    }
   return record
 
 
@@ -410,38 +497,56 @@ IN_STEP_COLUMNS = ("generate_s", "old_logprobs_s", "update_s", "sync_s", "outsid
 
 def _label(name: str) -> str:
   s = next(s for s in SHAPES + SGLANG_JAX_SHAPES if s.name == name)
-  return (f"{s.name}: {s.layers}-layer {s.hidden}-wide, {s.prompts * s.n} samples × {s.max_new_tokens} tokens")
+  return f"{s.name}: {s.layers}-layer {s.hidden}-wide, {s.prompts * s.n} samples × {s.max_new_tokens} tokens"
 
 
 def markdown(records: list[dict], limits) -> str:
   """The tables of docs/performance.md's colocated section, from a run's records (each shape's
   name on its first row)."""
-  lines = ["| shape | contender | step ms | steps/s | × tunix | rollout / update / weight sync ms |",
-           "|---|---|---|---|---|---|"]
+  lines = [
+    "| shape | contender | step ms | steps/s | × tunix | rollout / update / weight sync ms |",
+    "|---|---|---|---|---|---|",
+  ]
   last = None
   for r in records:
-    split = (f"{r['rollout_ms']:,.1f} / {r['train_ms']:,.1f} / {r['sync_ms']:,.1f}" if "sync_ms" in r else "—")
-    ratio = f"**{r['ratio_to_tunix']:.2f}**" if r["contender"].startswith("ours, colocated") else f"{r['ratio_to_tunix']:.2f}"
+    split = f"{r['rollout_ms']:,.1f} / {r['train_ms']:,.1f} / {r['sync_ms']:,.1f}" if "sync_ms" in r else "—"
+    ratio = (
+      f"**{r['ratio_to_tunix']:.2f}**" if r["contender"].startswith("ours, colocated") else f"{r['ratio_to_tunix']:.2f}"
+    )
     shape = _label(r["shape"]) if r["shape"] != last else ""
     last = r["shape"]
     lines.append(f"| {shape} | {r['contender']} | {r['step_ms']:,.1f} | {r['steps_per_s']:.2f} | {ratio} | {split} |")
   if limits is None:
     return "\n".join(lines)
-  lines += ["", f"Roofline: {roofline.describe(limits)}. Each phase timed apart: ms, and achieved FLOP/s as % of the "
-                "matmul FLOP/s of its dtype (update and old log-probs float32, the sampler bfloat16; tunix's "
-                "generation is its `RLCluster.generate`, ours the sampler's call):", "",
-            "| shape | contender | update | old log-probs | prefill | decode | whole generation |",
-            "|---|---|---|---|---|---|---|"]
+  lines += [
+    "",
+    f"Roofline: {roofline.describe(limits)}. Each phase timed apart: ms, and achieved FLOP/s as % of the "
+    "matmul FLOP/s of its dtype (update and old log-probs float32, the sampler bfloat16; tunix's "
+    "generation is its `RLCluster.generate`, ours the sampler's call):",
+    "",
+    "| shape | contender | update | old log-probs | prefill | decode | whole generation |",
+    "|---|---|---|---|---|---|---|",
+  ]
   for r in records:
     if "roofline" not in r:
       continue
-    cells = [(f"{1e3 * r['roofline'][k]['s']:,.1f} ms, {100 * r['roofline'][k]['fraction']:.1f} %"
-              if k in r["roofline"] else "—") for k in PHASE_COLUMNS]
+    cells = [
+      (
+        f"{1e3 * r['roofline'][k]['s']:,.1f} ms, {100 * r['roofline'][k]['fraction']:.1f} %"
+        if k in r["roofline"]
+        else "—"
+      )
+      for k in PHASE_COLUMNS
+    ]
     lines.append(f"| {r['shape']} | {r['contender']} | " + " | ".join(cells) + " |")
-  lines += ["", "Inside each timed step (median ms; every contender's phases timed the same way, blocked on "
-                "within the step), and what the step spends outside them:", "",
-            "| shape | contender | step | generation | old log-probs | update | weight sync | outside them |",
-            "|---|---|---|---|---|---|---|---|"]
+  lines += [
+    "",
+    "Inside each timed step (median ms; every contender's phases timed the same way, blocked on "
+    "within the step), and what the step spends outside them:",
+    "",
+    "| shape | contender | step | generation | old log-probs | update | weight sync | outside them |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
   for r in records:
     if "in_step" not in r:
       continue
@@ -477,11 +582,16 @@ def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="the first shape, 6 steps; nothing written")
   parser.add_argument("--shapes", default=None, help="comma-separated subset of: " + ", ".join(s.name for s in SHAPES))
-  parser.add_argument("--engine", default="embedded", choices=("embedded", "sglang-jax"),
-                      help="sglang-jax: every contender samples with sglang-jax (run in its venv)")
+  parser.add_argument(
+    "--engine",
+    default="embedded",
+    choices=("embedded", "sglang-jax"),
+    help="sglang-jax: every contender samples with sglang-jax (run in its venv)",
+  )
   parser.add_argument("--json", default=None, help="default benchmarks/results/colocated[-sglang-jax].json")
-  parser.add_argument("--markdown", metavar="JSON", default=None,
-                      help="print the docs' tables of a run's JSON (runs nothing)")
+  parser.add_argument(
+    "--markdown", metavar="JSON", default=None, help="print the docs' tables of a run's JSON (runs nothing)"
+  )
   args = parser.parse_args(argv)
   if args.markdown:
     with open(args.markdown) as f:
@@ -496,22 +606,36 @@ def main(argv=None) -> int:
     print(roofline.describe(limits), flush=True)
   root = tempfile.mkdtemp(prefix="bench-colocated-")
   records = []
-  print(f"{'shape':14s} {'contender':30s} {'step ms':>9s} {'steps/s':>8s} {'x tunix':>8s} {'sync ms':>8s} "
-        f"{'response tokens':>16s}")
+  print(
+    f"{'shape':14s} {'contender':30s} {'step ms':>9s} {'steps/s':>8s} {'x tunix':>8s} {'sync ms':>8s} "
+    f"{'response tokens':>16s}"
+  )
   try:
     for shape in shapes:
       rows = contenders(shape, root, args.engine, limits)
       for r in rows:
         sync = f"{r['sync_ms']:8.1f}" if "sync_ms" in r else f"{'':8s}"
         length = r.get("mean_response_tokens")
-        print(f"{shape.name:14s} {r['contender']:30s} {r['step_ms']:9.1f} {r['steps_per_s']:8.2f} "
-              f"{r['ratio_to_tunix']:8.2f} {sync} {'' if length is None else f'{length:16.1f}'}", flush=True)
+        print(
+          f"{shape.name:14s} {r['contender']:30s} {r['step_ms']:9.1f} {r['steps_per_s']:8.2f} "
+          f"{r['ratio_to_tunix']:8.2f} {sync} {'' if length is None else f'{length:16.1f}'}",
+          flush=True,
+        )
       records += rows
       if not args.quick:  # after each shape: a run stopped later keeps the shapes it finished
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "w") as f:
-          json.dump({"backend": jax.default_backend(), "devices": 1, "engine": args.engine,
-                     "roofline": limits.to_dict() if limits is not None else None, "records": records}, f, indent=1)
+          json.dump(
+            {
+              "backend": jax.default_backend(),
+              "devices": 1,
+              "engine": args.engine,
+              "roofline": limits.to_dict() if limits is not None else None,
+              "records": records,
+            },
+            f,
+            indent=1,
+          )
   finally:
     shutil.rmtree(root, ignore_errors=True)
   print("\n" + markdown(records, limits))

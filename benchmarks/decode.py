@@ -41,11 +41,20 @@ def _sampler():
   from benchmarks.colocated import SHAPES, VOCAB
   from trainers.models import PRESETS, CausalLM
   from trainers.serving.embedded.sampler import Sampler
+
   shape = next(s for s in SHAPES if s.name == "larger")
-  config = dataclasses.replace(PRESETS["tiny-qwen3"], num_hidden_layers=shape.layers, hidden_size=shape.hidden,
-                               intermediate_size=shape.intermediate, head_dim=shape.head_dim, vocab_size=VOCAB,
-                               num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-                               tie_word_embeddings=False, initializer_range=0.02)
+  config = dataclasses.replace(
+    PRESETS["tiny-qwen3"],
+    num_hidden_layers=shape.layers,
+    hidden_size=shape.hidden,
+    intermediate_size=shape.intermediate,
+    head_dim=shape.head_dim,
+    vocab_size=VOCAB,
+    num_attention_heads=shape.heads,
+    num_key_value_heads=shape.kv_heads,
+    tie_word_embeddings=False,
+    initializer_range=0.02,
+  )
   return Sampler(CausalLM(config, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)), max_batch_size=ROWS)
 
 
@@ -55,14 +64,22 @@ def decode_step_ms(cache_len: int, repeats: int) -> float:
   import numpy as np
 
   from trainers.serving.embedded import sampler as sampler_mod
+
   s = _sampler()
   num_steps = cache_len - PROMPT
   rng = np.random.default_rng(0)
   ids = rng.integers(3, 64, (ROWS, PROMPT)).astype(np.int32)
   ones, seeds = np.ones((ROWS,), np.float32), np.arange(ROWS, dtype=np.uint32)
   max_new = np.full((ROWS,), num_steps, np.int32)
-  per_row = dict(seeds=seeds, temperature=ones, top_p=ones, top_k=np.full((ROWS,), -1, np.int32),
-                 min_p=np.zeros((ROWS,), np.float32), max_new=max_new, stop=np.full((ROWS, 4), -1, np.int32))
+  per_row = dict(
+    seeds=seeds,
+    temperature=ones,
+    top_p=ones,
+    top_k=np.full((ROWS,), -1, np.int32),
+    min_p=np.zeros((ROWS,), np.float32),
+    max_new=max_new,
+    stop=np.full((ROWS, 4), -1, np.int32),
+  )
   windowed = "window" in inspect.signature(sampler_mod._decode).parameters
   # Before: `_prefill(ids right-padded, prompt_lens)`; after: `_prefill(ids left-padded, start)`.
   first = np.zeros((ROWS,), np.int32) if windowed else np.full((ROWS,), PROMPT, np.int32)
@@ -75,8 +92,9 @@ def decode_step_ms(cache_len: int, repeats: int) -> float:
     while step < STEPS:  # as `Sampler._run` dispatches them
       window = sampler_mod._window(PROMPT + step + 1, cache_len) if windowed else None
       until = min(STEPS, window - PROMPT) if windowed else STEPS
-      state = s._decode(s.params, state, first, *per_row.values(), np.int32(until),
-                        **({"window": window} if windowed else {}))
+      state = s._decode(
+        s.params, state, first, *per_row.values(), np.int32(until), **({"window": window} if windowed else {})
+      )
       step = until
     jax.block_until_ready(state)
     assert int(jax.device_get(state["step"])) == STEPS
@@ -88,6 +106,7 @@ def decode_step_ms(cache_len: int, repeats: int) -> float:
 
 def colocated_rollout() -> dict:
   from benchmarks.colocated import SHAPES, ours
+
   shape = next(s for s in SHAPES if s.name == "larger")
   with tempfile.TemporaryDirectory(prefix="bench-decode-") as root:
     r = ours(shape, "colocated", root)
@@ -104,21 +123,29 @@ def child(repeats: int, rollout: bool) -> dict:
 def _measure(tree: str, repeats: int, rollout: bool) -> dict:
   env = dict(os.environ, PYTHONPATH=tree)
   # This file is loaded by path in the child; the tree's packages come from PYTHONPATH.
-  code = ("import importlib.util, json, sys; spec = importlib.util.spec_from_file_location('decode_bench', sys.argv[1]); "
-          "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
-          "print('RESULT ' + json.dumps(m.child(int(sys.argv[2]), sys.argv[3] == '1')))")
-  proc = subprocess.run([sys.executable, "-c", code, os.path.abspath(__file__), str(repeats), "1" if rollout else "0"],
-                        cwd=tree, env=env, capture_output=True, text=True)
+  code = (
+    "import importlib.util, json, sys; spec = importlib.util.spec_from_file_location('decode_bench', sys.argv[1]); "
+    "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m); "
+    "print('RESULT ' + json.dumps(m.child(int(sys.argv[2]), sys.argv[3] == '1')))"
+  )
+  proc = subprocess.run(
+    [sys.executable, "-c", code, os.path.abspath(__file__), str(repeats), "1" if rollout else "0"],
+    cwd=tree,
+    env=env,
+    capture_output=True,
+    text=True,
+  )
   lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
   if proc.returncode or not lines:
     raise RuntimeError(f"measuring {tree} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-  return json.loads(lines[-1][len("RESULT "):])
+  return json.loads(lines[-1][len("RESULT ") :])
 
 
 def _commit(tree: str) -> str:
   proc = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-  return proc.stdout.strip() + (" + uncommitted changes" if subprocess.run(
-      ["git", "-C", tree, "diff", "--quiet", "HEAD"]).returncode else "")
+  return proc.stdout.strip() + (
+    " + uncommitted changes" if subprocess.run(["git", "-C", tree, "diff", "--quiet", "HEAD"]).returncode else ""
+  )
 
 
 def main(argv=None) -> int:
@@ -143,9 +170,20 @@ def main(argv=None) -> int:
     print(f"| {name} | " + " | ".join(f"{row[k]:.1f}" for k in keys) + " |")
   os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
   with open(args.json, "w") as f:
-    json.dump({"date": time.strftime("%Y-%m-%d"), "rows": ROWS, "prompt": PROMPT, "steps": STEPS,
-               "baseline": args.baseline, "commits": {name: _commit(tree) for name, tree in trees},
-               "best": best, "runs": runs}, f, indent=1)
+    json.dump(
+      {
+        "date": time.strftime("%Y-%m-%d"),
+        "rows": ROWS,
+        "prompt": PROMPT,
+        "steps": STEPS,
+        "baseline": args.baseline,
+        "commits": {name: _commit(tree) for name, tree in trees},
+        "best": best,
+        "runs": runs,
+      },
+      f,
+      indent=1,
+    )
   print(f"wrote {args.json}")
   return 0
 

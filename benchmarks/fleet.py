@@ -50,20 +50,40 @@ def _fleet(path: str, n: int):
       workers = [stack.enter_context(EmbeddedServer(path, dtype="bfloat16", seed=0, timeout=1800)) for _ in range(n)]
       router = stack.enter_context(router_lib.RouterProcess([w.url for w in workers], policy="round_robin"))
       yield router, workers
+
   return fleet()
 
 
 def demo_shape(tmp: str, n: int, steps: int) -> dict:
   """The demo config trained through a router over `n` workers: medians of its metrics from step 2."""
   from trainers.models import init_checkpoint
+
   init = os.path.join(tmp, "demo-init")
   if not os.path.exists(init):
     init_checkpoint(init, preset="tiny-qwen3", seed=0)  # the demo's starting weights (make fleet-demo's)
   run_dir = os.path.join(tmp, f"demo-{n}")
   with _fleet(init, n) as (router, _):
-    out = subprocess.run([sys.executable, "-m", "trainers.cli", "train", "--config", "configs/demo.yaml",
-                          "--router", router.url, "--run-dir", run_dir, "--steps", str(steps), "--no-progress",
-                          "--set", "checkpoint.every=1000"], capture_output=True, text=True)
+    out = subprocess.run(
+      [
+        sys.executable,
+        "-m",
+        "trainers.cli",
+        "train",
+        "--config",
+        "configs/demo.yaml",
+        "--router",
+        router.url,
+        "--run-dir",
+        run_dir,
+        "--steps",
+        str(steps),
+        "--no-progress",
+        "--set",
+        "checkpoint.every=1000",
+      ],
+      capture_output=True,
+      text=True,
+    )
   if out.returncode != 0:
     raise RuntimeError(f"mis-jax train exited with {out.returncode}:\n{out.stdout[-3000:]}{out.stderr[-3000:]}")
   rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -71,19 +91,30 @@ def demo_shape(tmp: str, n: int, steps: int) -> dict:
 
   def med(key):
     return statistics.median(r[key] for r in rows)
+
   write = statistics.median(r["sync/gather_s"] + r["sync/write_s"] for r in rows)
-  return {"shape": "demo", "workers": n, "steps": len(rows), "sync_s": med("sync_s"), "write_s": write,
-          "load_s": med("sync/server_load_s"), "paused_s": med("sync/servers_paused_s"), "step_s": med("step_s"),
-          "share": med("sync_s") / med("step_s")}
+  return {
+    "shape": "demo",
+    "workers": n,
+    "steps": len(rows),
+    "sync_s": med("sync_s"),
+    "write_s": write,
+    "load_s": med("sync/server_load_s"),
+    "paused_s": med("sync/servers_paused_s"),
+    "step_s": med("step_s"),
+    "share": med("sync_s") / med("step_s"),
+  }
 
 
 def qwen3_06b_shape(tmp: str, n: int, repeats: int, state, config) -> dict:
   """`repeats` pushes of `state` (Qwen3-0.6B's shape) to `n` workers: medians of each phase."""
   from trainers.rollout.fleet import router_client
   from trainers.rollout.weight_sync import DiskSync
+
   init = os.path.join(tmp, "q06-init")
   if not os.path.exists(init):
     from trainers.rollout.weight_sync import save_hf_sharded
+
     save_hf_sharded(state, config, init, dtype="bfloat16", num_shards=1)
   with _fleet(init, n) as (router, _):
     client = router_client(router.url, poll_s=0, timeout_s=1800, max_retries=0)
@@ -100,27 +131,44 @@ def qwen3_06b_shape(tmp: str, n: int, repeats: int, state, config) -> dict:
 
   def med(key):
     return statistics.median(r[key] for r in runs)
-  return {"shape": "Qwen3-0.6B", "workers": n, "repeats": repeats, "sync_s": med("sync_s"),
-          "write_s": statistics.median(r["sync/gather_s"] + r["sync/write_s"] for r in runs),
-          "load_s": med("sync/server_load_s"), "paused_s": med("sync/servers_paused_s"), "step_s": None, "share": None}
+
+  return {
+    "shape": "Qwen3-0.6B",
+    "workers": n,
+    "repeats": repeats,
+    "sync_s": med("sync_s"),
+    "write_s": statistics.median(r["sync/gather_s"] + r["sync/write_s"] for r in runs),
+    "load_s": med("sync/server_load_s"),
+    "paused_s": med("sync/servers_paused_s"),
+    "step_s": None,
+    "share": None,
+  }
 
 
 def table(rows: list[dict]) -> str:
   one = {r["shape"]: r["sync_s"] for r in rows if r["workers"] == 1}
-  lines = ["| shape | workers | sync (s) | × 1 worker | trainer write (s) | slowest load (s) | workers paused (s) "
-           "| step (s) | sync share of step |", "|---|---|---|---|---|---|---|---|---|"]
+  lines = [
+    "| shape | workers | sync (s) | × 1 worker | trainer write (s) | slowest load (s) | workers paused (s) "
+    "| step (s) | sync share of step |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
   for r in rows:
     step = f"{r['step_s']:.2f}" if r["step_s"] is not None else "—"
     share = f"{100 * r['share']:.0f} %" if r["share"] is not None else "—"
-    lines.append(f"| {r['shape']} | {r['workers']} | {r['sync_s']:.2f} | {r['sync_s'] / one[r['shape']]:.2f} | "
-                 f"{r['write_s']:.2f} | {r['load_s']:.2f} | {r['paused_s']:.2f} | {step} | {share} |")
+    lines.append(
+      f"| {r['shape']} | {r['workers']} | {r['sync_s']:.2f} | {r['sync_s'] / one[r['shape']]:.2f} | "
+      f"{r['write_s']:.2f} | {r['load_s']:.2f} | {r['paused_s']:.2f} | {step} | {share} |"
+    )
   return "\n".join(lines)
 
 
 def _write(path: str, rows: list[dict]) -> None:
   """The results so far (after every row: a later row that runs out of memory loses nothing)."""
-  result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
-            "workers": list(WORKERS), "rows": rows}
+  result = {
+    "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+    "workers": list(WORKERS),
+    "rows": rows,
+  }
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   with open(path, "w") as f:
     json.dump(result, f, indent=1)
@@ -144,6 +192,7 @@ def main(argv=None) -> int:
 
       from trainers.models import CausalLM
       from benchmarks.engines import MODELS
+
       config = MODELS["Qwen3-0.6B shape"]
       state = nnx.state(CausalLM(config, rngs=nnx.Rngs(0)), nnx.Param)
       for n in WORKERS:

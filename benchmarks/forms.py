@@ -38,10 +38,14 @@ def bench_forms(rng, num_seqs, max_len, row_len) -> dict:
     cfg = form_config(form)
     prepare = jax.jit(lambda b, key, cfg=cfg: mis_jax.prepare_step(b, cfg, key=key))
     correction, _ = prepare(batch, KEY)
-    loss_grad = jax.jit(jax.value_and_grad(
-        lambda lp, b, c, cfg=cfg: mis_jax.policy_loss(lp, b, cfg, correction=c), has_aux=True))
-    row = {"loss_fwd_bwd_s": timeit(loss_grad, lp, batch, correction), "prepare_s": timeit(prepare, batch, KEY),
-           "loss_temp_MB": temp_bytes(loss_grad, lp, batch, correction) / 1e6}
+    loss_grad = jax.jit(
+      jax.value_and_grad(lambda lp, b, c, cfg=cfg: mis_jax.policy_loss(lp, b, cfg, correction=c), has_aux=True)
+    )
+    row = {
+      "loss_fwd_bwd_s": timeit(loss_grad, lp, batch, correction),
+      "prepare_s": timeit(prepare, batch, KEY),
+      "loss_temp_MB": temp_bytes(loss_grad, lp, batch, correction) / 1e6,
+    }
     row["tokens_per_s"] = tokens / row["loss_fwd_bwd_s"]
     out["forms"][form] = row
   base = out["forms"]["vanilla"]
@@ -60,14 +64,17 @@ def run(quick: bool = False) -> list[dict]:
 
 
 def print_table(shapes: list[dict]) -> None:
-  print("\nPolicy-loss forms (decoupled PPO + reference MIS config; loss forward+backward and prepare_step, "
-        "best of N):")
+  print(
+    "\nPolicy-loss forms (decoupled PPO + reference MIS config; loss forward+backward and prepare_step, best of N):"
+  )
   for shape in shapes:
     print(f"\n{shape['num_seqs']} sequences ≤ {shape['max_len']} tokens ({shape['tokens']} tokens):")
     print("form | loss ms | × vanilla | tok/s | temp MB | prepare ms | × vanilla")
     for form, r in shape["forms"].items():
-      print(f"{form} | {1e3 * r['loss_fwd_bwd_s']:.2f} | {r['loss_over_vanilla']:.2f} | {r['tokens_per_s']:.3g} | "
-            f"{r['loss_temp_MB']:.1f} | {1e3 * r['prepare_s']:.2f} | {r['prepare_over_vanilla']:.2f}")
+      print(
+        f"{form} | {1e3 * r['loss_fwd_bwd_s']:.2f} | {r['loss_over_vanilla']:.2f} | {r['tokens_per_s']:.3g} | "
+        f"{r['loss_temp_MB']:.1f} | {1e3 * r['prepare_s']:.2f} | {r['prepare_over_vanilla']:.2f}"
+      )
 
 
 def main(argv=None):
@@ -75,8 +82,15 @@ def main(argv=None):
   parser.add_argument("--quick", action="store_true", help="8x fewer sequences")
   parser.add_argument("--json", default="benchmarks/results/forms.json")
   args = parser.parse_args(argv)
-  out = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
-                     "backend": jax.default_backend()}, "shapes": run(quick=args.quick)}
+  out = {
+    "machine": {
+      "platform": platform.platform(),
+      "cpus": os.cpu_count(),
+      "jax": jax.__version__,
+      "backend": jax.default_backend(),
+    },
+    "shapes": run(quick=args.quick),
+  }
   print_table(out["shapes"])
   return save_json(out, args.json)
 

@@ -27,10 +27,8 @@ import numpy as np
 
 from mis_jax import token_logprobs
 
-FULL = dict(tokens=8192, hidden_size=1024, vocab_size=151936, chunk_size=1024,
-            sweep=(1024, 2048, 4096, 8192))
-QUICK = dict(tokens=1024, hidden_size=64, vocab_size=8192, chunk_size=128,
-             sweep=(256, 512, 1024))
+FULL = dict(tokens=8192, hidden_size=1024, vocab_size=151936, chunk_size=1024, sweep=(1024, 2048, 4096, 8192))
+QUICK = dict(tokens=1024, hidden_size=64, vocab_size=8192, chunk_size=128, sweep=(256, 512, 1024))
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 ENTROPY_COEF = 0.01
 
@@ -45,9 +43,8 @@ def naive_logprobs(hidden, lm_head, targets):
 
 def _impls(chunk_size):
   return {
-      "naive": naive_logprobs,
-      "chunked": lambda h, w, y: token_logprobs(h, w, y, chunk_size=chunk_size,
-                                                return_entropy=True),
+    "naive": naive_logprobs,
+    "chunked": lambda h, w, y: token_logprobs(h, w, y, chunk_size=chunk_size, return_entropy=True),
   }
 
 
@@ -65,16 +62,17 @@ def _program(fn, kind):
 def _inputs(tokens, hidden_size, vocab_size, dtype, seed=0):
   kh, kw, ky = jax.random.split(jax.random.key(seed), 3)
   hidden = jax.random.normal(kh, (tokens, hidden_size), jnp.float32).astype(dtype)
-  lm_head = (jax.random.normal(kw, (hidden_size, vocab_size), jnp.float32)
-             / np.sqrt(hidden_size)).astype(dtype)
+  lm_head = (jax.random.normal(kw, (hidden_size, vocab_size), jnp.float32) / np.sqrt(hidden_size)).astype(dtype)
   targets = jax.random.randint(ky, (tokens,), 0, vocab_size, jnp.int32)
   return hidden, lm_head, targets
 
 
 def _abstract(tokens, hidden_size, vocab_size, dtype):
-  return (jax.ShapeDtypeStruct((tokens, hidden_size), dtype),
-          jax.ShapeDtypeStruct((hidden_size, vocab_size), dtype),
-          jax.ShapeDtypeStruct((tokens,), jnp.int32))
+  return (
+    jax.ShapeDtypeStruct((tokens, hidden_size), dtype),
+    jax.ShapeDtypeStruct((hidden_size, vocab_size), dtype),
+    jax.ShapeDtypeStruct((tokens,), jnp.int32),
+  )
 
 
 def _compiler(impls):
@@ -92,10 +90,13 @@ def _compiler(impls):
 
 def _memory(compiled) -> dict:
   m = compiled.memory_analysis()
-  peak = (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
-          - m.alias_size_in_bytes)
-  return {"argument_bytes": int(m.argument_size_in_bytes), "output_bytes": int(m.output_size_in_bytes),
-          "temp_bytes": int(m.temp_size_in_bytes), "peak_bytes": int(peak)}
+  peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+  return {
+    "argument_bytes": int(m.argument_size_in_bytes),
+    "output_bytes": int(m.output_size_in_bytes),
+    "temp_bytes": int(m.temp_size_in_bytes),
+    "peak_bytes": int(peak),
+  }
 
 
 def _median_seconds(compiled: dict, args, repeats) -> dict:
@@ -115,8 +116,15 @@ def _gb(n):
   return f"{n / 1e9:8.3f}"
 
 
-def run(quick: bool = False, *, time_tokens: int | None = None, time_dtypes=None,
-        repeats: int | None = None, max_run_gb: float = 12.0, verbose: bool = True) -> dict:
+def run(
+  quick: bool = False,
+  *,
+  time_tokens: int | None = None,
+  time_dtypes=None,
+  repeats: int | None = None,
+  max_run_gb: float = 12.0,
+  verbose: bool = True,
+) -> dict:
   """Runs the benchmark; returns a JSON-able dict (``memory``, ``timing``, ``sweep``, ``notes``)."""
   cfg = dict(QUICK if quick else FULL)
   tokens, d, v, chunk = cfg["tokens"], cfg["hidden_size"], cfg["vocab_size"], cfg["chunk_size"]
@@ -126,8 +134,10 @@ def run(quick: bool = False, *, time_tokens: int | None = None, time_dtypes=None
   if time_tokens is None:
     time_tokens = 2048 if (on_cpu and not quick) else tokens
     if time_tokens != tokens:
-      notes.append(f"timing at T={time_tokens} (not {tokens}): full-size runs take minutes "
-                   f"each on {backend}; memory is reported at full size")
+      notes.append(
+        f"timing at T={time_tokens} (not {tokens}): full-size runs take minutes "
+        f"each on {backend}; memory is reported at full size"
+      )
   if time_dtypes is None:
     time_dtypes = ("float32",) if (on_cpu and not quick) else tuple(DTYPES)
     if len(time_dtypes) < len(DTYPES):
@@ -144,11 +154,15 @@ def run(quick: bool = False, *, time_tokens: int | None = None, time_dtypes=None
   for dtype_name, dtype in DTYPES.items():
     for kind in ("fwd", "fwd+bwd"):
       for name in impls:
-        row = dict(impl=name, dtype=dtype_name, kind=kind, tokens=tokens,
-                   **_memory(compile_(name, kind, _abstract(tokens, d, v, dtype))))
+        row = dict(
+          impl=name,
+          dtype=dtype_name,
+          kind=kind,
+          tokens=tokens,
+          **_memory(compile_(name, kind, _abstract(tokens, d, v, dtype))),
+        )
         memory.append(row)
-        say(f"{name:8} {dtype_name:9} {kind:8} {tokens:6d} {_gb(row['temp_bytes'])} "
-            f"{_gb(row['peak_bytes'])}")
+        say(f"{name:8} {dtype_name:9} {kind:8} {tokens:6d} {_gb(row['temp_bytes'])} {_gb(row['peak_bytes'])}")
 
   # 2. Temp memory vs T: the chunked one should not grow (beyond O(T·D) and O(T) buffers).
   sweep = []
@@ -172,8 +186,7 @@ def run(quick: bool = False, *, time_tokens: int | None = None, time_dtypes=None
       for name in impls:
         compiled = compile_(name, kind, args)
         peak = _memory(compiled)["peak_bytes"]
-        rows[name] = dict(impl=name, dtype=dtype_name, kind=kind, tokens=time_tokens,
-                          peak_bytes=peak, seconds=None)
+        rows[name] = dict(impl=name, dtype=dtype_name, kind=kind, tokens=time_tokens, peak_bytes=peak, seconds=None)
         if peak > max_run_gb * 1e9:
           rows[name]["skipped"] = f"needs {peak / 1e9:.1f} GB > {max_run_gb} GB"
         else:
@@ -183,41 +196,55 @@ def run(quick: bool = False, *, time_tokens: int | None = None, time_dtypes=None
       for name, row in rows.items():
         timing.append(row)
         secs = f"{row['seconds']:9.3f}" if row["seconds"] is not None else f"{'skipped':>9}"
-        say(f"{name:8} {dtype_name:9} {kind:8} {secs} {_gb(row['peak_bytes'])}"
-            + (f"  ({row['skipped']})" if "skipped" in row else ""))
+        say(
+          f"{name:8} {dtype_name:9} {kind:8} {secs} {_gb(row['peak_bytes'])}"
+          + (f"  ({row['skipped']})" if "skipped" in row else "")
+        )
     del args
 
   ratios = {}
   for row in timing:
     if row["impl"] == "chunked" and row["seconds"] is not None:
-      base = next(r for r in timing if r["impl"] == "naive" and r["dtype"] == row["dtype"]
-                  and r["kind"] == row["kind"])
+      base = next(r for r in timing if r["impl"] == "naive" and r["dtype"] == row["dtype"] and r["kind"] == row["kind"])
       if base["seconds"]:
         ratios[f"{row['dtype']} {row['kind']}"] = row["seconds"] / base["seconds"]
   for key, ratio in ratios.items():
     say(f"chunked / naive time, {key}: {ratio:.2f}x")
   for n in notes:
     say(f"note: {n}")
-  return {"name": "logprobs", "backend": backend, "config": {**cfg, "sweep": list(cfg["sweep"])},
-          "time_tokens": time_tokens, "repeats": repeats, "memory": memory, "sweep": sweep,
-          "timing": timing, "time_ratio_chunked_over_naive": ratios, "notes": notes}
+  return {
+    "name": "logprobs",
+    "backend": backend,
+    "config": {**cfg, "sweep": list(cfg["sweep"])},
+    "time_tokens": time_tokens,
+    "repeats": repeats,
+    "memory": memory,
+    "sweep": sweep,
+    "timing": timing,
+    "time_ratio_chunked_over_naive": ratios,
+    "notes": notes,
+  }
 
 
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="small shapes, well under a minute")
   parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
-  parser.add_argument("--time-tokens", type=int, default=None,
-                      help="tokens for the timing runs (default: full T; 2048 on CPU)")
-  parser.add_argument("--time-dtypes", default=None,
-                      help="comma-separated dtypes to time (default: both; float32 on CPU)")
+  parser.add_argument(
+    "--time-tokens", type=int, default=None, help="tokens for the timing runs (default: full T; 2048 on CPU)"
+  )
+  parser.add_argument(
+    "--time-dtypes", default=None, help="comma-separated dtypes to time (default: both; float32 on CPU)"
+  )
   parser.add_argument("--repeats", type=int, default=None)
-  parser.add_argument("--max-run-gb", type=float, default=12.0,
-                      help="skip timing a variant whose compiled peak exceeds this")
+  parser.add_argument(
+    "--max-run-gb", type=float, default=12.0, help="skip timing a variant whose compiled peak exceeds this"
+  )
   args = parser.parse_args(argv)
   time_dtypes = tuple(args.time_dtypes.split(",")) if args.time_dtypes else None
-  result = run(args.quick, time_tokens=args.time_tokens, time_dtypes=time_dtypes,
-               repeats=args.repeats, max_run_gb=args.max_run_gb)
+  result = run(
+    args.quick, time_tokens=args.time_tokens, time_dtypes=time_dtypes, repeats=args.repeats, max_run_gb=args.max_run_gb
+  )
   if args.json:
     with open(args.json, "w") as f:
       json.dump(result, f, indent=2)

@@ -35,7 +35,7 @@ def file_floor(nbytes: int, *, directory: str | None = None, repeats: int = 3) -
       with open(path, "rb", buffering=0) as f:
         view = memoryview(out)
         while view.nbytes:
-          view = view[f.readinto(view):]
+          view = view[f.readinto(view) :]
       t2 = time.perf_counter()
     finally:
       os.remove(path)
@@ -96,7 +96,10 @@ class ProcessTreeMemory:
     self._thread.join()
 
   def summary(self) -> dict:
-    return {"peak_gb": self.peak_bytes / 1e9, "peak_at_s": self.peak_at_s,
-            "at_peak_gb": {n: r / 1e9 for n, r in self.at_peak.items()},
-            "hwm_gb": {n: h / 1e9 for h, n in self.hwm.values()},
-            "sum_of_hwm_gb": sum(h for h, _ in self.hwm.values()) / 1e9}
+    return {
+      "peak_gb": self.peak_bytes / 1e9,
+      "peak_at_s": self.peak_at_s,
+      "at_peak_gb": {n: r / 1e9 for n, r in self.at_peak.items()},
+      "hwm_gb": {n: h / 1e9 for h, n in self.hwm.values()},
+      "sum_of_hwm_gb": sum(h for h, _ in self.hwm.values()) / 1e9,
+    }

@@ -69,19 +69,51 @@ from trainers.models import ModelConfig  # noqa: E402
 from trainers.models.hf_io import abstract_model  # noqa: E402
 
 MODELS = {
-    "qwen3-1.7b": ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                              num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                              max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=True),
-    "qwen3-8b": ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                            num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                            max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False),
+  "qwen3-1.7b": ModelConfig(
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+  ),
+  "qwen3-8b": ModelConfig(
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
+  ),
 }
 MOE_MODELS = {
-    "qwen3-30b-a3b": ModelConfig(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048,
-                                 intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
-                                 num_key_value_heads=4, head_dim=128, max_position_embeddings=40960, rope_theta=1e6,
-                                 tie_word_embeddings=False, num_experts=128, num_experts_per_tok=8,
-                                 moe_intermediate_size=768, norm_topk_prob=True),
+  "qwen3-30b-a3b": ModelConfig(
+    model_type="qwen3_moe",
+    vocab_size=151936,
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1e6,
+    tie_word_embeddings=False,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    norm_topk_prob=True,
+  ),
 }
 # (devices, mesh) of the MoE cases: the expert axis 8, the rest fsdp.
 MOE_MESHES = {8: parallel.ParallelSection(fsdp=1, expert=8), 16: parallel.ParallelSection(fsdp=2, expert=8)}
@@ -102,52 +134,95 @@ def _abstract_batch(rows: int, row_len: int, num_segments: int, sharding, rep, l
   sd = lambda dtype: jax.ShapeDtypeStruct((1, rows, row_len), dtype, sharding=sharding)
   inputs = step_lib.ModelInputs(sd(jnp.int32), sd(jnp.int32), sd(jnp.int32))
   if loss.score_centering:
-    topk = lambda dtype: jax.ShapeDtypeStruct((1, rows, row_len, CENTERING_K), dtype,
-                                              sharding=NamedSharding(sharding.mesh, P(*sharding.spec, None)))
+    topk = lambda dtype: jax.ShapeDtypeStruct(
+      (1, rows, row_len, CENTERING_K), dtype, sharding=NamedSharding(sharding.mesh, P(*sharding.spec, None))
+    )
     inputs = inputs._replace(extra={"top_logprob_ids": topk(jnp.int32)})
-    batch, correction = _abstract_batch(rows, row_len, num_segments, sharding, rep,
-                                        dataclasses.replace(loss, score_centering=False))[1:]
+    batch, correction = _abstract_batch(
+      rows, row_len, num_segments, sharding, rep, dataclasses.replace(loss, score_centering=False)
+    )[1:]
     return inputs, batch.replace(rollout_topk_logprobs=topk(jnp.float32)), correction
   if loss.correction_in_loss:
-    batch = mis_jax.PackedBatch(segment_ids=sd(jnp.int32), loss_mask=sd(jnp.bool_), advantages=sd(jnp.float32),
-                                rollout_logprobs=sd(jnp.float32), rollout_staleness=sd(jnp.float32),
-                                num_segments=num_segments)
+    batch = mis_jax.PackedBatch(
+      segment_ids=sd(jnp.int32),
+      loss_mask=sd(jnp.bool_),
+      advantages=sd(jnp.float32),
+      rollout_logprobs=sd(jnp.float32),
+      rollout_staleness=sd(jnp.float32),
+      num_segments=num_segments,
+    )
   else:
-    batch = mis_jax.PackedBatch(segment_ids=sd(jnp.int32), loss_mask=sd(jnp.bool_), advantages=sd(jnp.float32),
-                                rollout_logprobs=sd(jnp.float32), old_logprobs=sd(jnp.float32),
-                                num_segments=num_segments)
-  correction = (mis_jax.Correction() if loss.correction_in_loss else
-                mis_jax.Correction(is_weights=sd(jnp.float32), kept_mask=sd(jnp.bool_)))
+    batch = mis_jax.PackedBatch(
+      segment_ids=sd(jnp.int32),
+      loss_mask=sd(jnp.bool_),
+      advantages=sd(jnp.float32),
+      rollout_logprobs=sd(jnp.float32),
+      old_logprobs=sd(jnp.float32),
+      num_segments=num_segments,
+    )
+  correction = (
+    mis_jax.Correction()
+    if loss.correction_in_loss
+    else mis_jax.Correction(is_weights=sd(jnp.float32), kept_mask=sd(jnp.bool_))
+  )
   if loss.correction_in_loss and loss.denominator == "kept":
     return inputs, batch, correction
-  dens = mis_jax.Denominators(seg_tokens=jax.ShapeDtypeStruct((num_segments,), jnp.float32, sharding=rep),
-                              num_tokens=jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
-                              num_seqs=jax.ShapeDtypeStruct((), jnp.float32, sharding=rep))
+  dens = mis_jax.Denominators(
+    seg_tokens=jax.ShapeDtypeStruct((num_segments,), jnp.float32, sharding=rep),
+    num_tokens=jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
+    num_seqs=jax.ShapeDtypeStruct((), jnp.float32, sharding=rep),
+  )
   return inputs, batch, correction.replace(denominators=dens)
 
 
 def _analysis(compiled) -> dict:
   m = compiled.memory_analysis()
-  out = {"argument_bytes": int(m.argument_size_in_bytes), "output_bytes": int(m.output_size_in_bytes),
-         "temp_bytes": int(m.temp_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes)}
+  out = {
+    "argument_bytes": int(m.argument_size_in_bytes),
+    "output_bytes": int(m.output_size_in_bytes),
+    "temp_bytes": int(m.temp_size_in_bytes),
+    "alias_bytes": int(m.alias_size_in_bytes),
+  }
   out["per_device_bytes"] = out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"] - out["alias_bytes"]
   return out
 
 
-def after_step(cfg: ModelConfig, tokens: int, devices, section=None, *, loss=LOSS, program="train",
-               remat="full", attention="blocked", **model_kwargs) -> dict:
+def after_step(
+  cfg: ModelConfig,
+  tokens: int,
+  devices,
+  section=None,
+  *,
+  loss=LOSS,
+  program="train",
+  remat="full",
+  attention="blocked",
+  **model_kwargs,
+) -> dict:
   """The compiled `program` of `trainers.learner.step.StepFunctions`: `train` (the step) or
   `logprobs` (the old-log-prob pass, same inputs); full remat and blocked attention unless said."""
   mesh = parallel.make_mesh(section or parallel.ParallelSection(fsdp=-1), devices)
-  fns = step_lib.build_step_functions(cfg, mesh, loss, OPTIM, logprob_chunk=1024, dtype=jnp.bfloat16,
-                                      param_dtype=jnp.float32, attention=attention, remat=remat, **model_kwargs)
+  fns = step_lib.build_step_functions(
+    cfg,
+    mesh,
+    loss,
+    OPTIM,
+    logprob_chunk=1024,
+    dtype=jnp.bfloat16,
+    param_dtype=jnp.float32,
+    attention=attention,
+    remat=remat,
+    **model_kwargs,
+  )
   abstract, psh, osh, optimizer = fns.abstract_params, fns.param_shardings, fns.opt_shardings, fns.optimizer
   params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, psh)
-  opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                           jax.eval_shape(optimizer.init, abstract), osh)
+  opt_state = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), jax.eval_shape(optimizer.init, abstract), osh
+  )
   rows = mesh.size
-  inputs, batch, correction = _abstract_batch(rows, tokens, rows * max(1, tokens // SEQ_LEN),
-                                              parallel.batch_sharding(mesh), NamedSharding(mesh, P()), loss)
+  inputs, batch, correction = _abstract_batch(
+    rows, tokens, rows * max(1, tokens // SEQ_LEN), parallel.batch_sharding(mesh), NamedSharding(mesh, P()), loss
+  )
   if program == "logprobs":
     return _analysis(fns.logprobs.lower(params, inputs, batch.segment_ids).compile())
   return _analysis(fns.train.lower(params, opt_state, inputs, batch, correction).compile())
@@ -156,8 +231,9 @@ def after_step(cfg: ModelConfig, tokens: int, devices, section=None, *, loss=LOS
 def before_step(cfg: ModelConfig, tokens: int, devices) -> dict:
   """The pre-`trainers.learner.step` program: value_and_grad of full-logits log-probs of an f32,
   dense-attention, no-remat model, then the Optax update, un-donated, on one device."""
-  graphdef, abstract = nnx.split(abstract_model(cfg, dtype=jnp.float32, param_dtype=jnp.float32,
-                                                attention="dense", remat="none"))
+  graphdef, abstract = nnx.split(
+    abstract_model(cfg, dtype=jnp.float32, param_dtype=jnp.float32, attention="dense", remat="none")
+  )
   optimizer = step_lib.make_optimizer(OPTIM)
   dev = jax.sharding.SingleDeviceSharding(devices[0])
 
@@ -169,15 +245,18 @@ def before_step(cfg: ModelConfig, tokens: int, devices) -> dict:
       ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
       mb = jax.tree.map(lambda x: x[0], batch)
       mb_correction = jax.tree.map(lambda x: x[0], correction.replace(denominators=None)).replace(
-          denominators=correction.denominators)
+        denominators=correction.denominators
+      )
       return mis_jax.policy_loss(lp, mb, LOSS, entropy=ent, correction=mb_correction)
+
     (_, metrics), grads = jax.value_and_grad(loss, has_aux=True)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, metrics
 
   params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), abstract)
-  opt_state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev),
-                           jax.eval_shape(optimizer.init, abstract))
+  opt_state = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=dev), jax.eval_shape(optimizer.init, abstract)
+  )
   args = _abstract_batch(1, tokens, max(1, tokens // SEQ_LEN), dev, dev)
   return _analysis(jax.jit(step).lower(params, opt_state, *args).compile())
 
@@ -191,16 +270,28 @@ def auto_record(name: str, cfg: ModelConfig, tokens: int, devices) -> dict:
   """What `auto` chooses for the `after` step of `cfg` at `tokens` per device against `SAFETY` x
   `AUTO_DEVICE_GB`: the candidates compiled, cheapest first, until one fits."""
   t0 = time.perf_counter()
-  budget = memory_plan.Budget(int(memory_plan.SAFETY * AUTO_DEVICE_GB * 1e9),
-                              f"{memory_plan.SAFETY:g} x {AUTO_DEVICE_GB:g} GB")
+  budget = memory_plan.Budget(
+    int(memory_plan.SAFETY * AUTO_DEVICE_GB * 1e9), f"{memory_plan.SAFETY:g} x {AUTO_DEVICE_GB:g} GB"
+  )
   choice = memory_plan.choose(
-      "auto", "auto", lambda remat, attention: after_step(cfg, tokens, devices, remat=remat,
-                                                          attention=attention)["per_device_bytes"], budget)
-  return {"model": name, "tokens_per_device": tokens, "step": "auto", "devices": len(devices),
-          "backend": jax.default_backend(), "loss": "decoupled PPO, configs/mis.yaml", "budget_bytes": budget.bytes,
-          "remat": choice.remat, "attention": choice.attention,
-          "candidates": [{"remat": r, "attention": a, "per_device_bytes": b} for r, a, b in choice.measured],
-          "compile_s": round(time.perf_counter() - t0, 1)}
+    "auto",
+    "auto",
+    lambda remat, attention: after_step(cfg, tokens, devices, remat=remat, attention=attention)["per_device_bytes"],
+    budget,
+  )
+  return {
+    "model": name,
+    "tokens_per_device": tokens,
+    "step": "auto",
+    "devices": len(devices),
+    "backend": jax.default_backend(),
+    "loss": "decoupled PPO, configs/mis.yaml",
+    "budget_bytes": budget.bytes,
+    "remat": choice.remat,
+    "attention": choice.attention,
+    "candidates": [{"remat": r, "attention": a, "per_device_bytes": b} for r, a, b in choice.measured],
+    "compile_s": round(time.perf_counter() - t0, 1),
+  }
 
 
 # Colocated rollouts (`rollout.placement.mode: colocated`): the engine's programs on the first device of
@@ -215,6 +306,7 @@ def generation_programs(cfg: ModelConfig, devices, spread: bool = False) -> dict
   FSDP mesh of `devices`, the rows split over it."""
   import functools
   from trainers.serving.embedded import sampler as sampler_lib
+
   graphdef, abstract = nnx.split(abstract_model(cfg, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
   if spread:
     mesh = parallel.make_mesh(parallel.ParallelSection(fsdp=-1), devices)
@@ -234,15 +326,28 @@ def generation_programs(cfg: ModelConfig, devices, spread: bool = False) -> dict
   prefill = jax.jit(functools.partial(sampler_lib._prefill, graphdef), static_argnames=("num_steps",))
   lowered = prefill.lower(params, ids, lens, f32, i32, num_steps=COLOCATED_NEW)
   compiled = lowered.compile()
-  state = jax.eval_shape(functools.partial(sampler_lib._prefill, graphdef, num_steps=COLOCATED_NEW),
-                         params, ids, lens, f32, i32)
-  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
-                       compiled.output_shardings)  # where the prefill leaves it
+  state = jax.eval_shape(
+    functools.partial(sampler_lib._prefill, graphdef, num_steps=COLOCATED_NEW), params, ids, lens, f32, i32
+  )
+  state = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, compiled.output_shardings
+  )  # where the prefill leaves it
   # The decoding loop's last window, the whole cache: its largest program.
   decode = jax.jit(functools.partial(sampler_lib._decode, graphdef), static_argnames=("window",))
-  decoded = decode.lower(params, state, lens, sd((rows,), jnp.uint32), f32, f32, i32, f32, i32,
-                         sd((rows, 4), jnp.int32), jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar),
-                         window=COLOCATED_PROMPT + COLOCATED_NEW)
+  decoded = decode.lower(
+    params,
+    state,
+    lens,
+    sd((rows,), jnp.uint32),
+    f32,
+    f32,
+    i32,
+    f32,
+    i32,
+    sd((rows, 4), jnp.int32),
+    jax.ShapeDtypeStruct((), jnp.int32, sharding=scalar),
+    window=COLOCATED_PROMPT + COLOCATED_NEW,
+  )
   weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract))
   return {"prefill": _analysis(compiled), "decode": _analysis(decoded.compile()), "weight_bytes": weights}
 
@@ -260,14 +365,25 @@ def colocated_records(name: str, cfg: ModelConfig, tokens: int, devices) -> list
     gen = generation_programs(cfg, devices, spread=spread)
     weights = gen.pop("weight_bytes")
     kept = weights // len(devices) if spread else weights  # per device (FSDP splits every large weight)
-    base = {"model": name, "tokens_per_device": tokens, "devices": len(devices), "backend": jax.default_backend(),
-            "loss": "decoupled PPO, configs/mis.yaml", "placement": "colocated",
-            "colocated_devices": "mesh" if spread else "first", "engine_weight_bytes": weights,
-            "generation_rows": COLOCATED_ROWS, "generation_prompt": COLOCATED_PROMPT, "generation_new": COLOCATED_NEW}
+    base = {
+      "model": name,
+      "tokens_per_device": tokens,
+      "devices": len(devices),
+      "backend": jax.default_backend(),
+      "loss": "decoupled PPO, configs/mis.yaml",
+      "placement": "colocated",
+      "colocated_devices": "mesh" if spread else "first",
+      "engine_weight_bytes": weights,
+      "generation_rows": COLOCATED_ROWS,
+      "generation_prompt": COLOCATED_PROMPT,
+      "generation_new": COLOCATED_NEW,
+    }
     gen_peak = resident + max(gen["prefill"]["per_device_bytes"], gen["decode"]["per_device_bytes"])
-    out += [{**base, "phase": "generation", "per_device_bytes": gen_peak, "engine_programs": gen},
-            {**base, "phase": "training, engine weights freed", "per_device_bytes": step["per_device_bytes"]},
-            {**base, "phase": "training, engine weights kept", "per_device_bytes": step["per_device_bytes"] + kept}]
+    out += [
+      {**base, "phase": "generation", "per_device_bytes": gen_peak, "engine_programs": gen},
+      {**base, "phase": "training, engine weights freed", "per_device_bytes": step["per_device_bytes"]},
+      {**base, "phase": "training, engine weights kept", "per_device_bytes": step["per_device_bytes"] + kept},
+    ]
   return out
 
 
@@ -279,17 +395,30 @@ def proximal_records(name: str, cfg: ModelConfig, tokens: int, devices) -> list[
   """Decoupled PPO's per-step programs with `loss.proximal` recompute (the old-log-prob pass, then
   the step) and loglinear (the step alone; the correction inside the loss, contract §6.3)."""
   out = []
-  for proximal, loss, program in (("recompute", LOSS, "logprobs"), ("recompute", LOSS, "train"),
-                                  ("loglinear", LOGLINEAR, "train")):
+  for proximal, loss, program in (
+    ("recompute", LOSS, "logprobs"),
+    ("recompute", LOSS, "train"),
+    ("loglinear", LOGLINEAR, "train"),
+  ):
     t0 = time.perf_counter()
-    rec = {"model": name, "tokens_per_device": tokens, "step": "after", "devices": len(devices),
-           "backend": jax.default_backend(), "loss": f"decoupled PPO, configs/mis.yaml, proximal {proximal}",
-           "proximal": proximal, "program": "old-logprob pass" if program == "logprobs" else "train step",
-           **after_step(cfg, tokens, devices, loss=loss, program=program)}
+    rec = {
+      "model": name,
+      "tokens_per_device": tokens,
+      "step": "after",
+      "devices": len(devices),
+      "backend": jax.default_backend(),
+      "loss": f"decoupled PPO, configs/mis.yaml, proximal {proximal}",
+      "proximal": proximal,
+      "program": "old-logprob pass" if program == "logprobs" else "train step",
+      **after_step(cfg, tokens, devices, loss=loss, program=program),
+    }
     rec["compile_s"] = round(time.perf_counter() - t0, 1)
     out.append(rec)
-    print(f"{name:20s} {tokens:10d} {proximal:>10s} {rec['program']:>18s} {rec['temp_bytes'] / 1e9:9.2f} "
-          f"{rec['per_device_bytes'] / 1e9:14.2f} {rec['compile_s']:9.1f}", flush=True)
+    print(
+      f"{name:20s} {tokens:10d} {proximal:>10s} {rec['program']:>18s} {rec['temp_bytes'] / 1e9:9.2f} "
+      f"{rec['per_device_bytes'] / 1e9:14.2f} {rec['compile_s']:9.1f}",
+      flush=True,
+    )
   return out
 
 
@@ -303,16 +432,25 @@ def centering_records(name: str, cfg: ModelConfig, tokens: int, devices) -> list
   out = []
   for centred, loss in ((False, LOSS), (True, CENTRED)):
     t0 = time.perf_counter()
-    rec = {"model": name, "tokens_per_device": tokens, "step": "after", "devices": len(devices),
-           "backend": jax.default_backend(), "loss": "decoupled PPO, configs/mis.yaml"
-           + (f", score centering (top-{CENTERING_K})" if centred else ""),
-           "score_centering": centred, "top_logprobs_num": CENTERING_K if centred else 0,
-           **after_step(cfg, tokens, devices, loss=loss)}
+    rec = {
+      "model": name,
+      "tokens_per_device": tokens,
+      "step": "after",
+      "devices": len(devices),
+      "backend": jax.default_backend(),
+      "loss": "decoupled PPO, configs/mis.yaml" + (f", score centering (top-{CENTERING_K})" if centred else ""),
+      "score_centering": centred,
+      "top_logprobs_num": CENTERING_K if centred else 0,
+      **after_step(cfg, tokens, devices, loss=loss),
+    }
     rec["compile_s"] = round(time.perf_counter() - t0, 1)
     out.append(rec)
-    print(f"{name:20s} {tokens:10d} {str(centred):>9s} {rec['argument_bytes'] / 1e9:8.2f} "
-          f"{rec['temp_bytes'] / 1e9:9.2f} {rec['per_device_bytes'] / 1e9:14.2f} {rec['compile_s']:9.1f}"
-          + (f"   ({rec['per_device_bytes'] / out[0]['per_device_bytes'] - 1:+.2%})" if centred else ""), flush=True)
+    print(
+      f"{name:20s} {tokens:10d} {str(centred):>9s} {rec['argument_bytes'] / 1e9:8.2f} "
+      f"{rec['temp_bytes'] / 1e9:9.2f} {rec['per_device_bytes'] / 1e9:14.2f} {rec['compile_s']:9.1f}"
+      + (f"   ({rec['per_device_bytes'] / out[0]['per_device_bytes'] - 1:+.2%})" if centred else ""),
+      flush=True,
+    )
   return out
 
 
@@ -322,90 +460,140 @@ def main(argv=None) -> int:
   parser.add_argument("--json", default="benchmarks/results/memory.json")
   parser.add_argument("--models", nargs="*", default=sorted(MODELS))
   parser.add_argument("--steps", nargs="*", default=["before", "after"])
-  parser.add_argument("--proximal", nargs="*", default=sorted(MODELS),
-                      help="models whose step is compiled with the proximal log-probs recomputed and loglinear")
-  parser.add_argument("--colocated", nargs="*", default=["qwen3-1.7b"],
-                      help="models whose colocated step (engine on the first device, and over the mesh) is measured by phase")
-  parser.add_argument("--auto", nargs="*", default=["qwen3-1.7b"],
-                      help="models whose `model.remat` / `model.attention` auto choice is recorded (16 GB device)")
+  parser.add_argument(
+    "--proximal",
+    nargs="*",
+    default=sorted(MODELS),
+    help="models whose step is compiled with the proximal log-probs recomputed and loglinear",
+  )
+  parser.add_argument(
+    "--colocated",
+    nargs="*",
+    default=["qwen3-1.7b"],
+    help="models whose colocated step (engine on the first device, and over the mesh) is measured by phase",
+  )
+  parser.add_argument(
+    "--auto",
+    nargs="*",
+    default=["qwen3-1.7b"],
+    help="models whose `model.remat` / `model.attention` auto choice is recorded (16 GB device)",
+  )
   parser.add_argument("--moe", nargs="*", default=sorted(MOE_MODELS), help="mixture-of-experts models to measure")
-  parser.add_argument("--centering", nargs="*", default=["qwen3-1.7b"],
-                      help="models whose step is compiled with and without score centering (top-20)")
+  parser.add_argument(
+    "--centering",
+    nargs="*",
+    default=["qwen3-1.7b"],
+    help="models whose step is compiled with and without score centering (top-20)",
+  )
   args = parser.parse_args(argv)
   all_devices = jax.devices()
   if len(all_devices) != 16:
     raise SystemExit(f"needs 16 devices (got {len(all_devices)}); run as `python -m benchmarks.memory`")
   devices = all_devices[:8]
-  cases = ([("quick-1.7b-2layers", QUICK_MODEL, 2048)] if args.quick else
-           [(name, MODELS[name], t) for name in args.models for t in TOKENS])
+  cases = (
+    [("quick-1.7b-2layers", QUICK_MODEL, 2048)]
+    if args.quick
+    else [(name, MODELS[name], t) for name in args.models for t in TOKENS]
+  )
   records = []
-  print(f"{'model':20s} {'tokens/dev':>10s} {'step':>7s} {'args GB':>8s} {'out GB':>8s} {'temp GB':>9s} "
-        f"{'alias GB':>9s} {'per-device GB':>14s} {'compile s':>9s}")
+  print(
+    f"{'model':20s} {'tokens/dev':>10s} {'step':>7s} {'args GB':>8s} {'out GB':>8s} {'temp GB':>9s} "
+    f"{'alias GB':>9s} {'per-device GB':>14s} {'compile s':>9s}"
+  )
   for name, cfg, tokens in cases:
     for which in args.steps:
       t0 = time.perf_counter()
-      rec = {"model": name, "tokens_per_device": tokens, "step": which, "devices": len(devices),
-             "backend": jax.default_backend(), "loss": "decoupled PPO, configs/mis.yaml",
-             **(before_step if which == "before" else after_step)(cfg, tokens, devices)}
+      rec = {
+        "model": name,
+        "tokens_per_device": tokens,
+        "step": which,
+        "devices": len(devices),
+        "backend": jax.default_backend(),
+        "loss": "decoupled PPO, configs/mis.yaml",
+        **(before_step if which == "before" else after_step)(cfg, tokens, devices),
+      }
       rec["compile_s"] = round(time.perf_counter() - t0, 1)
       target = TARGETS_GB.get((name, tokens))
       if which == "after" and target:
         rec["target_bytes"] = int(target * 1e9)
       records.append(rec)
       gb = lambda k: rec[k] / 1e9
-      print(f"{name:20s} {tokens:10d} {which:>7s} {gb('argument_bytes'):8.2f} {gb('output_bytes'):8.2f} "
-            f"{gb('temp_bytes'):9.2f} {gb('alias_bytes'):9.2f} {gb('per_device_bytes'):14.2f} "
-            f"{rec['compile_s']:9.1f}" + (f"   (target <= {target:g} GB)" if "target_bytes" in rec else ""),
-            flush=True)
+      print(
+        f"{name:20s} {tokens:10d} {which:>7s} {gb('argument_bytes'):8.2f} {gb('output_bytes'):8.2f} "
+        f"{gb('temp_bytes'):9.2f} {gb('alias_bytes'):9.2f} {gb('per_device_bytes'):14.2f} "
+        f"{rec['compile_s']:9.1f}" + (f"   (target <= {target:g} GB)" if "target_bytes" in rec else ""),
+        flush=True,
+      )
   if not args.quick:
-    print(f"\n{'MoE model':20s} {'tokens/dev':>10s} {'devices':>7s} {'mesh':>14s} {'dispatch':>8s} {'args GB':>8s} "
-          f"{'out GB':>8s} {'temp GB':>9s} {'alias GB':>9s} {'per-device GB':>14s} {'compile s':>9s}")
-  for name in ([] if args.quick else args.moe):
+    print(
+      f"\n{'MoE model':20s} {'tokens/dev':>10s} {'devices':>7s} {'mesh':>14s} {'dispatch':>8s} {'args GB':>8s} "
+      f"{'out GB':>8s} {'temp GB':>9s} {'alias GB':>9s} {'per-device GB':>14s} {'compile s':>9s}"
+    )
+  for name in [] if args.quick else args.moe:
     cfg = MOE_MODELS[name]
     for num, section in MOE_MESHES.items():
       for dispatch in ("grouped", "ragged_dot", "dense"):
         t0 = time.perf_counter()
         mesh_desc = f"fsdp{section.fsdp}xexpert{section.expert}"
-        rec = {"model": name, "tokens_per_device": MOE_TOKENS, "step": "after", "devices": num, "mesh": mesh_desc,
-               "moe_dispatch": dispatch, "backend": jax.default_backend(), "loss": "decoupled PPO, configs/mis.yaml",
-               **after_step(cfg, MOE_TOKENS, all_devices[:num], section, moe_dispatch=dispatch)}
+        rec = {
+          "model": name,
+          "tokens_per_device": MOE_TOKENS,
+          "step": "after",
+          "devices": num,
+          "mesh": mesh_desc,
+          "moe_dispatch": dispatch,
+          "backend": jax.default_backend(),
+          "loss": "decoupled PPO, configs/mis.yaml",
+          **after_step(cfg, MOE_TOKENS, all_devices[:num], section, moe_dispatch=dispatch),
+        }
         rec["compile_s"] = round(time.perf_counter() - t0, 1)
         target = TARGETS_GB.get((name, MOE_TOKENS, num))
         if target:
           rec["target_bytes"] = int(target * 1e9)
         records.append(rec)
         gb = lambda k: rec[k] / 1e9
-        print(f"{name:20s} {MOE_TOKENS:10d} {num:7d} {mesh_desc:>14s} {dispatch:>8s} {gb('argument_bytes'):8.2f} "
-              f"{gb('output_bytes'):8.2f} {gb('temp_bytes'):9.2f} {gb('alias_bytes'):9.2f} "
-              f"{gb('per_device_bytes'):14.2f} {rec['compile_s']:9.1f}"
-              + (f"   (target <= {target:g} GB)" if target else ""), flush=True)
+        print(
+          f"{name:20s} {MOE_TOKENS:10d} {num:7d} {mesh_desc:>14s} {dispatch:>8s} {gb('argument_bytes'):8.2f} "
+          f"{gb('output_bytes'):8.2f} {gb('temp_bytes'):9.2f} {gb('alias_bytes'):9.2f} "
+          f"{gb('per_device_bytes'):14.2f} {rec['compile_s']:9.1f}"
+          + (f"   (target <= {target:g} GB)" if target else ""),
+          flush=True,
+        )
   if not args.quick and args.proximal:
-    print(f"\n{'decoupled PPO':20s} {'tokens/dev':>10s} {'proximal':>10s} {'program':>18s} {'temp GB':>9s} "
-          f"{'per-device GB':>14s} {'compile s':>9s}")
-  for name in ([] if args.quick else args.proximal):
+    print(
+      f"\n{'decoupled PPO':20s} {'tokens/dev':>10s} {'proximal':>10s} {'program':>18s} {'temp GB':>9s} "
+      f"{'per-device GB':>14s} {'compile s':>9s}"
+    )
+  for name in [] if args.quick else args.proximal:
     records += proximal_records(name, MODELS[name], PROXIMAL_TOKENS, devices)
   if not args.quick and args.auto:
-    print(f"\n{'auto':20s} {'tokens/dev':>10s} {'candidate (remat + attention)':>30s} {'per-device GB':>14s}  "
-          f"(budget {memory_plan.SAFETY:g} x {AUTO_DEVICE_GB:g} GB)")
-  for name in ([] if args.quick else args.auto):
+    print(
+      f"\n{'auto':20s} {'tokens/dev':>10s} {'candidate (remat + attention)':>30s} {'per-device GB':>14s}  "
+      f"(budget {memory_plan.SAFETY:g} x {AUTO_DEVICE_GB:g} GB)"
+    )
+  for name in [] if args.quick else args.auto:
     rec = auto_record(name, MODELS[name], AUTO_TOKENS, devices)
     records.append(rec)
     for c in rec["candidates"]:
       chosen = "  <- chosen" if (c["remat"], c["attention"]) == (rec["remat"], rec["attention"]) else ""
-      print(f"{name:20s} {AUTO_TOKENS:10d} {c['remat'] + ' + ' + c['attention']:>30s} "
-            f"{c['per_device_bytes'] / 1e9:14.2f}{chosen}", flush=True)
+      print(
+        f"{name:20s} {AUTO_TOKENS:10d} {c['remat'] + ' + ' + c['attention']:>30s} "
+        f"{c['per_device_bytes'] / 1e9:14.2f}{chosen}",
+        flush=True,
+      )
   if not args.quick and args.colocated:
     print(f"\n{'colocated':20s} {'tokens/dev':>10s} {'phase (engine on)':>40s} {'per-device GB':>14s}")
-  for name in ([] if args.quick else args.colocated):
+  for name in [] if args.quick else args.colocated:
     for rec in colocated_records(name, MODELS[name], PROXIMAL_TOKENS, devices):
       records.append(rec)
       phase = f"{rec['phase']} ({rec['colocated_devices']})"
-      print(f"{name:20s} {rec['tokens_per_device']:10d} {phase:>40s} {rec['per_device_bytes'] / 1e9:14.2f}",
-            flush=True)
+      print(f"{name:20s} {rec['tokens_per_device']:10d} {phase:>40s} {rec['per_device_bytes'] / 1e9:14.2f}", flush=True)
   if not args.quick and args.centering:
-    print(f"\n{'score centering':20s} {'tokens/dev':>10s} {'centred':>9s} {'args GB':>8s} {'temp GB':>9s} "
-          f"{'per-device GB':>14s} {'compile s':>9s}")
-  for name in ([] if args.quick else args.centering):
+    print(
+      f"\n{'score centering':20s} {'tokens/dev':>10s} {'centred':>9s} {'args GB':>8s} {'temp GB':>9s} "
+      f"{'per-device GB':>14s} {'compile s':>9s}"
+    )
+  for name in [] if args.quick else args.centering:
     records += centering_records(name, MODELS[name], CENTERING_TOKENS, devices)
   if args.json and not args.quick:
     os.makedirs(os.path.dirname(args.json), exist_ok=True)

@@ -37,10 +37,19 @@ from trainers.learner.batch import build_step_batch
 from trainers.config import TrainSection
 
 MIS = mis_jax.MISConfig.from_yaml("configs/mis.yaml")
-LOSSES = {"recompute": mis_jax.LossConfig(use_tis=True, mis=MIS),
-          "loglinear": mis_jax.LossConfig(use_tis=True, mis=MIS, proximal="loglinear")}
-LARGER = dataclasses.replace(PRESETS["tiny-qwen3"], num_hidden_layers=4, hidden_size=256, intermediate_size=768,
-                             num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+LOSSES = {
+  "recompute": mis_jax.LossConfig(use_tis=True, mis=MIS),
+  "loglinear": mis_jax.LossConfig(use_tis=True, mis=MIS, proximal="loglinear"),
+}
+LARGER = dataclasses.replace(
+  PRESETS["tiny-qwen3"],
+  num_hidden_layers=4,
+  hidden_size=256,
+  intermediate_size=768,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=64,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,23 +64,38 @@ class Shape:
   ppo_epochs: int = 2
 
 
-SHAPES = (Shape("demo (tiny-qwen3, 128 x 4 tokens)", PRESETS["tiny-qwen3"], 128, 5, 4, 64, 1024),
-          Shape("4-layer 256-wide Qwen3, 64 x 64 tokens", LARGER, 64, 16, 64, 128, 2048))
+SHAPES = (
+  Shape("demo (tiny-qwen3, 128 x 4 tokens)", PRESETS["tiny-qwen3"], 128, 5, 4, 64, 1024),
+  Shape("4-layer 256-wide Qwen3, 64 x 64 tokens", LARGER, 64, 16, 64, 128, 2048),
+)
 
 
 def _step_batch(shape: Shape, seed=0):
   rng = np.random.default_rng(seed)
   vocab = shape.model.vocab_size
-  samples = [types.SimpleNamespace(prompt_ids=rng.integers(3, vocab, shape.prompt_len).tolist(),
-                                   response_ids=rng.integers(3, vocab, shape.response_len).tolist(),
-                                   rollout_logprobs=(-rng.uniform(0.5, 3.0, shape.response_len)).astype(np.float32))
-             for _ in range(shape.samples)]
+  samples = [
+    types.SimpleNamespace(
+      prompt_ids=rng.integers(3, vocab, shape.prompt_len).tolist(),
+      response_ids=rng.integers(3, vocab, shape.response_len).tolist(),
+      rollout_logprobs=(-rng.uniform(0.5, 3.0, shape.response_len)).astype(np.float32),
+    )
+    for _ in range(shape.samples)
+  ]
   rewards = rng.uniform(0, 1, shape.samples).astype(np.float32)
   groups = np.arange(shape.samples) // 8
   adv = np.asarray(mis_jax.compute_advantages(rewards, groups, num_groups=int(groups.max()) + 1))
   staleness = [rng.integers(0, 2, shape.response_len) for _ in samples]  # an asynchronous loop's 0 or 1
-  return build_step_batch(samples, rewards, adv, groups, num_segments=shape.samples, row_len=shape.row_len,
-                          tokens_per_micro_batch=shape.tokens_per_micro_batch, batch_devices=1, staleness=staleness)
+  return build_step_batch(
+    samples,
+    rewards,
+    adv,
+    groups,
+    num_segments=shape.samples,
+    row_len=shape.row_len,
+    tokens_per_micro_batch=shape.tokens_per_micro_batch,
+    batch_devices=1,
+    staleness=staleness,
+  )
 
 
 def _step(fns, loss_cfg, params, opt_state, inputs, batch, epochs):
@@ -92,9 +116,12 @@ def measure(shape: Shape, reps: int) -> list[dict]:
   init = jax.device_get(nnx.state(CausalLM(shape.model, rngs=nnx.Rngs(0)), nnx.Param))  # host: a new copy per put
   runs = {}
   for name, loss_cfg in LOSSES.items():
-    fns = step_lib.build_step_functions(shape.model, mesh, loss_cfg, TrainSection(ppo_epochs=shape.ppo_epochs),
-                                        attention="blocked", remat="full")
-    batch = jax.tree.map(put, sb.batch if loss_cfg.proximal == "loglinear" else sb.batch.replace(rollout_staleness=None))
+    fns = step_lib.build_step_functions(
+      shape.model, mesh, loss_cfg, TrainSection(ppo_epochs=shape.ppo_epochs), attention="blocked", remat="full"
+    )
+    batch = jax.tree.map(
+      put, sb.batch if loss_cfg.proximal == "loglinear" else sb.batch.replace(rollout_staleness=None)
+    )
     runs[name] = (fns, loss_cfg, batch)
   times = {name: [] for name in runs}
   for rep in range(reps + 1):  # the first: compiles
@@ -107,10 +134,21 @@ def measure(shape: Shape, reps: int) -> list[dict]:
       if rep:
         times[name].append(time.perf_counter() - t0)
   tokens = int(np.asarray(sb.batch.segment_ids >= 0).sum())
-  return [{"shape": shape.name, "proximal": name, "ppo_epochs": shape.ppo_epochs, "tokens": tokens,
-           "micro_batches": sb.layout.micro_batches, "reps": reps, "median_ms": 1e3 * float(np.median(t)),
-           "p25_ms": 1e3 * float(np.percentile(t, 25)), "p75_ms": 1e3 * float(np.percentile(t, 75)),
-           "old_logprob_passes": int(LOSSES[name].needs_old_logprobs)} for name, t in times.items()]
+  return [
+    {
+      "shape": shape.name,
+      "proximal": name,
+      "ppo_epochs": shape.ppo_epochs,
+      "tokens": tokens,
+      "micro_batches": sb.layout.micro_batches,
+      "reps": reps,
+      "median_ms": 1e3 * float(np.median(t)),
+      "p25_ms": 1e3 * float(np.percentile(t, 25)),
+      "p75_ms": 1e3 * float(np.percentile(t, 75)),
+      "old_logprob_passes": int(LOSSES[name].needs_old_logprobs),
+    }
+    for name, t in times.items()
+  ]
 
 
 def main(argv=None) -> int:
@@ -127,8 +165,11 @@ def main(argv=None) -> int:
     base = rows[0]["median_ms"]
     for r in rows:
       r["saved_fraction"] = 1.0 - r["median_ms"] / base
-      print(f"{r['shape']:42s} {r['proximal']:>10s} {r['old_logprob_passes']:6d} {r['median_ms']:10.1f} "
-            f"{r['p25_ms']:6.1f}-{r['p75_ms']:<7.1f} {100 * r['saved_fraction']:6.1f}%", flush=True)
+      print(
+        f"{r['shape']:42s} {r['proximal']:>10s} {r['old_logprob_passes']:6d} {r['median_ms']:10.1f} "
+        f"{r['p25_ms']:6.1f}-{r['p75_ms']:<7.1f} {100 * r['saved_fraction']:6.1f}%",
+        flush=True,
+      )
     records += rows
   if not args.quick:
     os.makedirs(os.path.dirname(args.json), exist_ok=True)

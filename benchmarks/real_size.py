@@ -39,17 +39,30 @@ import yaml
 
 from benchmarks import machine
 
-QWEN3_06B = dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
-                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
-                 rope_theta=1e6, tie_word_embeddings=True)
-RUNS = {"f32": {}, "bf16": {"model": {"dtype": "bfloat16"}},
-        "http": {"rollout": {"sync": {"via": "http", "delta": True}}}}
+QWEN3_06B = dict(
+  vocab_size=151936,
+  hidden_size=1024,
+  intermediate_size=3072,
+  num_hidden_layers=28,
+  num_attention_heads=16,
+  num_key_value_heads=8,
+  head_dim=128,
+  max_position_embeddings=40960,
+  rope_theta=1e6,
+  tie_word_embeddings=True,
+)
+RUNS = {
+  "f32": {},
+  "bf16": {"model": {"dtype": "bfloat16"}},
+  "http": {"rollout": {"sync": {"via": "http", "delta": True}}},
+}
 
 
 def write_checkpoint(path: str, *, seed: int = 0) -> int:
   """Qwen3-0.6B's shape with random weights, written by `transformers` in bfloat16; its parameter count."""
   import torch
   import transformers
+
   torch.manual_seed(seed)
   config = transformers.Qwen3Config(**QWEN3_06B, torch_dtype="bfloat16")
   previous = torch.get_default_dtype()
@@ -63,12 +76,16 @@ def write_checkpoint(path: str, *, seed: int = 0) -> int:
 
 
 def _config(checkpoint: str, run_dir: str, run: str) -> dict:
-  cfg = {"run_dir": run_dir, "seed": 0, "model": {"path": checkpoint},
-         "task": {"name": "copy_digits", "num_digits": 3},
-         "rollout": {"prompts_per_step": 1, "n": 8, "sampling": {"temperature": 1.0}},
-         "train": {"steps": 3, "learning_rate": 1e-5, "ppo_epochs": 1, "tokens_per_micro_batch": 1024, "row_len": 64},
-         "checkpoint": {"every": 1000},
-         "loss": {"algorithm": "decoupled_ppo", "custom_config_path": "configs/mis.yaml", "entropy_coef": 0.01}}
+  cfg = {
+    "run_dir": run_dir,
+    "seed": 0,
+    "model": {"path": checkpoint},
+    "task": {"name": "copy_digits", "num_digits": 3},
+    "rollout": {"prompts_per_step": 1, "n": 8, "sampling": {"temperature": 1.0}},
+    "train": {"steps": 3, "learning_rate": 1e-5, "ppo_epochs": 1, "tokens_per_micro_batch": 1024, "row_len": 64},
+    "checkpoint": {"every": 1000},
+    "loss": {"algorithm": "decoupled_ppo", "custom_config_path": "configs/mis.yaml", "entropy_coef": 0.01},
+  }
   for section, keys in RUNS[run].items():
     for key, value in keys.items():
       target = cfg.setdefault(section, {})
@@ -84,8 +101,11 @@ def train(checkpoint: str, tmp: str, run: str) -> dict:
     yaml.safe_dump(_config(checkpoint, run_dir, run), f)
   log = open(os.path.join(tmp, f"{run}.log"), "w")
   t0 = time.perf_counter()
-  proc = subprocess.Popen([sys.executable, "-m", "trainers.cli", "train", "--config", config, "--no-progress"],
-                          stdout=log, stderr=subprocess.STDOUT)
+  proc = subprocess.Popen(
+    [sys.executable, "-m", "trainers.cli", "train", "--config", config, "--no-progress"],
+    stdout=log,
+    stderr=subprocess.STDOUT,
+  )
   memory = machine.ProcessTreeMemory(proc.pid).start()
   rc = proc.wait()
   memory.stop()
@@ -102,29 +122,47 @@ def summarize(run: str, out: dict, params: int, floor: dict) -> dict:
   def med(key):
     values = [r[key] for r in later if key in r]
     return statistics.median(values) if values else None
+
   state_gb = params * (16 + 2 + (2 if run == "http" else 0)) / 1e9
   sync = med("sync_s")
-  return {"run": run, "params": params, "state_gb": state_gb, "peak_gb": out["memory"]["peak_gb"],
-          "peak_over_state": out["memory"]["peak_gb"] / state_gb, "memory": out["memory"],
-          "rollout_s": med("rollout_s"), "train_s": med("train_s"), "sync_s": sync,
-          "sync_phases": {k: med(k) for k in sorted({k for r in later for k in r if k.startswith("sync/")})},
-          "floor_s": floor["total_s"], "sync_over_floor": sync / floor["total_s"],
-          "k3_by_step": [r["mis_k3_kl"] for r in out["rows"]],
-          "abs_diff_by_step": [r["train_rollout_logprob_abs_diff"] for r in out["rows"]],
-          "sent_bytes_by_step": [r.get("sync/sent_bytes") for r in out["rows"]]}
+  return {
+    "run": run,
+    "params": params,
+    "state_gb": state_gb,
+    "peak_gb": out["memory"]["peak_gb"],
+    "peak_over_state": out["memory"]["peak_gb"] / state_gb,
+    "memory": out["memory"],
+    "rollout_s": med("rollout_s"),
+    "train_s": med("train_s"),
+    "sync_s": sync,
+    "sync_phases": {k: med(k) for k in sorted({k for r in later for k in r if k.startswith("sync/")})},
+    "floor_s": floor["total_s"],
+    "sync_over_floor": sync / floor["total_s"],
+    "k3_by_step": [r["mis_k3_kl"] for r in out["rows"]],
+    "abs_diff_by_step": [r["train_rollout_logprob_abs_diff"] for r in out["rows"]],
+    "sent_bytes_by_step": [r.get("sync/sent_bytes") for r in out["rows"]],
+  }
 
 
 def table(rows: list[dict]) -> str:
-  lines = ["| run | peak GB (trainer + server) | state GB | peak / state | rollout s | update s | sync s | "
-           "sync phases s | floor s | sync / floor | k3 by step |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+  lines = [
+    "| run | peak GB (trainer + server) | state GB | peak / state | rollout s | update s | sync s | "
+    "sync phases s | floor s | sync / floor | k3 by step |",
+    "|---|---|---|---|---|---|---|---|---|---|---|",
+  ]
   for r in rows:
     ph = r["sync_phases"]
-    phases = ", ".join(f"{k.removeprefix('sync/').removesuffix('_s')} {v:.2f}" for k, v in ph.items()
-                       if k.endswith("_s") and v is not None and k != "sync/servers_paused_s")
+    phases = ", ".join(
+      f"{k.removeprefix('sync/').removesuffix('_s')} {v:.2f}"
+      for k, v in ph.items()
+      if k.endswith("_s") and v is not None and k != "sync/servers_paused_s"
+    )
     k3 = " / ".join(f"{v:.2g}" for v in r["k3_by_step"])
-    lines.append(f"| {r['run']} | {r['peak_gb']:.2f} | {r['state_gb']:.2f} | {r['peak_over_state']:.3f} | "
-                 f"{r['rollout_s']:.2f} | {r['train_s']:.2f} | {r['sync_s']:.2f} | {phases} | {r['floor_s']:.2f} | "
-                 f"{r['sync_over_floor']:.1f} | {k3} |")
+    lines.append(
+      f"| {r['run']} | {r['peak_gb']:.2f} | {r['state_gb']:.2f} | {r['peak_over_state']:.3f} | "
+      f"{r['rollout_s']:.2f} | {r['train_s']:.2f} | {r['sync_s']:.2f} | {phases} | {r['floor_s']:.2f} | "
+      f"{r['sync_over_floor']:.1f} | {k3} |"
+    )
   return "\n".join(lines)
 
 
@@ -138,8 +176,10 @@ def main(argv=None) -> int:
   unknown = sorted(set(runs) - set(RUNS))
   if unknown:
     parser.error(f"unknown run(s) {', '.join(unknown)}; choose from {', '.join(RUNS)}")
-  result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                        "python": platform.python_version()}, "rows": []}
+  result = {
+    "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+    "rows": [],
+  }
   with tempfile.TemporaryDirectory(prefix="bench-real-") as tmp:
     checkpoint = args.checkpoint
     if checkpoint is None:
@@ -152,8 +192,7 @@ def main(argv=None) -> int:
       before = machine.file_floor(nbytes, directory=tmp)
       out = train(checkpoint, tmp, run)
       after = machine.file_floor(nbytes, directory=tmp)
-      floor = {"bytes": nbytes, "total_s": (before["total_s"] + after["total_s"]) / 2, "before": before,
-               "after": after}
+      floor = {"bytes": nbytes, "total_s": (before["total_s"] + after["total_s"]) / 2, "before": before, "after": after}
       result["rows"].append({**summarize(run, out, params, floor), "floor": floor})
       os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
       with open(args.json, "w") as f:

@@ -32,9 +32,20 @@ import jax.numpy as jnp
 import numpy as np
 
 # Dense bf16 peak (TFLOP/s) by device kind, the figure MFU is quoted against: vendors' spec sheets.
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "L4": 121.0, "TPU v4": 275.0,
-                    "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v5": 459.0, "TPU v6 lite": 918.0,
-                    "TPU v6e": 918.0}
+PEAK_BF16_TFLOPS = {
+  "H100": 989.0,
+  "H200": 989.0,
+  "H800": 989.0,
+  "A100": 312.0,
+  "L4": 121.0,
+  "TPU v4": 275.0,
+  "TPU v5 lite": 197.0,
+  "TPU v5e": 197.0,
+  "TPU v5p": 459.0,
+  "TPU v5": 459.0,
+  "TPU v6 lite": 918.0,
+  "TPU v6e": 918.0,
+}
 DEFAULT_PEAK_TFLOPS = 989.0  # H100/H200 dense bf16
 
 
@@ -96,6 +107,7 @@ def decode_flops(cfg, prompt_lens: Sequence[int], new_tokens: int) -> float:
 @dataclasses.dataclass(frozen=True)
 class Limits:
   """Measured on `device`: dense-matmul FLOP/s per dtype and streaming bandwidth (bytes/s)."""
+
   device: str
   matmul_flops: dict  # {"float32": FLOP/s, "bfloat16": FLOP/s}
   matmul_n: dict  # the matrix side each was measured at
@@ -130,6 +142,7 @@ def generation_times(sampler, prompts: list, *, n: int, new_tokens: int, repeats
   def generate(tokens):
     options = SamplingOptions(temperature=0.8, max_new_tokens=tokens, ignore_eos=True, n=n, seed=0)
     return lambda: sampler.generate(prompts, options)
+
   prefill_s = best_time(generate(1), repeats)
   full_s = best_time(generate(new_tokens), repeats)
   return {"prefill_s": prefill_s, "decode_s": max(full_s - prefill_s, 1e-9), "generate_s": full_s}
@@ -142,8 +155,9 @@ def _matmul_chain(x, w, length):
 _chain = jax.jit(_matmul_chain)
 
 
-def matmul_flops_per_s(dtype, *, n: int = 256, max_n: int = 8192, target_s: float = 0.05, repeats: int = 5,
-                       device=None) -> tuple[float, int]:
+def matmul_flops_per_s(
+  dtype, *, n: int = 256, max_n: int = 8192, target_s: float = 0.05, repeats: int = 5, device=None
+) -> tuple[float, int]:
   """(FLOP/s, n): a chain of `n x n` matmuls in `dtype`, grown until a call takes `target_s`."""
   device = device or jax.devices()[0]
   length = 1
@@ -151,8 +165,9 @@ def matmul_flops_per_s(dtype, *, n: int = 256, max_n: int = 8192, target_s: floa
     key = jax.random.key(0)
     x = jax.device_put(jax.random.normal(key, (n, n), jnp.float32).astype(dtype), device)
     # Orthogonal-ish w (entries ~ 1/sqrt(n)): the chain neither overflows nor underflows.
-    w = jax.device_put((jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.float32) / float(np.sqrt(n))).astype(dtype),
-                       device)
+    w = jax.device_put(
+      (jax.random.normal(jax.random.fold_in(key, 1), (n, n), jnp.float32) / float(np.sqrt(n))).astype(dtype), device
+    )
     seconds = best_time(lambda: jax.block_until_ready(_chain(x, w, length)), repeats=1)
     if seconds >= target_s or (n >= max_n and length >= 64):
       break
@@ -161,7 +176,7 @@ def matmul_flops_per_s(dtype, *, n: int = 256, max_n: int = 8192, target_s: floa
     else:
       length *= 2
   seconds = best_time(lambda: jax.block_until_ready(_chain(x, w, length)), repeats)
-  return 2.0 * n ** 3 * length / seconds, n
+  return 2.0 * n**3 * length / seconds, n
 
 
 @jax.jit
@@ -187,10 +202,16 @@ def measure(*, quick: bool = False, device=None) -> Limits:
     kwargs = dict(n=32, max_n=64, target_s=0.0, repeats=1) if quick else {}
     flops[jnp.dtype(dtype).name], sides[jnp.dtype(dtype).name] = matmul_flops_per_s(dtype, device=device, **kwargs)
   num_bytes = 1 << 20 if quick else (256 << 20 if on_cpu else 1 << 30)
-  bandwidth = bandwidth_bytes_per_s(num_bytes, device=device, repeats=1 if quick else 5,
-                                    length=1 if on_cpu or quick else 20)
-  return Limits(device=f"{device.platform}: {device.device_kind}", matmul_flops=flops, matmul_n=sides,
-                bandwidth=bandwidth, bandwidth_bytes=num_bytes)
+  bandwidth = bandwidth_bytes_per_s(
+    num_bytes, device=device, repeats=1 if quick else 5, length=1 if on_cpu or quick else 20
+  )
+  return Limits(
+    device=f"{device.platform}: {device.device_kind}",
+    matmul_flops=flops,
+    matmul_n=sides,
+    bandwidth=bandwidth,
+    bandwidth_bytes=num_bytes,
+  )
 
 
 def describe(limits: Limits) -> str:

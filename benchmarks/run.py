@@ -31,8 +31,9 @@ import numpy as np
 import mis_jax
 from benchmarks import roofline
 
-MIS = mis_jax.MISConfig(use_tis=True, use_rs=True, tis_lower_bound=0.5, tis_upper_bound=2.0,
-                        rs_veto_threshold=1e-4, tis_batch_normalize=True)  # = configs/mis.yaml
+MIS = mis_jax.MISConfig(
+  use_tis=True, use_rs=True, tis_lower_bound=0.5, tis_upper_bound=2.0, rs_veto_threshold=1e-4, tis_batch_normalize=True
+)  # = configs/mis.yaml
 LOSS_CFG = mis_jax.LossConfig(use_tis=True, mis=MIS)
 
 
@@ -44,25 +45,38 @@ def make_data(rng, num_seqs, max_len, row_len):
     r = rng.normal(0, 0.1, n).astype(np.float32)
     r[rng.random(n) < 1e-4] = -12.0
     o = q + r
-    seqs.append(dict(m=np.arange(n) >= min(4, n - 1), q=q, o=o, lp=o + rng.normal(0, 0.05, n).astype(np.float32),
-                     adv=np.full(n, rng.normal(), np.float32)))
+    seqs.append(
+      dict(
+        m=np.arange(n) >= min(4, n - 1),
+        q=q,
+        o=o,
+        lp=o + rng.normal(0, 0.05, n).astype(np.float32),
+        adv=np.full(n, rng.normal(), np.float32),
+      )
+    )
   packing = mis_jax.plan_packing(lengths, row_len)
   return seqs, packing
 
 
 def to_batch(seqs, packing):
   get = lambda k: packing.pack([s[k] for s in seqs], 0.0, np.float32)
-  batch = mis_jax.PackedBatch(segment_ids=packing.segment_ids, loss_mask=packing.pack([s["m"] for s in seqs], False, bool),
-                              advantages=get("adv"), rollout_logprobs=get("q"), old_logprobs=get("o"),
-                              num_segments=len(seqs))
+  batch = mis_jax.PackedBatch(
+    segment_ids=packing.segment_ids,
+    loss_mask=packing.pack([s["m"] for s in seqs], False, bool),
+    advantages=get("adv"),
+    rollout_logprobs=get("q"),
+    old_logprobs=get("o"),
+    num_segments=len(seqs),
+  )
   return jax.device_put(batch), jax.device_put(get("lp"))
 
 
 def padded_packing(seqs):
   n = len(seqs)
   lengths = np.array([len(s["m"]) for s in seqs])
-  return mis_jax.Packing(row_len=int(lengths.max()), num_rows=n, rows=np.arange(n), offsets=np.zeros(n, np.int64),
-                         lengths=lengths)
+  return mis_jax.Packing(
+    row_len=int(lengths.max()), num_rows=n, rows=np.arange(n), offsets=np.zeros(n, np.int64), lengths=lengths
+  )
 
 
 def timeit(fn, *args, repeats=15):
@@ -81,8 +95,11 @@ def temp_bytes(fn, *args):
   return int(getattr(analysis, "temp_size_in_bytes", 0)) if analysis is not None else -1
 
 
-_weights = jax.jit(lambda b: mis_jax.compute_mis_weights(b.old_logprobs, b.rollout_logprobs, b.loss_mask, b.segment_ids,
-                                                         MIS, num_segments=b.num_segments))
+_weights = jax.jit(
+  lambda b: mis_jax.compute_mis_weights(
+    b.old_logprobs, b.rollout_logprobs, b.loss_mask, b.segment_ids, MIS, num_segments=b.num_segments
+  )
+)
 _loss_grad = jax.jit(jax.value_and_grad(lambda lp, b: mis_jax.policy_loss(lp, b, LOSS_CFG), has_aux=True))
 
 
@@ -97,6 +114,7 @@ def torch_reference(seqs, repeats=1):
   config's weights, RS mask, veto and their metrics; batch normalisation; per-sequence PPO
   loss; ``sum_of_sample_mean`` reductions; backward."""
   import torch
+
   torch.set_num_threads(os.cpu_count() or 1)
   tensors = [{k: torch.from_numpy(np.asarray(v)) for k, v in s.items()} for s in seqs]
   U, Lo, C, B = 2.0, 0.5, 1e-4, 20.0
@@ -177,8 +195,13 @@ def bench_shape(rng, num_seqs, max_len, row_len, limits, *, reference=True, padd
   seqs, packing = make_data(rng, num_seqs, max_len, row_len)
   batch, lp = to_batch(seqs, packing)
   tokens = int(sum(len(s["m"]) for s in seqs))
-  row = {"num_seqs": num_seqs, "max_len": max_len, "tokens": tokens, "packed_shape": list(batch.shape),
-         "pass_options": dataclasses.asdict(mis_jax.engine.pass_options(batch.segment_ids, batch.num_segments))}
+  row = {
+    "num_seqs": num_seqs,
+    "max_len": max_len,
+    "tokens": tokens,
+    "packed_shape": list(batch.shape),
+    "pass_options": dataclasses.asdict(mis_jax.engine.pass_options(batch.segment_ids, batch.num_segments)),
+  }
   row["weights_s"] = timeit(_weights, batch)
   row["loss_fwd_bwd_s"] = timeit(_loss_grad, lp, batch)
   weights_in = (batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, batch.segment_ids)
@@ -211,26 +234,37 @@ def main(argv=None):
   rng = np.random.default_rng(0)
   scale = 8 if args.quick else 1
   limits = roofline.measure()
-  out = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
-                     "backend": jax.default_backend(), "devices": jax.device_count(),
-                     "pass_options": "mis_jax.engine.pass_options(segment_ids, num_segments) per shape",
-                     "roofline": limits.to_dict()}}
+  out = {
+    "machine": {
+      "platform": platform.platform(),
+      "cpus": os.cpu_count(),
+      "jax": jax.__version__,
+      "backend": jax.default_backend(),
+      "devices": jax.device_count(),
+      "pass_options": "mis_jax.engine.pass_options(segment_ids, num_segments) per shape",
+      "roofline": limits.to_dict(),
+    }
+  }
 
-  out["named_shapes"] = [bench_shape(rng, 512 // scale, 1024, 4096, limits),
-                         bench_shape(rng, 4096 // scale, 256, 4096, limits)]
+  out["named_shapes"] = [
+    bench_shape(rng, 512 // scale, 1024, 4096, limits),
+    bench_shape(rng, 4096 // scale, 256, 4096, limits),
+  ]
   sweep = []
-  for total in ([2 ** 16, 2 ** 18] if args.quick else [2 ** 16, 2 ** 18, 2 ** 20, 2 ** 22]):
+  for total in [2**16, 2**18] if args.quick else [2**16, 2**18, 2**20, 2**22]:
     sweep.append(bench_shape(rng, max(total // 512, 1), 1024, 4096, limits, reference=False, padded=False))
   out["token_sweep"] = sweep
   seg_sweep = []
-  fixed = 2 ** 16 if args.quick else 2 ** 20
+  fixed = 2**16 if args.quick else 2**20
   for max_len in (2048, 512, 128, 32):
-    seg_sweep.append(bench_shape(rng, int(fixed / (max_len * 9 / 16)), max_len, 4096, limits, reference=False,
-                                 padded=False))
+    seg_sweep.append(
+      bench_shape(rng, int(fixed / (max_len * 9 / 16)), max_len, 4096, limits, reference=False, padded=False)
+    )
   out["segment_sweep"] = seg_sweep
   if not args.skip_logprobs:
     try:
       from benchmarks import logprobs
+
       out["logprobs"] = logprobs.run(quick=args.quick)
     except ImportError as e:  # the chunked log-probs benchmark is optional in this run
       out["logprobs"] = {"skipped": str(e)}
@@ -253,32 +287,66 @@ def print_table(out):
   bandwidth = out["machine"]["roofline"]["bandwidth"]
   print(f"measured bandwidth {bandwidth / 1e9:.1f} GB/s: each pass's '% bw' is its bytes moved per second over it")
   print("\nNamed shapes (decoupled PPO + reference MIS config, forward+backward; best of N):")
-  hdr = ["seqs", "max_len", "tokens", "ours ms", "tok/s", "padded ms", "pad/packed", "torch loop ms", "speedup",
-         "weights ms", "weights % bw", "loss % bw", "temp MB"]
+  hdr = [
+    "seqs",
+    "max_len",
+    "tokens",
+    "ours ms",
+    "tok/s",
+    "padded ms",
+    "pad/packed",
+    "torch loop ms",
+    "speedup",
+    "weights ms",
+    "weights % bw",
+    "loss % bw",
+    "temp MB",
+  ]
   print(" | ".join(hdr))
   for r in out["named_shapes"]:
-    print(" | ".join([str(r["num_seqs"]), str(r["max_len"]), str(r["tokens"]), f"{1e3 * r['loss_fwd_bwd_s']:.2f}",
-                      f"{r['tokens_per_s']:.3g}", f"{1e3 * r['padded_loss_fwd_bwd_s']:.2f}",
-                      f"{r['padded_over_packed']:.2f}x", f"{1e3 * r['reference_s']:.0f}",
-                      f"{r['speedup_vs_reference']:.0f}x", f"{1e3 * r['weights_s']:.2f}",
-                      f"{100 * r['weights_roofline_fraction']:.1f}", f"{100 * r['loss_roofline_fraction']:.1f}",
-                      f"{r['loss_temp_MB']:.1f}"]))
-  for name, title in (("token_sweep", "Token sweep (time vs total tokens)"),
-                      ("segment_sweep", "Segment sweep (fixed tokens, more and shorter sequences)")):
+    print(
+      " | ".join(
+        [
+          str(r["num_seqs"]),
+          str(r["max_len"]),
+          str(r["tokens"]),
+          f"{1e3 * r['loss_fwd_bwd_s']:.2f}",
+          f"{r['tokens_per_s']:.3g}",
+          f"{1e3 * r['padded_loss_fwd_bwd_s']:.2f}",
+          f"{r['padded_over_packed']:.2f}x",
+          f"{1e3 * r['reference_s']:.0f}",
+          f"{r['speedup_vs_reference']:.0f}x",
+          f"{1e3 * r['weights_s']:.2f}",
+          f"{100 * r['weights_roofline_fraction']:.1f}",
+          f"{100 * r['loss_roofline_fraction']:.1f}",
+          f"{r['loss_temp_MB']:.1f}",
+        ]
+      )
+    )
+  for name, title in (
+    ("token_sweep", "Token sweep (time vs total tokens)"),
+    ("segment_sweep", "Segment sweep (fixed tokens, more and shorter sequences)"),
+  ):
     print(f"\n{title}:")
     print("seqs | tokens | ours ms | ns/token | weights ms | weights % bw | loss % bw | weights GB/s")
     for r in out[name]:
-      print(f"{r['num_seqs']} | {r['tokens']} | {1e3 * r['loss_fwd_bwd_s']:.2f} | "
-            f"{1e9 * r['loss_fwd_bwd_s'] / r['tokens']:.1f} | {1e3 * r['weights_s']:.2f} | "
-            f"{100 * r['weights_roofline_fraction']:.1f} | {100 * r['loss_roofline_fraction']:.1f} | "
-            f"{r['weights_GBps']:.1f}")
+      print(
+        f"{r['num_seqs']} | {r['tokens']} | {1e3 * r['loss_fwd_bwd_s']:.2f} | "
+        f"{1e9 * r['loss_fwd_bwd_s'] / r['tokens']:.1f} | {1e3 * r['weights_s']:.2f} | "
+        f"{100 * r['weights_roofline_fraction']:.1f} | {100 * r['loss_roofline_fraction']:.1f} | "
+        f"{r['weights_GBps']:.1f}"
+      )
   seg = out["segment_sweep"]
   per_tok = [r["loss_fwd_bwd_s"] / r["tokens"] for r in seg]
-  print(f"\nsegment-count growth at fixed tokens: {max(per_tok) / min(per_tok):.2f}x "
-        f"({seg[0]['num_seqs']} -> {seg[-1]['num_seqs']} sequences)")
+  print(
+    f"\nsegment-count growth at fixed tokens: {max(per_tok) / min(per_tok):.2f}x "
+    f"({seg[0]['num_seqs']} -> {seg[-1]['num_seqs']} sequences)"
+  )
   sw = out["token_sweep"]
-  print(f"token growth: {sw[0]['tokens']} -> {sw[-1]['tokens']} tokens ({sw[-1]['tokens'] / sw[0]['tokens']:.0f}x), "
-        f"time {sw[-1]['loss_fwd_bwd_s'] / sw[0]['loss_fwd_bwd_s']:.1f}x")
+  print(
+    f"token growth: {sw[0]['tokens']} -> {sw[-1]['tokens']} tokens ({sw[-1]['tokens'] / sw[0]['tokens']:.0f}x), "
+    f"time {sw[-1]['loss_fwd_bwd_s'] / sw[0]['loss_fwd_bwd_s']:.1f}x"
+  )
   print(f"pass options (named shapes): {[r['pass_options'] for r in out['named_shapes']]}")
 
 

@@ -27,40 +27,67 @@ import tempfile
 import time
 
 SETTINGS = {  # name: (top_k, top_p, min_p); the tiny model's vocabulary is 64 tokens
-    "untruncated (control)": (64, 1.0, 0.0),
-    "top_p 0.8": (64, 0.8, 0.0),
-    "top_k 20": (20, 1.0, 0.0),
-    "min_p 0.1": (64, 1.0, 0.1),
+  "untruncated (control)": (64, 1.0, 0.0),
+  "top_p 0.8": (64, 0.8, 0.0),
+  "top_k 20": (20, 1.0, 0.0),
+  "min_p 0.1": (64, 1.0, 0.1),
 }
-KEYS = ("sampling_kept_mass_mean", "sampling_ratio_mean_full", "sampling_ratio_outside_full", "sampling_k3_kl_full",
-        "sampling_ratio_mean_replay", "sampling_ratio_outside_replay", "mis_k3_kl")
+KEYS = (
+  "sampling_kept_mass_mean",
+  "sampling_ratio_mean_full",
+  "sampling_ratio_outside_full",
+  "sampling_k3_kl_full",
+  "sampling_ratio_mean_replay",
+  "sampling_ratio_outside_replay",
+  "mis_k3_kl",
+)
 
 
 def measure(dtype: str, setting: str, model_path: str, url: str, run_dir: str, *, prompts: int, n: int) -> dict:
   import mis_jax
   from trainers.app import trainer as train_lib
   from trainers.config import TrainConfig
+
   top_k, top_p, min_p = SETTINGS[setting]
-  cfg = TrainConfig.from_dict({
-      "seed": 0, "run_dir": run_dir, "model": {"path": model_path},
+  cfg = TrainConfig.from_dict(
+    {
+      "seed": 0,
+      "run_dir": run_dir,
+      "model": {"path": model_path},
       "task": {"name": "copy_digits", "num_digits": 3},
-      "rollout": {"prompts_per_step": prompts, "n": n,
-                  "sampling": {"temperature": 1.0, "top_k": top_k, "top_p": top_p, "min_p": min_p,
-                               "sampling_replay": "on", "max_new_tokens": 8},
-                  "placement": {"server_dtype": dtype}},
-      "train": {"steps": 1, "row_len": 16, "tokens_per_micro_batch": 4096}})
+      "rollout": {
+        "prompts_per_step": prompts,
+        "n": n,
+        "sampling": {
+          "temperature": 1.0,
+          "top_k": top_k,
+          "top_p": top_p,
+          "min_p": min_p,
+          "sampling_replay": "on",
+          "max_new_tokens": 8,
+        },
+        "placement": {"server_dtype": dtype},
+      },
+      "train": {"steps": 1, "row_len": 16, "tokens_per_micro_batch": 4096},
+    }
+  )
   (h,) = train_lib.Trainer(cfg, mis_jax.LossConfig(), urls=[url]).run(progress=False, log=lambda *_: None)
   return {k: h[k] for k in KEYS} | {"tokens": int(h["num_samples"] * h["response_length"])}
 
 
 def table(results: list[dict]) -> str:
-  rows = ["| engine | sampling | kept mass | ratio mean, off | outside [0.9, 1.1], off | k3, off | "
-          "ratio mean, on | outside, on | k3 (`mis_k3_kl`), on |", "|---|---|---|---|---|---|---|---|---|"]
+  rows = [
+    "| engine | sampling | kept mass | ratio mean, off | outside [0.9, 1.1], off | k3, off | "
+    "ratio mean, on | outside, on | k3 (`mis_k3_kl`), on |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
   for r in results:
-    rows.append(f"| {r['engine']} | {r['setting']} | {r['sampling_kept_mass_mean']:.3f} | "
-                f"{r['sampling_ratio_mean_full']:.3f} | {r['sampling_ratio_outside_full']:.1%} | "
-                f"{r['sampling_k3_kl_full']:.2e} | {r['sampling_ratio_mean_replay']:.4f} | "
-                f"{r['sampling_ratio_outside_replay']:.1%} | {r['mis_k3_kl']:.1e} |")
+    rows.append(
+      f"| {r['engine']} | {r['setting']} | {r['sampling_kept_mass_mean']:.3f} | "
+      f"{r['sampling_ratio_mean_full']:.3f} | {r['sampling_ratio_outside_full']:.1%} | "
+      f"{r['sampling_k3_kl_full']:.2e} | {r['sampling_ratio_mean_replay']:.4f} | "
+      f"{r['sampling_ratio_outside_replay']:.1%} | {r['mis_k3_kl']:.1e} |"
+    )
   return "\n".join(rows)
 
 
@@ -72,6 +99,7 @@ def main(argv=None) -> int:
   import dataclasses
   from trainers.models import PRESETS, init_checkpoint
   from trainers.serving.embedded.server import EmbeddedServer
+
   prompts, n = (4, 4) if args.quick else (32, 8)
   results = []
   start = time.perf_counter()
@@ -83,12 +111,16 @@ def main(argv=None) -> int:
     for dtype in ("float32", "bfloat16"):
       with EmbeddedServer(model_path, dtype=dtype, seed=0) as srv:
         for i, setting in enumerate(SETTINGS):
-          r = measure(dtype, setting, model_path, srv.url, os.path.join(tmp, f"run-{dtype}-{i}"), prompts=prompts,
-                      n=n)
+          r = measure(dtype, setting, model_path, srv.url, os.path.join(tmp, f"run-{dtype}-{i}"), prompts=prompts, n=n)
           results.append({"engine": dtype, "setting": setting, **r})
           print(f"{dtype:9s} {setting:22s} " + " ".join(f"{k}={v:.4g}" for k, v in r.items()), flush=True)
-  out = {"prompts_per_step": prompts, "n": n, "max_new_tokens": 8, "seconds": round(time.perf_counter() - start, 1),
-         "results": results}
+  out = {
+    "prompts_per_step": prompts,
+    "n": n,
+    "max_new_tokens": 8,
+    "seconds": round(time.perf_counter() - start, 1),
+    "results": results,
+  }
   if not args.quick:
     os.makedirs(os.path.dirname(args.json), exist_ok=True)
     with open(args.json, "w") as f:

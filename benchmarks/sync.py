@@ -44,11 +44,22 @@ def _shape(name: str):
   import dataclasses
 
   from trainers.models import PRESETS, ModelConfig
+
   if name == "demo":
     return dataclasses.replace(PRESETS["tiny-qwen3"], initializer_range=0.1)
-  return ModelConfig(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                     num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                     max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=True)
+  return ModelConfig(
+    model_type="qwen3",
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1e6,
+    tie_word_embeddings=True,
+  )
 
 
 def _state(config, seed: int = 0):
@@ -57,16 +68,19 @@ def _state(config, seed: int = 0):
   from flax import nnx
 
   from trainers.models import CausalLM
+
   abstract = nnx.state(nnx.eval_shape(lambda: CausalLM(config, rngs=nnx.Rngs(0))), nnx.Param)
   keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(abstract))))
-  return jax.tree.map(lambda a: config.initializer_range * jax.random.normal(next(keys), a.shape, jnp.float32),
-                      abstract)
+  return jax.tree.map(
+    lambda a: config.initializer_range * jax.random.normal(next(keys), a.shape, jnp.float32), abstract
+  )
 
 
 def _moved(state, step: int):
   """Every weight moved by `UPDATE` (a sign drawn per weight and step)."""
   import jax
   import jax.numpy as jnp
+
   leaves, tree = jax.tree.flatten(state)
   keys = jax.random.split(jax.random.key(1000 + step), len(leaves))
   moved = [x + UPDATE * jnp.sign(jax.random.normal(k, x.shape, x.dtype)) for x, k in zip(leaves, keys)]
@@ -85,9 +99,11 @@ def push_rows(shape: str, n: int, tmp: str, state, config, *, repeats: int, buck
     workers = [stack.enter_context(EmbeddedServer(start, dtype="bfloat16", timeout=1800)) for _ in range(n)]
     client = http_client([w.url for w in workers], timeout_s=1800, max_retries=0)
     stack.callback(client.close)
-    syncs = {"file": DiskSync(client, config, weights_root=os.path.join(tmp, f"w-{shape}-{n}"), pause_mode="abort"),
-             "http": HttpSync(client, config, pause_mode="abort", bucket_bytes=bucket_mb << 20),
-             "delta": HttpSync(client, config, pause_mode="abort", delta=True, bucket_bytes=bucket_mb << 20)}
+    syncs = {
+      "file": DiskSync(client, config, weights_root=os.path.join(tmp, f"w-{shape}-{n}"), pause_mode="abort"),
+      "http": HttpSync(client, config, pause_mode="abort", bucket_bytes=bucket_mb << 20),
+      "delta": HttpSync(client, config, pause_mode="abort", delta=True, bucket_bytes=bucket_mb << 20),
+    }
     for transport, sync in syncs.items():
       current, runs = state, []
       if transport == "delta":
@@ -101,26 +117,41 @@ def push_rows(shape: str, n: int, tmp: str, state, config, *, repeats: int, buck
         if path is not None:
           nbytes = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
           runs[-1]["sync/sent_bytes"] = float(nbytes)
-      rows.append({"shape": shape, "workers": n, "transport": transport, "repeats": repeats,
-                   "s": statistics.median(r["s"] for r in runs),
-                   "bytes": statistics.median(r["sync/sent_bytes"] for r in runs),
-                   "phases": {k: statistics.median(r[k] for r in runs) for k in runs[0] if k.startswith("sync/")}})
+      rows.append(
+        {
+          "shape": shape,
+          "workers": n,
+          "transport": transport,
+          "repeats": repeats,
+          "s": statistics.median(r["s"] for r in runs),
+          "bytes": statistics.median(r["sync/sent_bytes"] for r in runs),
+          "phases": {k: statistics.median(r[k] for r in runs) for k in runs[0] if k.startswith("sync/")},
+        }
+      )
   return rows
 
 
 def table(rows: list[dict], floors: dict, bandwidth: float) -> str:
-  lines = ["| shape | workers | transport | push s | bytes sent | × floor | GB/s a worker | % of memory bandwidth | "
-           "phases s |", "|---|---|---|---|---|---|---|---|---|"]
+  lines = [
+    "| shape | workers | transport | push s | bytes sent | × floor | GB/s a worker | % of memory bandwidth | "
+    "phases s |",
+    "|---|---|---|---|---|---|---|---|---|",
+  ]
   for r in rows:
     floor = floors[r["shape"]]
     per_worker = (r["bytes"] if r["transport"] == "file" else r["bytes"] / r["workers"]) / r["s"]
-    phases = ", ".join(f"{k.removeprefix('sync/').removesuffix('_s')} {v:.2f}" for k, v in r["phases"].items()
-                       if k.endswith("_s") and k != "sync/servers_paused_s")
+    phases = ", ".join(
+      f"{k.removeprefix('sync/').removesuffix('_s')} {v:.2f}"
+      for k, v in r["phases"].items()
+      if k.endswith("_s") and k != "sync/servers_paused_s"
+    )
     if "sync/changed_fraction" in r["phases"]:
       phases += f"; changed {100 * r['phases']['sync/changed_fraction']:.1f} %"
-    lines.append(f"| {r['shape']} | {r['workers']} | {r['transport']} | {r['s']:.3f} | {_size(r['bytes'])} | "
-                 f"{r['s'] / floor['total_s']:.1f} | {per_worker / 1e9:.2f} | {100 * per_worker / bandwidth:.0f} % | "
-                 f"{phases} |")
+    lines.append(
+      f"| {r['shape']} | {r['workers']} | {r['transport']} | {r['s']:.3f} | {_size(r['bytes'])} | "
+      f"{r['s'] / floor['total_s']:.1f} | {per_worker / 1e9:.2f} | {100 * per_worker / bandwidth:.0f} % | "
+      f"{phases} |"
+    )
   return "\n".join(lines)
 
 
@@ -140,10 +171,20 @@ def main(argv=None) -> int:
   shapes = ["demo"] if args.quick else args.shapes.split(",")
   repeats = 1 if args.quick else args.repeats
   from trainers.rollout.weight_sync import save_hf_sharded
+
   limits_bw = roofline.bandwidth_bytes_per_s(256 << 20)
-  result = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                        "bandwidth_gb_s": limits_bw / 1e9},
-            "update": UPDATE, "rows": [], "floors": {}, "skipped": []}
+  result = {
+    "machine": {
+      "cpus": os.cpu_count(),
+      "platform": platform.platform(),
+      "python": platform.python_version(),
+      "bandwidth_gb_s": limits_bw / 1e9,
+    },
+    "update": UPDATE,
+    "rows": [],
+    "floors": {},
+    "skipped": [],
+  }
   with tempfile.TemporaryDirectory(prefix="bench-sync-") as tmp:
     for shape in shapes:
       config = _shape(shape)

@@ -14,7 +14,7 @@ import importlib.resources
 import pathlib
 import shutil
 
-COMPONENT = "tex-chtml.js"          # TeX input, CommonHTML output, the menu; no further component loads
+COMPONENT = "tex-chtml.js"  # TeX input, CommonHTML output, the menu; no further component loads
 FONTS = "output/chtml/fonts/woff-v2"  # where the component looks for its fonts, relative to itself
 SITE_FOLDER = "assets/mathjax"
 
@@ -24,8 +24,9 @@ def mathjax_es5() -> pathlib.Path:
   try:
     root = importlib.resources.files("mathjax")
   except ModuleNotFoundError as e:
-    raise RuntimeError("the docs need MathJax from the `docs` extra: pip install -e '.[docs]' "
-                       "(package django-static-mathjax)") from e
+    raise RuntimeError(
+      "the docs need MathJax from the `docs` extra: pip install -e '.[docs]' (package django-static-mathjax)"
+    ) from e
   es5 = pathlib.Path(str(root)) / "static" / "mathjax" / "es5"
   if not (es5 / COMPONENT).is_file():
     raise RuntimeError(f"{es5 / COMPONENT} is missing: reinstall django-static-mathjax")

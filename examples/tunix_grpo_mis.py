@@ -32,8 +32,7 @@ from tunix.rl.rollout import base_rollout, vanilla_rollout
 
 from mis_jax.integrations import tunix as mis_tunix
 
-SHOWN = ("mis_k3_kl", "train_rollout_logprob_abs_diff", "mis_is_ratio_mean_final", "mis_kept_token_fraction",
-         "pg_loss")
+SHOWN = ("mis_k3_kl", "train_rollout_logprob_abs_diff", "mis_is_ratio_mean_final", "mis_kept_token_fraction", "pg_loss")
 
 
 class CharTokenizer:
@@ -66,9 +65,16 @@ class BF16Rollout(vanilla_rollout.VanillaRollout):
     params = nnx.state(model, nnx.Param)
     nnx.update(model, jax.tree.map(lambda x: x.astype(jnp.bfloat16), params))
     cfg = model.config
-    super().__init__(model, tokenizer, base_rollout.CacheConfig(
-        cache_size=rollout_config.kv_cache_size, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
-        head_dim=cfg.head_dim))
+    super().__init__(
+      model,
+      tokenizer,
+      base_rollout.CacheConfig(
+        cache_size=rollout_config.kv_cache_size,
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+      ),
+    )
 
 
 def sglang_jax_rollout(model_cfg, workdir: str, chars: str = CharTokenizer.chars, eos_id: int = 2):
@@ -84,39 +90,76 @@ def sglang_jax_rollout(model_cfg, workdir: str, chars: str = CharTokenizer.chars
   from mis_jax.integrations.tunix_sglang_jax import SglangJaxRollout
 
   os.makedirs(workdir, exist_ok=True)
-  hf = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": model_cfg.vocab_size,
-        "hidden_size": model_cfg.embed_dim, "intermediate_size": model_cfg.hidden_dim,
-        "num_hidden_layers": model_cfg.num_layers, "num_attention_heads": model_cfg.num_heads,
-        "num_key_value_heads": model_cfg.num_kv_heads, "head_dim": model_cfg.head_dim,
-        "rope_theta": model_cfg.rope_theta, "rms_norm_eps": model_cfg.norm_eps, "max_position_embeddings": 64,
-        "tie_word_embeddings": model_cfg.use_tied_embedding, "torch_dtype": "float32", "bos_token_id": 1,
-        "eos_token_id": eos_id, "pad_token_id": 0, "attention_bias": False, "hidden_act": "silu"}
+  hf = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": model_cfg.vocab_size,
+    "hidden_size": model_cfg.embed_dim,
+    "intermediate_size": model_cfg.hidden_dim,
+    "num_hidden_layers": model_cfg.num_layers,
+    "num_attention_heads": model_cfg.num_heads,
+    "num_key_value_heads": model_cfg.num_kv_heads,
+    "head_dim": model_cfg.head_dim,
+    "rope_theta": model_cfg.rope_theta,
+    "rms_norm_eps": model_cfg.norm_eps,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": model_cfg.use_tied_embedding,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": eos_id,
+    "pad_token_id": 0,
+    "attention_bias": False,
+    "hidden_act": "silu",
+  }
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump(hf, f)
   vocab = {"<pad>": 0, "<s>": 1, "</s>": eos_id, **{c: 3 + i for i, c in enumerate(chars)}}
   core = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
   core.decoder = decoders.Fuse()
-  PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                          unk_token="<pad>").save_pretrained(workdir)
-  cpu = dict(device="cpu", attention_backend="native", grammar_backend="none", disable_precompile=True,
-             skip_server_warmup=True, disable_overlap_schedule=True, max_total_tokens=4096, random_seed=0)
+  PreTrainedTokenizerFast(
+    tokenizer_object=core, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<pad>"
+  ).save_pretrained(workdir)
+  cpu = dict(
+    device="cpu",
+    attention_backend="native",
+    grammar_backend="none",
+    disable_precompile=True,
+    skip_server_warmup=True,
+    disable_overlap_schedule=True,
+    max_total_tokens=4096,
+    random_seed=0,
+  )
   return SglangJaxRollout, dict(
-      rollout_sglang_jax_model_version=workdir, rollout_sglang_jax_context_length=64,
-      rollout_sglang_jax_mem_fraction_static=0.05, rollout_sglang_jax_load_format="dummy",
-      # Not deterministic sampling: tunix gives every request the same seed, so each GRPO group
-      # would be one completion repeated (zero advantages); random_seed keeps runs reproducible.
-      rollout_sglang_jax_enable_deterministic_sampling=False, rollout_sglang_jax_page_size=1,
-      rollout_sglang_jax_max_running_requests=64, rollout_sglang_jax_kwargs=cpu)
+    rollout_sglang_jax_model_version=workdir,
+    rollout_sglang_jax_context_length=64,
+    rollout_sglang_jax_mem_fraction_static=0.05,
+    rollout_sglang_jax_load_format="dummy",
+    # Not deterministic sampling: tunix gives every request the same seed, so each GRPO group
+    # would be one completion repeated (zero advantages); random_seed keeps runs reproducible.
+    rollout_sglang_jax_enable_deterministic_sampling=False,
+    rollout_sglang_jax_page_size=1,
+    rollout_sglang_jax_max_running_requests=64,
+    rollout_sglang_jax_kwargs=cpu,
+  )
 
 
 def model_config(*, sglang_jax: bool = False) -> qwen3.ModelConfig:
   """The tiny Qwen3. rope_theta 1e6: tunix's Qwen3 computes with it whatever its config says
   (mis_jax.integrations.tunix.check_rope_theta); head_dim 128 with sglang-jax, whose CPU
   attention pads to it."""
-  heads = dict(num_heads=2, head_dim=128, num_kv_heads=1) if sglang_jax else dict(num_heads=4, head_dim=16,
-                                                                                  num_kv_heads=2)
-  return qwen3.ModelConfig(num_layers=2, vocab_size=36, embed_dim=64, hidden_dim=128, **heads, rope_theta=1_000_000,
-                           norm_eps=1e-6, use_tied_embedding=False)
+  heads = (
+    dict(num_heads=2, head_dim=128, num_kv_heads=1) if sglang_jax else dict(num_heads=4, head_dim=16, num_kv_heads=2)
+  )
+  return qwen3.ModelConfig(
+    num_layers=2,
+    vocab_size=36,
+    embed_dim=64,
+    hidden_dim=128,
+    **heads,
+    rope_theta=1_000_000,
+    norm_eps=1e-6,
+    use_tied_embedding=False,
+  )
 
 
 def odd_digits(prompts, completions, **kw):
@@ -143,25 +186,39 @@ def main(argv=None):
   with jax.set_mesh(mesh):
     actor = qwen3.Qwen3(model_cfg, rngs=nnx.Rngs(0))
   cluster = rl_cluster_lib.RLCluster(
-      actor=actor, reference=actor, tokenizer=CharTokenizer(),
-      cluster_config=rl_cluster_lib.ClusterConfig(
-          role_to_mesh={role: mesh for role in (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE,
-                                                rl_cluster_lib.Role.ROLLOUT)},
-          rollout_engine=engine,
-          training_config=rl_cluster_lib.RLTrainingConfig(
-              actor_optimizer=optax.adam(1e-3), eval_every_n_steps=10_000, max_steps=args.steps),
-          rollout_config=base_rollout.RolloutConfig(
-              max_tokens_to_generate=8, max_prompt_length=8, temperature=args.temperature, top_p=1.0,
-              kv_cache_size=32, seed=0, **engine_config)))
+    actor=actor,
+    reference=actor,
+    tokenizer=CharTokenizer(),
+    cluster_config=rl_cluster_lib.ClusterConfig(
+      role_to_mesh={
+        role: mesh for role in (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT)
+      },
+      rollout_engine=engine,
+      training_config=rl_cluster_lib.RLTrainingConfig(
+        actor_optimizer=optax.adam(1e-3), eval_every_n_steps=10_000, max_steps=args.steps
+      ),
+      rollout_config=base_rollout.RolloutConfig(
+        max_tokens_to_generate=8,
+        max_prompt_length=8,
+        temperature=args.temperature,
+        top_p=1.0,
+        kv_cache_size=32,
+        seed=0,
+        **engine_config,
+      ),
+    ),
+  )
 
   config = mis_tunix.MISGRPOConfig(num_generations=4, beta=0.0, mis=args.mis)  # mis_jax: was GRPOConfig
   learner = mis_tunix.MISGRPOLearner(cluster, config, [odd_digits])  # mis_jax: was GRPOLearner
 
   rng = np.random.default_rng(0)
   data = [{"prompts": np.array([f"{a}+{b}=" for a, b in rng.integers(0, 50, (4, 2))])} for _ in range(args.steps)]
-  print(f"tunix GRPO + mis_jax: {config.loss_config.algorithm}, MIS config {args.mis}, "
-        f"{'sglang-jax (float32)' if args.sglang_jax else 'float32' if args.fp32_sampler else 'bfloat16'} sampler, "
-        f"T={args.temperature}")
+  print(
+    f"tunix GRPO + mis_jax: {config.loss_config.algorithm}, MIS config {args.mis}, "
+    f"{'sglang-jax (float32)' if args.sglang_jax else 'float32' if args.fp32_sampler else 'bfloat16'} sampler, "
+    f"T={args.temperature}"
+  )
   start = time.time()
   learner.train(data)
   logger = cluster.actor_trainer.metrics_logger
@@ -170,16 +227,27 @@ def main(argv=None):
   untrainable = cluster._rl_metrics_logger.get_metric_history(*mis_tunix.UNTRAINABLE_METRIC.split("/"), "train")
   print("step  reward  untrainable  " + "  ".join(f"{n:>30}" for n in SHOWN))
   for step in range(len(history[SHOWN[0]])):
-    print(f"{step + 1:4d}  {rewards[step]:6.3f}  {int(untrainable[step]):11d}  "
-          + "  ".join(f"{history[n][step]:30.4g}" for n in SHOWN))
-  print(f"{args.steps} steps in {time.time() - start:.1f} s; every mis_jax metric is in tunix's metrics "
-        f"logger under prefix 'actor': {', '.join(learner.metric_names)}")
+    print(
+      f"{step + 1:4d}  {rewards[step]:6.3f}  {int(untrainable[step]):11d}  "
+      + "  ".join(f"{history[n][step]:30.4g}" for n in SHOWN)
+    )
+  print(
+    f"{args.steps} steps in {time.time() - start:.1f} s; every mis_jax metric is in tunix's metrics "
+    f"logger under prefix 'actor': {', '.join(learner.metric_names)}"
+  )
   if args.json:
     import json
+
     with open(args.json, "w") as f:
-      json.dump({"sampler": "sglang-jax" if args.sglang_jax else "vanilla", "rewards": [float(r) for r in rewards],
-                 "untrainable": [int(u) for u in untrainable],
-                 **{n: [float(v) for v in history[n]] for n in SHOWN}}, f)
+      json.dump(
+        {
+          "sampler": "sglang-jax" if args.sglang_jax else "vanilla",
+          "rewards": [float(r) for r in rewards],
+          "untrainable": [int(u) for u in untrainable],
+          **{n: [float(v) for v in history[n]] for n in SHOWN},
+        },
+        f,
+      )
   return history
 
 

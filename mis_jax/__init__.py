@@ -37,29 +37,82 @@ def preset(name: str, **overrides) -> LossConfig:
 __version__ = "0.1.0"
 
 __all__ = [
-    # configs
-    "ConfigError", "LossConfig", "MISConfig", "RSCriterion", "preset", "resolve_correction_fn",
-    # the loss of a step
-    "policy_loss", "prepare_step", "Correction", "Denominators", "loss_denominators", "ppo_token_loss", "kl_penalty",
-    "aggregate", "microbatch_reduction",
-    # IS weights, advantages
-    "compute_mis_weights", "vanilla_tis_weights", "compute_advantages", "optimal_token_baseline", "sequence_to_tokens",
-    # packed batches, log-probs, sharding
-    "PackedBatch", "Packing", "plan_packing", "split_microbatches", "token_logprobs", "sampling_metrics",
-    "sharded_policy_loss", "shard_batch", "batch_partition_spec",
+  # configs
+  "ConfigError",
+  "LossConfig",
+  "MISConfig",
+  "RSCriterion",
+  "preset",
+  "resolve_correction_fn",
+  # the loss of a step
+  "policy_loss",
+  "prepare_step",
+  "Correction",
+  "Denominators",
+  "loss_denominators",
+  "ppo_token_loss",
+  "kl_penalty",
+  "aggregate",
+  "microbatch_reduction",
+  # IS weights, advantages
+  "compute_mis_weights",
+  "vanilla_tis_weights",
+  "compute_advantages",
+  "optimal_token_baseline",
+  "sequence_to_tokens",
+  # packed batches, log-probs, sharding
+  "PackedBatch",
+  "Packing",
+  "plan_packing",
+  "split_microbatches",
+  "token_logprobs",
+  "sampling_metrics",
+  "sharded_policy_loss",
+  "shard_batch",
+  "batch_partition_spec",
 ]
 
 # Names that moved to a submodule: the old top-level spelling resolves there for one release, with a
 # DeprecationWarning naming the new place.
 _MOVED = {
-    **{name: config for name in ("LOSS_FLAG_KEYS", "add_loss_flags", "config_fields", "config_key", "load_yaml",
-                                 "loss_config_from_args", "parse_config_value", "same_value", "AGGREGATIONS",
-                                 "ALGORITHMS", "DENOMINATORS", "DIVERGENCES", "KL_TYPES", "LEVELS", "LOSS_AGG_MODES",
-                                 "TIS_MODES", "PRESETS", "PRESET_NAMES", "Preset")},
-    **{name: engine for name in ("PassOptions", "pass_options", "Segments", "MaskStats", "LOG_BOUND", "LM_HEAD_LAYOUTS",
-                                 "MICROBATCH_REDUCTIONS")},
-    **{name: forms for name in ("POLICY_LOSSES", "POLICY_LOSS_KEYS")},
-    **{name: estimators for name in ("ESTIMATORS", "SEQUENCE_ESTIMATORS")},
+  **{
+    name: config
+    for name in (
+      "LOSS_FLAG_KEYS",
+      "add_loss_flags",
+      "config_fields",
+      "config_key",
+      "load_yaml",
+      "loss_config_from_args",
+      "parse_config_value",
+      "same_value",
+      "AGGREGATIONS",
+      "ALGORITHMS",
+      "DENOMINATORS",
+      "DIVERGENCES",
+      "KL_TYPES",
+      "LEVELS",
+      "LOSS_AGG_MODES",
+      "TIS_MODES",
+      "PRESETS",
+      "PRESET_NAMES",
+      "Preset",
+    )
+  },
+  **{
+    name: engine
+    for name in (
+      "PassOptions",
+      "pass_options",
+      "Segments",
+      "MaskStats",
+      "LOG_BOUND",
+      "LM_HEAD_LAYOUTS",
+      "MICROBATCH_REDUCTIONS",
+    )
+  },
+  **{name: forms for name in ("POLICY_LOSSES", "POLICY_LOSS_KEYS")},
+  **{name: estimators for name in ("ESTIMATORS", "SEQUENCE_ESTIMATORS")},
 }
 
 

@@ -48,6 +48,7 @@ class Estimator(NamedTuple):
     needs_lengths: reads each response's token count (``lengths=``).
     reward_components: takes ``[N, K]`` rewards (``[N]`` is one component).
   """
+
   name: str
   config: type | None
   fn: Callable
@@ -63,17 +64,25 @@ SEQUENCE_ESTIMATORS = ESTIMATORS.where(lambda e: not e.per_token)
 NEEDS_LENGTHS = ESTIMATORS.where(lambda e: e.needs_lengths)
 
 
-def register_advantage_estimator(name: str, config: type | None = None, *, per_token: bool = False,
-                                 needs_lengths: bool = False, reward_components: bool = False):
+def register_advantage_estimator(
+  name: str,
+  config: type | None = None,
+  *,
+  per_token: bool = False,
+  needs_lengths: bool = False,
+  reward_components: bool = False,
+):
   """Registers the decorated function as the advantage estimator ``name``, with ``config`` its keys.
 
   ``fn(x: EstimatorInputs, cfg) -> [N]`` gets the rewards with their group statistics and the
   estimator's config (an instance of ``config``, a frozen dataclass subclassing
   :class:`AdvantageConfig`; None: no keys of its own). A name registered already is an error.
   """
+
   def register(fn):
     ESTIMATORS.add(Estimator(name, config, fn, per_token, needs_lengths, reward_components))
     return fn
+
   return register
 
 
@@ -104,6 +113,7 @@ class EstimatorInputs(NamedTuple):
   """What an estimator reads: ``rewards`` (float32 ``[N]``, or ``[N, K]`` for one with reward
   components), their :class:`GroupStats` (``member``: the sequences in their group's baseline),
   ``lengths`` (``[N]`` token counts, or None) and ``reward_weights`` (``[K]`` or None)."""
+
   rewards: jax.Array
   stats: GroupStats
   lengths: jax.Array | None
@@ -176,6 +186,7 @@ def opo(x: EstimatorInputs, cfg: AdvantageConfig):
 @dataclasses.dataclass(frozen=True)
 class GrpoPasskConfig(AdvantageConfig):
   """``grpo_passk``'s keys."""
+
   norm_by_std: bool = key(True, "divide the gap by the group's std (verl's norm_adv_by_std_in_grpo)")
 
 
@@ -187,13 +198,16 @@ def grpo_passk(x: EstimatorInputs, cfg: GrpoPasskConfig):
   if not isinstance(stats.count(), jax.core.Tracer):
     small = np.asarray(stats.count()) < 2
     if small.any():
-      raise ValueError(f"estimator='grpo_passk' needs two baseline members per group; group "
-                       f"{int(np.asarray(stats.ids)[small][0])} has fewer")
+      raise ValueError(
+        f"estimator='grpo_passk' needs two baseline members per group; group "
+        f"{int(np.asarray(stats.ids)[small][0])} has fewer"
+      )
   idx = jnp.arange(rewards.shape[0], dtype=jnp.int32)
   best_r = stats.max(rewards, stats.member)
   is_best = stats.member & (rewards == best_r)
-  first = jax.ops.segment_min(jnp.where(is_best, idx, rewards.shape[0]), stats.ids,
-                              num_segments=stats.num_groups)[stats.ids]
+  first = jax.ops.segment_min(jnp.where(is_best, idx, rewards.shape[0]), stats.ids, num_segments=stats.num_groups)[
+    stats.ids
+  ]
   best = idx == first
   second = stats.max(rewards, stats.member & ~best)
   gap = best_r - second
@@ -214,8 +228,10 @@ def gpg(x: EstimatorInputs, cfg: AdvantageConfig):
 @dataclasses.dataclass(frozen=True)
 class GdpoConfig(AdvantageConfig):
   """``gdpo``'s keys."""
-  norm_by_std: bool = key(True, "divide each component's centred reward by its group's std (verl's "
-                          "norm_adv_by_std_in_grpo)")
+
+  norm_by_std: bool = key(
+    True, "divide each component's centred reward by its group's std (verl's norm_adv_by_std_in_grpo)"
+  )
 
 
 @register_advantage_estimator("gdpo", GdpoConfig, needs_lengths=True, reward_components=True)
@@ -248,18 +264,35 @@ def estimator_config(estimator, *, norm_by_std: bool | None = None) -> Advantage
     return cfg
   owners = " / ".join(ESTIMATORS.owners("norm_by_std"))
   if "norm_by_std" in cfg.keys():
-    warnings.warn(f"compute_advantages(norm_by_std=) moved into the estimator's config: pass "
-                  f"estimator={{'name': '{cfg.name}', 'norm_by_std': {norm_by_std}}}", DeprecationWarning, stacklevel=3)
+    warnings.warn(
+      f"compute_advantages(norm_by_std=) moved into the estimator's config: pass "
+      f"estimator={{'name': '{cfg.name}', 'norm_by_std': {norm_by_std}}}",
+      DeprecationWarning,
+      stacklevel=3,
+    )
     return dataclasses.replace(cfg, norm_by_std=norm_by_std)
   if norm_by_std is not True:
     raise ConfigError(f"norm_by_std={norm_by_std!r} is a key of estimator {owners}, not of {cfg.name}")
-  warnings.warn(f"compute_advantages(norm_by_std=) moved into the estimator's config (a key of {owners}); "
-                f"{cfg.name} has no such key: drop it", DeprecationWarning, stacklevel=3)
+  warnings.warn(
+    f"compute_advantages(norm_by_std=) moved into the estimator's config (a key of {owners}); "
+    f"{cfg.name} has no such key: drop it",
+    DeprecationWarning,
+    stacklevel=3,
+  )
   return cfg
 
 
-def compute_advantages(rewards, group_ids, *, num_groups: int, estimator="grpo", in_baseline=None,
-                       lengths=None, reward_weights=None, norm_by_std: bool | None = None):
+def compute_advantages(
+  rewards,
+  group_ids,
+  *,
+  num_groups: int,
+  estimator="grpo",
+  in_baseline=None,
+  lengths=None,
+  reward_weights=None,
+  norm_by_std: bool | None = None,
+):
   """Per-sequence advantages (contract §6.1).
 
   With ``g`` a sequence's group, ``mean_g`` / ``std_g`` (``ddof=1``) over the group's baseline
@@ -303,8 +336,9 @@ def compute_advantages(rewards, group_ids, *, num_groups: int, estimator="grpo",
   if entry.per_token:
     fn = entry.fn
     where = f"mis_jax.{fn.__name__}" if fn.__module__ == __name__ else f"{fn.__module__}.{fn.__qualname__}"
-    raise ValueError(f"estimator={cfg.name!r} gives per-token advantages: call {where} (it needs the old log-probs "
-                     "and Σπ² per token)")
+    raise ValueError(
+      f"estimator={cfg.name!r} gives per-token advantages: call {where} (it needs the old log-probs and Σπ² per token)"
+    )
   rewards = jnp.asarray(rewards, jnp.float32)
   group_ids = jnp.asarray(group_ids, jnp.int32)
   want_ndim = 2 if entry.reward_components else 1
@@ -324,15 +358,28 @@ def compute_advantages(rewards, group_ids, *, num_groups: int, estimator="grpo",
 @dataclasses.dataclass(frozen=True)
 class OptimalTokenBaselineConfig(AdvantageConfig):
   """``optimal_token_baseline``'s keys (the keywords of :func:`optimal_token_baseline`)."""
-  handle_zero_tail: bool = key(True, "past the second-longest response of a group, its unique longest one gets no "
-                               "baseline (verl's default)")
+
+  handle_zero_tail: bool = key(
+    True, "past the second-longest response of a group, its unique longest one gets no baseline (verl's default)"
+  )
   epsilon: float = key(1e-8, "added to the baseline's denominator", gt=0)
 
 
 @register_advantage_estimator("optimal_token_baseline", OptimalTokenBaselineConfig, per_token=True)
-def optimal_token_baseline(rewards, group_ids, segment_ids, loss_mask, old_logprobs, sum_pi_squared, *,
-                           num_groups: int, num_segments: int, is_weights=None, handle_zero_tail: bool = True,
-                           epsilon: float = 1e-8):
+def optimal_token_baseline(
+  rewards,
+  group_ids,
+  segment_ids,
+  loss_mask,
+  old_logprobs,
+  sum_pi_squared,
+  *,
+  num_groups: int,
+  num_segments: int,
+  is_weights=None,
+  handle_zero_tail: bool = True,
+  epsilon: float = 1e-8,
+):
   """Optimal Token Baseline (verl's ``optimal_token_baseline``): a baseline per group and
   response position, weighted by the path-variance proxy.
 
@@ -393,13 +440,19 @@ def optimal_token_baseline(rewards, group_ids, segment_ids, loss_mask, old_logpr
   baseline = jnp.where(group_size[tok_group] > 1, baseline, 0.0)
   if handle_zero_tail:
     longest = jax.ops.segment_max(jnp.where(length > 0, length, -1), groups, num_segments=num_groups)
-    n_longest = jax.ops.segment_sum(((live > 0) & (length == longest[groups])).astype(jnp.int32), groups,
-                                    num_segments=num_groups)
-    second = jax.ops.segment_max(jnp.where((length > 0) & (length < longest[groups]), length, 0), groups,
-                                 num_segments=num_groups)
+    n_longest = jax.ops.segment_sum(
+      ((live > 0) & (length == longest[groups])).astype(jnp.int32), groups, num_segments=num_groups
+    )
+    second = jax.ops.segment_max(
+      jnp.where((length > 0) & (length < longest[groups]), length, 0), groups, num_segments=num_groups
+    )
     tok_len = length[jnp.minimum(seg, num_segments - 1)]
-    tail = ((n_longest[tok_group] == 1) & (tok_len == longest[tok_group]) & (tok_len > second[tok_group])
-            & (pos >= second[tok_group]))
+    tail = (
+      (n_longest[tok_group] == 1)
+      & (tok_len == longest[tok_group])
+      & (tok_len > second[tok_group])
+      & (pos >= second[tok_group])
+    )
     baseline = jnp.where(tail, 0.0, baseline)
   return jnp.reshape(jnp.where(mask, G - baseline, 0.0), shape)
 

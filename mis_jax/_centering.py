@@ -37,6 +37,7 @@ class ExpectedScore(NamedTuple):
       expected score ``E_q̂[∇_z log p] = q̂ - p`` on the logits ``z`` (stop-gradient).
     tail_mass: ``q_tail``, the sampler's mass outside its top-k.
   """
+
   expected: jax.Array
   drift_l1: jax.Array
   tail_mass: jax.Array
@@ -104,10 +105,18 @@ def metric_rows(score: ExpectedScore, coefficient) -> tuple[dict, dict]:
   gradient (``w_t`` the correction's weight where it multiplies the loss, else 1).
   """
   over_mask = {"score_centering_tv": 0.5 * score.drift_l1, "score_centering_tail_mass": score.tail_mass}
-  over_kept = {"score_centering_drift": coefficient * score.drift_l1,
-               "score_centering_residual_bound": coefficient * 2.0 * score.tail_mass}
+  over_kept = {
+    "score_centering_drift": coefficient * score.drift_l1,
+    "score_centering_residual_bound": coefficient * 2.0 * score.tail_mass,
+  }
   return over_mask, over_kept
 
 
-metrics_lib.declare({"score_centering_tv": "mask", "score_centering_tail_mass": "mask",
-                     "score_centering_drift": "kept", "score_centering_residual_bound": "kept"})
+metrics_lib.declare(
+  {
+    "score_centering_tv": "mask",
+    "score_centering_tail_mass": "mask",
+    "score_centering_drift": "kept",
+    "score_centering_residual_bound": "kept",
+  }
+)

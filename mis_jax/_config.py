@@ -20,9 +20,22 @@ from typing import Any, Callable, Mapping
 from mis_jax import _presets
 from mis_jax._keys import ConfigError, _closest, _where, key, load_yaml, validate_fields  # noqa: F401
 from mis_jax._registry import ChoiceConfig, Registry
-from mis_jax._vocabulary import (AGGREGATIONS, ALGORITHMS, AUTO, AUTO_KEYS, DENOMINATORS, DIVERGENCES,  # noqa: F401
-                                 KL_TYPES, LEVELS, LOSS_AGG_MODES, PROXIMAL, SQ_KL_TOKENS, TIS_MODES, algorithm_of,
-                                 metric_reduction)
+from mis_jax._vocabulary import (
+  AGGREGATIONS,
+  ALGORITHMS,
+  AUTO,
+  AUTO_KEYS,
+  DENOMINATORS,
+  DIVERGENCES,  # noqa: F401
+  KL_TYPES,
+  LEVELS,
+  LOSS_AGG_MODES,
+  PROXIMAL,
+  SQ_KL_TOKENS,
+  TIS_MODES,
+  algorithm_of,
+  metric_reduction,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +87,10 @@ class RSCriterion:
     validate_fields(crit, lambda name: _where(where, name))  # types and choices of the keys
     if auto:
       if crit.metric == "k1":
-        raise ConfigError(f"{where}: upper: auto needs a divergence (k2 or k3); a k1 band is on the log-ratio: "
-                          "use rs_upper_bound: auto for it")
+        raise ConfigError(
+          f"{where}: upper: auto needs a divergence (k2 or k3); a k1 band is on the log-ratio: "
+          "use rs_upper_bound: auto for it"
+        )
       object.__setattr__(crit, "upper", AUTO)
       return crit
     metric, lower, upper = crit.metric, crit.lower, crit.upper
@@ -104,21 +119,39 @@ class MISConfig:
   tis_mode: str = key("truncate", "how the weights are bounded (contract §3)", choices=TIS_MODES)
   tis_lower_bound: float | None = key(None, "Lo (null: 1 / tis_upper_bound)")
   tis_upper_bound: float = key(2.0, "U, or auto: set each step from a target (contract §3.1)", gt=0)
-  rs_lower_bound: float | None = key(None, "RS lower bound (null: the IS lower bound; 1 / rs_upper_bound when that is auto)")
+  rs_lower_bound: float | None = key(
+    None, "RS lower bound (null: the IS lower bound; 1 / rs_upper_bound when that is auto)"
+  )
   rs_upper_bound: float | None = key(None, "RS upper bound (null: tis_upper_bound), or auto (contract §3.1)")
   rs_veto_threshold: float | None = key(None, "veto threshold C in (0, 1) (null: no veto)")
   tis_batch_normalize: bool = key(False, "divide the weights by their mean over the kept mask (contract §5)")
   # Off-policy masks of recent papers (contract §4.2).
-  opsm_delta: float | None = key(None, "OPSM (DeepSeek-V3.2): mask negative-advantage sequences whose mean log(pi_rollout/pi_train) > this")
-  m2po_threshold: float | None = key(None, "M2PO (AReaL): mask the largest squared log-ratios until their mean over the step is <= this", gt=0)
+  opsm_delta: float | None = key(
+    None, "OPSM (DeepSeek-V3.2): mask negative-advantage sequences whose mean log(pi_rollout/pi_train) > this"
+  )
+  m2po_threshold: float | None = key(
+    None, "M2PO (AReaL): mask the largest squared log-ratios until their mean over the step is <= this", gt=0
+  )
   # Probability-space trust regions (contract §4.3), on p = exp(o) and p_q = exp(q) of the sampled token.
-  dppo_tv_delta: float | None = key(None, "DPPO-Binary-TV (prime-rl's default): mask where A > 0 and p - p_q > this (null: off)", ge=0)
-  dppo_tv_delta_low: float | None = key(None, "DPPO-Binary-TV: mask where A <= 0 and p_q - p > this (null: dppo_tv_delta)", ge=0)
-  dppo_tv_symmetric: bool = key(False, "DPPO-Binary-TV without the advantage: mask where |p - p_q| > dppo_tv_delta (prime-rl's ipo loss)")
-  kpop_phi: float | None = key(None, "KPop: mask where the binary KL D_B(p||p_q) or D_B(p_q||p) > this (null: off)", gt=0)
+  dppo_tv_delta: float | None = key(
+    None, "DPPO-Binary-TV (prime-rl's default): mask where A > 0 and p - p_q > this (null: off)", ge=0
+  )
+  dppo_tv_delta_low: float | None = key(
+    None, "DPPO-Binary-TV: mask where A <= 0 and p_q - p > this (null: dppo_tv_delta)", ge=0
+  )
+  dppo_tv_symmetric: bool = key(
+    False, "DPPO-Binary-TV without the advantage: mask where |p - p_q| > dppo_tv_delta (prime-rl's ipo loss)"
+  )
+  kpop_phi: float | None = key(
+    None, "KPop: mask where the binary KL D_B(p||p_q) or D_B(p_q||p) > this (null: off)", gt=0
+  )
   # The threshold controller's targets (contract §3.1), for the bounds given as `auto`.
-  target_ess_ratio: float | None = key(None, "auto truncate/clip bound: the loosest whose ESS ratio is >= this, in (0, 1)", gt=0)
-  max_masked_fraction: float | None = key(None, "auto masking band: the tightest masking at most this share, in [0, 1)", ge=0)
+  target_ess_ratio: float | None = key(
+    None, "auto truncate/clip bound: the loosest whose ESS ratio is >= this, in (0, 1)", gt=0
+  )
+  max_masked_fraction: float | None = key(
+    None, "auto masking band: the tightest masking at most this share, in [0, 1)", ge=0
+  )
   # Extension: divergence-based rejection criteria, combined with AND (see RSCriterion).
   rs_criteria: tuple = ()
   # Where the values came from (a YAML path), for error messages only.
@@ -136,8 +169,10 @@ class MISConfig:
     criteria = self.rs_criteria if self.rs_criteria is not None else ()
     if isinstance(criteria, Mapping) or not isinstance(criteria, (list, tuple)):
       raise ConfigError(f"{_where(src, 'rs_criteria')} must be a list of criteria, got {criteria!r}")
-    set_("rs_criteria", tuple(RSCriterion.from_value(c, f"{_where(src, f'rs_criteria[{i}]')}")
-                              for i, c in enumerate(criteria)))
+    set_(
+      "rs_criteria",
+      tuple(RSCriterion.from_value(c, f"{_where(src, f'rs_criteria[{i}]')}") for i, c in enumerate(criteria)),
+    )
     names = [c.name for c in self.rs_criteria]
     if len(set(names)) != len(names):
       raise ConfigError(f"{_where(src, 'rs_criteria')} lists a metric/agg pair twice: {names}")
@@ -145,18 +180,20 @@ class MISConfig:
     # Relations between keys (an auto bound's relations are kept by the controller).
     if not self.tis_auto and not 0 <= self.lower < self.tis_upper_bound:
       raise ConfigError(
-          f"{_where(src, 'tis_lower_bound')} must satisfy 0 <= tis_lower_bound < tis_upper_bound "
-          f"({self.tis_upper_bound}), got {self.lower}")
+        f"{_where(src, 'tis_lower_bound')} must satisfy 0 <= tis_lower_bound < tis_upper_bound "
+        f"({self.tis_upper_bound}), got {self.lower}"
+      )
     if not (self.tis_auto or self.rs_auto) and self.rs_upper <= 0:
       raise ConfigError(f"{_where(src, 'rs_upper_bound')} must be > 0, got {self.rs_upper}")
     if not (self.tis_auto or self.rs_auto) and not 0 <= self.rs_lower <= self.rs_upper:
       raise ConfigError(
-          f"{_where(src, 'rs_lower_bound')} must satisfy 0 <= rs_lower_bound <= rs_upper_bound "
-          f"({self.rs_upper}), got {self.rs_lower}")
+        f"{_where(src, 'rs_lower_bound')} must satisfy 0 <= rs_lower_bound <= rs_upper_bound "
+        f"({self.rs_upper}), got {self.rs_lower}"
+      )
     if self.rs_veto_threshold is not None and not 0 < self.rs_veto_threshold < 1:
       raise ConfigError(
-          f"{_where(src, 'rs_veto_threshold')} must be in (0, 1) (typical 1e-4 … 1e-6), "
-          f"got {self.rs_veto_threshold}")
+        f"{_where(src, 'rs_veto_threshold')} must be in (0, 1) (typical 1e-4 … 1e-6), got {self.rs_veto_threshold}"
+      )
     self._check_trust_regions(src)
 
   def _check_trust_regions(self, src) -> None:
@@ -166,24 +203,32 @@ class MISConfig:
         if getattr(self, k) not in (None, False):
           raise ConfigError(f"{_where(src, k)} is set but dppo_tv_delta is not: DPPO-Binary-TV is off")
     if self.dppo_tv_symmetric and self.dppo_tv_delta_low is not None:
-      raise ConfigError(f"{_where(src, 'dppo_tv_delta_low')} is the bound where A <= 0 of the sign-conditioned mask; "
-                        "dppo_tv_symmetric masks |p - p_q| > dppo_tv_delta whatever the advantage")
+      raise ConfigError(
+        f"{_where(src, 'dppo_tv_delta_low')} is the bound where A <= 0 of the sign-conditioned mask; "
+        "dppo_tv_symmetric masks |p - p_q| > dppo_tv_delta whatever the advantage"
+      )
 
   def _check_auto(self, src) -> None:
     """The controller's keys (contract §3.1): each auto bound has the target its mode can meet,
     and no target is given without an auto bound to meet it."""
     where = lambda k: _where(src, k)
     if self.tis_auto and self.tis_mode in ("truncate", "clip") and self.target_ess_ratio is None:
-      raise ConfigError(f"{where('tis_upper_bound')} is auto in tis_mode '{self.tis_mode}': give target_ess_ratio "
-                        "(the loosest bound whose ESS ratio reaches it is chosen each step)")
+      raise ConfigError(
+        f"{where('tis_upper_bound')} is auto in tis_mode '{self.tis_mode}': give target_ess_ratio "
+        "(the loosest bound whose ESS ratio reaches it is chosen each step)"
+      )
     if self.tis_auto and self.tis_mode == "mask":
       if self.target_ess_ratio is not None:
-        raise ConfigError(f"{where('target_ess_ratio')} cannot set a mask-mode bound: the ESS of the kept weights "
-                          "is not monotone in a masking bound (dropping a weight can lower it). Use "
-                          "max_masked_fraction, or tis_mode truncate/clip for an ESS target")
+        raise ConfigError(
+          f"{where('target_ess_ratio')} cannot set a mask-mode bound: the ESS of the kept weights "
+          "is not monotone in a masking bound (dropping a weight can lower it). Use "
+          "max_masked_fraction, or tis_mode truncate/clip for an ESS target"
+        )
       if self.max_masked_fraction is None:
-        raise ConfigError(f"{where('tis_upper_bound')} is auto in tis_mode 'mask': give max_masked_fraction "
-                          "(the tightest band masking at most that share is chosen each step)")
+        raise ConfigError(
+          f"{where('tis_upper_bound')} is auto in tis_mode 'mask': give max_masked_fraction "
+          "(the tightest band masking at most that share is chosen each step)"
+        )
     if self.tis_auto and self.tis_mode == "none":
       raise ConfigError(f"{where('tis_upper_bound')} is auto but tis_mode 'none' uses no bound")
     if self.rs_auto and not self.use_rs:
@@ -192,17 +237,23 @@ class MISConfig:
       raise ConfigError(f"{where('rs_upper_bound')} is auto: give max_masked_fraction")
     if self.criteria_auto and self.max_masked_fraction is None:
       raise ConfigError(f"{where('rs_criteria')}: a criterion's upper is auto: give max_masked_fraction")
-    if (self.tis_auto and self.tis_mode != "mask" and self.use_rs and self.rs_upper_bound is None):
-      raise ConfigError(f"{where('rs_upper_bound')} must be given (a number or auto) when tis_upper_bound is auto "
-                        f"in tis_mode '{self.tis_mode}': the RS band would move with the bound the ESS target sets")
+    if self.tis_auto and self.tis_mode != "mask" and self.use_rs and self.rs_upper_bound is None:
+      raise ConfigError(
+        f"{where('rs_upper_bound')} must be given (a number or auto) when tis_upper_bound is auto "
+        f"in tis_mode '{self.tis_mode}': the RS band would move with the bound the ESS target sets"
+      )
     ess_used = self.tis_auto and self.tis_mode in ("truncate", "clip")
     mask_used = (self.tis_auto and self.tis_mode == "mask") or self.rs_auto or self.criteria_auto
     if self.target_ess_ratio is not None and not ess_used:
-      raise ConfigError(f"{where('target_ess_ratio')} is set but no bound uses it: set tis_upper_bound: auto "
-                        "with tis_mode truncate or clip")
+      raise ConfigError(
+        f"{where('target_ess_ratio')} is set but no bound uses it: set tis_upper_bound: auto "
+        "with tis_mode truncate or clip"
+      )
     if self.max_masked_fraction is not None and not mask_used:
-      raise ConfigError(f"{where('max_masked_fraction')} is set but no bound uses it: set rs_upper_bound: auto, "
-                        "a criterion's upper: auto, or tis_upper_bound: auto with tis_mode mask")
+      raise ConfigError(
+        f"{where('max_masked_fraction')} is set but no bound uses it: set rs_upper_bound: auto, "
+        "a criterion's upper: auto, or tis_upper_bound: auto with tis_mode mask"
+      )
     if self.target_ess_ratio is not None and not self.target_ess_ratio < 1:
       raise ConfigError(f"{where('target_ess_ratio')} must be in (0, 1), got {self.target_ess_ratio}")
     if self.max_masked_fraction is not None and not self.max_masked_fraction < 1:
@@ -259,8 +310,9 @@ class MISConfig:
     for name in values:
       if name not in valid:
         raise ConfigError(
-            f"{_where(source, str(name))} is not a MIS config key.{_closest(str(name), valid)} "
-            f"Valid keys: {', '.join(valid)}")
+          f"{_where(source, str(name))} is not a MIS config key.{_closest(str(name), valid)} "
+          f"Valid keys: {', '.join(valid)}"
+        )
     return cls(**dict(values), source=source)
 
   @classmethod
@@ -297,8 +349,8 @@ def resolve_correction_fn(spec: Callable | str | None) -> Callable | None:
     module_name, _, attr = spec.rpartition(".")
   if not module_name or not attr:
     raise ConfigError(
-        f"correction function path {spec!r} must look like 'package.module.function' "
-        "or 'package.module:function'")
+      f"correction function path {spec!r} must look like 'package.module.function' or 'package.module:function'"
+    )
   try:
     module = importlib.import_module(module_name)
   except ImportError as e:
@@ -312,6 +364,7 @@ def resolve_correction_fn(spec: Callable | str | None) -> Callable | None:
 
 
 # --- policy-loss forms: a registry of tagged configs (contract §6.2) -----------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class PolicyLossConfig(ChoiceConfig):
@@ -363,8 +416,10 @@ def with_form_keys(policy_loss, flat: Mapping[str, Any]) -> PolicyLossConfig:
       values[k] = v
     elif v is not None and any(v != _default(POLICY_LOSSES[o].config, k) for o in POLICY_LOSSES.owners(k)):
       owners = POLICY_LOSSES.owners(k)
-      raise ConfigError(f"key '{k}' is a key of policy_loss {' / '.join(owners)}, not of {values['name']}: it moved "
-                        f"into its form's config, policy_loss={{'name': '{owners[0]}', '{k}': {v!r}}}")
+      raise ConfigError(
+        f"key '{k}' is a key of policy_loss {' / '.join(owners)}, not of {values['name']}: it moved "
+        f"into its form's config, policy_loss={{'name': '{owners[0]}', '{k}': {v!r}}}"
+      )
   return policy_loss_of(values)
 
 
@@ -375,9 +430,12 @@ def _default(config: type, k: str):
 
 def _moved_keys_warning(keys, form: str) -> None:
   listed = ", ".join(f"'{k}': ..." for k in keys)
-  warnings.warn(f"LossConfig's {', '.join(keys)} moved into the form's config: write "
-                f"policy_loss={{'name': '{form}', {listed}}} (mis_jax.forms.POLICY_LOSSES['{form}'].config)",
-                DeprecationWarning, stacklevel=3)
+  warnings.warn(
+    f"LossConfig's {', '.join(keys)} moved into the form's config: write "
+    f"policy_loss={{'name': '{form}', {listed}}} (mis_jax.forms.POLICY_LOSSES['{form}'].config)",
+    DeprecationWarning,
+    stacklevel=3,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -398,16 +456,25 @@ class LossConfig:
 
   use_tis: bool | None = key(None, "rollout correction on (null: the MIS config's use_tis)")
   use_rollout_logprobs: bool = key(False, "the rollout log-probs are the PPO anchor (bypass, REINFORCE + IS)")
-  proximal: str = key("recompute", "decoupled PPO's proximal log-probs: recomputed by a forward pass, or "
-                      "interpolated from the rollout's and the current by weight versions (contract §6.3)",
-                      choices=PROXIMAL)
+  proximal: str = key(
+    "recompute",
+    "decoupled PPO's proximal log-probs: recomputed by a forward pass, or "
+    "interpolated from the rollout's and the current by weight versions (contract §6.3)",
+    choices=PROXIMAL,
+  )
   get_mismatch_metrics: bool = key(False, "mismatch metrics without changing the loss")
   eps_clip: float = key(0.2, "PPO clip range, in (0, 1)", gt=0)
   eps_clip_high: float | None = key(None, "upper clip range (null: eps_clip)", gt=0)
   loss_agg_mode: str = key("seq-mean-token-mean", "loss aggregation (contract §7)", choices=LOSS_AGG_MODES)
-  loss_scale_factor: float | None = key(None, "seq-mean-token-sum-norm's constant divisor (Dr. GRPO's: the longest response allowed)", gt=0)
-  policy_loss: PolicyLossConfig | str = key("vanilla", "the per-token policy loss, by verl's name (contract §6.2), "
-                                            "with its own keys", choices=POLICY_LOSSES, parse=policy_loss_of)
+  loss_scale_factor: float | None = key(
+    None, "seq-mean-token-sum-norm's constant divisor (Dr. GRPO's: the longest response allowed)", gt=0
+  )
+  policy_loss: PolicyLossConfig | str = key(
+    "vanilla",
+    "the per-token policy loss, by verl's name (contract §6.2), with its own keys",
+    choices=POLICY_LOSSES,
+    parse=policy_loss_of,
+  )
   denominator: str = key("kept", "tokens the loss is divided by (contract §7)", choices=DENOMINATORS)
   tis_clip: float = key(2.0, "vanilla TIS upper clip", gt=0)
   tis_clip_low: float = key(0.0, "vanilla TIS lower clip, below tis_clip", ge=0)
@@ -416,13 +483,20 @@ class LossConfig:
   entropy_coef: float = key(0.0, "entropy bonus coefficient", ge=0)
   kl_coef: float = key(0.0, "KL penalty coefficient", ge=0)
   kl_type: str = key("k3", "KL estimator (contract §6)", choices=KL_TYPES)
-  sq_kl_coef: float = key(0.0, "tau of the squared log-ratio KL tau * (lp - q)^2 to the rollout policy (Kimi-K2.5, "
-                          "prime-rl; contract §6.4)", ge=0)
-  sq_kl_tokens: str = key("trainable", "the squared log-ratio KL's tokens: all trainable (m) or kept (m')",
-                          choices=SQ_KL_TOKENS)
-  score_centering: bool = key(False, "score centering: the policy gradient's sampled-token score minus the sampler-"
-                              "expected score, from the sampler's top-k log-probs and a proportional tail "
-                              "(contract §6.6)")
+  sq_kl_coef: float = key(
+    0.0,
+    "tau of the squared log-ratio KL tau * (lp - q)^2 to the rollout policy (Kimi-K2.5, prime-rl; contract §6.4)",
+    ge=0,
+  )
+  sq_kl_tokens: str = key(
+    "trainable", "the squared log-ratio KL's tokens: all trainable (m) or kept (m')", choices=SQ_KL_TOKENS
+  )
+  score_centering: bool = key(
+    False,
+    "score centering: the policy gradient's sampled-token score minus the sampler-"
+    "expected score, from the sampler's top-k log-probs and a proportional tail "
+    "(contract §6.6)",
+  )
 
   def __post_init__(self):
     set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -439,15 +513,16 @@ class LossConfig:
       if file_tis is not None and file_tis != self.use_tis:
         where = self.mis.source or "the MIS config"
         raise ConfigError(
-            f"use_tis={self.use_tis} (flag/argument) contradicts use_tis: {str(file_tis).lower()} "
-            f"in {where}; make them agree")
+          f"use_tis={self.use_tis} (flag/argument) contradicts use_tis: {str(file_tis).lower()} "
+          f"in {where}; make them agree"
+        )
     # Relations between keys.
     if self.eps_clip >= 1:
       raise ConfigError(f"key 'eps_clip' must be in (0, 1), got {self.eps_clip}")
     if not 0 <= self.tis_clip_low < self.tis_clip:
       raise ConfigError(
-          f"key 'tis_clip_low' must satisfy 0 <= tis_clip_low < tis_clip ({self.tis_clip}), "
-          f"got {self.tis_clip_low}")
+        f"key 'tis_clip_low' must satisfy 0 <= tis_clip_low < tis_clip ({self.tis_clip}), got {self.tis_clip_low}"
+      )
     if self.correction_fn is not None and not self.use_tis:
       raise ConfigError("key 'correction_fn' is set but use_tis is false: the correction would never run")
     self._check_policy_loss()
@@ -460,30 +535,38 @@ class LossConfig:
     name = self.policy_loss.name
     if not self.form.ratio_free and self.use_rollout_logprobs and self.use_tis:
       raise ConfigError(
-          f"policy_loss '{name}' forms a ratio to an anchor policy, but REINFORCE + IS (use_rollout_logprobs "
-          "and use_tis both true) has none: its ratio is the IS weight. Use bypass PPO (use_tis: false) to "
-          f"anchor '{name}' on the rollout log-probs, or decoupled PPO (use_rollout_logprobs: false) to anchor "
-          "it on the old log-probs with the correction's weights")
+        f"policy_loss '{name}' forms a ratio to an anchor policy, but REINFORCE + IS (use_rollout_logprobs "
+        "and use_tis both true) has none: its ratio is the IS weight. Use bypass PPO (use_tis: false) to "
+        f"anchor '{name}' on the rollout log-probs, or decoupled PPO (use_rollout_logprobs: false) to anchor "
+        "it on the old log-probs with the correction's weights"
+      )
     if self.loss_agg_mode == "seq-mean-token-sum-norm" and self.loss_scale_factor is None:
-      raise ConfigError("loss_agg_mode 'seq-mean-token-sum-norm' needs key 'loss_scale_factor' (Dr. GRPO's "
-                        "constant, such as the longest response allowed): a packed batch has no padded "
-                        "response length to default to, as verl's does")
+      raise ConfigError(
+        "loss_agg_mode 'seq-mean-token-sum-norm' needs key 'loss_scale_factor' (Dr. GRPO's "
+        "constant, such as the longest response allowed): a packed batch has no padded "
+        "response length to default to, as verl's does"
+      )
     if self.loss_scale_factor is not None and self.loss_agg_mode != "seq-mean-token-sum-norm":
-      raise ConfigError(f"key 'loss_scale_factor' is used only by loss_agg_mode 'seq-mean-token-sum-norm', "
-                        f"not '{self.loss_agg_mode}'")
+      raise ConfigError(
+        f"key 'loss_scale_factor' is used only by loss_agg_mode 'seq-mean-token-sum-norm', not '{self.loss_agg_mode}'"
+      )
 
   def _check_proximal(self):
     if self.proximal == "recompute":
       return
     if self.algorithm != "decoupled_ppo":
-      raise ConfigError(f"proximal 'loglinear' approximates decoupled PPO's proximal (old) log-probs; algorithm "
-                        f"'{self.algorithm}' (use_tis {self.use_tis}, use_rollout_logprobs "
-                        f"{self.use_rollout_logprobs}) has none. Set use_tis: true and use_rollout_logprobs: false, "
-                        "or proximal: recompute")
+      raise ConfigError(
+        f"proximal 'loglinear' approximates decoupled PPO's proximal (old) log-probs; algorithm "
+        f"'{self.algorithm}' (use_tis {self.use_tis}, use_rollout_logprobs "
+        f"{self.use_rollout_logprobs}) has none. Set use_tis: true and use_rollout_logprobs: false, "
+        "or proximal: recompute"
+      )
     if self.uses_cov_selection:
-      raise ConfigError(f"policy_loss '{self.policy_loss.name}' selects its tokens once per step from the anchor "
-                        "log-probs, which proximal 'loglinear' only knows inside the loss (they follow the "
-                        "current log-probs); use proximal: recompute")
+      raise ConfigError(
+        f"policy_loss '{self.policy_loss.name}' selects its tokens once per step from the anchor "
+        "log-probs, which proximal 'loglinear' only knows inside the loss (they follow the "
+        "current log-probs); use proximal: recompute"
+      )
 
   def __getattr__(self, name: str):
     # The form keys that were LossConfig keys read through to the form's config, for one release.
@@ -491,10 +574,15 @@ class LossConfig:
     if not isinstance(form, PolicyLossConfig) or not is_form_key(name):
       raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
     if name not in form.keys():
-      raise AttributeError(f"'{name}' is a key of policy_loss {' / '.join(POLICY_LOSSES.owners(name))}, not of "
-                           f"this config's form '{form.name}' (its keys live in LossConfig.policy_loss)")
-    warnings.warn(f"LossConfig.{name} moved into the form's config: read LossConfig.policy_loss.{name}",
-                  DeprecationWarning, stacklevel=2)
+      raise AttributeError(
+        f"'{name}' is a key of policy_loss {' / '.join(POLICY_LOSSES.owners(name))}, not of "
+        f"this config's form '{form.name}' (its keys live in LossConfig.policy_loss)"
+      )
+    warnings.warn(
+      f"LossConfig.{name} moved into the form's config: read LossConfig.policy_loss.{name}",
+      DeprecationWarning,
+      stacklevel=2,
+    )
     return getattr(form, name)
 
   @property
@@ -570,7 +658,9 @@ class LossConfig:
     valid = cls.keys() + ("custom_config_path",)
     for name in values:
       if name not in valid and not is_form_key(str(name)):
-        raise ConfigError(f"{where}unknown loss key '{name}'.{_closest(str(name), valid)} Valid keys: {', '.join(valid)}")
+        raise ConfigError(
+          f"{where}unknown loss key '{name}'.{_closest(str(name), valid)} Valid keys: {', '.join(valid)}"
+        )
     path = values.pop("custom_config_path", None)
     if path is not None and values.get("mis") is not None:
       raise ConfigError(f"{where}give either 'mis' or 'custom_config_path', not both")
@@ -596,6 +686,7 @@ class LossConfig:
 def _accepting_form_keys(init):
   """``LossConfig.__init__`` taking the form keys that were LossConfig keys (``tau_pos=`` beside
   ``policy_loss="sapo"``) for one release: folded into the form's config with a DeprecationWarning."""
+
   @functools.wraps(init)
   def __init__(self, *args, **kwargs):
     flat = {k: kwargs.pop(k) for k in list(kwargs) if k not in _FIELDS and is_form_key(k)}
@@ -604,6 +695,7 @@ def _accepting_form_keys(init):
       kwargs["policy_loss"] = with_form_keys(form, flat)
       _moved_keys_warning(list(flat), kwargs["policy_loss"].name)
     init(self, *args, **kwargs)
+
   return __init__
 
 
@@ -626,6 +718,7 @@ def preset_values(name: str, overrides: Mapping[str, Any] | None = None) -> dict
       values["mis"][k] = v
     else:
       valid = sorted(loss_keys | mis_keys)
-      raise ConfigError(f"preset '{name}': unknown key '{k}'.{_closest(str(k), valid)} Valid keys: the LossConfig "
-                        "and MIS keys")
+      raise ConfigError(
+        f"preset '{name}': unknown key '{k}'.{_closest(str(k), valid)} Valid keys: the LossConfig and MIS keys"
+      )
   return values

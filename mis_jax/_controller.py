@@ -162,8 +162,10 @@ def m2po_cutoff(units: Units, threshold: float):
 
   def moments(t):
     keep = units.x <= t
-    s = psum(jnp.stack([jnp.sum(jnp.where(keep, c * units.x, 0.0)), jnp.sum(jnp.where(keep, c, 0.0)),
-                        jnp.sum(c)]), units.axis_name)
+    s = psum(
+      jnp.stack([jnp.sum(jnp.where(keep, c * units.x, 0.0)), jnp.sum(jnp.where(keep, c, 0.0)), jnp.sum(c)]),
+      units.axis_name,
+    )
     return s[0], s[1], s[2]
 
   def within(t):

@@ -27,8 +27,8 @@ def log_ratio(train_logprobs, rollout_logprobs, mask):
 
 # The per-segment levels: ``L_s`` from the segment's ``Σ_{u∈s} m_u r_u`` and ``n_s``.
 SEGMENT_LEVELS = {
-    "sequence": lambda sum_r, count: sum_r,                               # L_s = Σ m r
-    "geometric": lambda sum_r, count: sum_r / jnp.maximum(count, 1.0),    # L_s = Σ m r / max(n_s, 1)
+  "sequence": lambda sum_r, count: sum_r,  # L_s = Σ m r
+  "geometric": lambda sum_r, count: sum_r / jnp.maximum(count, 1.0),  # L_s = Σ m r / max(n_s, 1)
 }
 LEVELS = ("token",) + tuple(SEGMENT_LEVELS)  # token: L_t = r_t
 
@@ -63,16 +63,17 @@ def raw_weights(log_values):
 # IS weights per ``tis_mode`` (contract §3): ``(w_raw, Lo, U) -> (w, keep_is)``, ``keep_is`` None
 # unless the mode rejects tokens.
 TIS_MODES = {
-    "truncate": lambda w_raw, lower, upper: (jnp.minimum(w_raw, upper), None),   # w = min(w_raw, U)
-    "clip": lambda w_raw, lower, upper: (jnp.clip(w_raw, lower, upper), None),   # w = clip(w_raw, Lo, U)
-    "mask": lambda w_raw, lower, upper: (w_raw, in_band(w_raw, lower, upper)),   # keep Lo <= w_raw <= U
-    "none": lambda w_raw, lower, upper: (jnp.ones_like(w_raw), None),            # pure rejection: w = 1
+  "truncate": lambda w_raw, lower, upper: (jnp.minimum(w_raw, upper), None),  # w = min(w_raw, U)
+  "clip": lambda w_raw, lower, upper: (jnp.clip(w_raw, lower, upper), None),  # w = clip(w_raw, Lo, U)
+  "mask": lambda w_raw, lower, upper: (w_raw, in_band(w_raw, lower, upper)),  # keep Lo <= w_raw <= U
+  "none": lambda w_raw, lower, upper: (jnp.ones_like(w_raw), None),  # pure rejection: w = 1
 }
 
 
 class Bounds(NamedTuple):
   """The resolved bounds of one step: floats, or traced scalars where the threshold controller
   set them (contract §3.1); ``m2_max`` is M2PO's cutoff on ``r²`` (contract §4.2), None when off."""
+
   tis_lower: Any
   tis_upper: Any
   rs_lower: Any
@@ -102,6 +103,7 @@ def in_band(value, lower: float | None, upper: float | None):
 
 # --- contract §4: rejection sampling and veto ------------------------------------------------
 
+
 def rs_keep(w_rs_raw, bounds: Bounds):
   """RS keep decision (contract §4): ``lo_rs <= w_rs_raw <= hi_rs`` on the raw weight at ``rs_level``."""
   return in_band(w_rs_raw, bounds.rs_lower, bounds.rs_upper)
@@ -118,6 +120,7 @@ def vetoed_segments(catastrophic_counts):
 
 
 # --- contract §4.2: off-policy masks of recent papers ---------------------------------------
+
 
 def opsm_segments(sum_r, count, sum_adv, delta: float):
   """OPSM (contract §4.2, DeepSeek-V3.2's off-policy sequence masking): a live segment is masked
@@ -168,6 +171,7 @@ def kpop_divergence(log_p, log_q):
 
 # --- contract §4.1: divergence criteria ------------------------------------------------------
 
+
 def k3(r):
   """``exp(r) - 1 - r`` of an already clipped ``r``, as ``max(expm1(r) - r, 0)``: accurate for small ``r``
   and never negative (``exp(r) - 1 - r`` in float32 goes below 0 for ``|r|`` under ~1e-4)."""
@@ -181,9 +185,9 @@ def _k3(r):
 # Per-token divergences (contract §4.1) of the raw, unclipped ``r`` (only k3 exponentiates, so
 # only k3 clips).
 DIVERGENCES = {
-    "k1": lambda r: -r,
-    "k2": lambda r: 0.5 * r * r,
-    "k3": _k3,  # exp(clip(r, ±B)) - 1 - clip(r, ±B)
+  "k1": lambda r: -r,
+  "k2": lambda r: 0.5 * r * r,
+  "k3": _k3,  # exp(clip(r, ±B)) - 1 - clip(r, ±B)
 }
 # How a criterion aggregates its divergence: per token, or per sequence over trained tokens
 # (pass 1's per-segment reduction of it: a sum or a max).
@@ -210,6 +214,7 @@ def criterion_value(metric: str, aggregated):
 
 # --- contract §6: KL penalty to a reference policy -----------------------------------------
 
+
 def _low_var_kl(d):
   dc = jnp.clip(d, -LOG_BOUND, LOG_BOUND)
   return jnp.clip(jnp.exp(-dc) + dc - 1.0, -10.0, 10.0)
@@ -217,14 +222,15 @@ def _low_var_kl(d):
 
 # Per-token KL estimators of ``d = lp - ref`` (contract §6); `LossConfig.kl_type` takes these names.
 KL_ESTIMATORS = {
-    "k1": lambda d: d,
-    "k2": lambda d: 0.5 * d * d,
-    "k3": lambda d: safe_exp(-d) + d - 1.0,
-    "low_var_kl": _low_var_kl,  # k3 with the log-ratio clipped to ±B and the value to ±10
+  "k1": lambda d: d,
+  "k2": lambda d: 0.5 * d * d,
+  "k3": lambda d: safe_exp(-d) + d - 1.0,
+  "low_var_kl": _low_var_kl,  # k3 with the log-ratio clipped to ±B and the value to ±10
 }
 
 
 # --- contract §5: batch normalisation --------------------------------------------------------
+
 
 def batch_norm_mean_token(sum_kept_weights, num_kept):
   """Token level (contract §5): ``μ = Σ_t w_t m'_t / Σ_t m'_t``."""

@@ -55,6 +55,7 @@ def pmin(x, axis_name: AxisName):
 
 # --- options ---------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class PassOptions:
   """How token passes run (static: hashable, part of the jit cache key).
@@ -73,7 +74,9 @@ class PassOptions:
     n = self.chunk_tokens
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n <= 0):
       raise ValueError(f"PassOptions.chunk_tokens must be a positive int or None, got {n!r}")
-    if isinstance(self.lanes, bool) or not isinstance(self.lanes, int) or self.lanes < 1 or self.lanes & (self.lanes - 1):
+    if (
+      isinstance(self.lanes, bool) or not isinstance(self.lanes, int) or self.lanes < 1 or self.lanes & (self.lanes - 1)
+    ):
       raise ValueError(f"PassOptions.lanes must be a power of two >= 1, got {self.lanes!r}")
     if not isinstance(self.paired, bool):
       raise ValueError(f"PassOptions.paired must be a bool, got {self.paired!r}")
@@ -114,8 +117,9 @@ def chunking(n_tok: int, size: int | None):
   reshape into rows), else ``size`` with a smaller tail chunk."""
   if size is None or size >= n_tok:
     return n_tok, 1, 0
-  best = max((d for k in range(1, math.isqrt(n_tok) + 1) if n_tok % k == 0
-              for d in (k, n_tok // k) if d <= size), default=1)
+  best = max(
+    (d for k in range(1, math.isqrt(n_tok) + 1) if n_tok % k == 0 for d in (k, n_tok // k) if d <= size), default=1
+  )
   if best * 2 >= size:
     return best, n_tok // best, 0
   return size, n_tok // size, n_tok % size
@@ -123,33 +127,40 @@ def chunking(n_tok: int, size: int | None):
 
 # --- contributions of a pass body ------------------------------------------------------
 
+
 class SegSum(NamedTuple):
   """A per-token contribution to a per-segment sum (float32)."""
+
   x: jax.Array
 
 
 class SegMax(NamedTuple):
   """A per-token contribution to a per-segment maximum (float32; ``LOWEST`` where empty)."""
+
   x: jax.Array
 
 
 class Total(NamedTuple):
   """A per-token contribution to a global sum."""
+
   x: jax.Array
 
 
 class Max(NamedTuple):
   """A per-token contribution to a global maximum."""
+
   x: jax.Array
 
 
 class Min(NamedTuple):
   """A per-token contribution to a global minimum."""
+
   x: jax.Array
 
 
 class Out(NamedTuple):
   """A per-token output of the pass."""
+
   x: jax.Array
 
 
@@ -182,6 +193,7 @@ class Chunk:
 
 # --- the engine ------------------------------------------------------------------------
 
+
 def _carry_key(group) -> str:  # scan carry keys must be strings
   return "segsum:" + ",".join(group)
 
@@ -203,8 +215,9 @@ class _Pass:
     valid = ids >= 0
     lane = jax.lax.iota(jnp.int32, ids.shape[0]) & (self.lanes - 1) if self.lanes > 1 else 0
     aux = {"valid": valid, "idx": jnp.where(valid, ids * self.lanes + lane, self.num_buckets)}
-    ch = Chunk({k: v for k, v in xs.items() if not k.startswith("_")}, jnp.where(valid, ids, 0), valid,
-               self.options.paired)
+    ch = Chunk(
+      {k: v for k, v in xs.items() if not k.startswith("_")}, jnp.where(valid, ids, 0), valid, self.options.paired
+    )
     out = self.body(ch)
     for name, c in out.items():
       if not isinstance(c, _REDUCERS):
@@ -215,7 +228,7 @@ class _Pass:
     """Per-segment sums scattered together: pairs (one complex64 scatter) when paired."""
     names = [n for n, c in out.items() if isinstance(c, SegSum)]
     step = 2 if self.options.paired else 1
-    return [tuple(names[i:i + step]) for i in range(0, len(names), step)]
+    return [tuple(names[i : i + step]) for i in range(0, len(names), step)]
 
   def varying(self, x):
     """Inside shard_map the accumulators vary over the mesh axes like the data they sum."""
@@ -225,8 +238,10 @@ class _Pass:
     return jax.lax.pcast(x, names, to="varying")
 
   def init(self, out):
-    carry = {_carry_key(g): jnp.zeros((self.num_buckets,), jnp.complex64 if len(g) == 2 else jnp.float32)
-             for g in self.seg_groups(out)}
+    carry = {
+      _carry_key(g): jnp.zeros((self.num_buckets,), jnp.complex64 if len(g) == 2 else jnp.float32)
+      for g in self.seg_groups(out)
+    }
     for name, c in out.items():
       if isinstance(c, SegMax):
         carry[name] = jnp.full((self.num_buckets,), LOWEST, jnp.float32)
@@ -311,6 +326,7 @@ def _scanned_chunks(plan: _Pass, base: dict, size: int, num: int):
 def _sliced_chunks(plan: _Pass, base: dict, size: int, num: int, n_tok: int):
   """Chunks that do not divide the batch: dynamic slices (no padded copies) in a
   ``fori_loop`` and a smaller last chunk; outputs are written in place."""
+
   def piece(start, length):
     return {k: jax.lax.dynamic_slice_in_dim(v, start, length) for k, v in base.items()}
 
@@ -326,12 +342,11 @@ def _sliced_chunks(plan: _Pass, base: dict, size: int, num: int, n_tok: int):
     return plan.reduce(carry, aux, out), write(bufs, i * size, out)
 
   carry, bufs = jax.lax.fori_loop(0, num, step, (plan.init(structure), bufs))
-  out, aux = plan.contributions({k: v[num * size:] for k, v in base.items()})
+  out, aux = plan.contributions({k: v[num * size :] for k, v in base.items()})
   return structure, plan.reduce(carry, aux, out), write(bufs, num * size, out)
 
 
-def run_pass(options: PassOptions, segment_ids, num_segments: int, axis_name: AxisName, arrays: dict,
-             body) -> dict:
+def run_pass(options: PassOptions, segment_ids, num_segments: int, axis_name: AxisName, arrays: dict, body) -> dict:
   """One pass over the tokens: ``body(chunk)`` -> ``{name: contribution}``.
 
   Args:

@@ -14,46 +14,88 @@ import os
 from typing import Any, Mapping
 
 from mis_jax import _presets
-from mis_jax._config import (POLICY_LOSSES, ConfigError, LossConfig, MISConfig, PolicyLossConfig, form_mapping,
-                             is_form_key, load_yaml, preset_values)
+from mis_jax._config import (
+  POLICY_LOSSES,
+  ConfigError,
+  LossConfig,
+  MISConfig,
+  PolicyLossConfig,
+  form_mapping,
+  is_form_key,
+  load_yaml,
+  preset_values,
+)
 from mis_jax._vocabulary import DENOMINATORS, KL_TYPES, LOSS_AGG_MODES
 
 # flag dest -> loss key, for the value-carrying loss knobs (`policy_loss` names the form; `eps_clip_c` is a key
 # of the vanilla and DPPO forms, set in `policy_loss`).
 _KNOBS = {
-    "eps_clip": float, "eps_clip_high": float, "eps_clip_c": float, "tis_clip": float,
-    "tis_clip_low": float, "loss_agg_mode": str, "denominator": str, "entropy_coef": float,
-    "kl_coef": float, "kl_type": str, "policy_loss": str, "loss_scale_factor": float,
+  "eps_clip": float,
+  "eps_clip_high": float,
+  "eps_clip_c": float,
+  "tis_clip": float,
+  "tis_clip_low": float,
+  "loss_agg_mode": str,
+  "denominator": str,
+  "entropy_coef": float,
+  "kl_coef": float,
+  "kl_type": str,
+  "policy_loss": str,
+  "loss_scale_factor": float,
 }
 LOSS_FLAG_KEYS = tuple(_KNOBS)  # the loss keys that have a value-carrying flag
-_CHOICES = {"loss_agg_mode": LOSS_AGG_MODES, "denominator": DENOMINATORS, "kl_type": KL_TYPES,
-            "policy_loss": POLICY_LOSSES}  # the registry: a form registered later is a choice too
+_CHOICES = {
+  "loss_agg_mode": LOSS_AGG_MODES,
+  "denominator": DENOMINATORS,
+  "kl_type": KL_TYPES,
+  "policy_loss": POLICY_LOSSES,
+}  # the registry: a form registered later is a choice too
 
 
 def add_loss_flags(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
   """Adds the rollout-correction flags of contract §9 to ``parser``."""
   g = parser.add_argument_group("rollout correction (contract §9)")
-  g.add_argument("--use-tis", action="store_true", default=None,
-                 help="apply importance sampling / rejection sampling to the loss")
-  g.add_argument("--use-rollout-logprobs", action="store_true", default=None,
-                 help="use the rollout engine's log-probs as the PPO anchor; skip the recompute")
-  g.add_argument("--get-mismatch-metrics", action="store_true", default=None,
-                 help="compute mismatch metrics without changing the loss")
-  g.add_argument("--custom-config-path", default=None, metavar="YAML",
-                 help="MIS config file (keys of the reference mis.yaml)")
-  g.add_argument("--custom-tis-function-path", default=None, metavar="MODULE.FUNCTION",
-                 help="correction function with the signature of mis_jax.compute_mis_weights")
-  g.add_argument("--preset", default=None, metavar="YAML",
-                 help="a loss preset (configs/presets/*.yaml); explicit flags and keys override it")
+  g.add_argument(
+    "--use-tis", action="store_true", default=None, help="apply importance sampling / rejection sampling to the loss"
+  )
+  g.add_argument(
+    "--use-rollout-logprobs",
+    action="store_true",
+    default=None,
+    help="use the rollout engine's log-probs as the PPO anchor; skip the recompute",
+  )
+  g.add_argument(
+    "--get-mismatch-metrics",
+    action="store_true",
+    default=None,
+    help="compute mismatch metrics without changing the loss",
+  )
+  g.add_argument(
+    "--custom-config-path", default=None, metavar="YAML", help="MIS config file (keys of the reference mis.yaml)"
+  )
+  g.add_argument(
+    "--custom-tis-function-path",
+    default=None,
+    metavar="MODULE.FUNCTION",
+    help="correction function with the signature of mis_jax.compute_mis_weights",
+  )
+  g.add_argument(
+    "--preset",
+    default=None,
+    metavar="YAML",
+    help="a loss preset (configs/presets/*.yaml); explicit flags and keys override it",
+  )
   for key, typ in _KNOBS.items():
     where = f"policy_loss.{key}" if key == "eps_clip_c" else key
-    g.add_argument("--" + key.replace("_", "-"), type=typ, default=None, choices=_CHOICES.get(key),
-                   help=f"LossConfig.{where}")
+    g.add_argument(
+      "--" + key.replace("_", "-"), type=typ, default=None, choices=_CHOICES.get(key), help=f"LossConfig.{where}"
+    )
   return parser
 
 
-def loss_config_from_args(args: argparse.Namespace | Mapping[str, Any],
-                          base: Mapping[str, Any] | None = None) -> LossConfig:
+def loss_config_from_args(
+  args: argparse.Namespace | Mapping[str, Any], base: Mapping[str, Any] | None = None
+) -> LossConfig:
   """Builds a :class:`LossConfig` from parsed flags over optional base values (e.g. a YAML).
 
   Explicit flags override ``base``; the MIS file is loaded and validated here, before tracing.
@@ -80,23 +122,29 @@ def _under_preset(values: dict, base: dict) -> dict:
       preset_keys = load_yaml(preset, "loss preset") or {}
     LossConfig.from_dict(preset_keys, source=preset)  # validates the file, naming it
     out = {**preset_keys, **out}
-  unknown = {k for k in out if not is_form_key(k)} - set(LossConfig.keys()) - {"custom_config_path",
-                                                                               "custom_tis_function_path"}
+  unknown = (
+    {k for k in out if not is_form_key(k)} - set(LossConfig.keys()) - {"custom_config_path", "custom_tis_function_path"}
+  )
   if unknown:
-    raise ConfigError(f"unknown loss keys: {', '.join(sorted(unknown))}; valid keys: "
-                      f"{', '.join(LossConfig.keys())}")
+    raise ConfigError(f"unknown loss keys: {', '.join(sorted(unknown))}; valid keys: {', '.join(LossConfig.keys())}")
   return out
 
 
 def _check_flags_agree(values: dict, base: dict) -> None:
   """A flag whose value differs from the same key in ``base`` is an error naming both (contract §9)."""
-  for key in list(_KNOBS) + ["use_rollout_logprobs", "get_mismatch_metrics", "use_tis", "custom_config_path",
-                              "custom_tis_function_path"]:
+  for key in list(_KNOBS) + [
+    "use_rollout_logprobs",
+    "get_mismatch_metrics",
+    "use_tis",
+    "custom_config_path",
+    "custom_tis_function_path",
+  ]:
     flag, given = values.get(key), _given(base, key)
     if flag is not None and given is not None and not _same(flag, given):
       path = f"loss.policy_loss.{key}" if _is_form_flag(key) else f"loss.{key}"
-      raise ConfigError(f"--{key.replace('_', '-')} {_show(flag)} contradicts {path}: {_show(given)} in the "
-                        "config; remove one of them")
+      raise ConfigError(
+        f"--{key.replace('_', '-')} {_show(flag)} contradicts {path}: {_show(given)} in the config; remove one of them"
+      )
 
 
 def _apply_flags(values: dict, out: dict) -> None:
@@ -132,13 +180,16 @@ def _apply_mis(values: dict, out: dict) -> None:
 
   flag_tis = values.get("use_tis")
   if flag_tis is None and out.get("use_tis") is not None and mis is not None and mis.use_tis != out["use_tis"]:
-    raise ConfigError(f"loss.use_tis: {_show(out['use_tis'])} contradicts use_tis: {_show(mis.use_tis)} in "
-                      f"{mis.source or 'the MIS config'}; remove one of them")
+    raise ConfigError(
+      f"loss.use_tis: {_show(out['use_tis'])} contradicts use_tis: {_show(mis.use_tis)} in "
+      f"{mis.source or 'the MIS config'}; remove one of them"
+    )
   if flag_tis is not None:
     if mis is not None and mis.use_tis != flag_tis:
       raise ConfigError(
-          f"--use-tis contradicts use_tis: {str(mis.use_tis).lower()} in "
-          f"{mis.source or 'the MIS config'}; remove the flag or change the file")
+        f"--use-tis contradicts use_tis: {str(mis.use_tis).lower()} in "
+        f"{mis.source or 'the MIS config'}; remove the flag or change the file"
+      )
     out["use_tis"] = flag_tis
   elif mis is not None:
     # The file decides (a file with use_tis: true turns correction on without the flag).

@@ -131,8 +131,11 @@ def parse_value(value, typ, meta: dict, where: str):
   choices = meta.get("choices")
   if choices is not None and value not in choices:
     raise ConfigError(f"{where} has invalid value {value!r}; allowed values: {', '.join(choices)}")
-  for bound, ok, text in (("ge", lambda v, b: v >= b, ">="), ("gt", lambda v, b: v > b, ">"),
-                          ("le", lambda v, b: v <= b, "<=")):
+  for bound, ok, text in (
+    ("ge", lambda v, b: v >= b, ">="),
+    ("gt", lambda v, b: v > b, ">"),
+    ("le", lambda v, b: v <= b, "<="),
+  ):
     b = meta.get(bound)
     if b is not None and not ok(value, b):
       raise ConfigError(f"{where} must be {text} {b}, got {value!r}")

@@ -66,19 +66,55 @@ def _support_lse(z, member):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
-def _token_logprobs(hidden, lm_head, targets, support, extra, temperature, chunk_size, layout, with_entropy,
-                    with_support, with_mass, with_sum_sq):
+def _token_logprobs(
+  hidden,
+  lm_head,
+  targets,
+  support,
+  extra,
+  temperature,
+  chunk_size,
+  layout,
+  with_entropy,
+  with_support,
+  with_mass,
+  with_sum_sq,
+):
   """Flat core: ``hidden [T, D]``, ``lm_head`` (same dtype), ``targets [T]`` int32 in range,
   ``support [T, K]`` int32 (``-1`` padded) or None, ``extra [T, k]`` int32 in range or None.
   Returns ``(logprobs, entropy, kept_logmass, sum_pi_squared, extra_logprobs)``, the last four
   None when not asked for."""
-  out, _ = _token_logprobs_fwd(hidden, lm_head, targets, support, extra, temperature, chunk_size, layout,
-                               with_entropy, with_support, with_mass, with_sum_sq)
+  out, _ = _token_logprobs_fwd(
+    hidden,
+    lm_head,
+    targets,
+    support,
+    extra,
+    temperature,
+    chunk_size,
+    layout,
+    with_entropy,
+    with_support,
+    with_mass,
+    with_sum_sq,
+  )
   return out
 
 
-def _token_logprobs_fwd(hidden, lm_head, targets, support, extra, temperature, chunk_size, layout,
-                        with_entropy, with_support, with_mass, with_sum_sq=False):
+def _token_logprobs_fwd(
+  hidden,
+  lm_head,
+  targets,
+  support,
+  extra,
+  temperature,
+  chunk_size,
+  layout,
+  with_entropy,
+  with_support,
+  with_mass,
+  with_sum_sq=False,
+):
   num_tokens, vocab = hidden.shape[0], lm_head.shape[1 if layout == "dv" else 0]
   num_chunks, chunk = _num_chunks(num_tokens, chunk_size)
 
@@ -105,16 +141,22 @@ def _token_logprobs_fwd(hidden, lm_head, targets, support, extra, temperature, c
     return None, (lp, lse, lse_s, ent, sum_sq, extra_lp)
 
   _, (lp, lse, lse_s, ent, sum_sq, extra_lp) = jax.lax.scan(
-      body, None, (_chunked(hidden, num_chunks, chunk), _chunked(targets, num_chunks, chunk),
-                   _chunked(support, num_chunks, chunk), _chunked(extra, num_chunks, chunk)))
+    body,
+    None,
+    (
+      _chunked(hidden, num_chunks, chunk),
+      _chunked(targets, num_chunks, chunk),
+      _chunked(support, num_chunks, chunk),
+      _chunked(extra, num_chunks, chunk),
+    ),
+  )
   mass = (lse_s - lse if with_support else jnp.zeros_like(lse)) if with_mass else None
   out = tuple(_unchunked(x, num_tokens) for x in (lp, ent, mass, sum_sq, extra_lp))
   # Residuals are O(T): the inputs themselves plus per-token lse (and lse_S, entropy when used).
   return out, (hidden, lm_head, targets, support, extra, lse, lse_s, ent)
 
 
-def _token_logprobs_bwd(temperature, chunk_size, layout, with_entropy, with_support, with_mass, with_sum_sq,
-                        res, g):
+def _token_logprobs_bwd(temperature, chunk_size, layout, with_entropy, with_support, with_mass, with_sum_sq, res, g):
   hidden, lm_head, targets, support, extra, lse, lse_s, ent = res
   num_tokens, vocab = hidden.shape[0], lm_head.shape[1 if layout == "dv" else 0]
   num_chunks, chunk = _num_chunks(num_tokens, chunk_size)
@@ -143,28 +185,37 @@ def _token_logprobs_bwd(temperature, chunk_size, layout, with_entropy, with_supp
       dz = dz + g_mass_c[:, None] * (q - jnp.exp(z - lse_c[:, None]))
     if extra_ids is not None:  # d log p_v / dz = onehot(v) - p, summed over the extra ids
       rows = jnp.broadcast_to(jnp.arange(z.shape[0])[:, None], extra_ids.shape)
-      dz = (dz + jnp.zeros_like(z).at[rows, extra_ids].add(g_extra_c)
-            - jnp.sum(g_extra_c, axis=-1, keepdims=True) * jnp.exp(z - lse_c[:, None]))
+      dz = (
+        dz
+        + jnp.zeros_like(z).at[rows, extra_ids].add(g_extra_c)
+        - jnp.sum(g_extra_c, axis=-1, keepdims=True) * jnp.exp(z - lse_c[:, None])
+      )
     if temperature != 1.0:
       dz = dz / temperature
     # Both matmuls take dz in the inputs' dtype and accumulate in float32 (bf16 for bf16
     # inputs, as fused cross-entropy kernels do); dW accumulates across chunks in float32.
     dz = dz.astype(h.dtype)
     if layout == "dv":
-      dh = jax.lax.dot_general(dz, lm_head, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
-      dw = dw + jax.lax.dot_general(h, dz, (((0,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
+      dh = jax.lax.dot_general(dz, lm_head, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+      dw = dw + jax.lax.dot_general(h, dz, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     else:
-      dh = jax.lax.dot_general(dz, lm_head, (((1,), (0,)), ((), ())),
-                               preferred_element_type=jnp.float32)
-      dw = dw + jax.lax.dot_general(dz, h, (((0,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
+      dh = jax.lax.dot_general(dz, lm_head, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+      dw = dw + jax.lax.dot_general(dz, h, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return dw, dh.astype(h.dtype)
 
-  xs = (_chunked(hidden, num_chunks, chunk), _chunked(targets, num_chunks, chunk),
-        _chunked(support, num_chunks, chunk), _chunked(extra, num_chunks, chunk), lse, lse_s, ent, g_lp, g_ent,
-        g_mass, g_extra)
+  xs = (
+    _chunked(hidden, num_chunks, chunk),
+    _chunked(targets, num_chunks, chunk),
+    _chunked(support, num_chunks, chunk),
+    _chunked(extra, num_chunks, chunk),
+    lse,
+    lse_s,
+    ent,
+    g_lp,
+    g_ent,
+    g_mass,
+    g_extra,
+  )
   dw, dh = jax.lax.scan(body, jnp.zeros(lm_head.shape, jnp.float32), xs)
   # Integer targets, support and extra ids get no cotangent.
   return _unchunked(dh, num_tokens), dw.astype(lm_head.dtype), None, None, None
@@ -178,8 +229,7 @@ def _check_args(hidden, lm_head, targets, temperature, chunk_size, return_entrop
   lm_head = _validation.as_array("lm_head", lm_head)
   targets = _validation.as_array("targets", targets)
   if layout not in LM_HEAD_LAYOUTS:
-    raise ValueError(f"lm_head_layout={layout!r} is invalid; allowed values: "
-                     f"{', '.join(LM_HEAD_LAYOUTS)}")
+    raise ValueError(f"lm_head_layout={layout!r} is invalid; allowed values: {', '.join(LM_HEAD_LAYOUTS)}")
   if not jnp.issubdtype(hidden.dtype, jnp.floating):
     raise TypeError(f"'hidden' must be a floating-point array, got dtype {hidden.dtype}")
   if not jnp.issubdtype(lm_head.dtype, jnp.floating):
@@ -187,35 +237,39 @@ def _check_args(hidden, lm_head, targets, temperature, chunk_size, return_entrop
   if hidden.ndim < 1:
     raise ValueError("'hidden' must have shape [..., D], got a scalar")
   if lm_head.ndim != 2:
-    raise ValueError(f"'lm_head' must have rank 2 ([D, V] for lm_head_layout='dv', [V, D] for "
-                     f"'vd'), got shape {tuple(lm_head.shape)}")
+    raise ValueError(
+      f"'lm_head' must have rank 2 ([D, V] for lm_head_layout='dv', [V, D] for 'vd'), got shape {tuple(lm_head.shape)}"
+    )
   d_axis = 0 if layout == "dv" else 1
   if lm_head.shape[d_axis] != hidden.shape[-1]:
     raise ValueError(
-        f"'hidden' has shape {tuple(hidden.shape)} (D={hidden.shape[-1]}) but 'lm_head' has "
-        f"shape {tuple(lm_head.shape)} with D={lm_head.shape[d_axis]} for "
-        f"lm_head_layout={layout!r}; pass lm_head_layout='vd' for a [V, D] (HF/tied) matrix")
+      f"'hidden' has shape {tuple(hidden.shape)} (D={hidden.shape[-1]}) but 'lm_head' has "
+      f"shape {tuple(lm_head.shape)} with D={lm_head.shape[d_axis]} for "
+      f"lm_head_layout={layout!r}; pass lm_head_layout='vd' for a [V, D] (HF/tied) matrix"
+    )
   vocab = lm_head.shape[1 - d_axis]
   if vocab == 0:
     raise ValueError("'lm_head' has an empty vocabulary axis (V=0)")
   _check_integer("targets", targets)
   if tuple(targets.shape) != tuple(hidden.shape[:-1]):
-    raise ValueError(f"'targets' has shape {tuple(targets.shape)} but 'hidden' has shape "
-                     f"{tuple(hidden.shape)}; targets must have hidden's leading shape "
-                     f"{tuple(hidden.shape[:-1])}")
+    raise ValueError(
+      f"'targets' has shape {tuple(targets.shape)} but 'hidden' has shape "
+      f"{tuple(hidden.shape)}; targets must have hidden's leading shape "
+      f"{tuple(hidden.shape[:-1])}"
+    )
   _check_id_range("targets", targets, vocab, "mask such tokens and pass any valid id (under jit they are clipped)")
   if isinstance(temperature, jax.core.Tracer):
     raise TypeError("temperature must be a static Python float, got a traced value")
   is_number = isinstance(temperature, (int, float, np.number)) or (
-      isinstance(temperature, (np.ndarray, jax.Array)) and np.ndim(temperature) == 0)
+    isinstance(temperature, (np.ndarray, jax.Array)) and np.ndim(temperature) == 0
+  )
   if isinstance(temperature, bool) or not is_number:
     raise TypeError(f"temperature must be a Python float, got {type(temperature).__name__}")
   temperature = float(temperature)
   if not (math.isfinite(temperature) and temperature > 0):
     raise ValueError(f"temperature must be finite and > 0, got {temperature}")
   if isinstance(chunk_size, bool) or not isinstance(chunk_size, (int, np.integer)):
-    raise TypeError(f"chunk_size must be a Python int (static), got "
-                    f"{type(chunk_size).__name__} {chunk_size!r}")
+    raise TypeError(f"chunk_size must be a Python int (static), got {type(chunk_size).__name__} {chunk_size!r}")
   if chunk_size <= 0:
     raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
   if not isinstance(return_entropy, (bool, np.bool_)):
@@ -242,8 +296,10 @@ def _check_support(support_ids, support_mask, targets, vocab: int):
     raise TypeError(f"'support_ids' must be an integer array, got dtype {support_ids.dtype}")
   lead = tuple(targets.shape)
   if support_ids.ndim != len(lead) + 1 or tuple(support_ids.shape[:-1]) != lead:
-    raise ValueError(f"'support_ids' has shape {tuple(support_ids.shape)} but must be [..., K] with "
-                     f"targets' shape {lead} in front (K: the padded support width)")
+    raise ValueError(
+      f"'support_ids' has shape {tuple(support_ids.shape)} but must be [..., K] with "
+      f"targets' shape {lead} in front (K: the padded support width)"
+    )
   if support_ids.shape[-1] == 0:
     raise ValueError("'support_ids' has width K=0; pass at least one column")
   if support_mask is not None:
@@ -251,10 +307,14 @@ def _check_support(support_ids, support_mask, targets, vocab: int):
     if support_mask.dtype != jnp.bool_:
       raise TypeError(f"'support_mask' must be a bool array, got dtype {support_mask.dtype}")
     if tuple(support_mask.shape) != tuple(support_ids.shape):
-      raise ValueError(f"'support_mask' has shape {tuple(support_mask.shape)} but 'support_ids' has "
-                       f"shape {tuple(support_ids.shape)}")
-  concrete = (_validation._is_concrete(support_ids) and _validation._is_concrete(targets)
-              and (support_mask is None or _validation._is_concrete(support_mask)))
+      raise ValueError(
+        f"'support_mask' has shape {tuple(support_mask.shape)} but 'support_ids' has shape {tuple(support_ids.shape)}"
+      )
+  concrete = (
+    _validation._is_concrete(support_ids)
+    and _validation._is_concrete(targets)
+    and (support_mask is None or _validation._is_concrete(support_mask))
+  )
   xp = np if concrete else jnp  # concrete inputs are checked (and, under an outer jit, kept) in NumPy
   valid = xp.asarray(support_ids) >= 0
   if support_mask is not None:
@@ -268,9 +328,11 @@ def _check_support(support_ids, support_mask, targets, vocab: int):
     outside = has & ~(ids_np == y[..., None]).any(-1)
     if outside.any():
       at = tuple(int(i) for i in np.argwhere(outside)[0])
-      raise ValueError(f"target {int(y[at])} at index {at} is not in its support "
-                       f"{sorted(int(v) for v in ids_np[at] if v >= 0)}: a sampled token always is; "
-                       "check that supports and targets are aligned")
+      raise ValueError(
+        f"target {int(y[at])} at index {at} is not in its support "
+        f"{sorted(int(v) for v in ids_np[at] if v >= 0)}: a sampled token always is; "
+        "check that supports and targets are aligned"
+      )
   return ids
 
 
@@ -294,16 +356,29 @@ def _check_extra(extra_ids, targets, vocab: int):
   _check_integer("extra_ids", extra_ids)
   lead = tuple(targets.shape)
   if extra_ids.ndim != len(lead) + 1 or tuple(extra_ids.shape[:-1]) != lead or extra_ids.shape[-1] == 0:
-    raise ValueError(f"'extra_ids' has shape {tuple(extra_ids.shape)} but must be [..., k] with k >= 1 and "
-                     f"targets' shape {lead} in front")
+    raise ValueError(
+      f"'extra_ids' has shape {tuple(extra_ids.shape)} but must be [..., k] with k >= 1 and "
+      f"targets' shape {lead} in front"
+    )
   _check_id_range("extra_ids", extra_ids, vocab, "pass any valid id at positions the loss masks")
   return jnp.clip(jnp.asarray(extra_ids).astype(jnp.int32), 0, vocab - 1)
 
 
-def token_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, chunk_size: int = 1024,
-                   return_entropy: bool = False, lm_head_layout: str = "dv", support_ids=None,
-                   support_mask=None, return_kept_mass: bool = False, return_sum_pi_squared: bool = False,
-                   extra_ids=None):
+def token_logprobs(
+  hidden,
+  lm_head,
+  targets,
+  *,
+  temperature: float = 1.0,
+  chunk_size: int = 1024,
+  return_entropy: bool = False,
+  lm_head_layout: str = "dv",
+  support_ids=None,
+  support_mask=None,
+  return_kept_mass: bool = False,
+  return_sum_pi_squared: bool = False,
+  extra_ids=None,
+):
   """Per-token log-probs (and entropy) of ``targets`` without materialising ``[T, V]`` logits.
 
   With ``z_t = (h_t · W) / τ`` the float32 logits of token ``t``,
@@ -384,7 +459,8 @@ def token_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, chunk_
     Differentiable in ``hidden`` and ``lm_head`` (not in ``targets`` or the ids).
   """
   hidden, lm_head, targets, temperature, chunk_size, return_entropy, vocab = _check_args(
-      hidden, lm_head, targets, temperature, chunk_size, return_entropy, lm_head_layout)
+    hidden, lm_head, targets, temperature, chunk_size, return_entropy, lm_head_layout
+  )
   if not isinstance(return_kept_mass, (bool, np.bool_)):
     raise TypeError(f"return_kept_mass must be a bool, got {type(return_kept_mass).__name__}")
   if support_mask is not None and support_ids is None:
@@ -405,7 +481,18 @@ def token_logprobs(hidden, lm_head, targets, *, temperature: float = 1.0, chunk_
     extra = _check_extra(extra_ids, targets, vocab)
     flat_extra = jnp.reshape(extra, (math.prod(lead), extra.shape[-1]))
   lp, ent, mass, sum_sq, extra_lp = _token_logprobs(
-      flat_hidden, jnp.asarray(lm_head).astype(dtype), flat_targets, flat_support, flat_extra, temperature, chunk_size,
-      lm_head_layout, return_entropy, with_support, bool(return_kept_mass), bool(return_sum_pi_squared))
+    flat_hidden,
+    jnp.asarray(lm_head).astype(dtype),
+    flat_targets,
+    flat_support,
+    flat_extra,
+    temperature,
+    chunk_size,
+    lm_head_layout,
+    return_entropy,
+    with_support,
+    bool(return_kept_mass),
+    bool(return_sum_pi_squared),
+  )
   outs = [jnp.reshape(x, lead + x.shape[1:]) for x in (lp, ent, mass, sum_sq, extra_lp) if x is not None]
   return outs[0] if len(outs) == 1 else tuple(outs)

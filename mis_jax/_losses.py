@@ -28,6 +28,7 @@ from mis_jax._weights import Corrected, correct, drop_nonfinite_rollout, mismatc
 
 # --- per-token losses ------------------------------------------------------------------
 
+
 def kl_penalty(logprobs, ref_logprobs, kl_type: str):
   """Per-token KL estimators to a reference policy (contract §6): ``KL_ESTIMATORS[kl_type](lp - ref)``."""
   if kl_type not in correction.KL_ESTIMATORS:
@@ -89,12 +90,23 @@ def token_loss(cfg: LossConfig, lp, lp_sg, o, q, adv, weights, kept, segs: Segme
 
 # contract §8.3: the loss terms add over micro-batches (their denominators are the step's); the
 # form's clip share and `ppo_kl` are means over the kept mask, decoupled PPO's `ois` over m.
-metrics_lib.declare({"loss": "sum", "pg_loss": "sum", "entropy_loss": "sum", "kl_loss": "sum", "sq_kl_loss": "sum",
-                     "pg_clipfrac": "kept", "ppo_kl": "kept", "ois": "mask"})
+metrics_lib.declare(
+  {
+    "loss": "sum",
+    "pg_loss": "sum",
+    "entropy_loss": "sum",
+    "kl_loss": "sum",
+    "sq_kl_loss": "sum",
+    "pg_clipfrac": "kept",
+    "ppo_kl": "kept",
+    "ois": "mask",
+  }
+)
 
 
-def aggregate(token_values, kept, segs: Segments, mode: str, dens: Denominators, *,
-              loss_scale_factor: float | None = None):
+def aggregate(
+  token_values, kept, segs: Segments, mode: str, dens: Denominators, *, loss_scale_factor: float | None = None
+):
   """Aggregates per-token losses over the kept mask with global denominators (contract §7).
 
   ``token_values`` is ``[T]`` (returns a scalar), a list of K ``[T]`` arrays or ``[T, K]``
@@ -107,8 +119,13 @@ def aggregate(token_values, kept, segs: Segments, mode: str, dens: Denominators,
   gradients flow correctly through ``shard_map``.
   """
   many = isinstance(token_values, (list, tuple)) or token_values.ndim == 2
-  cols = (list(token_values) if isinstance(token_values, (list, tuple)) else
-          [token_values[:, k] for k in range(token_values.shape[1])] if many else [token_values])
+  cols = (
+    list(token_values)
+    if isinstance(token_values, (list, tuple))
+    else [token_values[:, k] for k in range(token_values.shape[1])]
+    if many
+    else [token_values]
+  )
   keep = kept & segs.valid
   if mode == "token-mean":
     scale = 1.0 / jnp.maximum(dens.num_tokens, 1.0)
@@ -129,36 +146,55 @@ def aggregate(token_values, kept, segs: Segments, mode: str, dens: Denominators,
 
 # --- validation ------------------------------------------------------------------------
 
+
 def _check_topk(topk_logprobs, batch: PackedBatch, cfg: LossConfig) -> None:
   """Score centering's inputs (contract §6.6): ``[..., k]`` float arrays with the batch's shape in
   front, ``k >= 1``, given exactly when ``score_centering`` is on."""
   if not cfg.score_centering:
     if topk_logprobs is not None:
-      raise ValueError("topk_logprobs was given but score_centering is off: set LossConfig(score_centering=True) "
-                       "or drop the argument")
+      raise ValueError(
+        "topk_logprobs was given but score_centering is off: set LossConfig(score_centering=True) or drop the argument"
+      )
     return
-  inputs = {"topk_logprobs": (topk_logprobs, "the trainer's log-probs of the sampler's top-k ids "
-                                              "(mis_jax.token_logprobs(..., extra_ids=))"),
-            "batch.rollout_topk_logprobs": (batch.rollout_topk_logprobs, "the sampler's top-k log-probs (SGLang's "
-                                                                         "output_top_logprobs)")}
+  inputs = {
+    "topk_logprobs": (
+      topk_logprobs,
+      "the trainer's log-probs of the sampler's top-k ids (mis_jax.token_logprobs(..., extra_ids=))",
+    ),
+    "batch.rollout_topk_logprobs": (
+      batch.rollout_topk_logprobs,
+      "the sampler's top-k log-probs (SGLang's output_top_logprobs)",
+    ),
+  }
   for name, (x, what) in inputs.items():
     if x is None:
       raise ValueError(f"score_centering needs {name}: {what}, [..., k] with the batch's shape in front")
     x = _validation.as_array(name, x)
     lead = tuple(jnp.shape(batch.segment_ids))
     if x.ndim != len(lead) + 1 or tuple(x.shape[:-1]) != lead or x.shape[-1] < 1:
-      raise ValueError(f"'{name}' has shape {tuple(x.shape)}, expected {lead + ('k',)} with k >= 1 (the batch's "
-                       "per-token shape, then the top-k axis)")
+      raise ValueError(
+        f"'{name}' has shape {tuple(x.shape)}, expected {lead + ('k',)} with k >= 1 (the batch's "
+        "per-token shape, then the top-k axis)"
+      )
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"'{name}' must be a floating-point array, got dtype {x.dtype}")
   if jnp.shape(topk_logprobs) != jnp.shape(batch.rollout_topk_logprobs):
-    raise ValueError(f"'topk_logprobs' has shape {tuple(jnp.shape(topk_logprobs))} but "
-                     f"'batch.rollout_topk_logprobs' has {tuple(jnp.shape(batch.rollout_topk_logprobs))}: the "
-                     "trainer's and the sampler's log-probs of the same k ids")
+    raise ValueError(
+      f"'topk_logprobs' has shape {tuple(jnp.shape(topk_logprobs))} but "
+      f"'batch.rollout_topk_logprobs' has {tuple(jnp.shape(batch.rollout_topk_logprobs))}: the "
+      "trainer's and the sampler's log-probs of the same k ids"
+    )
 
 
-def _check_batch(logprobs, batch: PackedBatch, cfg: LossConfig, entropy, correction: Correction | None = None,
-                 denominators=None, topk_logprobs=None) -> dict:
+def _check_batch(
+  logprobs,
+  batch: PackedBatch,
+  cfg: LossConfig,
+  entropy,
+  correction: Correction | None = None,
+  denominators=None,
+  topk_logprobs=None,
+) -> dict:
   if not isinstance(batch, PackedBatch):
     raise TypeError(f"batch must be a mis_jax.PackedBatch, got {type(batch).__name__}")
   if not isinstance(cfg, LossConfig):
@@ -171,26 +207,32 @@ def _check_batch(logprobs, batch: PackedBatch, cfg: LossConfig, entropy, correct
   if cfg.get_mismatch_metrics and batch.rollout_logprobs is None:
     raise ValueError("get_mismatch_metrics=True needs batch.rollout_logprobs")
   if cfg.sq_kl_coef > 0 and batch.rollout_logprobs is None:
-    raise ValueError(f"sq_kl_coef={cfg.sq_kl_coef} > 0 (the squared log-ratio KL to the rollout policy) needs "
-                     "batch.rollout_logprobs")
+    raise ValueError(
+      f"sq_kl_coef={cfg.sq_kl_coef} > 0 (the squared log-ratio KL to the rollout policy) needs batch.rollout_logprobs"
+    )
   if cfg.kl_coef > 0 and batch.ref_logprobs is None:
     raise ValueError(f"kl_coef={cfg.kl_coef} > 0 needs batch.ref_logprobs")
   if cfg.entropy_coef > 0 and entropy is None:
     raise ValueError(f"entropy_coef={cfg.entropy_coef} > 0 needs the per-token entropy argument")
   _check_topk(topk_logprobs, batch, cfg)
   if cfg.proximal == "loglinear" and batch.rollout_staleness is None:
-    raise ValueError("proximal='loglinear' needs batch.rollout_staleness (the versions each token's behaviour "
-                     "policy lags the weights trained)")
+    raise ValueError(
+      "proximal='loglinear' needs batch.rollout_staleness (the versions each token's behaviour "
+      "policy lags the weights trained)"
+    )
   if correction is None:
     correction = Correction()
   elif not isinstance(correction, Correction):
-    raise TypeError(f"correction must be a mis_jax.Correction (from mis_jax.prepare_step), got "
-                    f"{type(correction).__name__}")
+    raise TypeError(
+      f"correction must be a mis_jax.Correction (from mis_jax.prepare_step), got {type(correction).__name__}"
+    )
   if (correction.is_weights is None) != (correction.kept_mask is None):
     raise ValueError("correction.is_weights and correction.kept_mask must be given together")
   if correction.is_weights is not None and cfg.correction_in_loss:
-    raise ValueError("precomputed is_weights cannot be used with use_rollout_logprobs=True and use_tis=True, "
-                     "nor with proximal='loglinear': there the weights depend on the current log-probs")
+    raise ValueError(
+      "precomputed is_weights cannot be used with use_rollout_logprobs=True and use_tis=True, "
+      "nor with proximal='loglinear': there the weights depend on the current log-probs"
+    )
   if correction.is_weights is not None and not cfg.use_tis:
     raise ValueError("correction.is_weights is set but use_tis is false")
   if denominators is not None and correction.denominators is not None:
@@ -198,27 +240,50 @@ def _check_batch(logprobs, batch: PackedBatch, cfg: LossConfig, entropy, correct
   denominators = correction.denominators if denominators is None else denominators
   if denominators is not None and not isinstance(denominators, Denominators):
     raise TypeError(f"denominators must be mis_jax.Denominators, got {type(denominators).__name__}")
-  fields = {f: getattr(batch, f) for f in ("segment_ids", "loss_mask", "advantages", "rollout_logprobs",
-                                           "old_logprobs", "ref_logprobs", "rollout_staleness")}
+  fields = {
+    f: getattr(batch, f)
+    for f in (
+      "segment_ids",
+      "loss_mask",
+      "advantages",
+      "rollout_logprobs",
+      "old_logprobs",
+      "ref_logprobs",
+      "rollout_staleness",
+    )
+  }
   fields.update(correction.token_arrays())
   fields["logprobs"] = logprobs
   fields["entropy"] = entropy
   arrays = _validation.check_token_arrays(
-      fields, float_keys=("logprobs", "advantages", "rollout_logprobs", "old_logprobs",
-                          "ref_logprobs", "is_weights", "entropy"))
+    fields,
+    float_keys=("logprobs", "advantages", "rollout_logprobs", "old_logprobs", "ref_logprobs", "is_weights", "entropy"),
+  )
   _validation.check_segments(batch.segment_ids, batch.num_segments)
   if cfg.proximal == "loglinear":
     _validation.check_nonnegative("rollout_staleness", arrays["rollout_staleness"], arrays["loss_mask"])
   if denominators is not None and tuple(jnp.shape(denominators.seg_tokens)) != (batch.num_segments,):
-    raise ValueError(f"denominators.seg_tokens has shape {jnp.shape(denominators.seg_tokens)}, "
-                     f"expected ({batch.num_segments},)")
+    raise ValueError(
+      f"denominators.seg_tokens has shape {jnp.shape(denominators.seg_tokens)}, expected ({batch.num_segments},)"
+    )
   return arrays, denominators
 
 
 # --- the correction stage --------------------------------------------------------------
 
-def _run_correction(train_lp, q, mask, segs: Segments, cfg: LossConfig, segment_ids_shape,
-                    batch_norm_factor, *, mismatch: bool = False, adv=None) -> Corrected:
+
+def _run_correction(
+  train_lp,
+  q,
+  mask,
+  segs: Segments,
+  cfg: LossConfig,
+  segment_ids_shape,
+  batch_norm_factor,
+  *,
+  mismatch: bool = False,
+  adv=None,
+) -> Corrected:
   """Runs the configured correction on flat arrays.
 
   ``mismatch``: also compute the §8.1 metrics of ``(train_lp, q)`` (in the same passes for
@@ -228,8 +293,9 @@ def _run_correction(train_lp, q, mask, segs: Segments, cfg: LossConfig, segment_
   """
   mode = cfg.metric_mode
   if cfg.correction == "mis":
-    return correct(train_lp, q, mask, segs, cfg.mis, mode, batch_norm_factor=batch_norm_factor,
-                   mismatch=mismatch, adv=adv)
+    return correct(
+      train_lp, q, mask, segs, cfg.mis, mode, batch_norm_factor=batch_norm_factor, mismatch=mismatch, adv=adv
+    )
   if mismatch:
     extra, mask_stats = mismatch_metrics(train_lp, q, mask, segs, mode)
   else:
@@ -241,16 +307,28 @@ def _run_correction(train_lp, q, mask, segs: Segments, cfg: LossConfig, segment_
   # A user correction function with the signature of compute_mis_weights.
   fn = resolve_correction_fn(cfg.correction_fn)
   shape = segment_ids_shape
-  w, kept, metrics = fn(train_lp.reshape(shape), q.reshape(shape), mask.reshape(shape),
-                        segs.ids.reshape(shape), cfg.mis, num_segments=segs.num_segments,
-                        axis_name=segs.axis_name)
+  w, kept, metrics = fn(
+    train_lp.reshape(shape),
+    q.reshape(shape),
+    mask.reshape(shape),
+    segs.ids.reshape(shape),
+    cfg.mis,
+    num_segments=segs.num_segments,
+    axis_name=segs.axis_name,
+  )
   w = jax.lax.stop_gradient(jnp.reshape(w, (-1,)).astype(jnp.float32))
   kept = _validation.flat_mask(kept, mask)
   return Corrected(jnp.where(mask, w, 0.0), kept, {**extra, **dict(metrics)}, mask_stats, segs.mask_stats(kept))
 
 
-def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisName = None,
-                 pass_options: PassOptions | None = None, key: jax.Array | None = None):
+def prepare_step(
+  batch: PackedBatch,
+  loss_cfg: LossConfig,
+  *,
+  axis_name: AxisName = None,
+  pass_options: PassOptions | None = None,
+  key: jax.Array | None = None,
+):
   """Once-per-step work for micro-batching: IS weights, kept mask, the covariance forms' tokens
   and global denominators, as a :class:`Correction` for every micro-batch's :func:`policy_loss`.
 
@@ -272,9 +350,15 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
     raise TypeError(f"loss_cfg must be a mis_jax.LossConfig, got {type(loss_cfg).__name__}")
   _check_key(loss_cfg, key, None)
   arrays = _validation.check_token_arrays(
-      {"segment_ids": batch.segment_ids, "loss_mask": batch.loss_mask, "advantages": batch.advantages,
-       "rollout_logprobs": batch.rollout_logprobs, "old_logprobs": batch.old_logprobs},
-      float_keys=("advantages", "rollout_logprobs", "old_logprobs"))
+    {
+      "segment_ids": batch.segment_ids,
+      "loss_mask": batch.loss_mask,
+      "advantages": batch.advantages,
+      "rollout_logprobs": batch.rollout_logprobs,
+      "old_logprobs": batch.old_logprobs,
+    },
+    float_keys=("advantages", "rollout_logprobs", "old_logprobs"),
+  )
   _validation.check_segments(batch.segment_ids, batch.num_segments)
   segs = Segments(batch.segment_ids, batch.num_segments, axis_name, pass_options)
   mask = _validation.flat_mask(arrays["loss_mask"], segs.valid)
@@ -287,20 +371,26 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
       raise ValueError("decoupled PPO needs batch.old_logprobs and batch.rollout_logprobs")
     o = _validation.flat_float(batch.old_logprobs)
     q = _validation.flat_float(batch.rollout_logprobs)
-    result = _run_correction(o, q, mask, segs, loss_cfg, shape, None,
-                             adv=jnp.where(mask, _validation.flat_float(batch.advantages), 0.0))
+    result = _run_correction(
+      o, q, mask, segs, loss_cfg, shape, None, adv=jnp.where(mask, _validation.flat_float(batch.advantages), 0.0)
+    )
     stats = result.kept_stats if loss_cfg.denominator == "kept" else result.mask_stats
-    out = Correction(is_weights=result.weights.reshape(shape), kept_mask=result.kept.reshape(shape),
-                     denominators=Denominators.from_stats(stats))
+    out = Correction(
+      is_weights=result.weights.reshape(shape),
+      kept_mask=result.kept.reshape(shape),
+      denominators=Denominators.from_stats(stats),
+    )
     metrics, kept = result.metrics, result.kept
   elif not (loss_cfg.correction_in_loss and loss_cfg.denominator == "kept"):
     out = Correction(denominators=Denominators.from_stats(segs.mask_stats(mask)))
   if loss_cfg.uses_cov_selection:
     anchor = _anchor(loss_cfg, batch.old_logprobs, batch.rollout_logprobs)
     if anchor is None:
-      raise ValueError(f"policy_loss '{loss_cfg.policy_loss.name}' selects tokens from the anchor log-probs: "
-                       f"algorithm '{loss_cfg.algorithm}' needs batch."
-                       f"{_anchor(loss_cfg, 'old_logprobs', 'rollout_logprobs')}")
+      raise ValueError(
+        f"policy_loss '{loss_cfg.policy_loss.name}' selects tokens from the anchor log-probs: "
+        f"algorithm '{loss_cfg.algorithm}' needs batch."
+        f"{_anchor(loss_cfg, 'old_logprobs', 'rollout_logprobs')}"
+      )
     anchor = jnp.where(mask, _validation.flat_float(anchor), 0.0)
     adv = jnp.where(mask, _validation.flat_float(batch.advantages), 0.0)
     selected = loss_cfg.form.select(anchor, adv, kept, segs, loss_cfg.policy_loss, key)
@@ -310,22 +400,41 @@ def prepare_step(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisNam
 
 def _check_key(cfg: LossConfig, key, selected) -> None:
   if cfg.form.select_needs_key and key is None and selected is None:
-    raise ValueError(f"policy_loss '{cfg.policy_loss.name}' picks its tokens at random: pass key= (a jax.random "
-                     "key), or a correction whose cov_selected prepare_step set")
+    raise ValueError(
+      f"policy_loss '{cfg.policy_loss.name}' picks its tokens at random: pass key= (a jax.random "
+      "key), or a correction whose cov_selected prepare_step set"
+    )
 
 
-def loss_denominators(batch: PackedBatch, loss_cfg: LossConfig, *, axis_name: AxisName = None,
-                      pass_options: PassOptions | None = None, key: jax.Array | None = None):
+def loss_denominators(
+  batch: PackedBatch,
+  loss_cfg: LossConfig,
+  *,
+  axis_name: AxisName = None,
+  pass_options: PassOptions | None = None,
+  key: jax.Array | None = None,
+):
   """Global :class:`Denominators` of a full step's batch (see :func:`prepare_step`)."""
   return prepare_step(batch, loss_cfg, axis_name=axis_name, pass_options=pass_options, key=key)[0].denominators
 
 
 # --- the loss --------------------------------------------------------------------------
 
-def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None,
-                axis_name: AxisName = None, *, correction: Correction | None = None,
-                denominators: Denominators | None = None, batch_norm_factor=None,
-                pass_options: PassOptions | None = None, key: jax.Array | None = None, topk_logprobs=None):
+
+def policy_loss(
+  logprobs,
+  batch: PackedBatch,
+  loss_cfg: LossConfig,
+  entropy=None,
+  axis_name: AxisName = None,
+  *,
+  correction: Correction | None = None,
+  denominators: Denominators | None = None,
+  batch_norm_factor=None,
+  pass_options: PassOptions | None = None,
+  key: jax.Array | None = None,
+  topk_logprobs=None,
+):
   """Policy loss of the algorithm selected by ``use_rollout_logprobs`` × ``use_tis`` (contract §6)
   and the form ``policy_loss`` (contract §6.2; ``vanilla``: PPO's clipped surrogate).
 
@@ -373,8 +482,9 @@ def policy_loss(logprobs, batch: PackedBatch, loss_cfg: LossConfig, entropy=None
   segs = Segments(batch.segment_ids, batch.num_segments, axis_name, pass_options)
   x = _loss_inputs(logprobs, arrays, segs, loss_cfg, axis_name)
   corr = _corrected(x, arrays, segs, loss_cfg, jnp.shape(batch.segment_ids), batch_norm_factor)
-  pg_tok, over_kept, over_mask = _policy_term(x, corr, arrays, segs, loss_cfg, key, topk_logprobs,
-                                              batch.rollout_topk_logprobs)
+  pg_tok, over_kept, over_mask = _policy_term(
+    x, corr, arrays, segs, loss_cfg, key, topk_logprobs, batch.rollout_topk_logprobs
+  )
   if denominators is None:
     denominators = Denominators.from_stats(corr.kept_stats if loss_cfg.denominator == "kept" else corr.mask_stats)
   loss, values = _loss_terms(x, corr.kept, pg_tok, entropy, segs, loss_cfg, denominators)
@@ -391,6 +501,7 @@ class _LossInputs(NamedTuple):
   """The loss's flat ``[T]`` inputs: the trained mask ``m`` (rollout log-probs that are not finite
   dropped, their count in ``nonfinite``), ``lp`` (with the gradient) and the stop-gradient others, 0
   off ``m``; ``monitor`` the trainer log-probs mismatch monitoring reads."""
+
   mask: jax.Array
   nonfinite: dict
   lp: jax.Array
@@ -442,10 +553,12 @@ def _corrected(x: _LossInputs, arrays: dict, segs: Segments, cfg: LossConfig, sh
       train_lp = x.o if cfg.algorithm == "decoupled_ppo" else x.lp_sg
       # The correction's passes monitor too when they read the monitored log-probs: o in decoupled
       # PPO (recomputed, not loglinear's approximation), sg(lp) in REINFORCE without o.
-      mismatch_done = x.q is not None and cfg.proximal == "recompute" and (cfg.algorithm == "decoupled_ppo"
-                                                                            or x.o is None)
-      result = _run_correction(train_lp, x.q, x.mask, segs, cfg, shape, batch_norm_factor, mismatch=mismatch_done,
-                               adv=x.adv)
+      mismatch_done = (
+        x.q is not None and cfg.proximal == "recompute" and (cfg.algorithm == "decoupled_ppo" or x.o is None)
+      )
+      result = _run_correction(
+        train_lp, x.q, x.mask, segs, cfg, shape, batch_norm_factor, mismatch=mismatch_done, adv=x.adv
+      )
       weights, kept, metrics = result.weights, result.kept, result.metrics
       mask_stats, kept_stats = result.mask_stats, result.kept_stats
   if x.q is not None and not mismatch_done:
@@ -458,8 +571,16 @@ def _corrected(x: _LossInputs, arrays: dict, segs: Segments, cfg: LossConfig, sh
   return Corrected(weights, kept, metrics, mask_stats, kept_stats)
 
 
-def _policy_term(x: _LossInputs, corr: Corrected, arrays: dict, segs: Segments, cfg: LossConfig, key, topk_logprobs,
-                 rollout_topk_logprobs):
+def _policy_term(
+  x: _LossInputs,
+  corr: Corrected,
+  arrays: dict,
+  segs: Segments,
+  cfg: LossConfig,
+  key,
+  topk_logprobs,
+  rollout_topk_logprobs,
+):
   """The form's per-token loss (:func:`token_loss`) on the step's selected tokens (a form with a
   ``select`` function), its ``lp`` carrying the centred score with ``score_centering`` (contract §6.6).
   Returns ``(pg, over_kept, over_mask)`` with the centring's metric rows among them."""
@@ -473,8 +594,9 @@ def _policy_term(x: _LossInputs, corr: Corrected, arrays: dict, segs: Segments, 
   if cfg.score_centering:  # the form reads lp with the centred score as its gradient
     coefficient = jnp.abs(x.adv) * (corr.weights if ALGORITHMS[cfg.algorithm].weighted else 1.0)
     lp_pg, centring_rows = _centering.centre(x.lp, topk_logprobs, rollout_topk_logprobs, x.mask, coefficient)
-  pg_tok, over_kept, over_mask = token_loss(cfg, lp_pg, x.lp_sg, x.o, x.q, x.adv, corr.weights, corr.kept, segs,
-                                            selected)
+  pg_tok, over_kept, over_mask = token_loss(
+    cfg, lp_pg, x.lp_sg, x.o, x.q, x.adv, corr.weights, corr.kept, segs, selected
+  )
   return pg_tok, {**over_kept, **centring_rows[1]}, {**over_mask, **centring_rows[0]}
 
 

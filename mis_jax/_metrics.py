@@ -14,12 +14,24 @@ from mis_jax._config import MISConfig, RSCriterion, resolve_correction_fn
 from mis_jax._correction import k3
 from mis_jax._segments import LOG_BOUND, per_segment_mean, safe_exp
 
-MISMATCH_NAMES = ("mis_training_log_ppl", "mis_training_ppl", "mis_rollout_log_ppl", "mis_rollout_ppl", "mis_kl",
-                  "mis_k3_kl", "mis_log_ppl_diff", "mis_log_ppl_abs_diff", "mis_ppl_ratio", "mis_chi2_token",
-                  "mis_chi2_seq", "train_rollout_logprob_abs_diff")
+MISMATCH_NAMES = (
+  "mis_training_log_ppl",
+  "mis_training_ppl",
+  "mis_rollout_log_ppl",
+  "mis_rollout_ppl",
+  "mis_kl",
+  "mis_k3_kl",
+  "mis_log_ppl_diff",
+  "mis_log_ppl_abs_diff",
+  "mis_ppl_ratio",
+  "mis_chi2_token",
+  "mis_chi2_seq",
+  "train_rollout_logprob_abs_diff",
+)
 
 
 # --- contract §8.1: mismatch monitoring --------------------------------------------------------
+
 
 def mismatch_token_values(r) -> dict:
   """Per-token rows of contract §8.1, each averaged over ``m`` by ``R_m``.
@@ -30,8 +42,7 @@ def mismatch_token_values(r) -> dict:
   to ±B where it is exponentiated (contract §12.10), raw in ``|o - q|``.
   """
   rc = jnp.clip(r, -LOG_BOUND, LOG_BOUND)
-  return {"mis_k3_kl": k3(rc), "mis_chi2_token": jnp.exp(2.0 * rc) - 1.0,
-          "train_rollout_logprob_abs_diff": jnp.abs(r)}
+  return {"mis_k3_kl": k3(rc), "mis_chi2_token": jnp.exp(2.0 * rc) - 1.0, "train_rollout_logprob_abs_diff": jnp.abs(r)}
 
 
 def mismatch_segment_values(sum_o, sum_q, sum_r, count) -> dict:
@@ -50,26 +61,29 @@ def mismatch_segment_values(sum_o, sum_q, sum_r, count) -> dict:
   mean_o, mean_q, mean_r = sum_o / n, sum_q / n, sum_r / n
   diff = mean_q - mean_o
   return {
-      "mis_training_log_ppl": -mean_o,
-      "mis_training_ppl": safe_exp(-mean_o),
-      "mis_rollout_log_ppl": -mean_q,
-      "mis_rollout_ppl": safe_exp(-mean_q),
-      "mis_kl": -mean_r,
-      "mis_log_ppl_diff": diff,
-      "mis_log_ppl_abs_diff": jnp.abs(diff),
-      "mis_ppl_ratio": safe_exp(diff),
-      "mis_chi2_seq": jnp.exp(2.0 * jnp.clip(sum_r, -LOG_BOUND, LOG_BOUND)) - 1.0,
+    "mis_training_log_ppl": -mean_o,
+    "mis_training_ppl": safe_exp(-mean_o),
+    "mis_rollout_log_ppl": -mean_q,
+    "mis_rollout_ppl": safe_exp(-mean_q),
+    "mis_kl": -mean_r,
+    "mis_log_ppl_diff": diff,
+    "mis_log_ppl_abs_diff": jnp.abs(diff),
+    "mis_ppl_ratio": safe_exp(diff),
+    "mis_chi2_seq": jnp.exp(2.0 * jnp.clip(sum_r, -LOG_BOUND, LOG_BOUND)) - 1.0,
   }
 
 
 def mismatch_metrics(seg_values: dict, token_means: dict, count, mode: str) -> dict:
   """The contract §8.1 table, in its order, from :func:`mismatch_segment_values` (reduced here)
   and the reduced :func:`mismatch_token_values` (``token_means``)."""
-  return {name: per_segment_mean(seg_values[name], count, mode) if name in seg_values else token_means[name]
-          for name in MISMATCH_NAMES}
+  return {
+    name: per_segment_mean(seg_values[name], count, mode) if name in seg_values else token_means[name]
+    for name in MISMATCH_NAMES
+  }
 
 
 # --- contract §8.2: correction metrics -----------------------------------------------------------
+
 
 def is_token_values(cfg: MISConfig, bounds, w_raw, w, keep_is) -> dict:
   """Per-token rows of the IS weights (contract §8.2) averaged over the original mask ``m``
@@ -95,8 +109,10 @@ def is_token_values(cfg: MISConfig, bounds, w_raw, w, keep_is) -> dict:
 def rs_token_values(bounds, w_rs_raw) -> dict:
   """Per-token rows of rejection sampling (contract §8.2) averaged over ``m``:
   ``mis_rs_mask_fraction_low/_high = [w_rs_raw < lo_rs]/[w_rs_raw > hi_rs]``."""
-  return {"mis_rs_mask_fraction_low": w_rs_raw < bounds.rs_lower,
-          "mis_rs_mask_fraction_high": w_rs_raw > bounds.rs_upper}
+  return {
+    "mis_rs_mask_fraction_low": w_rs_raw < bounds.rs_lower,
+    "mis_rs_mask_fraction_high": w_rs_raw > bounds.rs_upper,
+  }
 
 
 def criterion_token_values(crit: RSCriterion, value, keep) -> dict:
@@ -106,8 +122,9 @@ def criterion_token_values(crit: RSCriterion, value, keep) -> dict:
   return {f"{prefix}_masked_fraction": ~keep, f"{prefix}_mean": value}
 
 
-def final_weight_metrics(*, mean_after_tis_rs, factor, w_min, w_max, sum_w, sum_w2, num_kept, num_trained,
-                         seg_kept_counts, num_live) -> dict:
+def final_weight_metrics(
+  *, mean_after_tis_rs, factor, w_min, w_max, sum_w, sum_w2, num_kept, num_trained, seg_kept_counts, num_live
+) -> dict:
   """contract §8.2 rows of the weights that multiply the loss, over the kept mask ``m'``.
 
   ``mis_is_ratio_mean_after_tis_rs = R_{m'}(w)`` before normalisation; ``mis_batch_norm_factor
@@ -120,15 +137,15 @@ def final_weight_metrics(*, mean_after_tis_rs, factor, w_min, w_max, sum_w, sum_
   any_kept = num_kept > 0
   ess_den = num_kept * sum_w2
   return {
-      "mis_is_ratio_mean_after_tis_rs": mean_after_tis_rs,
-      "mis_batch_norm_factor": factor,
-      "mis_is_ratio_mean_final": mean_after_tis_rs / factor,
-      "mis_is_ratio_min_final": jnp.where(any_kept, w_min, 0.0) / factor,
-      "mis_is_ratio_max_final": jnp.where(any_kept, w_max, 0.0) / factor,
-      "mis_ess_ratio": jnp.where(ess_den > 0, sum_w * sum_w / jnp.where(ess_den > 0, ess_den, 1.0), 0.0),
-      "mis_kept_token_fraction": num_kept / jnp.maximum(num_trained, 1.0),
-      "mis_kept_seq_fraction": jnp.sum((seg_kept_counts > 0).astype(jnp.float32)) / jnp.maximum(num_live, 1.0),
-      "mis_masked_whole_batch": (~any_kept).astype(jnp.float32),
+    "mis_is_ratio_mean_after_tis_rs": mean_after_tis_rs,
+    "mis_batch_norm_factor": factor,
+    "mis_is_ratio_mean_final": mean_after_tis_rs / factor,
+    "mis_is_ratio_min_final": jnp.where(any_kept, w_min, 0.0) / factor,
+    "mis_is_ratio_max_final": jnp.where(any_kept, w_max, 0.0) / factor,
+    "mis_ess_ratio": jnp.where(ess_den > 0, sum_w * sum_w / jnp.where(ess_den > 0, ess_den, 1.0), 0.0),
+    "mis_kept_token_fraction": num_kept / jnp.maximum(num_trained, 1.0),
+    "mis_kept_seq_fraction": jnp.sum((seg_kept_counts > 0).astype(jnp.float32)) / jnp.maximum(num_live, 1.0),
+    "mis_masked_whole_batch": (~any_kept).astype(jnp.float32),
   }
 
 
@@ -154,8 +171,9 @@ def declare(reductions: dict) -> dict:
     if how not in REDUCTIONS:
       raise ValueError(f"metric {name!r}: unknown micro-batch reduction {how!r}; one of {REDUCTIONS}")
     if MICROBATCH_REDUCTIONS.setdefault(name, how) != how:
-      raise ValueError(f"metric {name!r} declared with two micro-batch reductions: "
-                       f"{MICROBATCH_REDUCTIONS[name]!r} and {how!r}")
+      raise ValueError(
+        f"metric {name!r} declared with two micro-batch reductions: {MICROBATCH_REDUCTIONS[name]!r} and {how!r}"
+      )
   return reductions
 
 
@@ -178,12 +196,19 @@ def criterion_names(metric: str, agg: str) -> dict:
 
 
 declare({name: "mask" for name in MISMATCH_NAMES})  # contract §8.1: means over m
-declare({  # contract §8.2, `final_weight_metrics`
-    "mis_is_ratio_mean_after_tis_rs": "kept", "mis_batch_norm_factor": "mask", "mis_is_ratio_mean_final": "kept",
-    "mis_is_ratio_min_final": "min", "mis_is_ratio_max_final": "max", "mis_ess_ratio": "kept",
-    "mis_kept_token_fraction": "mask", "mis_kept_seq_fraction": "seqs",
+declare(
+  {  # contract §8.2, `final_weight_metrics`
+    "mis_is_ratio_mean_after_tis_rs": "kept",
+    "mis_batch_norm_factor": "mask",
+    "mis_is_ratio_mean_final": "kept",
+    "mis_is_ratio_min_final": "min",
+    "mis_is_ratio_max_final": "max",
+    "mis_ess_ratio": "kept",
+    "mis_kept_token_fraction": "mask",
+    "mis_kept_seq_fraction": "seqs",
     "mis_masked_whole_batch": "min",  # the step keeps nothing iff no micro-batch keeps anything
-})
+  }
+)
 declare({"mis_auto_target_met": "min"})  # contract §3.1: met over the step iff met in every micro-batch
 # The metrics of the correction's bound and masks are declared by their stages (`mis_jax._stages`).
 
@@ -207,6 +232,8 @@ def microbatch_reduction(name: str, loss_cfg=None) -> str:
     if own[name] not in REDUCTIONS:
       raise ValueError(f"metric {name!r}: unknown micro-batch reduction {own[name]!r}; one of {REDUCTIONS}")
     return own[name]
-  raise KeyError(f"metric {name!r} declares no micro-batch reduction (one of {REDUCTIONS}): the library declares "
-                 "its metrics' in mis_jax.engine.MICROBATCH_REDUCTIONS; a correction function of your own declares its "
-                 "metrics' as its attribute microbatch_reductions")
+  raise KeyError(
+    f"metric {name!r} declares no micro-batch reduction (one of {REDUCTIONS}): the library declares "
+    "its metrics' in mis_jax.engine.MICROBATCH_REDUCTIONS; a correction function of your own declares its "
+    "metrics' as its attribute microbatch_reductions"
+  )

@@ -15,8 +15,16 @@ import numpy as np
 
 from mis_jax._prepared import Correction
 
-_DATA_FIELDS = ("segment_ids", "loss_mask", "advantages", "rollout_logprobs", "old_logprobs",
-                "ref_logprobs", "rollout_staleness", "rollout_topk_logprobs")
+_DATA_FIELDS = (
+  "segment_ids",
+  "loss_mask",
+  "advantages",
+  "rollout_logprobs",
+  "old_logprobs",
+  "ref_logprobs",
+  "rollout_staleness",
+  "rollout_topk_logprobs",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +76,7 @@ class PackedBatch:
     return np.shape(self.segment_ids)
 
 
-jax.tree_util.register_dataclass(PackedBatch, data_fields=list(_DATA_FIELDS),
-                                 meta_fields=["num_segments"])
+jax.tree_util.register_dataclass(PackedBatch, data_fields=list(_DATA_FIELDS), meta_fields=["num_segments"])
 
 
 def split_microbatches(batch: PackedBatch | Correction, k: int) -> list:
@@ -86,11 +93,13 @@ def split_microbatches(batch: PackedBatch | Correction, k: int) -> list:
       return [batch] * _check_split(k, None)
     size = np.shape(tokens[0])[0] // _check_split(k, np.shape(tokens[0])[0])
     per_token = batch.replace(denominators=None)
-    return [jax.tree_util.tree_map(lambda x: x[i * size:(i + 1) * size], per_token).replace(
-        denominators=batch.denominators) for i in range(k)]
+    return [
+      jax.tree_util.tree_map(lambda x: x[i * size : (i + 1) * size], per_token).replace(denominators=batch.denominators)
+      for i in range(k)
+    ]
   rows = np.shape(batch.segment_ids)[0]
   size = rows // _check_split(k, rows)
-  return [jax.tree_util.tree_map(lambda x: x[i * size:(i + 1) * size], batch) for i in range(k)]
+  return [jax.tree_util.tree_map(lambda x: x[i * size : (i + 1) * size], batch) for i in range(k)]
 
 
 def _check_split(k: int, rows: int | None) -> int:
@@ -142,7 +151,7 @@ class Packing:
     for i, a in enumerate(arrays):
       if a.shape != (self.lengths[i],) + trailing:
         raise ValueError(f"sequence {i} has shape {a.shape}, expected {(int(self.lengths[i]),) + trailing}")
-      out[self.rows[i], self.offsets[i]:self.offsets[i] + self.lengths[i]] = a
+      out[self.rows[i], self.offsets[i] : self.offsets[i] + self.lengths[i]] = a
     return out
 
   def unpack(self, packed) -> list[np.ndarray]:
@@ -150,11 +159,12 @@ class Packing:
     packed = np.asarray(packed)
     if packed.shape[:2] != (self.num_rows, self.row_len):
       raise ValueError(f"packed array has shape {packed.shape}, expected ({self.num_rows}, {self.row_len}, ...)")
-    return [packed[r, o:o + n] for r, o, n in zip(self.rows, self.offsets, self.lengths)]
+    return [packed[r, o : o + n] for r, o, n in zip(self.rows, self.offsets, self.lengths)]
 
 
-def plan_packing(lengths: Sequence[int], row_len: int, *, num_rows: int | None = None,
-                 row_multiple: int = 1) -> Packing:
+def plan_packing(
+  lengths: Sequence[int], row_len: int, *, num_rows: int | None = None, row_multiple: int = 1
+) -> Packing:
   """First-fit-decreasing packing of sequences of the given lengths into rows of ``row_len``.
 
   Args:
@@ -171,8 +181,9 @@ def plan_packing(lengths: Sequence[int], row_len: int, *, num_rows: int | None =
     raise ValueError(f"sequence lengths must be >= 0, got {int(lengths.min())}")
   if lengths.size and lengths.max() > row_len:
     i = int(lengths.argmax())
-    raise ValueError(f"sequence {i} has length {int(lengths[i])} > row_len={row_len}; "
-                     "raise row_len or truncate the sequence")
+    raise ValueError(
+      f"sequence {i} has length {int(lengths[i])} > row_len={row_len}; raise row_len or truncate the sequence"
+    )
   order = np.argsort(-lengths, kind="stable")
   free: list[int] = []  # remaining capacity per open row
   rows = np.zeros(len(lengths), np.int64)
@@ -191,7 +202,8 @@ def plan_packing(lengths: Sequence[int], row_len: int, *, num_rows: int | None =
   if num_rows is None:
     num_rows = -(-needed // row_multiple) * row_multiple
   elif needed > num_rows:
-    raise ValueError(f"{len(lengths)} sequences ({int(lengths.sum())} tokens) need {needed} rows "
-                     f"of {row_len} tokens, but num_rows={num_rows}")
-  return Packing(row_len=int(row_len), num_rows=int(num_rows), rows=rows, offsets=offsets,
-                 lengths=lengths)
+    raise ValueError(
+      f"{len(lengths)} sequences ({int(lengths.sum())} tokens) need {needed} rows "
+      f"of {row_len} tokens, but num_rows={num_rows}"
+    )
+  return Packing(row_len=int(row_len), num_rows=int(num_rows), rows=rows, offsets=offsets, lengths=lengths)

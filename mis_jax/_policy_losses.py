@@ -47,6 +47,7 @@ class FormInputs(NamedTuple):
   a form with a ``select`` function (bool) or None; ``loss_cfg``: the :class:`mis_jax.LossConfig`, for
   the keys every form shares (``eps_clip``, ``clip_high``).
   """
+
   lp: jax.Array
   lp_sg: jax.Array
   anchor: jax.Array
@@ -69,6 +70,7 @@ class FormInputs(NamedTuple):
 class FormLoss(NamedTuple):
   """A form's per-token loss (weights applied), its clip indicator (``pg_clipfrac``) and its own
   metric rows, averaged over the kept mask (their names registered with the form)."""
+
   pg: jax.Array
   clipfrac: jax.Array
   over_kept: dict
@@ -88,6 +90,7 @@ class PolicyLossForm(NamedTuple):
     select_needs_key: ``select`` draws at random from ``key``.
     metrics: the names of the form's own metric rows (``FormLoss.over_kept``).
   """
+
   name: str
   config: type | None
   fn: Callable
@@ -97,8 +100,15 @@ class PolicyLossForm(NamedTuple):
   metrics: tuple = ()
 
 
-def register_policy_loss(name: str, config: type | None = None, *, ratio_free: bool = False,
-                         select: Callable | None = None, select_needs_key: bool = False, metrics=()):
+def register_policy_loss(
+  name: str,
+  config: type | None = None,
+  *,
+  ratio_free: bool = False,
+  select: Callable | None = None,
+  select_needs_key: bool = False,
+  metrics=(),
+):
   """Registers the decorated function as the policy-loss form ``name``, with ``config`` its keys.
 
   ``fn(x: FormInputs, cfg) -> FormLoss`` gets the batch's inputs and the form's config (an instance of
@@ -113,6 +123,7 @@ def register_policy_loss(name: str, config: type | None = None, *, ratio_free: b
     POLICY_LOSSES.add(PolicyLossForm(name, config, fn, ratio_free, select, select_needs_key, metrics))
     metrics_lib.declare({m: "kept" for m in metrics})
     return fn
+
   return register
 
 
@@ -125,8 +136,9 @@ def _forget_metrics(form: PolicyLossForm) -> None:
 POLICY_LOSSES.on_unregister(_forget_metrics)
 
 
-def ppo_token_loss(logprobs, anchor_logprobs, advantages, *, eps_clip: float, eps_clip_high: float,
-                   eps_clip_c: float | None = None):
+def ppo_token_loss(
+  logprobs, anchor_logprobs, advantages, *, eps_clip: float, eps_clip_high: float, eps_clip_c: float | None = None
+):
   """Clipped PPO per-token loss and clip indicator (contract §6).
 
   ``ratio = exp(clip(lp - anchor, ±20))``;
@@ -155,6 +167,7 @@ _EPS_CLIP_C_DOC = "dual-clip constant of vanilla; DPPO's ratio truncation (null:
 @dataclasses.dataclass(frozen=True)
 class VanillaConfig(PolicyLossConfig):
   """``vanilla``'s keys: PPO's optional dual clip."""
+
   eps_clip_c: float | None = key(None, _EPS_CLIP_C_DOC, gt=1)
 
 
@@ -162,14 +175,16 @@ class VanillaConfig(PolicyLossConfig):
 def vanilla(x: FormInputs, cfg: VanillaConfig) -> FormLoss:
   """PPO's clipped surrogate, with the optional dual clip (contract §6)."""
   loss_cfg = x.loss_cfg
-  pg, clipfrac = ppo_token_loss(x.lp, x.anchor, x.adv, eps_clip=loss_cfg.eps_clip, eps_clip_high=loss_cfg.clip_high,
-                                eps_clip_c=cfg.eps_clip_c)
+  pg, clipfrac = ppo_token_loss(
+    x.lp, x.anchor, x.adv, eps_clip=loss_cfg.eps_clip, eps_clip_high=loss_cfg.clip_high, eps_clip_c=cfg.eps_clip_c
+  )
   return FormLoss(x.weighted(pg), clipfrac, {})
 
 
 @dataclasses.dataclass(frozen=True)
 class DppoTvConfig(PolicyLossConfig):
   """``dppo_tv``'s keys: the truncation of its ratio."""
+
   eps_clip_c: float | None = key(None, _EPS_CLIP_C_DOC, gt=1)
 
 
@@ -186,8 +201,9 @@ def _dppo(x: FormInputs, cfg: DppoTvConfig, valid_fn) -> FormLoss:
   truncated = jnp.minimum(ratio, c)
   valid = valid_fn(x.lp_sg, x.anchor, x.adv, x.loss_cfg)
   pg = jnp.where(valid, -x.adv * truncated * x.lp, 0.0)
-  return FormLoss(x.weighted(pg), (~valid).astype(jnp.float32),
-                  {"pg_clipfrac_lower": (valid & (ratio > c)).astype(jnp.float32)})
+  return FormLoss(
+    x.weighted(pg), (~valid).astype(jnp.float32), {"pg_clipfrac_lower": (valid & (ratio > c)).astype(jnp.float32)}
+  )
 
 
 def _tv_region(lp, anchor, adv, cfg: LossConfig):
@@ -201,8 +217,7 @@ def _binary_kl_region(lp, anchor, adv, cfg: LossConfig):
   ``eps_high`` where ``A > 0`` (``eps`` elsewhere), or the move goes the other way."""
   eps = 1e-8
   p, p_anchor = safe_exp(lp), safe_exp(anchor)
-  kl = (p_anchor * (anchor - lp) +
-        (1.0 - p_anchor) * jnp.log((1.0 - p_anchor + eps) / (1.0 - p + eps)))
+  kl = p_anchor * (anchor - lp) + (1.0 - p_anchor) * jnp.log((1.0 - p_anchor + eps) / (1.0 - p + eps))
   return jnp.where(adv > 0, (kl <= cfg.clip_high) | (p <= p_anchor), (kl <= cfg.eps_clip) | (p >= p_anchor))
 
 
@@ -245,6 +260,7 @@ def gspo(x: FormInputs, cfg: GspoConfig) -> FormLoss:
 @dataclasses.dataclass(frozen=True)
 class SapoConfig(PolicyLossConfig):
   """``sapo``'s keys: its gate's temperatures."""
+
   tau_pos: float = key(1.0, "sapo: gate temperature where A > 0", gt=0)
   tau_neg: float = key(1.05, "sapo: gate temperature where A <= 0", gt=0)
 
@@ -273,9 +289,11 @@ def gpg(x: FormInputs, cfg: GpgConfig) -> FormLoss:
 
 # --- clip_cov / kl_cov: the step's covariance selection --------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class ClipCovConfig(PolicyLossConfig):
   """``clip_cov``'s keys: how many tokens it cuts, among which covariances."""
+
   clip_cov_ratio: float = key(0.0002, "clip_cov: share of the step's tokens whose loss is cut", gt=0, le=1)
   clip_cov_lb: float = key(1.0, "clip_cov: lower bound of a candidate's covariance")
   clip_cov_ub: float = key(5.0, "clip_cov: upper bound of a candidate's covariance")
@@ -283,13 +301,15 @@ class ClipCovConfig(PolicyLossConfig):
   def __post_init__(self):
     super().__post_init__()
     if not self.clip_cov_lb < self.clip_cov_ub:
-      raise ConfigError(f"key 'policy_loss.clip_cov_lb' ({self.clip_cov_lb}) must be below 'clip_cov_ub' "
-                        f"({self.clip_cov_ub})")
+      raise ConfigError(
+        f"key 'policy_loss.clip_cov_lb' ({self.clip_cov_lb}) must be below 'clip_cov_ub' ({self.clip_cov_ub})"
+      )
 
 
 @dataclasses.dataclass(frozen=True)
 class KlCovConfig(PolicyLossConfig):
   """``kl_cov``'s keys: how many tokens get its penalty, and its weight."""
+
   kl_cov_ratio: float = key(0.0002, "kl_cov: share of the step's tokens given the KL penalty", gt=0, le=1)
   ppo_kl_coef: float = key(0.1, "kl_cov: coefficient of |lp - anchor| on the selected tokens", ge=0)
 
@@ -304,8 +324,10 @@ def _top_k(keys, eligible, k, axis_name):
   """The eligible tokens with the ``k`` largest uint32 ``keys`` over every device (all of them
   if fewer are eligible; ties at the threshold all go in). Exact: the threshold is built bit by
   bit from the top, each bit one global count."""
+
   def enough(candidate):
     return psum(jnp.sum((eligible & (keys >= candidate)).astype(jnp.int32)), axis_name) >= k
+
   threshold = largest_with(enough, bits=32, dtype=jnp.uint32)
   return eligible & (keys >= threshold) & (k > 0)
 
@@ -345,8 +367,9 @@ def kl_cov_selection(anchor, adv, kept, segs: Segments, cfg: KlCovConfig, key):
   return _top_k(_ordered_bits(cov), kept, k, segs.axis_name)
 
 
-@register_policy_loss("clip_cov", ClipCovConfig, select=clip_cov_selection, select_needs_key=True,
-                      metrics=("cov_selected_fraction",))
+@register_policy_loss(
+  "clip_cov", ClipCovConfig, select=clip_cov_selection, select_needs_key=True, metrics=("cov_selected_fraction",)
+)
 def clip_cov(x: FormInputs, cfg: ClipCovConfig) -> FormLoss:
   """Clip-Cov (arXiv 2505.22617): PPO's surrogate, cut to 0 on the step's selected tokens."""
   pg, _ = ppo_token_loss(x.lp, x.anchor, x.adv, eps_clip=x.loss_cfg.eps_clip, eps_clip_high=x.loss_cfg.clip_high)
@@ -361,8 +384,11 @@ def kl_cov(x: FormInputs, cfg: KlCovConfig) -> FormLoss:
   step's selected tokens."""
   diff = x.lp - x.anchor
   pg = -x.adv * safe_exp(diff) + jnp.where(x.selected, cfg.ppo_kl_coef * jnp.abs(diff), 0.0)
-  return FormLoss(x.weighted(pg), jnp.zeros_like(x.lp),
-                  {"cov_selected_fraction": x.selected.astype(jnp.float32), "ppo_kl_abs": jnp.abs(x.lp_sg - x.anchor)})
+  return FormLoss(
+    x.weighted(pg),
+    jnp.zeros_like(x.lp),
+    {"cov_selected_fraction": x.selected.astype(jnp.float32), "ppo_kl_abs": jnp.abs(x.lp_sg - x.anchor)},
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,21 +412,25 @@ def geo_mean(x: FormInputs, cfg: GeoMeanConfig) -> FormLoss:
   if x.weights is not None:
     log_w, _ = _segment_mean(jnp.log(x.weights + 1e-10), x)
     pg = safe_exp(log_w) * pg
-  clipped = (d != d_clip)
-  return FormLoss(pg, (clipped & (x.adv > 0)).astype(jnp.float32),
-                  {"pg_clipfrac_lower": (clipped & (x.adv < 0)).astype(jnp.float32)})
+  clipped = d != d_clip
+  return FormLoss(
+    pg, (clipped & (x.adv > 0)).astype(jnp.float32), {"pg_clipfrac_lower": (clipped & (x.adv < 0)).astype(jnp.float32)}
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class DroConfig(PolicyLossConfig):
   """``dro``'s keys: the weight of its quadratic penalty (required: verl has no default either)."""
+
   dro_beta: float | None = key(None, "dro: quadratic log-ratio penalty (required by dro)", gt=0)
 
   def __post_init__(self):
     super().__post_init__()
     if self.dro_beta is None:
-      raise ConfigError("policy_loss 'dro' needs key 'dro_beta' (> 0), the weight of its quadratic log-ratio "
-                        "penalty; verl has no default either")
+      raise ConfigError(
+        "policy_loss 'dro' needs key 'dro_beta' (> 0), the weight of its quadratic log-ratio "
+        "penalty; verl has no default either"
+      )
 
 
 @register_policy_loss("dro", DroConfig)

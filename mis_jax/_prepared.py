@@ -35,8 +35,7 @@ class Denominators:
     return cls(seg_tokens=stats.counts, num_tokens=stats.total, num_seqs=stats.num_live)
 
 
-jax.tree_util.register_dataclass(Denominators, data_fields=["seg_tokens", "num_tokens", "num_seqs"],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(Denominators, data_fields=["seg_tokens", "num_tokens", "num_seqs"], meta_fields=[])
 
 TOKEN_FIELDS = ("is_weights", "kept_mask", "cov_selected")
 

@@ -38,8 +38,10 @@ _OPENRLHF = "https://github.com/OpenRLHF/OpenRLHF/blob/main/openrlhf/models/loss
 _NEMO_RL = "https://github.com/NVIDIA-NeMo/RL/blob/main/nemo_rl/algorithms/loss_functions.py"
 _TRL_CONFIG = "https://github.com/huggingface/trl/blob/main/trl/trainer/grpo_config.py"
 _TRL_TRAINER = "https://github.com/huggingface/trl/blob/main/trl/trainer/grpo_trainer.py"
-_SWIFT_DOC = ("https://github.com/modelscope/ms-swift/blob/main/docs/source_en/Instruction/GRPO/AdvancedResearch/"
-              "training_inference_mismatch.md")
+_SWIFT_DOC = (
+  "https://github.com/modelscope/ms-swift/blob/main/docs/source_en/Instruction/GRPO/AdvancedResearch/"
+  "training_inference_mismatch.md"
+)
 _SWIFT_CODE = "https://github.com/modelscope/ms-swift/blob/main/swift/trainers/rlhf_trainer/grpo_trainer.py"
 
 
@@ -66,39 +68,108 @@ def _decoupled(mis: dict) -> dict:
 
 
 _PRESETS = (
-    # OpenRLHF's --vllm_is_correction_type (band [low, high], default [0.5, 5.0]); NeMo-RL's
-    # truncated_importance_sampling_type takes the same three names, with bounds you set.
-    Preset("tis", "OpenRLHF / NeMo-RL", "w = clip(exp(o - q), 0.5, 5)", (_OPENRLHF, _NEMO_RL),
-           _decoupled({"tis_level": "token", "tis_mode": "clip", "tis_lower_bound": 0.5, "tis_upper_bound": 5.0})),
-    Preset("icepop", "OpenRLHF / NeMo-RL", "w = exp(o - q) if 0.5 <= exp(o - q) <= 5, else 0", (_OPENRLHF, _NEMO_RL),
-           _decoupled({"tis_level": "token", "tis_mode": "mask", "tis_lower_bound": 0.5, "tis_upper_bound": 5.0})),
-    Preset("seq-mask-tis", "OpenRLHF / NeMo-RL",
-           "w_t = exp(o_t - q_t) on sequences whose geometric-mean ratio exp(mean(o - q)) is in [0.5, 5], else 0",
-           (_OPENRLHF, _NEMO_RL),
-           _decoupled({"tis_level": "token", "tis_mode": "truncate", "tis_upper_bound": UNBOUNDED,
-                       "use_rs": True, "rs_level": "geometric", "rs_lower_bound": 0.5, "rs_upper_bound": 5.0})),
-    # TRL's GRPOConfig.vllm_importance_sampling_mode (default sequence_mask) with
-    # vllm_importance_sampling_clip_max (formerly _cap) C = 3 and no lower bound.
-    Preset("trl:token_truncate", "TRL", "w = min(exp(o - q), 3)", (_TRL_CONFIG, _TRL_TRAINER),
-           _decoupled({"tis_level": "token", "tis_mode": "truncate", "tis_upper_bound": 3.0})),
-    Preset("trl:token_mask", "TRL", "w = exp(o - q) if exp(o - q) <= 3, else 0", (_TRL_CONFIG, _TRL_TRAINER),
-           _decoupled({"tis_level": "token", "tis_mode": "mask", "tis_lower_bound": 0.0, "tis_upper_bound": 3.0})),
-    Preset("trl:sequence_truncate", "TRL", "w_t = min(exp(Σ_s (o - q)), 3)", (_TRL_CONFIG, _TRL_TRAINER),
-           _decoupled({"tis_level": "sequence", "tis_mode": "truncate", "tis_upper_bound": 3.0})),
-    Preset("trl:sequence_mask", "TRL (its default)", "w_t = exp(Σ_s (o - q)) if <= 3, else 0",
-           (_TRL_CONFIG, _TRL_TRAINER),
-           _decoupled({"tis_level": "sequence", "tis_mode": "mask", "tis_lower_bound": 0.0, "tis_upper_bound": 3.0})),
-    # ms-swift's --rollout_importance_sampling_mode with --rollout_importance_sampling_threshold τ = 2.
-    Preset("ms-swift:token_truncate", "ms-swift", "w = min(exp(o - q), 2)", (_SWIFT_DOC, _SWIFT_CODE),
-           _decoupled({"tis_level": "token", "tis_mode": "truncate", "tis_upper_bound": 2.0})),
-    Preset("ms-swift:token_mask", "ms-swift", "w = exp(o - q) if exp(o - q) <= 2, else 0", (_SWIFT_DOC, _SWIFT_CODE),
-           _decoupled({"tis_level": "token", "tis_mode": "mask", "tis_lower_bound": 0.0, "tis_upper_bound": 2.0})),
-    Preset("ms-swift:sequence_truncate", "ms-swift", "w_t = min(exp(mean_s(o - q)), 2)", (_SWIFT_DOC, _SWIFT_CODE),
-           _decoupled({"tis_level": "geometric", "tis_mode": "truncate", "tis_upper_bound": 2.0})),
-    Preset("ms-swift:sequence_mask", "ms-swift",
-           "w_t = exp(o_t - q_t) on sequences with exp(mean_s(o - q)) <= 2, else 0", (_SWIFT_DOC, _SWIFT_CODE),
-           _decoupled({"tis_level": "token", "tis_mode": "truncate", "tis_upper_bound": UNBOUNDED,
-                       "use_rs": True, "rs_level": "geometric", "rs_lower_bound": 0.0, "rs_upper_bound": 2.0})),
+  # OpenRLHF's --vllm_is_correction_type (band [low, high], default [0.5, 5.0]); NeMo-RL's
+  # truncated_importance_sampling_type takes the same three names, with bounds you set.
+  Preset(
+    "tis",
+    "OpenRLHF / NeMo-RL",
+    "w = clip(exp(o - q), 0.5, 5)",
+    (_OPENRLHF, _NEMO_RL),
+    _decoupled({"tis_level": "token", "tis_mode": "clip", "tis_lower_bound": 0.5, "tis_upper_bound": 5.0}),
+  ),
+  Preset(
+    "icepop",
+    "OpenRLHF / NeMo-RL",
+    "w = exp(o - q) if 0.5 <= exp(o - q) <= 5, else 0",
+    (_OPENRLHF, _NEMO_RL),
+    _decoupled({"tis_level": "token", "tis_mode": "mask", "tis_lower_bound": 0.5, "tis_upper_bound": 5.0}),
+  ),
+  Preset(
+    "seq-mask-tis",
+    "OpenRLHF / NeMo-RL",
+    "w_t = exp(o_t - q_t) on sequences whose geometric-mean ratio exp(mean(o - q)) is in [0.5, 5], else 0",
+    (_OPENRLHF, _NEMO_RL),
+    _decoupled(
+      {
+        "tis_level": "token",
+        "tis_mode": "truncate",
+        "tis_upper_bound": UNBOUNDED,
+        "use_rs": True,
+        "rs_level": "geometric",
+        "rs_lower_bound": 0.5,
+        "rs_upper_bound": 5.0,
+      }
+    ),
+  ),
+  # TRL's GRPOConfig.vllm_importance_sampling_mode (default sequence_mask) with
+  # vllm_importance_sampling_clip_max (formerly _cap) C = 3 and no lower bound.
+  Preset(
+    "trl:token_truncate",
+    "TRL",
+    "w = min(exp(o - q), 3)",
+    (_TRL_CONFIG, _TRL_TRAINER),
+    _decoupled({"tis_level": "token", "tis_mode": "truncate", "tis_upper_bound": 3.0}),
+  ),
+  Preset(
+    "trl:token_mask",
+    "TRL",
+    "w = exp(o - q) if exp(o - q) <= 3, else 0",
+    (_TRL_CONFIG, _TRL_TRAINER),
+    _decoupled({"tis_level": "token", "tis_mode": "mask", "tis_lower_bound": 0.0, "tis_upper_bound": 3.0}),
+  ),
+  Preset(
+    "trl:sequence_truncate",
+    "TRL",
+    "w_t = min(exp(Σ_s (o - q)), 3)",
+    (_TRL_CONFIG, _TRL_TRAINER),
+    _decoupled({"tis_level": "sequence", "tis_mode": "truncate", "tis_upper_bound": 3.0}),
+  ),
+  Preset(
+    "trl:sequence_mask",
+    "TRL (its default)",
+    "w_t = exp(Σ_s (o - q)) if <= 3, else 0",
+    (_TRL_CONFIG, _TRL_TRAINER),
+    _decoupled({"tis_level": "sequence", "tis_mode": "mask", "tis_lower_bound": 0.0, "tis_upper_bound": 3.0}),
+  ),
+  # ms-swift's --rollout_importance_sampling_mode with --rollout_importance_sampling_threshold τ = 2.
+  Preset(
+    "ms-swift:token_truncate",
+    "ms-swift",
+    "w = min(exp(o - q), 2)",
+    (_SWIFT_DOC, _SWIFT_CODE),
+    _decoupled({"tis_level": "token", "tis_mode": "truncate", "tis_upper_bound": 2.0}),
+  ),
+  Preset(
+    "ms-swift:token_mask",
+    "ms-swift",
+    "w = exp(o - q) if exp(o - q) <= 2, else 0",
+    (_SWIFT_DOC, _SWIFT_CODE),
+    _decoupled({"tis_level": "token", "tis_mode": "mask", "tis_lower_bound": 0.0, "tis_upper_bound": 2.0}),
+  ),
+  Preset(
+    "ms-swift:sequence_truncate",
+    "ms-swift",
+    "w_t = min(exp(mean_s(o - q)), 2)",
+    (_SWIFT_DOC, _SWIFT_CODE),
+    _decoupled({"tis_level": "geometric", "tis_mode": "truncate", "tis_upper_bound": 2.0}),
+  ),
+  Preset(
+    "ms-swift:sequence_mask",
+    "ms-swift",
+    "w_t = exp(o_t - q_t) on sequences with exp(mean_s(o - q)) <= 2, else 0",
+    (_SWIFT_DOC, _SWIFT_CODE),
+    _decoupled(
+      {
+        "tis_level": "token",
+        "tis_mode": "truncate",
+        "tis_upper_bound": UNBOUNDED,
+        "use_rs": True,
+        "rs_level": "geometric",
+        "rs_lower_bound": 0.0,
+        "rs_upper_bound": 2.0,
+      }
+    ),
+  ),
 )
 
 PRESETS: dict[str, Preset] = {p.name: p for p in _PRESETS}
@@ -115,7 +186,9 @@ def get(name: str) -> Preset:
   if name in PRESETS:
     return PRESETS[name]
   if name in _SHARED_MODES:
-    raise ConfigError(f"preset '{name}' is ambiguous: TRL and ms-swift define it differently; write "
-                      f"'trl:{name}' (TRL's vllm_importance_sampling_mode) or 'ms-swift:{name}' (ms-swift's "
-                      "rollout_importance_sampling_mode)")
+    raise ConfigError(
+      f"preset '{name}' is ambiguous: TRL and ms-swift define it differently; write "
+      f"'trl:{name}' (TRL's vllm_importance_sampling_mode) or 'ms-swift:{name}' (ms-swift's "
+      "rollout_importance_sampling_mode)"
+    )
   raise ConfigError(f"unknown preset '{name}'.{_closest(name, PRESET_NAMES)} Valid presets: {', '.join(PRESET_NAMES)}")

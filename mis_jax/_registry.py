@@ -83,21 +83,32 @@ class Registry(Mapping):
     if not isinstance(name, str) or not name.isidentifier():
       raise ValueError(f"a {self.kind}'s name must be an identifier (it is a config value), got {name!r}")
     if name in self._entries:
-      raise ValueError(f"{self.kind} '{name}' is registered already (by {_qualname(self._entries[name].fn)}); "
-                       "register yours under another name")
+      raise ValueError(
+        f"{self.kind} '{name}' is registered already (by {_qualname(self._entries[name].fn)}); "
+        "register yours under another name"
+      )
     module = getattr(entry.fn, "__module__", None) or __name__
     config = _config_class(name, self.base, module) if entry.config is None else entry.config
-    if not (isinstance(config, type) and issubclass(config, self.base) and dataclasses.is_dataclass(config)
-            and config.__dataclass_params__.frozen):
-      raise TypeError(f"{self.kind} '{name}': its config must be a frozen dataclass subclassing "
-                      f"{self.base.__name__}, got {config!r}")
+    if not (
+      isinstance(config, type)
+      and issubclass(config, self.base)
+      and dataclasses.is_dataclass(config)
+      and config.__dataclass_params__.frozen
+    ):
+      raise TypeError(
+        f"{self.kind} '{name}': its config must be a frozen dataclass subclassing {self.base.__name__}, got {config!r}"
+      )
     if config.__dict__.get("name"):
-      raise ValueError(f"{self.kind} '{name}': {config.__name__} is the config of '{config.name}' already; give "
-                       "each choice its own class (a subclass shares the keys)")
+      raise ValueError(
+        f"{self.kind} '{name}': {config.__name__} is the config of '{config.name}' already; give "
+        "each choice its own class (a subclass shares the keys)"
+      )
     clash = sorted(set(config.keys()) & {"name", *self._reserved()})
     if clash:
-      raise ValueError(f"{self.kind} '{name}': key(s) {', '.join(clash)} are taken by the config that names it "
-                       f"(`{self.key}` sits beside them); name its own keys otherwise")
+      raise ValueError(
+        f"{self.kind} '{name}': key(s) {', '.join(clash)} are taken by the config that names it "
+        f"(`{self.key}` sits beside them); name its own keys otherwise"
+      )
     config.name = name
     entry = entry._replace(config=config)
     self._entries[name] = entry
@@ -123,8 +134,9 @@ class Registry(Mapping):
     if isinstance(name, str) and name in self._entries:
       return self._entries[name]
     hint = _closest(name, self._entries) if isinstance(name, str) else ""
-    raise ConfigError(f"key '{path}' has invalid value {name!r}; allowed values: {', '.join(self._entries)}."
-                      f"{hint}".rstrip("."))
+    raise ConfigError(
+      f"key '{path}' has invalid value {name!r}; allowed values: {', '.join(self._entries)}.{hint}".rstrip(".")
+    )
 
   def config_of(self, value, path: str | None = None):
     """A choice's config from a registered config instance, a name (its defaults) or a mapping
@@ -133,14 +145,17 @@ class Registry(Mapping):
     if isinstance(value, self.base):
       entry = self.lookup(value.name, f"{path}.name")
       if type(value) is not entry.config:
-        raise ConfigError(f"key '{path}': a {type(value).__name__} is not the config of '{value.name}' "
-                          f"({entry.config.__name__})")
+        raise ConfigError(
+          f"key '{path}': a {type(value).__name__} is not the config of '{value.name}' ({entry.config.__name__})"
+        )
       return value
     if isinstance(value, str):
       return self.lookup(value, path).config()
     if not isinstance(value, Mapping):
-      raise ConfigError(f"key '{path}' must be a {self.kind}'s name, a mapping {{name: NAME, <its keys>}} or its "
-                        f"config, got {type(value).__name__} {value!r}")
+      raise ConfigError(
+        f"key '{path}' must be a {self.kind}'s name, a mapping {{name: NAME, <its keys>}} or its "
+        f"config, got {type(value).__name__} {value!r}"
+      )
     if "name" not in value:
       raise ConfigError(f"key '{path}' needs name: one of {', '.join(self._entries)}")
     entry = self.lookup(value["name"], f"{path}.name")

@@ -19,14 +19,30 @@ from mis_jax._segments import Segments, masked_means, safe_exp
 RATIO_BAND = 0.1  # "outside" = |ratio - 1| > 0.1, the band the reference measurements use
 
 # The sampling-replay metrics: means over the loss mask, the kept mass's minimum a minimum.
-metrics_lib.declare({"sampling_kept_mass_mean": "mask", "sampling_ratio_mean_replay": "mask",
-                     "sampling_ratio_outside_replay": "mask", "sampling_ratio_mean_full": "mask",
-                     "sampling_ratio_outside_full": "mask", "sampling_k3_kl_full": "mask",
-                     "sampling_kept_mass_min": "min"})
+metrics_lib.declare(
+  {
+    "sampling_kept_mass_mean": "mask",
+    "sampling_ratio_mean_replay": "mask",
+    "sampling_ratio_outside_replay": "mask",
+    "sampling_ratio_mean_full": "mask",
+    "sampling_ratio_outside_full": "mask",
+    "sampling_k3_kl_full": "mask",
+    "sampling_kept_mass_min": "min",
+  }
+)
 
 
-def sampling_metrics(logprobs, kept_logmass, rollout_logprobs, loss_mask, segment_ids, *,
-                     num_segments: int, metric_reduction: str = "token-mean", axis_name=None) -> dict:
+def sampling_metrics(
+  logprobs,
+  kept_logmass,
+  rollout_logprobs,
+  loss_mask,
+  segment_ids,
+  *,
+  num_segments: int,
+  metric_reduction: str = "token-mean",
+  axis_name=None,
+) -> dict:
   """Kept mass and token ratios with and without renormalisation over the sampling support.
 
   With ``lp_S`` the trainer's log-probs over the support, ``log M`` the kept log-mass (both from
@@ -47,9 +63,15 @@ def sampling_metrics(logprobs, kept_logmass, rollout_logprobs, loss_mask, segmen
   padding. Returns float32 scalars.
   """
   arrays = _validation.check_token_arrays(
-      {"segment_ids": segment_ids, "logprobs": logprobs, "kept_logmass": kept_logmass,
-       "rollout_logprobs": rollout_logprobs, "loss_mask": loss_mask},
-      float_keys=("logprobs", "kept_logmass", "rollout_logprobs"))
+    {
+      "segment_ids": segment_ids,
+      "logprobs": logprobs,
+      "kept_logmass": kept_logmass,
+      "rollout_logprobs": rollout_logprobs,
+      "loss_mask": loss_mask,
+    },
+    float_keys=("logprobs", "kept_logmass", "rollout_logprobs"),
+  )
   _validation.check_segments(segment_ids, num_segments)
   metric_reduction = _validation.metric_reduction(metric_reduction)
   segs = Segments(segment_ids, num_segments, axis_name)
@@ -58,10 +80,14 @@ def sampling_metrics(logprobs, kept_logmass, rollout_logprobs, loss_mask, segmen
   stats = segs.mask_stats(mask)
   replay, full, mass = safe_exp(lp_s - q), safe_exp(lp_s + log_m - q), safe_exp(log_m)
   outside = lambda ratio: (jnp.abs(ratio - 1.0) > RATIO_BAND).astype(jnp.float32)
-  values = {"sampling_kept_mass_mean": mass, "sampling_ratio_mean_replay": replay,
-            "sampling_ratio_outside_replay": outside(replay), "sampling_ratio_mean_full": full,
-            "sampling_ratio_outside_full": outside(full),
-            "sampling_k3_kl_full": correction.divergence("k3", lp_s + log_m - q)}
+  values = {
+    "sampling_kept_mass_mean": mass,
+    "sampling_ratio_mean_replay": replay,
+    "sampling_ratio_outside_replay": outside(replay),
+    "sampling_ratio_mean_full": full,
+    "sampling_ratio_outside_full": outside(full),
+    "sampling_k3_kl_full": correction.divergence("k3", lp_s + log_m - q),
+  }
   out = masked_means([(mask, stats, values)], segs, metric_reduction)
   out["sampling_kept_mass_min"] = segs.masked_min(mass, mask, stats)
   return out

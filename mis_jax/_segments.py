@@ -17,8 +17,20 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mis_jax._engine import (HIGHEST, LOWEST, AxisName, PassOptions, SegMax, SegSum, Total, pass_options, pmax,
-                             pmin, psum, run_pass)
+from mis_jax._engine import (
+  HIGHEST,
+  LOWEST,
+  AxisName,
+  PassOptions,
+  SegMax,
+  SegSum,
+  Total,
+  pass_options,
+  pmax,
+  pmin,
+  psum,
+  run_pass,
+)
 
 # Safety bound on log values before exp (the contract's notation B, docs/contract.md).
 LOG_BOUND = 20.0
@@ -71,8 +83,9 @@ class Segments:
     options: how passes run; default :func:`mis_jax.engine.pass_options` of ``segment_ids``.
   """
 
-  def __init__(self, segment_ids: jax.Array, num_segments: int, axis_name: AxisName = None,
-               options: PassOptions | None = None):
+  def __init__(
+    self, segment_ids: jax.Array, num_segments: int, axis_name: AxisName = None, options: PassOptions | None = None
+  ):
     if options is None:
       options = pass_options(segment_ids, num_segments)
     if not isinstance(options, PassOptions):

@@ -32,8 +32,7 @@ def shard_batch(mesh: Mesh, tree, *, data_axis="data", seq_axis: str | None = No
   return jax.tree_util.tree_map(lambda x: jax.device_put(x, sharding), tree)
 
 
-def sharded_policy_loss(mesh: Mesh, loss_cfg: LossConfig, *, data_axis="data",
-                        seq_axis: str | None = None) -> Callable:
+def sharded_policy_loss(mesh: Mesh, loss_cfg: LossConfig, *, data_axis="data", seq_axis: str | None = None) -> Callable:
   """Builds ``f(logprobs, batch, entropy=None, key=None, correction=None, topk_logprobs=None) ->
   (loss, metrics)`` under ``jax.shard_map`` (``key``: clip_cov's, replicated; ``correction``: a
   :class:`Correction` from :func:`mis_jax.prepare_step`, its per-token arrays sharded like the
@@ -62,13 +61,32 @@ def sharded_policy_loss(mesh: Mesh, loss_cfg: LossConfig, *, data_axis="data",
   axis_name = names if len(names) > 1 else names[0]
   spec = batch_partition_spec(data_axis if not isinstance(data_axis, list) else tuple(data_axis), seq_axis)
 
-  return functools.partial(_sharded_policy_loss, mesh=mesh, loss_cfg=loss_cfg, data_axis=data_axis,
-                           seq_axis=seq_axis, axis_name=axis_name, spec=spec)
+  return functools.partial(
+    _sharded_policy_loss,
+    mesh=mesh,
+    loss_cfg=loss_cfg,
+    data_axis=data_axis,
+    seq_axis=seq_axis,
+    axis_name=axis_name,
+    spec=spec,
+  )
 
 
-def _sharded_policy_loss(logprobs, batch: PackedBatch, entropy=None, key=None, correction: Correction | None = None,
-                         topk_logprobs=None, *, mesh: Mesh, loss_cfg: LossConfig, data_axis, seq_axis, axis_name,
-                         spec: P):
+def _sharded_policy_loss(
+  logprobs,
+  batch: PackedBatch,
+  entropy=None,
+  key=None,
+  correction: Correction | None = None,
+  topk_logprobs=None,
+  *,
+  mesh: Mesh,
+  loss_cfg: LossConfig,
+  data_axis,
+  seq_axis,
+  axis_name,
+  spec: P,
+):
   """:func:`sharded_policy_loss`'s function: the inputs checked before tracing, then `policy_loss` under
   `shard_map` (per-token arrays as `spec`, the correction's denominators and the key replicated)."""
   _check_batch(logprobs, batch, loss_cfg, entropy, correction, topk_logprobs=topk_logprobs)  # before tracing
@@ -78,19 +96,24 @@ def _sharded_policy_loss(logprobs, batch: PackedBatch, entropy=None, key=None, c
   n_data = _axis_size(mesh, data_axis)
   n_seq = 1 if seq_axis is None else mesh.shape[seq_axis]
   if rows % n_data or cols % n_seq:
-    raise ValueError(f"batch shape {batch.shape} must divide into the mesh: rows by {n_data} "
-                     f"({data_axis}), row_len by {n_seq} ({seq_axis})")
+    raise ValueError(
+      f"batch shape {batch.shape} must divide into the mesh: rows by {n_data} "
+      f"({data_axis}), row_len by {n_seq} ({seq_axis})"
+    )
   bspec = jax.tree_util.tree_map(lambda _: spec, batch)
-  inner = lambda lp, b, ent, k, c, topk: policy_loss(lp, b, loss_cfg, entropy=ent, axis_name=axis_name, key=k,
-                                                     correction=c, topk_logprobs=topk)
+  inner = lambda lp, b, ent, k, c, topk: policy_loss(
+    lp, b, loss_cfg, entropy=ent, axis_name=axis_name, key=k, correction=c, topk_logprobs=topk
+  )
   espec = None if entropy is None else spec
   cspec = None
   if correction is not None:  # per-token arrays like the batch, the step's denominators replicated
     cspec = jax.tree_util.tree_map(lambda _: spec, correction.replace(denominators=None)).replace(
-        denominators=None if correction.denominators is None else P())
+      denominators=None if correction.denominators is None else P()
+    )
   tspec = None if topk_logprobs is None else spec
-  mapped = jax.shard_map(inner, mesh=mesh, in_specs=(spec, bspec, espec, None if key is None else P(), cspec, tspec),
-                         out_specs=P())
+  mapped = jax.shard_map(
+    inner, mesh=mesh, in_specs=(spec, bspec, espec, None if key is None else P(), cspec, tspec), out_specs=P()
+  )
   return mapped(logprobs, batch, entropy, key, correction, topk_logprobs)
 
 

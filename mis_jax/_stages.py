@@ -94,12 +94,13 @@ def own_key(stage: "Stage", key: str) -> str:
 def own_results(stage: "Stage", results: dict) -> dict:
   """The results of a pass under ``stage``'s keys, by its own key."""
   prefix = own_key(stage, "")
-  return {k[len(prefix):]: v for k, v in results.items() if k.startswith(prefix)}
+  return {k[len(prefix) :]: v for k, v in results.items() if k.startswith(prefix)}
 
 
 class SegmentView(NamedTuple):
   """Pass 1's shared per-segment results: the counts of ``m`` and ``Σ m r`` (None when no stage
   and no metric needs it)."""
+
   mask_stats: MaskStats
   sum_r: jax.Array | None
 
@@ -107,6 +108,7 @@ class SegmentView(NamedTuple):
 class After(NamedTuple):
   """What a stage's metrics after the passes read: the counts of ``m`` and ``R`` over another
   mask from its per-segment (seq-mean modes) or total sums (``kept_mean(w_sum, n_sum)``)."""
+
   mask_stats: MaskStats
   kept_mean: Callable
 
@@ -197,8 +199,7 @@ def _declares(cls):
 
 def _live_share(segments, mask_stats: MaskStats):
   """The share of live segments among ``segments``."""
-  return (jnp.sum((segments & (mask_stats.counts > 0)).astype(jnp.float32))
-          / jnp.maximum(mask_stats.num_live, 1.0))
+  return jnp.sum((segments & (mask_stats.counts > 0)).astype(jnp.float32)) / jnp.maximum(mask_stats.num_live, 1.0)
 
 
 @_declares
@@ -211,11 +212,16 @@ class ImportanceWeights(Stage):
   name = "is"
   BOUND_ORDER = 3
   METRICS = {
-      "mis_tis_weight_before_bound": "mask", "mis_tis_truncate_fraction": "mask",  # means over m
-      "mis_tis_clip_fraction_low": "mask", "mis_tis_clip_fraction_high": "mask",
-      "mis_tis_mask_fraction_low": "mask", "mis_tis_mask_fraction_high": "mask",
-      "mis_tis_weight_after_bound": "kept",  # over the tokens IS kept (m' where IS keeps every token)
-      "mis_auto_tis_upper_bound": "mask", "mis_auto_ess_ratio": "mask", "mis_auto_tis_masked_fraction": "mask",
+    "mis_tis_weight_before_bound": "mask",
+    "mis_tis_truncate_fraction": "mask",  # means over m
+    "mis_tis_clip_fraction_low": "mask",
+    "mis_tis_clip_fraction_high": "mask",
+    "mis_tis_mask_fraction_low": "mask",
+    "mis_tis_mask_fraction_high": "mask",
+    "mis_tis_weight_after_bound": "kept",  # over the tokens IS kept (m' where IS keeps every token)
+    "mis_auto_tis_upper_bound": "mask",
+    "mis_auto_ess_ratio": "mask",
+    "mis_auto_tis_masked_fraction": "mask",
   }
 
   @property
@@ -247,13 +253,15 @@ class ImportanceWeights(Stage):
     if not cfg.tis_auto:
       return
     if cfg.tis_mode == "mask":
-      tis_upper, share, ok = controller.masking_bound(step.units(cfg.tis_level), cfg.tis_lower_bound,
-                                                      cfg.max_masked_fraction)
+      tis_upper, share, ok = controller.masking_bound(
+        step.units(cfg.tis_level), cfg.tis_lower_bound, cfg.max_masked_fraction
+      )
       step.metrics["mis_auto_tis_masked_fraction"] = share
     else:  # the ESS over what rejection keeps, as pass 2 composes it
       kept = step.kept_by(without=self)
-      tis_upper, ess, ok = controller.ess_bound(step.units(cfg.tis_level, kept), cfg.tis_mode, cfg.tis_lower_bound,
-                                                cfg.target_ess_ratio)
+      tis_upper, ess, ok = controller.ess_bound(
+        step.units(cfg.tis_level, kept), cfg.tis_mode, cfg.tis_lower_bound, cfg.target_ess_ratio
+      )
       step.metrics["mis_auto_ess_ratio"] = ess
     step.target(ok)
     tis_lower = 1.0 / tis_upper if cfg.tis_lower_bound is None else cfg.tis_lower_bound
@@ -277,8 +285,12 @@ class RejectionSampling(Stage):
 
   name = "rs"
   BOUND_ORDER = 2
-  METRICS = {"mis_rs_mask_fraction_low": "mask", "mis_rs_mask_fraction_high": "mask",
-             "mis_auto_rs_upper_bound": "mask", "mis_auto_rs_masked_fraction": "mask"}
+  METRICS = {
+    "mis_rs_mask_fraction_low": "mask",
+    "mis_rs_mask_fraction_high": "mask",
+    "mis_auto_rs_upper_bound": "mask",
+    "mis_auto_rs_masked_fraction": "mask",
+  }
 
   @property
   def level(self) -> str:
@@ -302,8 +314,9 @@ class RejectionSampling(Stage):
     cfg, b = self.cfg, step.bounds
     rs_lower, rs_upper = b.rs_lower, b.rs_upper
     if cfg.rs_auto:
-      rs_upper, share, ok = controller.masking_bound(step.units(self.level), cfg.rs_lower_bound,
-                                                     cfg.max_masked_fraction)
+      rs_upper, share, ok = controller.masking_bound(
+        step.units(self.level), cfg.rs_lower_bound, cfg.max_masked_fraction
+      )
       step.metrics.update(mis_auto_rs_upper_bound=rs_upper, mis_auto_rs_masked_fraction=share)
       step.target(ok)
     if rs_upper is not None and rs_lower is None:  # an unset RS lower bound is 1/(RS upper bound)
@@ -354,8 +367,9 @@ class Criterion(Stage):
     if self.per_token:
       return None
     crit = self.crit
-    return correction.criterion_value(crit.metric, correction.segment_divergence(crit.agg, own["agg"],
-                                                                                seg.mask_stats.counts))
+    return correction.criterion_value(
+      crit.metric, correction.segment_divergence(crit.agg, own["agg"], seg.mask_stats.counts)
+    )
 
   def token_values(self, tokens: Tokens, state):
     """The value its band bounds, at every token."""
@@ -399,8 +413,10 @@ class Veto(Stage):
 
   name = "veto"
   REJECTS_SEGMENTS = True
-  METRICS = {"mis_rs_catastrophic_token_fraction": "mask",  # a mean over m
-             "mis_rs_catastrophic_seq_fraction": "seqs"}  # vetoed among live segments
+  METRICS = {
+    "mis_rs_catastrophic_token_fraction": "mask",  # a mean over m
+    "mis_rs_catastrophic_seq_fraction": "seqs",
+  }  # vetoed among live segments
 
   def catastrophic(self, r, m):
     return correction.catastrophic_tokens(r, m, self.cfg.rs_veto_threshold)
@@ -438,8 +454,10 @@ class OffPolicySequenceMask(Stage):
 
   def inputs(self, mask, adv):
     if adv is None:
-      raise ValueError(f"opsm_delta={self.cfg.opsm_delta} (OPSM) masks negative-advantage sequences: pass "
-                       "advantages= (the losses pass the batch's)")
+      raise ValueError(
+        f"opsm_delta={self.cfg.opsm_delta} (OPSM) masks negative-advantage sequences: pass "
+        "advantages= (the losses pass the batch's)"
+      )
     return {"adv": jnp.where(mask, jax.lax.stop_gradient(adv), 0.0)}
 
   def segment_sums(self, r, m, ch):
@@ -463,8 +481,7 @@ class SecondMomentMask(Stage):
 
   name = "m2po"
   BOUND_ORDER = 0
-  METRICS = {"mis_m2po_max_sq_log_ratio": "mask", "mis_m2po_second_moment": "mask",
-             "mis_m2po_masked_fraction": "mask"}
+  METRICS = {"mis_m2po_max_sq_log_ratio": "mask", "mis_m2po_second_moment": "mask", "mis_m2po_masked_fraction": "mask"}
 
   @property
   def sets_bound(self) -> bool:
@@ -472,8 +489,9 @@ class SecondMomentMask(Stage):
 
   def resolve(self, step):
     m2_max, second_moment, share = controller.m2po_cutoff(step.token_units(step.r * step.r), self.cfg.m2po_threshold)
-    step.metrics.update(mis_m2po_max_sq_log_ratio=m2_max, mis_m2po_second_moment=second_moment,
-                        mis_m2po_masked_fraction=share)
+    step.metrics.update(
+      mis_m2po_max_sq_log_ratio=m2_max, mis_m2po_second_moment=second_moment, mis_m2po_masked_fraction=share
+    )
     step.bounds = step.bounds._replace(m2_max=m2_max)
 
   def apply(self, tokens, bounds, state, rows):
@@ -482,8 +500,9 @@ class SecondMomentMask(Stage):
 
 def _advantages(cfg_key: str, value, mask, adv) -> dict:
   if adv is None:
-    raise ValueError(f"{cfg_key}={value} conditions its mask on the advantage's sign: pass advantages= "
-                     "(the losses pass the batch's)")
+    raise ValueError(
+      f"{cfg_key}={value} conditions its mask on the advantage's sign: pass advantages= (the losses pass the batch's)"
+    )
   return {"adv": jnp.where(mask, jax.lax.stop_gradient(adv), 0.0)}
 
 
@@ -496,8 +515,12 @@ class BinaryTVMask(Stage):
   (``dppo_tv_symmetric``). Per token; the sign-conditioned mask needs the advantages."""
 
   name = "dppo_tv"
-  METRICS = {"mis_dppo_tv_masked_fraction": "mask", "mis_dppo_tv_masked_fraction_high": "mask",
-             "mis_dppo_tv_masked_fraction_low": "mask", "mis_dppo_tv_prob_abs_diff": "mask"}  # means over m
+  METRICS = {
+    "mis_dppo_tv_masked_fraction": "mask",
+    "mis_dppo_tv_masked_fraction_high": "mask",
+    "mis_dppo_tv_masked_fraction_low": "mask",
+    "mis_dppo_tv_prob_abs_diff": "mask",
+  }  # means over m
 
   def inputs(self, mask, adv):
     if self.cfg.dppo_tv_symmetric:
@@ -513,8 +536,14 @@ class BinaryTVMask(Stage):
     tokens.narrow(~masked)
     if rows is not None:
       d = p - p_q
-      rows.means.update({"mis_dppo_tv_masked_fraction": masked, "mis_dppo_tv_masked_fraction_high": masked & (d > 0),
-                         "mis_dppo_tv_masked_fraction_low": masked & (d < 0), "mis_dppo_tv_prob_abs_diff": jnp.abs(d)})
+      rows.means.update(
+        {
+          "mis_dppo_tv_masked_fraction": masked,
+          "mis_dppo_tv_masked_fraction_high": masked & (d > 0),
+          "mis_dppo_tv_masked_fraction_low": masked & (d < 0),
+          "mis_dppo_tv_prob_abs_diff": jnp.abs(d),
+        }
+      )
 
 
 @_declares
@@ -539,8 +568,14 @@ def fixed_bounds(cfg: MISConfig) -> correction.Bounds:
   uppers = tuple(None if c.auto else c.upper for c in cfg.rs_criteria)
   if cfg.tis_auto:
     return correction.Bounds(None, None, cfg.rs_lower_bound, None if cfg.rs_auto else cfg.rs_upper_bound, None, uppers)
-  return correction.Bounds(cfg.lower, cfg.tis_upper_bound, cfg.rs_lower_bound if cfg.rs_auto else cfg.rs_lower,
-                           None if cfg.rs_auto else cfg.rs_upper, None, uppers)
+  return correction.Bounds(
+    cfg.lower,
+    cfg.tis_upper_bound,
+    cfg.rs_lower_bound if cfg.rs_auto else cfg.rs_lower,
+    None if cfg.rs_auto else cfg.rs_upper,
+    None,
+    uppers,
+  )
 
 
 def stages_of(cfg: MISConfig | None) -> tuple:
@@ -576,4 +611,3 @@ def compose(stages, tokens: Tokens, bounds: correction.Bounds, states: dict, rej
       pending = False
     stage.apply(tokens, bounds, states.get(stage.name), rows)
   return tokens
-

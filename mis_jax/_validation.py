@@ -36,15 +36,17 @@ def check_token_arrays(arrays: Mapping[str, object], *, float_keys=()) -> dict:
     shape = tuple(jnp.shape(value))
     if shape != ref_shape:
       raise ValueError(
-          f"shape mismatch: '{key}' has shape {shape} but '{ref_key}' has shape {ref_shape}; "
-          "all per-token arrays must have the same shape")
+        f"shape mismatch: '{key}' has shape {shape} but '{ref_key}' has shape {ref_shape}; "
+        "all per-token arrays must have the same shape"
+      )
     dtype = jnp.asarray(value).dtype if not hasattr(value, "dtype") else value.dtype
     if key in float_keys and not jnp.issubdtype(dtype, jnp.floating):
       raise TypeError(f"'{key}' must be a floating-point array, got dtype {dtype}")
     if key == "segment_ids" and not jnp.issubdtype(dtype, jnp.integer):
       raise TypeError(f"'segment_ids' must be an integer array, got dtype {dtype}")
     if key in ("loss_mask", "kept_mask", "cov_selected") and not (
-        dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)):
+      dtype == jnp.bool_ or jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)
+    ):
       raise TypeError(f"'{key}' must be a bool, integer or float array, got dtype {dtype}")
   return arrays
 
@@ -60,8 +62,9 @@ def check_segments(segment_ids, num_segments) -> None:
       lo, hi = int(ids.min()), int(ids.max())
       if hi >= num_segments:
         raise ValueError(
-            f"'segment_ids' holds {hi}, which is >= num_segments={num_segments}; "
-            "segment ids must lie in [0, num_segments) (or be -1 for padding)")
+          f"'segment_ids' holds {hi}, which is >= num_segments={num_segments}; "
+          "segment ids must lie in [0, num_segments) (or be -1 for padding)"
+        )
       if lo < -1:
         raise ValueError(f"'segment_ids' holds {lo}; the only negative id allowed is -1 (padding)")
 
@@ -93,8 +96,11 @@ def flat_float(x):
 
 def flat_inputs(arrays, segs):
   """Flat float32 train/rollout log-probs and the bool trained mask (padding excluded)."""
-  return (flat_float(arrays["train_logprobs"]), flat_float(arrays["rollout_logprobs"]),
-          flat_mask(arrays["loss_mask"], segs.valid))
+  return (
+    flat_float(arrays["train_logprobs"]),
+    flat_float(arrays["rollout_logprobs"]),
+    flat_mask(arrays["loss_mask"], segs.valid),
+  )
 
 
 def check_nonnegative(name: str, x, loss_mask) -> None:

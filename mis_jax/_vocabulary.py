@@ -47,8 +47,12 @@ class Algorithm(NamedTuple):
 
 
 # The contract §6 table: `LossConfig.algorithm` is the row its two flags select.
-ALGORITHMS = {"ppo": Algorithm(False, False), "bypass_ppo": Algorithm(True, False),
-              "decoupled_ppo": Algorithm(False, True), "reinforce_is": Algorithm(True, True)}
+ALGORITHMS = {
+  "ppo": Algorithm(False, False),
+  "bypass_ppo": Algorithm(True, False),
+  "decoupled_ppo": Algorithm(False, True),
+  "reinforce_is": Algorithm(True, True),
+}
 
 
 def algorithm_of(use_rollout_logprobs: bool, use_tis: bool) -> str:

@@ -97,12 +97,14 @@ class _Plan:
   def kept_w_by_segment(self) -> bool:
     """Kept weights summed per segment (seq-mean metrics, sequence-level batch norm), else in total."""
     cfg = self.cfg
-    return self.tis and (self.seq_mode or (cfg.tis_batch_normalize and cfg.tis_level != "token"
-                                           and not self.given_batch_norm))
+    return self.tis and (
+      self.seq_mode or (cfg.tis_batch_normalize and cfg.tis_level != "token" and not self.given_batch_norm)
+    )
 
 
 class _SegmentStats(NamedTuple):
   """Per-segment results of pass 1 that pass 2 and the metrics read."""
+
   mask_stats: MaskStats
   divisor: jax.Array  # N of R_m: live segments (seq-mean modes) or trained tokens
   sum_r: jax.Array | None
@@ -111,6 +113,7 @@ class _SegmentStats(NamedTuple):
 
 
 # --- pass 1: per-segment sums over the original mask ---------------------------------------
+
 
 def _segment_sums_body(plan: _Plan):
   """``n_s``, ``Σ m r``, ``Σ m o`` and ``Σ m q`` (§8.1), and what each stage reads per segment
@@ -143,6 +146,7 @@ def _segment_stats(plan: _Plan, p1: dict) -> _SegmentStats:
 
 
 # --- pass 2: weights, kept mask and every token-level metric --------------------------------
+
 
 def _kept_weight_sums(plan: _Plan, w, kept, out: dict) -> None:
   """Sums of the kept weights for batch normalisation, the final-weight metrics and ESS."""
@@ -192,6 +196,7 @@ _MEAN = "mean/"  # pass 2's key of a per-token row averaged over m
 
 # --- the threshold controller: auto bounds, set from the step's own weights (§3.1) ---------
 
+
 def _step_thresholds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m, inputs=None):
   """contract §3.1 and §4.2: the step's bounds, with the auto ones and M2PO's cutoff set by
   their stages, and their metrics.
@@ -217,6 +222,7 @@ def _step_thresholds(plan: _Plan, seg: _SegmentStats, segs: Segments, o, q, m, i
 
 
 # --- after the passes: metrics over other masks, batch normalisation ------------------------
+
 
 def _kept_mean(plan: _Plan, w_sum, n_sum):
   """``R`` over a mask other than ``m``, from its per-segment or total sums."""
@@ -244,8 +250,18 @@ def _stage_metrics(plan: _Plan, seg: _SegmentStats, p2: dict, metrics: dict) -> 
     metrics.update(stage.results(stages_lib.own_results(stage, p2), seg.states[stage.name], after))
 
 
-def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, batch_norm_factor=None,
-            mismatch: bool = True, adv=None) -> Corrected:
+def correct(
+  o,
+  q,
+  mask,
+  segs: Segments,
+  cfg: MISConfig | None,
+  mode: str,
+  *,
+  batch_norm_factor=None,
+  mismatch: bool = True,
+  adv=None,
+) -> Corrected:
   """contract §2–5 and §8.1–8.2 on flat arrays, in two fused passes over the tokens.
 
   Args:
@@ -272,7 +288,7 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
   else:
     bounds = stages_lib.fixed_bounds(cfg) if plan.tis else None
   p2 = segs.run_pass(arrays, _token_body(plan, seg, bounds))
-  token_means = {k[len(_MEAN):]: v / seg.divisor for k, v in p2.items() if k.startswith(_MEAN)}
+  token_means = {k[len(_MEAN) :]: v / seg.divisor for k, v in p2.items() if k.startswith(_MEAN)}
   metrics = {}
   if mismatch:
     seg_values = metrics_lib.mismatch_segment_values(p1["sum_o"], p1["sum_q"], seg.sum_r, count)
@@ -285,13 +301,24 @@ def correct(o, q, mask, segs: Segments, cfg: MISConfig | None, mode: str, *, bat
   _stage_metrics(plan, seg, p2, metrics)
   kept_stats = MaskStats.from_counts(p2["kept_n"])
   sum_w = jnp.sum(p2["kept_w"]) if plan.kept_w_by_segment else p2["sum_w"]
-  mean_after = (_kept_mean(plan, p2["kept_w"], kept_stats.counts) if plan.seq_mode
-                else _kept_mean(plan, sum_w, kept_stats.total))
+  mean_after = (
+    _kept_mean(plan, p2["kept_w"], kept_stats.counts) if plan.seq_mode else _kept_mean(plan, sum_w, kept_stats.total)
+  )
   factor = correction.batch_norm_factor(_batch_norm_mean(plan, p2, sum_w, kept_stats, batch_norm_factor))
-  metrics.update(metrics_lib.final_weight_metrics(
-      mean_after_tis_rs=mean_after, factor=factor, w_min=p2["w_min"], w_max=p2["w_max"], sum_w=sum_w,
-      sum_w2=p2["sum_w2"], num_kept=kept_stats.total, num_trained=mask_stats.total,
-      seg_kept_counts=kept_stats.counts, num_live=mask_stats.num_live))
+  metrics.update(
+    metrics_lib.final_weight_metrics(
+      mean_after_tis_rs=mean_after,
+      factor=factor,
+      w_min=p2["w_min"],
+      w_max=p2["w_max"],
+      sum_w=sum_w,
+      sum_w2=p2["sum_w2"],
+      num_kept=kept_stats.total,
+      num_trained=mask_stats.total,
+      seg_kept_counts=kept_stats.counts,
+      num_live=mask_stats.num_live,
+    )
+  )
   weights = jax.lax.stop_gradient(p2["w"] / factor)
   return Corrected(weights, p2["kept"], metrics, mask_stats, kept_stats)
 
@@ -304,6 +331,7 @@ def mismatch_metrics(train_logprobs, rollout_logprobs, mask, segs: Segments, mod
   """
   result = correct(train_logprobs, rollout_logprobs, mask, segs, None, mode)
   return result.metrics, result.mask_stats
+
 
 # contract §8.4: rollout log-probs the engine reported as NaN or ±inf on trained tokens.
 NONFINITE_FRACTION = "mis_nonfinite_rollout_logprob_fraction"
@@ -323,10 +351,20 @@ def drop_nonfinite_rollout(q, mask, axis_name: AxisName = None):
   return mask & finite, {NONFINITE_FRACTION: bad / jnp.maximum(trained, 1.0), NONFINITE_COUNT: bad}
 
 
-def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids, cfg: MISConfig, *,
-                        num_segments: int, axis_name: AxisName = None,
-                        metric_reduction: str = "seq-mean-token-mean",
-                        batch_norm_factor=None, pass_options: PassOptions | None = None, advantages=None):
+def compute_mis_weights(
+  train_logprobs,
+  rollout_logprobs,
+  loss_mask,
+  segment_ids,
+  cfg: MISConfig,
+  *,
+  num_segments: int,
+  axis_name: AxisName = None,
+  metric_reduction: str = "seq-mean-token-mean",
+  batch_norm_factor=None,
+  pass_options: PassOptions | None = None,
+  advantages=None,
+):
   """The ``mis`` correction: IS weights, kept mask and metrics (contract §2–5, §8.1–8.2).
 
   With ``r_t = o_t - q_t`` and the level log-value ``L_t`` (token: ``r_t``; sequence:
@@ -363,9 +401,15 @@ def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids
     scalars named as in contract §8.1–8.2.
   """
   arrays = _validation.check_token_arrays(
-      {"train_logprobs": train_logprobs, "rollout_logprobs": rollout_logprobs,
-       "loss_mask": loss_mask, "segment_ids": segment_ids, "advantages": advantages},
-      float_keys=("train_logprobs", "rollout_logprobs", "advantages"))
+    {
+      "train_logprobs": train_logprobs,
+      "rollout_logprobs": rollout_logprobs,
+      "loss_mask": loss_mask,
+      "segment_ids": segment_ids,
+      "advantages": advantages,
+    },
+    float_keys=("train_logprobs", "rollout_logprobs", "advantages"),
+  )
   _validation.check_segments(segment_ids, num_segments)
   if not isinstance(cfg, MISConfig):
     raise TypeError(f"cfg must be a mis_jax.MISConfig, got {type(cfg).__name__}")
@@ -375,8 +419,9 @@ def compute_mis_weights(train_logprobs, rollout_logprobs, loss_mask, segment_ids
   o, q, mask = _validation.flat_inputs(arrays, segs)
   mask, nonfinite = drop_nonfinite_rollout(q, mask, axis_name)
   adv = None if advantages is None else _validation.flat_float(arrays["advantages"])
-  weights, kept, metrics, _, _ = correct(o, q, mask, segs, cfg if cfg.use_tis else None, metric_reduction,
-                                         batch_norm_factor=batch_norm_factor, adv=adv)
+  weights, kept, metrics, _, _ = correct(
+    o, q, mask, segs, cfg if cfg.use_tis else None, metric_reduction, batch_norm_factor=batch_norm_factor, adv=adv
+  )
   kept = kept.astype(jnp.asarray(loss_mask).dtype)
   return weights.reshape(shape), kept.reshape(shape), {**metrics, **nonfinite}
 
@@ -399,10 +444,19 @@ def vanilla_core(o, q, mask, tis_clip: float, tis_clip_low: float):
   return correction.stop_gradient_weights(w, mask), values
 
 
-def vanilla_tis_weights(train_logprobs, rollout_logprobs, loss_mask, *, tis_clip: float = 2.0,
-                        tis_clip_low: float = 0.0, segment_ids=None, num_segments: int | None = None,
-                        axis_name: AxisName = None, metric_reduction: str = "token-mean",
-                        pass_options: PassOptions | None = None):
+def vanilla_tis_weights(
+  train_logprobs,
+  rollout_logprobs,
+  loss_mask,
+  *,
+  tis_clip: float = 2.0,
+  tis_clip_low: float = 0.0,
+  segment_ids=None,
+  num_segments: int | None = None,
+  axis_name: AxisName = None,
+  metric_reduction: str = "token-mean",
+  pass_options: PassOptions | None = None,
+):
   """Built-in vanilla truncated IS (contract §6): ``w = clip(exp(o - q), tis_clip_low, tis_clip)``.
 
   The mask is unchanged. Metrics: ``tis`` (mean raw ratio), ``tis_clipfrac`` (share of tokens
@@ -412,8 +466,7 @@ def vanilla_tis_weights(train_logprobs, rollout_logprobs, loss_mask, *, tis_clip
   Returns:
     ``(weights, metrics)``.
   """
-  arrays = {"train_logprobs": train_logprobs, "rollout_logprobs": rollout_logprobs,
-            "loss_mask": loss_mask}
+  arrays = {"train_logprobs": train_logprobs, "rollout_logprobs": rollout_logprobs, "loss_mask": loss_mask}
   if segment_ids is None:
     if _validation.metric_reduction(metric_reduction) != "token-mean":
       raise ValueError(f"metric_reduction={metric_reduction!r} needs segment_ids and num_segments")

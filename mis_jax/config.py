@@ -15,9 +15,37 @@ registries of their own (:mod:`mis_jax.forms`, :mod:`mis_jax.estimators`).
 from mis_jax._flags import LOSS_FLAG_KEYS, _same as same_value, add_loss_flags, loss_config_from_args
 from mis_jax._keys import fields_of as config_fields, key as config_key, load_yaml, parse_value as parse_config_value
 from mis_jax._presets import PRESET_NAMES, PRESETS, Preset
-from mis_jax._vocabulary import (AGGREGATIONS, ALGORITHMS, DENOMINATORS, DIVERGENCES, KL_TYPES, LEVELS, LOSS_AGG_MODES,
-                                 TIS_MODES, Algorithm)
+from mis_jax._vocabulary import (
+  AGGREGATIONS,
+  ALGORITHMS,
+  DENOMINATORS,
+  DIVERGENCES,
+  KL_TYPES,
+  LEVELS,
+  LOSS_AGG_MODES,
+  TIS_MODES,
+  Algorithm,
+)
 
-__all__ = ["AGGREGATIONS", "ALGORITHMS", "Algorithm", "DENOMINATORS", "DIVERGENCES", "KL_TYPES", "LEVELS",
-           "LOSS_AGG_MODES", "LOSS_FLAG_KEYS", "PRESETS", "PRESET_NAMES", "Preset", "TIS_MODES", "add_loss_flags",
-           "config_fields", "config_key", "load_yaml", "loss_config_from_args", "parse_config_value", "same_value"]
+__all__ = [
+  "AGGREGATIONS",
+  "ALGORITHMS",
+  "Algorithm",
+  "DENOMINATORS",
+  "DIVERGENCES",
+  "KL_TYPES",
+  "LEVELS",
+  "LOSS_AGG_MODES",
+  "LOSS_FLAG_KEYS",
+  "PRESETS",
+  "PRESET_NAMES",
+  "Preset",
+  "TIS_MODES",
+  "add_loss_flags",
+  "config_fields",
+  "config_key",
+  "load_yaml",
+  "loss_config_from_args",
+  "parse_config_value",
+  "same_value",
+]

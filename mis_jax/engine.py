@@ -11,5 +11,12 @@ from mis_jax._logprobs import LM_HEAD_LAYOUTS
 from mis_jax._metrics import MICROBATCH_REDUCTIONS
 from mis_jax._segments import LOG_BOUND, MaskStats, Segments
 
-__all__ = ["LM_HEAD_LAYOUTS", "LOG_BOUND", "MICROBATCH_REDUCTIONS", "MaskStats", "PassOptions", "Segments",
-           "pass_options"]
+__all__ = [
+  "LM_HEAD_LAYOUTS",
+  "LOG_BOUND",
+  "MICROBATCH_REDUCTIONS",
+  "MaskStats",
+  "PassOptions",
+  "Segments",
+  "pass_options",
+]

@@ -11,9 +11,30 @@ per-sequence ones (:func:`mis_jax.compute_advantages`; ``optimal_token_baseline`
 :data:`NEEDS_LENGTHS` those that read the response lengths: live views of it.
 """
 
-from mis_jax._advantages import (ESTIMATORS, NEEDS_LENGTHS, SEQUENCE_ESTIMATORS, AdvantageConfig, Estimator,
-                                 EstimatorInputs, GdpoConfig, GroupStats, GrpoPasskConfig, OptimalTokenBaselineConfig,
-                                 register_advantage_estimator)
+from mis_jax._advantages import (
+  ESTIMATORS,
+  NEEDS_LENGTHS,
+  SEQUENCE_ESTIMATORS,
+  AdvantageConfig,
+  Estimator,
+  EstimatorInputs,
+  GdpoConfig,
+  GroupStats,
+  GrpoPasskConfig,
+  OptimalTokenBaselineConfig,
+  register_advantage_estimator,
+)
 
-__all__ = ["ESTIMATORS", "NEEDS_LENGTHS", "SEQUENCE_ESTIMATORS", "AdvantageConfig", "Estimator", "EstimatorInputs",
-           "GdpoConfig", "GroupStats", "GrpoPasskConfig", "OptimalTokenBaselineConfig", "register_advantage_estimator"]
+__all__ = [
+  "ESTIMATORS",
+  "NEEDS_LENGTHS",
+  "SEQUENCE_ESTIMATORS",
+  "AdvantageConfig",
+  "Estimator",
+  "EstimatorInputs",
+  "GdpoConfig",
+  "GroupStats",
+  "GrpoPasskConfig",
+  "OptimalTokenBaselineConfig",
+  "register_advantage_estimator",
+]

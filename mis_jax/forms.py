@@ -19,13 +19,44 @@ made for it, ``POLICY_LOSSES[name].config``).
 """
 
 from mis_jax._config import POLICY_LOSSES, PolicyLossConfig
-from mis_jax._policy_losses import (CispoConfig, ClipCovConfig, DppoKlConfig, DppoTvConfig, DroConfig, FormInputs,
-                                    FormLoss, GeoMeanConfig, GpgConfig, GspoConfig, KlCovConfig, PolicyLossForm,
-                                    SapoConfig, VanillaConfig, register_policy_loss)
+from mis_jax._policy_losses import (
+  CispoConfig,
+  ClipCovConfig,
+  DppoKlConfig,
+  DppoTvConfig,
+  DroConfig,
+  FormInputs,
+  FormLoss,
+  GeoMeanConfig,
+  GpgConfig,
+  GspoConfig,
+  KlCovConfig,
+  PolicyLossForm,
+  SapoConfig,
+  VanillaConfig,
+  register_policy_loss,
+)
 
 # {form: its own keys}, derived from the registry (a registration shows at once).
 POLICY_LOSS_KEYS = POLICY_LOSSES.own_keys()
 
-__all__ = ["POLICY_LOSSES", "POLICY_LOSS_KEYS", "CispoConfig", "ClipCovConfig", "DppoKlConfig", "DppoTvConfig",
-           "DroConfig", "FormInputs", "FormLoss", "GeoMeanConfig", "GpgConfig", "GspoConfig", "KlCovConfig",
-           "PolicyLossConfig", "PolicyLossForm", "SapoConfig", "VanillaConfig", "register_policy_loss"]
+__all__ = [
+  "POLICY_LOSSES",
+  "POLICY_LOSS_KEYS",
+  "CispoConfig",
+  "ClipCovConfig",
+  "DppoKlConfig",
+  "DppoTvConfig",
+  "DroConfig",
+  "FormInputs",
+  "FormLoss",
+  "GeoMeanConfig",
+  "GpgConfig",
+  "GspoConfig",
+  "KlCovConfig",
+  "PolicyLossConfig",
+  "PolicyLossForm",
+  "SapoConfig",
+  "VanillaConfig",
+  "register_policy_loss",
+]

@@ -12,8 +12,9 @@ import tempfile
 
 # tests/ mirrors the packages (tests/mis_jax, tests/trainers/<package>); their shared helpers
 # (helpers, oracle, fake_sglang, test_train's make_cfg, ...) import by module name from any folder.
-for _dir in sorted(p for p in pathlib.Path(__file__).resolve().parent.rglob("*")
-                   if p.is_dir() and p.name != "__pycache__"):
+for _dir in sorted(
+  p for p in pathlib.Path(__file__).resolve().parent.rglob("*") if p.is_dir() and p.name != "__pycache__"
+):
   if str(_dir) not in sys.path:
     sys.path.append(str(_dir))
 
@@ -43,8 +44,10 @@ def _share_compilations():
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
     atexit.register(shutil.rmtree, path, ignore_errors=True)
   jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
-  jax.config.update("jax_persistent_cache_min_compile_time_secs",
-                    float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")))
+  jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs",
+    float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")),
+  )
 
 
 _share_compilations()
@@ -57,17 +60,26 @@ settings.register_profile("dev", max_examples=25, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-
 # The longest files first (measured durations, longest first): `--dist loadfile` hands whole
 # files to the two workers in collection order, so a long file collected last would leave one
 # worker running it alone at the end. Within a file, and among the rest, the order is unchanged.
-LONGEST_FIRST = ("trainers/serving/test_sglang_jax.py", "trainers/app/test_moe_train.py",
-                 "trainers/models/test_moe_model.py", "trainers/learner/test_step.py",
-                 "trainers/rollout/test_sampling_replay.py", "trainers/app/test_train.py", "trainers/app/test_crash.py",
-                 "trainers/rollout/test_colocated.py", "mis_jax/integrations/test_tunix.py",
-                 "trainers/agents/test_agents_train.py", "trainers/rollout/test_fleet.py",
-                 "mis_jax/integrations/test_tunix_agentic.py",
-                 "trainers/app/test_faults.py", "test_notebooks.py", "trainers/serving/test_server.py")
+LONGEST_FIRST = (
+  "trainers/serving/test_sglang_jax.py",
+  "trainers/app/test_moe_train.py",
+  "trainers/models/test_moe_model.py",
+  "trainers/learner/test_step.py",
+  "trainers/rollout/test_sampling_replay.py",
+  "trainers/app/test_train.py",
+  "trainers/app/test_crash.py",
+  "trainers/rollout/test_colocated.py",
+  "mis_jax/integrations/test_tunix.py",
+  "trainers/agents/test_agents_train.py",
+  "trainers/rollout/test_fleet.py",
+  "mis_jax/integrations/test_tunix_agentic.py",
+  "trainers/app/test_faults.py",
+  "test_notebooks.py",
+  "trainers/serving/test_server.py",
+)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,8 +11,15 @@ import pathlib
 import threading
 
 # Chromium as the machine allows it: root, no GPU, no background connections to the vendor.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+  "--no-sandbox",
+  "--disable-gpu",
+  "--disable-quic",
+  "--no-first-run",
+  "--disable-background-networking",
+  "--disable-component-update",
+  "--disable-sync",
+]
 
 # Run in the page once MathJax has finished: what arithmatex marked, what MathJax made of it, and
 # any text outside code that still holds a TeX delimiter.
@@ -66,6 +73,7 @@ def typeset_report(executable: str, base: str, pages: list[str], *, timeout_ms: 
   font), errors (TeX errors), leftover (text outside code still holding a delimiter), fonts
   (MathJax's TeX font faces the page loaded, from the site: nothing else is reachable)."""
   from playwright.sync_api import sync_playwright
+
   reports, foreign = {}, []
   with sync_playwright() as pw:
     browser = pw.chromium.launch(executable_path=executable, args=CHROMIUM_ARGS)

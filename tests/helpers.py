@@ -10,8 +10,18 @@ import numpy as np
 import mis_jax
 
 
-def random_seqs(rng, n_seqs=7, max_len=9, *, mismatch=0.3, catastrophic=0.05, nan_masked=True,
-                with_ref=False, with_entropy=False, lp_noise=0.1):
+def random_seqs(
+  rng,
+  n_seqs=7,
+  max_len=9,
+  *,
+  mismatch=0.3,
+  catastrophic=0.05,
+  nan_masked=True,
+  with_ref=False,
+  with_entropy=False,
+  lp_noise=0.1,
+):
   """Sequences with prompt (masked) tokens, an all-masked sequence, an empty one, rare
   catastrophic log-ratios and NaN in masked positions."""
   seqs = []
@@ -45,15 +55,17 @@ def random_seqs(rng, n_seqs=7, max_len=9, *, mismatch=0.3, catastrophic=0.05, na
 
 def pack(seqs, row_len=16, num_rows=None, num_segments=None, row_multiple=1):
   """Packs sequences into a PackedBatch (+ lp, entropy arrays); NaN at padding too."""
-  packing = mis_jax.plan_packing([len(s["m"]) for s in seqs], row_len, num_rows=num_rows,
-                                 row_multiple=row_multiple)
+  packing = mis_jax.plan_packing([len(s["m"]) for s in seqs], row_len, num_rows=num_rows, row_multiple=row_multiple)
   get = lambda k, pad=np.nan: packing.pack([s[k].astype(np.float32) for s in seqs], pad, np.float32)
   batch = mis_jax.PackedBatch(
-      segment_ids=packing.segment_ids,
-      loss_mask=packing.pack([s["m"] for s in seqs], False, bool),
-      advantages=get("adv"), rollout_logprobs=get("q"), old_logprobs=get("o"),
-      ref_logprobs=get("ref") if "ref" in seqs[0] else None,
-      num_segments=num_segments or len(seqs))
+    segment_ids=packing.segment_ids,
+    loss_mask=packing.pack([s["m"] for s in seqs], False, bool),
+    advantages=get("adv"),
+    rollout_logprobs=get("q"),
+    old_logprobs=get("o"),
+    ref_logprobs=get("ref") if "ref" in seqs[0] else None,
+    num_segments=num_segments or len(seqs),
+  )
   extra = {"lp": get("lp")}
   if "ent" in seqs[0]:
     extra["ent"] = get("ent")
@@ -63,14 +75,23 @@ def pack(seqs, row_len=16, num_rows=None, num_segments=None, row_multiple=1):
 def pad_one_per_row(seqs, row_len=None):
   """The padded layout: one sequence per row."""
   row_len = row_len or max(max(len(s["m"]) for s in seqs), 1)
-  packing = mis_jax.Packing(row_len=row_len, num_rows=len(seqs), rows=np.arange(len(seqs)),
-                            offsets=np.zeros(len(seqs), np.int64),
-                            lengths=np.array([len(s["m"]) for s in seqs]))
+  packing = mis_jax.Packing(
+    row_len=row_len,
+    num_rows=len(seqs),
+    rows=np.arange(len(seqs)),
+    offsets=np.zeros(len(seqs), np.int64),
+    lengths=np.array([len(s["m"]) for s in seqs]),
+  )
   get = lambda k: packing.pack([s[k].astype(np.float32) for s in seqs], np.nan, np.float32)
   batch = mis_jax.PackedBatch(
-      segment_ids=packing.segment_ids, loss_mask=packing.pack([s["m"] for s in seqs], False, bool),
-      advantages=get("adv"), rollout_logprobs=get("q"), old_logprobs=get("o"),
-      ref_logprobs=get("ref") if "ref" in seqs[0] else None, num_segments=len(seqs))
+    segment_ids=packing.segment_ids,
+    loss_mask=packing.pack([s["m"] for s in seqs], False, bool),
+    advantages=get("adv"),
+    rollout_logprobs=get("q"),
+    old_logprobs=get("o"),
+    ref_logprobs=get("ref") if "ref" in seqs[0] else None,
+    num_segments=len(seqs),
+  )
   extra = {"lp": get("lp")}
   if "ent" in seqs[0]:
     extra["ent"] = get("ent")
@@ -96,6 +117,7 @@ def assert_weights_match_oracle(w, kept, metrics, seqs, packing, cfg, mode):
   """The weights, kept mask and metrics of a correction equal the NumPy oracle's, sequence by
   sequence (`seqs` packed by `packing`); returns the oracle's metrics."""
   import oracle
+
   W, K, want = oracle.mis(seqs, cfg.to_dict(), mode)
   want.update(oracle.mismatch(seqs, mode))
   assert_metrics_close(metrics, want)
@@ -110,15 +132,20 @@ def prepare_step_on_mesh(batch, loss_cfg):
   parallelism (segments split across devices): `((correction, metrics), (correction, metrics))`."""
   import jax
   from jax.sharding import AxisType, PartitionSpec
+
   one = jax.jit(lambda b: mis_jax.prepare_step(b, loss_cfg))(batch)
   mesh = jax.make_mesh((2, 4), ("data", "seq"), axis_types=(AxisType.Auto,) * 2)
   spec = mis_jax.batch_partition_spec("data", "seq")
   # the correction's per-token arrays sharded like the batch, the step's denominators replicated
   correction_spec = jax.tree_util.tree_map(lambda _: spec, one[0].replace(denominators=None)).replace(
-      denominators=None if one[0].denominators is None else PartitionSpec())
-  mapped = jax.shard_map(lambda b: mis_jax.prepare_step(b, loss_cfg, axis_name=("data", "seq")), mesh=mesh,
-                         in_specs=(jax.tree_util.tree_map(lambda _: spec, batch),),
-                         out_specs=(correction_spec, PartitionSpec()))
+    denominators=None if one[0].denominators is None else PartitionSpec()
+  )
+  mapped = jax.shard_map(
+    lambda b: mis_jax.prepare_step(b, loss_cfg, axis_name=("data", "seq")),
+    mesh=mesh,
+    in_specs=(jax.tree_util.tree_map(lambda _: spec, batch),),
+    out_specs=(correction_spec, PartitionSpec()),
+  )
   eight = jax.jit(mapped)(mis_jax.shard_batch(mesh, batch, seq_axis="seq"))
   return one, eight
 

@@ -19,8 +19,9 @@ import jax  # noqa: E402
 pid, nproc, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 jax.config.update("jax_num_cpu_devices", 8 // nproc)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
-jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=nproc, process_id=pid,
-                           initialization_timeout=120)
+jax.distributed.initialize(
+  coordinator_address=f"127.0.0.1:{port}", num_processes=nproc, process_id=pid, initialization_timeout=120
+)
 
 import numpy as np  # noqa: E402
 from jax.sharding import AxisType, NamedSharding  # noqa: E402
@@ -46,8 +47,14 @@ with jax.set_mesh(mesh):
   results = jax.jit(lambda p, b, x, y: ts.all_algorithms(fns, p, b, x, y))(ts.PARAMS, batch, tokens, targets)
 
 local = lambda a: np.asarray(a.addressable_data(0)).tolist()
-payload = [{"loss": local(loss), "metrics": {k: local(v) for k, v in metrics.items()},
-            "grad": [local(g) for g in jax.tree_util.tree_leaves(grad)]} for loss, metrics, grad in results]
+payload = [
+  {
+    "loss": local(loss),
+    "metrics": {k: local(v) for k, v in metrics.items()},
+    "grad": [local(g) for g in jax.tree_util.tree_leaves(grad)],
+  }
+  for loss, metrics, grad in results
+]
 if pid == 0:
   with open(out, "w") as f:
     json.dump(payload, f)

@@ -37,10 +37,23 @@ def level_log(r, m, level):
 
 def mismatch(seqs, mode):
   out = {}
-  per = {k: [] for k in ["mis_training_log_ppl", "mis_training_ppl", "mis_rollout_log_ppl",
-                         "mis_rollout_ppl", "mis_kl", "mis_k3_kl", "mis_log_ppl_diff",
-                         "mis_log_ppl_abs_diff", "mis_ppl_ratio", "mis_chi2_token",
-                         "mis_chi2_seq", "train_rollout_logprob_abs_diff"]}
+  per = {
+    k: []
+    for k in [
+      "mis_training_log_ppl",
+      "mis_training_ppl",
+      "mis_rollout_log_ppl",
+      "mis_rollout_ppl",
+      "mis_kl",
+      "mis_k3_kl",
+      "mis_log_ppl_diff",
+      "mis_log_ppl_abs_diff",
+      "mis_ppl_ratio",
+      "mis_chi2_token",
+      "mis_chi2_seq",
+      "train_rollout_logprob_abs_diff",
+    ]
+  }
   masks = []
   for s in seqs:
     m = s["m"]
@@ -101,8 +114,12 @@ def trust_region_keep(s, m, train_key, cfg):
         out = d < -low
       masked[t], high_row[t], low_row[t], absd[t] = out, out and d > 0, out and d < 0, abs(d)
       keep[t] &= not out
-    rows.update(mis_dppo_tv_masked_fraction=masked, mis_dppo_tv_masked_fraction_high=high_row,
-                mis_dppo_tv_masked_fraction_low=low_row, mis_dppo_tv_prob_abs_diff=absd)
+    rows.update(
+      mis_dppo_tv_masked_fraction=masked,
+      mis_dppo_tv_masked_fraction_high=high_row,
+      mis_dppo_tv_masked_fraction_low=low_row,
+      mis_dppo_tv_prob_abs_diff=absd,
+    )
   if phi is not None:
     masked, value = np.zeros(n), np.zeros(n)
     for t in range(n):
@@ -235,8 +252,7 @@ def mis(seqs, cfg, mode, train_key="o"):
   metrics["mis_is_ratio_min_final"] = float(kept_vals.min()) if kept_vals.size else 0.0
   metrics["mis_is_ratio_max_final"] = float(kept_vals.max()) if kept_vals.size else 0.0
   n_kept = float(kept_vals.size)
-  metrics["mis_ess_ratio"] = (float(kept_vals.sum()) ** 2 / (n_kept * float(np.sum(kept_vals ** 2)))
-                              if n_kept else 0.0)
+  metrics["mis_ess_ratio"] = float(kept_vals.sum()) ** 2 / (n_kept * float(np.sum(kept_vals**2))) if n_kept else 0.0
   metrics["mis_kept_token_fraction"] = n_kept / max(sum(float(m.sum()) for m in masks), 1.0)
   metrics["mis_kept_seq_fraction"] = sum(int(k.any()) for k in K) / max(live_seqs, 1)
   metrics["mis_masked_whole_batch"] = 1.0 if n_kept == 0 else 0.0
@@ -248,8 +264,10 @@ def nonfinite(seqs):
   batches have finite ones; tests/mis_jax/test_nonfinite_rollout.py covers the rest)."""
   bad = sum(int(np.sum(s["m"] & ~np.isfinite(s["q"]))) for s in seqs)
   trained = sum(int(np.sum(s["m"])) for s in seqs)
-  return {"mis_nonfinite_rollout_logprob_count": float(bad),
-          "mis_nonfinite_rollout_logprob_fraction": bad / max(trained, 1)}
+  return {
+    "mis_nonfinite_rollout_logprob_count": float(bad),
+    "mis_nonfinite_rollout_logprob_fraction": bad / max(trained, 1),
+  }
 
 
 def vanilla(seqs, clip_hi, clip_lo, mode, train_key="o"):
@@ -261,9 +279,9 @@ def vanilla(seqs, clip_hi, clip_lo, mode, train_key="o"):
     ratios.append(ratio)
     masks.append(m)
   metrics = {
-      "tis": reduce(ratios, masks, mode),
-      "tis_clipfrac": reduce([(np.clip(x, clip_lo, clip_hi) != x).astype(float) for x in ratios], masks, mode),
-      "tis_abs": reduce([np.abs(x - 1) for x in ratios], masks, mode),
+    "tis": reduce(ratios, masks, mode),
+    "tis_clipfrac": reduce([(np.clip(x, clip_lo, clip_hi) != x).astype(float) for x in ratios], masks, mode),
+    "tis_abs": reduce([np.abs(x - 1) for x in ratios], masks, mode),
   }
   return W, [m.copy() for m in masks], {**metrics, **nonfinite(seqs)}
 
@@ -414,12 +432,15 @@ def policy_loss(seqs, lc):
   seqs = [dict(s, lp_sg=s.get("lp_sg", s["lp"])) for s in seqs]
   trainer_lp = [s["o"] if "o" in s else s["lp"] for s in seqs]  # what mismatch monitoring reads
   if lc.get("proximal") == "loglinear":  # AReaL's approximate proximal policy, token by token
-    seqs = [dict(s, o=np.array([qt + st / (st + 1.0) * (lt - qt) for qt, st, lt in zip(s["q"], s["stale"], s["lp_sg"])]))
-            for s in seqs]
+    seqs = [
+      dict(s, o=np.array([qt + st / (st + 1.0) * (lt - qt) for qt, st, lt in zip(s["q"], s["stale"], s["lp_sg"])]))
+      for s in seqs
+    ]
   W = [np.ones(len(s["m"])) for s in seqs]
   K = [m.copy() for m in masks]
-  algo = {(False, False): "ppo", (True, False): "bypass", (False, True): "decoupled",
-          (True, True): "reinforce"}[(use_roll, use_tis)]
+  algo = {(False, False): "ppo", (True, False): "bypass", (False, True): "decoupled", (True, True): "reinforce"}[
+    (use_roll, use_tis)
+  ]
   if use_tis:
     train_key = "o" if algo == "decoupled" else "lp_sg"
     if lc.get("mis") is not None:
@@ -461,8 +482,10 @@ def policy_loss(seqs, lc):
     loss -= lc.get("entropy_coef", 0.0) * ent_loss
     metrics["entropy_loss"] = ent_loss
   if "ref" in seqs[0]:
-    kl = [np.where(m, kl_term(np.where(m, s["lp"], 0.0), np.where(m, s["ref"], 0.0), lc.get("kl_type", "k3")), 0.0)
-          for s, m in zip(seqs, masks)]
+    kl = [
+      np.where(m, kl_term(np.where(m, s["lp"], 0.0), np.where(m, s["ref"], 0.0), lc.get("kl_type", "k3")), 0.0)
+      for s, m in zip(seqs, masks)
+    ]
     kl_loss = agg(kl)
     loss += lc.get("kl_coef", 0.0) * kl_loss
     metrics["kl_loss"] = kl_loss
@@ -565,8 +588,12 @@ def centring_metrics(seqs, lc, W, K, mode):
     tail.append(qt)
     drift.append(c * d)
     resid.append(c * 2 * qt)
-  return {"score_centering_tv": reduce(tv, masks, mode), "score_centering_tail_mass": reduce(tail, masks, mode),
-          "score_centering_drift": reduce(drift, K, mode), "score_centering_residual_bound": reduce(resid, K, mode)}
+  return {
+    "score_centering_tv": reduce(tv, masks, mode),
+    "score_centering_tail_mass": reduce(tail, masks, mode),
+    "score_centering_drift": reduce(drift, K, mode),
+    "score_centering_residual_bound": reduce(resid, K, mode),
+  }
 
 
 def centred_logit_grads(seqs, coefficients):

@@ -65,6 +65,7 @@ def test_readme_example_is_the_library_quick_start_and_runs(monkeypatch, capsys)
   assert len(readme[0].splitlines()) <= 30
   monkeypatch.chdir(ROOT)
   import jax
+
   with jax.numpy_dtype_promotion("standard"):  # a user's default (Optax mixes floats and int32 counts)
     exec(compile(readme[0], "README.md", "exec"), {})
   out = capsys.readouterr().out
@@ -102,6 +103,7 @@ def test_the_make_targets_files_and_modules_the_docs_name_exist():
         assert (ROOT / word).exists(), f"{path}: {line} names {word}"
     if "-m" in words and words[0].endswith("python"):
       import importlib.util
+
       module = words[words.index("-m") + 1]
       if module.startswith("sglang."):  # SGLang's own launcher, on a GPU machine (tests run sglang-jax)
         continue
@@ -118,6 +120,7 @@ def test_the_trainer_commands_and_the_readme_config_validate(tmp_path):
   from trainers.app import load
   from trainers.commands import train as train_command
   from trainers import config as config_lib
+
   lines = [(path, line) for path, line in _commands() if "mis-jax train" in line]
   checked = 0
   for path, line in lines:
@@ -145,8 +148,13 @@ def test_the_trainer_commands_and_the_readme_config_validate(tmp_path):
 def site(tmp_path_factory) -> pathlib.Path:
   """The docs site, built once for this module in MkDocs' strict mode."""
   site_dir = tmp_path_factory.mktemp("docs") / "site"
-  out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
-                       cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+  out = subprocess.run(
+    [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site_dir)],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   return site_dir
 
@@ -166,6 +174,7 @@ MATH_PAGES = {"contract/": 250, "reference/loss/": 30, "guides/choosing/": 3, "g
 def _browser() -> str:
   """Debian's Chromium (`make browser` installs it); under CI=true its absence fails the test."""
   import shutil
+
   path = os.environ.get("MIS_JAX_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
   try:
     import playwright.sync_api  # noqa: F401 - the `docs` extra
@@ -185,6 +194,7 @@ def test_the_formulas_are_typeset_in_a_browser_from_the_site_alone(site):
   no TeX error and no delimiter left as text, and the browser requests nothing outside the site
   (a request elsewhere is refused and fails the test: the page must render offline)."""
   from docs_browser import serve_folder, typeset_report
+
   executable = _browser()
   with serve_folder(site) as base:
     reports, foreign = typeset_report(executable, base, list(MATH_PAGES))

@@ -12,14 +12,36 @@ import tomllib
 from helpers import parse_source
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-NOT_FOR_THE_LIBRARY = ("trainers", "flax", "optax", "orbax", "safetensors", "httpx", "msgspec", "tqdm", "tensorboardX",
-                       "fastapi", "uvicorn", "starlette", "tokenizers", "pyarrow", "transformers", "jinja2",
-                       "math_verify", "scipy", "matplotlib", "torch", "chex")
+NOT_FOR_THE_LIBRARY = (
+  "trainers",
+  "flax",
+  "optax",
+  "orbax",
+  "safetensors",
+  "httpx",
+  "msgspec",
+  "tqdm",
+  "tensorboardX",
+  "fastapi",
+  "uvicorn",
+  "starlette",
+  "tokenizers",
+  "pyarrow",
+  "transformers",
+  "jinja2",
+  "math_verify",
+  "scipy",
+  "matplotlib",
+  "torch",
+  "chex",
+)
 
 
 def test_import_mis_jax_loads_no_trainer_server_or_dataset_dependency():
-  code = ("import sys, mis_jax; mis_jax.token_logprobs; "
-          f"print(sorted(m for m in {NOT_FOR_THE_LIBRARY!r} if m in sys.modules))")
+  code = (
+    "import sys, mis_jax; mis_jax.token_logprobs; "
+    f"print(sorted(m for m in {NOT_FOR_THE_LIBRARY!r} if m in sys.modules))"
+  )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
   assert out.stdout.strip() == "[]", out.stdout
 
@@ -41,8 +63,12 @@ def test_the_library_imports_exactly_its_declared_dependencies():
 
 def test_nothing_outside_the_library_imports_a_private_module():
   pattern = re.compile(r"^\s*(from\s+mis_jax\._\w+\s+import|import\s+mis_jax\._|from\s+mis_jax\s+import\s+_)", re.M)
-  offenders = [str(p.relative_to(ROOT)) for folder in ("trainers", "benchmarks", "notebooks")
-               for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".ipynb") and pattern.search(p.read_text())]
+  offenders = [
+    str(p.relative_to(ROOT))
+    for folder in ("trainers", "benchmarks", "notebooks")
+    for p in (ROOT / folder).rglob("*")
+    if p.suffix in (".py", ".ipynb") and pattern.search(p.read_text())
+  ]
   assert offenders == []
 
 
@@ -50,6 +76,7 @@ def test_every_module_imports():
   """Every module of the trainer and the benchmarks imports (a stale import path fails here, not
   when someone runs a benchmark)."""
   import importlib
+
   names = []
   for folder in ("trainers", "benchmarks"):
     for path in (ROOT / folder).rglob("*.py"):

@@ -20,8 +20,16 @@ def test_two_processes_equal_one(tmp_path, single_device):  # noqa: F811  (the f
   out = tmp_path / "result.json"
   port = free_port()
   worker = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
-  procs = [subprocess.Popen([sys.executable, worker, str(i), "2", str(port), str(out)], env=cpu_process_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, worker, str(i), "2", str(port), str(out)],
+      env=cpu_process_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   logs = []
   try:
     for p in procs:

@@ -26,12 +26,13 @@ KERNEL_NAME = "python3"
 
 # Wall-clock budget per notebook (kernel start included), about 4x its time on 2 CPU cores.
 NOTEBOOKS = [
-    pytest.param("01_rollout_correction_tour.ipynb", 180, id="01_rollout_correction_tour"),
-    pytest.param("02_compose_with_flax.ipynb", 240, id="02_compose_with_flax",
-                 marks=pytest.mark.slow),  # ~65 s on 2 cores
-    # The experiment's analysis, from the committed full run's results.json (the run itself:
-    # `python -m trainers.experiments.mismatch`; its --quick mode is tests/trainers/experiments/test_experiment.py).
-    pytest.param("03_mismatch_experiment.ipynb", 120, id="03_mismatch_experiment"),
+  pytest.param("01_rollout_correction_tour.ipynb", 180, id="01_rollout_correction_tour"),
+  pytest.param(
+    "02_compose_with_flax.ipynb", 240, id="02_compose_with_flax", marks=pytest.mark.slow
+  ),  # ~65 s on 2 cores
+  # The experiment's analysis, from the committed full run's results.json (the run itself:
+  # `python -m trainers.experiments.mismatch`; its --quick mode is tests/trainers/experiments/test_experiment.py).
+  pytest.param("03_mismatch_experiment.ipynb", 120, id="03_mismatch_experiment"),
 ]
 ENV: dict[str, dict[str, str]] = {}  # per-notebook environment variables
 NAMES = [p.values[0] for p in NOTEBOOKS]
@@ -49,8 +50,9 @@ def test_kernel_is_this_interpreter():
   """The ``python3`` kernel resolves to the interpreter running the tests (no global Jupyter)."""
   spec = KernelSpecManager().get_kernel_spec(KERNEL_NAME)
   # jupyter_client replaces a bare "python"/"python3" argv[0] with sys.executable at launch.
-  assert spec.argv[0] in {"python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}",
-                          sys.executable}, spec.argv
+  assert spec.argv[0] in {"python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}", sys.executable}, (
+    spec.argv
+  )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -63,13 +65,15 @@ def test_committed_with_outputs(name):
   cells = _code_cells(nb)
   assert cells
   assert [c.execution_count for c in cells] == list(range(1, len(cells) + 1)), (
-      f"{name}: execution counts {[c.execution_count for c in cells]}: re-run top to bottom and save")
+    f"{name}: execution counts {[c.execution_count for c in cells]}: re-run top to bottom and save"
+  )
   for i, cell in enumerate(cells):
     assert cell.outputs, f"{name}: code cell {i} has no output"
     for out in cell.outputs:
       assert out.output_type != "error", f"{name}: code cell {i} has an error output: {out.get('ename')}"
       assert not (out.output_type == "stream" and out.name == "stderr"), (
-          f"{name}: code cell {i} wrote to stderr: {out.text[:200]}")
+        f"{name}: code cell {i} wrote to stderr: {out.text[:200]}"
+      )
 
 
 @pytest.mark.timeout(900)
@@ -80,8 +84,13 @@ def test_notebook_executes(name, budget_s, monkeypatch):
   nb = copy.deepcopy(_read(name))
   for cell in _code_cells(nb):
     cell.outputs, cell.execution_count = [], None
-  client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name=KERNEL_NAME, allow_errors=False,
-                          resources={"metadata": {"path": str(NOTEBOOKS_DIR)}})
+  client = NotebookClient(
+    nb,
+    timeout=CELL_TIMEOUT_S,
+    kernel_name=KERNEL_NAME,
+    allow_errors=False,
+    resources={"metadata": {"path": str(NOTEBOOKS_DIR)}},
+  )
   start = time.perf_counter()
   client.execute()  # raises CellExecutionError, naming the cell, if any cell fails
   elapsed = time.perf_counter() - start

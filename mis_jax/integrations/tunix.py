@@ -75,16 +75,28 @@ try:
   from tunix.rl.grpo import grpo_learner
 except ImportError as e:  # pragma: no cover - the message is the point
   raise ImportError(
-      f"mis_jax.integrations.tunix needs google-tunix ({e}); install it with "
-      "pip install 'mis_jax[tunix]'") from e
+    f"mis_jax.integrations.tunix needs google-tunix ({e}); install it with pip install 'mis_jax[tunix]'"
+  ) from e
 
-from mis_jax import (ConfigError, LossConfig, MISConfig, PackedBatch, kl_penalty, microbatch_reduction,
-                     policy_loss)
+from mis_jax import ConfigError, LossConfig, MISConfig, PackedBatch, kl_penalty, microbatch_reduction, policy_loss
 
-__all__ = ["LOSS_NAME", "ROPE_THETA_IGNORED", "TESTED_TUNIX", "UNTRAINABLE_METRIC", "MISGRPOConfig",
-           "MISGRPOLearner", "MISTrainExample", "MissingRolloutLogprobs", "check_rope_theta", "loss_config_for",
-           "mis_policy_loss_fn", "padded_batch", "rollout_logprobs", "rope_theta_computed",
-           "untrainable_completions"]
+__all__ = [
+  "LOSS_NAME",
+  "ROPE_THETA_IGNORED",
+  "TESTED_TUNIX",
+  "UNTRAINABLE_METRIC",
+  "MISGRPOConfig",
+  "MISGRPOLearner",
+  "MISTrainExample",
+  "MissingRolloutLogprobs",
+  "check_rope_theta",
+  "loss_config_for",
+  "mis_policy_loss_fn",
+  "padded_batch",
+  "rollout_logprobs",
+  "rope_theta_computed",
+  "untrainable_completions",
+]
 
 TESTED_TUNIX = "0.1.7"
 # Logged per step (a count, summed over rollout micro-batches) beside tunix's completions/*.
@@ -103,27 +115,35 @@ def _check_tunix_version() -> None:
     low, high = _SUPPORTED
     if not low <= parts < high:
       raise ImportError(
-          f"mis_jax.integrations.tunix supports google-tunix >=0.1.7,<0.2 (tested: {TESTED_TUNIX}); "
-          f"found {version}. Outside that range tunix's learner API differs (its main branch "
-          "renames RLCluster to RLEngine and the learner argument rl_cluster to rl_engine). "
-          "Install google-tunix==0.1.7, or set MIS_JAX_ALLOW_UNTESTED_TUNIX=1 to try anyway.")
-  needed = {"tunix.rl.rl_cluster.RLCluster": getattr(rl_cluster_lib, "RLCluster", None),
-            "tunix.rl.function_registry.register_policy_loss_fn":
-                getattr(function_registry, "register_policy_loss_fn", None),
-            "tunix.rl.common.compute_per_token_logps": getattr(common, "compute_per_token_logps", None),
-            "GRPOLearner._generate_and_compute_advantage":
-                getattr(grpo_learner.GRPOLearner, "_generate_and_compute_advantage", None)}
+        f"mis_jax.integrations.tunix supports google-tunix >=0.1.7,<0.2 (tested: {TESTED_TUNIX}); "
+        f"found {version}. Outside that range tunix's learner API differs (its main branch "
+        "renames RLCluster to RLEngine and the learner argument rl_cluster to rl_engine). "
+        "Install google-tunix==0.1.7, or set MIS_JAX_ALLOW_UNTESTED_TUNIX=1 to try anyway."
+      )
+  needed = {
+    "tunix.rl.rl_cluster.RLCluster": getattr(rl_cluster_lib, "RLCluster", None),
+    "tunix.rl.function_registry.register_policy_loss_fn": getattr(function_registry, "register_policy_loss_fn", None),
+    "tunix.rl.common.compute_per_token_logps": getattr(common, "compute_per_token_logps", None),
+    "GRPOLearner._generate_and_compute_advantage": getattr(
+      grpo_learner.GRPOLearner, "_generate_and_compute_advantage", None
+    ),
+  }
   missing = [name for name, obj in needed.items() if obj is None]
   if missing:
-    raise ImportError(f"this tunix ({version}) lacks {', '.join(missing)}, which "
-                      f"mis_jax.integrations.tunix uses (tested with google-tunix {TESTED_TUNIX})")
+    raise ImportError(
+      f"this tunix ({version}) lacks {', '.join(missing)}, which "
+      f"mis_jax.integrations.tunix uses (tested with google-tunix {TESTED_TUNIX})"
+    )
 
 
 _check_tunix_version()
 
 # tunix's names for the settings mis_jax shares.
-_AGG_MODES = {"token-mean": "token-mean", "sequence-mean-token-mean": "seq-mean-token-mean",
-              "seq-mean-token-sum": "seq-mean-token-sum"}
+_AGG_MODES = {
+  "token-mean": "token-mean",
+  "sequence-mean-token-mean": "seq-mean-token-mean",
+  "seq-mean-token-sum": "seq-mean-token-sum",
+}
 _KL_MODES = {"kl": "k1", "mse_kl": "k2", "low_var_kl": "k3"}
 
 
@@ -152,11 +172,12 @@ def prepare_cluster(rl_cluster, learner: str, rows: str) -> None:
   training = rl_cluster.cluster_config.training_config
   if getattr(training, "max_seq_token_per_tpu", None) is not None:
     raise ConfigError(
-        f"training_config.max_seq_token_per_tpu={training.max_seq_token_per_tpu}: tunix's sequence "
-        f"packing is not supported by {learner} (the rollout log-probs are aligned with the padded {rows}); "
-        "set it to None")
+      f"training_config.max_seq_token_per_tpu={training.max_seq_token_per_tpu}: tunix's sequence "
+      f"packing is not supported by {learner} (the rollout log-probs are aligned with the padded {rows}); "
+      "set it to None"
+    )
   rollout_configs = rl_cluster.cluster_config.rollout_config
-  for rc in (rollout_configs.values() if isinstance(rollout_configs, dict) else [rollout_configs]):
+  for rc in rollout_configs.values() if isinstance(rollout_configs, dict) else [rollout_configs]:
     rc.return_logprobs = True
 
 
@@ -173,12 +194,13 @@ def check_rope_theta(model_config) -> None:
   theta, computed = getattr(model_config, "rope_theta", None), rope_theta_computed(model_config)
   if computed is not None and float(theta) != computed:
     raise ConfigError(
-        f"{type(model_config).__module__}.{type(model_config).__name__}.rope_theta={theta:.10g}, but tunix's "
-        f"model applies RoPE with theta {computed:.10g} whatever its config says (its attention never passes "
-        "rope_theta to apply_rope): an engine reading the config's value samples from another model than "
-        f"the one trained. Set rope_theta={computed:.10g} in the model config and in the engine's config.json "
-        "(what tunix computes); a checkpoint trained with another theta cannot be trained faithfully by "
-        "this tunix model port.")
+      f"{type(model_config).__module__}.{type(model_config).__name__}.rope_theta={theta:.10g}, but tunix's "
+      f"model applies RoPE with theta {computed:.10g} whatever its config says (its attention never passes "
+      "rope_theta to apply_rope): an engine reading the config's value samples from another model than "
+      f"the one trained. Set rope_theta={computed:.10g} in the model config and in the engine's config.json "
+      "(what tunix computes); a checkpoint trained with another theta cannot be trained faithfully by "
+      "this tunix model port."
+    )
 
 
 def untrainable_completions(completion_ids, pad_id: int) -> np.ndarray:
@@ -203,23 +225,38 @@ def _engine_name(cluster) -> str:
   return engine if isinstance(engine, str) else getattr(engine, "__name__", repr(engine))
 
 
-def _loss_config(algo_config, *, use_tis, use_rollout_logprobs, get_mismatch_metrics, mis,
-                 tis_clip, tis_clip_low, denominator, entropy_coef) -> LossConfig:
+def _loss_config(
+  algo_config,
+  *,
+  use_tis,
+  use_rollout_logprobs,
+  get_mismatch_metrics,
+  mis,
+  tis_clip,
+  tis_clip_low,
+  denominator,
+  entropy_coef,
+) -> LossConfig:
   """The :class:`LossConfig` of tunix's GRPO settings plus mis_jax's; errors name tunix's keys."""
   name = type(algo_config).__name__
   if getattr(algo_config, "loss_algo", "grpo") != "grpo":
-    raise ConfigError(f"{name}.loss_algo={algo_config.loss_algo!r} is not supported by mis_jax's loss; "
-                      "use 'grpo' (sequence-level IS is tis_level: sequence in a mis.yaml)")
+    raise ConfigError(
+      f"{name}.loss_algo={algo_config.loss_algo!r} is not supported by mis_jax's loss; "
+      "use 'grpo' (sequence-level IS is tis_level: sequence in a mis.yaml)"
+    )
   agg = algo_config.loss_agg_mode
   if agg not in _AGG_MODES:
-    raise ConfigError(f"{name}.loss_agg_mode={agg!r} is not supported by mis_jax's loss; one of "
-                      f"{', '.join(_AGG_MODES)}")
+    raise ConfigError(
+      f"{name}.loss_agg_mode={agg!r} is not supported by mis_jax's loss; one of {', '.join(_AGG_MODES)}"
+    )
   kl_mode = algo_config.kl_loss_mode
   if kl_mode not in _KL_MODES:
     raise ConfigError(f"{name}.kl_loss_mode={kl_mode!r} is not supported; one of {', '.join(_KL_MODES)}")
   if getattr(algo_config, "kl_clamp_value", None) is not None:
-    raise ConfigError(f"{name}.kl_clamp_value={algo_config.kl_clamp_value!r} is not supported by "
-                      "mis_jax's loss (its k3 clips the log-ratio to ±20 instead); set it to None")
+    raise ConfigError(
+      f"{name}.kl_clamp_value={algo_config.kl_clamp_value!r} is not supported by "
+      "mis_jax's loss (its k3 clips the log-ratio to ±20 instead); set it to None"
+    )
   epsilon = algo_config.epsilon
   if not 0 < epsilon < 1:
     raise ConfigError(f"{name}.epsilon must be in (0, 1), got {epsilon!r}")
@@ -237,15 +274,25 @@ def _loss_config(algo_config, *, use_tis, use_rollout_logprobs, get_mismatch_met
   elif isinstance(mis, Mapping):
     mis = MISConfig.from_dict(mis)
   elif mis is not None and not isinstance(mis, MISConfig):
-    raise ConfigError(f"{name}.mis must be a mis_jax.MISConfig, a mapping, the path of a mis.yaml or "
-                      f"None, got {type(mis).__name__}")
-  return LossConfig(use_tis=use_tis, use_rollout_logprobs=use_rollout_logprobs,
-                    get_mismatch_metrics=get_mismatch_metrics, eps_clip=float(epsilon),
-                    eps_clip_high=None if high is None else float(high),
-                    policy_loss={"name": "vanilla", "eps_clip_c": None if dual is None else float(dual)},
-                    loss_agg_mode=_AGG_MODES[agg], denominator=denominator, tis_clip=tis_clip,
-                    tis_clip_low=tis_clip_low, mis=mis, entropy_coef=entropy_coef,
-                    kl_coef=float(beta), kl_type=_KL_MODES[kl_mode])
+    raise ConfigError(
+      f"{name}.mis must be a mis_jax.MISConfig, a mapping, the path of a mis.yaml or None, got {type(mis).__name__}"
+    )
+  return LossConfig(
+    use_tis=use_tis,
+    use_rollout_logprobs=use_rollout_logprobs,
+    get_mismatch_metrics=get_mismatch_metrics,
+    eps_clip=float(epsilon),
+    eps_clip_high=None if high is None else float(high),
+    policy_loss={"name": "vanilla", "eps_clip_c": None if dual is None else float(dual)},
+    loss_agg_mode=_AGG_MODES[agg],
+    denominator=denominator,
+    tis_clip=tis_clip,
+    tis_clip_low=tis_clip_low,
+    mis=mis,
+    entropy_coef=entropy_coef,
+    kl_coef=float(beta),
+    kl_type=_KL_MODES[kl_mode],
+  )
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -284,12 +331,21 @@ class MISGRPOConfig(grpo_learner.GRPOConfig):
   def __post_init__(self):
     super().__post_init__()
     if self.policy_loss_fn != LOSS_NAME:
-      raise ConfigError(f"MISGRPOConfig.policy_loss_fn must be {LOSS_NAME!r} (mis_jax's loss), got "
-                        f"{self.policy_loss_fn!r}; use tunix's GRPOConfig for tunix's own losses")
+      raise ConfigError(
+        f"MISGRPOConfig.policy_loss_fn must be {LOSS_NAME!r} (mis_jax's loss), got "
+        f"{self.policy_loss_fn!r}; use tunix's GRPOConfig for tunix's own losses"
+      )
     self.loss_config = _loss_config(
-        self, use_tis=self.use_tis, use_rollout_logprobs=self.use_rollout_logprobs,
-        get_mismatch_metrics=self.get_mismatch_metrics, mis=self.mis, tis_clip=self.tis_clip,
-        tis_clip_low=self.tis_clip_low, denominator=self.denominator, entropy_coef=self.entropy_coef)
+      self,
+      use_tis=self.use_tis,
+      use_rollout_logprobs=self.use_rollout_logprobs,
+      get_mismatch_metrics=self.get_mismatch_metrics,
+      mis=self.mis,
+      tis_clip=self.tis_clip,
+      tis_clip_low=self.tis_clip_low,
+      denominator=self.denominator,
+      entropy_coef=self.entropy_coef,
+    )
 
 
 def loss_config_for(algo_config) -> LossConfig:
@@ -298,8 +354,17 @@ def loss_config_for(algo_config) -> LossConfig:
   cfg = getattr(algo_config, "loss_config", None)
   if isinstance(cfg, LossConfig):
     return cfg
-  return _loss_config(algo_config, use_tis=False, use_rollout_logprobs=False, get_mismatch_metrics=False,
-                      mis=None, tis_clip=2.0, tis_clip_low=0.0, denominator="kept", entropy_coef=0.0)
+  return _loss_config(
+    algo_config,
+    use_tis=False,
+    use_rollout_logprobs=False,
+    get_mismatch_metrics=False,
+    mis=None,
+    tis_clip=2.0,
+    tis_clip_low=0.0,
+    denominator="kept",
+    entropy_coef=0.0,
+  )
 
 
 @flax.struct.dataclass(frozen=True)
@@ -310,8 +375,9 @@ class MISTrainExample(grpo_learner.TrainExample):
   rollout_per_token_logps: jax.Array | None = None
 
 
-def padded_batch(train_example, loss_cfg: LossConfig, *, rollout_logprobs=None, old_logprobs=None,
-                 ref_logprobs=None) -> PackedBatch:
+def padded_batch(
+  train_example, loss_cfg: LossConfig, *, rollout_logprobs=None, old_logprobs=None, ref_logprobs=None
+) -> PackedBatch:
   """tunix's padded ``[B, L]`` completion batch as a :class:`mis_jax.PackedBatch`: row ``b`` is
   segment ``b`` over its completion mask, padding is segment ``-1``, the sequence advantage is
   broadcast to its tokens."""
@@ -322,10 +388,15 @@ def padded_batch(train_example, loss_cfg: LossConfig, *, rollout_logprobs=None, 
   if adv.ndim == 1:
     adv = jnp.broadcast_to(adv[:, None], (rows, length))
   f32 = lambda x: None if x is None else jnp.asarray(x).astype(jnp.float32)
-  return PackedBatch(segment_ids=segment_ids, loss_mask=mask, advantages=adv,
-                     rollout_logprobs=f32(rollout_logprobs), old_logprobs=f32(old_logprobs),
-                     ref_logprobs=f32(ref_logprobs) if loss_cfg.kl_coef > 0 else None,
-                     num_segments=rows)
+  return PackedBatch(
+    segment_ids=segment_ids,
+    loss_mask=mask,
+    advantages=adv,
+    rollout_logprobs=f32(rollout_logprobs),
+    old_logprobs=f32(old_logprobs),
+    ref_logprobs=f32(ref_logprobs) if loss_cfg.kl_coef > 0 else None,
+    num_segments=rows,
+  )
 
 
 @function_registry.register_policy_loss_fn(LOSS_NAME)
@@ -344,19 +415,28 @@ def mis_policy_loss_fn(model, train_example, algo_config, pad_id, eos_id, **kwar
   del kwargs
   cfg = loss_config_for(algo_config)
   if getattr(train_example, "segment_ids", None) is not None:
-    raise ValueError("the mis_jax loss takes tunix's padded batches, not packed ones "
-                     "(set training_config.max_seq_token_per_tpu=None)")
+    raise ValueError(
+      "the mis_jax loss takes tunix's padded batches, not packed ones (set training_config.max_seq_token_per_tpu=None)"
+    )
   q = getattr(train_example, "rollout_per_token_logps", None)
   if q is None and (cfg.algorithm != "ppo" or cfg.get_mismatch_metrics):
     raise MissingRolloutLogprobs(
-        f"the mis_jax loss with algorithm {cfg.algorithm!r} (get_mismatch_metrics="
-        f"{cfg.get_mismatch_metrics}) needs the rollout log-probs, and tunix's {type(train_example).__name__} "
-        "has none: tunix's GRPOLearner drops them. Use mis_jax.integrations.tunix.MISGRPOLearner.")
+      f"the mis_jax loss with algorithm {cfg.algorithm!r} (get_mismatch_metrics="
+      f"{cfg.get_mismatch_metrics}) needs the rollout log-probs, and tunix's {type(train_example).__name__} "
+      "has none: tunix's GRPOLearner drops them. Use mis_jax.integrations.tunix.MISGRPOLearner."
+    )
   graphdef, state = nnx.split(model)
   lp, logits = common.compute_per_token_logps(
-      graphdef, state, prompt_tokens=train_example.prompt_ids,
-      completion_tokens=train_example.completion_ids, pad_id=pad_id, eos_id=eos_id,
-      stop_gradient=False, return_logits=True, temperature=getattr(algo_config, "temperature", 1.0))
+    graphdef,
+    state,
+    prompt_tokens=train_example.prompt_ids,
+    completion_tokens=train_example.completion_ids,
+    pad_id=pad_id,
+    eos_id=eos_id,
+    stop_gradient=False,
+    return_logits=True,
+    temperature=getattr(algo_config, "temperature", 1.0),
+  )
   lp = lp.astype(jnp.float32)
   o = train_example.old_per_token_logps
   if o is None and cfg.needs_old_logprobs:
@@ -385,27 +465,34 @@ def rollout_logprobs(output, completion_ids, *, engine: str = "rollout") -> np.n
   the engine returned none, ValueError naming the sample on any misalignment.
   """
   if output is None or output.logprobs is None:
-    hint = ("tunix 0.1.7's sglang_jax rollout never returns them; use rollout_engine="
-            "mis_jax.integrations.tunix_sglang_jax.SglangJaxRollout (the same engine, its log-probs "
-            "kept), 'vanilla' or 'vllm'" if engine == "sglang_jax" else
-            "the engine must honour RolloutConfig.return_logprobs=True (tunix's vanilla and vllm "
-            "engines do)")
+    hint = (
+      "tunix 0.1.7's sglang_jax rollout never returns them; use rollout_engine="
+      "mis_jax.integrations.tunix_sglang_jax.SglangJaxRollout (the same engine, its log-probs "
+      "kept), 'vanilla' or 'vllm'"
+      if engine == "sglang_jax"
+      else "the engine must honour RolloutConfig.return_logprobs=True (tunix's vanilla and vllm engines do)"
+    )
     raise MissingRolloutLogprobs(
-        f"the {engine!r} rollout engine returned no log-probs (RolloutOutput.logprobs is None) "
-        f"although RolloutConfig.return_logprobs was set: {hint}. mis_jax needs the sampler's own "
-        "log-probs and never substitutes recomputed ones.")
+      f"the {engine!r} rollout engine returned no log-probs (RolloutOutput.logprobs is None) "
+      f"although RolloutConfig.return_logprobs was set: {hint}. mis_jax needs the sampler's own "
+      "log-probs and never substitutes recomputed ones."
+    )
   completion_ids = np.asarray(completion_ids)
   rows, length = completion_ids.shape
   if len(output.logprobs) != rows or len(output.tokens) != rows:
-    raise ValueError(f"the {engine!r} rollout returned {len(output.logprobs)} log-prob rows and "
-                     f"{len(output.tokens)} token rows for a batch of {rows} completions")
+    raise ValueError(
+      f"the {engine!r} rollout returned {len(output.logprobs)} log-prob rows and "
+      f"{len(output.tokens)} token rows for a batch of {rows} completions"
+    )
   q = np.zeros((rows, length), np.float32)
   for b, (lps, toks) in enumerate(zip(output.logprobs, output.tokens)):
     lps = np.asarray(lps, np.float32).reshape(-1)
     n = len(np.asarray(toks).reshape(-1))
     if lps.shape[0] != n:
-      raise ValueError(f"completion {b}: the {engine!r} rollout returned {lps.shape[0]} log-probs for "
-                       f"{n} tokens; they must be one per generated token")
+      raise ValueError(
+        f"completion {b}: the {engine!r} rollout returned {lps.shape[0]} log-probs for "
+        f"{n} tokens; they must be one per generated token"
+      )
     if n > length:
       raise ValueError(f"completion {b} has {n} tokens, more than the padded length {length}")
     if not np.all(np.isfinite(lps)):
@@ -430,11 +517,17 @@ class MISGRPOLearner(grpo_learner.GRPOLearner):
 
   def __init__(self, rl_cluster, algo_config, reward_fns, metric_fns=None, data_shuffle_seed=None):
     if not isinstance(algo_config, MISGRPOConfig):
-      raise TypeError(f"MISGRPOLearner needs a mis_jax.integrations.tunix.MISGRPOConfig, got "
-                      f"{type(algo_config).__name__}")
+      raise TypeError(
+        f"MISGRPOLearner needs a mis_jax.integrations.tunix.MISGRPOConfig, got {type(algo_config).__name__}"
+      )
     prepare_cluster(rl_cluster, "MISGRPOLearner", "completions")
-    super().__init__(rl_cluster=rl_cluster, algo_config=algo_config, reward_fns=reward_fns,
-                     metric_fns=metric_fns, data_shuffle_seed=data_shuffle_seed)
+    super().__init__(
+      rl_cluster=rl_cluster,
+      algo_config=algo_config,
+      reward_fns=reward_fns,
+      metric_fns=metric_fns,
+      data_shuffle_seed=data_shuffle_seed,
+    )
     cfg = algo_config.loss_config
     self._engine = _engine_name(rl_cluster)
     self._needs_old = cfg.needs_old_logprobs or algo_config.num_iterations > 1
@@ -442,7 +535,8 @@ class MISGRPOLearner(grpo_learner.GRPOLearner):
     reductions = {"max": np.max, "min": np.min}
     how = lambda name: "mask" if name == "kl" else microbatch_reduction(name, cfg)  # "kl": tunix's own mean
     self.rl_cluster.actor_trainer.with_rl_metrics_to_log(
-        {name: reductions.get(how(name), np.mean) for name in self.metric_names})
+      {name: reductions.get(how(name), np.mean) for name in self.metric_names}
+    )
     self._kept = threading.local()
     generate = rl_cluster.generate
     kept = self._kept
@@ -465,11 +559,19 @@ class MISGRPOLearner(grpo_learner.GRPOLearner):
     mesh_cm = getattr(self.rl_cluster, "_get_mesh_and_logical_axis_rules_cm", None)
     context = mesh_cm(rl_cluster_lib.Role.ACTOR) if mesh_cm is not None else contextlib.nullcontext()
     with context:
-      outs = [common.compute_per_token_logps(
-          graphdef, state, prompt_tokens=prompt_tokens[i:i + step],
-          completion_tokens=completion_tokens[i:i + step], pad_id=self.rl_cluster.rollout.pad_id(),
-          eos_id=self.rl_cluster.rollout.eos_id(), stop_gradient=True,
-          temperature=self.algo_config.temperature) for i in range(0, rows, step)]
+      outs = [
+        common.compute_per_token_logps(
+          graphdef,
+          state,
+          prompt_tokens=prompt_tokens[i : i + step],
+          completion_tokens=completion_tokens[i : i + step],
+          pad_id=self.rl_cluster.rollout.pad_id(),
+          eos_id=self.rl_cluster.rollout.eos_id(),
+          stop_gradient=True,
+          temperature=self.algo_config.temperature,
+        )
+        for i in range(0, rows, step)
+      ]
     return jnp.concatenate(outs, axis=0).astype(jnp.float32)
 
   def _generate_and_compute_advantage(self, training_input, mode=rl_cluster_lib.Mode.TRAIN):
@@ -477,8 +579,10 @@ class MISGRPOLearner(grpo_learner.GRPOLearner):
     example = super()._generate_and_compute_advantage(training_input, mode)
     output = getattr(self._kept, "output", None)
     if output is None:
-      raise RuntimeError("tunix's learner did not call rl_cluster.generate; this tunix is not the "
-                         f"one mis_jax.integrations.tunix was tested with ({TESTED_TUNIX})")
+      raise RuntimeError(
+        "tunix's learner did not call rl_cluster.generate; this tunix is not the "
+        f"one mis_jax.integrations.tunix was tested with ({TESTED_TUNIX})"
+      )
     q = rollout_logprobs(output, example.completion_ids, engine=self._engine)
     untrainable = untrainable_completions(example.completion_ids, self.rl_cluster.rollout.pad_id())
     self.rl_cluster.buffer_metrics({UNTRAINABLE_METRIC: (int(untrainable.sum()), np.sum)}, mode=mode)
@@ -500,9 +604,15 @@ def _metric_names(cfg: LossConfig, *, with_old: bool) -> list[str]:
   z = jnp.zeros(shape, jnp.float32)
 
   def run():
-    batch = PackedBatch(segment_ids=jnp.zeros(shape, jnp.int32), loss_mask=jnp.ones(shape, bool),
-                        advantages=z, rollout_logprobs=z, old_logprobs=z if with_old else None,
-                        ref_logprobs=z if cfg.kl_coef > 0 else None, num_segments=2)
+    batch = PackedBatch(
+      segment_ids=jnp.zeros(shape, jnp.int32),
+      loss_mask=jnp.ones(shape, bool),
+      advantages=z,
+      rollout_logprobs=z,
+      old_logprobs=z if with_old else None,
+      ref_logprobs=z if cfg.kl_coef > 0 else None,
+      num_segments=2,
+    )
     return policy_loss(z, batch, cfg, entropy=z)[1]
 
   # tunix's trainer logs "loss" itself.

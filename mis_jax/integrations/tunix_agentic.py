@@ -48,8 +48,10 @@ try:
   from tunix.rl.agentic.agents import model_agent
   from tunix.rl.agentic.environments import task_environment
 except ImportError as e:  # pragma: no cover - the message is the point
-  raise ImportError(f"mis_jax.integrations.tunix_agentic needs google-tunix 0.1.7's agentic learner ({e}); "
-                    "install it with pip install 'mis_jax[tunix]'") from e
+  raise ImportError(
+    f"mis_jax.integrations.tunix_agentic needs google-tunix 0.1.7's agentic learner ({e}); "
+    "install it with pip install 'mis_jax[tunix]'"
+  ) from e
 
 __all__ = ["MISAgenticGRPOConfig", "MISAgenticGRPOLearner", "MISAgenticTrainExample", "UNTRAINABLE_METRIC"]
 
@@ -84,18 +86,31 @@ class MISAgenticGRPOConfig(agentic_grpo_learner.GRPOConfig):
     super().__post_init__()
     name = type(self).__name__
     if self.policy_loss_fn != mis_tunix.LOSS_NAME:
-      raise ConfigError(f"{name}.policy_loss_fn must be {mis_tunix.LOSS_NAME!r} (mis_jax's loss), got "
-                        f"{self.policy_loss_fn!r}; use tunix's agentic GRPOConfig for tunix's own losses")
+      raise ConfigError(
+        f"{name}.policy_loss_fn must be {mis_tunix.LOSS_NAME!r} (mis_jax's loss), got "
+        f"{self.policy_loss_fn!r}; use tunix's agentic GRPOConfig for tunix's own losses"
+      )
     if self.sampler_is is not None:
-      raise ConfigError(f"{name}.sampler_is={self.sampler_is!r} is tunix's token TIS, which mis_jax's loss "
-                        "replaces: set use_tis=True (vanilla token TIS, tis_clip) or a mis config instead")
+      raise ConfigError(
+        f"{name}.sampler_is={self.sampler_is!r} is tunix's token TIS, which mis_jax's loss "
+        "replaces: set use_tis=True (vanilla token TIS, tis_clip) or a mis config instead"
+      )
     if not self.use_rollout_logps:
-      raise ConfigError(f"{name}.use_rollout_logps=False drops the sampler's log-probs, which mis_jax's "
-                        "correction needs; leave it True (use_rollout_logprobs picks the PPO anchor)")
+      raise ConfigError(
+        f"{name}.use_rollout_logps=False drops the sampler's log-probs, which mis_jax's "
+        "correction needs; leave it True (use_rollout_logprobs picks the PPO anchor)"
+      )
     self.loss_config = mis_tunix._loss_config(  # pylint: disable=protected-access
-        self, use_tis=self.use_tis, use_rollout_logprobs=self.use_rollout_logprobs,
-        get_mismatch_metrics=self.get_mismatch_metrics, mis=self.mis, tis_clip=self.tis_clip,
-        tis_clip_low=self.tis_clip_low, denominator=self.denominator, entropy_coef=self.entropy_coef)
+      self,
+      use_tis=self.use_tis,
+      use_rollout_logprobs=self.use_rollout_logprobs,
+      get_mismatch_metrics=self.get_mismatch_metrics,
+      mis=self.mis,
+      tis_clip=self.tis_clip,
+      tis_clip_low=self.tis_clip_low,
+      denominator=self.denominator,
+      entropy_coef=self.entropy_coef,
+    )
 
 
 @flax.struct.dataclass(frozen=True)
@@ -141,16 +156,35 @@ class MISAgenticGRPOLearner(agentic_grpo_learner.GRPOLearner):
   GRPO advantage is 0.
   """
 
-  def __init__(self, rl_cluster, algo_config, reward_fns=None, chat_parser=None, metric_fns=None,
-               agent_class=model_agent.ModelAgent, agent_kwargs=None,
-               env_class=task_environment.TaskEnvironment, env_kwargs=None):
+  def __init__(
+    self,
+    rl_cluster,
+    algo_config,
+    reward_fns=None,
+    chat_parser=None,
+    metric_fns=None,
+    agent_class=model_agent.ModelAgent,
+    agent_kwargs=None,
+    env_class=task_environment.TaskEnvironment,
+    env_kwargs=None,
+  ):
     if not isinstance(algo_config, MISAgenticGRPOConfig):
-      raise TypeError("MISAgenticGRPOLearner needs a mis_jax.integrations.tunix_agentic.MISAgenticGRPOConfig, "
-                      f"got {type(algo_config).__name__}")
+      raise TypeError(
+        "MISAgenticGRPOLearner needs a mis_jax.integrations.tunix_agentic.MISAgenticGRPOConfig, "
+        f"got {type(algo_config).__name__}"
+      )
     mis_tunix.prepare_cluster(rl_cluster, "MISAgenticGRPOLearner", "conversations")
-    super().__init__(rl_cluster=rl_cluster, algo_config=algo_config, reward_fns=reward_fns,
-                     chat_parser=chat_parser, metric_fns=metric_fns, agent_class=agent_class,
-                     agent_kwargs=agent_kwargs, env_class=env_class, env_kwargs=env_kwargs)
+    super().__init__(
+      rl_cluster=rl_cluster,
+      algo_config=algo_config,
+      reward_fns=reward_fns,
+      chat_parser=chat_parser,
+      metric_fns=metric_fns,
+      agent_class=agent_class,
+      agent_kwargs=agent_kwargs,
+      env_class=env_class,
+      env_kwargs=env_kwargs,
+    )
     cfg = algo_config.loss_config
     self._engine = mis_tunix._engine_name(rl_cluster)  # pylint: disable=protected-access
     self._needs_old = cfg.needs_old_logprobs or algo_config.num_iterations > 1
@@ -158,7 +192,8 @@ class MISAgenticGRPOLearner(agentic_grpo_learner.GRPOLearner):
     reductions = {"max": np.max, "min": np.min}
     how = lambda name: "mask" if name == "kl" else microbatch_reduction(name, cfg)  # "kl": tunix's own mean
     self.rl_cluster.actor_trainer.with_rl_metrics_to_log(
-        {name: reductions.get(how(name), np.mean) for name in self.metric_names})
+      {name: reductions.get(how(name), np.mean) for name in self.metric_names}
+    )
     self._kept = threading.local()
     self._bad_turns: list[str] = []
     self._bad_lock = threading.Lock()
@@ -205,26 +240,45 @@ class MISAgenticGRPOLearner(agentic_grpo_learner.GRPOLearner):
 
     rl_cluster.rollout.generate = generate_with_own_seed
 
-  def old_per_token_logps(self, prompt_tokens, completion_tokens, pad_id, eos_id, micro_batch_size=None,
-                          temperature=None):
+  def old_per_token_logps(
+    self, prompt_tokens, completion_tokens, pad_id, eos_id, micro_batch_size=None, temperature=None
+  ):
     """``o``: the conversations' per-token log-probs at the sampling temperature, no gradient,
     from the weights the engine sampled with (see the class docstring). Replaces the cluster's
     ``get_actor_per_token_logps``; the answer is kept for this thread's group."""
     if temperature is None:
       temperature = self.rl_cluster.get_rollout_config(mode=rl_cluster_lib.Mode.TRAIN).temperature
     if self.should_sync_weights:  # the engine holds the anchor's weights
-      out = self._anchor_logps(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, pad_id=pad_id,
-                               eos_id=eos_id, micro_batch_size=micro_batch_size, temperature=temperature)
+      out = self._anchor_logps(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        pad_id=pad_id,
+        eos_id=eos_id,
+        micro_batch_size=micro_batch_size,
+        temperature=temperature,
+      )
     else:  # shared weights: the engine samples from the actor's current ones
       graphdef, state = nnx.split(self.rl_cluster.actor_trainer.model)
       rows = prompt_tokens.shape[0]
       step = micro_batch_size or rows
       mesh_cm = self.rl_cluster._get_mesh_and_logical_axis_rules_cm  # pylint: disable=protected-access
       with mesh_cm(rl_cluster_lib.Role.ACTOR):
-        out = jnp.concatenate([common.compute_per_token_logps(
-            graphdef, state, prompt_tokens=prompt_tokens[i:i + step],
-            completion_tokens=completion_tokens[i:i + step], pad_id=pad_id, eos_id=eos_id,
-            stop_gradient=True, temperature=temperature) for i in range(0, rows, step)], axis=0)
+        out = jnp.concatenate(
+          [
+            common.compute_per_token_logps(
+              graphdef,
+              state,
+              prompt_tokens=prompt_tokens[i : i + step],
+              completion_tokens=completion_tokens[i : i + step],
+              pad_id=pad_id,
+              eos_id=eos_id,
+              stop_gradient=True,
+              temperature=temperature,
+            )
+            for i in range(0, rows, step)
+          ],
+          axis=0,
+        )
     out = jnp.asarray(out).astype(jnp.float32)
     self._kept.old = (np.asarray(completion_tokens), out)
     return out
@@ -243,8 +297,8 @@ class MISAgenticGRPOLearner(agentic_grpo_learner.GRPOLearner):
     if out.logprobs is None:
       problem = "returned no log-probs (RolloutOutput.logprobs is None)"
     elif len(out.logprobs) != len(tokens) or any(
-        np.asarray(lp).reshape(-1).shape[0] != np.asarray(t).reshape(-1).shape[0]
-        for lp, t in zip(out.logprobs, tokens)):
+      np.asarray(lp).reshape(-1).shape[0] != np.asarray(t).reshape(-1).shape[0] for lp, t in zip(out.logprobs, tokens)
+    ):
       problem = "returned log-probs that are not one per generated token"
     elif any(not np.all(np.isfinite(np.asarray(lp, np.float32))) for lp in out.logprobs):
       problem = "returned a non-finite log-prob"
@@ -258,29 +312,34 @@ class MISAgenticGRPOLearner(agentic_grpo_learner.GRPOLearner):
     self._kept.old = None
     examples = super()._process_results(trajectories, mode=mode, expected_step=expected_step)
     if len(examples) != 1:
-      raise RuntimeError(f"tunix's agentic GRPO returned {len(examples)} train examples for a group; "
-                         f"mis_jax.integrations.tunix_agentic was tested with tunix {mis_tunix.TESTED_TUNIX} (1)")
+      raise RuntimeError(
+        f"tunix's agentic GRPO returned {len(examples)} train examples for a group; "
+        f"mis_jax.integrations.tunix_agentic was tested with tunix {mis_tunix.TESTED_TUNIX} (1)"
+      )
     example = examples[0]
     mask = np.asarray(example.completion_mask).astype(bool)
     q = example.old_per_token_logps  # tunix's padded rollout log-probs (use_rollout_logps, no sampler_is)
     if q is None:
       raise mis_tunix.MissingRolloutLogprobs(
-          f"the {self._engine!r} rollout engine returned no log-probs for any turn of this group although "
-          "RolloutConfig.return_logprobs was set; mis_jax needs the sampler's own log-probs and never "
-          "substitutes recomputed ones")
+        f"the {self._engine!r} rollout engine returned no log-probs for any turn of this group although "
+        "RolloutConfig.return_logprobs was set; mis_jax needs the sampler's own log-probs and never "
+        "substitutes recomputed ones"
+      )
     q = np.asarray(q, np.float32)
     if not np.all(np.isfinite(q[mask])):
       with self._bad_lock:
         problem = self._bad_turns[0] if self._bad_turns else "returned a non-finite log-prob"
       raise mis_tunix.MissingRolloutLogprobs(
-          f"the {self._engine!r} rollout engine {problem} for a model turn of this group, although "
-          "RolloutConfig.return_logprobs was set; mis_jax needs the sampler's own log-probs of every model "
-          "token and never substitutes recomputed ones (tunix's trajectory engine would train on 0s)")
+        f"the {self._engine!r} rollout engine {problem} for a model turn of this group, although "
+        "RolloutConfig.return_logprobs was set; mis_jax needs the sampler's own log-probs of every model "
+        "token and never substitutes recomputed ones (tunix's trajectory engine would train on 0s)"
+      )
     q = np.where(mask, q, 0.0).astype(np.float32)
     pad_id = self.rl_cluster.rollout.pad_id()
     untrainable = mis_tunix.untrainable_completions(example.completion_ids, pad_id)
-    self.rl_cluster.buffer_metrics_async({UNTRAINABLE_METRIC: (int(untrainable.sum()), np.sum)}, mode=mode,
-                                         step=expected_step)
+    self.rl_cluster.buffer_metrics_async(
+      {UNTRAINABLE_METRIC: (int(untrainable.sum()), np.sum)}, mode=mode, step=expected_step
+    )
     old = None
     if self._needs_old:
       kept = getattr(self._kept, "old", None)
@@ -288,13 +347,18 @@ class MISAgenticGRPOLearner(agentic_grpo_learner.GRPOLearner):
         old = kept[1]  # tunix's own diagnostic pass asked for them: reuse
       else:
         old = self.old_per_token_logps(
-            example.prompt_ids, example.completion_ids, pad_id, self.rl_cluster.rollout.eos_id(),
-            self.rl_cluster.cluster_config.training_config.compute_logps_micro_batch_size)
+          example.prompt_ids,
+          example.completion_ids,
+          pad_id,
+          self.rl_cluster.rollout.eos_id(),
+          self.rl_cluster.cluster_config.training_config.compute_logps_micro_batch_size,
+        )
     fields = {f.name: getattr(example, f.name) for f in dataclasses.fields(example)}
     fields.update(old_per_token_logps=old, rollout_per_token_logps=jnp.asarray(q))
     if untrainable.any():  # out of the loss, never trained as a sequence the engine did not sample
       fields["completion_mask"] = jnp.asarray(example.completion_mask) * jnp.asarray(~untrainable)[:, None].astype(
-          jnp.asarray(example.completion_mask).dtype)
+        jnp.asarray(example.completion_mask).dtype
+      )
     return [MISAgenticTrainExample(**fields)]
 
 

@@ -53,13 +53,17 @@ def completion_logprobs(reply: dict) -> np.ndarray:
   entries = list(meta.get("output_token_logprobs") or ())
   total = meta.get("completion_tokens", len(entries))
   if total != len(ids) or len(entries) < total:
-    raise ValueError(f"sglang-jax returned {len(ids)} output ids, {total} completion tokens and "
-                     f"{len(entries)} log-prob entries: request {meta.get('id')!r}")
-  entries = entries[len(entries) - total:]
+    raise ValueError(
+      f"sglang-jax returned {len(ids)} output ids, {total} completion tokens and "
+      f"{len(entries)} log-prob entries: request {meta.get('id')!r}"
+    )
+  entries = entries[len(entries) - total :]
   for position, (entry, token) in enumerate(zip(entries, ids)):
     if int(entry[1]) != token:
-      raise ValueError(f"sglang-jax's output id {token} at position {position} has the log-prob entry of "
-                       f"token {entry[1]}: request {meta.get('id')!r}")
+      raise ValueError(
+        f"sglang-jax's output id {token} at position {position} has the log-prob entry of "
+        f"token {entry[1]}: request {meta.get('id')!r}"
+      )
   return np.asarray([entry[0] for entry in entries], np.float32)
 
 
@@ -67,6 +71,7 @@ def engine_rope_theta(model_version: str) -> float | None:
   """The RoPE theta the engine reads from ``model_version``'s config (transformers' reading of
   its ``config.json``: ``rope_theta``, or ``rope_parameters["rope_theta"]``)."""
   from transformers import AutoConfig
+
   config = AutoConfig.from_pretrained(model_version)
   theta = getattr(config, "rope_theta", None)
   if theta is None:
@@ -92,9 +97,11 @@ class SglangJaxRollout(sglang_jax_rollout.SglangJaxRollout):
     model_version = rollout_config.rollout_sglang_jax_model_version
     served = engine_rope_theta(model_version) if trained is not None else None
     if served is not None and served != trained:
-      raise ConfigError(f"sglang-jax reads rope_theta={served:.10g} from {model_version}, but tunix's model "
-                        f"computes with {trained:.10g}: the engine would sample from another model than the one "
-                        f"trained. Write rope_theta={trained:.10g} in its config.json.")
+      raise ConfigError(
+        f"sglang-jax reads rope_theta={served:.10g} from {model_version}, but tunix's model "
+        f"computes with {trained:.10g}: the engine would sample from another model than the one "
+        f"trained. Write rope_theta={trained:.10g} in its config.json."
+      )
     super().__init__(rollout_actor, tokenizer, mesh, rollout_config)
 
   def generate(self, prompts, rollout_config, **kwargs) -> base_rollout.RolloutOutput:
@@ -107,8 +114,9 @@ class SglangJaxRollout(sglang_jax_rollout.SglangJaxRollout):
       # sglang-jax trims the stop token from them unless told not to.
       raw = dict(skip_special_tokens=False, no_stop_trim=True)
       params = call_kwargs["sampling_params"]
-      call_kwargs["sampling_params"] = ([dict(p, **raw) for p in params] if isinstance(params, list)
-                                        else dict(params, **raw))
+      call_kwargs["sampling_params"] = (
+        [dict(p, **raw) for p in params] if isinstance(params, list) else dict(params, **raw)
+      )
       out = await type(engine).async_generate(engine, *args, **call_kwargs)
       replies.append(out)
       return out
@@ -125,6 +133,7 @@ class SglangJaxRollout(sglang_jax_rollout.SglangJaxRollout):
     tokens = [np.asarray(r["output_ids"], np.int32) for r in reply]
     # The text tunix's rewards see stays as tunix asked for it: special tokens skipped.
     tokenizer = getattr(engine.tokenizer_manager, "tokenizer", None)
-    text = output.text if tokenizer is None else [tokenizer.decode(t.tolist(), skip_special_tokens=True)
-                                                  for t in tokens]
+    text = (
+      output.text if tokenizer is None else [tokenizer.decode(t.tolist(), skip_special_tokens=True) for t in tokens]
+    )
     return dataclasses.replace(output, text=text, tokens=tokens, logprobs=[completion_logprobs(r) for r in reply])

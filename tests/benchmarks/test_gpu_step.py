@@ -12,8 +12,22 @@ from benchmarks import gpu_step
 @pytest.mark.slow
 def test_dry_run_measures_every_part(tmp_path):
   path = tmp_path / "gpu.json"
-  assert gpu_step.main(["--dry-run", "--models", "qwen3-0.6b", "--sampler-model", "qwen3-0.6b",
-                        "--peak-tflops", "1", "--json", str(path)]) == 0
+  assert (
+    gpu_step.main(
+      [
+        "--dry-run",
+        "--models",
+        "qwen3-0.6b",
+        "--sampler-model",
+        "qwen3-0.6b",
+        "--peak-tflops",
+        "1",
+        "--json",
+        str(path),
+      ]
+    )
+    == 0
+  )
   out = json.loads(path.read_text())
   assert out["dry_run"] and out["peak_tflops"] == 1
   step = out["steps"]["qwen3-0.6b"]

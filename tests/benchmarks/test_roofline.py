@@ -10,8 +10,16 @@ from flax import nnx
 from benchmarks import roofline
 from trainers.models import PRESETS, CausalLM
 
-TINY = dataclasses.replace(PRESETS["tiny-qwen3"], num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                           head_dim=16, hidden_size=48, intermediate_size=80, vocab_size=96)
+TINY = dataclasses.replace(
+  PRESETS["tiny-qwen3"],
+  num_hidden_layers=3,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=16,
+  hidden_size=48,
+  intermediate_size=80,
+  vocab_size=96,
+)
 
 
 def kernel_count(cfg) -> int:

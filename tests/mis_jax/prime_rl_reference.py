@@ -14,8 +14,9 @@ the test compares mis_jax against them. Not part of the library.
 import torch
 
 
-def prime_rl_default_loss(trainer_logprobs, inference_logprobs, advantages, loss_mask, *, dppo_mask_high,
-                          dppo_mask_low, kl_tau, adv_tau=1.0):
+def prime_rl_default_loss(
+  trainer_logprobs, inference_logprobs, advantages, loss_mask, *, dppo_mask_high, dppo_mask_low, kl_tau, adv_tau=1.0
+):
   """prime-rl's ``default_loss_fn`` (summed per-token loss and the mask ``is_masked``)."""
   log_importance_ratio = trainer_logprobs - inference_logprobs
   importance_ratio = torch.exp(log_importance_ratio)
@@ -33,8 +34,9 @@ def prime_rl_default_loss(trainer_logprobs, inference_logprobs, advantages, loss
   return per_token_loss.sum(), loss_mask & is_masked
 
 
-def prime_rl_ipo_loss(trainer_logprobs, inference_logprobs, advantages, loss_mask, *, ipo_threshold, kl_tau,
-                      adv_tau=1.0):
+def prime_rl_ipo_loss(
+  trainer_logprobs, inference_logprobs, advantages, loss_mask, *, ipo_threshold, kl_tau, adv_tau=1.0
+):
   """prime-rl's ``ipo_loss_fn``: the symmetric band ``|p - p_q| > ipo_threshold``."""
   log_importance_ratio = trainer_logprobs - inference_logprobs
   importance_ratio = torch.exp(log_importance_ratio)
@@ -54,5 +56,5 @@ def verl_binary_kl(log_prob, old_log_prob):
   prob = torch.exp(log_prob)
   old_prob = torch.exp(old_log_prob)
   return old_prob * (old_log_prob - log_prob) + (1 - old_prob) * torch.log(
-      (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
+    (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
   )

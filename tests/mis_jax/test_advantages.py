@@ -35,8 +35,9 @@ def test_advantages_match_loop(estimator, exclude):
   member = np.ones(len(groups), bool)
   if exclude:
     member[[1, 5]] = False  # rejected whole: out of their group's baseline
-  got = mis_jax.compute_advantages(rewards, groups, num_groups=4, estimator=estimator,
-                                   in_baseline=member if exclude else None)
+  got = mis_jax.compute_advantages(
+    rewards, groups, num_groups=4, estimator=estimator, in_baseline=member if exclude else None
+  )
   np.testing.assert_allclose(np.asarray(got), loop_oracle(rewards, groups, estimator, member), rtol=1e-5, atol=1e-6)
 
 
@@ -67,6 +68,7 @@ def test_bad_estimator():
 
 
 # --- verl's outcome estimators, each a loop over the batch as verl's docstrings state it ----------
+
 
 def whiten_tokens(per_seq, lengths):
   """verl's masked_whiten over the response tokens: each sequence's value repeated n_i times."""
@@ -127,16 +129,26 @@ def test_verl_estimators_match_loop(estimator):
   got = mis_jax.compute_advantages(rewards, groups, num_groups=4, estimator=estimator, **kw)
   np.testing.assert_allclose(np.asarray(got), verl_oracle(estimator, rewards, groups, lengths), rtol=1e-5, atol=1e-5)
   if estimator in ("gdpo", "grpo_passk"):
-    got = mis_jax.compute_advantages(rewards, groups, num_groups=4, estimator={"name": estimator, "norm_by_std": False},
-                                     **kw, **({"reward_weights": [0.3, 2.0]} if estimator == "gdpo" else {}))
+    got = mis_jax.compute_advantages(
+      rewards,
+      groups,
+      num_groups=4,
+      estimator={"name": estimator, "norm_by_std": False},
+      **kw,
+      **({"reward_weights": [0.3, 2.0]} if estimator == "gdpo" else {}),
+    )
     want = verl_oracle(estimator, rewards, groups, lengths, weights=[0.3, 2.0], norm=False)
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
   if estimator != "reinforce_plus_plus":  # groups of one: verl's estimators take no baseline from them
-    single = mis_jax.compute_advantages(rewards[:2], [0, 1], num_groups=2, estimator=estimator, lengths=lengths[:2]) \
-        if estimator != "grpo_passk" else None
+    single = (
+      mis_jax.compute_advantages(rewards[:2], [0, 1], num_groups=2, estimator=estimator, lengths=lengths[:2])
+      if estimator != "grpo_passk"
+      else None
+    )
     if single is not None:
-      np.testing.assert_allclose(np.asarray(single), verl_oracle(estimator, rewards[:2], np.array([0, 1]), lengths[:2]),
-                                 rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(
+        np.asarray(single), verl_oracle(estimator, rewards[:2], np.array([0, 1]), lengths[:2]), rtol=1e-5, atol=1e-5
+      )
 
 
 def otb_oracle(rewards, groups, seqs_old, seqs_sumsq, seqs_w=None, zero_tail=True, eps=1e-8):
@@ -161,7 +173,7 @@ def otb_oracle(rewards, groups, seqs_old, seqs_sumsq, seqs_w=None, zero_tail=Tru
     lens = sorted(len(W[i]) for i in idx)
     longest = [i for i in idx if len(W[i]) == lens[-1]]
     if zero_tail and len(longest) == 1 and lens[-1] > lens[-2]:
-      adv[longest[0]][lens[-2]:] = rewards[longest[0]]
+      adv[longest[0]][lens[-2] :] = rewards[longest[0]]
   return adv
 
 
@@ -178,8 +190,16 @@ def test_optimal_token_baseline_matches_loop(with_is):
   packing = mis_jax.plan_packing(lengths, 8)
   pack = lambda xs: packing.pack(xs, 0.0, np.float32)
   got = mis_jax.optimal_token_baseline(
-      rewards, groups, packing.segment_ids, packing.segment_ids >= 0, pack(old), pack(sumsq), num_groups=4,
-      num_segments=len(lengths), is_weights=None if isw is None else pack(isw))
+    rewards,
+    groups,
+    packing.segment_ids,
+    packing.segment_ids >= 0,
+    pack(old),
+    pack(sumsq),
+    num_groups=4,
+    num_segments=len(lengths),
+    is_weights=None if isw is None else pack(isw),
+  )
   want = otb_oracle(rewards, groups, old, sumsq, isw)
   for a, b in zip(packing.unpack(np.asarray(got)), want):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
@@ -195,23 +215,40 @@ def test_jit_equals_eager_and_otb_packed_equals_padded():
   for estimator in mis_jax.estimators.SEQUENCE_ESTIMATORS:
     r = np.stack([rewards, rng.normal(size=len(groups)).astype(np.float32)], 1) if estimator == "gdpo" else rewards
     fn = lambda r, g, n: mis_jax.compute_advantages(r, g, num_groups=3, estimator=estimator, lengths=n)
-    np.testing.assert_allclose(np.asarray(jax.jit(fn)(r, groups, lengths)), np.asarray(fn(r, groups, lengths)),
-                               rtol=1e-6, atol=1e-6, err_msg=estimator)
+    np.testing.assert_allclose(
+      np.asarray(jax.jit(fn)(r, groups, lengths)),
+      np.asarray(fn(r, groups, lengths)),
+      rtol=1e-6,
+      atol=1e-6,
+      err_msg=estimator,
+    )
   old = [np.log(rng.uniform(0.05, 0.95, n)).astype(np.float32) for n in lengths]
   sumsq = [(np.exp(2 * o) + 0.1).astype(np.float32) for o in old]
   isw = [rng.uniform(0.5, 2.0, n).astype(np.float32) for n in lengths]
   n = len(lengths)
-  padded = mis_jax.Packing(row_len=int(lengths.max()), num_rows=n, rows=np.arange(n), offsets=np.zeros(n, np.int64),
-                           lengths=lengths)
+  padded = mis_jax.Packing(
+    row_len=int(lengths.max()), num_rows=n, rows=np.arange(n), offsets=np.zeros(n, np.int64), lengths=lengths
+  )
   outs = []
   for packing in (mis_jax.plan_packing(lengths, 8), padded):
     pack = lambda xs: packing.pack(xs, 0.0, np.float32)
     fn = jax.jit(mis_jax.optimal_token_baseline, static_argnames=("num_groups", "num_segments"))
-    got = fn(rewards, groups, packing.segment_ids, packing.segment_ids >= 0, pack(old), pack(sumsq), num_groups=3,
-             num_segments=len(lengths), is_weights=pack(isw))
+    got = fn(
+      rewards,
+      groups,
+      packing.segment_ids,
+      packing.segment_ids >= 0,
+      pack(old),
+      pack(sumsq),
+      num_groups=3,
+      num_segments=len(lengths),
+      is_weights=pack(isw),
+    )
     outs.append(np.concatenate(packing.unpack(np.asarray(got))))
   np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)
-  np.testing.assert_allclose(outs[0], np.concatenate(otb_oracle(rewards, groups, old, sumsq, isw)), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+    outs[0], np.concatenate(otb_oracle(rewards, groups, old, sumsq, isw)), rtol=1e-5, atol=1e-6
+  )
 
 
 @pytest.mark.parametrize("zero_tail", [False, True])
@@ -225,8 +262,20 @@ def test_otb_a_fully_masked_row_is_no_group_member(zero_tail):
   packing = mis_jax.plan_packing(lengths, 8)
   mask = packing.pack([np.ones(4, bool), np.zeros(3, bool), np.ones(5, bool)], False, bool)
   old = packing.pack([np.full(n, -1.0, np.float32) for n in lengths], 0.0, np.float32)
-  got = packing.unpack(np.asarray(mis_jax.optimal_token_baseline(
-      rewards, groups, packing.segment_ids, mask, old, np.exp(2 * old), num_groups=2, num_segments=3,
-      handle_zero_tail=zero_tail)))
+  got = packing.unpack(
+    np.asarray(
+      mis_jax.optimal_token_baseline(
+        rewards,
+        groups,
+        packing.segment_ids,
+        mask,
+        old,
+        np.exp(2 * old),
+        num_groups=2,
+        num_segments=3,
+        handle_zero_tail=zero_tail,
+      )
+    )
+  )
   np.testing.assert_allclose(got[0], np.full(4, 0.7, np.float32))
   np.testing.assert_array_equal(got[1], np.zeros(3, np.float32))

@@ -18,21 +18,42 @@ import mis_jax
 from mis_jax import _engine
 from helpers import assert_weights_match_oracle, pack, random_seqs
 
-SEQS = random_seqs(np.random.default_rng(11), n_seqs=14, max_len=11, with_ref=True, with_entropy=True,
-                   mismatch=0.5, catastrophic=0.04)
+SEQS = random_seqs(
+  np.random.default_rng(11), n_seqs=14, max_len=11, with_ref=True, with_entropy=True, mismatch=0.5, catastrophic=0.04
+)
 # 8 rows x 37 tokens = 296 tokens: chunk 8 divides it (no tail), chunk 30 does not (tail 26).
 BATCH, EXTRA, PACKING = pack(SEQS, row_len=37, num_rows=8)
-CRITERIA = (mis_jax.RSCriterion("k3", "seq_mean", upper=0.5), mis_jax.RSCriterion("k1", "seq_max", lower=-1.0),
-            mis_jax.RSCriterion("k2", "token", upper=0.3))
+CRITERIA = (
+  mis_jax.RSCriterion("k3", "seq_mean", upper=0.5),
+  mis_jax.RSCriterion("k1", "seq_max", lower=-1.0),
+  mis_jax.RSCriterion("k2", "token", upper=0.3),
+)
 MIS_CONFIGS = [
-    mis_jax.MISConfig(use_rs=True, tis_lower_bound=0.5, tis_upper_bound=2.0, rs_veto_threshold=1e-4,
-                      tis_batch_normalize=True),
-    mis_jax.MISConfig(tis_level="sequence", tis_mode="mask", tis_upper_bound=4.0, use_rs=True, rs_level="token",
-                      rs_upper_bound=3.0, rs_veto_threshold=1e-4, tis_batch_normalize=True),
-    mis_jax.MISConfig(tis_level="geometric", tis_mode="clip", tis_lower_bound=0.8, tis_upper_bound=1.2,
-                      use_rs=True, rs_level="sequence", rs_upper_bound=5.0, tis_batch_normalize=True,
-                      rs_criteria=CRITERIA),
-    mis_jax.MISConfig(tis_mode="none", use_rs=True, rs_level="geometric", rs_lower_bound=0.9, rs_upper_bound=1.1),
+  mis_jax.MISConfig(
+    use_rs=True, tis_lower_bound=0.5, tis_upper_bound=2.0, rs_veto_threshold=1e-4, tis_batch_normalize=True
+  ),
+  mis_jax.MISConfig(
+    tis_level="sequence",
+    tis_mode="mask",
+    tis_upper_bound=4.0,
+    use_rs=True,
+    rs_level="token",
+    rs_upper_bound=3.0,
+    rs_veto_threshold=1e-4,
+    tis_batch_normalize=True,
+  ),
+  mis_jax.MISConfig(
+    tis_level="geometric",
+    tis_mode="clip",
+    tis_lower_bound=0.8,
+    tis_upper_bound=1.2,
+    use_rs=True,
+    rs_level="sequence",
+    rs_upper_bound=5.0,
+    tis_batch_normalize=True,
+    rs_criteria=CRITERIA,
+  ),
+  mis_jax.MISConfig(tis_mode="none", use_rs=True, rs_level="geometric", rs_lower_bound=0.9, rs_upper_bound=1.1),
 ]
 MODES = ("seq-mean-token-mean", "token-mean")
 # This batch's CPU options (pass_options: lanes 1 for its mean segment length of 21) with a
@@ -45,9 +66,18 @@ def chunks(n, **kw):
 
 
 def weights(cfg, mode, options, batch=BATCH):
-  return jax.jit(lambda b: mis_jax.compute_mis_weights(
-      b.old_logprobs, b.rollout_logprobs, b.loss_mask, b.segment_ids, cfg, num_segments=b.num_segments,
-      metric_reduction=mode, pass_options=options))(batch)
+  return jax.jit(
+    lambda b: mis_jax.compute_mis_weights(
+      b.old_logprobs,
+      b.rollout_logprobs,
+      b.loss_mask,
+      b.segment_ids,
+      cfg,
+      num_segments=b.num_segments,
+      metric_reduction=mode,
+      pass_options=options,
+    )
+  )(batch)
 
 
 def assert_same(got, want, rtol=2e-6):
@@ -69,8 +99,15 @@ def test_chunking_plan():
   with pytest.raises(ValueError, match="lanes must be a power of two"):
     mis_jax.engine.PassOptions(lanes=3)
   with pytest.raises(TypeError, match="pass options must be a mis_jax.engine.PassOptions"):
-    mis_jax.compute_mis_weights(BATCH.old_logprobs, BATCH.rollout_logprobs, BATCH.loss_mask, BATCH.segment_ids,
-                                MIS_CONFIGS[0], num_segments=BATCH.num_segments, pass_options={"chunk_tokens": 8})
+    mis_jax.compute_mis_weights(
+      BATCH.old_logprobs,
+      BATCH.rollout_logprobs,
+      BATCH.loss_mask,
+      BATCH.segment_ids,
+      MIS_CONFIGS[0],
+      num_segments=BATCH.num_segments,
+      pass_options={"chunk_tokens": 8},
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -90,10 +127,12 @@ def test_unpaired_scatters_equal_paired():
 
 @pytest.mark.parametrize("roll,tis", [(False, True), (True, True), (True, False)])
 def test_loss_and_gradient_chunked_equal_one_pass(roll, tis):
-  cfg = mis_jax.LossConfig(use_rollout_logprobs=roll, use_tis=tis, mis=MIS_CONFIGS[1] if tis else None,
-                           kl_coef=0.1, entropy_coef=0.01)
+  cfg = mis_jax.LossConfig(
+    use_rollout_logprobs=roll, use_tis=tis, mis=MIS_CONFIGS[1] if tis else None, kl_coef=0.1, entropy_coef=0.01
+  )
   fn = lambda lp, b, o: jax.value_and_grad(
-      lambda x: mis_jax.policy_loss(x, b, cfg, entropy=EXTRA["ent"], pass_options=o), has_aux=True)(lp)
+    lambda x: mis_jax.policy_loss(x, b, cfg, entropy=EXTRA["ent"], pass_options=o), has_aux=True
+  )(lp)
   fn = jax.jit(fn, static_argnums=2)
   want = fn(EXTRA["lp"], BATCH, chunks(None))
   got = fn(EXTRA["lp"], BATCH, chunks(30))
@@ -107,12 +146,21 @@ def test_chunked_inside_shard_map():
   batch = pack(SEQS, row_len=44, num_rows=8)[0]  # 4 rows x 11 tokens per device
 
   def fn(b):  # 44 tokens per device: 4 chunks of 10 and one of 4
-    return mis_jax.compute_mis_weights(b.old_logprobs, b.rollout_logprobs, b.loss_mask, b.segment_ids, cfg,
-                                       num_segments=b.num_segments, axis_name=("data", "seq"),
-                                       pass_options=chunks(10))
+    return mis_jax.compute_mis_weights(
+      b.old_logprobs,
+      b.rollout_logprobs,
+      b.loss_mask,
+      b.segment_ids,
+      cfg,
+      num_segments=b.num_segments,
+      axis_name=("data", "seq"),
+      pass_options=chunks(10),
+    )
+
   in_specs = (jax.tree_util.tree_map(lambda _: spec, batch),)
-  mapped = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
-                                 out_specs=(spec, spec, jax.sharding.PartitionSpec())))
+  mapped = jax.jit(
+    jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=(spec, spec, jax.sharding.PartitionSpec()))
+  )
   want = weights(cfg, "seq-mean-token-mean", chunks(None), batch)
   got = mapped(mis_jax.shard_batch(mesh, batch, seq_axis="seq"))
   assert_same(got, want, rtol=1e-5)
@@ -121,15 +169,32 @@ def test_chunked_inside_shard_map():
 # Every engine path: {1, 4} lanes x {paired, unpaired} x {chunks of 30 with a tail of 26, one
 # chunk}. The config has every kind of contribution (per-segment sums, a per-segment max,
 # totals, a global max and min, per-token outputs) and both kinds of level.
-GRID_CFG = mis_jax.MISConfig(tis_level="geometric", tis_mode="clip", tis_lower_bound=0.8, tis_upper_bound=1.2,
-                             use_rs=True, rs_level="sequence", rs_upper_bound=5.0, rs_veto_threshold=1e-4,
-                             tis_batch_normalize=True, rs_criteria=CRITERIA)
-GRID = [mis_jax.engine.PassOptions(chunk_tokens=c, lanes=lanes, paired=p)
-        for lanes, p, c in itertools.product((1, 4), (True, False), (30, None))]
+GRID_CFG = mis_jax.MISConfig(
+  tis_level="geometric",
+  tis_mode="clip",
+  tis_lower_bound=0.8,
+  tis_upper_bound=1.2,
+  use_rs=True,
+  rs_level="sequence",
+  rs_upper_bound=5.0,
+  rs_veto_threshold=1e-4,
+  tis_batch_normalize=True,
+  rs_criteria=CRITERIA,
+)
+GRID = [
+  mis_jax.engine.PassOptions(chunk_tokens=c, lanes=lanes, paired=p)
+  for lanes, p, c in itertools.product((1, 4), (True, False), (30, None))
+]
 
 
-@pytest.mark.parametrize("options", GRID, ids=lambda o: f"lanes{o.lanes}-{'paired' if o.paired else 'unpaired'}-"
-                                                         f"{'chunk' + str(o.chunk_tokens) if o.chunk_tokens else 'one'}")
+@pytest.mark.parametrize(
+  "options",
+  GRID,
+  ids=lambda o: (
+    f"lanes{o.lanes}-{'paired' if o.paired else 'unpaired'}-"
+    f"{'chunk' + str(o.chunk_tokens) if o.chunk_tokens else 'one'}"
+  ),
+)
 def test_every_engine_path_matches_oracle_under_jit(options):
   mode = "seq-mean-token-mean"
   w, kept, metrics = weights(GRID_CFG, mode, options)
@@ -152,7 +217,7 @@ def _count(jaxpr, name):
   for eqn in jaxpr.eqns:
     n += eqn.primitive.name == name
     for param in eqn.params.values():
-      for sub in (param if isinstance(param, (list, tuple)) else [param]):
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
         if isinstance(sub, jax.extend.core.ClosedJaxpr):
           n += _count(sub.jaxpr, name)
         elif isinstance(sub, jax.extend.core.Jaxpr):
@@ -177,8 +242,9 @@ def test_chunking_follows_the_options_even_with_closed_over_numpy_ids():
   ids, mask = np.asarray(BATCH.segment_ids), np.asarray(BATCH.loss_mask)
 
   def loops(options):
-    fn = lambda o, q: mis_jax.compute_mis_weights(o, q, mask, ids, MIS_CONFIGS[0], num_segments=BATCH.num_segments,
-                                                  pass_options=options)
+    fn = lambda o, q: mis_jax.compute_mis_weights(
+      o, q, mask, ids, MIS_CONFIGS[0], num_segments=BATCH.num_segments, pass_options=options
+    )
     jaxpr = jax.make_jaxpr(jax.jit(fn))(BATCH.old_logprobs, BATCH.rollout_logprobs).jaxpr
     return _count(jaxpr, "scan") + _count(jaxpr, "while")
 

@@ -39,7 +39,9 @@ def test_defaults_and_yaml_1_1_float_string(tmp_path):
   assert mis_jax.MISConfig.from_yaml(write(tmp_path, "", "empty.yaml")) == mis_jax.MISConfig()
 
 
-@pytest.mark.parametrize("text,pattern", [
+@pytest.mark.parametrize(
+  "text,pattern",
+  [
     ("tis_levl: token\n", r"key 'tis_levl'.*Did you mean 'tis_level'"),
     ("tis_mode: trunc\n", r"key 'tis_mode'.*'trunc'.*truncate, clip, mask, none"),
     ("tis_level: tokens\n", r"key 'tis_level'.*token, sequence, geometric"),
@@ -51,7 +53,8 @@ def test_defaults_and_yaml_1_1_float_string(tmp_path):
     ("tis_upper_bound: two\n", r"key 'tis_upper_bound' must be a number, got the string 'two'"),
     ("- 1\n- 2\n", r"must be a mapping"),
     ("tis_mode: [1\n", r"invalid YAML"),
-])
+  ],
+)
 def test_invalid_yaml_names_file_and_key(tmp_path, text, pattern):
   path = write(tmp_path, text)
   with pytest.raises(mis_jax.ConfigError, match=pattern) as e:
@@ -64,7 +67,9 @@ def test_missing_file():
     mis_jax.MISConfig.from_yaml("nope.yaml")
 
 
-@pytest.mark.parametrize("kwargs,pattern", [
+@pytest.mark.parametrize(
+  "kwargs,pattern",
+  [
     (dict(loss_agg_mode="mean"), r"loss_agg_mode.*token-mean, seq-mean-token-mean, seq-mean-token-sum"),
     (dict(denominator="all"), r"denominator.*kept, original"),
     (dict(kl_type="k4"), r"kl_type.*k1, k2, k3, low_var_kl"),
@@ -74,7 +79,8 @@ def test_missing_file():
     (dict(correction_fn="no_such_module.fn", use_tis=True), r"cannot import module 'no_such_module'"),
     (dict(correction_fn="mis_jax.nope", use_tis=True), r"has no attribute 'nope'"),
     (dict(correction_fn="mis_jax.policy_loss"), r"use_tis is false"),
-])
+  ],
+)
 def test_invalid_loss_config(kwargs, pattern):
   with pytest.raises(mis_jax.ConfigError, match=pattern):
     mis_jax.LossConfig(**kwargs)
@@ -93,8 +99,19 @@ def parse(argv):
 
 
 def test_flags(tmp_path):
-  cfg = parse(["--use-tis", "--custom-config-path", "configs/mis.yaml", "--eps-clip", "0.1",
-               "--loss-agg-mode", "token-mean", "--denominator", "original"])
+  cfg = parse(
+    [
+      "--use-tis",
+      "--custom-config-path",
+      "configs/mis.yaml",
+      "--eps-clip",
+      "0.1",
+      "--loss-agg-mode",
+      "token-mean",
+      "--denominator",
+      "original",
+    ]
+  )
   assert cfg.use_tis and cfg.mis.use_rs and cfg.eps_clip == 0.1 and cfg.loss_agg_mode == "token-mean"
   assert parse([]).algorithm == "ppo"
   assert parse(["--use-rollout-logprobs"]).algorithm == "bypass_ppo"
@@ -132,8 +149,14 @@ def test_shape_mismatch_names_the_field():
   with pytest.raises(ValueError, match=r"'logprobs' has shape"):
     mis_jax.policy_loss(EXTRA["lp"][:, :5], BATCH, CFG)
   with pytest.raises(ValueError, match=r"'rollout_logprobs' has shape"):
-    mis_jax.compute_mis_weights(BATCH.old_logprobs, BATCH.rollout_logprobs[:2], BATCH.loss_mask,
-                                BATCH.segment_ids, mis_jax.MISConfig(), num_segments=5)
+    mis_jax.compute_mis_weights(
+      BATCH.old_logprobs,
+      BATCH.rollout_logprobs[:2],
+      BATCH.loss_mask,
+      BATCH.segment_ids,
+      mis_jax.MISConfig(),
+      num_segments=5,
+    )
 
 
 def test_wrong_dtypes():
@@ -154,23 +177,31 @@ def test_segment_ids_out_of_range():
   with pytest.raises(ValueError, match=r"only negative id allowed is -1"):
     mis_jax.policy_loss(EXTRA["lp"], BATCH.replace(segment_ids=bad), CFG)
   with pytest.raises(TypeError, match=r"num_segments must be a Python int"):
-    mis_jax.compute_mis_weights(BATCH.old_logprobs, BATCH.rollout_logprobs, BATCH.loss_mask,
-                                BATCH.segment_ids, mis_jax.MISConfig(), num_segments=5.0)
+    mis_jax.compute_mis_weights(
+      BATCH.old_logprobs,
+      BATCH.rollout_logprobs,
+      BATCH.loss_mask,
+      BATCH.segment_ids,
+      mis_jax.MISConfig(),
+      num_segments=5.0,
+    )
 
 
 def test_missing_inputs_for_algorithm():
   with pytest.raises(ValueError, match=r"'ppo'.*needs batch.old_logprobs"):
     mis_jax.policy_loss(EXTRA["lp"], BATCH.replace(old_logprobs=None), CFG)
   with pytest.raises(ValueError, match=r"'bypass_ppo' needs batch.rollout_logprobs"):
-    mis_jax.policy_loss(EXTRA["lp"], BATCH.replace(rollout_logprobs=None),
-                        mis_jax.LossConfig(use_rollout_logprobs=True))
+    mis_jax.policy_loss(
+      EXTRA["lp"], BATCH.replace(rollout_logprobs=None), mis_jax.LossConfig(use_rollout_logprobs=True)
+    )
   with pytest.raises(ValueError, match=r"kl_coef=0.1 > 0 needs batch.ref_logprobs"):
     mis_jax.policy_loss(EXTRA["lp"], BATCH, mis_jax.LossConfig(kl_coef=0.1))
   with pytest.raises(ValueError, match=r"entropy_coef=0.1 > 0 needs the per-token entropy"):
     mis_jax.policy_loss(EXTRA["lp"], BATCH, mis_jax.LossConfig(entropy_coef=0.1))
   with pytest.raises(ValueError, match=r"must be given together"):
-    mis_jax.policy_loss(EXTRA["lp"], BATCH, mis_jax.LossConfig(use_tis=True),
-                        correction=mis_jax.Correction(is_weights=BATCH.old_logprobs))
+    mis_jax.policy_loss(
+      EXTRA["lp"], BATCH, mis_jax.LossConfig(use_tis=True), correction=mis_jax.Correction(is_weights=BATCH.old_logprobs)
+    )
 
 
 def test_errors_raise_before_tracing_under_jit():
@@ -180,14 +211,16 @@ def test_errors_raise_before_tracing_under_jit():
   def f(lp, batch):
     traced.append(1)
     return mis_jax.policy_loss(lp, batch, CFG)[0]
+
   with pytest.raises(ValueError, match="'advantages' has shape"):
     f(EXTRA["lp"], BATCH.replace(advantages=jnp.zeros((4, 3), jnp.float32)))
 
 
 def test_non_array_input():
   with pytest.raises(TypeError, match=r"'loss_mask' must be an array, got str"):
-    mis_jax.compute_mis_weights(BATCH.old_logprobs, BATCH.rollout_logprobs, "mask", BATCH.segment_ids,
-                                mis_jax.MISConfig(), num_segments=5)
+    mis_jax.compute_mis_weights(
+      BATCH.old_logprobs, BATCH.rollout_logprobs, "mask", BATCH.segment_ids, mis_jax.MISConfig(), num_segments=5
+    )
 
 
 PRESETS = sorted(os.listdir("configs/presets"))
@@ -200,7 +233,9 @@ def test_every_preset_loads_validates_and_runs(name):
   assert first.startswith("# ") and len(first) > 20, "each preset starts with a one-line comment"
   cfg = mis_jax.LossConfig.from_yaml(path)
   assert cfg == parse(["--preset", path])
-  batch = BATCH.replace(old_logprobs=np.nan_to_num(BATCH.old_logprobs), rollout_logprobs=np.nan_to_num(BATCH.rollout_logprobs))
+  batch = BATCH.replace(
+    old_logprobs=np.nan_to_num(BATCH.old_logprobs), rollout_logprobs=np.nan_to_num(BATCH.rollout_logprobs)
+  )
   loss, metrics = mis_jax.policy_loss(EXTRA["lp"], batch, cfg)
   assert np.isfinite(float(loss)) and all(np.isfinite(float(v)) for v in metrics.values())
   expected = {"bypass": "bypass_ppo", "reinforce": "reinforce_is"}

@@ -56,20 +56,30 @@ def _library_units(batch, level, kept=None):
   m, ids, r = _flat(batch)
   kept = m if kept is None else kept
   if level == "token":
-    return _controller.Units(jnp.exp(jnp.clip(jnp.asarray(r), -20.0, 20.0)), jnp.asarray(m, jnp.float32),
-                             jnp.asarray(kept, jnp.float32), None)
+    return _controller.Units(
+      jnp.exp(jnp.clip(jnp.asarray(r), -20.0, 20.0)), jnp.asarray(m, jnp.float32), jnp.asarray(kept, jnp.float32), None
+    )
   segs = Segments(jnp.asarray(ids), batch.num_segments)
   sums = segs.sum([jnp.asarray(r), jnp.asarray(m, jnp.float32), jnp.asarray(kept, jnp.float32)])
   log_value = sums[:, 0] if level == "sequence" else sums[:, 0] / jnp.maximum(sums[:, 1], 1.0)
-  return _controller.Units(jnp.exp(jnp.clip(log_value, -20.0, 20.0)), (sums[:, 1] > 0).astype(jnp.float32),
-                           sums[:, 2], None)
+  return _controller.Units(
+    jnp.exp(jnp.clip(log_value, -20.0, 20.0)), (sums[:, 1] > 0).astype(jnp.float32), sums[:, 2], None
+  )
 
 
 @functools.lru_cache(maxsize=None)
 def _jitted(cfg):
-  return jax.jit(lambda b: mis_jax.compute_mis_weights(b.old_logprobs, b.rollout_logprobs, b.loss_mask,
-                                                       b.segment_ids, cfg, num_segments=b.num_segments,
-                                                       metric_reduction="token-mean"))
+  return jax.jit(
+    lambda b: mis_jax.compute_mis_weights(
+      b.old_logprobs,
+      b.rollout_logprobs,
+      b.loss_mask,
+      b.segment_ids,
+      cfg,
+      num_segments=b.num_segments,
+      metric_reduction="token-mean",
+    )
+  )
 
 
 def _run(batch, **kw):
@@ -84,14 +94,28 @@ def _masked(x, lower, u):
   return int(np.sum((x > u) | (x < lo)))
 
 
-@pytest.mark.parametrize("level,lower,fraction", [
-    ("token", None, 0.05), ("token", 0.6, 0.3), ("sequence", None, 0.3), ("sequence", 0.6, 0.0),
-    ("geometric", None, 0.0), ("geometric", 0.6, 0.05)])
+@pytest.mark.parametrize(
+  "level,lower,fraction",
+  [
+    ("token", None, 0.05),
+    ("token", 0.6, 0.3),
+    ("sequence", None, 0.3),
+    ("sequence", 0.6, 0.0),
+    ("geometric", None, 0.0),
+    ("geometric", 0.6, 0.05),
+  ],
+)
 def test_masking_bound_is_the_tightest_that_masks_at_most_f(level, lower, fraction):
   for seed in SEEDS:
     batch = _batch(seed)
-    _, kept, metrics = _run(batch, tis_level=level, tis_mode="mask", tis_upper_bound="auto",
-                            tis_lower_bound=lower, max_masked_fraction=fraction)
+    _, kept, metrics = _run(
+      batch,
+      tis_level=level,
+      tis_mode="mask",
+      tis_upper_bound="auto",
+      tis_lower_bound=lower,
+      max_masked_fraction=fraction,
+    )
     u = np.float32(metrics["mis_auto_tis_upper_bound"])
     x = _units(batch, level)
     allowed = int(np.floor(fraction * len(x)))
@@ -118,8 +142,13 @@ def test_masking_bound_is_the_tightest_that_masks_at_most_f(level, lower, fracti
       continue
     # The kept mask is the band's: the controller's bound fixed gives the same weights (one
     # seed: each fixed bound is a program of its own).
-    w_fixed, kept_fixed, _ = _run(batch, tis_level=level, tis_mode="mask", tis_upper_bound=float(u),
-                                  tis_lower_bound=float(np.float32(1) / u) if lower is None else lower)
+    w_fixed, kept_fixed, _ = _run(
+      batch,
+      tis_level=level,
+      tis_mode="mask",
+      tis_upper_bound=float(u),
+      tis_lower_bound=float(np.float32(1) / u) if lower is None else lower,
+    )
     np.testing.assert_array_equal(kept, kept_fixed, err_msg=where)
 
 
@@ -142,20 +171,32 @@ def _ess_oracle(x, k, mode, lower, target):
   return lo
 
 
-@pytest.mark.parametrize("level,mode,lower,target", [
-    ("token", "truncate", None, 0.9), ("token", "clip", None, 0.6), ("token", "clip", 0.3, 0.99),
-    ("sequence", "truncate", None, 0.6), ("sequence", "clip", None, 0.99), ("geometric", "truncate", None, 0.99),
-    ("geometric", "clip", 0.3, 0.9)])
+@pytest.mark.parametrize(
+  "level,mode,lower,target",
+  [
+    ("token", "truncate", None, 0.9),
+    ("token", "clip", None, 0.6),
+    ("token", "clip", 0.3, 0.99),
+    ("sequence", "truncate", None, 0.6),
+    ("sequence", "clip", None, 0.99),
+    ("geometric", "truncate", None, 0.99),
+    ("geometric", "clip", 0.3, 0.9),
+  ],
+)
 def test_ess_bound_is_the_loosest_that_meets_the_target(level, mode, lower, target):
   for seed in SEEDS:
     batch = _batch(seed)
-    w, kept, metrics = _run(batch, tis_level=level, tis_mode=mode, tis_upper_bound="auto", tis_lower_bound=lower,
-                            target_ess_ratio=target)
+    w, kept, metrics = _run(
+      batch, tis_level=level, tis_mode=mode, tis_upper_bound="auto", tis_lower_bound=lower, target_ess_ratio=target
+    )
     u = np.float32(metrics["mis_auto_tis_upper_bound"])
     x = _units(batch, level)
     m, ids, _ = _flat(batch)
-    k = (np.ones_like(x) if level == "token" else
-         np.asarray([np.sum(m & (ids == s)) for s in range(batch.num_segments) if (m & (ids == s)).any()], np.float32))
+    k = (
+      np.ones_like(x)
+      if level == "token"
+      else np.asarray([np.sum(m & (ids == s)) for s in range(batch.num_segments) if (m & (ids == s)).any()], np.float32)
+    )
     where = f"seed {seed}"
     assert metrics["mis_auto_target_met"] == 1.0, where
     assert metrics["mis_auto_ess_ratio"] >= np.float32(target), where
@@ -170,8 +211,12 @@ def test_ess_bound_is_the_loosest_that_meets_the_target(level, mode, lower, targ
     np.testing.assert_allclose(u, _ess_oracle(x, k, mode, lower, target), rtol=1e-4, err_msg=where)
     if seed != SEEDS[0]:
       continue
-    fixed_lower = 0.0 if mode == "truncate" else float(np.float32(1) / u) if lower is None else lower  # Lo unused in truncate
-    w_fixed, _, fixed = _run(batch, tis_level=level, tis_mode=mode, tis_upper_bound=float(u), tis_lower_bound=fixed_lower)
+    fixed_lower = (
+      0.0 if mode == "truncate" else float(np.float32(1) / u) if lower is None else lower
+    )  # Lo unused in truncate
+    w_fixed, _, fixed = _run(
+      batch, tis_level=level, tis_mode=mode, tis_upper_bound=float(u), tis_lower_bound=fixed_lower
+    )
     np.testing.assert_array_equal(w, w_fixed, err_msg=where)
     assert fixed["mis_ess_ratio"] == metrics["mis_ess_ratio"], where
 
@@ -181,9 +226,18 @@ def test_rs_band_auto_and_the_ess_over_what_it_keeps():
   the ESS over the tokens the RS band, a criterion and the veto keep."""
   for seed in SEEDS:
     batch = _batch(seed, mismatch=0.8)
-    w, kept, metrics = _run(batch, tis_mode="truncate", tis_upper_bound="auto", target_ess_ratio=0.8, use_rs=True,
-                            rs_level="sequence", rs_upper_bound="auto", max_masked_fraction=0.2,
-                            rs_veto_threshold=1e-3, rs_criteria=[{"metric": "k3", "agg": "token", "upper": 2.0}])
+    w, kept, metrics = _run(
+      batch,
+      tis_mode="truncate",
+      tis_upper_bound="auto",
+      target_ess_ratio=0.8,
+      use_rs=True,
+      rs_level="sequence",
+      rs_upper_bound="auto",
+      max_masked_fraction=0.2,
+      rs_veto_threshold=1e-3,
+      rs_criteria=[{"metric": "k3", "agg": "token", "upper": 2.0}],
+    )
     x = _units(batch, "sequence")
     u_rs = np.float32(metrics["mis_auto_rs_upper_bound"])
     assert _masked(x, None, u_rs) <= np.floor(0.2 * len(x))
@@ -192,11 +246,18 @@ def test_rs_band_auto_and_the_ess_over_what_it_keeps():
     assert metrics["mis_ess_ratio"] == pytest.approx(metrics["mis_auto_ess_ratio"], rel=1e-5)
     if seed != SEEDS[0]:  # each fixed bound is a program of its own: one seed
       continue
-    w_fixed, kept_fixed, _ = _run(batch, tis_mode="truncate", tis_upper_bound=metrics["mis_auto_tis_upper_bound"],
-                                  tis_lower_bound=0.0,
-                                  use_rs=True, rs_level="sequence", rs_upper_bound=float(u_rs),
-                                  rs_lower_bound=float(np.float32(1) / u_rs), rs_veto_threshold=1e-3,
-                                  rs_criteria=[{"metric": "k3", "agg": "token", "upper": 2.0}])
+    w_fixed, kept_fixed, _ = _run(
+      batch,
+      tis_mode="truncate",
+      tis_upper_bound=metrics["mis_auto_tis_upper_bound"],
+      tis_lower_bound=0.0,
+      use_rs=True,
+      rs_level="sequence",
+      rs_upper_bound=float(u_rs),
+      rs_lower_bound=float(np.float32(1) / u_rs),
+      rs_veto_threshold=1e-3,
+      rs_criteria=[{"metric": "k3", "agg": "token", "upper": 2.0}],
+    )
     np.testing.assert_array_equal(kept, kept_fixed)
     np.testing.assert_array_equal(w, w_fixed)
 
@@ -210,18 +271,35 @@ def test_empty_mask_and_jit_equals_eager():
   # Nothing to mask: the bound is the search's neutral 1, nothing masked, the target met.
   assert float(metrics["mis_auto_tis_upper_bound"]) == 1.0 and float(metrics["mis_auto_tis_masked_fraction"]) == 0.0
   assert float(metrics["mis_auto_target_met"]) == 1.0
-  eager = mis_jax.compute_mis_weights(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, batch.segment_ids,
-                                      cfg, num_segments=batch.num_segments, metric_reduction="token-mean")
+  eager = mis_jax.compute_mis_weights(
+    batch.old_logprobs,
+    batch.rollout_logprobs,
+    batch.loss_mask,
+    batch.segment_ids,
+    cfg,
+    num_segments=batch.num_segments,
+    metric_reduction="token-mean",
+  )
   jitted = _jitted(cfg)(batch)
   for a, b in zip(jax.tree_util.tree_leaves(eager), jax.tree_util.tree_leaves(jitted)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
 
 
-AUTO = [mis_jax.MISConfig(tis_level="token", tis_mode="truncate", tis_upper_bound="auto", target_ess_ratio=0.85),
-        mis_jax.MISConfig(tis_level="sequence", tis_mode="mask", tis_upper_bound="auto", max_masked_fraction=0.2),
-        mis_jax.MISConfig(tis_level="token", tis_mode="clip", tis_upper_bound="auto", target_ess_ratio=0.9,
-                          use_rs=True, rs_upper_bound="auto", max_masked_fraction=0.1, opsm_delta=0.0,
-                          m2po_threshold=0.05)]
+AUTO = [
+  mis_jax.MISConfig(tis_level="token", tis_mode="truncate", tis_upper_bound="auto", target_ess_ratio=0.85),
+  mis_jax.MISConfig(tis_level="sequence", tis_mode="mask", tis_upper_bound="auto", max_masked_fraction=0.2),
+  mis_jax.MISConfig(
+    tis_level="token",
+    tis_mode="clip",
+    tis_upper_bound="auto",
+    target_ess_ratio=0.9,
+    use_rs=True,
+    rs_upper_bound="auto",
+    max_masked_fraction=0.1,
+    opsm_delta=0.0,
+    m2po_threshold=0.05,
+  ),
+]
 
 
 @pytest.mark.parametrize("cfg", AUTO, ids=["token-truncate", "sequence-mask", "token-clip-rs-opsm-m2po"])
@@ -243,7 +321,9 @@ def test_eight_devices_and_micro_batches_choose_what_one_does(cfg):
     assert 0 < float(metrics0["mis_m2po_masked_fraction"]) < 1 and float(metrics0["mis_opsm_masked_seq_fraction"]) > 0
 
 
-@pytest.mark.parametrize("kw,message", [
+@pytest.mark.parametrize(
+  "kw,message",
+  [
     (dict(tis_upper_bound="auto"), "give target_ess_ratio"),
     (dict(tis_upper_bound="auto", tis_mode="mask"), "give max_masked_fraction"),
     (dict(tis_upper_bound="auto", tis_mode="mask", target_ess_ratio=0.9), "not monotone"),
@@ -256,16 +336,21 @@ def test_eight_devices_and_micro_batches_choose_what_one_does(cfg):
     (dict(tis_upper_bound="auto", target_ess_ratio=1.0), "must be in (0, 1)"),
     (dict(tis_upper_bound="auto", tis_mode="mask", max_masked_fraction=1.0), "must be in [0, 1)"),
     (dict(tis_upper_bound="aut"), "must be a number"),
-])
+  ],
+)
 def test_bad_controller_configs_are_refused(kw, message):
-  with pytest.raises(mis_jax.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")
-                     .replace("[", r"\[")):
+  with pytest.raises(mis_jax.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
     mis_jax.MISConfig(**kw)
 
 
-@pytest.mark.parametrize("crit,fraction", [({"metric": "k3", "agg": "token"}, 0.1),
-                                           ({"metric": "k2", "agg": "seq_mean"}, 0.25),
-                                           ({"metric": "k3", "agg": "seq_max", "lower": 1e-4}, 0.3)])
+@pytest.mark.parametrize(
+  "crit,fraction",
+  [
+    ({"metric": "k3", "agg": "token"}, 0.1),
+    ({"metric": "k2", "agg": "seq_mean"}, 0.25),
+    ({"metric": "k3", "agg": "seq_max", "lower": 1e-4}, 0.3),
+  ],
+)
 def test_a_criterion_upper_bound_set_from_its_masked_share(crit, fraction):
   """`upper: auto` on a divergence criterion: the tightest upper bound that masks at most the
   share of its units (tokens, or live sequences for a sequence aggregate), by sorting each
@@ -273,8 +358,9 @@ def test_a_criterion_upper_bound_set_from_its_masked_share(crit, fraction):
   name = f"{crit['metric']}_{crit['agg']}"
   for seed in SEEDS:
     batch = _batch(seed)
-    _, kept, metrics = _run(batch, tis_upper_bound=1e6, rs_criteria=[{**crit, "upper": "auto"}],
-                            max_masked_fraction=fraction)
+    _, kept, metrics = _run(
+      batch, tis_upper_bound=1e6, rs_criteria=[{**crit, "upper": "auto"}], max_masked_fraction=fraction
+    )
     u = metrics[f"mis_auto_rs_{name}_upper"]
     m, ids, r = _flat(batch)
     r = r.astype(np.float64)
@@ -293,8 +379,12 @@ def test_a_criterion_upper_bound_set_from_its_masked_share(crit, fraction):
     ordered = np.sort(values[values >= lower])[::-1]
     np.testing.assert_allclose(u, ordered[allowed - below], rtol=1e-5, atol=1e-9, err_msg=f"seed {seed}")
     k = np.asarray(kept).reshape(-1).astype(bool)
-    masked = (int(np.sum(m & ~k)) if crit["agg"] == "token" else  # the units it masked, off the kept mask
-              sum(1 for s in range(batch.num_segments) if (m & (ids == s)).any() and not (k & (ids == s)).any()))
+    masked = (
+      int(np.sum(m & ~k))
+      if crit["agg"] == "token"
+      # the units it masked, off the kept mask
+      else sum(1 for s in range(batch.num_segments) if (m & (ids == s)).any() and not (k & (ids == s)).any())
+    )
     assert masked <= allowed, f"seed {seed}"
     if seed == SEEDS[0]:
       _, kept_fixed, _ = _run(batch, tis_upper_bound=1e6, rs_criteria=[{**crit, "upper": float(u)}])
@@ -311,16 +401,25 @@ def test_a_fixed_rs_lower_bound_stays_under_an_auto_upper():
   lower bound alone masks more than the target share, the upper masks nothing above it and the
   target is reported unmet. (Before the fix the applied band was [1/U, U].)"""
   import numpy as np
+
   rng = np.random.default_rng(0)
   seg = np.repeat(np.arange(20), 20).astype(np.int32)
   o = (-rng.uniform(0.5, 3, 400)).astype(np.float32)
   q = (o + rng.normal(0, 0.5, 400)).astype(np.float32)
   w_raw = np.exp(o - q)  # float32, as the library computes it: the auto bound is one of these values
   for lo in (0.5, 0.9):
-    cfg = mis_jax.MISConfig(use_rs=True, tis_level="token", rs_level="token", tis_mode="truncate",
-                            rs_upper_bound="auto", max_masked_fraction=0.1, rs_lower_bound=lo)
-    _, kept, m = mis_jax.compute_mis_weights(o, q, np.ones(400, bool), seg, cfg, num_segments=20,
-                                             metric_reduction="token-mean")
+    cfg = mis_jax.MISConfig(
+      use_rs=True,
+      tis_level="token",
+      rs_level="token",
+      tis_mode="truncate",
+      rs_upper_bound="auto",
+      max_masked_fraction=0.1,
+      rs_lower_bound=lo,
+    )
+    _, kept, m = mis_jax.compute_mis_weights(
+      o, q, np.ones(400, bool), seg, cfg, num_segments=20, metric_reduction="token-mean"
+    )
     kept = np.asarray(kept, bool)
     assert not np.any(kept & (w_raw < lo))
     below = np.mean(w_raw < lo)

@@ -48,34 +48,42 @@ def numpy_oracle(hidden, lm_head, targets, temperature):
 
 def _loss(fn, g_lp, g_ent, return_entropy, **kw):
   """Scalar ``Σ g_lp·lp (+ Σ g_ent·H)``: random cotangents for both outputs at once."""
+
   def loss(hidden, lm_head, targets):
     out = fn(hidden, lm_head, targets, return_entropy=return_entropy, **kw)
     if not return_entropy:
       return jnp.sum(out * g_lp)
     return jnp.sum(out[0] * g_lp) + jnp.sum(out[1] * g_ent)
+
   return loss
 
 
-def _outputs_and_grads(hidden, lm_head, targets, g_lp, g_ent, *, chunk_size=CHUNK,
-                       return_entropy=True, **kw):
+def _outputs_and_grads(hidden, lm_head, targets, g_lp, g_ent, *, chunk_size=CHUNK, return_entropy=True, **kw):
   """``(outputs, (d hidden, d lm_head))`` of the chunked and the naive computation, under one
   jit (one compilation per case)."""
+
   def both(hidden, lm_head, targets):
     chunked = lambda *a, **k: token_logprobs(*a, chunk_size=chunk_size, **k)
     return tuple(
-        (fn(hidden, lm_head, targets, return_entropy=return_entropy, **kw),
-         jax.grad(_loss(fn, g_lp, g_ent, return_entropy, **kw), (0, 1))(hidden, lm_head, targets))
-        for fn in (chunked, naive))
+      (
+        fn(hidden, lm_head, targets, return_entropy=return_entropy, **kw),
+        jax.grad(_loss(fn, g_lp, g_ent, return_entropy, **kw), (0, 1))(hidden, lm_head, targets),
+      )
+      for fn in (chunked, naive)
+    )
+
   return jax.jit(both)(hidden, lm_head, targets)
 
 
 def _assert_close(got, want, rtol=1e-5, atol=1e-5, err_msg=""):
-  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
-                             rtol=rtol, atol=atol, err_msg=err_msg)
+  np.testing.assert_allclose(
+    np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=rtol, atol=atol, err_msg=err_msg
+  )
 
 
-@pytest.mark.parametrize("layout,temperature,return_entropy", [
-    ("dv", 1.0, False), ("dv", 0.7, True), ("vd", 1.0, True), ("vd", 1.6, False)])
+@pytest.mark.parametrize(
+  "layout,temperature,return_entropy", [("dv", 1.0, False), ("dv", 0.7, True), ("vd", 1.0, True), ("vd", 1.6, False)]
+)
 def test_forward_and_gradients_match_naive(temperature, return_entropy, layout):
   hidden, lm_head, targets, g_lp, g_ent = _inputs()
   if layout == "vd":
@@ -99,7 +107,8 @@ def test_any_chunk_size_batched_leading_shape(chunk_size):
   # [B, L] = [3, 13]: T = 39 tokens, a multiple of none of the chunk sizes but 1.
   hidden, lm_head, targets, g_lp, g_ent = _inputs(seed=1, lead=(3, 13))
   ((lp, ent), grads), ((want_lp, want_ent), want) = _outputs_and_grads(
-      hidden, lm_head, targets, g_lp, g_ent, chunk_size=chunk_size)
+    hidden, lm_head, targets, g_lp, g_ent, chunk_size=chunk_size
+  )
   assert lp.shape == ent.shape == (3, 13)
   _assert_close(lp, want_lp)
   _assert_close(ent, want_ent)
@@ -114,8 +123,7 @@ def test_bf16_inputs():
   # The oracle is the float32 computation on the upcast bf16 values.
   h32, w32 = h16.astype(jnp.float32), w16.astype(jnp.float32)
   ((lp, ent), grads), _ = _outputs_and_grads(h16, w16, targets, g_lp, g_ent, temperature=0.8)
-  _, ((want_lp, want_ent), want) = _outputs_and_grads(h32, w32, targets, g_lp, g_ent,
-                                                      temperature=0.8)
+  _, ((want_lp, want_ent), want) = _outputs_and_grads(h32, w32, targets, g_lp, g_ent, temperature=0.8)
   # bf16 products are exact in float32: only the summation order differs.
   assert lp.dtype == ent.dtype == jnp.float32
   _assert_close(lp, want_lp)
@@ -130,8 +138,7 @@ def test_bf16_inputs():
 def test_mixed_dtypes_promote_and_return_input_dtypes():
   hidden, lm_head, targets, g_lp, g_ent = _inputs(seed=3)
   h16 = hidden.astype(jnp.bfloat16)
-  (lp, grads), (want_lp, _) = _outputs_and_grads(h16, lm_head, targets, g_lp, g_ent,
-                                                 return_entropy=False)
+  (lp, grads), (want_lp, _) = _outputs_and_grads(h16, lm_head, targets, g_lp, g_ent, return_entropy=False)
   _assert_close(lp, want_lp)
   assert grads[0].dtype == jnp.bfloat16 and grads[1].dtype == jnp.float32
 
@@ -146,8 +153,9 @@ def test_jit_equals_no_jit_and_vmap_equals_leading_shape():
     _assert_close(b, a, rtol=1e-6, atol=1e-6)
     _assert_close(c, a, rtol=1e-6, atol=1e-6)
   loss = _loss(lambda *a, **k: fn(*a), g_lp, g_ent, True)
-  for a, b in zip(jax.grad(loss, (0, 1))(hidden, lm_head, targets),
-                  jax.jit(jax.grad(loss, (0, 1)))(hidden, lm_head, targets)):
+  for a, b in zip(
+    jax.grad(loss, (0, 1))(hidden, lm_head, targets), jax.jit(jax.grad(loss, (0, 1)))(hidden, lm_head, targets)
+  ):
     _assert_close(b, a, rtol=1e-6, atol=1e-6)
 
 
@@ -157,7 +165,7 @@ def _all_avals(jaxpr):
     for var in eqn.outvars:
       yield var.aval
     for param in eqn.params.values():
-      for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
         if isinstance(sub, jax.extend.core.ClosedJaxpr):
           yield from _all_avals(sub.jaxpr)
         elif isinstance(sub, jax.extend.core.Jaxpr):
@@ -169,13 +177,12 @@ def _largest_logits_like(fn, hidden, lm_head, targets):
   closed = jax.make_jaxpr(jax.grad(loss, (0, 1)))(hidden, lm_head)
   shapes = [tuple(a.shape) for a in _all_avals(closed.jaxpr) if hasattr(a, "shape")]
   # Any array as large as the logits, or with a vocabulary axis and a token-sized axis.
-  return [s for s in shapes
-          if int(np.prod(s)) >= T * V or (V in s and any(d >= T for d in _drop_one(s, V)))]
+  return [s for s in shapes if int(np.prod(s)) >= T * V or (V in s and any(d >= T for d in _drop_one(s, V)))]
 
 
 def _drop_one(shape, dim):
   i = shape.index(dim)
-  return shape[:i] + shape[i + 1:]
+  return shape[:i] + shape[i + 1 :]
 
 
 def test_jaxpr_of_forward_and_backward_has_no_token_by_vocab_array():
@@ -203,8 +210,7 @@ def test_entropy_bounds_and_probabilities_sum_to_one():
 @given(num_tokens=st.integers(1, 20), chunk_size=st.integers(1, 24), seed=st.integers(0, 2**16))
 def test_property_chunked_equals_naive(num_tokens, chunk_size, seed):
   hidden, lm_head, targets, g_lp, g_ent = _inputs(seed=seed, lead=(num_tokens,), d=4, v=6)
-  (got, grads), (want, want_grads) = _outputs_and_grads(hidden, lm_head, targets, g_lp, g_ent,
-                                                        chunk_size=chunk_size)
+  (got, grads), (want, want_grads) = _outputs_and_grads(hidden, lm_head, targets, g_lp, g_ent, chunk_size=chunk_size)
   for a, b in zip(got + grads, want + want_grads):
     _assert_close(a, b)
 
@@ -227,7 +233,9 @@ def test_empty_token_axis():
 _H, _W, _Y, _, _ = _inputs()
 
 
-@pytest.mark.parametrize("args,kwargs,error,match", [
+@pytest.mark.parametrize(
+  "args,kwargs,error,match",
+  [
     ((_H.astype(jnp.int32), _W, _Y), {}, TypeError, "'hidden' must be a floating-point"),
     ((_H, _W.astype(jnp.int32), _Y), {}, TypeError, "'lm_head' must be a floating-point"),
     ((_H[0, 0], _W, _Y), {}, ValueError, "'hidden' must have shape"),
@@ -246,7 +254,8 @@ _H, _W, _Y, _, _ = _inputs()
     ((_H, _W, _Y), {"chunk_size": 0}, ValueError, "chunk_size must be > 0"),
     ((_H, _W, _Y), {"chunk_size": 8.0}, TypeError, "chunk_size must be a Python int"),
     ((_H, _W, _Y), {"return_entropy": "yes"}, TypeError, "return_entropy must be a bool"),
-])
+  ],
+)
 def test_bad_inputs_raise(args, kwargs, error, match):
   with pytest.raises(error, match=match):
     token_logprobs(*args, **kwargs)
@@ -262,22 +271,25 @@ def test_sum_pi_squared_from_the_same_chunks(temperature):
   """OTB's Σ_v π_v², from the chunked pass, equals NumPy's over the full softmax (and over a
   renormalised support); it leaves the other outputs and their gradients unchanged."""
   hidden, lm_head, targets, _, _ = _inputs(seed=4)
-  lp, ent, sum_sq = token_logprobs(hidden, lm_head, targets, temperature=temperature, chunk_size=CHUNK,
-                                           return_entropy=True, return_sum_pi_squared=True)
+  lp, ent, sum_sq = token_logprobs(
+    hidden, lm_head, targets, temperature=temperature, chunk_size=CHUNK, return_entropy=True, return_sum_pi_squared=True
+  )
   z = np.asarray(hidden, np.float64) @ np.asarray(lm_head, np.float64) / temperature
   p = np.exp(z - z.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
-  np.testing.assert_allclose(np.asarray(sum_sq), (p ** 2).sum(-1), rtol=1e-5)
-  lp0, ent0 = token_logprobs(hidden, lm_head, targets, temperature=temperature, chunk_size=CHUNK,
-                                     return_entropy=True)
+  np.testing.assert_allclose(np.asarray(sum_sq), (p**2).sum(-1), rtol=1e-5)
+  lp0, ent0 = token_logprobs(hidden, lm_head, targets, temperature=temperature, chunk_size=CHUNK, return_entropy=True)
   np.testing.assert_array_equal(np.asarray(lp), np.asarray(lp0))
   support = np.stack([np.asarray(targets), (np.asarray(targets) + 1) % V, (np.asarray(targets) + 5) % V], -1)
-  _, sum_sq_s = token_logprobs(hidden, lm_head, targets, temperature=temperature, chunk_size=CHUNK,
-                                       support_ids=support, return_sum_pi_squared=True)
+  _, sum_sq_s = token_logprobs(
+    hidden, lm_head, targets, temperature=temperature, chunk_size=CHUNK, support_ids=support, return_sum_pi_squared=True
+  )
   ps = np.take_along_axis(p, support, -1)
   ps /= ps.sum(-1, keepdims=True)
-  np.testing.assert_allclose(np.asarray(sum_sq_s), (ps ** 2).sum(-1), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(sum_sq_s), (ps**2).sum(-1), rtol=1e-5)
   grad = lambda f: jax.grad(lambda h: jnp.sum(f(h)[0]))(hidden)
   np.testing.assert_allclose(
-      grad(lambda h: token_logprobs(h, lm_head, targets, chunk_size=CHUNK, return_sum_pi_squared=True)),
-      grad(lambda h: (token_logprobs(h, lm_head, targets, chunk_size=CHUNK),)), rtol=1e-6)
+    grad(lambda h: token_logprobs(h, lm_head, targets, chunk_size=CHUNK, return_sum_pi_squared=True)),
+    grad(lambda h: (token_logprobs(h, lm_head, targets, chunk_size=CHUNK),)),
+    rtol=1e-6,
+  )

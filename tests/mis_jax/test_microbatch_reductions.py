@@ -20,10 +20,22 @@ def test_declared_reductions_name_emitted_metrics():
   o = (-rng.uniform(0.5, 3, t)).astype(np.float32)
   q = (o + rng.normal(0, 0.3, t)).astype(np.float32)
   mask = rng.uniform(size=t) < 0.8
-  mis = mis_jax.MISConfig(use_rs=True, tis_mode="mask", rs_veto_threshold=1e-4, tis_batch_normalize=True,
-                          rs_criteria=({"metric": "k3", "agg": "seq_max", "upper": 5.0},))
-  batch = mis_jax.PackedBatch(segment_ids=seg, loss_mask=mask, advantages=rng.normal(size=t).astype(np.float32),
-                              rollout_logprobs=q, old_logprobs=o, ref_logprobs=o, num_segments=4)
+  mis = mis_jax.MISConfig(
+    use_rs=True,
+    tis_mode="mask",
+    rs_veto_threshold=1e-4,
+    tis_batch_normalize=True,
+    rs_criteria=({"metric": "k3", "agg": "seq_max", "upper": 5.0},),
+  )
+  batch = mis_jax.PackedBatch(
+    segment_ids=seg,
+    loss_mask=mask,
+    advantages=rng.normal(size=t).astype(np.float32),
+    rollout_logprobs=q,
+    old_logprobs=o,
+    ref_logprobs=o,
+    num_segments=4,
+  )
   cfg = mis_jax.LossConfig(use_tis=True, mis=mis, kl_coef=0.1, entropy_coef=0.01)
   correction, step_metrics = mis_jax.prepare_step(batch, cfg)
   _, metrics = mis_jax.policy_loss(o, batch, cfg, entropy=-o, correction=correction)
@@ -52,27 +64,35 @@ def _emitted_metrics() -> frozenset:
   alone, `proximal: loglinear`, with prepare_step and without, and the sampling-replay metrics."""
   import itertools
   import jax
+
   rng = np.random.default_rng(0)
   seg = np.repeat(np.arange(4), 8).astype(np.int32)
   t = seg.size
   o = (-rng.uniform(0.5, 3, t)).astype(np.float32)
   q = (o + rng.normal(0, 0.3, t)).astype(np.float32)
   mask = rng.uniform(size=t) < 0.8
-  batch = mis_jax.PackedBatch(segment_ids=seg, loss_mask=mask, advantages=rng.normal(size=t).astype(np.float32),
-                              rollout_logprobs=q, old_logprobs=o, ref_logprobs=o,
-                              rollout_staleness=np.ones(t, np.float32), num_segments=4)
+  batch = mis_jax.PackedBatch(
+    segment_ids=seg,
+    loss_mask=mask,
+    advantages=rng.normal(size=t).astype(np.float32),
+    rollout_logprobs=q,
+    old_logprobs=o,
+    ref_logprobs=o,
+    rollout_staleness=np.ones(t, np.float32),
+    num_segments=4,
+  )
   aggs = mis_jax.config.AGGREGATIONS
   crits = tuple({"metric": m, "agg": a, "upper": 5.0} for m in mis_jax.config.DIVERGENCES for a in aggs)
   auto_crits = tuple({"metric": m, "agg": a, "upper": "auto"} for m in ("k2", "k3") for a in aggs)
   mis_cfgs = [
-      mis_jax.MISConfig(),
-      mis_jax.MISConfig(tis_mode="clip", use_rs=True, rs_veto_threshold=1e-4, tis_batch_normalize=True),
-      mis_jax.MISConfig(tis_mode="mask", tis_level="sequence", opsm_delta=0.1, m2po_threshold=0.5, rs_criteria=crits),
-      mis_jax.MISConfig(tis_mode="none", use_rs=True),
-      mis_jax.MISConfig(tis_upper_bound="auto", target_ess_ratio=0.9),
-      mis_jax.MISConfig(tis_mode="mask", tis_upper_bound="auto", max_masked_fraction=0.1),
-      mis_jax.MISConfig(use_rs=True, rs_upper_bound="auto", max_masked_fraction=0.1, rs_criteria=auto_crits),
-      mis_jax.MISConfig(dppo_tv_delta=0.1, kpop_phi=0.1),  # the trust regions on probabilities (contract §4.3)
+    mis_jax.MISConfig(),
+    mis_jax.MISConfig(tis_mode="clip", use_rs=True, rs_veto_threshold=1e-4, tis_batch_normalize=True),
+    mis_jax.MISConfig(tis_mode="mask", tis_level="sequence", opsm_delta=0.1, m2po_threshold=0.5, rs_criteria=crits),
+    mis_jax.MISConfig(tis_mode="none", use_rs=True),
+    mis_jax.MISConfig(tis_upper_bound="auto", target_ess_ratio=0.9),
+    mis_jax.MISConfig(tis_mode="mask", tis_upper_bound="auto", max_masked_fraction=0.1),
+    mis_jax.MISConfig(use_rs=True, rs_upper_bound="auto", max_masked_fraction=0.1, rs_criteria=auto_crits),
+    mis_jax.MISConfig(dppo_tv_delta=0.1, kpop_phi=0.1),  # the trust regions on probabilities (contract §4.3)
   ]
   key = jax.random.key(0)
   names = set()
@@ -82,6 +102,7 @@ def _emitted_metrics() -> frozenset:
       correction, step_metrics = mis_jax.prepare_step(b, cfg, key=key)
       with_step = mis_jax.policy_loss(o, b, cfg, entropy=entropy, key=key, correction=correction)[1]
       return step_metrics, with_step, mis_jax.policy_loss(o, b, cfg, entropy=entropy, key=key)[1]
+
     for out in jax.eval_shape(step, batch):
       names.update(out)
 
@@ -89,16 +110,31 @@ def _emitted_metrics() -> frozenset:
     forms = ("vanilla", "gpg") if roll and tis else mis_jax.forms.POLICY_LOSSES
     for form, mis in itertools.product(forms, mis_cfgs + [None] if tis else [None]):
       own = {"dro_beta": 0.1} if form == "dro" else {}
-      add(mis_jax.LossConfig(use_rollout_logprobs=roll, use_tis=tis, mis=mis, policy_loss={"name": form, **own},
-                             kl_coef=0.1, entropy_coef=0.01, get_mismatch_metrics=True,
-                             denominator="original" if roll and tis else "kept"), -o)
+      add(
+        mis_jax.LossConfig(
+          use_rollout_logprobs=roll,
+          use_tis=tis,
+          mis=mis,
+          policy_loss={"name": form, **own},
+          kl_coef=0.1,
+          entropy_coef=0.01,
+          get_mismatch_metrics=True,
+          denominator="original" if roll and tis else "kept",
+        ),
+        -o,
+      )
   for mis in mis_cfgs[:5]:
     add(mis_jax.LossConfig(use_tis=True, mis=mis, proximal="loglinear"))
   add(mis_jax.LossConfig(use_rollout_logprobs=True, sq_kl_coef=0.1))  # the squared log-ratio KL (contract §6.4)
   topk = np.stack([o, o - 1.0], axis=-1)  # score centering (contract §6.6): a top-2 head
   centred = mis_jax.LossConfig(use_rollout_logprobs=True, use_tis=True, denominator="original", score_centering=True)
-  names.update(jax.eval_shape(lambda b, t: mis_jax.policy_loss(o, b, centred, topk_logprobs=t)[1],
-                              batch.replace(rollout_topk_logprobs=topk), topk))
+  names.update(
+    jax.eval_shape(
+      lambda b, t: mis_jax.policy_loss(o, b, centred, topk_logprobs=t)[1],
+      batch.replace(rollout_topk_logprobs=topk),
+      topk,
+    )
+  )
   add(mis_jax.LossConfig(use_tis=None, mis=mis_jax.MISConfig(use_tis=False), get_mismatch_metrics=True))
   names.update(mis_jax.sampling_metrics(o, np.zeros_like(o), q, mask, seg, num_segments=4))
   return frozenset(names)
@@ -118,6 +154,7 @@ def test_every_emitted_metric_declares_its_reduction():
 def test_a_correction_function_declares_its_own_metrics():
   def user(o, q, m, seg, cfg, *, num_segments, axis_name=None):
     return m.astype(np.float32), m, {"user_kept": np.float32(1.0)}
+
   cfg = mis_jax.LossConfig(use_tis=True, correction_fn=user)
   with pytest.raises(KeyError, match="'user_kept' declares no micro-batch reduction"):
     mis_jax.microbatch_reduction("user_kept", cfg)
@@ -128,6 +165,7 @@ def test_a_correction_function_declares_its_own_metrics():
 
 def test_a_metric_declared_twice_differently_is_an_error():
   from mis_jax import _metrics
+
   with pytest.raises(ValueError, match="'loss' declared with two micro-batch reductions"):
     _metrics.declare({"loss": "mask"})
   with pytest.raises(ValueError, match="unknown micro-batch reduction 'mean'"):
@@ -148,6 +186,7 @@ def test_opsm_share_of_sequences_combines_over_microbatches_as_one_batch():
   each, as REINFORCE + IS does) give the one batch's share, also in token-mean mode, where a
   weighting by trained tokens would not."""
   from helpers import pack, random_seqs
+
   assert mis_jax.microbatch_reduction("mis_opsm_masked_seq_fraction") == "seqs"
   rng = np.random.default_rng(3)
   seqs = random_seqs(rng, n_seqs=24, max_len=12, mismatch=0.6)
@@ -155,9 +194,16 @@ def test_opsm_share_of_sequences_combines_over_microbatches_as_one_batch():
 
   def run(part):
     b = pack(part, row_len=16)[0]
-    _, _, met = mis_jax.compute_mis_weights(b.old_logprobs, b.rollout_logprobs, b.loss_mask, b.segment_ids, cfg,
-                                            num_segments=b.num_segments, metric_reduction="token-mean",
-                                            advantages=b.advantages)
+    _, _, met = mis_jax.compute_mis_weights(
+      b.old_logprobs,
+      b.rollout_logprobs,
+      b.loss_mask,
+      b.segment_ids,
+      cfg,
+      num_segments=b.num_segments,
+      metric_reduction="token-mean",
+      advantages=b.advantages,
+    )
     live = sum(bool(s["m"].any()) for s in part)
     return float(met["mis_opsm_masked_seq_fraction"]), {"mask": sum(int(s["m"].sum()) for s in part), "seqs": live}
 

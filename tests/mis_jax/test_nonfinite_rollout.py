@@ -39,37 +39,56 @@ def _batches(seed=0):
   mask[starts[5]] = False
   q[starts[5]] = -np.inf
   q[-1] = np.nan
-  dirty = mis_jax.PackedBatch(segment_ids=seg, loss_mask=mask, advantages=adv, rollout_logprobs=q,
-                              old_logprobs=o, ref_logprobs=o - 0.05, num_segments=N_SEG)
-  clean = dataclasses.replace(dirty, loss_mask=mask & ~bad,
-                              rollout_logprobs=np.where(np.isfinite(q), q, o).astype(np.float32))
+  dirty = mis_jax.PackedBatch(
+    segment_ids=seg,
+    loss_mask=mask,
+    advantages=adv,
+    rollout_logprobs=q,
+    old_logprobs=o,
+    ref_logprobs=o - 0.05,
+    num_segments=N_SEG,
+  )
+  clean = dataclasses.replace(
+    dirty, loss_mask=mask & ~bad, rollout_logprobs=np.where(np.isfinite(q), q, o).astype(np.float32)
+  )
   return dirty, clean, lp, int(bad.sum()), int(mask.sum())
 
 
 MIS = {
-    "none": None,
-    "token_truncate": mis_jax.MISConfig(tis_level="token", tis_mode="truncate"),
-    "token_mask_rs_veto": mis_jax.MISConfig(tis_level="token", tis_mode="mask", use_rs=True, rs_veto_threshold=1e-4),
-    "sequence_truncate_bn": mis_jax.MISConfig(tis_level="sequence", tis_mode="truncate", tis_batch_normalize=True),
-    "sequence_mask": mis_jax.MISConfig(tis_level="sequence", tis_mode="mask", tis_upper_bound=3.0),
-    "geometric_mask_rs": mis_jax.MISConfig(tis_level="geometric", tis_mode="mask", use_rs=True, rs_level="geometric"),
-    "geometric_clip_k3": mis_jax.MISConfig(tis_level="geometric", tis_mode="clip",
-                                           rs_criteria=({"metric": "k3", "agg": "seq_max", "upper": 1.0},)),
+  "none": None,
+  "token_truncate": mis_jax.MISConfig(tis_level="token", tis_mode="truncate"),
+  "token_mask_rs_veto": mis_jax.MISConfig(tis_level="token", tis_mode="mask", use_rs=True, rs_veto_threshold=1e-4),
+  "sequence_truncate_bn": mis_jax.MISConfig(tis_level="sequence", tis_mode="truncate", tis_batch_normalize=True),
+  "sequence_mask": mis_jax.MISConfig(tis_level="sequence", tis_mode="mask", tis_upper_bound=3.0),
+  "geometric_mask_rs": mis_jax.MISConfig(tis_level="geometric", tis_mode="mask", use_rs=True, rs_level="geometric"),
+  "geometric_clip_k3": mis_jax.MISConfig(
+    tis_level="geometric", tis_mode="clip", rs_criteria=({"metric": "k3", "agg": "seq_max", "upper": 1.0},)
+  ),
 }
 
 CASES = (
-    [("ppo", None, "seq-mean-token-mean"), ("bypass_ppo", None, "token-mean"), ("decoupled_ppo", "none", "token-mean"),
-     ("reinforce_is", "none", "seq-mean-token-mean")]
-    + [("decoupled_ppo", k, "seq-mean-token-mean") for k in MIS if k != "none"]
-    + [("reinforce_is", k, "token-mean") for k in ("token_mask_rs_veto", "sequence_truncate_bn", "geometric_mask_rs")]
+  [
+    ("ppo", None, "seq-mean-token-mean"),
+    ("bypass_ppo", None, "token-mean"),
+    ("decoupled_ppo", "none", "token-mean"),
+    ("reinforce_is", "none", "seq-mean-token-mean"),
+  ]
+  + [("decoupled_ppo", k, "seq-mean-token-mean") for k in MIS if k != "none"]
+  + [("reinforce_is", k, "token-mean") for k in ("token_mask_rs_veto", "sequence_truncate_bn", "geometric_mask_rs")]
 )
 
 
 def _cfg(algo, mis, mode):
   use_rollout, use_tis = mis_jax.config.ALGORITHMS[algo]
-  return mis_jax.LossConfig(use_tis=use_tis, use_rollout_logprobs=use_rollout,
-                            mis=None if mis in (None, "none") else MIS[mis], loss_agg_mode=mode,
-                            kl_coef=0.1, entropy_coef=0.01, get_mismatch_metrics=True)
+  return mis_jax.LossConfig(
+    use_tis=use_tis,
+    use_rollout_logprobs=use_rollout,
+    mis=None if mis in (None, "none") else MIS[mis],
+    loss_agg_mode=mode,
+    kl_coef=0.1,
+    entropy_coef=0.01,
+    get_mismatch_metrics=True,
+  )
 
 
 def _loss(cfg, batch, lp, prepared):
@@ -83,7 +102,7 @@ def _loss(cfg, batch, lp, prepared):
 def test_loss_grad_metrics_equal_the_masked_batch(algo, mis, mode):
   dirty, clean, lp, n_bad, n_trained = _batches()
   cfg = _cfg(algo, mis, mode)
-  for prepared in ((False, True) if algo == "decoupled_ppo" else (False,)):
+  for prepared in (False, True) if algo == "decoupled_ppo" else (False,):
     loss, grad, metrics = _loss(cfg, dirty, lp, prepared)
     ref_loss, ref_grad, ref_metrics = _loss(cfg, clean, lp, prepared)
     assert np.isfinite(loss) and np.all(np.isfinite(grad))
@@ -102,9 +121,19 @@ def test_loss_grad_metrics_equal_the_masked_batch(algo, mis, mode):
 @pytest.mark.parametrize("reduction", ["token-mean", "seq-mean-token-mean"])
 def test_compute_mis_weights(name, reduction):
   dirty, clean, _, n_bad, n_trained = _batches(1)
-  out = [mis_jax.compute_mis_weights(b.old_logprobs, b.rollout_logprobs, b.loss_mask, b.segment_ids, MIS[name],
-                                     num_segments=N_SEG, metric_reduction=reduction, advantages=b.advantages)
-         for b in (dirty, clean)]
+  out = [
+    mis_jax.compute_mis_weights(
+      b.old_logprobs,
+      b.rollout_logprobs,
+      b.loss_mask,
+      b.segment_ids,
+      MIS[name],
+      num_segments=N_SEG,
+      metric_reduction=reduction,
+      advantages=b.advantages,
+    )
+    for b in (dirty, clean)
+  ]
   (w, kept, metrics), (ref_w, ref_kept, ref_metrics) = out
   assert np.array_equal(np.asarray(kept), np.asarray(ref_kept))
   np.testing.assert_allclose(np.asarray(w), np.asarray(ref_w), rtol=1e-6, atol=0)
@@ -125,13 +154,13 @@ def test_vanilla_tis_weights_and_jit():
   loss_fn = jax.jit(lambda x, b: mis_jax.policy_loss(x, b, cfg, entropy=-lp)[0])
   grad = jax.grad(loss_fn)(jnp.asarray(lp), dirty)
   assert np.all(np.isfinite(np.asarray(grad)))
-  np.testing.assert_allclose(float(loss_fn(jnp.asarray(lp), dirty)), float(loss_fn(jnp.asarray(lp), clean)),
-                             rtol=1e-6)
+  np.testing.assert_allclose(float(loss_fn(jnp.asarray(lp), dirty)), float(loss_fn(jnp.asarray(lp), clean)), rtol=1e-6)
 
 
 def test_trainer_warns_past_one_percent():
   from trainers.app.hooks import NONFINITE_WARN_FRACTION, MaskedSteps
   from trainers.config import TrainConfig
+
   lines = []
   watch = MaskedSteps(TrainConfig())
   metrics = {"mis_nonfinite_rollout_logprob_fraction": 0.02, "mis_nonfinite_rollout_logprob_count": 4.0}

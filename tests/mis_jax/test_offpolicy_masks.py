@@ -25,9 +25,18 @@ def _batch(seqs):
 
 @functools.lru_cache(maxsize=None)
 def _jitted(cfg):
-  return jax.jit(lambda b: mis_jax.compute_mis_weights(
-      b.old_logprobs, b.rollout_logprobs, b.loss_mask, b.segment_ids, cfg, num_segments=b.num_segments,
-      metric_reduction="token-mean", advantages=b.advantages))
+  return jax.jit(
+    lambda b: mis_jax.compute_mis_weights(
+      b.old_logprobs,
+      b.rollout_logprobs,
+      b.loss_mask,
+      b.segment_ids,
+      cfg,
+      num_segments=b.num_segments,
+      metric_reduction="token-mean",
+      advantages=b.advantages,
+    )
+  )
 
 
 def opsm_oracle(seqs, delta):
@@ -47,8 +56,12 @@ def opsm_oracle(seqs, delta):
 def m2po_oracle(seqs, tau):
   """The trained tokens kept: drop the largest squared log-ratios (ties together) while the mean
   of those left is above τ."""
-  r2 = np.concatenate([(s["o"][s["m"].astype(bool)].astype(np.float64)
-                        - s["q"][s["m"].astype(bool)].astype(np.float64)) ** 2 for s in seqs])
+  r2 = np.concatenate(
+    [
+      (s["o"][s["m"].astype(bool)].astype(np.float64) - s["q"][s["m"].astype(bool)].astype(np.float64)) ** 2
+      for s in seqs
+    ]
+  )
   values = np.sort(np.unique(r2))[::-1]
   cutoff = np.inf
   for v in values:
@@ -60,7 +73,7 @@ def m2po_oracle(seqs, tau):
   per_seq, i = [], 0
   for s in seqs:
     n = int(s["m"].astype(bool).sum())
-    per_seq.append(keep[i:i + n])
+    per_seq.append(keep[i : i + n])
     i += n
   return per_seq, float(r2[keep].mean()) if keep.any() else 0.0
 
@@ -109,8 +122,9 @@ def test_masks_compose_with_the_controller_and_reinforce():
   trainer's log-probs, so its OPSM is the oracle's of lp."""
   seqs = _seqs(2, mismatch=0.8)
   batch = _batch(seqs)
-  cfg = mis_jax.MISConfig(tis_upper_bound="auto", target_ess_ratio=0.9, opsm_delta=0.0, m2po_threshold=0.1,
-                          rs_veto_threshold=1e-4)
+  cfg = mis_jax.MISConfig(
+    tis_upper_bound="auto", target_ess_ratio=0.9, opsm_delta=0.0, m2po_threshold=0.1, rs_veto_threshold=1e-4
+  )
   _, kept, metrics = _jitted(cfg)(batch)
   masked = opsm_oracle(seqs, 0.0)
   m2po, _ = m2po_oracle(seqs, 0.1)
@@ -121,8 +135,12 @@ def test_masks_compose_with_the_controller_and_reinforce():
   assert float(metrics["mis_auto_target_met"]) == 1 and float(metrics["mis_ess_ratio"]) >= np.float32(0.9) - 1e-6
   # REINFORCE + IS: the correction runs in the loss with sg(lp) as the trainer's log-probs.
   lp = pack(seqs, row_len=16, num_rows=8)[1]["lp"]
-  loss_cfg = mis_jax.LossConfig(use_tis=True, use_rollout_logprobs=True, denominator="original",
-                                mis=mis_jax.MISConfig(tis_upper_bound=3.0, opsm_delta=0.0))
+  loss_cfg = mis_jax.LossConfig(
+    use_tis=True,
+    use_rollout_logprobs=True,
+    denominator="original",
+    mis=mis_jax.MISConfig(tis_upper_bound=3.0, opsm_delta=0.0),
+  )
   _, metrics = jax.jit(lambda lp, b: mis_jax.policy_loss(lp, b, loss_cfg))(lp, batch)
   with_lp = [dict(s, o=s["lp"]) for s in seqs]
   live = sum(s["m"].astype(bool).any() for s in seqs)
@@ -132,7 +150,13 @@ def test_masks_compose_with_the_controller_and_reinforce():
 def test_opsm_needs_the_advantages():
   batch = _batch(_seqs(0))
   with pytest.raises(ValueError, match="opsm_delta.*pass advantages="):
-    mis_jax.compute_mis_weights(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, batch.segment_ids,
-                                mis_jax.MISConfig(opsm_delta=0.1), num_segments=batch.num_segments)
+    mis_jax.compute_mis_weights(
+      batch.old_logprobs,
+      batch.rollout_logprobs,
+      batch.loss_mask,
+      batch.segment_ids,
+      mis_jax.MISConfig(opsm_delta=0.1),
+      num_segments=batch.num_segments,
+    )
   with pytest.raises(mis_jax.ConfigError, match="m2po_threshold.*must be > 0"):
     mis_jax.MISConfig(m2po_threshold=0.0)

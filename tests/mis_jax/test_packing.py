@@ -14,9 +14,9 @@ def test_first_fit_decreasing_layout():
   assert p.num_rows == 3
   np.testing.assert_array_equal(p.rows, [0, 2, 1, 0, 1])
   np.testing.assert_array_equal(p.offsets, [0, 0, 0, 6, 5])
-  np.testing.assert_array_equal(p.segment_ids, [[0, 0, 0, 0, 0, 0, 3, 3],
-                                                [2, 2, 2, 2, 2, 4, 4, 4],
-                                                [1, 1, 1, 1, -1, -1, -1, -1]])
+  np.testing.assert_array_equal(
+    p.segment_ids, [[0, 0, 0, 0, 0, 0, 3, 3], [2, 2, 2, 2, 2, 4, 4, 4], [1, 1, 1, 1, -1, -1, -1, -1]]
+  )
   np.testing.assert_array_equal(p.positions[1], [0, 1, 2, 3, 4, 0, 1, 2])
   np.testing.assert_array_equal(p.positions[2], [0, 1, 2, 3, 0, 0, 0, 0])
 
@@ -44,8 +44,9 @@ def test_packing_errors():
 
 
 def test_packed_batch_is_a_pytree_with_static_num_segments():
-  b = mis_jax.PackedBatch(segment_ids=np.zeros((2, 4), np.int32), loss_mask=np.ones((2, 4)),
-                          advantages=np.ones((2, 4)), num_segments=3)
+  b = mis_jax.PackedBatch(
+    segment_ids=np.zeros((2, 4), np.int32), loss_mask=np.ones((2, 4)), advantages=np.ones((2, 4)), num_segments=3
+  )
   leaves, treedef = jax.tree_util.tree_flatten(b)
   assert len(leaves) == 3  # None fields are not leaves; num_segments is static
   again = jax.tree_util.tree_unflatten(treedef, leaves)
@@ -53,7 +54,8 @@ def test_packed_batch_is_a_pytree_with_static_num_segments():
   parts = mis_jax.split_microbatches(b, 2)
   assert len(parts) == 2 and parts[0].shape == (1, 4)
   with pytest.raises(TypeError, match="num_segments must be a Python int"):
-    mis_jax.PackedBatch(segment_ids=b.segment_ids, loss_mask=b.loss_mask, advantages=b.advantages,
-                        num_segments=np.zeros(2))
+    mis_jax.PackedBatch(
+      segment_ids=b.segment_ids, loss_mask=b.loss_mask, advantages=b.advantages, num_segments=np.zeros(2)
+    )
   with pytest.raises(ValueError, match="cannot split 2 rows into 3"):
     mis_jax.split_microbatches(b, 3)

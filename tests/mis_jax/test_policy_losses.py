@@ -14,26 +14,43 @@ import mis_jax
 import oracle
 from helpers import assert_metrics_close, loss_keys, pack, random_seqs
 
-SEQS = random_seqs(np.random.default_rng(7), n_seqs=10, mismatch=0.3, catastrophic=0.03, with_ref=True,
-                   with_entropy=True, lp_noise=0.25)
+SEQS = random_seqs(
+  np.random.default_rng(7), n_seqs=10, mismatch=0.3, catastrophic=0.03, with_ref=True, with_entropy=True, lp_noise=0.25
+)
 BATCH, EXTRA, PACKING = pack(SEQS, row_len=16, num_rows=4)
 REFERENCE = mis_jax.MISConfig.from_yaml("configs/mis.yaml")
 ALGOS = {"ppo": (False, False), "bypass_ppo": (True, False), "decoupled_ppo": (False, True)}
 # Each form's own keys, set away from their defaults where the defaults would select nothing
 # on a batch this small (clip_cov / kl_cov pick 0.02 % of the tokens by default).
-FORM_KEYS = {"vanilla": {"eps_clip_c": 3.0}, "dppo_tv": {"eps_clip_c": 1.5}, "dppo_kl": {}, "gspo": {},
-             "sapo": {"tau_pos": 1.2, "tau_neg": 2.0}, "gpg": {}, "geo_mean": {}, "dro": {"dro_beta": 0.3},
-             "cispo": {}, "clip_cov": {"clip_cov_ratio": 0.1, "clip_cov_lb": 0.05, "clip_cov_ub": 2.0},
-             "kl_cov": {"kl_cov_ratio": 0.1, "ppo_kl_coef": 0.5}}
+FORM_KEYS = {
+  "vanilla": {"eps_clip_c": 3.0},
+  "dppo_tv": {"eps_clip_c": 1.5},
+  "dppo_kl": {},
+  "gspo": {},
+  "sapo": {"tau_pos": 1.2, "tau_neg": 2.0},
+  "gpg": {},
+  "geo_mean": {},
+  "dro": {"dro_beta": 0.3},
+  "cispo": {},
+  "clip_cov": {"clip_cov_ratio": 0.1, "clip_cov_lb": 0.05, "clip_cov_ub": 2.0},
+  "kl_cov": {"kl_cov_ratio": 0.1, "ppo_kl_coef": 0.5},
+}
 assert set(FORM_KEYS) == set(mis_jax.forms.POLICY_LOSSES)
 KEY = jax.random.key(3)
 
 
 def cfg_of(form, algo, mis=REFERENCE, **kw):
   roll, tis = ALGOS[algo]
-  return mis_jax.LossConfig(use_rollout_logprobs=roll, use_tis=tis, mis=mis if tis else None,
-                            policy_loss={"name": form, **FORM_KEYS[form]}, eps_clip_high=0.28, kl_coef=0.05,
-                            entropy_coef=0.01, **kw)
+  return mis_jax.LossConfig(
+    use_rollout_logprobs=roll,
+    use_tis=tis,
+    mis=mis if tis else None,
+    policy_loss={"name": form, **FORM_KEYS[form]},
+    eps_clip_high=0.28,
+    kl_coef=0.05,
+    entropy_coef=0.01,
+    **kw,
+  )
 
 
 def oracle_cfg(cfg, correction=None):
@@ -71,8 +88,9 @@ def test_form_matches_oracle(form, algo):
 @pytest.mark.parametrize("mode", ["token-mean", "token-sum", "seq-mean-token-sum-norm"])
 @pytest.mark.parametrize("form", ["gspo", "geo_mean", "dppo_kl", "kl_cov"])
 def test_form_matches_oracle_in_every_mode(form, mode):
-  cfg = cfg_of(form, "decoupled_ppo", loss_agg_mode=mode,
-               loss_scale_factor=12.0 if mode == "seq-mean-token-sum-norm" else None)
+  cfg = cfg_of(
+    form, "decoupled_ppo", loss_agg_mode=mode, loss_scale_factor=12.0 if mode == "seq-mean-token-sum-norm" else None
+  )
   loss, metrics = run(cfg)
   want_loss, want, _, _ = oracle.policy_loss(SEQS, oracle_cfg(cfg))
   np.testing.assert_allclose(float(loss), want_loss, rtol=2e-5, atol=2e-6)
@@ -82,8 +100,9 @@ def test_form_matches_oracle_in_every_mode(form, mode):
 def test_kl_cov_selection_is_the_top_covariance_tokens():
   cfg = cfg_of("kl_cov", "ppo")
   selected = np.asarray(mis_jax.prepare_step(BATCH, cfg)[0].cov_selected)
-  want = oracle.cov_selection(SEQS, [np.where(s["m"], s["o"], 0.0) for s in SEQS], [s["m"] for s in SEQS],
-                              oracle_cfg(cfg))
+  want = oracle.cov_selection(
+    SEQS, [np.where(s["m"], s["o"], 0.0) for s in SEQS], [s["m"] for s in SEQS], oracle_cfg(cfg)
+  )
   for got, w in zip(PACKING.unpack(selected), want):
     np.testing.assert_array_equal(got, w)
   assert 0 < selected.sum() == max(int(0.1 * sum(s["m"].sum() for s in SEQS)), 1)
@@ -100,8 +119,10 @@ def test_clip_cov_selection_draws_k_candidates_by_key():
   cov = (adv - adv.mean()) * (anchor - anchor.mean())
   draws = set()
   for ratio, (lb, ub) in [(0.1, (0.05, 2.0)), (0.5, (0.05, 2.0)), (0.1, (3.0, 4.0))]:
-    cfg = dataclasses.replace(cfg_of("clip_cov", "ppo"), policy_loss={"name": "clip_cov", "clip_cov_ratio": ratio,
-                                                                      "clip_cov_lb": lb, "clip_cov_ub": ub})
+    cfg = dataclasses.replace(
+      cfg_of("clip_cov", "ppo"),
+      policy_loss={"name": "clip_cov", "clip_cov_ratio": ratio, "clip_cov_lb": lb, "clip_cov_ub": ub},
+    )
     candidates = {flat[j] for j in np.flatnonzero((cov > lb) & (cov < ub))}
     for seed in (0, 1):
       sel = PACKING.unpack(np.asarray(mis_jax.prepare_step(BATCH, cfg, key=jax.random.key(seed))[0].cov_selected))
@@ -117,17 +138,20 @@ def test_gradient_matches_finite_differences(form):
   algo = "ppo" if form == "vanilla" else "decoupled_ppo"
   cfg = cfg_of(form, algo, mis=mis_jax.MISConfig(tis_level="token", tis_mode="clip", tis_upper_bound=1.5))
   correction = prepared(cfg)
-  grads = PACKING.unpack(np.asarray(jax.grad(lambda lp: run(cfg, lp, correction=correction)[0])(
-      jnp.asarray(EXTRA["lp"]))))
+  grads = PACKING.unpack(
+    np.asarray(jax.grad(lambda lp: run(cfg, lp, correction=correction)[0])(jnp.asarray(EXTRA["lp"])))
+  )
   ocfg = oracle_cfg(cfg, correction)
   eps = 1e-4
   for i, s in enumerate(SEQS):
     for t in np.flatnonzero(s["m"]):
+
       def f(delta):
         seqs = [dict(x) for x in SEQS]
         seqs[i] = dict(seqs[i], lp_sg=SEQS[i]["lp"], lp=SEQS[i]["lp"].copy())
         seqs[i]["lp"][t] += delta
         return oracle.policy_loss(seqs, ocfg)[0]
+
       fd = (f(eps) - f(-eps)) / (2 * eps)
       np.testing.assert_allclose(grads[i][t], fd, rtol=3e-3, atol=3e-5, err_msg=f"{form}: seq {i} token {t}")
     assert not grads[i][~s["m"]].any(), "gradient leaked into masked tokens"
@@ -139,11 +163,16 @@ def test_microbatches_and_jit_equal_one_batch(form):
   full, full_metrics = run(cfg)
   grad_full = jax.grad(lambda lp: run(cfg, lp)[0])(jnp.asarray(EXTRA["lp"]))
   correction, _ = mis_jax.prepare_step(BATCH, cfg, key=KEY)
-  step = jax.jit(jax.value_and_grad(lambda lp, mb, ent, c: mis_jax.policy_loss(lp, mb, cfg, entropy=ent,
-                                                                               correction=c)[0]))
+  step = jax.jit(
+    jax.value_and_grad(lambda lp, mb, ent, c: mis_jax.policy_loss(lp, mb, cfg, entropy=ent, correction=c)[0])
+  )
   total, grads = 0.0, []
-  for mb, c, lp, ent in zip(mis_jax.split_microbatches(BATCH, 4), mis_jax.split_microbatches(correction, 4),
-                            np.split(EXTRA["lp"], 4), np.split(EXTRA["ent"], 4)):
+  for mb, c, lp, ent in zip(
+    mis_jax.split_microbatches(BATCH, 4),
+    mis_jax.split_microbatches(correction, 4),
+    np.split(EXTRA["lp"], 4),
+    np.split(EXTRA["ent"], 4),
+  ):
     loss, g = step(jnp.asarray(lp), mb, ent, c)
     total += float(loss)
     grads.append(np.asarray(g))
@@ -157,13 +186,16 @@ def test_microbatches_and_jit_equal_one_batch(form):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["4x2-seq"])
 def test_eight_devices_equal_one(layout):
-  shape, names, data_axis, seq_axis = {"8-data": ((8,), ("data",), "data", None),
-                                       "4x2-seq": ((4, 2), ("data", "seq"), "data", "seq")}[layout]
+  shape, names, data_axis, seq_axis = {
+    "8-data": ((8,), ("data",), "data", None),
+    "4x2-seq": ((4, 2), ("data", "seq"), "data", "seq"),
+  }[layout]
   mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))
   seqs = random_seqs(np.random.default_rng(11), n_seqs=12, with_ref=True, with_entropy=True, lp_noise=0.25)
   batch, extra, _ = pack(seqs, row_len=16, num_rows=8)
-  sharded_batch, lp, ent = mis_jax.shard_batch(mesh, (batch, extra["lp"], extra["ent"]), data_axis=data_axis,
-                                               seq_axis=seq_axis)
+  sharded_batch, lp, ent = mis_jax.shard_batch(
+    mesh, (batch, extra["lp"], extra["ent"]), data_axis=data_axis, seq_axis=seq_axis
+  )
   for form in mis_jax.forms.POLICY_LOSSES:
     cfg = cfg_of(form, "decoupled_ppo")
     f = lambda lp, b, ent: mis_jax.policy_loss(lp, b, cfg, entropy=ent, key=KEY)
@@ -171,7 +203,8 @@ def test_eight_devices_equal_one(layout):
     sharded = mis_jax.sharded_policy_loss(mesh, cfg, data_axis=data_axis, seq_axis=seq_axis)
     with jax.set_mesh(mesh):
       (loss, metrics), grad = jax.jit(jax.value_and_grad(lambda lp, b, e: sharded(lp, b, e, KEY), has_aux=True))(
-          lp, sharded_batch, ent)
+        lp, sharded_batch, ent
+      )
     np.testing.assert_allclose(float(loss), float(loss0), rtol=1e-5, atol=1e-7, err_msg=form)
     assert set(metrics) == set(metrics0)
     for k in metrics0:
@@ -190,17 +223,24 @@ def test_reinforce_is_takes_the_ratio_free_forms():
       mis_jax.LossConfig(**base, policy_loss={"name": form, **FORM_KEYS[form]})
 
 
-@pytest.mark.parametrize("kw,match", [
+@pytest.mark.parametrize(
+  "kw,match",
+  [
     (dict(policy_loss="dro"), "needs key 'dro_beta'"),
-    (dict(policy_loss={"name": "gspo", "eps_clip_c": 3.0}),
-     "key 'policy_loss.eps_clip_c' is a key of policy_loss vanilla / dppo_tv / dppo_kl, not of gspo"),
-    (dict(policy_loss={"name": "clip_cov", "clip_cov_lb": 5.0, "clip_cov_ub": 1.0}),
-     "'policy_loss.clip_cov_lb' .* must be below"),
+    (
+      dict(policy_loss={"name": "gspo", "eps_clip_c": 3.0}),
+      "key 'policy_loss.eps_clip_c' is a key of policy_loss vanilla / dppo_tv / dppo_kl, not of gspo",
+    ),
+    (
+      dict(policy_loss={"name": "clip_cov", "clip_cov_lb": 5.0, "clip_cov_ub": 1.0}),
+      "'policy_loss.clip_cov_lb' .* must be below",
+    ),
     (dict(loss_agg_mode="seq-mean-token-sum-norm"), "needs key 'loss_scale_factor'"),
     (dict(loss_scale_factor=100.0), "only by loss_agg_mode 'seq-mean-token-sum-norm'"),
     (dict(policy_loss="ppo"), "key 'policy_loss'.*'ppo'"),
     (dict(policy_loss={"name": "sapo", "tau_neg": 0.0}), "key 'policy_loss.tau_neg' must be > 0"),
-])
+  ],
+)
 def test_meaningless_settings_are_refused(kw, match):
   with pytest.raises(mis_jax.ConfigError, match=match):
     mis_jax.LossConfig(**kw)
@@ -213,4 +253,6 @@ def test_clip_cov_without_a_key_is_refused_before_tracing():
   with pytest.raises(ValueError, match="pass key="):
     mis_jax.prepare_step(BATCH, cfg)
   selected = mis_jax.prepare_step(BATCH, cfg, key=KEY)[0]
-  mis_jax.policy_loss(EXTRA["lp"], BATCH, cfg, entropy=EXTRA["ent"], correction=selected)  # the step's selection needs no key
+  mis_jax.policy_loss(
+    EXTRA["lp"], BATCH, cfg, entropy=EXTRA["ent"], correction=selected
+  )  # the step's selection needs no key

@@ -28,6 +28,7 @@ def _batch(seed):
 
 # --- each framework's formula, per sequence, from its source (r = o - q, token ratios exp(r)) ---
 
+
 def _per_sequence(seg, mask, o, q, fn):
   w = np.zeros(seg.size, np.float64)
   for s in np.unique(seg[seg >= 0]):
@@ -39,6 +40,7 @@ def _per_sequence(seg, mask, o, q, fn):
 
 def openrlhf(kind, low=0.5, high=5.0):
   """openrlhf/models/loss.py PolicyLoss.forward, --vllm_is_truncated_threshold [low, high]."""
+
   def fn(r):
     ratio = np.exp(r)
     if kind == "tis":
@@ -47,21 +49,25 @@ def openrlhf(kind, low=0.5, high=5.0):
       return ratio * ((ratio >= low) & (ratio <= high))
     seq_is = math.exp(r.mean())  # seq-mask-tis: masked_mean(log_ratio) over the action mask
     return ratio * (low <= seq_is <= high)
+
   return fn
 
 
 def trl(mode, cap=3.0):
   """trl/trainer/grpo_trainer.py: ratio = exp(Σ(o - q)) (sequence) or exp(o - q) (token); truncate
   clamps at C, mask sets ratios > C to 0 (no lower bound by default)."""
+
   def fn(r):
     ratio = np.full_like(r, math.exp(r.sum())) if mode.startswith("sequence") else np.exp(r)
     return np.minimum(ratio, cap) if mode.endswith("truncate") else np.where(ratio > cap, 0.0, ratio)
+
   return fn
 
 
 def ms_swift(mode, threshold=2.0):
   """swift/trainers/rlhf_trainer/grpo_trainer.py _apply_rollout_importance_sampling: token ratios
   exp(clamp(r, ±20)); the sequence ratio is their geometric mean; sequence_mask keeps the token ratios."""
+
   def fn(r):
     ratio = np.exp(np.clip(r, -20, 20))
     seq = math.exp(np.log(np.maximum(ratio, 1e-10)).mean())
@@ -72,13 +78,16 @@ def ms_swift(mode, threshold=2.0):
     if mode == "sequence_truncate":
       return np.full_like(r, min(seq, threshold))
     return ratio * (seq <= threshold)
+
   return fn
 
 
 FORMULAS = {
-    "tis": openrlhf("tis"), "icepop": openrlhf("icepop"), "seq-mask-tis": openrlhf("seq-mask-tis"),
-    **{f"trl:{m}": trl(m) for m in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")},
-    **{f"ms-swift:{m}": ms_swift(m) for m in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")},
+  "tis": openrlhf("tis"),
+  "icepop": openrlhf("icepop"),
+  "seq-mask-tis": openrlhf("seq-mask-tis"),
+  **{f"trl:{m}": trl(m) for m in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")},
+  **{f"ms-swift:{m}": ms_swift(m) for m in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")},
 }
 
 
@@ -102,8 +111,9 @@ def test_expansion_matches_the_framework(name, seed):
     assert 0 < np.sum(mask & (expected == 0)) < np.sum(mask)
   # The loss: each framework multiplies its per-token PPO loss by the weight and keeps a masked
   # token in the denominator (a token-mean over the trained tokens here).
-  batch = mis_jax.PackedBatch(segment_ids=seg, loss_mask=mask, advantages=adv, rollout_logprobs=q,
-                              old_logprobs=o, num_segments=n)
+  batch = mis_jax.PackedBatch(
+    segment_ids=seg, loss_mask=mask, advantages=adv, rollout_logprobs=q, old_logprobs=o, num_segments=n
+  )
   cfg = mis_jax.preset(name, loss_agg_mode="token-mean")
   loss, _ = mis_jax.policy_loss(lp, batch, cfg)
   ratio = np.exp(lp.astype(np.float64) - o)
@@ -118,7 +128,9 @@ def test_factories_overrides_and_unknown_names():
   cfg = mis_jax.preset("trl:sequence_mask", tis_upper_bound=2.0, loss_agg_mode="token-mean")
   assert cfg.mis.tis_upper_bound == 2.0 and cfg.loss_agg_mode == "token-mean" and cfg.mis.tis_level == "sequence"
   assert mis_jax.MISConfig.from_preset("seq-mask-tis", rs_lower_bound=0.999, rs_upper_bound=1.002).rs_upper == 1.002
-  with pytest.raises(mis_jax.ConfigError, match="unknown preset 'icepopp'. Did you mean 'icepop'.*Valid presets: tis, icepop"):
+  with pytest.raises(
+    mis_jax.ConfigError, match="unknown preset 'icepopp'. Did you mean 'icepop'.*Valid presets: tis, icepop"
+  ):
     mis_jax.preset("icepopp")
   with pytest.raises(mis_jax.ConfigError, match="ambiguous.*'trl:sequence_mask'.*'ms-swift:sequence_mask'"):
     mis_jax.MISConfig.from_preset("sequence_mask")
@@ -134,6 +146,8 @@ def test_preset_by_name_in_flags_and_trainer_config():
   with pytest.raises(mis_jax.ConfigError, match="Valid presets"):
     loss_config_from_args({"preset": "nope"})
   from trainers import config as tcfg
+
   assert tcfg.loss_config({"preset": "trl:sequence_mask"}) == mis_jax.preset("trl:sequence_mask")
   assert tcfg.loss_config({"preset": "tis", "loss_agg_mode": "token-mean"}) == mis_jax.preset(
-      "tis", loss_agg_mode="token-mean")
+    "tis", loss_agg_mode="token-mean"
+  )

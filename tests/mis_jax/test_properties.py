@@ -13,15 +13,28 @@ from helpers import loss_keys
 
 ROWS, ROW_LEN, NSEG = 4, 16, 8
 CONFIGS = {
-    "decoupled-reference": mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig.from_yaml("configs/mis.yaml")),
-    "reinforce-seq-mask": mis_jax.LossConfig(
-        use_tis=True, use_rollout_logprobs=True, loss_agg_mode="token-mean",
-        mis=mis_jax.MISConfig(tis_level="sequence", tis_mode="mask", tis_upper_bound=5.0, use_rs=True,
-                              rs_level="geometric", rs_veto_threshold=1e-6, tis_batch_normalize=True)),
-    "decoupled-geo-clip": mis_jax.LossConfig(
-        use_tis=True, denominator="original", loss_agg_mode="seq-mean-token-sum",
-        policy_loss={"name": "vanilla", "eps_clip_c": 3.0},
-        mis=mis_jax.MISConfig(tis_level="geometric", tis_mode="clip", tis_batch_normalize=True)),
+  "decoupled-reference": mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig.from_yaml("configs/mis.yaml")),
+  "reinforce-seq-mask": mis_jax.LossConfig(
+    use_tis=True,
+    use_rollout_logprobs=True,
+    loss_agg_mode="token-mean",
+    mis=mis_jax.MISConfig(
+      tis_level="sequence",
+      tis_mode="mask",
+      tis_upper_bound=5.0,
+      use_rs=True,
+      rs_level="geometric",
+      rs_veto_threshold=1e-6,
+      tis_batch_normalize=True,
+    ),
+  ),
+  "decoupled-geo-clip": mis_jax.LossConfig(
+    use_tis=True,
+    denominator="original",
+    loss_agg_mode="seq-mean-token-sum",
+    policy_loss={"name": "vanilla", "eps_clip_c": 3.0},
+    mis=mis_jax.MISConfig(tis_level="geometric", tis_mode="clip", tis_batch_normalize=True),
+  ),
 }
 
 
@@ -54,12 +67,24 @@ def packed_inputs(draw, extreme=False, all_masked=False):
     d = np.array(draw(st.lists(small, min_size=length, max_size=length))) * 0.1
     adv = round(draw(st.floats(-2, 2, width=32, allow_subnormal=False)), 3)  # no FTZ-sized values
     junk = draw(st.sampled_from([np.nan, np.inf, -np.inf, 1e30]))
-    seqs.append(dict(m=m, q=np.where(m, q, junk), o=np.where(m, q + r, junk), lp=np.where(m, q + r + d, junk),
-                     adv=np.where(m, adv, junk)))
+    seqs.append(
+      dict(
+        m=m,
+        q=np.where(m, q, junk),
+        o=np.where(m, q + r, junk),
+        lp=np.where(m, q + r + d, junk),
+        adv=np.where(m, adv, junk),
+      )
+    )
   get = lambda k: packing.pack([s[k].astype(np.float32) for s in seqs], np.nan, np.float32)
-  batch = mis_jax.PackedBatch(segment_ids=packing.segment_ids, loss_mask=packing.pack([s["m"] for s in seqs], False, bool),
-                              advantages=get("adv"), rollout_logprobs=get("q"), old_logprobs=get("o"),
-                              num_segments=NSEG)
+  batch = mis_jax.PackedBatch(
+    segment_ids=packing.segment_ids,
+    loss_mask=packing.pack([s["m"] for s in seqs], False, bool),
+    advantages=get("adv"),
+    rollout_logprobs=get("q"),
+    old_logprobs=get("o"),
+    num_segments=NSEG,
+  )
   return seqs, batch, get("lp")
 
 
@@ -71,8 +96,9 @@ def _sanitized(batch, lp):
   """The same inputs with masked/padding positions replaced by zeros."""
   m = np.asarray(batch.loss_mask)
   z = lambda x: np.where(m, x, 0.0).astype(np.float32)
-  return batch.replace(advantages=z(batch.advantages), rollout_logprobs=z(batch.rollout_logprobs),
-                       old_logprobs=z(batch.old_logprobs)), z(lp)
+  return batch.replace(
+    advantages=z(batch.advantages), rollout_logprobs=z(batch.rollout_logprobs), old_logprobs=z(batch.old_logprobs)
+  ), z(lp)
 
 
 @given(packed_inputs(extreme=True), st.sampled_from(sorted(CONFIGS)))
@@ -85,8 +111,16 @@ def test_extreme_log_ratios_and_junk_in_masked_positions(data, name):
   np.testing.assert_allclose(float(loss), float(loss2), rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(np.asarray(grad), np.asarray(grad2), rtol=1e-6, atol=1e-6)
   assert not np.asarray(grad)[~np.asarray(batch.loss_mask)].any()
-  weights = np.asarray(mis_jax.compute_mis_weights(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask,
-                                                   batch.segment_ids, CONFIGS[name].mis, num_segments=NSEG)[0])
+  weights = np.asarray(
+    mis_jax.compute_mis_weights(
+      batch.old_logprobs,
+      batch.rollout_logprobs,
+      batch.loss_mask,
+      batch.segment_ids,
+      CONFIGS[name].mis,
+      num_segments=NSEG,
+    )[0]
+  )
   assert np.isfinite(weights).all() and weights.max() <= np.exp(20) * 1.0001
 
 

@@ -27,9 +27,15 @@ def stale_seqs(seed, n_seqs=9):
 def pack(seqs, row_len=16, num_rows=4):
   packing = mis_jax.plan_packing([len(s["m"]) for s in seqs], row_len, num_rows=num_rows)
   get = lambda k: packing.pack([s[k].astype(np.float32) for s in seqs], np.nan, np.float32)
-  batch = mis_jax.PackedBatch(segment_ids=packing.segment_ids, loss_mask=packing.pack([s["m"] for s in seqs], False, bool),
-                              advantages=get("adv"), rollout_logprobs=get("q"), ref_logprobs=get("ref"),
-                              rollout_staleness=get("stale"), num_segments=len(seqs))
+  batch = mis_jax.PackedBatch(
+    segment_ids=packing.segment_ids,
+    loss_mask=packing.pack([s["m"] for s in seqs], False, bool),
+    advantages=get("adv"),
+    rollout_logprobs=get("q"),
+    ref_logprobs=get("ref"),
+    rollout_staleness=get("stale"),
+    num_segments=len(seqs),
+  )
   return batch, {"lp": get("lp"), "ent": get("ent")}, packing
 
 
@@ -47,12 +53,20 @@ def run(cfg, batch=BATCH, lp=None, **kw):
 
 
 @pytest.mark.parametrize("correction", list(MIS_CONFIGS))
-@pytest.mark.parametrize("mode,den", [("seq-mean-token-mean", "kept"), ("token-mean", "original"),
-                                      ("seq-mean-token-sum-norm", "kept")])
+@pytest.mark.parametrize(
+  "mode,den", [("seq-mean-token-mean", "kept"), ("token-mean", "original"), ("seq-mean-token-sum-norm", "kept")]
+)
 def test_loglinear_matches_oracle(correction, mode, den):
-  cfg = cfg_for(correction, loss_agg_mode=mode, denominator=den, entropy_coef=0.01, kl_coef=0.05,
-                eps_clip_high=0.28, policy_loss={"name": "vanilla", "eps_clip_c": 3.0},
-                loss_scale_factor=SCALE_FACTOR.get(mode))
+  cfg = cfg_for(
+    correction,
+    loss_agg_mode=mode,
+    denominator=den,
+    entropy_coef=0.01,
+    kl_coef=0.05,
+    eps_clip_high=0.28,
+    policy_loss={"name": "vanilla", "eps_clip_c": 3.0},
+    loss_scale_factor=SCALE_FACTOR.get(mode),
+  )
   assert not cfg.needs_old_logprobs and cfg.correction_in_loss
   loss, metrics = run(cfg)
   seqs = [{k: v for k, v in s.items() if k != "o"} for s in SEQS]  # no old log-probs: none were computed
@@ -70,13 +84,16 @@ def test_loglinear_gradient_matches_finite_differences_of_oracle():
   eps = 1e-4
   for i, s in enumerate(base):
     for t in np.flatnonzero(s["m"]):
+
       def f(delta):
         seqs = [dict(x) for x in base]
         seqs[i] = dict(seqs[i], lp_sg=base[i]["lp"], lp=base[i]["lp"].copy())
         seqs[i]["lp"][t] += delta
         return oracle.policy_loss(seqs, ocfg)[0]
-      np.testing.assert_allclose(grads[i][t], (f(eps) - f(-eps)) / (2 * eps), rtol=2e-3, atol=2e-5,
-                                 err_msg=f"seq {i} token {t}")
+
+      np.testing.assert_allclose(
+        grads[i][t], (f(eps) - f(-eps)) / (2 * eps), rtol=2e-3, atol=2e-5, err_msg=f"seq {i} token {t}"
+      )
     assert not grads[i][~s["m"]].any()
 
 
@@ -105,10 +122,15 @@ def test_loglinear_microbatches_sum_to_full_batch():
   assert mis_jax.prepare_step(BATCH, cfg_for("seq-mask-veto"))[0].denominators is None  # kept ones follow lp
   full, g_full = jax.value_and_grad(lambda lp: run(cfg, lp=lp)[0])(jnp.asarray(EXTRA["lp"]))
   total, grads = 0.0, []
-  for mb, c, lp, ent in zip(mis_jax.split_microbatches(BATCH, 4), mis_jax.split_microbatches(correction, 4),
-                            np.split(EXTRA["lp"], 4), np.split(EXTRA["ent"], 4)):
+  for mb, c, lp, ent in zip(
+    mis_jax.split_microbatches(BATCH, 4),
+    mis_jax.split_microbatches(correction, 4),
+    np.split(EXTRA["lp"], 4),
+    np.split(EXTRA["ent"], 4),
+  ):
     loss, g = jax.value_and_grad(lambda x: mis_jax.policy_loss(x, mb, cfg, entropy=ent, correction=c)[0])(
-        jnp.asarray(lp))
+      jnp.asarray(lp)
+    )
     total += float(loss)
     grads.append(np.asarray(g))
   np.testing.assert_allclose(total, float(full), rtol=1e-5, atol=1e-6)

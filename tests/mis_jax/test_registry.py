@@ -17,10 +17,19 @@ import mis_jax
 from mis_jax import estimators, forms
 from mis_jax.config import config_key, loss_config_from_args
 
-BUILTIN_FORMS = {"vanilla": ("eps_clip_c",), "dppo_tv": ("eps_clip_c",), "dppo_kl": ("eps_clip_c",), "gspo": (),
-                 "sapo": ("tau_pos", "tau_neg"), "gpg": (),
-                 "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
-                 "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"), "geo_mean": (), "dro": ("dro_beta",), "cispo": ()}
+BUILTIN_FORMS = {
+  "vanilla": ("eps_clip_c",),
+  "dppo_tv": ("eps_clip_c",),
+  "dppo_kl": ("eps_clip_c",),
+  "gspo": (),
+  "sapo": ("tau_pos", "tau_neg"),
+  "gpg": (),
+  "clip_cov": ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"),
+  "kl_cov": ("kl_cov_ratio", "ppo_kl_coef"),
+  "geo_mean": (),
+  "dro": ("dro_beta",),
+  "cispo": (),
+}
 REQUIRED = {"dro": {"dro_beta": 0.1}}
 
 
@@ -45,18 +54,21 @@ def test_a_form_config_round_trips_and_stays_a_static_argument(name):
   assert d["policy_loss"] == {"name": name, **{k: getattr(cfg.policy_loss, k) for k in BUILTIN_FORMS[name]}}
   again = mis_jax.LossConfig.from_dict(yaml.safe_load(yaml.safe_dump(d)))
   assert again == cfg and hash(again) == hash(cfg)
-  assert (mis_jax.LossConfig(policy_loss=cfg.policy_loss) == mis_jax.LossConfig(policy_loss=cfg.policy_loss.to_dict()))
+  assert mis_jax.LossConfig(policy_loss=cfg.policy_loss) == mis_jax.LossConfig(policy_loss=cfg.policy_loss.to_dict())
   if not REQUIRED.get(name):
     assert mis_jax.LossConfig(policy_loss=name) == cfg  # a bare name: the form with its defaults
 
 
 def test_unknown_form_names_and_bad_values_list_the_registered_forms():
   listed = ", ".join(BUILTIN_FORMS)
-  with pytest.raises(mis_jax.ConfigError, match=f"key 'policy_loss' has invalid value 'sapoo'; allowed values: "
-                                               f"{listed}. Did you mean 'sapo'?"):
+  with pytest.raises(
+    mis_jax.ConfigError,
+    match=f"key 'policy_loss' has invalid value 'sapoo'; allowed values: {listed}. Did you mean 'sapo'?",
+  ):
     mis_jax.LossConfig(policy_loss="sapoo")
-  with pytest.raises(mis_jax.ConfigError,
-                     match="key 'policy_loss.name' has invalid value 'ppo'; allowed values: vanilla"):
+  with pytest.raises(
+    mis_jax.ConfigError, match="key 'policy_loss.name' has invalid value 'ppo'; allowed values: vanilla"
+  ):
     mis_jax.LossConfig(policy_loss={"name": "ppo"})
   with pytest.raises(mis_jax.ConfigError, match=f"key 'policy_loss' needs name: one of {listed}"):
     mis_jax.LossConfig(policy_loss={"tau_pos": 1.0})
@@ -72,13 +84,17 @@ def test_unknown_form_names_and_bad_values_list_the_registered_forms():
 
 
 BAD_KEYS = [  # (form, key, value, what the error says)
-    ("sapo", "tau_pos", -1.0, "must be > 0, got -1.0"), ("sapo", "tau_neg", "warm", "must be a number, got the string"),
-    ("vanilla", "eps_clip_c", 1.0, "must be > 1"), ("dppo_tv", "eps_clip_c", 0.5, "must be > 1"),
-    ("dppo_kl", "eps_clip_c", True, "must be a number, got the boolean"),
-    ("clip_cov", "clip_cov_ratio", 1.5, "must be <= 1"),
-    ("clip_cov", "clip_cov_lb", 9.0, "must be below 'clip_cov_ub'"),
-    ("kl_cov", "kl_cov_ratio", 0.0, "must be > 0"), ("kl_cov", "ppo_kl_coef", -0.1, "must be >= 0"),
-    ("clip_cov", "clip_cov_ub", "wide", "must be a number"), ("dro", "dro_beta", 0.0, "must be > 0"),
+  ("sapo", "tau_pos", -1.0, "must be > 0, got -1.0"),
+  ("sapo", "tau_neg", "warm", "must be a number, got the string"),
+  ("vanilla", "eps_clip_c", 1.0, "must be > 1"),
+  ("dppo_tv", "eps_clip_c", 0.5, "must be > 1"),
+  ("dppo_kl", "eps_clip_c", True, "must be a number, got the boolean"),
+  ("clip_cov", "clip_cov_ratio", 1.5, "must be <= 1"),
+  ("clip_cov", "clip_cov_lb", 9.0, "must be below 'clip_cov_ub'"),
+  ("kl_cov", "kl_cov_ratio", 0.0, "must be > 0"),
+  ("kl_cov", "ppo_kl_coef", -0.1, "must be >= 0"),
+  ("clip_cov", "clip_cov_ub", "wide", "must be a number"),
+  ("dro", "dro_beta", 0.0, "must be > 0"),
 ]
 
 
@@ -93,14 +109,22 @@ def test_every_form_key_has_a_bad_value_above():
 
 
 def test_a_key_beside_the_wrong_form_names_the_forms_that_have_it():
-  with pytest.raises(mis_jax.ConfigError, match=r"key 'policy_loss.tau_pos' is a key of policy_loss sapo, not of "
-                                               r"gspo \(gspo has no keys of its own\)"):
+  with pytest.raises(
+    mis_jax.ConfigError,
+    match=r"key 'policy_loss.tau_pos' is a key of policy_loss sapo, not of "
+    r"gspo \(gspo has no keys of its own\)",
+  ):
     mis_jax.LossConfig(policy_loss={"name": "gspo", "tau_pos": 1.0})
-  with pytest.raises(mis_jax.ConfigError, match=r"key 'policy_loss.eps_clip_c' is a key of policy_loss vanilla / "
-                                               r"dppo_tv / dppo_kl, not of sapo"):
+  with pytest.raises(
+    mis_jax.ConfigError,
+    match=r"key 'policy_loss.eps_clip_c' is a key of policy_loss vanilla / "
+    r"dppo_tv / dppo_kl, not of sapo",
+  ):
     mis_jax.LossConfig(policy_loss={"name": "sapo", "eps_clip_c": 3.0})
-  with pytest.raises(mis_jax.ConfigError, match="unknown key 'policy_loss.tau'. Did you mean 'tau_pos'.*sapo's keys: "
-                                               "tau_pos, tau_neg, beside name"):
+  with pytest.raises(
+    mis_jax.ConfigError,
+    match="unknown key 'policy_loss.tau'. Did you mean 'tau_pos'.*sapo's keys: tau_pos, tau_neg, beside name",
+  ):
     mis_jax.LossConfig(policy_loss={"name": "sapo", "tau": 1.0})
   with pytest.raises(mis_jax.ConfigError, match="policy_loss 'dro' needs key 'dro_beta'"):
     mis_jax.LossConfig(policy_loss="dro")
@@ -108,16 +132,19 @@ def test_a_key_beside_the_wrong_form_names_the_forms_that_have_it():
 
 # --- a form registered here: one function, its config, one registration -----------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class HalfConfig(forms.PolicyLossConfig):
   """``half_pg``'s keys."""
+
   half: float = config_key(0.5, "the factor of -A·lp", gt=0, le=1)
 
 
 def half_pg(x: forms.FormInputs, cfg: HalfConfig) -> forms.FormLoss:
   """``-half · A · lp``, weighted by the correction where the algorithm has weights."""
-  return forms.FormLoss(x.weighted(-cfg.half * x.adv * x.lp), jnp.zeros_like(x.lp),
-                        {"half_positive": (x.adv > 0).astype(jnp.float32)})
+  return forms.FormLoss(
+    x.weighted(-cfg.half * x.adv * x.lp), jnp.zeros_like(x.lp), {"half_positive": (x.adv > 0).astype(jnp.float32)}
+  )
 
 
 @pytest.fixture
@@ -130,8 +157,9 @@ def half_form():
 def test_a_registered_form_is_a_choice_everywhere(half_form):
   assert half_form.fn is half_pg and half_form.config is HalfConfig and HalfConfig.name == "half_pg"
   assert forms.POLICY_LOSS_KEYS["half_pg"] == ("half",)  # the derived views show it at once
-  cfg = mis_jax.LossConfig(use_rollout_logprobs=True, policy_loss={"name": "half_pg", "half": 0.25},
-                           loss_agg_mode="token-sum")
+  cfg = mis_jax.LossConfig(
+    use_rollout_logprobs=True, policy_loss={"name": "half_pg", "half": 0.25}, loss_agg_mode="token-sum"
+  )
   assert mis_jax.LossConfig.from_dict(cfg.to_dict()) == cfg
   from_flags = loss_config_from_args({"policy_loss": "half_pg"}, base={"use_rollout_logprobs": True})
   assert from_flags.policy_loss == HalfConfig()
@@ -164,8 +192,9 @@ def test_an_unregistered_form_is_no_choice():
 
 
 def test_registering_a_taken_name_or_a_bad_config_is_an_error(half_form):
-  with pytest.raises(ValueError,
-                     match=r"policy-loss form 'sapo' is registered already \(by mis_jax._policy_losses.sapo\)"):
+  with pytest.raises(
+    ValueError, match=r"policy-loss form 'sapo' is registered already \(by mis_jax._policy_losses.sapo\)"
+  ):
     forms.register_policy_loss("sapo")(half_pg)
   with pytest.raises(ValueError, match="'half_pg' is registered already"):
     forms.register_policy_loss("half_pg", HalfConfig)(half_pg)
@@ -192,9 +221,13 @@ def test_registering_a_taken_name_or_a_bad_config_is_an_error(half_form):
 
 # --- the form keys that were LossConfig keys -------------------------------------------------------------
 
+
 def test_flat_form_keys_map_onto_the_form_with_a_warning():
-  with pytest.warns(DeprecationWarning, match=r"LossConfig's tau_pos moved into the form's config: write "
-                                              r"policy_loss=\{'name': 'sapo', 'tau_pos': \.\.\.\}"):
+  with pytest.warns(
+    DeprecationWarning,
+    match=r"LossConfig's tau_pos moved into the form's config: write "
+    r"policy_loss=\{'name': 'sapo', 'tau_pos': \.\.\.\}",
+  ):
     old = mis_jax.LossConfig(policy_loss="sapo", tau_pos=2.0)
   assert old == mis_jax.LossConfig(policy_loss={"name": "sapo", "tau_pos": 2.0})
   with pytest.warns(DeprecationWarning, match="read LossConfig.policy_loss.tau_pos"):
@@ -206,12 +239,16 @@ def test_flat_form_keys_map_onto_the_form_with_a_warning():
   # Another form's key: at that form's default it meant nothing and still does; set, it names where it lives.
   with pytest.warns(DeprecationWarning):
     assert mis_jax.LossConfig(tau_pos=1.0, dro_beta=None) == mis_jax.LossConfig()
-  with pytest.raises(mis_jax.ConfigError, match=r"key 'tau_pos' is a key of policy_loss sapo, not of vanilla: it "
-                                               r"moved into its form's config, policy_loss=\{'name': 'sapo', "
-                                               r"'tau_pos': 2.0\}"):
+  with pytest.raises(
+    mis_jax.ConfigError,
+    match=r"key 'tau_pos' is a key of policy_loss sapo, not of vanilla: it "
+    r"moved into its form's config, policy_loss=\{'name': 'sapo', "
+    r"'tau_pos': 2.0\}",
+  ):
     mis_jax.LossConfig(tau_pos=2.0)
-  with pytest.raises(AttributeError,
-                     match="'tau_pos' is a key of policy_loss sapo, not of this config's form 'vanilla'"):
+  with pytest.raises(
+    AttributeError, match="'tau_pos' is a key of policy_loss sapo, not of this config's form 'vanilla'"
+  ):
     mis_jax.LossConfig().tau_pos
   with pytest.raises(AttributeError, match="has no attribute 'nope'"):
     mis_jax.LossConfig().nope
@@ -220,13 +257,37 @@ def test_flat_form_keys_map_onto_the_form_with_a_warning():
 def test_a_config_written_for_the_flat_loss_config_still_loads(tmp_path):
   """What `LossConfig.to_dict()` wrote before the forms had configs (every form's keys, flat) reads back to
   the same config, with a DeprecationWarning; so does a preset file with a flat form key."""
-  flat = {"use_tis": False, "use_rollout_logprobs": True, "proximal": "recompute", "get_mismatch_metrics": False,
-          "eps_clip": 0.2, "eps_clip_high": None, "eps_clip_c": None, "loss_agg_mode": "seq-mean-token-mean",
-          "loss_scale_factor": None, "policy_loss": "sapo", "tau_pos": 1.5, "tau_neg": 1.05, "clip_cov_ratio": 0.0002,
-          "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1, "dro_beta": None,
-          "denominator": "kept", "tis_clip": 2.0, "tis_clip_low": 0.0, "mis": None, "correction_fn": None,
-          "entropy_coef": 0.0, "kl_coef": 0.0, "kl_type": "k3", "sq_kl_coef": 0.0, "sq_kl_tokens": "trainable",
-          "score_centering": False}
+  flat = {
+    "use_tis": False,
+    "use_rollout_logprobs": True,
+    "proximal": "recompute",
+    "get_mismatch_metrics": False,
+    "eps_clip": 0.2,
+    "eps_clip_high": None,
+    "eps_clip_c": None,
+    "loss_agg_mode": "seq-mean-token-mean",
+    "loss_scale_factor": None,
+    "policy_loss": "sapo",
+    "tau_pos": 1.5,
+    "tau_neg": 1.05,
+    "clip_cov_ratio": 0.0002,
+    "clip_cov_lb": 1.0,
+    "clip_cov_ub": 5.0,
+    "kl_cov_ratio": 0.0002,
+    "ppo_kl_coef": 0.1,
+    "dro_beta": None,
+    "denominator": "kept",
+    "tis_clip": 2.0,
+    "tis_clip_low": 0.0,
+    "mis": None,
+    "correction_fn": None,
+    "entropy_coef": 0.0,
+    "kl_coef": 0.0,
+    "kl_type": "k3",
+    "sq_kl_coef": 0.0,
+    "sq_kl_tokens": "trainable",
+    "score_centering": False,
+  }
   with pytest.warns(DeprecationWarning):
     cfg = mis_jax.LossConfig.from_dict(flat)
   assert cfg == mis_jax.LossConfig(use_rollout_logprobs=True, policy_loss={"name": "sapo", "tau_pos": 1.5})
@@ -246,8 +307,10 @@ def test_the_flags_set_the_forms_keys():
     assert cfg.policy_loss == forms.DppoKlConfig(eps_clip_c=4.0)
     cfg = loss_config_from_args({"eps_clip_c": 3.0}, base={"policy_loss": {"name": "vanilla", "eps_clip_c": 3.0}})
     assert cfg.policy_loss.eps_clip_c == 3.0
-  with pytest.raises(mis_jax.ConfigError, match="key 'policy_loss.eps_clip_c' is a key of policy_loss vanilla / "
-                                               "dppo_tv / dppo_kl, not of sapo"):
+  with pytest.raises(
+    mis_jax.ConfigError,
+    match="key 'policy_loss.eps_clip_c' is a key of policy_loss vanilla / dppo_tv / dppo_kl, not of sapo",
+  ):
     loss_config_from_args({"policy_loss": "sapo", "eps_clip_c": 3.0})
   with pytest.raises(mis_jax.ConfigError, match="--eps-clip-c 3.0 contradicts loss.policy_loss.eps_clip_c: 2.0"):
     loss_config_from_args({"eps_clip_c": 3.0}, base={"policy_loss": {"name": "vanilla", "eps_clip_c": 2.0}})
@@ -259,8 +322,18 @@ def test_the_flags_set_the_forms_keys():
 
 # --- advantage estimators ----------------------------------------------------------------------------------
 
-BUILTIN_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo",
-                      "grpo_passk", "gpg", "gdpo", "optimal_token_baseline")
+BUILTIN_ESTIMATORS = (
+  "grpo",
+  "dr_grpo",
+  "rloo",
+  "reinforce_plus_plus",
+  "reinforce_plus_plus_baseline",
+  "opo",
+  "grpo_passk",
+  "gpg",
+  "gdpo",
+  "optimal_token_baseline",
+)
 
 
 def test_the_builtin_estimators_are_registered():
@@ -268,13 +341,17 @@ def test_the_builtin_estimators_are_registered():
   assert list(estimators.SEQUENCE_ESTIMATORS) == list(BUILTIN_ESTIMATORS[:-1])
   assert set(estimators.NEEDS_LENGTHS) == {"reinforce_plus_plus", "reinforce_plus_plus_baseline", "opo", "gdpo"}
   keys = {name: e.config.keys() for name, e in estimators.ESTIMATORS.items() if e.config.keys()}
-  assert keys == {"grpo_passk": ("norm_by_std",), "gdpo": ("norm_by_std",),
-                  "optimal_token_baseline": ("handle_zero_tail", "epsilon")}
+  assert keys == {
+    "grpo_passk": ("norm_by_std",),
+    "gdpo": ("norm_by_std",),
+    "optimal_token_baseline": ("handle_zero_tail", "epsilon"),
+  }
 
 
 @dataclasses.dataclass(frozen=True)
 class ShrunkConfig(estimators.AdvantageConfig):
   """``shrunk``'s keys."""
+
   shrink: float = config_key(1.0, "added to the group size in the mean's divisor", ge=0)
 
 
@@ -312,16 +389,18 @@ def test_estimator_keys_and_the_old_norm_by_std_keyword():
     run(estimator="grpoo")
   with pytest.raises(mis_jax.ConfigError, match="key 'estimator.name' has invalid value 'grpoo'"):
     run(estimator={"name": "grpoo"})
-  with pytest.raises(mis_jax.ConfigError, match="key 'estimator.norm_by_std' is a key of estimator grpo_passk / gdpo, "
-                                               "not of grpo"):
+  with pytest.raises(
+    mis_jax.ConfigError, match="key 'estimator.norm_by_std' is a key of estimator grpo_passk / gdpo, not of grpo"
+  ):
     run(estimator={"name": "grpo", "norm_by_std": False})
   with pytest.raises(mis_jax.ConfigError, match="key 'estimator.norm_by_std' must be true or false"):
     run(estimator={"name": "grpo_passk", "norm_by_std": "no"})
   new = run(estimator={"name": "grpo_passk", "norm_by_std": False})
   with pytest.warns(DeprecationWarning, match=r"pass estimator=\{'name': 'grpo_passk', 'norm_by_std': False\}"):
     np.testing.assert_array_equal(run(estimator="grpo_passk", norm_by_std=False), new)
-  with pytest.raises(mis_jax.ConfigError,
-                     match="norm_by_std=False is a key of estimator grpo_passk / gdpo, not of grpo"):
+  with pytest.raises(
+    mis_jax.ConfigError, match="norm_by_std=False is a key of estimator grpo_passk / gdpo, not of grpo"
+  ):
     run(estimator="grpo", norm_by_std=False)
   with pytest.warns(DeprecationWarning, match="norm_by_std"):
     np.testing.assert_array_equal(run(estimator="grpo", norm_by_std=True), run(estimator="grpo"))

@@ -20,8 +20,12 @@ from mis_jax import _centering
 from helpers import assert_metrics_close
 
 V, K = 12, 3
-CENTRING_NAMES = ("score_centering_tv", "score_centering_tail_mass", "score_centering_drift",
-                  "score_centering_residual_bound")
+CENTRING_NAMES = (
+  "score_centering_tv",
+  "score_centering_tail_mass",
+  "score_centering_drift",
+  "score_centering_residual_bound",
+)
 
 
 def centring_seqs(rng, n_seqs=8, max_len=7, k=K, vocab=V, mismatch=0.6):
@@ -41,12 +45,25 @@ def centring_seqs(rng, n_seqs=8, max_len=7, k=K, vocab=V, mismatch=0.6):
     y = np.array([rng.choice(vocab, p=np.exp(row) / np.exp(row).sum()) for row in log_q], np.int64)
     ids = np.argsort(-log_q, axis=-1, kind="stable")[:, :k]
     lp = oracle.log_softmax(z)[np.arange(n), y]
-    s = dict(m=m, z=z, y=y, ids=ids, qk=np.take_along_axis(log_q, ids, -1), lp=lp, q=log_q[np.arange(n), y],
-             o=lp + rng.normal(0.0, 0.05, n), adv=np.full(n, rng.normal()))
+    s = dict(
+      m=m,
+      z=z,
+      y=y,
+      ids=ids,
+      qk=np.take_along_axis(log_q, ids, -1),
+      lp=lp,
+      q=log_q[np.arange(n), y],
+      o=lp + rng.normal(0.0, 0.05, n),
+      adv=np.full(n, rng.normal()),
+    )
     for key in ("q", "o", "adv", "qk"):
       s[key] = np.where(m if s[key].ndim == 1 else m[:, None], s[key], np.nan)
-    seqs.append({key: (v.astype(np.float32).astype(np.float64) if v.dtype.kind == "f" and key != "z" else v)
-                 for key, v in s.items()})
+    seqs.append(
+      {
+        key: (v.astype(np.float32).astype(np.float64) if v.dtype.kind == "f" and key != "z" else v)
+        for key, v in s.items()
+      }
+    )
   return seqs
 
 
@@ -55,9 +72,14 @@ def pack(seqs, row_len=8, num_rows=None, packing=None):
   packing = packing or mis_jax.plan_packing([len(s["m"]) for s in seqs], row_len, num_rows=num_rows)
   get = lambda key, pad=np.nan, dtype=np.float32: packing.pack([s[key].astype(dtype) for s in seqs], pad, dtype)
   batch = mis_jax.PackedBatch(
-      segment_ids=packing.segment_ids, loss_mask=packing.pack([s["m"] for s in seqs], False, bool),
-      advantages=get("adv"), rollout_logprobs=get("q"), old_logprobs=get("o"),
-      rollout_topk_logprobs=get("qk"), num_segments=len(seqs))
+    segment_ids=packing.segment_ids,
+    loss_mask=packing.pack([s["m"] for s in seqs], False, bool),
+    advantages=get("adv"),
+    rollout_logprobs=get("q"),
+    old_logprobs=get("o"),
+    rollout_topk_logprobs=get("qk"),
+    num_segments=len(seqs),
+  )
   model = dict(z=get("z", 0.0), y=get("y", 0, np.int32), ids=get("ids", 0, np.int32))
   return batch, model, packing
 
@@ -86,19 +108,29 @@ _FIRST_FIT = mis_jax.plan_packing([len(s["m"]) for s in SEQS], 8, num_rows=len(S
 BATCH, MODEL, PACKING = pack(SEQS, packing=dataclasses.replace(_FIRST_FIT, rows=_FIRST_FIT.rows * 3 % len(SEQS)))
 MIS = dict(tis_upper_bound=2.0, tis_lower_bound=0.5, tis_mode="truncate")
 ALGOS = {  # (use_rollout_logprobs, use_tis, mis)
-    "reinforce_is": dict(use_rollout_logprobs=True, use_tis=True, mis=MIS),
-    "reinforce_vanilla_tis": dict(use_rollout_logprobs=True, use_tis=True),
-    "ppo": dict(),
-    "bypass_ppo": dict(use_rollout_logprobs=True),
-    "decoupled_ppo": dict(use_tis=True, mis=dict(MIS, use_rs=True, rs_upper_bound=1.6)),
+  "reinforce_is": dict(use_rollout_logprobs=True, use_tis=True, mis=MIS),
+  "reinforce_vanilla_tis": dict(use_rollout_logprobs=True, use_tis=True),
+  "ppo": dict(),
+  "bypass_ppo": dict(use_rollout_logprobs=True),
+  "decoupled_ppo": dict(use_tis=True, mis=dict(MIS, use_rs=True, rs_upper_bound=1.6)),
 }
 # REINFORCE + IS in every aggregation mode; the other algorithms in one mode each (both metric
 # reductions covered), a second mode under `repeat` (make test-all). Each group is one program.
-ONCE = tuple([("reinforce_is", mode) for mode in mis_jax.config.LOSS_AGG_MODES]
-             + [("ppo", "token-mean"), ("decoupled_ppo", "seq-mean-token-mean"), ("bypass_ppo", "token-sum"),
-                ("reinforce_vanilla_tis", "seq-mean-token-sum")])
-REPEATS = (("ppo", "seq-mean-token-mean"), ("decoupled_ppo", "token-mean"), ("bypass_ppo", "seq-mean-token-mean"),
-           ("reinforce_vanilla_tis", "token-mean"))
+ONCE = tuple(
+  [("reinforce_is", mode) for mode in mis_jax.config.LOSS_AGG_MODES]
+  + [
+    ("ppo", "token-mean"),
+    ("decoupled_ppo", "seq-mean-token-mean"),
+    ("bypass_ppo", "token-sum"),
+    ("reinforce_vanilla_tis", "seq-mean-token-sum"),
+  ]
+)
+REPEATS = (
+  ("ppo", "seq-mean-token-mean"),
+  ("decoupled_ppo", "token-mean"),
+  ("bypass_ppo", "seq-mean-token-mean"),
+  ("reinforce_vanilla_tis", "token-mean"),
+)
 CASES = list(ONCE) + [pytest.param(algo, mode, marks=pytest.mark.repeat) for algo, mode in REPEATS]
 
 
@@ -125,8 +157,12 @@ def test_the_batch_has_every_case():
   """Sampled tokens inside and outside the sampler's top-k, a tail of real mass, mismatch."""
   inside = [bool(np.isin(s["y"][t], s["ids"][t])) for s in SEQS for t in range(len(s["m"])) if s["m"][t]]
   assert 0.2 < np.mean(inside) < 0.9
-  tails = [oracle.sampler_estimate(s["z"][t], s["ids"][t], s["qk"][t])[2] for s in SEQS for t in range(len(s["m"]))
-           if s["m"][t]]
+  tails = [
+    oracle.sampler_estimate(s["z"][t], s["ids"][t], s["qk"][t])[2]
+    for s in SEQS
+    for t in range(len(s["m"]))
+    if s["m"][t]
+  ]
   assert 0.05 < np.mean(tails) < 0.8
 
 
@@ -163,8 +199,9 @@ def test_finite_differences_of_the_written_out_surrogate():
     log_p = oracle.log_softmax(z_t)
     q_k = np.exp(s["qk"][t])
     log_tail = np.log1p(-np.exp(log_p[s["ids"][t]]).sum())
-    return -scales[i][t] * W[i][t] * s["adv"][t] * (
-        log_p[s["y"][t]] - q_k @ log_p[s["ids"][t]] - (1 - q_k.sum()) * log_tail)
+    return (
+      -scales[i][t] * W[i][t] * s["adv"][t] * (log_p[s["y"][t]] - q_k @ log_p[s["ids"][t]] - (1 - q_k.sum()) * log_tail)
+    )
 
   got = PACKING.unpack(np.asarray(grad))
   checked = 0
@@ -192,9 +229,20 @@ def test_the_drift_vanishes_in_expectation():
   inputs = {}
   for k in (V, 4):
     ids = np.argsort(-log_q)[:k]
-    seqs = [dict(m=np.ones(1, bool), z=z[None], y=np.array([v]), ids=ids[None], qk=log_q[ids][None],
-                 lp=oracle.log_softmax(z)[v:v + 1], q=log_q[v:v + 1], o=oracle.log_softmax(z)[v:v + 1],
-                 adv=np.array([q[v]])) for v in range(V)]
+    seqs = [
+      dict(
+        m=np.ones(1, bool),
+        z=z[None],
+        y=np.array([v]),
+        ids=ids[None],
+        qk=log_q[ids][None],
+        lp=oracle.log_softmax(z)[v : v + 1],
+        q=log_q[v : v + 1],
+        o=oracle.log_softmax(z)[v : v + 1],
+        adv=np.array([q[v]]),
+      )
+      for v in range(V)
+    ]
     inputs[k] = pack(seqs, row_len=1)[:2]
 
   def loss(zz, batch, model, on):
@@ -205,8 +253,12 @@ def test_the_drift_vanishes_in_expectation():
     return mis_jax.policy_loss(jnp.take_along_axis(log_p, model["y"][..., None], -1)[..., 0], batch, cfg)
 
   def every_case(inputs):  # one program: k in (V, 4), centring off and on
-    return {(k, on): jax.value_and_grad(loss, has_aux=True)(jnp.asarray(m["z"]), b, m, on)
-            for k, (b, m) in inputs.items() for on in (False, True)}
+    return {
+      (k, on): jax.value_and_grad(loss, has_aux=True)(jnp.asarray(m["z"]), b, m, on)
+      for k, (b, m) in inputs.items()
+      for on in (False, True)
+    }
+
   outs = jax.jit(every_case)(inputs)
   for k in (V, 4):
     ids = np.argsort(-log_q)[:k]
@@ -221,11 +273,13 @@ def test_the_drift_vanishes_in_expectation():
       assert np.abs(centred[ids]).max() < 1e-5 and 0 < np.abs(centred).sum() <= 2 * q_tail + 1e-6
     metrics = out[True][1]
     # per token |A| ‖q̂ - p‖₁ with A = q(y): summed (token-sum reduces metrics per token: a mean)
-    np.testing.assert_allclose(float(metrics["score_centering_drift"]) * V,
-                               np.sum(q) * np.abs(q_hat - p).sum(), rtol=1e-5)
+    np.testing.assert_allclose(
+      float(metrics["score_centering_drift"]) * V, np.sum(q) * np.abs(q_hat - p).sum(), rtol=1e-5
+    )
 
 
 # --- invariants -------------------------------------------------------------------------------
+
 
 def _per_sequence(grad, packing):
   return [np.asarray(g) for g in packing.unpack(np.asarray(grad))]
@@ -246,8 +300,12 @@ def test_microbatches_devices_padding_and_jit_equal_one_batch():
 
   # k micro-batches == one batch
   correction, _ = mis_jax.prepare_step(BATCH, cfg)
-  parts = zip(mis_jax.split_microbatches(BATCH, 2), mis_jax.split_microbatches(correction, 2),
-              np.split(MODEL["z"], 2), *(np.split(MODEL[k], 2) for k in ("y", "ids")))
+  parts = zip(
+    mis_jax.split_microbatches(BATCH, 2),
+    mis_jax.split_microbatches(correction, 2),
+    np.split(MODEL["z"], 2),
+    *(np.split(MODEL[k], 2) for k in ("y", "ids")),
+  )
   step = jax.jit(jax.value_and_grad(lambda zz, b, mdl, c: model_loss(zz, b, mdl, cfg, correction=c)[0]))
   total, grads = 0.0, []
   for b, c, zz, y, ids in parts:
@@ -265,6 +323,7 @@ def test_microbatches_devices_padding_and_jit_equal_one_batch():
     log_p = jax.nn.log_softmax(zz, axis=-1)
     lp = jnp.take_along_axis(log_p, MODEL["y"][..., None], axis=-1)[..., 0]
     return sharded(lp, BATCH, topk_logprobs=jnp.take_along_axis(log_p, MODEL["ids"], axis=-1))
+
   (loss8, metrics8), grad8 = jax.jit(jax.value_and_grad(on_mesh, has_aux=True))(z)
   np.testing.assert_allclose(float(loss8), float(loss), rtol=1e-5, atol=1e-7)
   assert_metrics_close(metrics8, want_metrics, rtol=1e-5, atol=1e-7)
@@ -272,8 +331,13 @@ def test_microbatches_devices_padding_and_jit_equal_one_batch():
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
   # packed == padded (the same shape: the group's program, not compiled again)
-  padding = mis_jax.Packing(row_len=8, num_rows=len(SEQS), rows=np.arange(len(SEQS)),
-                            offsets=np.zeros(len(SEQS), np.int64), lengths=np.array([len(s["m"]) for s in SEQS]))
+  padding = mis_jax.Packing(
+    row_len=8,
+    num_rows=len(SEQS),
+    rows=np.arange(len(SEQS)),
+    offsets=np.zeros(len(SEQS), np.int64),
+    lengths=np.array([len(s["m"]) for s in SEQS]),
+  )
   padded, padded_model, _ = pack(SEQS, packing=padding)
   assert padded.loss_mask.shape == BATCH.loss_mask.shape
   padded_out = group_fn(ONCE)(jnp.asarray(padded_model["z"]), padded, padded_model)
@@ -294,6 +358,7 @@ def test_microbatches_devices_padding_and_jit_equal_one_batch():
   def centring(lp, topk):
     out, rows = _centering.centre(lp, topk, BATCH.rollout_topk_logprobs, mask, coefficient)
     return jnp.sum(cot * out), (out, rows)
+
   eager = jax.value_and_grad(centring, argnums=(0, 1), has_aux=True)(lp, topk)
   jitted = jax.jit(jax.value_and_grad(centring, argnums=(0, 1), has_aux=True))(lp, topk)
   for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
@@ -302,11 +367,16 @@ def test_microbatches_devices_padding_and_jit_equal_one_batch():
 
 
 CHAIN_RULE_CASES = {  # forms of other shapes, and the threshold controller choosing the IS bound each step
-    "dppo_tv": dict(policy_loss="dppo_tv"), "gspo": dict(policy_loss="gspo"), "geo_mean": dict(policy_loss="geo_mean"),
-    "controller": dict(mis=dict(tis_upper_bound="auto", target_ess_ratio=0.9, use_rs=True, rs_upper_bound="auto",
-                                max_masked_fraction=0.1)),
-    "sapo": dict(policy_loss="sapo"), "kl_cov": dict(policy_loss={"name": "kl_cov", "kl_cov_ratio": 0.2}),
-    "dro": dict(policy_loss={"name": "dro", "dro_beta": 0.5})}
+  "dppo_tv": dict(policy_loss="dppo_tv"),
+  "gspo": dict(policy_loss="gspo"),
+  "geo_mean": dict(policy_loss="geo_mean"),
+  "controller": dict(
+    mis=dict(tis_upper_bound="auto", target_ess_ratio=0.9, use_rs=True, rs_upper_bound="auto", max_masked_fraction=0.1)
+  ),
+  "sapo": dict(policy_loss="sapo"),
+  "kl_cov": dict(policy_loss={"name": "kl_cov", "kl_cov_ratio": 0.2}),
+  "dro": dict(policy_loss={"name": "dro", "dro_beta": 0.5}),
+}
 
 
 CHAIN_ONCE = ("dppo_tv", "gspo", "geo_mean", "controller")
@@ -322,15 +392,21 @@ def chain_rule_results(cases):
   def every_case(z):
     log_p = jax.nn.log_softmax(z, axis=-1)
     lp = jnp.take_along_axis(log_p, MODEL["y"][..., None], axis=-1)[..., 0]
-    return [(jax.value_and_grad(lambda x, c=plain: mis_jax.policy_loss(x, BATCH, c), has_aux=True)(lp),
-             jax.value_and_grad(lambda zz, c=cfg: model_loss(zz, BATCH, MODEL, c), has_aux=True)(z))
-            for cfg, plain in zip(cfgs, plains)]
+    return [
+      (
+        jax.value_and_grad(lambda x, c=plain: mis_jax.policy_loss(x, BATCH, c), has_aux=True)(lp),
+        jax.value_and_grad(lambda zz, c=cfg: model_loss(zz, BATCH, MODEL, c), has_aux=True)(z),
+      )
+      for cfg, plain in zip(cfgs, plains)
+    ]
+
   return dict(zip(cases, jax.jit(every_case)(jnp.asarray(MODEL["z"]))))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [c if c in CHAIN_ONCE else pytest.param(c, marks=pytest.mark.repeat)
-                                  for c in CHAIN_RULE_CASES])
+@pytest.mark.parametrize(
+  "case", [c if c in CHAIN_ONCE else pytest.param(c, marks=pytest.mark.repeat) for c in CHAIN_RULE_CASES]
+)
 def test_the_centred_score_takes_each_settings_own_coefficient(case):
   """Decoupled PPO with MIS weights: with each form of another shape (ratio truncation and trust
   region, a sequence ratio through sg, a sequence's geometric mean) and with the threshold controller,
@@ -340,8 +416,12 @@ def test_the_centred_score_takes_each_settings_own_coefficient(case):
   group = CHAIN_ONCE if case in CHAIN_ONCE else tuple(c for c in CHAIN_RULE_CASES if c not in CHAIN_ONCE)
   ((plain_loss, plain_metrics), g_lp), ((loss, metrics), grad) = chain_rule_results(group)[case]
   np.testing.assert_allclose(float(loss), float(plain_loss), rtol=1e-5, atol=1e-7)
-  assert_metrics_close({k: v for k, v in metrics.items() if k not in CENTRING_NAMES},
-                       {k: float(v) for k, v in plain_metrics.items()}, rtol=1e-5, atol=1e-7)
+  assert_metrics_close(
+    {k: v for k, v in metrics.items() if k not in CENTRING_NAMES},
+    {k: float(v) for k, v in plain_metrics.items()},
+    rtol=1e-5,
+    atol=1e-7,
+  )
   want = oracle.centred_logit_grads(SEQS, [np.asarray(g, np.float64) for g in PACKING.unpack(np.asarray(g_lp))])
   assert any(np.abs(w).max() > 0 for w in want)
   for a, b in zip(_per_sequence(grad, PACKING), want):
@@ -350,6 +430,7 @@ def test_the_centred_score_takes_each_settings_own_coefficient(case):
 
 # --- edge cases -----------------------------------------------------------------------------------
 
+
 @functools.lru_cache(maxsize=None)
 def k_results():
   """k = 1 and k = V on their own sequences, one program: ``{k: (seqs, packing, ((loss, metrics), grad))}``."""
@@ -357,7 +438,8 @@ def k_results():
   cases = {k: (seqs, *pack(seqs, row_len=8)) for k, (seqs,) in cases.items()}
   grad = jax.value_and_grad(functools.partial(model_loss, cfg=loss_cfg("reinforce_is")), has_aux=True)
   outs = jax.jit(lambda inputs: {k: grad(jnp.asarray(m["z"]), b, m) for k, (b, m) in inputs.items()})(
-      {k: (batch, model) for k, (_, batch, model, _) in cases.items()})
+    {k: (batch, model) for k, (_, batch, model, _) in cases.items()}
+  )
   return {k: (seqs, packing, outs[k]) for k, (seqs, _, _, packing) in cases.items()}
 
 
@@ -373,8 +455,9 @@ def test_k_of_one_and_the_whole_vocabulary(k):
   want.update(oracle.centring_metrics(seqs, lc, W, Kept, cfg.metric_mode))
   np.testing.assert_allclose(float(loss), want_loss, rtol=2e-5, atol=2e-6)
   assert_metrics_close(metrics, want, rtol=5e-5, atol=5e-6)
-  for g, w in zip(packing.unpack(np.asarray(grad)), oracle.centred_logit_grads(seqs, oracle.pg_lp_coefficients(
-      seqs, lc, W, Kept))):
+  for g, w in zip(
+    packing.unpack(np.asarray(grad)), oracle.centred_logit_grads(seqs, oracle.pg_lp_coefficients(seqs, lc, W, Kept))
+  ):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=2e-6)
   if k == V:
     assert float(metrics["score_centering_residual_bound"]) < 1e-5
@@ -385,8 +468,15 @@ def test_extreme_and_nonfinite_top_k_stay_finite():
   """A sampler's top-k holding -inf, NaN, a positive log-prob (clipped to 0: the tail is 0) and a
   trainer whose top-k holds all its mass (p_tail floored): the loss and gradient are finite."""
   a, b, c = np.flatnonzero(np.asarray(BATCH.loss_mask).any(-1))[:3]  # three rows that hold tokens
-  batch = BATCH.replace(rollout_topk_logprobs=jnp.asarray(BATCH.rollout_topk_logprobs).at[a, :, 0].set(-jnp.inf)
-                        .at[b, :, 1].set(jnp.nan).at[c, :, 0].set(0.5))
+  batch = BATCH.replace(
+    rollout_topk_logprobs=jnp.asarray(BATCH.rollout_topk_logprobs)
+    .at[a, :, 0]
+    .set(-jnp.inf)
+    .at[b, :, 1]
+    .set(jnp.nan)
+    .at[c, :, 0]
+    .set(0.5)
+  )
   z = jnp.asarray(MODEL["z"]).at[b].set(jnp.zeros(V).at[MODEL["ids"][b, 0, 0]].set(60.0))
   (loss, metrics), grad = group_fn(ONCE)(z, batch, MODEL)[ONCE.index(("reinforce_is", "token-mean"))]
   assert np.isfinite(float(loss)) and np.all(np.isfinite(np.asarray(grad)))
@@ -395,13 +485,18 @@ def test_extreme_and_nonfinite_top_k_stay_finite():
 
 # --- bad input ---------------------------------------------------------------------------------------
 
+
 def _lp_topk():
   log_p = jax.nn.log_softmax(jnp.asarray(MODEL["z"]), axis=-1)
-  return (jnp.take_along_axis(log_p, MODEL["y"][..., None], axis=-1)[..., 0],
-          jnp.take_along_axis(log_p, MODEL["ids"], axis=-1))
+  return (
+    jnp.take_along_axis(log_p, MODEL["y"][..., None], axis=-1)[..., 0],
+    jnp.take_along_axis(log_p, MODEL["ids"], axis=-1),
+  )
 
 
-@pytest.mark.parametrize("case,match", [
+@pytest.mark.parametrize(
+  "case,match",
+  [
     ("no_topk_arg", "score_centering needs topk_logprobs"),
     ("no_rollout_topk", "score_centering needs batch.rollout_topk_logprobs"),
     ("off_with_topk", "topk_logprobs was given but score_centering is off"),
@@ -409,7 +504,8 @@ def _lp_topk():
     ("k_zero", r"'batch.rollout_topk_logprobs' has shape \(8, 8, 0\)"),
     ("k_differs", r"'topk_logprobs' has shape \(8, 8, 2\) but 'batch.rollout_topk_logprobs' has \(8, 8, 3\)"),
     ("int_topk", "'topk_logprobs' must be a floating-point array"),
-])
+  ],
+)
 def test_bad_inputs_are_named_before_tracing(case, match):
   lp, topk = _lp_topk()
   batch, cfg, kw = BATCH, loss_cfg("reinforce_is"), dict(topk_logprobs=topk)
@@ -438,6 +534,7 @@ def test_the_config_key_is_a_bool():
 
 # --- the chunked pass: log-probs of extra ids ------------------------------------------------------
 
+
 @pytest.mark.parametrize("chunk_size,with_support", [(3, False), pytest.param(64, True, marks=pytest.mark.slow)])
 def test_extra_ids_are_gathered_inside_the_chunked_pass(chunk_size, with_support):
   """``token_logprobs(..., extra_ids=)``'s ``[T, k]`` log-probs and their gradient (through hidden and
@@ -453,8 +550,9 @@ def test_extra_ids_are_gathered_inside_the_chunked_pass(chunk_size, with_support
   cot = jnp.asarray(rng.normal(size=(2, T // 2, K)), jnp.float32)
 
   def chunked(h, w):
-    lp, ent, extra = mis_jax.token_logprobs(h, w, y, chunk_size=chunk_size, return_entropy=True, extra_ids=ids,
-                                            temperature=0.7, **support)
+    lp, ent, extra = mis_jax.token_logprobs(
+      h, w, y, chunk_size=chunk_size, return_entropy=True, extra_ids=ids, temperature=0.7, **support
+    )
     return jnp.sum(lp) + 0.3 * jnp.sum(ent) + jnp.sum(cot * extra), extra
 
   def dense(h, w):
@@ -462,7 +560,9 @@ def test_extra_ids_are_gathered_inside_the_chunked_pass(chunk_size, with_support
     log_p = jax.nn.log_softmax(z, -1)
     log_s = log_p
     if with_support:
-      member = jnp.zeros(z.shape, bool).at[jnp.arange(2)[:, None, None], jnp.arange(T // 2)[None, :, None], ids].set(True)
+      member = (
+        jnp.zeros(z.shape, bool).at[jnp.arange(2)[:, None, None], jnp.arange(T // 2)[None, :, None], ids].set(True)
+      )
       log_s = jnp.where(member, z - jax.nn.logsumexp(jnp.where(member, z, -jnp.inf), -1, keepdims=True), -jnp.inf)
     lp = jnp.take_along_axis(log_s, y[..., None], -1)[..., 0]
     ent = -jnp.sum(jnp.where(jnp.isfinite(log_s), jnp.exp(log_s) * log_s, 0.0), -1)
@@ -477,12 +577,15 @@ def test_extra_ids_are_gathered_inside_the_chunked_pass(chunk_size, with_support
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("ids,match", [
+@pytest.mark.parametrize(
+  "ids,match",
+  [
     (np.zeros((4, 2), np.float32), "'extra_ids' must be an integer array"),
     (np.zeros((4,), np.int32), r"'extra_ids' has shape \(4,\) but must be \[..., k\]"),
     (np.zeros((4, 0), np.int32), r"'extra_ids' has shape \(4, 0\)"),
     (np.full((4, 2), V, np.int32), r"'extra_ids' holds ids in \[12, 12\], outside \[0, V=12\)"),
-])
+  ],
+)
 def test_bad_extra_ids(ids, match):
   h, w = jnp.ones((4, 3), jnp.float32), jnp.ones((3, V), jnp.float32)
   with pytest.raises((ValueError, TypeError), match=match):

@@ -53,8 +53,9 @@ def numpy_support_oracle(hidden, w, targets, support, temperature):
 def masked_full_logits(hidden, w, targets, support, temperature):
   """The same quantities from full [T, V] logits and a dense membership mask (autodiff)."""
   z = (hidden @ w) / temperature
-  member = jnp.zeros(z.shape, bool).at[jnp.arange(T)[:, None], jnp.where(support >= 0, support, V)].set(
-      True, mode="drop")
+  member = (
+    jnp.zeros(z.shape, bool).at[jnp.arange(T)[:, None], jnp.where(support >= 0, support, V)].set(True, mode="drop")
+  )
   member = member | ~jnp.any(support >= 0, axis=-1, keepdims=True)
   lse = jax.nn.logsumexp(z, axis=-1)
   lse_s = jax.nn.logsumexp(jnp.where(member, z, -jnp.inf), axis=-1)
@@ -67,9 +68,18 @@ def masked_full_logits(hidden, w, targets, support, temperature):
 @pytest.mark.parametrize("temperature", [1.0, 0.8])
 def test_values_match_numpy_loop(temperature):
   hidden, w, targets, support = _case(1, temperature)
-  lp, ent, mass = jax.jit(lambda h, w: mis_jax.token_logprobs(
-      h, w, targets, temperature=temperature, chunk_size=CHUNK, return_entropy=True,
-      support_ids=support, return_kept_mass=True))(hidden, w)
+  lp, ent, mass = jax.jit(
+    lambda h, w: mis_jax.token_logprobs(
+      h,
+      w,
+      targets,
+      temperature=temperature,
+      chunk_size=CHUNK,
+      return_entropy=True,
+      support_ids=support,
+      return_kept_mass=True,
+    )
+  )(hidden, w)
   want = numpy_support_oracle(hidden, w, targets, support, temperature)
   for got, exp, name in zip((lp, ent, mass), want, ("logprobs", "entropy", "kept_logmass")):
     np.testing.assert_allclose(np.asarray(got), exp, rtol=1e-5, atol=1e-5, err_msg=name)
@@ -89,8 +99,17 @@ def test_gradients_match_autodiff_of_full_logits(layout):
   head = w if layout == "dv" else np.ascontiguousarray(w.T)
 
   def ours(h, head):
-    out = mis_jax.token_logprobs(h, head, targets, temperature=0.8, chunk_size=CHUNK, return_entropy=True,
-                                 support_ids=support, return_kept_mass=True, lm_head_layout=layout)
+    out = mis_jax.token_logprobs(
+      h,
+      head,
+      targets,
+      temperature=0.8,
+      chunk_size=CHUNK,
+      return_entropy=True,
+      support_ids=support,
+      return_kept_mass=True,
+      lm_head_layout=layout,
+    )
     return sum(jnp.sum(o * gi) for o, gi in zip(out, g))
 
   def reference(h, head):
@@ -110,8 +129,9 @@ def test_chunked_equals_one_chunk_and_mask_equals_minus_one_padding():
   # The same supports given as ids + mask (padding entries hold arbitrary ids).
   rng = np.random.default_rng(5)
   filled = np.where(support >= 0, support, rng.integers(0, V, size=support.shape)).astype(np.int32)
-  masked = mis_jax.token_logprobs(hidden, w, targets, chunk_size=4, return_entropy=True, support_ids=filled,
-                                  support_mask=support >= 0)
+  masked = mis_jax.token_logprobs(
+    hidden, w, targets, chunk_size=4, return_entropy=True, support_ids=filled, support_mask=support >= 0
+  )
   for a, b, c in zip(one, many, masked):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(b), np.asarray(c))
@@ -119,13 +139,19 @@ def test_chunked_equals_one_chunk_and_mask_equals_minus_one_padding():
 
 def test_leading_shape_and_bf16():
   hidden, w, targets, support = _case(6)
-  lp = mis_jax.token_logprobs(hidden[:22].reshape(2, 11, D), w, targets[:22].reshape(2, 11),
-                              support_ids=support[:22].reshape(2, 11, K), chunk_size=CHUNK)
+  lp = mis_jax.token_logprobs(
+    hidden[:22].reshape(2, 11, D),
+    w,
+    targets[:22].reshape(2, 11),
+    support_ids=support[:22].reshape(2, 11, K),
+    chunk_size=CHUNK,
+  )
   flat = mis_jax.token_logprobs(hidden[:22], w, targets[:22], support_ids=support[:22], chunk_size=CHUNK)
   assert lp.shape == (2, 11) and lp.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(lp).reshape(-1), np.asarray(flat))
-  bf = mis_jax.token_logprobs(jnp.asarray(hidden[:22], jnp.bfloat16), jnp.asarray(w, jnp.bfloat16),
-                              targets[:22], support_ids=support[:22])
+  bf = mis_jax.token_logprobs(
+    jnp.asarray(hidden[:22], jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), targets[:22], support_ids=support[:22]
+  )
   assert bf.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(bf), np.asarray(flat), atol=0.1)
 
@@ -154,8 +180,11 @@ def test_input_checks():
 
 def _numpy_sampling_metrics(lp_s, log_m, q, mask, seg, mode):
   """A NumPy loop over sequences of mis_jax.sampling_metrics' definitions (contract §8's R_m)."""
-  values = {"sampling_kept_mass_mean": np.exp(log_m), "sampling_ratio_mean_replay": np.exp(lp_s - q),
-            "sampling_ratio_mean_full": np.exp(lp_s + log_m - q)}
+  values = {
+    "sampling_kept_mass_mean": np.exp(log_m),
+    "sampling_ratio_mean_replay": np.exp(lp_s - q),
+    "sampling_ratio_mean_full": np.exp(lp_s + log_m - q),
+  }
   values["sampling_ratio_outside_replay"] = (np.abs(values["sampling_ratio_mean_replay"] - 1) > 0.1) * 1.0
   values["sampling_ratio_outside_full"] = (np.abs(values["sampling_ratio_mean_full"] - 1) > 0.1) * 1.0
   r = lp_s + log_m - q
@@ -182,9 +211,11 @@ def test_sampling_metrics_match_a_numpy_loop(mode):
   log_m = -rng.uniform(0.0, 0.5, t).astype(np.float32)
   q = (lp_s + rng.normal(0, 0.05, t)).astype(np.float32)
   got = jax.jit(lambda *a: mis_jax.sampling_metrics(*a, num_segments=6, metric_reduction=mode))(
-      lp_s, log_m, q, mask, seg)
-  want = _numpy_sampling_metrics(lp_s.astype(np.float64), log_m.astype(np.float64), q.astype(np.float64), mask,
-                                 seg, mode)
+    lp_s, log_m, q, mask, seg
+  )
+  want = _numpy_sampling_metrics(
+    lp_s.astype(np.float64), log_m.astype(np.float64), q.astype(np.float64), mask, seg, mode
+  )
   assert set(got) == set(want)
   for name in want:
     np.testing.assert_allclose(float(got[name]), want[name], rtol=2e-5, atol=1e-6, err_msg=name)
@@ -204,8 +235,9 @@ def test_gradients_match_numpy_finite_differences():
     return sum(np.dot(gi, o) for gi, o in zip(g, numpy_support_oracle(h, w_, targets, support, 0.8)))
 
   def ours(h, w_):
-    out = mis_jax.token_logprobs(h, w_, targets, temperature=0.8, chunk_size=CHUNK, return_entropy=True,
-                                 support_ids=support, return_kept_mass=True)
+    out = mis_jax.token_logprobs(
+      h, w_, targets, temperature=0.8, chunk_size=CHUNK, return_entropy=True, support_ids=support, return_kept_mass=True
+    )
     return sum(jnp.sum(o * gi.astype(np.float32)) for o, gi in zip(out, g))
 
   dh, dw = jax.jit(jax.grad(ours, (0, 1)))(hidden, w)
@@ -228,7 +260,14 @@ def test_concrete_jax_arrays_closed_over_under_jit():
   used as constants, as NumPy ones are."""
   hidden, w, targets, support = _case(11)
   want = mis_jax.token_logprobs(hidden, w, targets, support_ids=support, chunk_size=CHUNK)
-  got = jax.jit(lambda h: mis_jax.token_logprobs(h, jnp.asarray(w), jnp.asarray(targets), chunk_size=CHUNK,
-                                                 support_ids=jnp.asarray(support),
-                                                 support_mask=jnp.asarray(support >= 0)))(hidden)
+  got = jax.jit(
+    lambda h: mis_jax.token_logprobs(
+      h,
+      jnp.asarray(w),
+      jnp.asarray(targets),
+      chunk_size=CHUNK,
+      support_ids=jnp.asarray(support),
+      support_mask=jnp.asarray(support >= 0),
+    )
+  )(hidden)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)

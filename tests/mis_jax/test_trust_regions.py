@@ -16,17 +16,23 @@ from jax.sharding import AxisType
 import mis_jax
 import oracle
 import prime_rl_reference as ref
-from helpers import (assert_metrics_close, assert_weights_match_oracle, loss_keys, pack, prepare_step_on_mesh,
-                     random_seqs)
+from helpers import (
+  assert_metrics_close,
+  assert_weights_match_oracle,
+  loss_keys,
+  pack,
+  prepare_step_on_mesh,
+  random_seqs,
+)
 
 SEQS = random_seqs(np.random.default_rng(5), n_seqs=12, mismatch=0.5, catastrophic=0.03, lp_noise=0.3)
 BATCH, EXTRA, PACKING = pack(SEQS, row_len=16, num_rows=8)
 MASKS = {  # the options, alone and together with the other rejections
-    "tv": dict(dppo_tv_delta=0.05),
-    "tv_low": dict(dppo_tv_delta=0.08, dppo_tv_delta_low=0.03),
-    "tv_symmetric": dict(dppo_tv_delta=0.05, dppo_tv_symmetric=True),
-    "kpop": dict(kpop_phi=0.01),
-    "all": dict(dppo_tv_delta=0.06, kpop_phi=0.015, use_rs=True, rs_veto_threshold=1e-4, tis_mode="clip"),
+  "tv": dict(dppo_tv_delta=0.05),
+  "tv_low": dict(dppo_tv_delta=0.08, dppo_tv_delta_low=0.03),
+  "tv_symmetric": dict(dppo_tv_delta=0.05, dppo_tv_symmetric=True),
+  "kpop": dict(kpop_phi=0.01),
+  "all": dict(dppo_tv_delta=0.06, kpop_phi=0.015, use_rs=True, rs_veto_threshold=1e-4, tis_mode="clip"),
 }
 MODES = mis_jax.config.LOSS_AGG_MODES
 
@@ -37,9 +43,18 @@ def mis_cfg(name, **kw):
 
 @functools.lru_cache(maxsize=None)
 def _weights_fn(cfg, mode):
-  return jax.jit(lambda b: mis_jax.compute_mis_weights(
-      b.old_logprobs, b.rollout_logprobs, b.loss_mask, b.segment_ids, cfg, num_segments=b.num_segments,
-      metric_reduction=mode, advantages=b.advantages))
+  return jax.jit(
+    lambda b: mis_jax.compute_mis_weights(
+      b.old_logprobs,
+      b.rollout_logprobs,
+      b.loss_mask,
+      b.segment_ids,
+      cfg,
+      num_segments=b.num_segments,
+      metric_reduction=mode,
+      advantages=b.advantages,
+    )
+  )
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
@@ -69,19 +84,32 @@ def test_the_sign_decides_the_side():
 def _loss_cfg(algo, masks, mode, sq=0.0, tokens="trainable", **kw):
   roll, tis = {"decoupled_ppo": (False, True), "reinforce_is": (True, True), "bypass_ppo": (True, False)}[algo]
   mis = mis_cfg(masks) if (tis and masks) else None
-  return mis_jax.LossConfig(use_rollout_logprobs=roll, use_tis=tis, mis=mis, loss_agg_mode=mode,
-                            loss_scale_factor=12.0 if mode == "seq-mean-token-sum-norm" else None,
-                            sq_kl_coef=sq, sq_kl_tokens=tokens, eps_clip_high=0.28, **kw)
+  return mis_jax.LossConfig(
+    use_rollout_logprobs=roll,
+    use_tis=tis,
+    mis=mis,
+    loss_agg_mode=mode,
+    loss_scale_factor=12.0 if mode == "seq-mean-token-sum-norm" else None,
+    sq_kl_coef=sq,
+    sq_kl_tokens=tokens,
+    eps_clip_high=0.28,
+    **kw,
+  )
 
 
 def _oracle_cfg(cfg):
   return loss_keys(cfg)
 
 
-CASES = [("decoupled_ppo", "tv", 0.0, "trainable"), ("decoupled_ppo", "kpop", 0.3, "kept"),
-         ("decoupled_ppo", "all", 0.3, "trainable"), ("reinforce_is", "tv_symmetric", 0.2, "kept"),
-         ("reinforce_is", "tv_low", 0.2, "trainable"), ("bypass_ppo", None, 0.5, "trainable"),
-         ("decoupled_ppo", None, 0.5, "kept")]
+CASES = [
+  ("decoupled_ppo", "tv", 0.0, "trainable"),
+  ("decoupled_ppo", "kpop", 0.3, "kept"),
+  ("decoupled_ppo", "all", 0.3, "trainable"),
+  ("reinforce_is", "tv_symmetric", 0.2, "kept"),
+  ("reinforce_is", "tv_low", 0.2, "trainable"),
+  ("bypass_ppo", None, 0.5, "trainable"),
+  ("decoupled_ppo", None, 0.5, "kept"),
+]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -100,36 +128,43 @@ def test_loss_matches_the_oracle_in_every_mode(algo, masks, sq, tokens, mode):
 @pytest.mark.parametrize("algo,masks,sq,tokens", [c for c in CASES if c[2] > 0])
 def test_gradient_matches_finite_differences(algo, masks, sq, tokens, mode):
   cfg = _loss_cfg(algo, masks, mode, sq, tokens, denominator="original")
-  grads = PACKING.unpack(np.asarray(jax.grad(lambda lp: mis_jax.policy_loss(lp, BATCH, cfg)[0])(
-      jnp.asarray(EXTRA["lp"]))))
+  grads = PACKING.unpack(
+    np.asarray(jax.grad(lambda lp: mis_jax.policy_loss(lp, BATCH, cfg)[0])(jnp.asarray(EXTRA["lp"])))
+  )
   ocfg, eps = _oracle_cfg(cfg), 1e-4
   for i, s in enumerate(SEQS):
     for t in np.flatnonzero(s["m"]):
+
       def f(delta):
         seqs = [dict(x) for x in SEQS]
         seqs[i] = dict(seqs[i], lp_sg=SEQS[i]["lp"], lp=SEQS[i]["lp"].copy())
         seqs[i]["lp"][t] += delta
         return oracle.policy_loss(seqs, ocfg)[0]
-      np.testing.assert_allclose(grads[i][t], (f(eps) - f(-eps)) / (2 * eps), rtol=3e-3, atol=3e-5,
-                                 err_msg=f"seq {i} token {t}")
+
+      np.testing.assert_allclose(
+        grads[i][t], (f(eps) - f(-eps)) / (2 * eps), rtol=3e-3, atol=3e-5, err_msg=f"seq {i} token {t}"
+      )
     assert not grads[i][~s["m"]].any(), "gradient leaked into masked tokens"
 
 
-@pytest.mark.parametrize("algo,masks,sq,tokens", [c for c in CASES if c[0] == "decoupled_ppo"] +
-                         [("reinforce_is", "all", 0.2, "kept")])
+@pytest.mark.parametrize(
+  "algo,masks,sq,tokens", [c for c in CASES if c[0] == "decoupled_ppo"] + [("reinforce_is", "all", 0.2, "kept")]
+)
 def test_microbatches_equal_one_batch(algo, masks, sq, tokens):
   """Per-token masks and a term aggregated with the step's denominators: k micro-batches add up to
   the batch (REINFORCE + IS runs the correction in each micro-batch: its denominators must be the
   original mask's, contract §7)."""
-  cfg = _loss_cfg(algo, masks, "seq-mean-token-mean", sq, tokens,
-                  denominator="original" if algo == "reinforce_is" else "kept")
+  cfg = _loss_cfg(
+    algo, masks, "seq-mean-token-mean", sq, tokens, denominator="original" if algo == "reinforce_is" else "kept"
+  )
   full_grad = jax.value_and_grad(lambda lp: mis_jax.policy_loss(lp, BATCH, cfg)[0])
   full, grad_full = full_grad(jnp.asarray(EXTRA["lp"]))
   correction, _ = mis_jax.prepare_step(BATCH, cfg)
   step = jax.jit(jax.value_and_grad(lambda lp, mb, c: mis_jax.policy_loss(lp, mb, cfg, correction=c)[0]))
   total, grads = 0.0, []
-  for mb, c, lp in zip(mis_jax.split_microbatches(BATCH, 4), mis_jax.split_microbatches(correction, 4),
-                       np.split(EXTRA["lp"], 4)):
+  for mb, c, lp in zip(
+    mis_jax.split_microbatches(BATCH, 4), mis_jax.split_microbatches(correction, 4), np.split(EXTRA["lp"], 4)
+  ):
     loss, g = step(jnp.asarray(lp), mb, c)
     total += float(loss)
     grads.append(np.asarray(g))
@@ -146,14 +181,18 @@ def test_eight_devices_equal_one():
       np.testing.assert_allclose(float(eight[1][k]), float(one[1][k]), rtol=1e-5, atol=1e-6, err_msg=f"{name} {k}")
   mesh = jax.make_mesh((4, 2), ("data", "seq"), axis_types=(AxisType.Auto,) * 2)
   sharded_batch, lp = mis_jax.shard_batch(mesh, (BATCH, EXTRA["lp"]), data_axis="data", seq_axis="seq")
-  for cfg in (_loss_cfg("decoupled_ppo", "all", "seq-mean-token-mean", 0.3, "kept"),
-              _loss_cfg("reinforce_is", "tv", "token-mean", 0.3, "trainable")):
+  for cfg in (
+    _loss_cfg("decoupled_ppo", "all", "seq-mean-token-mean", 0.3, "kept"),
+    _loss_cfg("reinforce_is", "tv", "token-mean", 0.3, "trainable"),
+  ):
     (loss0, metrics0), grad0 = jax.value_and_grad(lambda lp: mis_jax.policy_loss(lp, BATCH, cfg), has_aux=True)(
-        jnp.asarray(EXTRA["lp"]))
+      jnp.asarray(EXTRA["lp"])
+    )
     sharded = mis_jax.sharded_policy_loss(mesh, cfg, data_axis="data", seq_axis="seq")
     with jax.set_mesh(mesh):
       (loss, metrics), grad = jax.jit(jax.value_and_grad(lambda lp, b: sharded(lp, b, None), has_aux=True))(
-          lp, sharded_batch)
+        lp, sharded_batch
+      )
     np.testing.assert_allclose(float(loss), float(loss0), rtol=1e-5, atol=1e-7)
     assert set(metrics) == set(metrics0)
     for k in metrics0:
@@ -173,8 +212,14 @@ def test_gradient_equals_prime_rls_loss(symmetric):
   same gradient (the loss values differ: -w·A·lp against -A·ratio) and masks the same tokens."""
   delta, tau = 0.05, 0.3
   masks = dict(dppo_tv_delta=delta, dppo_tv_symmetric=symmetric)
-  cfg = mis_jax.LossConfig(use_rollout_logprobs=True, use_tis=True, loss_agg_mode="token-sum", denominator="original",
-                           sq_kl_coef=tau, mis=mis_jax.MISConfig(tis_upper_bound=1e30, **masks))
+  cfg = mis_jax.LossConfig(
+    use_rollout_logprobs=True,
+    use_tis=True,
+    loss_agg_mode="token-sum",
+    denominator="original",
+    sq_kl_coef=tau,
+    mis=mis_jax.MISConfig(tis_upper_bound=1e30, **masks),
+  )
   grad, metrics = jax.grad(lambda lp: mis_jax.policy_loss(lp, BATCH, cfg), has_aux=True)(jnp.asarray(EXTRA["lp"]))
   grad = np.concatenate(PACKING.unpack(np.asarray(grad)))
   m = np.concatenate([s["m"] for s in SEQS])
@@ -194,34 +239,56 @@ def test_binary_kl_equals_verls():
   """Our KPop's binary KL against verl's (compute_policy_loss_dppo_kl): verl's D_B(p_old‖p) with
   1e-8 in the complements; ours clamps to [1e-6, 1 - 1e-6], which equals it away from 0 and 1."""
   from mis_jax import _correction
+
   rng = np.random.default_rng(0)
   lp, old = np.log(rng.uniform(1e-3, 0.99, 4096)), np.log(rng.uniform(1e-3, 0.99, 4096))
   want = ref.verl_binary_kl(torch.tensor(lp), torch.tensor(old)).numpy()
   got = np.asarray(_correction.binary_kl(jnp.asarray(old, jnp.float32), jnp.asarray(lp, jnp.float32)))
   np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-6)
   # Where the clamp binds, both stay finite and ours is the clamped probabilities' KL.
-  edge = np.asarray(_correction.kpop_divergence(jnp.log(jnp.array([0.0, 1.0, 1e-9])), jnp.log(jnp.array([1.0, 0.0, 0.5]))))
+  edge = np.asarray(
+    _correction.kpop_divergence(jnp.log(jnp.array([0.0, 1.0, 1e-9])), jnp.log(jnp.array([1.0, 0.0, 0.5])))
+  )
   assert np.isfinite(edge).all()
   np.testing.assert_allclose(edge[2], max(oracle.bernoulli_kl(1e-6, 0.5), oracle.bernoulli_kl(0.5, 1e-6)), rtol=1e-5)
 
 
 def test_sign_conditioned_mask_needs_the_advantages_and_settings_are_checked():
   with pytest.raises(ValueError, match="dppo_tv_delta.*pass advantages="):
-    mis_jax.compute_mis_weights(BATCH.old_logprobs, BATCH.rollout_logprobs, BATCH.loss_mask, BATCH.segment_ids,
-                                mis_cfg("tv"), num_segments=BATCH.num_segments)
-  mis_jax.compute_mis_weights(BATCH.old_logprobs, BATCH.rollout_logprobs, BATCH.loss_mask, BATCH.segment_ids,
-                              mis_cfg("tv_symmetric"), num_segments=BATCH.num_segments)  # no advantages needed
-  for kw, match in [(dict(dppo_tv_delta_low=0.1), "dppo_tv_delta_low.*dppo_tv_delta is not"),
-                    (dict(dppo_tv_symmetric=True), "dppo_tv_symmetric.*dppo_tv_delta is not"),
-                    (dict(dppo_tv_delta=0.1, dppo_tv_symmetric=True, dppo_tv_delta_low=0.1), "whatever the advantage"),
-                    (dict(kpop_phi=0.0), "kpop_phi"), (dict(dppo_tv_delta=-0.1), "dppo_tv_delta")]:
+    mis_jax.compute_mis_weights(
+      BATCH.old_logprobs,
+      BATCH.rollout_logprobs,
+      BATCH.loss_mask,
+      BATCH.segment_ids,
+      mis_cfg("tv"),
+      num_segments=BATCH.num_segments,
+    )
+  mis_jax.compute_mis_weights(
+    BATCH.old_logprobs,
+    BATCH.rollout_logprobs,
+    BATCH.loss_mask,
+    BATCH.segment_ids,
+    mis_cfg("tv_symmetric"),
+    num_segments=BATCH.num_segments,
+  )  # no advantages needed
+  for kw, match in [
+    (dict(dppo_tv_delta_low=0.1), "dppo_tv_delta_low.*dppo_tv_delta is not"),
+    (dict(dppo_tv_symmetric=True), "dppo_tv_symmetric.*dppo_tv_delta is not"),
+    (dict(dppo_tv_delta=0.1, dppo_tv_symmetric=True, dppo_tv_delta_low=0.1), "whatever the advantage"),
+    (dict(kpop_phi=0.0), "kpop_phi"),
+    (dict(dppo_tv_delta=-0.1), "dppo_tv_delta"),
+  ]:
     with pytest.raises(mis_jax.ConfigError, match=match):
       mis_jax.MISConfig(**kw)
   with pytest.raises(mis_jax.ConfigError, match="sq_kl_tokens"):
     mis_jax.LossConfig(sq_kl_coef=0.1, sq_kl_tokens="all")
-  no_rollout = mis_jax.PackedBatch(segment_ids=BATCH.segment_ids, loss_mask=BATCH.loss_mask,
-                                   advantages=BATCH.advantages, old_logprobs=BATCH.old_logprobs,
-                                   num_segments=BATCH.num_segments)
+  no_rollout = mis_jax.PackedBatch(
+    segment_ids=BATCH.segment_ids,
+    loss_mask=BATCH.loss_mask,
+    advantages=BATCH.advantages,
+    old_logprobs=BATCH.old_logprobs,
+    num_segments=BATCH.num_segments,
+  )
   with pytest.raises(ValueError, match="sq_kl_coef=0.1 > 0.*needs batch.rollout_logprobs"):
     mis_jax.policy_loss(EXTRA["lp"], no_rollout, mis_jax.LossConfig(sq_kl_coef=0.1))
 

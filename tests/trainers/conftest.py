@@ -34,9 +34,9 @@ ORACLE_LEN = 64  # one padded length, so the oracle compiles once per model
 
 def _padded(seq):
   ids = np.zeros((1, ORACLE_LEN), np.int32)
-  ids[0, :len(seq)] = seq
+  ids[0, : len(seq)] = seq
   seg = np.full((1, ORACLE_LEN), -1, np.int32)
-  seg[0, :len(seq)] = 0
+  seg[0, : len(seq)] = 0
   return jnp.asarray(ids), jnp.arange(ORACLE_LEN, dtype=jnp.int32)[None], jnp.asarray(seg)
 
 
@@ -47,13 +47,13 @@ def sequence_logprobs(model, prompt, output, *, temperature=1.0) -> np.ndarray:
   ids, pos, seg = _padded(seq)
   targets = jnp.roll(ids, -1, axis=1)
   lp = _tf(model, ids, pos, seg, targets, temperature=temperature)
-  return np.asarray(lp[0, len(prompt) - 1:len(seq) - 1])
+  return np.asarray(lp[0, len(prompt) - 1 : len(seq) - 1])
 
 
 def sequence_logits(model, seq) -> np.ndarray:
   """Full-forward float32 logits `[len(seq), vocab]`."""
   ids, pos, seg = _padded(seq)
-  return np.asarray(_logits(model, ids, pos, seg)[0, :len(seq)])
+  return np.asarray(_logits(model, ids, pos, seg)[0, : len(seq)])
 
 
 class StepTraces:
@@ -70,16 +70,20 @@ class StepTraces:
 
   def jit(self, fn, **kwargs):
     import jax
+
     name = fn.__name__
 
     def traced(*args):
       # A shape bucket is the arrays' shapes and dtypes: a Python value (a static argument) that
       # changes between calls of one bucket recompiles every time, so it does not make a new one.
-      key = str(jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else type(x).__name__,
-                             args))
+      key = str(
+        jax.tree.map(lambda x: (tuple(x.shape), str(x.dtype)) if hasattr(x, "shape") else type(x).__name__, args)
+      )
       seen = self.traces.setdefault(name, [])
-      assert key not in seen, (f"{name} traced again for shapes it had compiled (a Python value that changes "
-                               f"is static: it recompiles every call): {key[:300]}")
+      assert key not in seen, (
+        f"{name} traced again for shapes it had compiled (a Python value that changes "
+        f"is static: it recompiles every call): {key[:300]}"
+      )
       seen.append(key)
       return fn(*args)
 
@@ -88,6 +92,7 @@ class StepTraces:
     def call(*args):
       self.calls[name] = self.calls.get(name, 0) + 1
       return compiled(*args)
+
     return call
 
   def check(self, *names, reused=("train",)):
@@ -105,6 +110,7 @@ class StepTraces:
 def step_traces(monkeypatch):
   from trainers.learner import step
   from trainers.app import build
+
   traces = StepTraces()
   monkeypatch.setattr(step, "_jit", traces.jit)
   # Step functions another test built for the same setup would be reused without tracing: build anew.

@@ -22,9 +22,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 
 class FakeSGLang:
-
-  def __init__(self, *, fault: str | None = None, after: int = 0, vocab=(3, 13), generate_delay_s: float = 0.0,
-               update_delay_s: float = 0.0, upstream: str | None = None, port: int = 0):
+  def __init__(
+    self,
+    *,
+    fault: str | None = None,
+    after: int = 0,
+    vocab=(3, 13),
+    generate_delay_s: float = 0.0,
+    update_delay_s: float = 0.0,
+    upstream: str | None = None,
+    port: int = 0,
+  ):
     self.fault, self.after, self.vocab, self.upstream = fault, after, vocab, upstream
     self.generate_delay_s, self.update_delay_s = generate_delay_s, update_delay_s
     self.events: list[tuple[str, float, float]] = []  # (route, start, end) of timed requests
@@ -59,15 +67,27 @@ class FakeSGLang:
     if f == "malformed_null" and i % 2 == 0:
       lps[0][0] = None
     if f == "some_aborted" and i % 4 == 0:
-      return {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "x"},
-                                                          "output_token_logprobs": []}}
+      return {
+        "text": "",
+        "output_ids": [],
+        "meta_info": {"finish_reason": {"type": "abort", "message": "x"}, "output_token_logprobs": []},
+      }
     version = self.weight_version
     if f == "stale_versions":  # the server reports weights two versions behind the trainer's
       version = str(max(int(version) - 2, 0)) if version.isdigit() else version
-    return {"text": "", "output_ids": ids,
-            "meta_info": {"id": str(i), "finish_reason": {"type": "length", "length": n_tokens},
-                          "prompt_tokens": 5, "completion_tokens": n_tokens, "cached_tokens": 0,
-                          "output_token_logprobs": lps, "weight_version": version}}
+    return {
+      "text": "",
+      "output_ids": ids,
+      "meta_info": {
+        "id": str(i),
+        "finish_reason": {"type": "length", "length": n_tokens},
+        "prompt_tokens": 5,
+        "completion_tokens": n_tokens,
+        "cached_tokens": 0,
+        "output_token_logprobs": lps,
+        "weight_version": version,
+      },
+    }
 
   def _handler(self):
     fake = self
@@ -86,6 +106,7 @@ class FakeSGLang:
 
       def _proxy(self, method, body=None):
         import httpx
+
         f = fake.fault
         if f == "no_model_info" and self.path in ("/model_info", "/server_info"):
           return self._reply(404, {"detail": "Not Found"})
@@ -122,8 +143,7 @@ class FakeSGLang:
         if self.path == "/health":
           return self._reply(200, {})
         if self.path == "/model_info":
-          return self._reply(200, {"model_path": "fake", "is_generation": True,
-                                   "weight_version": fake.weight_version})
+          return self._reply(200, {"model_path": "fake", "is_generation": True, "weight_version": fake.weight_version})
         self._reply(404, {"error": {"message": "not found"}})
 
       def do_POST(self):

@@ -17,8 +17,11 @@ def _wheel() -> pathlib.Path:
   found = sorted(CACHE.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
   if not found:
     CACHE.mkdir(exist_ok=True)
-    subprocess.run([sys.executable, "-m", "pip", "download", f"sglang=={SGLANG_VERSION}", "--no-deps",
-                    "--quiet", "-d", str(CACHE)], check=True, timeout=600)
+    subprocess.run(
+      [sys.executable, "-m", "pip", "download", f"sglang=={SGLANG_VERSION}", "--no-deps", "--quiet", "-d", str(CACHE)],
+      check=True,
+      timeout=600,
+    )
     found = sorted(CACHE.glob(f"sglang-{SGLANG_VERSION}-*.whl"))
   if not found:
     raise RuntimeError(f"pip download sglang=={SGLANG_VERSION} left no wheel in {CACHE}")

@@ -18,26 +18,49 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # Bottom to top: each package and what it may import besides itself (the library, `mis_jax`, is
 # open to all; it imports nothing of `trainers`).
 LAYERS = {
-    "mis_jax": (),
-    "trainers.models": (),
-    "trainers.tasks": (),
-    "trainers.serving": ("trainers.models",),
-    "trainers.config": ("trainers.models", "trainers.tasks"),
-    "trainers.runtime": ("trainers.models", "trainers.config"),
-    "trainers.rollout": ("trainers.models", "trainers.tasks", "trainers.serving", "trainers.config",
-                         "trainers.runtime"),
-    "trainers.agents": ("trainers.models", "trainers.tasks", "trainers.config", "trainers.runtime",
-                        "trainers.rollout"),
-    "trainers.learner": ("trainers.models", "trainers.config", "trainers.runtime", "trainers.rollout"),
-    "trainers.app": ("trainers.models", "trainers.tasks", "trainers.serving", "trainers.config",
-                     "trainers.runtime", "trainers.rollout", "trainers.agents", "trainers.learner"),
-    "trainers.commands": ("trainers.models", "trainers.tasks", "trainers.serving", "trainers.config",
-                          "trainers.runtime", "trainers.rollout", "trainers.agents", "trainers.learner",
-                          "trainers.app"),
-    "trainers.cli": ("trainers.commands",),
-    "trainers.experiments": ("trainers.models", "trainers.tasks", "trainers.serving", "trainers.config",
-                             "trainers.runtime", "trainers.rollout", "trainers.agents", "trainers.learner",
-                             "trainers.app", "trainers.commands"),
+  "mis_jax": (),
+  "trainers.models": (),
+  "trainers.tasks": (),
+  "trainers.serving": ("trainers.models",),
+  "trainers.config": ("trainers.models", "trainers.tasks"),
+  "trainers.runtime": ("trainers.models", "trainers.config"),
+  "trainers.rollout": ("trainers.models", "trainers.tasks", "trainers.serving", "trainers.config", "trainers.runtime"),
+  "trainers.agents": ("trainers.models", "trainers.tasks", "trainers.config", "trainers.runtime", "trainers.rollout"),
+  "trainers.learner": ("trainers.models", "trainers.config", "trainers.runtime", "trainers.rollout"),
+  "trainers.app": (
+    "trainers.models",
+    "trainers.tasks",
+    "trainers.serving",
+    "trainers.config",
+    "trainers.runtime",
+    "trainers.rollout",
+    "trainers.agents",
+    "trainers.learner",
+  ),
+  "trainers.commands": (
+    "trainers.models",
+    "trainers.tasks",
+    "trainers.serving",
+    "trainers.config",
+    "trainers.runtime",
+    "trainers.rollout",
+    "trainers.agents",
+    "trainers.learner",
+    "trainers.app",
+  ),
+  "trainers.cli": ("trainers.commands",),
+  "trainers.experiments": (
+    "trainers.models",
+    "trainers.tasks",
+    "trainers.serving",
+    "trainers.config",
+    "trainers.runtime",
+    "trainers.rollout",
+    "trainers.agents",
+    "trainers.learner",
+    "trainers.app",
+    "trainers.commands",
+  ),
 }
 
 
@@ -62,7 +85,7 @@ def _imports(name: str, path: pathlib.Path, known) -> set[str]:
       base = node.module or ""
       if node.level:
         parts = package.split(".")
-        base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+        base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
       # `from pkg import mod` imports `pkg.mod` (and runs `pkg`'s __init__, which is pkg's own business)
       names = [f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names]
     else:
@@ -143,18 +166,23 @@ def test_no_import_cycle():
 
 def test_a_command_imports_no_other_command():
   for module, imported in _graph().items():
-    if module.startswith("trainers.commands.") :
+    if module.startswith("trainers.commands."):
       assert not any(n.startswith("trainers.commands") and n != module for n in imported), module
 
 
 def test_rollouts_reach_the_engines_through_their_wire_schema():
   """Only the colocated engines (hosted in the trainer's process) and the backend that composes
   them import the serving engines; the rest of rollouts speaks the wire schema."""
-  reach = {m: sorted(n for n in imported if n.startswith("trainers.serving") and n != "trainers.serving.protocol")
-           for m, imported in _graph().items() if m.startswith("trainers.rollout")}
+  reach = {
+    m: sorted(n for n in imported if n.startswith("trainers.serving") and n != "trainers.serving.protocol")
+    for m, imported in _graph().items()
+    if m.startswith("trainers.rollout")
+  }
   assert {m for m, names in reach.items() if names} == {"trainers.rollout.colocated", "trainers.rollout.backend"}
   assert {p.name for p in (ROOT / "trainers/serving").iterdir() if (p / "__init__.py").exists()} == {
-      "embedded", "sglang_jax"}
+    "embedded",
+    "sglang_jax",
+  }
   assert (ROOT / "trainers/serving/protocol.py").exists()
 
 
@@ -179,10 +207,18 @@ def test_a_step_returns_a_value():
   assert ast.unparse(step.returns) == "StepOutcome"
   set_on_self = set()
   for method in (n for n in learner.body if isinstance(n, ast.FunctionDef) and n.name != "__init__"):
-    targets = [t for n in ast.walk(method) if isinstance(n, (ast.Assign, ast.AugAssign))
-               for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]
-    set_on_self |= {e.attr for t in targets for e in ast.walk(t)
-                    if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self"}
+    targets = [
+      t
+      for n in ast.walk(method)
+      if isinstance(n, (ast.Assign, ast.AugAssign))
+      for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+    ]
+    set_on_self |= {
+      e.attr
+      for t in targets
+      for e in ast.walk(t)
+      if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) and e.value.id == "self"
+    }
   assert set_on_self == {"params", "opt_state", "num_old_logprob_passes"}, set_on_self
   step_module = parse_source((ROOT / "trainers/learner/step.py").read_text())
   (model_logprobs,) = [n for n in step_module.body if isinstance(n, ast.FunctionDef) and n.name == "model_logprobs"]
@@ -194,9 +230,11 @@ def _hands_out_closures(fn) -> bool:
   or stored on an object (`x.attr = inner`, `x.attr = jit(inner)`), rather than only called or passed
   to a loop or a transform inside `fn`."""
   inner = {n.name for n in ast.walk(fn) if n is not fn and isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
-  if any(n.decorator_list for n in ast.walk(fn) if n is not fn and isinstance(n, (ast.FunctionDef,
-                                                                                    ast.AsyncFunctionDef))):
+  if any(
+    n.decorator_list for n in ast.walk(fn) if n is not fn and isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+  ):
     return True
+
   def handed_out(value) -> bool:  # `inner`, a container of it, or a wrapper of it (jit, partial)
     if isinstance(value, ast.Name):
       return value.id in inner
@@ -211,8 +249,11 @@ def _hands_out_closures(fn) -> bool:
   for node in ast.walk(fn):
     if isinstance(node, ast.Return) and node.value is not None and handed_out(node.value):
       return True
-    if (isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) for t in node.targets)
-        and handed_out(node.value)):
+    if (
+      isinstance(node, ast.Assign)
+      and any(isinstance(t, ast.Attribute) for t in node.targets)
+      and handed_out(node.value)
+    ):
       return True
   return False
 
@@ -225,8 +266,9 @@ def test_the_step_reads_in_one_screen():
   (learner,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Learner"]
   (step,) = [n for n in learner.body if isinstance(n, ast.FunctionDef) and n.name == "step"]
   assert step.end_lineno - step.lineno + 1 <= 25
-  plan_reads = {ast.unparse(n) for n in ast.walk(step) if isinstance(n, ast.Attribute)
-                and ast.unparse(n.value) == "self.plan"}
+  plan_reads = {
+    ast.unparse(n) for n in ast.walk(step) if isinstance(n, ast.Attribute) and ast.unparse(n.value) == "self.plan"
+  }
   assert plan_reads <= {"self.plan.fuses", "self.plan.old_logprobs"}, plan_reads
   long_factories = []
   for package in ("mis_jax", "trainers"):
@@ -246,8 +288,13 @@ def test_one_rollout_backend():
   no code in the trainer dispatches on a route string (`path == "/generate"`): an engine's routes
   are typed methods."""
   train_imports = _graph()["trainers.app.trainer"]
-  composed = ("trainers.rollout.colocated", "trainers.rollout.engines", "trainers.rollout.client",
-              "trainers.rollout.weight_sync", "trainers.rollout.fleet")
+  composed = (
+    "trainers.rollout.colocated",
+    "trainers.rollout.engines",
+    "trainers.rollout.client",
+    "trainers.rollout.weight_sync",
+    "trainers.rollout.fleet",
+  )
   assert sorted(n for n in train_imports if n.startswith(composed)) == []
   assert "trainers.rollout.backend" in train_imports
   for path in (ROOT / "trainers").rglob("*.py"):
@@ -258,9 +305,13 @@ def test_one_rollout_backend():
         init = next(f for f in cls.body if isinstance(f, ast.FunctionDef) and f.name == "__init__")
         assert "super().__init__(" in ast.unparse(init), f"{cls.name} skips SGLangClient.__init__"
     if "trainers/rollout" in str(path) or "trainers/app" in str(path) or "trainers/learner" in str(path):
-      routes = [ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Compare)
-                for c in [n.left, *n.comparators] if isinstance(c, ast.Constant) and isinstance(c.value, str)
-                and c.value.startswith("/")]
+      routes = [
+        ast.unparse(n)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Compare)
+        for c in [n.left, *n.comparators]
+        if isinstance(c, ast.Constant) and isinstance(c.value, str) and c.value.startswith("/")
+      ]
       assert routes == [], (path, routes)
 
 
@@ -273,23 +324,28 @@ def test_every_module_imports_first():
   ours to report)."""
   import subprocess
   import sys
-  names = sorted(".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-                 for package in ("trainers", "mis_jax") for p in (ROOT / package).rglob("*.py")
-                 if "sglang_jax" not in p.parts or p.name == "__init__.py")
+
+  names = sorted(
+    ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    for package in ("trainers", "mis_jax")
+    for p in (ROOT / package).rglob("*.py")
+    if "sglang_jax" not in p.parts or p.name == "__init__.py"
+  )
   script = (
-      "import importlib, sys, traceback\n"
-      "failed = []\n"
-      f"for name in {names!r}:\n"
-      "  for m in [m for m in sys.modules if m.split('.')[0] in ('trainers', 'mis_jax')]:\n"
-      "    del sys.modules[m]\n"
-      "  try:\n"
-      "    importlib.import_module(name)\n"
-      "  except ModuleNotFoundError as e:  # an optional dependency (sgl_jax, tunix) is not ours\n"
-      "    if (e.name or '').split('.')[0] in ('trainers', 'mis_jax'):\n"
-      "      failed.append(f'{name}: {e}')\n"
-      "  except ImportError as e:\n"
-      "    failed.append(f'{name}: {e}')\n"
-      "print('\\n'.join(failed))\n")
+    "import importlib, sys, traceback\n"
+    "failed = []\n"
+    f"for name in {names!r}:\n"
+    "  for m in [m for m in sys.modules if m.split('.')[0] in ('trainers', 'mis_jax')]:\n"
+    "    del sys.modules[m]\n"
+    "  try:\n"
+    "    importlib.import_module(name)\n"
+    "  except ModuleNotFoundError as e:  # an optional dependency (sgl_jax, tunix) is not ours\n"
+    "    if (e.name or '').split('.')[0] in ('trainers', 'mis_jax'):\n"
+    "      failed.append(f'{name}: {e}')\n"
+    "  except ImportError as e:\n"
+    "    failed.append(f'{name}: {e}')\n"
+    "print('\\n'.join(failed))\n"
+  )
   out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-2000:]
   assert out.stdout.strip() == "", out.stdout

@@ -61,6 +61,7 @@ class TurnIndex(extras_lib.TokenExtra):
   @staticmethod
   def record_type():
     import pyarrow as pa
+
     return pa.list_(pa.int32())
 
   def parse(self, reply: Reply):
@@ -71,8 +72,7 @@ class TurnIndex(extras_lib.TokenExtra):
 
   def check_record(self, value, prompt_len, response_len):
     if value is None or len(value) != response_len:
-      return (f"column 'turn' has {0 if value is None else len(value)} entries for a response of {response_len} "
-              "tokens")
+      return f"column 'turn' has {0 if value is None else len(value)} entries for a response of {response_len} tokens"
     return None
 
 
@@ -105,6 +105,7 @@ class _Trajectory:
 @dataclasses.dataclass(frozen=True)
 class Episodes:
   """Multi-turn rollouts of an `AgentTask` (see the module doc): the budgets and the pool."""
+
   max_turns: int = 4
   max_total_tokens: int = 1 << 30
   max_context: int = 1 << 30
@@ -120,8 +121,17 @@ class Episodes:
     (`agent.per_turn_rewards`) each turn's reward on its tokens (`TurnReward`)."""
     return cls.extras + ((agent_rewards.TurnReward(),) if per_turn_rewards else ())
 
-  def run(self, generate: Callable[..., RolloutResult], prompts: Sequence[Prompt], make_env, *,
-          sampling_params: dict, n: int, seed: int, extras=()) -> RolloutResult:
+  def run(
+    self,
+    generate: Callable[..., RolloutResult],
+    prompts: Sequence[Prompt],
+    make_env,
+    *,
+    sampling_params: dict,
+    n: int,
+    seed: int,
+    extras=(),
+  ) -> RolloutResult:
     """`n` trajectories per prompt (prompt-major). `generate(contexts, sampling_params, n=1, seed=,
     extras=)` is the client's batched generation (`SGLangClient.generate`); `make_env(prompt)` the
     task's environment. Returns the trajectories as samples, each with its `reward` (the sum of its
@@ -162,8 +172,14 @@ class Episodes:
           self._append_turn(tr, reply, turn, extras)
         stepping = [tr for tr in live if not tr.done]
         t0 = time.perf_counter()
-        observed = list(pool.map(lambda tr: _safe(lambda: tr.env.step(
-            Turn(tuple(tr.response[-_turn_len(tr):]), tr.texts[-1], tr.finish, turn))), stepping))
+        observed = list(
+          pool.map(
+            lambda tr: _safe(
+              lambda: tr.env.step(Turn(tuple(tr.response[-_turn_len(tr) :]), tr.texts[-1], tr.finish, turn))
+            ),
+            stepping,
+          )
+        )
         env_s += time.perf_counter() - t0
         for tr, (obs, error) in zip(stepping, observed):
           if error is not None or not isinstance(obs, Observation):
@@ -173,8 +189,9 @@ class Episodes:
             continue
           self._observe(tr, obs, turn, counts)
     samples = [self._sample(tr, extras) for tr in trajs if tr.dropped is None and tr.turns > 0]
-    result = RolloutResult(samples=samples, num_requested=len(trajs), num_aborted=aborted, num_rejected=rejected,
-                           rejection_reasons=reasons)
+    result = RolloutResult(
+      samples=samples, num_requested=len(trajs), num_aborted=aborted, num_rejected=rejected, rejection_reasons=reasons
+    )
     result.metrics = self._metrics(trajs, samples, counts, env_s, time.perf_counter() - t_start)
     return result
 
@@ -189,9 +206,14 @@ class Episodes:
     out: dict[int, Sample | str] = {}
     pending = list(live)
     for attempt in range(self.max_turn_retries + 1):
-      result = generate([tr.context for tr in pending], sampling_params, n=1,
-                        seed=(seed + 7_919 * turn + 104_729 * attempt) % 2**31, extras=extras,
-                        rows_per_request=self.rows_per_request)
+      result = generate(
+        [tr.context for tr in pending],
+        sampling_params,
+        n=1,
+        seed=(seed + 7_919 * turn + 104_729 * attempt) % 2**31,
+        extras=extras,
+        rows_per_request=self.rows_per_request,
+      )
       reasons.extend(result.rejection_reasons)
       for s in result.samples:
         out[id(pending[s.prompt_index])] = s
@@ -220,19 +242,20 @@ class Episodes:
     tr.logprobs += lps
     tr.turn_of += [turn] * len(ids)
     spans = [(v, a, min(b, len(ids))) for v, a, b in s.weight_versions if a < len(ids)] or [
-        (s.weight_version, 0, len(ids))]
+      (s.weight_version, 0, len(ids))
+    ]
     tr.spans += [(v, start + a, start + b) for v, a, b in spans]
     for e in extras:
       if e.name in (TurnIndex.name, agent_rewards.TurnReward.name):  # the driver's own: composed in `_sample`
         continue
       value = np.asarray(s.extras[e.name])
       if e.span == "response":
-        tr.parts[e.name].append((start, value[:len(ids)]))
+        tr.parts[e.name].append((start, value[: len(ids)]))
       else:  # the input positions this turn computed first (its prefill of the new context, then the
         # positions that sampled its tokens); earlier ones keep the turn that computed them (R3: each
         # turn's own routing for the tokens it sampled, even when the weights moved between turns)
-        rows, have = value[:context_len + len(ids) - 1], tr.sequence.get(e.name)
-        tr.sequence[e.name] = rows if have is None else np.concatenate([have, rows[len(have):]])
+        rows, have = value[: context_len + len(ids) - 1], tr.sequence.get(e.name)
+        tr.sequence[e.name] = rows if have is None else np.concatenate([have, rows[len(have) :]])
     tr.texts.append(s.text)
     tr.finish, tr.version, tr.turns = s.finish_reason, s.weight_version, tr.turns + 1
 
@@ -265,28 +288,41 @@ class Episodes:
         trailing = parts[0][1].shape[1:] if parts else ()
         value = np.full((length,) + trailing, e.fill, e.dtype)
         for start, part in parts:
-          value[start:start + len(part)] = part
+          value[start : start + len(part)] = part
         composed[e.name] = value
       else:
         rows = tr.sequence[e.name]
         value = np.full((len(tr.prompt) + length - 1,) + rows.shape[1:], e.fill, e.dtype)
-        value[:len(rows)] = rows
+        value[: len(rows)] = rows
         composed[e.name] = value
-    return Sample(prompt_index=tr.prompt_index, prompt_ids=tr.prompt, response_ids=tuple(tr.response),
-                  rollout_logprobs=tuple(tr.logprobs), finish_reason=tr.finish, text="".join(tr.texts),
-                  weight_version=tr.version, weight_versions=tuple(tr.spans), extras=composed, reward=tr.reward)
+    return Sample(
+      prompt_index=tr.prompt_index,
+      prompt_ids=tr.prompt,
+      response_ids=tuple(tr.response),
+      rollout_logprobs=tuple(tr.logprobs),
+      finish_reason=tr.finish,
+      text="".join(tr.texts),
+      weight_version=tr.version,
+      weight_versions=tuple(tr.spans),
+      extras=composed,
+      reward=tr.reward,
+    )
 
   def _metrics(self, trajs, samples, counts, env_s, total_s) -> dict:
     kept = [tr for tr in trajs if tr.dropped is None and tr.turns > 0]
     model = sum(sum(1 for t in tr.turn_of if t > 0) for tr in kept)
     env = sum(sum(1 for t in tr.turn_of if t == 0) for tr in kept)
-    out = {"agent/turns_mean": float(np.mean([tr.turns for tr in kept])) if kept else 0.0,
-           "agent/turns_max": float(max((tr.turns for tr in kept), default=0)),
-           "agent/truncated": sum(tr.truncated for tr in kept),
-           "agent/env_failures": int(counts.pop("env_failures", 0)),
-           "agent/model_tokens": model, "agent/env_tokens": env,
-           "agent/env_s": env_s, "agent/rollout_s": total_s,
-           "agent/env_concurrency": self.env_concurrency}
+    out = {
+      "agent/turns_mean": float(np.mean([tr.turns for tr in kept])) if kept else 0.0,
+      "agent/turns_max": float(max((tr.turns for tr in kept), default=0)),
+      "agent/truncated": sum(tr.truncated for tr in kept),
+      "agent/env_failures": int(counts.pop("env_failures", 0)),
+      "agent/model_tokens": model,
+      "agent/env_tokens": env,
+      "agent/env_s": env_s,
+      "agent/rollout_s": total_s,
+      "agent/env_concurrency": self.env_concurrency,
+    }
     for name in ("tool_calls", "tool_errors", "malformed_calls"):
       out[f"agent/{name}"] = int(counts.pop(name, 0))
     out.update({f"agent/{k}": int(v) for k, v in counts.items()})

@@ -34,8 +34,7 @@ import numpy as np
 
 from trainers.rollout import extras as extras_lib
 
-__all__ = ["TurnReward", "ESTIMATOR_SCALE", "turn_rewards", "turn_returns", "advantage_scale",
-           "token_advantages"]
+__all__ = ["TurnReward", "ESTIMATOR_SCALE", "turn_rewards", "turn_returns", "advantage_scale", "token_advantages"]
 
 # The sequence estimators per-turn rewards are defined for: how each scales `R - b` (contract §6.1).
 ESTIMATOR_SCALE = {"grpo": "1 / (std_g R + 1e-6), 1 for a group of one", "dr_grpo": "1", "rloo": "1"}
@@ -58,6 +57,7 @@ class TurnReward(extras_lib.TokenExtra):
   @staticmethod
   def record_type():
     import pyarrow as pa
+
     return pa.list_(pa.float32())
 
   def parse(self, reply):
@@ -65,8 +65,9 @@ class TurnReward(extras_lib.TokenExtra):
 
   def check_record(self, value, prompt_len, response_len):
     if value is None or len(value) != response_len:
-      return (f"column 'turn_reward' has {0 if value is None else len(value)} entries for a response of "
-              f"{response_len} tokens")
+      return (
+        f"column 'turn_reward' has {0 if value is None else len(value)} entries for a response of {response_len} tokens"
+      )
     if not np.all(np.isfinite(np.asarray(value, np.float64))):
       return "column 'turn_reward' holds a non-finite reward"
     return None
@@ -80,8 +81,10 @@ def turn_rewards(turn: np.ndarray, turn_reward: np.ndarray) -> np.ndarray:
   for k in np.unique(turn[turn > 0]):
     values = turn_reward[turn == k]
     if not np.all(values == values[0]):
-      raise ValueError(f"turn {k} carries several rewards ({sorted(set(values.tolist()))[:3]}): a turn's tokens "
-                       "share the reward of the observation that answered it")
+      raise ValueError(
+        f"turn {k} carries several rewards ({sorted(set(values.tolist()))[:3]}): a turn's tokens "
+        "share the reward of the observation that answered it"
+      )
     r[k] = values[0]
   return r
 
@@ -99,8 +102,9 @@ def advantage_scale(rewards: np.ndarray, groups: np.ndarray, *, estimator: str) 
   """`[N]`: the scale `s_i` of `R_i − b_i` in `estimator`'s advantage (see `ESTIMATOR_SCALE`), over
   the groups of the batch's trajectories (`groups`: each one's prompt index)."""
   if estimator not in ESTIMATOR_SCALE:
-    raise ValueError(f"per-turn rewards need a group-baseline estimator ({', '.join(ESTIMATOR_SCALE)}), "
-                     f"got {estimator!r}")
+    raise ValueError(
+      f"per-turn rewards need a group-baseline estimator ({', '.join(ESTIMATOR_SCALE)}), got {estimator!r}"
+    )
   rewards, groups = np.asarray(rewards, np.float64), np.asarray(groups)
   scale = np.ones(len(rewards))
   if estimator == "grpo":
@@ -111,8 +115,9 @@ def advantage_scale(rewards: np.ndarray, groups: np.ndarray, *, estimator: str) 
   return scale
 
 
-def token_advantages(samples: Sequence, rewards: np.ndarray, advantages: np.ndarray, groups: np.ndarray, *,
-                     estimator: str) -> list[np.ndarray]:
+def token_advantages(
+  samples: Sequence, rewards: np.ndarray, advantages: np.ndarray, groups: np.ndarray, *, estimator: str
+) -> list[np.ndarray]:
   """Per trajectory, float32 advantages at its input positions (`len(prompt) + len(response) − 1`,
   as `build_step_batch` lays tokens out): `A_i − s_i (R_i − G_j)` on each token of model turn `j`,
   `A_i` (the sequence estimator's advantage of `R_i`) elsewhere (prompt and environment tokens,
@@ -125,13 +130,15 @@ def token_advantages(samples: Sequence, rewards: np.ndarray, advantages: np.ndar
     r = turn_rewards(turn, s.extras[TurnReward.name])
     total = r.sum()
     if not np.isclose(total, rewards[i], rtol=1e-5, atol=1e-5):
-      raise ValueError(f"trajectory {i} (prompt {s.prompt_index}): its turn rewards sum to {total:g}, its reward is "
-                       f"{float(rewards[i]):g}")
+      raise ValueError(
+        f"trajectory {i} (prompt {s.prompt_index}): its turn rewards sum to {total:g}, its reward is "
+        f"{float(rewards[i]):g}"
+      )
     adv = np.full(len(s.prompt_ids) + len(s.response_ids) - 1, advantages[i], np.float64)
     # R_i - G_j is the reward earned before turn j: summed directly, so turn 1 keeps A_i bit for bit.
     earned_before = np.concatenate([[0.0], np.cumsum(r)])[turn]  # Σ_{k < j} r_k (r[0] = 0)
     model = turn > 0
-    adv[len(s.prompt_ids) - 1:][model] = advantages[i] - scale[i] * earned_before[model]
+    adv[len(s.prompt_ids) - 1 :][model] = advantages[i] - scale[i] * earned_before[model]
     out.append(adv.astype(np.float32))
   return out
 

@@ -53,10 +53,19 @@ def build_learner(spec: RunSpec, start_dir: str) -> tuple[Learner, memory_plan.M
   fns = step_functions(model_cfg, model, cfg.loss, spec.temperature, cfg.train, spec.mesh, exact_pass(cfg))
   params = load_hf_params(start_dir, fns.abstract_params, fns.param_shardings, config=model_cfg)
   r = cfg.rollout
-  learner = Learner(fns, spec.plan, params=params, mesh=spec.mesh, seed=cfg.seed, ppo_epochs=cfg.train.ppo_epochs,
-                    estimator=cfg.train.advantage_estimator, num_groups=r.prompts_per_step,
-                    num_segments=spec.num_segments, extras=spec.extras,
-                    ref_params=jax.tree_util.tree_map(jnp.copy, params) if cfg.loss.kl_coef > 0 else None)
+  learner = Learner(
+    fns,
+    spec.plan,
+    params=params,
+    mesh=spec.mesh,
+    seed=cfg.seed,
+    ppo_epochs=cfg.train.ppo_epochs,
+    estimator=cfg.train.advantage_estimator,
+    num_groups=r.prompts_per_step,
+    num_segments=spec.num_segments,
+    extras=spec.extras,
+    ref_params=jax.tree_util.tree_map(jnp.copy, params) if cfg.loss.kl_coef > 0 else None,
+  )
   return learner, choice
 
 
@@ -65,13 +74,22 @@ def build_batcher(spec: RunSpec, stages=()) -> StepBatcher:
   the mesh, per-token staleness where the run uses it), with the batch `stages` after it."""
   cfg = spec.cfg
   t, r = cfg.train, cfg.rollout
-  advantages = functools.partial(plan_lib.sequence_advantages, estimator=t.advantage_estimator,
-                                 num_groups=r.prompts_per_step)
+  advantages = functools.partial(
+    plan_lib.sequence_advantages, estimator=t.advantage_estimator, num_groups=r.prompts_per_step
+  )
   reward = getattr(spec.task, "reward", None)  # (none for an agent task: its environments reward)
-  return StepBatcher(reward=reward, advantages=advantages, extras=spec.extras,
-                     num_segments=spec.num_segments, row_len=t.row_len, tokens_per_micro_batch=t.tokens_per_micro_batch,
-                     batch_devices=parallel.batch_devices(spec.mesh), max_token_staleness=r.sync.max_token_staleness,
-                     loglinear=cfg.loss.proximal == "loglinear", stages=stages)
+  return StepBatcher(
+    reward=reward,
+    advantages=advantages,
+    extras=spec.extras,
+    num_segments=spec.num_segments,
+    row_len=t.row_len,
+    tokens_per_micro_batch=t.tokens_per_micro_batch,
+    batch_devices=parallel.batch_devices(spec.mesh),
+    max_token_staleness=r.sync.max_token_staleness,
+    loglinear=cfg.loss.proximal == "loglinear",
+    stages=stages,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +97,7 @@ class AgentParts:
   """What a multi-turn run adds to the loop: the episode driver and its environments (the rollout
   backend generates trajectories with them), the side jobs after each step (the mismatch by turn),
   and the batch stages (per-turn returns)."""
+
   episodes: tuple | None = None
   hooks: tuple = ()
   batch_stages: tuple = ()
@@ -92,23 +111,34 @@ def agent_parts(spec: RunSpec) -> AgentParts:
   cfg, task = spec.cfg, spec.task
   a, row = cfg.agent, cfg.train.row_len
   room = row + 1 - task.max_prompt_len  # a sequence of row_len + 1 tokens fills a row
-  driver = Episodes(max_turns=a.max_turns, max_total_tokens=min(a.max_total_tokens or room, room),
-                    max_context=row + 1, env_concurrency=a.env_concurrency, max_turn_retries=a.max_turn_retries,
-                    rows_per_request=cfg.rollout.transport.prompts_per_request * cfg.rollout.n)
+  driver = Episodes(
+    max_turns=a.max_turns,
+    max_total_tokens=min(a.max_total_tokens or room, room),
+    max_context=row + 1,
+    env_concurrency=a.env_concurrency,
+    max_turn_retries=a.max_turn_retries,
+    rows_per_request=cfg.rollout.transport.prompts_per_request * cfg.rollout.n,
+  )
   stages = (PerTurnAdvantages(cfg.train.advantage_estimator),) if a.per_turn_rewards else ()
   return AgentParts(episodes=(driver, task.environment), hooks=(TurnMismatch(a.max_turns),), batch_stages=stages)
 
 
 @functools.lru_cache(maxsize=8)
-def model_choice(model_cfg: ModelConfig, model: ModelSection, mesh,
-                 shape: memory_plan.ProbeShape) -> memory_plan.ModelChoice:
+def model_choice(
+  model_cfg: ModelConfig, model: ModelSection, mesh, shape: memory_plan.ProbeShape
+) -> memory_plan.ModelChoice:
   """`memory_plan.choose` over the candidates' compiled steps, each with the probe's loss and
   optimiser (`memory_plan.PROBE_LOSS`): once per model, shape and mesh in a process, and one
   program for the persistent compilation cache whatever the run's loss."""
+
   def predict(remat: str, attention: str) -> int:
-    fns = build_step_functions(model_cfg, mesh, memory_plan.PROBE_LOSS, memory_plan.PROBE_TRAIN,
-                               **model_options(dataclasses.replace(model, remat=remat, attention=attention),
-                                               model_cfg))
+    fns = build_step_functions(
+      model_cfg,
+      mesh,
+      memory_plan.PROBE_LOSS,
+      memory_plan.PROBE_TRAIN,
+      **model_options(dataclasses.replace(model, remat=remat, attention=attention), model_cfg),
+    )
     return memory_plan.step_bytes(fns, mesh, shape, within=budget.bytes)
 
   auto = memory_plan.AUTO in (model.remat, model.attention)
@@ -126,21 +156,34 @@ def exact_pass(cfg: TrainConfig) -> tuple[str, str] | None:
 
 
 @functools.lru_cache(maxsize=8)
-def step_functions(model_cfg: ModelConfig, model: ModelSection, loss_cfg: mis_jax.LossConfig,
-                   temperature: float, train_cfg, mesh, exact: tuple[str, str] | None = None) -> StepFunctions:
+def step_functions(
+  model_cfg: ModelConfig,
+  model: ModelSection,
+  loss_cfg: mis_jax.LossConfig,
+  temperature: float,
+  train_cfg,
+  mesh,
+  exact: tuple[str, str] | None = None,
+) -> StepFunctions:
   """The jitted step functions, shared by trainers with the same setup (so a resumed or
   repeated run in one process does not compile again)."""
-  return build_step_functions(model_cfg, mesh, loss_cfg, train_cfg, temperature=temperature, exact=exact,
-                              **model_options(model, model_cfg))
+  return build_step_functions(
+    model_cfg, mesh, loss_cfg, train_cfg, temperature=temperature, exact=exact, **model_options(model, model_cfg)
+  )
 
 
 def model_options(model: ModelSection, model_cfg: ModelConfig) -> dict:
   """`build_step_functions`' options of the model section (remat, attention and the layer loop
   resolved)."""
-  return dict(logprob_chunk=model.logprob_chunk, dtype=DTYPES[model.dtype], param_dtype=DTYPES[model.param_dtype],
-              attention=model.attention, remat=model.remat,
-              layer_loop=model.layer_loop,
-              **({"moe_dispatch": model.moe_dispatch} if model_cfg.is_moe else {}))
+  return dict(
+    logprob_chunk=model.logprob_chunk,
+    dtype=DTYPES[model.dtype],
+    param_dtype=DTYPES[model.param_dtype],
+    attention=model.attention,
+    remat=model.remat,
+    layer_loop=model.layer_loop,
+    **({"moe_dispatch": model.moe_dispatch} if model_cfg.is_moe else {}),
+  )
 
 
 def model_line(model: ModelSection, choice: memory_plan.ModelChoice, layer_loop: tuple[str, str]) -> str:
@@ -148,5 +191,7 @@ def model_line(model: ModelSection, choice: memory_plan.ModelChoice, layer_loop:
   why those."""
   attention, fallback = resolve_attention_backend(choice.attention)
   loop, why = layer_loop
-  return (f"model: {model.dtype} compute, {model.param_dtype} weights, remat {choice.remat}, attention {attention}"
-          f"{f' ({fallback})' if fallback else ''} ({choice.reason()}), layers {loop} ({why})")
+  return (
+    f"model: {model.dtype} compute, {model.param_dtype} weights, remat {choice.remat}, attention {attention}"
+    f"{f' ({fallback})' if fallback else ''} ({choice.reason()}), layers {loop} ({why})"
+  )

@@ -37,22 +37,26 @@ SAVE_CONCURRENT_GB = 1
 
 
 class Checkpointer:
-
   def __init__(self, directory: str, *, max_to_keep: int = 3, async_save: bool = True):
     self.directory = os.path.abspath(directory)
-    options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
-                                           create=True, temporary_path_class=_Commit)
-    handlers = {"state": ocp.StandardCheckpointHandler(save_concurrent_gb=SAVE_CONCURRENT_GB),
-                "meta": ocp.JsonCheckpointHandler()}
+    options = ocp.CheckpointManagerOptions(
+      max_to_keep=max_to_keep, enable_async_checkpointing=async_save, create=True, temporary_path_class=_Commit
+    )
+    handlers = {
+      "state": ocp.StandardCheckpointHandler(save_concurrent_gb=SAVE_CONCURRENT_GB),
+      "meta": ocp.JsonCheckpointHandler(),
+    }
     self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
     self._pending: int | None = None  # the step of a save that may still be in flight
 
   def save(self, step: int, state, meta: dict) -> None:
-    with self._failures(f"the checkpoint of step {self._pending}" if self._pending is not None else
-                        f"the checkpoint of step {step}"):
+    with self._failures(
+      f"the checkpoint of step {self._pending}" if self._pending is not None else f"the checkpoint of step {step}"
+    ):
       self._pending = step
-      self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                       meta=ocp.args.JsonSave(meta)))
+      self._manager.save(
+        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
+      )
 
   @contextlib.contextmanager
   def _failures(self, what: str):
@@ -62,9 +66,10 @@ class Checkpointer:
       yield
     except (OSError, ValueError, RuntimeError) as e:
       kept = self._manager.latest_step()
-      raise TrainingError(f"{what} could not be written to {self.directory}: {type(e).__name__}: {e}. "
-                          + (f"The last whole checkpoint is step {kept}." if kept is not None else
-                             "There is no whole checkpoint yet.")) from None
+      raise TrainingError(
+        f"{what} could not be written to {self.directory}: {type(e).__name__}: {e}. "
+        + (f"The last whole checkpoint is step {kept}." if kept is not None else "There is no whole checkpoint yet.")
+      ) from None
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -75,8 +80,9 @@ class Checkpointer:
     if step is None:
       return None
     abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like)
-    out = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
-                                                              meta=ocp.args.JsonRestore()))
+    out = self._manager.restore(
+      step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+    )
     return out["state"], out["meta"]
 
   def wait(self) -> None:

@@ -22,6 +22,7 @@ NONFINITE_WARN_FRACTION = 0.01
 class StepDone:
   """A finished step as the side jobs see it: its number (`step`, counted from 1), its batch, its
   rollout, its outcome and the learner (holding the updated weights)."""
+
   step: int
   sb: StepBatch
   rollout: object
@@ -64,9 +65,11 @@ class MaskedSteps:
   def after_step(self, step: int, metrics: dict, ratio_range, log=print) -> None:
     nonfinite = metrics.get("mis_nonfinite_rollout_logprob_fraction", 0.0)
     if nonfinite > NONFINITE_WARN_FRACTION and distributed.is_primary():  # contract §8.4
-      log(f"warning: step {step}: {nonfinite:.2%} of the trained tokens had a NaN/inf rollout log-prob and "
-               f"were masked (mis_nonfinite_rollout_logprob_count "
-               f"{metrics.get('mis_nonfinite_rollout_logprob_count', 0):.0f}); look at the engine's log-probs")
+      log(
+        f"warning: step {step}: {nonfinite:.2%} of the trained tokens had a NaN/inf rollout log-prob and "
+        f"were masked (mis_nonfinite_rollout_logprob_count "
+        f"{metrics.get('mis_nonfinite_rollout_logprob_count', 0):.0f}); look at the engine's log-probs"
+      )
     all_stale = metrics.get("rollout/stale_token_fraction", 0.0) >= 1.0  # max_token_staleness left nothing
     if metrics.get("mis_masked_whole_batch", 0.0) < 1.0 and not all_stale:
       self.in_a_row = 0
@@ -75,21 +78,27 @@ class MaskedSteps:
     what, advice = self._why(step, all_stale, ratio_range)
     limit = self.cfg.train.max_consecutive_masked_steps
     if self.in_a_row >= limit:
-      raise TrainingError(f"{what}; {limit} steps in a row kept no token (train.max_consecutive_masked_steps): "
-                          f"stopping. {advice}")
+      raise TrainingError(
+        f"{what}; {limit} steps in a row kept no token (train.max_consecutive_masked_steps): stopping. {advice}"
+      )
     if distributed.is_primary():
       log(f"warning: {what} ({self.in_a_row} in a row; the run stops at {limit})")
 
   def _why(self, step: int, all_stale: bool, ratio_range) -> tuple[str, str]:
     if all_stale:
-      return (f"step {step}: no response token was generated within rollout.sync.max_token_staleness "
-              f"({self.cfg.rollout.sync.max_token_staleness}) versions of the weights trained",
-              "Raise rollout.sync.max_token_staleness, or lower rollout.sync.max_staleness / sync_every")
+      return (
+        f"step {step}: no response token was generated within rollout.sync.max_token_staleness "
+        f"({self.cfg.rollout.sync.max_token_staleness}) versions of the weights trained",
+        "Raise rollout.sync.max_token_staleness, or lower rollout.sync.max_staleness / sync_every",
+      )
     mis = self.cfg.loss.mis
     defaults = mis_jax.MISConfig().to_dict()
-    setting = (", ".join(f"{k} {v}" for k, v in mis.to_dict().items() if v != defaults[k]) if mis is not None
-               else "vanilla TIS")
+    setting = (
+      ", ".join(f"{k} {v}" for k, v in mis.to_dict().items() if v != defaults[k]) if mis is not None else "vanilla TIS"
+    )
     lo, hi = ratio_range
-    return (f"step {step}: the correction kept no token (loss.mis: {setting or 'the defaults'}); the step's "
-            f"raw IS ratios pi_train/pi_rollout lay in [{lo:.3g}, {hi:.3g}]",
-            "Loosen the bounds or look at the engine's log-probs")
+    return (
+      f"step {step}: the correction kept no token (loss.mis: {setting or 'the defaults'}); the step's "
+      f"raw IS ratios pi_train/pi_rollout lay in [{lo:.3g}, {hi:.3g}]",
+      "Loosen the bounds or look at the engine's log-probs",
+    )

@@ -24,10 +24,13 @@ def resolve_train_config(args):
     config_lib.set_override(raw, assignment)
     explicit[assignment.partition("=")[0]] = assignment
   origins = {path: f"--set {assignment}" for path, assignment in explicit.items()}
-  for flag, path, value in (("--run-dir", "run_dir", args.run_dir), ("--steps", "train.steps", args.steps),
-                            ("--save-rollouts", "rollout.records.save_dir", args.save_rollouts),
-                            ("--load-rollouts", "rollout.records.load_dir", args.load_rollouts),
-                            ("--router", "rollout.transport.router", args.router)):
+  for flag, path, value in (
+    ("--run-dir", "run_dir", args.run_dir),
+    ("--steps", "train.steps", args.steps),
+    ("--save-rollouts", "rollout.records.save_dir", args.save_rollouts),
+    ("--load-rollouts", "rollout.records.load_dir", args.load_rollouts),
+    ("--router", "rollout.transport.router", args.router),
+  ):
     if value is None:
       continue
     if path in explicit and str(value) != explicit[path].partition("=")[2]:
@@ -41,6 +44,8 @@ def resolve_train_config(args):
   for url in args.sglang_url + ([cfg.rollout.transport.router] if cfg.rollout.transport.router else []):
     checks.check_url(url)
   if cfg.rollout.transport.router and args.sglang_url:
-    raise mis_jax.ConfigError(f"--sglang-url {args.sglang_url[0]} beside rollout.transport.router "
-                              f"{cfg.rollout.transport.router}: the workers are the router's own list; give one of them")
+    raise mis_jax.ConfigError(
+      f"--sglang-url {args.sglang_url[0]} beside rollout.transport.router "
+      f"{cfg.rollout.transport.router}: the workers are the router's own list; give one of them"
+    )
   return cfg, resolve(cfg)

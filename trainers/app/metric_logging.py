@@ -26,8 +26,9 @@ class MetricLogger:
     stream: where progress goes (default stdout); a TTY gets a tqdm bar.
   """
 
-  def __init__(self, run_dir: str, logging_cfg, *, total_steps: int, initial_step: int = 0, progress: bool = True,
-               stream=None):
+  def __init__(
+    self, run_dir: str, logging_cfg, *, total_steps: int, initial_step: int = 0, progress: bool = True, stream=None
+  ):
     self.path = os.path.join(run_dir, "metrics.jsonl")
     _keep_rows_up_to(self.path, initial_step)
     self.cfg = logging_cfg
@@ -39,6 +40,7 @@ class MetricLogger:
     self.progress = progress
     if progress and _isatty(self.stream):
       from tqdm import tqdm
+
       self.bar = tqdm(total=total_steps, initial=initial_step, desc="train", file=self.stream)
 
   def log(self, step: int, metrics: dict) -> None:
@@ -100,8 +102,10 @@ def _tensorboard(run_dir: str):
   try:
     from tensorboardX.writer import FileWriter
   except ImportError:
-    warnings.warn("logging.tensorboard is on but tensorboardX is not installed (pip install 'mis_jax[train]'); "
-                  "metrics go to metrics.jsonl only")
+    warnings.warn(
+      "logging.tensorboard is on but tensorboardX is not installed (pip install 'mis_jax[train]'); "
+      "metrics go to metrics.jsonl only"
+    )
     return None
   return FileWriter(os.path.join(run_dir, "tensorboard"))
 
@@ -110,6 +114,7 @@ def _summary(scalars: dict):
   """One TensorBoard `Summary` holding every scalar (each the value tensorboardX's `scalar` makes)."""
   from tensorboardX.proto.summary_pb2 import Summary
   from tensorboardX.summary import scalar
+
   return Summary(value=[v for k, x in scalars.items() for v in scalar(k, float(x)).value])
 
 
@@ -117,7 +122,12 @@ def _wandb(run_dir: str, cfg):
   try:
     import wandb
   except ImportError:
-    raise RuntimeError("logging.wandb is true but wandb is not installed: pip install wandb "
-                       "(or set logging.wandb: false)") from None
-  return wandb.init(project=cfg.wandb_project or "mis-jax", name=cfg.wandb_run_name or os.path.basename(run_dir),
-                    dir=run_dir, resume="allow")
+    raise RuntimeError(
+      "logging.wandb is true but wandb is not installed: pip install wandb (or set logging.wandb: false)"
+    ) from None
+  return wandb.init(
+    project=cfg.wandb_project or "mis-jax",
+    name=cfg.wandb_run_name or os.path.basename(run_dir),
+    dir=run_dir,
+    resume="allow",
+  )

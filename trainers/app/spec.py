@@ -42,6 +42,7 @@ class RunSpec:
   the `layer_loop` and why, the `temperature` the trainer's log-probs use (SGLang reports T = 1
   for greedy sampling), a sample's `max_new_tokens`, whether the task is multi-turn (`agent`), the
   rollout `backend` (`BACKENDS`) and the step's segments (`num_segments`)."""
+
   cfg: TrainConfig
   task: object
   model_config: ModelConfig
@@ -60,9 +61,16 @@ class RunSpec:
   def sampling_params(self) -> dict:
     """SGLang's sampling params of every request of the run."""
     s = self.cfg.rollout.sampling
-    return {"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p,
-            "max_new_tokens": self.max_new_tokens, "stop_token_ids": list(self.task.stop_token_ids),
-            "no_stop_trim": True, "skip_special_tokens": False}
+    return {
+      "temperature": s.temperature,
+      "top_p": s.top_p,
+      "top_k": s.top_k,
+      "min_p": s.min_p,
+      "max_new_tokens": self.max_new_tokens,
+      "stop_token_ids": list(self.task.stop_token_ids),
+      "no_stop_trim": True,
+      "skip_special_tokens": False,
+    }
 
   def describe(self) -> list[str]:
     """The start-up lines of what the run does besides the model line: the old log-probs' source,
@@ -90,16 +98,34 @@ def resolve(cfg: TrainConfig, *, devices=None, task=None) -> RunSpec:
   checks.check_config(cfg, task, model_cfg, rollout, max_new_tokens=max_new_tokens, agent=agent)
   mesh = parallel.make_mesh(cfg.parallel, devices)
   checks.check_mesh(cfg, mesh, model_cfg)
-  extras = extras_lib.active(rollout, model_cfg) + (Episodes.declared_extras(cfg.agent.per_turn_rewards)
-                                                   if agent else ())
+  extras = extras_lib.active(rollout, model_cfg) + (
+    Episodes.declared_extras(cfg.agent.per_turn_rewards) if agent else ()
+  )
   r = cfg.rollout
-  backend = ("records" if r.records.load_dir else "colocated" if r.placement.mode == "colocated"
-             else "router" if r.transport.router else "servers")
-  return RunSpec(cfg=cfg, task=task, model_config=model_cfg, mesh=mesh, rollout=rollout, plan=plan, extras=extras,
-                 layer_loop=resolve_layer_loop(cfg.model.layer_loop, model_cfg.num_hidden_layers),
-                 temperature=r.sampling.temperature if r.sampling.temperature > 0 else 1.0,
-                 max_new_tokens=max_new_tokens, agent=agent, backend=backend,
-                 num_segments=r.prompts_per_step * r.n)
+  backend = (
+    "records"
+    if r.records.load_dir
+    else "colocated"
+    if r.placement.mode == "colocated"
+    else "router"
+    if r.transport.router
+    else "servers"
+  )
+  return RunSpec(
+    cfg=cfg,
+    task=task,
+    model_config=model_cfg,
+    mesh=mesh,
+    rollout=rollout,
+    plan=plan,
+    extras=extras,
+    layer_loop=resolve_layer_loop(cfg.model.layer_loop, model_cfg.num_hidden_layers),
+    temperature=r.sampling.temperature if r.sampling.temperature > 0 else 1.0,
+    max_new_tokens=max_new_tokens,
+    agent=agent,
+    backend=backend,
+    num_segments=r.prompts_per_step * r.n,
+  )
 
 
 def model_config(cfg: TrainConfig) -> ModelConfig:
@@ -114,5 +140,6 @@ def model_config(cfg: TrainConfig) -> ModelConfig:
   try:
     return ModelConfig.from_pretrained(path)
   except (ValueError, KeyError, json.JSONDecodeError) as e:
-    raise mis_jax.ConfigError(f"model.path {path!r}: config.json is not a supported config (architectures: Qwen2, "
-                              f"Qwen3, Qwen3-MoE, Llama): {e}") from None
+    raise mis_jax.ConfigError(
+      f"model.path {path!r}: config.json is not a supported config (architectures: Qwen2, Qwen3, Qwen3-MoE, Llama): {e}"
+    ) from None

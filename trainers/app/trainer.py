@@ -57,13 +57,30 @@ class Trainer:
     self.preemption, self.preempted = Preemption(), False
     r = cfg.rollout
     sampling = Sampling(spec.sampling_params, r.n, cfg.seed, spec.extras)
-    self.servers, self.source = build_rollout(cfg, urls=urls, start_dir=start_dir, model_config=spec.model_config,
-                                              sampling=sampling, mesh=self.mesh, prompts=self.prompts,
-                                              episodes=agent.episodes)
-    self.records = (RecordWriter(r.records.save_dir, extras=spec.extras,
-                                 meta={"sampling_params": sampling.params, "temperature": spec.temperature,
-                                       "config": cfg.to_dict(), "loss": cfg.loss.to_dict()})
-                    if r.records.save_dir else NoRecords())
+    self.servers, self.source = build_rollout(
+      cfg,
+      urls=urls,
+      start_dir=start_dir,
+      model_config=spec.model_config,
+      sampling=sampling,
+      mesh=self.mesh,
+      prompts=self.prompts,
+      episodes=agent.episodes,
+    )
+    self.records = (
+      RecordWriter(
+        r.records.save_dir,
+        extras=spec.extras,
+        meta={
+          "sampling_params": sampling.params,
+          "temperature": spec.temperature,
+          "config": cfg.to_dict(),
+          "loss": cfg.loss.to_dict(),
+        },
+      )
+      if r.records.save_dir
+      else NoRecords()
+    )
     self.hooks = (hooks.Records(self.records), *agent.hooks, hooks.WeightPush(self.servers, self.preemption.asked))
     self.masked = hooks.MaskedSteps(cfg)
 
@@ -129,8 +146,10 @@ class Trainer:
       if distributed.is_primary():
         log(f"resumed from checkpoint at step {self.step} ({self.checkpoints.directory})")
     elif self.checkpoints.latest_step() is not None:
-      raise TrainingError(f"{self.run_dir} already holds checkpoints (latest step "
-                          f"{self.checkpoints.latest_step()}): pass --resume, or choose another run_dir")
+      raise TrainingError(
+        f"{self.run_dir} already holds checkpoints (latest step "
+        f"{self.checkpoints.latest_step()}): pass --resume, or choose another run_dir"
+      )
     open_parts.callback(self.servers.close)
     open_parts.callback(self.checkpoints.close)  # waits for an in-flight async save: the last checkpoint is whole
     open_parts.callback(self.source.close)
@@ -143,8 +162,9 @@ class Trainer:
     if not distributed.is_primary():
       return lambda step, metrics: None
     # Rows past the restored step (a run stopped after logging them) are dropped: each step once.
-    logger = MetricLogger(self.run_dir, self.cfg.logging, total_steps=self.cfg.train.steps, initial_step=self.step,
-                          progress=progress)
+    logger = MetricLogger(
+      self.run_dir, self.cfg.logging, total_steps=self.cfg.train.steps, initial_step=self.step, progress=progress
+    )
     open_parts.callback(logger.close)
     return logger.log
 
@@ -179,19 +199,37 @@ class Trainer:
     """What a step logs besides the loss's metrics: rewards, sample counts, phase times."""
     result = rollout.result
     trained = int(np.asarray(sb.batch.loss_mask).sum())
-    return {"step": self.step, "reward_mean": float(sb.rewards.mean()), "reward_std": float(sb.rewards.std()),
-            "response_length": float(sb.response_lengths.mean()), "num_samples": len(result.samples),
-            "num_aborted": result.num_aborted, "num_rejected": result.num_rejected,
-            "rollout_s": t1 - t0, "train_s": t2 - t1, "sync_s": t3 - t2, "step_s": t3 - t0,
-            "tokens_per_s": trained / max(t3 - t0, 1e-9),
-            "server_weight_version": result.samples[0].weight_version, **rollout.metrics, **sb.metrics,
-            **self.servers.step_done()}
+    return {
+      "step": self.step,
+      "reward_mean": float(sb.rewards.mean()),
+      "reward_std": float(sb.rewards.std()),
+      "response_length": float(sb.response_lengths.mean()),
+      "num_samples": len(result.samples),
+      "num_aborted": result.num_aborted,
+      "num_rejected": result.num_rejected,
+      "rollout_s": t1 - t0,
+      "train_s": t2 - t1,
+      "sync_s": t3 - t2,
+      "step_s": t3 - t0,
+      "tokens_per_s": trained / max(t3 - t0, 1e-9),
+      "server_weight_version": result.samples[0].weight_version,
+      **rollout.metrics,
+      **sb.metrics,
+      **self.servers.step_done(),
+    }
 
   # --- checkpoints ---------------------------------------------------------------------
   def save_checkpoint(self):
-    self.checkpoints.save(self.step, {"params": self.params, "opt_state": self.opt_state},
-                          {"step": self.step, "seed": self.cfg.seed, "num_old_logprob_passes": self.num_old_logprob_passes,
-                           "batch_index": self.source.next_batch})
+    self.checkpoints.save(
+      self.step,
+      {"params": self.params, "opt_state": self.opt_state},
+      {
+        "step": self.step,
+        "seed": self.cfg.seed,
+        "num_old_logprob_passes": self.num_old_logprob_passes,
+        "batch_index": self.source.next_batch,
+      },
+    )
 
   def restore_latest(self) -> bool:
     restored = self.checkpoints.restore_latest({"params": self.params, "opt_state": self.opt_state})
@@ -205,9 +243,24 @@ class Trainer:
     return True
 
 
-SUMMARY_KEYS = ["reward_mean", "loss", "pg_loss", "pg_clipfrac", "ppo_kl", "grad_norm", "entropy_loss",
-                "mis_kl", "mis_k3_kl", "train_rollout_logprob_abs_diff", "mis_is_ratio_mean_final",
-                "mis_kept_token_fraction", "tokens_per_s", "rollout_s", "train_s", "sync_s"]
+SUMMARY_KEYS = [
+  "reward_mean",
+  "loss",
+  "pg_loss",
+  "pg_clipfrac",
+  "ppo_kl",
+  "grad_norm",
+  "entropy_loss",
+  "mis_kl",
+  "mis_k3_kl",
+  "train_rollout_logprob_abs_diff",
+  "mis_is_ratio_mean_final",
+  "mis_kept_token_fraction",
+  "tokens_per_s",
+  "rollout_s",
+  "train_s",
+  "sync_s",
+]
 
 
 def print_summary(history: list[dict], cfg) -> None:

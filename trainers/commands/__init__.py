@@ -7,12 +7,14 @@ from __future__ import annotations
 import importlib
 
 COMMANDS = {  # name -> (module, one line of help)
-    "analyze": ("trainers.commands.analyze", "report the train-rollout mismatch of saved rollout records"),
-    "init-model": ("trainers.commands.init_model", "write a tiny random HF checkpoint (tests, demo)"),
-    "launch": ("trainers.commands.launch",
-               "start one role of a fleet (trainer, worker, router) from the scheduler's environment"),
-    "serve": ("trainers.commands.serve", "serve an HF checkpoint over SGLang's native HTTP API"),
-    "train": ("trainers.commands.train", "RL training with rollout correction on SGLang rollouts"),
+  "analyze": ("trainers.commands.analyze", "report the train-rollout mismatch of saved rollout records"),
+  "init-model": ("trainers.commands.init_model", "write a tiny random HF checkpoint (tests, demo)"),
+  "launch": (
+    "trainers.commands.launch",
+    "start one role of a fleet (trainer, worker, router) from the scheduler's environment",
+  ),
+  "serve": ("trainers.commands.serve", "serve an HF checkpoint over SGLang's native HTTP API"),
+  "train": ("trainers.commands.train", "RL training with rollout correction on SGLang rollouts"),
 }
 
 

@@ -40,27 +40,51 @@ SERVER_ENTRY = {"sglang": ("-m", "sglang.launch_server"), "sglang-jax": ("-P", s
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="mis-jax launch", description="Start one role of a fleet (docs/guides/fleet.md).")
   p.add_argument("--role", required=True, choices=ROLES)
-  p.add_argument("--router", default=os.environ.get("MIS_JAX_ROUTER"), metavar="URL",
-                 help="the router's URL (worker: where it registers; trainer: rollout.transport.router)")
+  p.add_argument(
+    "--router",
+    default=os.environ.get("MIS_JAX_ROUTER"),
+    metavar="URL",
+    help="the router's URL (worker: where it registers; trainer: rollout.transport.router)",
+  )
   p.add_argument("--host", default="127.0.0.1", help="router, worker: the address to bind (0.0.0.0: every interface)")
   p.add_argument("--port", type=int, default=None, help="router (MIS_JAX_ROUTER_PORT, 30080), worker (0: a free one)")
   p.add_argument("--policy", default="cache_aware", help="router: its routing policy")
   p.add_argument("--worker-url", action="append", default=[], help="router: workers it starts with (repeatable)")
-  p.add_argument("--engine", default="embedded", choices=ENGINES,
-                 help="worker: `mis-jax serve` (embedded, loopback only), SGLang or sglang-jax (their HTTP servers)")
+  p.add_argument(
+    "--engine",
+    default="embedded",
+    choices=ENGINES,
+    help="worker: `mis-jax serve` (embedded, loopback only), SGLang or sglang-jax (their HTTP servers)",
+  )
   p.add_argument("--python", default=sys.executable, help="worker (sglang, sglang-jax): the interpreter that has it")
-  p.add_argument("--advertise", default=None, metavar="HOST",
-                 help="worker: the address the router and the trainer reach it at (default: --host, or this "
-                 "machine's hostname when --host is 0.0.0.0)")
+  p.add_argument(
+    "--advertise",
+    default=None,
+    metavar="HOST",
+    help="worker: the address the router and the trainer reach it at (default: --host, or this "
+    "machine's hostname when --host is 0.0.0.0)",
+  )
   p.add_argument("--model-path", default=None, help="worker: the HF checkpoint it serves")
   p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="worker: its precision")
   p.add_argument("--seed", type=int, default=0, help="worker (embedded): seeds requests that bring none")
-  p.add_argument("--start-timeout", type=float, default=900.0,
-                 help="worker: seconds until its server is healthy; trainer: until --wait-workers are registered")
-  p.add_argument("--wait-workers", type=int, default=0, metavar="N",
-                 help="trainer: start once the router lists N workers (they load their model first)")
-  p.add_argument("rest", nargs=argparse.REMAINDER,
-                 help="trainer: `-- <mis-jax train arguments>`; worker (sglang, sglang-jax): `-- <server arguments>`")
+  p.add_argument(
+    "--start-timeout",
+    type=float,
+    default=900.0,
+    help="worker: seconds until its server is healthy; trainer: until --wait-workers are registered",
+  )
+  p.add_argument(
+    "--wait-workers",
+    type=int,
+    default=0,
+    metavar="N",
+    help="trainer: start once the router lists N workers (they load their model first)",
+  )
+  p.add_argument(
+    "rest",
+    nargs=argparse.REMAINDER,
+    help="trainer: `-- <mis-jax train arguments>`; worker (sglang, sglang-jax): `-- <server arguments>`",
+  )
   return p
 
 
@@ -68,6 +92,7 @@ def _jax_cluster(name: str):
   """jax's own cluster detection (`jax.distributed.initialize()` with no arguments runs the same
   classes; jax has no public API for them): `slurm` or `gketpu`."""
   from jax._src import clusters
+
   return next(c for c in clusters.ClusterEnv._cluster_types if c.name == name)
 
 
@@ -104,13 +129,15 @@ def trainer_env() -> dict[str, str]:
   else:
     return {}
   if not coordinator:
-    raise ValueError("several trainer processes need the coordinator's HOST:PORT: set MIS_JAX_COORDINATOR "
-                     "(or JAX_COORDINATOR_ADDRESS)")
+    raise ValueError(
+      "several trainer processes need the coordinator's HOST:PORT: set MIS_JAX_COORDINATOR (or JAX_COORDINATOR_ADDRESS)"
+    )
   return {"JAX_PROCESS_ID": str(pid), "JAX_NUM_PROCESSES": str(num), "JAX_COORDINATOR_ADDRESS": coordinator}
 
 
 def _router(args) -> int:
   from trainers.serving import router as router_lib
+
   port = args.port or int(os.environ.get("MIS_JAX_ROUTER_PORT", "30080"))
   cmd = router_lib.router_command(host=args.host, port=port, worker_urls=args.worker_url, policy=args.policy)
   print(f"router on http://{args.host}:{port} ({args.policy})", flush=True)
@@ -120,8 +147,19 @@ def _router(args) -> int:
 def worker_command(args) -> list[str]:
   """The command line of an `sglang` or `sglang-jax` worker: its HTTP server on `--host:--port`."""
   rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
-  return [args.python, *SERVER_ENTRY[args.engine], "--model-path", args.model_path, "--host", args.host,
-          "--port", str(args.port or 30000), "--dtype", args.dtype, *rest]
+  return [
+    args.python,
+    *SERVER_ENTRY[args.engine],
+    "--model-path",
+    args.model_path,
+    "--host",
+    args.host,
+    "--port",
+    str(args.port or 30000),
+    "--dtype",
+    args.dtype,
+    *rest,
+  ]
 
 
 def advertised_url(args, url: str) -> str:
@@ -138,9 +176,11 @@ def _server(args):
   """(url, process) of the worker's server while it runs; stopped on exit."""
   from trainers.serving import router as router_lib
   from trainers.serving.embedded.server import EmbeddedServer
+
   if args.engine == "embedded":
-    with EmbeddedServer(args.model_path, dtype=args.dtype, seed=args.seed, port=args.port or 0,
-                        timeout=args.start_timeout) as server:
+    with EmbeddedServer(
+      args.model_path, dtype=args.dtype, seed=args.seed, port=args.port or 0, timeout=args.start_timeout
+    ) as server:
       yield server.url, server.process
     return
   process = subprocess.Popen(worker_command(args), preexec_fn=router_lib.die_with_parent)
@@ -159,12 +199,16 @@ def _server(args):
 
 def _worker(args) -> int:
   from trainers.serving import router as router_lib
+
   if not args.model_path or not args.router:
     print("mis-jax launch --role worker needs --model-path and --router (or MIS_JAX_ROUTER)", file=sys.stderr)
     return 2
   if args.engine == "embedded" and args.host not in ("127.0.0.1", "localhost"):
-    print(f"mis-jax launch --role worker: --engine embedded (mis-jax serve) binds loopback only, not --host "
-          f"{args.host}; off one machine use --engine sglang or sglang-jax", file=sys.stderr)
+    print(
+      f"mis-jax launch --role worker: --engine embedded (mis-jax serve) binds loopback only, not --host "
+      f"{args.host}; off one machine use --engine sglang or sglang-jax",
+      file=sys.stderr,
+    )
     return 2
   stop = threading.Event()
   for sig in (signal.SIGTERM, signal.SIGINT):
@@ -214,6 +258,7 @@ def wait_for_workers(router_url: str, count: int, timeout: float) -> None:
   import httpx
 
   from trainers.serving import router as router_lib
+
   deadline = time.monotonic() + timeout
   router_lib.wait_healthy(router_url, timeout)
   listed = []
@@ -225,8 +270,9 @@ def wait_for_workers(router_url: str, count: int, timeout: float) -> None:
     if len(listed) >= count:
       return
     time.sleep(1.0)
-  raise TimeoutError(f"router {router_url} lists {len(listed)} worker(s) after {timeout:.0f} s, not the "
-                     f"{count} of --wait-workers")
+  raise TimeoutError(
+    f"router {router_url} lists {len(listed)} worker(s) after {timeout:.0f} s, not the {count} of --wait-workers"
+  )
 
 
 def main(argv: list[str] | None = None) -> int:

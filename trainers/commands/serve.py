@@ -6,6 +6,5 @@ from __future__ import annotations
 from trainers.serving.embedded import server
 
 
-
 def main(argv: list[str] | None = None) -> int:
   return server.main(argv)

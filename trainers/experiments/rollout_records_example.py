@@ -21,8 +21,19 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   shutil.rmtree(args.out, ignore_errors=True)
   with tempfile.TemporaryDirectory() as run_dir:
-    code = command("train").main(["--config", "configs/demo.yaml", "--steps", "6", "--no-progress",
-                     "--run-dir", os.path.join(run_dir, "run"), "--save-rollouts", args.out])
+    code = command("train").main(
+      [
+        "--config",
+        "configs/demo.yaml",
+        "--steps",
+        "6",
+        "--no-progress",
+        "--run-dir",
+        os.path.join(run_dir, "run"),
+        "--save-rollouts",
+        args.out,
+      ]
+    )
     if code:
       return code
   return command("analyze").main([args.out, "--out", os.path.join(args.out, "report")])

@@ -30,6 +30,7 @@ def _bucket(n: int) -> int:
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """How a step's rows are split: `micro_batches × rows_per_micro_batch` rows of `row_len`."""
+
   micro_batches: int
   rows_per_micro_batch: int
   row_len: int
@@ -63,6 +64,7 @@ def plan_layout(lengths, *, row_len: int, tokens_per_micro_batch: int, batch_dev
 @dataclasses.dataclass
 class StepBatch:
   """One step's packed batch (`[micro_batches, rows, row_len]` arrays) and its model inputs."""
+
   batch: mis_jax.PackedBatch
   input_ids: np.ndarray
   positions: np.ndarray
@@ -111,19 +113,35 @@ def fresh_tokens(staleness: list[np.ndarray], max_token_staleness: int) -> tuple
   in each quarter of their response (`_q1` the first)."""
   fresh = [st <= max_token_staleness for st in staleness]
   all_st = np.concatenate(staleness) if staleness else np.zeros(0)
-  quarter = np.concatenate([np.minimum(4 * np.arange(len(st)) // max(len(st), 1), 3) for st in staleness]
-                           ) if staleness else np.zeros(0, int)
-  metrics = {"rollout/stale_token_fraction": float(np.mean(all_st > max_token_staleness)) if all_st.size else 0.0,
-             "rollout/token_staleness_mean": float(all_st.mean()) if all_st.size else 0.0}
+  quarter = (
+    np.concatenate([np.minimum(4 * np.arange(len(st)) // max(len(st), 1), 3) for st in staleness])
+    if staleness
+    else np.zeros(0, int)
+  )
+  metrics = {
+    "rollout/stale_token_fraction": float(np.mean(all_st > max_token_staleness)) if all_st.size else 0.0,
+    "rollout/token_staleness_mean": float(all_st.mean()) if all_st.size else 0.0,
+  }
   for q in range(4):
     at = all_st[quarter == q]
     metrics[f"rollout/token_staleness_q{q + 1}"] = float(at.mean()) if at.size else 0.0
   return fresh, metrics
 
 
-def build_step_batch(samples, rewards, advantages, groups, *, num_segments: int, row_len: int,
-                     tokens_per_micro_batch: int, batch_devices: int, extras=(), trained_tokens=None,
-                     staleness=None) -> StepBatch:
+def build_step_batch(
+  samples,
+  rewards,
+  advantages,
+  groups,
+  *,
+  num_segments: int,
+  row_len: int,
+  tokens_per_micro_batch: int,
+  batch_devices: int,
+  extras=(),
+  trained_tokens=None,
+  staleness=None,
+) -> StepBatch:
   """Packs `samples` (with `prompt_ids`, `response_ids`, `rollout_logprobs`) and their
   per-sequence `advantages` into a :class:`StepBatch`. Each of the run's per-token `extras`
   (`trainers.rollout.extras`) is packed from the samples' `extras` by `extras.pack` into
@@ -150,25 +168,36 @@ def build_step_batch(samples, rewards, advantages, groups, *, num_segments: int,
       st[response] = staleness[k]
       stale.append(st)
   lengths = [len(x) for x in inputs]
-  layout = plan_layout(lengths, row_len=row_len, tokens_per_micro_batch=tokens_per_micro_batch,
-                       batch_devices=batch_devices)
+  layout = plan_layout(
+    lengths, row_len=row_len, tokens_per_micro_batch=tokens_per_micro_batch, batch_devices=batch_devices
+  )
   packing = mis_jax.plan_packing(lengths, row_len, num_rows=layout.num_rows)
   shaped = lambda x: np.asarray(x).reshape(layout.shape)
   pack = lambda xs, fill, dtype: shaped(packing.pack(xs, fill, dtype))
   advs = [np.full(n, a, np.float32) for n, a in zip(lengths, advantages)]
   batch = mis_jax.PackedBatch(
-      segment_ids=shaped(packing.segment_ids), loss_mask=pack(masks, False, bool),
-      advantages=pack(advs, 0.0, np.float32), rollout_logprobs=pack(q, 0.0, np.float32),
-      rollout_staleness=pack(stale, 0.0, np.float32) if staleness is not None else None,
-      num_segments=num_segments)
+    segment_ids=shaped(packing.segment_ids),
+    loss_mask=pack(masks, False, bool),
+    advantages=pack(advs, 0.0, np.float32),
+    rollout_logprobs=pack(q, 0.0, np.float32),
+    rollout_staleness=pack(stale, 0.0, np.float32) if staleness is not None else None,
+    num_segments=num_segments,
+  )
   packed = {e.name: extras_lib.pack(e, samples, packing, layout.shape) for e in extras}
   batch = batch.replace(**{e.batch_field: packed[e.name] for e in extras if e.batch_field})  # e.g. the sampler's top-k
-  return StepBatch(batch=batch, input_ids=pack(inputs, 0, np.int32), positions=shaped(packing.positions),
-                   targets=pack(targets, 0, np.int32), rewards=np.asarray(rewards, np.float32),
-                   advantages=np.asarray(advantages, np.float32),
-                   response_lengths=np.array([len(s.response_ids) for s in samples]),
-                   groups=np.asarray(groups, np.int32), packing=packing, layout=layout,
-                   extras=packed)
+  return StepBatch(
+    batch=batch,
+    input_ids=pack(inputs, 0, np.int32),
+    positions=shaped(packing.positions),
+    targets=pack(targets, 0, np.int32),
+    rewards=np.asarray(rewards, np.float32),
+    advantages=np.asarray(advantages, np.float32),
+    response_lengths=np.array([len(s.response_ids) for s in samples]),
+    groups=np.asarray(groups, np.int32),
+    packing=packing,
+    layout=layout,
+    extras=packed,
+  )
 
 
 class StepBatcher:
@@ -179,11 +208,27 @@ class StepBatcher:
   the loss may train on (the extras' `trainable`), the packed batch, then the `stages` in order
   (each `stage(sb, samples, rewards, groups) -> sb`, e.g. an agent run's per-turn returns)."""
 
-  def __init__(self, *, reward, advantages, extras, num_segments: int, row_len: int, tokens_per_micro_batch: int,
-               batch_devices: int, max_token_staleness: int | None = None, loglinear: bool = False, stages=()):
+  def __init__(
+    self,
+    *,
+    reward,
+    advantages,
+    extras,
+    num_segments: int,
+    row_len: int,
+    tokens_per_micro_batch: int,
+    batch_devices: int,
+    max_token_staleness: int | None = None,
+    loglinear: bool = False,
+    stages=(),
+  ):
     self.reward, self.advantages, self.extras, self.stages = reward, advantages, extras, tuple(stages)
-    self.layout = dict(num_segments=num_segments, row_len=row_len, tokens_per_micro_batch=tokens_per_micro_batch,
-                       batch_devices=batch_devices)
+    self.layout = dict(
+      num_segments=num_segments,
+      row_len=row_len,
+      tokens_per_micro_batch=tokens_per_micro_batch,
+      batch_devices=batch_devices,
+    )
     self.max_token_staleness, self.loglinear = max_token_staleness, loglinear
 
   def __call__(self, prompts, result, step: int) -> StepBatch:
@@ -197,13 +242,24 @@ class StepBatcher:
     groups = np.array([s.prompt_index for s in samples], np.int32)
     lengths = np.array([len(s.response_ids) for s in samples], np.int32)
     trained, metrics = None, {}
-    staleness = (token_staleness(samples, step)  # the weights being trained are version `step`
-                 if self.max_token_staleness is not None or self.loglinear else None)
+    staleness = (
+      token_staleness(samples, step)  # the weights being trained are version `step`
+      if self.max_token_staleness is not None or self.loglinear
+      else None
+    )
     if self.max_token_staleness is not None:
       trained, metrics = fresh_tokens(staleness, self.max_token_staleness)
     trained = extras_lib.trainable(self.extras, samples, trained)  # e.g. a trajectory's model tokens only
-    sb = build_step_batch(samples, rewards, self.advantages(rewards, groups, lengths), groups, **self.layout,
-                          extras=self.extras, trained_tokens=trained, staleness=staleness if self.loglinear else None)
+    sb = build_step_batch(
+      samples,
+      rewards,
+      self.advantages(rewards, groups, lengths),
+      groups,
+      **self.layout,
+      extras=self.extras,
+      trained_tokens=trained,
+      staleness=staleness if self.loglinear else None,
+    )
     for stage in self.stages:
       sb = stage(sb, samples, rewards, groups)
     sb.metrics.update(metrics)

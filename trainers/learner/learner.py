@@ -35,6 +35,7 @@ class StepState:
   """One step as its parts see it: the step batch, its inputs and loss batch on the mesh, the step's
   random key (clip_cov's draw), the passes' heads, the update's metrics and the others (the routing
   comparison's, the advantage stages')."""
+
   sb: StepBatch
   inputs: ModelInputs
   batch: mis_jax.PackedBatch
@@ -49,8 +50,21 @@ class Learner:
   None without a KL term) and the step of `plan` over the jitted functions `fns`; `extras`: the
   run's per-token extras (those that feed the model become its inputs)."""
 
-  def __init__(self, fns: StepFunctions, plan: StepPlan, *, params, mesh, seed: int, ppo_epochs: int,
-               estimator: str, num_groups: int, num_segments: int, extras=(), ref_params=None):
+  def __init__(
+    self,
+    fns: StepFunctions,
+    plan: StepPlan,
+    *,
+    params,
+    mesh,
+    seed: int,
+    ppo_epochs: int,
+    estimator: str,
+    num_groups: int,
+    num_segments: int,
+    extras=(),
+    ref_params=None,
+  ):
     self.fns, self.plan, self.mesh, self.seed, self.ppo_epochs = fns, plan, mesh, seed, ppo_epochs
     self.extras = extras
     self.params, self.ref_params = params, ref_params
@@ -58,8 +72,14 @@ class Learner:
     # Steps whose old log-probs the trainer computed (a separate pass, or the update's own forward
     # when fused); bypass and REINFORCE-IS never recompute (tested).
     self.num_old_logprob_passes = 0
-    self.stages = plan_lib.compose_stages(plan, estimator=estimator, num_groups=num_groups,
-                                          num_segments=num_segments, place=self.on_mesh, prepare=fns.prepare)
+    self.stages = plan_lib.compose_stages(
+      plan,
+      estimator=estimator,
+      num_groups=num_groups,
+      num_segments=num_segments,
+      place=self.on_mesh,
+      prepare=fns.prepare,
+    )
     before: list[Part] = [self._policy_pass(forward) for forward in plan.policy_passes]
     before += [self._compare_routing] * plan.compare_routing
     before += [self._old_logprobs] * (plan.old_logprobs is not None)
@@ -74,9 +94,12 @@ class Learner:
     for part in self.fused if self.plan.fuses(sb.layout.micro_batches) else self.separate:
       part(state)
     self.num_old_logprob_passes += self.plan.old_logprobs is not None
-    metrics = {**state.metrics, "micro_batches": sb.layout.micro_batches,
-               "sampling_replay": float(inputs.support is not None),  # log-probs, entropy, KL over the support
-               **state.side_metrics}
+    metrics = {
+      **state.metrics,
+      "micro_batches": sb.layout.micro_batches,
+      "sampling_replay": float(inputs.support is not None),  # log-probs, entropy, KL over the support
+      **state.side_metrics,
+    }
     bad = [k for k, v in metrics.items() if not np.isfinite(v)]
     if bad:
       raise TrainingError(f"step {step}: non-finite metrics {bad}; stopping before using these weights")
@@ -91,11 +114,14 @@ class Learner:
       state.heads[forward] = self.fns.forward(forward)(self.params, state.inputs, state.batch.segment_ids)
       if replay_native:
         state.inputs = state.inputs._replace(routing=state.heads[forward].routing)
+
     return run
 
   def _compare_routing(self, state: StepState) -> None:
     recorded = state.sb.extras.get(extras_lib.RoutedExperts.name)  # the routed experts the server recorded
-    state.side_metrics.update(routing_metrics(distributed.to_host(state.heads[self.plan.routing_pass].routing), recorded))
+    state.side_metrics.update(
+      routing_metrics(distributed.to_host(state.heads[self.plan.routing_pass].routing), recorded)
+    )
 
   def _old_logprobs(self, state: StepState) -> None:
     state.batch = state.batch.replace(old_logprobs=state.heads[self.plan.old_logprobs].logprobs)
@@ -105,8 +131,9 @@ class Learner:
     state.batch = state.batch.replace(ref_logprobs=ref.logprobs)
 
   def _fused_update(self, state: StepState) -> None:
-    self.params, self.opt_state, metrics, old = self.fns.train_fused(self.params, self.opt_state, state.inputs,
-                                                                     state.batch, state.key)
+    self.params, self.opt_state, metrics, old = self.fns.train_fused(
+      self.params, self.opt_state, state.inputs, state.batch, state.key
+    )
     state.batch = state.batch.replace(old_logprobs=old)
     state.metrics = {name: float(v) for name, v in jax.device_get(metrics).items()}  # one transfer
 
@@ -115,11 +142,12 @@ class Learner:
     first epoch's metrics (with the correction's) and the stages'."""
     correction, step_metrics = self.fns.prepare(state.batch, state.key)
     prepared, correction, stage_metrics = plan_lib.run_stages(
-        self.stages, StageInput(state.sb, state.heads.get(self.plan.token_baseline), state.key), state.batch,
-        correction)
+      self.stages, StageInput(state.sb, state.heads.get(self.plan.token_baseline), state.key), state.batch, correction
+    )
     for _ in range(self.ppo_epochs):
-      self.params, self.opt_state, epoch_metrics = self.fns.train(self.params, self.opt_state, state.inputs,
-                                                                  prepared, correction)
+      self.params, self.opt_state, epoch_metrics = self.fns.train(
+        self.params, self.opt_state, state.inputs, prepared, correction
+      )
       if not state.metrics:  # metrics of the first epoch: before any update of this step
         state.metrics = {name: float(v) for name, v in jax.device_get({**epoch_metrics, **step_metrics}).items()}
     state.side_metrics.update(stage_metrics)
@@ -128,11 +156,17 @@ class Learner:
     """(min, max) raw IS ratio `exp(log π_train - log π_rollout)` over the loss-mask tokens of a step
     whose correction kept no token (None when there is none: all stale), for the warning."""
     batch = state.batch
-    train_lp = (batch.old_logprobs if batch.old_logprobs is not None else
-                self.fns.logprobs(self.params, state.inputs, batch.segment_ids).logprobs)
+    train_lp = (
+      batch.old_logprobs
+      if batch.old_logprobs is not None
+      else self.fns.logprobs(self.params, state.inputs, batch.segment_ids).logprobs
+    )
     log_ratio = distributed.to_host(train_lp - batch.rollout_logprobs)[distributed.to_host(batch.loss_mask)]
-    return (None if log_ratio.size == 0 else
-            tuple(float(np.exp(np.clip(x, -20, 20))) for x in (log_ratio.min(), log_ratio.max())))
+    return (
+      None
+      if log_ratio.size == 0
+      else tuple(float(np.exp(np.clip(x, -20, 20))) for x in (log_ratio.min(), log_ratio.max()))
+    )
 
   # --- the batch on the mesh -------------------------------------------------------------------
   def on_mesh(self, x):
@@ -143,8 +177,10 @@ class Learner:
 
   def device_batch(self, sb: StepBatch) -> tuple[ModelInputs, mis_jax.PackedBatch]:
     """The step batch placed on the mesh (rows over `data × fsdp × expert`)."""
-    inputs = ModelInputs(*(self.on_mesh(x) for x in (sb.input_ids, sb.positions, sb.targets)),
-                         **extras_lib.model_inputs(self.extras, sb.extras, self.on_mesh))
+    inputs = ModelInputs(
+      *(self.on_mesh(x) for x in (sb.input_ids, sb.positions, sb.targets)),
+      **extras_lib.model_inputs(self.extras, sb.extras, self.on_mesh),
+    )
     return inputs, jax.tree.map(self.on_mesh, sb.batch)
 
 
@@ -156,9 +192,11 @@ def routing_metrics(native: np.ndarray, recorded: np.ndarray) -> dict[str, float
   has = recorded[..., 0, 0] >= 0
   a, b = np.sort(native[has], axis=-1), np.sort(recorded[has], axis=-1)  # [n, L, k]
   differ = np.any(a != b, axis=-1)  # [n, L]
-  out = {"routing_mismatch_frac": float(differ.mean()) if differ.size else 0.0,
-         "routing_mismatch_token_frac": float(differ.any(axis=-1).mean()) if differ.size else 0.0,
-         "routing_positions": float(has.sum())}
+  out = {
+    "routing_mismatch_frac": float(differ.mean()) if differ.size else 0.0,
+    "routing_mismatch_token_frac": float(differ.any(axis=-1).mean()) if differ.size else 0.0,
+    "routing_positions": float(has.sum()),
+  }
   for layer in range(native.shape[-2]):
     out[f"routing_mismatch_layer/{layer}"] = float(differ[:, layer].mean()) if differ.size else 0.0
   return out

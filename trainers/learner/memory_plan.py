@@ -59,6 +59,7 @@ ATTENTION_LADDER = ("dense", "blocked")
 @dataclasses.dataclass(frozen=True)
 class Budget:
   """Bytes per device the step may take, and where the figure comes from."""
+
   bytes: int
   source: str
 
@@ -67,6 +68,7 @@ class Budget:
 class ModelChoice:
   """The resolved `remat` and `attention`, and why: `measured` holds the candidates compiled, in
   order, with their predicted per-device bytes (empty when both were explicit)."""
+
   remat: str
   attention: str
   measured: tuple[tuple[str, str, int], ...] = ()
@@ -83,12 +85,15 @@ class ModelChoice:
     gb = lambda b: f"{b / 1e9:.2f}"
     predicted, budget = self.measured[-1][2], self.budget
     if not self.fits:
-      return (f"auto: none fits, {gb(predicted)} GB predicted of {gb(budget.bytes)} GB per device, {budget.source}; "
-              f"lower train.tokens_per_micro_batch")
+      return (
+        f"auto: none fits, {gb(predicted)} GB predicted of {gb(budget.bytes)} GB per device, {budget.source}; "
+        f"lower train.tokens_per_micro_batch"
+      )
     skipped = "; ".join(f"{r}+{a} {gb(b)} GB" for r, a, b in self.measured[:-1])
     how = "at most {} GB (the lowered step's bound)" if isinstance(predicted, Bound) else "{} GB predicted"
-    return (f"auto: {how.format(gb(predicted))} of {gb(budget.bytes)} GB per device, {budget.source}"
-            + (f"; too large: {skipped}" if skipped else ""))
+    return f"auto: {how.format(gb(predicted))} of {gb(budget.bytes)} GB per device, {budget.source}" + (
+      f"; too large: {skipped}" if skipped else ""
+    )
 
 
 def candidates(remat: str, attention: str) -> tuple[tuple[str, str], ...]:
@@ -150,6 +155,7 @@ class ProbeShape:
   the per-token extras' trailing shapes by model input (`("support", (K,))`, `("routing", (L, k))`).
   The loss's own per-token fields (old, reference log-probs, staleness) are left out, as the loss
   is (`PROBE_LOSS`): a few `[rows, row_len]` arrays beside the model's activations."""
+
   rows_per_device: int
   row_len: int
   model_inputs: tuple[tuple[str, tuple[int, ...]], ...] = ()
@@ -173,21 +179,38 @@ def step_bytes(fns, mesh, shape: ProbeShape, *, within: int | None = None) -> in
   rep = NamedSharding(mesh, P())
 
   def tokens(dtype, trailing=()):
-    return jax.ShapeDtypeStruct((1, rows, shape.row_len) + tuple(trailing), dtype,
-                                sharding=parallel.batch_sharding(mesh, 3 + len(trailing)))
+    return jax.ShapeDtypeStruct(
+      (1, rows, shape.row_len) + tuple(trailing), dtype, sharding=parallel.batch_sharding(mesh, 3 + len(trailing))
+    )
 
-  inputs = ModelInputs(tokens(jnp.int32), tokens(jnp.int32), tokens(jnp.int32),
-                       **{name: tokens(jnp.int32, trailing) for name, trailing in shape.model_inputs})
-  batch = mis_jax.PackedBatch(segment_ids=tokens(jnp.int32), loss_mask=tokens(jnp.bool_),
-                              advantages=tokens(jnp.float32), rollout_logprobs=tokens(jnp.float32),
-                              num_segments=rows)  # one sequence per row: the probe's own count
+  inputs = ModelInputs(
+    tokens(jnp.int32),
+    tokens(jnp.int32),
+    tokens(jnp.int32),
+    **{name: tokens(jnp.int32, trailing) for name, trailing in shape.model_inputs},
+  )
+  batch = mis_jax.PackedBatch(
+    segment_ids=tokens(jnp.int32),
+    loss_mask=tokens(jnp.bool_),
+    advantages=tokens(jnp.float32),
+    rollout_logprobs=tokens(jnp.float32),
+    num_segments=rows,
+  )  # one sequence per row: the probe's own count
   correction = fns.prepare_shapes(batch, jax.random.key(0))[0]
-  correction = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=parallel.batch_sharding(mesh, x.ndim) if x.ndim >= 3 else rep), correction)
-  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), fns.abstract_params,
-                        fns.param_shardings)
-  opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                           jax.eval_shape(fns.optimizer.init, fns.abstract_params), fns.opt_shardings)
+  correction = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=parallel.batch_sharding(mesh, x.ndim) if x.ndim >= 3 else rep
+    ),
+    correction,
+  )
+  params = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), fns.abstract_params, fns.param_shardings
+  )
+  opt_state = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+    jax.eval_shape(fns.optimizer.init, fns.abstract_params),
+    fns.opt_shardings,
+  )
   lowered = fns.lower_train(params, opt_state, inputs, batch, correction)
   if within is not None:
     bound = Bound(BOUND_FACTOR * int(_bytes_accessed(lowered)))
@@ -202,11 +225,12 @@ def _bytes_accessed(lowered) -> float:
   return float(cost["bytes accessed"])
 
 
-
 def probe_shape(train, extras) -> ProbeShape:
   """The largest micro-batch a run with `train` (its section) and per-token `extras` trains on
   (`trainers.learner.batch.plan_layout`'s cap)."""
   trailing = {"support": lambda e: (e.width,), "routing": lambda e: (e.spec.num_layers, e.spec.top_k)}
-  return ProbeShape(rows_per_device=max(1, train.tokens_per_micro_batch // train.row_len), row_len=train.row_len,
-                    model_inputs=tuple((e.model_input, trailing[e.model_input](e)) for e in extras
-                                       if e.model_input in trailing))
+  return ProbeShape(
+    rows_per_device=max(1, train.tokens_per_micro_batch // train.row_len),
+    row_len=train.row_len,
+    model_inputs=tuple((e.model_input, trailing[e.model_input](e)) for e in extras if e.model_input in trailing),
+  )

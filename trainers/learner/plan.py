@@ -29,8 +29,20 @@ from trainers.runtime import distributed
 from trainers.learner.batch import StepBatch
 from trainers.learner.step import EXACT, EXACT_ROUTING, LOGPROBS, ROUTING, SUM_SQ, Forward, Heads
 
-__all__ = ["StepPlan", "StepOutcome", "StageInput", "Stage", "plan_step", "old_logprobs_source", "compose_stages", "run_stages",
-           "sequence_advantages", "exclude_rejected", "token_baseline", "reselect_covariance"]
+__all__ = [
+  "StepPlan",
+  "StepOutcome",
+  "StageInput",
+  "Stage",
+  "plan_step",
+  "old_logprobs_source",
+  "compose_stages",
+  "run_stages",
+  "sequence_advantages",
+  "exclude_rejected",
+  "token_baseline",
+  "reselect_covariance",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +59,7 @@ class StepPlan:
   are replayed in the passes after it and in every training forward. `reference`: the KL
   reference pass (reference parameters, native routing). `advantage_stages`: the names of the
   post-processing stages after `prepare_step`, in order."""
+
   policy_passes: tuple[Forward, ...] = ()
   old_logprobs: Forward | None = None
   compare_routing: bool = False
@@ -66,8 +79,10 @@ class StepPlan:
     if self.old_logprobs is None:
       return f"old log-probs: none ({self.old_logprobs_reason})"
     if self.fused_old_logprobs:
-      return ("old log-probs: the update's own forward when a step has one micro-batch, else a separate pass "
-              f"({self.old_logprobs_reason})")
+      return (
+        "old log-probs: the update's own forward when a step has one micro-batch, else a separate pass "
+        f"({self.old_logprobs_reason})"
+      )
     return f"old log-probs: a separate {self.old_logprobs.name} pass ({self.old_logprobs_reason})"
 
   @property
@@ -98,19 +113,26 @@ def plan_step(cfg, routing_replay: str, records_routing: bool) -> StepPlan:
     passes.append(LOGPROBS)
   if otb:  # π and Σπ²; the old log-probs too where no other pass gives them
     passes.append(SUM_SQ)
-  stages = (("exclude_rejected",) * t.exclude_rejected_from_baseline + ("token_baseline",) * otb)
+  stages = ("exclude_rejected",) * t.exclude_rejected_from_baseline + ("token_baseline",) * otb
   if stages and loss.uses_cov_selection:  # selected from the final advantages
     stages += ("reselect_covariance",)
   old = passes[0] if loss.needs_old_logprobs else None
   fused, reason = old_logprobs_source(t, old, tuple(passes), stages)
-  return StepPlan(policy_passes=tuple(passes), old_logprobs=old,
-                  compare_routing=records_routing, replay_native_routing=routing_replay == "r2",
-                  reference=loss.kl_coef > 0, advantage_stages=stages, fused_old_logprobs=fused,
-                  old_logprobs_reason=reason)
+  return StepPlan(
+    policy_passes=tuple(passes),
+    old_logprobs=old,
+    compare_routing=records_routing,
+    replay_native_routing=routing_replay == "r2",
+    reference=loss.kl_coef > 0,
+    advantage_stages=stages,
+    fused_old_logprobs=fused,
+    old_logprobs_reason=reason,
+  )
 
 
-def old_logprobs_source(train, old: Forward | None, passes: tuple[Forward, ...],
-                        stages: tuple[str, ...]) -> tuple[bool, str]:
+def old_logprobs_source(
+  train, old: Forward | None, passes: tuple[Forward, ...], stages: tuple[str, ...]
+) -> tuple[bool, str]:
   """`train.old_logprobs` resolved: whether the old log-probs come from the update's own forward
   (stop-gradient) when a step has one micro-batch, and why. That is exact only when the parameters
   being updated are the old policy for the whole step (one epoch) and nothing between the pass and
@@ -119,14 +141,18 @@ def old_logprobs_source(train, old: Forward | None, passes: tuple[Forward, ...],
   choice = train.old_logprobs
   if old is None:
     if choice == "from_update":
-      raise mis_jax.ConfigError("train.old_logprobs: from_update needs an algorithm with old log-probs (standard or "
-                                "decoupled PPO, proximal: recompute); this one uses none")
+      raise mis_jax.ConfigError(
+        "train.old_logprobs: from_update needs an algorithm with old log-probs (standard or "
+        "decoupled PPO, proximal: recompute); this one uses none"
+      )
     return False, "the algorithm uses none"
   if old is not None and old.exact:
     if choice == "from_update":
-      raise mis_jax.ConfigError("train.old_logprobs: from_update with rollout.placement.exact: exact mode's old log-probs "
-                                "are the engine's arithmetic on its copy of the weights (the exact pass), not the "
-                                "update's float32 forward; set train.old_logprobs: auto or separate")
+      raise mis_jax.ConfigError(
+        "train.old_logprobs: from_update with rollout.placement.exact: exact mode's old log-probs "
+        "are the engine's arithmetic on its copy of the weights (the exact pass), not the "
+        "update's float32 forward; set train.old_logprobs: auto or separate"
+      )
     return False, "rollout.placement.exact: the engine's arithmetic on its copy of the weights"
   if choice == "separate":
     return False, "train.old_logprobs: separate"
@@ -134,17 +160,22 @@ def old_logprobs_source(train, old: Forward | None, passes: tuple[Forward, ...],
   if train.ppo_epochs != 1:
     why_not.append(f"train.ppo_epochs {train.ppo_epochs}: the epochs after the first update moved the parameters")
   if passes != (LOGPROBS,):
-    why_not.append(f"the {old.name} pass yields more than the old log-probs (R2/R3 routing, the optimal token "
-                   "baseline's Σπ²)")
+    why_not.append(
+      f"the {old.name} pass yields more than the old log-probs (R2/R3 routing, the optimal token baseline's Σπ²)"
+    )
   if stages:
     why_not.append(f"the advantage stages ({', '.join(stages)}) read the correction before the update")
   if why_not and choice == "from_update":
-    raise mis_jax.ConfigError("train.old_logprobs: from_update is exact only with one epoch, the plain log-prob pass and "
-                              "no advantage stage: " + "; ".join(why_not))
+    raise mis_jax.ConfigError(
+      "train.old_logprobs: from_update is exact only with one epoch, the plain log-prob pass and "
+      "no advantage stage: " + "; ".join(why_not)
+    )
   if why_not:
     return False, "train.old_logprobs auto: " + "; ".join(why_not)
-  return True, (f"train.old_logprobs {choice}: one epoch, the plain pass the only one, no advantage stage: the "
-                "parameters being updated are the old policy")
+  return True, (
+    f"train.old_logprobs {choice}: one epoch, the plain pass the only one, no advantage stage: the "
+    "parameters being updated are the old policy"
+  )
 
 
 class StepOutcome(NamedTuple):
@@ -152,6 +183,7 @@ class StepOutcome(NamedTuple):
   trained with (device `[micro_batches, rows, row_len]`, None without; the records' column), and
   `masked_ratio_range`, the (min, max) raw IS ratio when the correction kept no token (None
   otherwise, or when no token was left to train on)."""
+
   metrics: dict
   old_logprobs: jax.Array | None = None
   masked_ratio_range: tuple[float, float] | None = None
@@ -161,6 +193,7 @@ class StepOutcome(NamedTuple):
 class StageInput(NamedTuple):
   """What an advantage stage reads of its step: the step batch, the token-baseline pass's heads
   (`π`, `Σπ²`; None without), and the step's random key (clip_cov's draw)."""
+
   sb: StepBatch
   policy: Heads | None = None
   key: jax.Array | None = None
@@ -169,6 +202,7 @@ class StageInput(NamedTuple):
 class Stage(NamedTuple):
   """A named advantage stage: `apply(step, batch, correction) -> (batch, correction, metrics)` (the
   batch's inputs and the step's `mis_jax.Correction`, from `mis_jax.prepare_step`)."""
+
   name: str
   apply: Callable
 
@@ -184,12 +218,16 @@ def sequence_advantages(rewards, groups, lengths, in_baseline=None, *, estimator
   by op: several milliseconds a step at small shapes)."""
   if estimator == "optimal_token_baseline":
     return np.asarray(rewards, np.float32)
-  return np.asarray(_group_advantages(rewards, groups, num_groups=num_groups, estimator=estimator,
-                                      in_baseline=in_baseline, lengths=lengths))
+  return np.asarray(
+    _group_advantages(
+      rewards, groups, num_groups=num_groups, estimator=estimator, in_baseline=in_baseline, lengths=lengths
+    )
+  )
 
 
-def exclude_rejected(step: StageInput, batch: mis_jax.PackedBatch, correction: mis_jax.Correction, *, advantages,
-                     place):
+def exclude_rejected(
+  step: StageInput, batch: mis_jax.PackedBatch, correction: mis_jax.Correction, *, advantages, place
+):
   """contract §6.1 option: sequences the correction rejects whole leave their group's baseline.
 
   ``correction`` comes from :func:`mis_jax.prepare_step` (its ``kept_mask`` is the step's).
@@ -201,19 +239,31 @@ def exclude_rejected(step: StageInput, batch: mis_jax.PackedBatch, correction: m
   in_baseline = np.array([k.any() for k in sb.per_sequence(distributed.to_host(correction.kept_mask))])
   adv = advantages(sb.rewards, sb.groups, sb.response_lengths, in_baseline)
   token_adv = sb.tokens([np.full(n, a, np.float32) for n, a in zip(sb.packing.lengths, adv)], 0.0, np.float32)
-  return (batch.replace(advantages=place(token_adv)), correction,
-          {"num_excluded_from_baseline": int((~in_baseline).sum())})
+  return (
+    batch.replace(advantages=place(token_adv)),
+    correction,
+    {"num_excluded_from_baseline": int((~in_baseline).sum())},
+  )
 
 
-def token_baseline(step: StageInput, batch: mis_jax.PackedBatch, correction: mis_jax.Correction, *, num_groups: int,
-                   num_segments: int):
+def token_baseline(
+  step: StageInput, batch: mis_jax.PackedBatch, correction: mis_jax.Correction, *, num_groups: int, num_segments: int
+):
   """The optimal token baseline's per-token advantages (`Σπ²` and `π` from this step's policy;
   the correction's weights, squared, under decoupled PPO), for the whole step."""
   sb = step.sb
   pad = num_segments - len(sb.rewards)
-  adv = _token_baseline(np.pad(sb.rewards, (0, pad)), np.pad(sb.groups, (0, pad)), batch.segment_ids,
-                        batch.loss_mask, step.policy.logprobs, step.policy.sum_sq, is_weights=correction.is_weights,
-                        num_groups=num_groups, num_segments=num_segments)
+  adv = _token_baseline(
+    np.pad(sb.rewards, (0, pad)),
+    np.pad(sb.groups, (0, pad)),
+    batch.segment_ids,
+    batch.loss_mask,
+    step.policy.logprobs,
+    step.policy.sum_sq,
+    is_weights=correction.is_weights,
+    num_groups=num_groups,
+    num_segments=num_segments,
+  )
   return batch.replace(advantages=adv), correction, {}
 
 
@@ -225,19 +275,23 @@ def reselect_covariance(step: StageInput, batch: mis_jax.PackedBatch, correction
   return batch, again.replace(denominators=correction.denominators), {}
 
 
-def compose_stages(plan: StepPlan, *, estimator: str, num_groups: int, num_segments: int, place,
-                   prepare) -> tuple[Stage, ...]:
+def compose_stages(
+  plan: StepPlan, *, estimator: str, num_groups: int, num_segments: int, place, prepare
+) -> tuple[Stage, ...]:
   """The plan's advantage stages, each bound once to the options it needs."""
-  table = {"exclude_rejected": functools.partial(
-               exclude_rejected, place=place,
-               advantages=functools.partial(sequence_advantages, estimator=estimator, num_groups=num_groups)),
-           "token_baseline": functools.partial(token_baseline, num_groups=num_groups, num_segments=num_segments),
-           "reselect_covariance": functools.partial(reselect_covariance, prepare=prepare)}
+  table = {
+    "exclude_rejected": functools.partial(
+      exclude_rejected,
+      place=place,
+      advantages=functools.partial(sequence_advantages, estimator=estimator, num_groups=num_groups),
+    ),
+    "token_baseline": functools.partial(token_baseline, num_groups=num_groups, num_segments=num_segments),
+    "reselect_covariance": functools.partial(reselect_covariance, prepare=prepare),
+  }
   return tuple(Stage(name, table[name]) for name in plan.advantage_stages)
 
 
-def run_stages(stages: tuple[Stage, ...], step: StageInput, batch: mis_jax.PackedBatch,
-               correction: mis_jax.Correction):
+def run_stages(stages: tuple[Stage, ...], step: StageInput, batch: mis_jax.PackedBatch, correction: mis_jax.Correction):
   """`batch` and `correction` through each stage in order; the stages' metrics, merged."""
   metrics = {}
   for stage in stages:

@@ -49,6 +49,7 @@ from trainers.runtime import parallel
 from trainers.models import invariant
 from trainers.models.hf_io import DTYPES, abstract_model
 
+
 class ModelInputs(NamedTuple):
   """Model inputs of packed rows: `input_ids`, `positions`, `targets` (next tokens), int32, and
   with sampling-mask replay `support` (`[..., K]` ids of each target's sampling support, `-1`
@@ -57,6 +58,7 @@ class ModelInputs(NamedTuple):
   a mixture-of-experts model, `-1` where nothing is recorded: routed natively). These two come
   from the run's per-token extras (`trainers.rollout.extras.model_inputs`); an extra that feeds
   another input puts it in `extra` (by name; None when there is none)."""
+
   input_ids: jax.Array
   positions: jax.Array
   targets: jax.Array
@@ -72,6 +74,7 @@ class Heads(NamedTuple):
   `router_aux_loss` (its load-balancing loss, a scalar); `topk_logprobs` (`[B, T, k]`, the log-probs of
   the sampler's top-k ids, `ModelInputs.extra["top_logprob_ids"]`: score centering's). A head not asked
   for is None."""
+
   logprobs: jax.Array
   entropy: jax.Array | None = None
   kept_mass: jax.Array | None = None
@@ -84,6 +87,7 @@ class Heads(NamedTuple):
 class Forward(NamedTuple):
   """Which heads a jitted pass over a step's batch yields besides the log-probs (its program and
   its name in the trace counts); `exact`: exact mode's pass (the engine's arithmetic and weights)."""
+
   sum_sq: bool = False
   routing: bool = False
   exact: bool = False
@@ -101,6 +105,7 @@ class FusedStep(NamedTuple):
   """What `StepFunctions.train_fused` returns: the updated `params` and `opt_state`, the step's
   `metrics` (the correction's and the loss's) and the `old_logprobs` it trained with
   (`[1, rows, row_len]` float32, the training forward's own, stop-gradient)."""
+
   params: object
   opt_state: object
   metrics: dict
@@ -109,12 +114,17 @@ class FusedStep(NamedTuple):
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
   t = train_cfg
-  schedule = (optax.warmup_cosine_decay_schedule(0.0, t.learning_rate, max(t.warmup_steps, 1), t.steps)
-              if t.schedule == "cosine" else
-              optax.join_schedules([optax.linear_schedule(0.0, t.learning_rate, t.warmup_steps),
-                                    optax.constant_schedule(t.learning_rate)], [t.warmup_steps]))
-  return optax.chain(clip_by_global_norm(t.max_grad_norm),
-                     optax.adamw(schedule, eps=t.adam_eps, weight_decay=t.weight_decay))
+  schedule = (
+    optax.warmup_cosine_decay_schedule(0.0, t.learning_rate, max(t.warmup_steps, 1), t.steps)
+    if t.schedule == "cosine"
+    else optax.join_schedules(
+      [optax.linear_schedule(0.0, t.learning_rate, t.warmup_steps), optax.constant_schedule(t.learning_rate)],
+      [t.warmup_steps],
+    )
+  )
+  return optax.chain(
+    clip_by_global_norm(t.max_grad_norm), optax.adamw(schedule, eps=t.adam_eps, weight_decay=t.weight_decay)
+  )
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
@@ -123,18 +133,32 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
   inside each consumer (Adam's two moments) but materialises a division read twice, a second copy
   of the gradients (2.4 GB at Qwen3-0.6B in float32). Unclipped gradients pass unchanged (bitwise
   Optax's); clipped ones agree with Optax's to an ulp."""
+
   def update_fn(updates, state, params=None):
     del params
     g_norm = optax.tree.norm(updates)
     keep = jnp.squeeze(g_norm < max_norm)
     scale = max_norm / g_norm
     return jax.tree.map(lambda g: jax.lax.select(keep, g, g * scale.astype(g.dtype)), updates), state
+
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
-def model_logprobs(graphdef, params, inputs: ModelInputs, segment_ids, *, temperature: float,
-                   chunk_size: int, entropy: bool, mesh=None, kept_mass: bool = False, routing_out: bool = False,
-                   sum_sq: bool = False, topk: bool = False) -> Heads:
+def model_logprobs(
+  graphdef,
+  params,
+  inputs: ModelInputs,
+  segment_ids,
+  *,
+  temperature: float,
+  chunk_size: int,
+  entropy: bool,
+  mesh=None,
+  kept_mass: bool = False,
+  routing_out: bool = False,
+  sum_sq: bool = False,
+  topk: bool = False,
+) -> Heads:
   """The `Heads` of a teacher-forced forward: per-token `log_softmax(logits / temperature)[targets]`
   (and with `entropy` the entropy), float32 `[B, T]`, from the model's final hidden states with
   `mis_jax.token_logprobs` (no `[T, V]` logits). With `inputs.support`, log-probs and entropy are
@@ -150,18 +174,34 @@ def model_logprobs(graphdef, params, inputs: ModelInputs, segment_ids, *, temper
   model = nnx.merge(graphdef, params)
   routing = None
   if model.config.is_moe:
-    hidden, routing = model.hidden_states(inputs.input_ids, inputs.positions, segment_ids, routing=inputs.routing,
-                                          return_routing=True)
+    hidden, routing = model.hidden_states(
+      inputs.input_ids, inputs.positions, segment_ids, routing=inputs.routing, return_routing=True
+    )
   else:
     hidden = model.hidden_states(inputs.input_ids, inputs.positions, segment_ids, routing=inputs.routing)
   kept_mass = kept_mass and inputs.support is not None
   extra_ids = inputs.extra["top_logprob_ids"] if topk else None
-  out = _head_logprobs(model, hidden, inputs, temperature=temperature, chunk_size=chunk_size, entropy=entropy,
-                       mesh=mesh, kept_mass=kept_mass, sum_sq=sum_sq, extra_ids=extra_ids)
+  out = _head_logprobs(
+    model,
+    hidden,
+    inputs,
+    temperature=temperature,
+    chunk_size=chunk_size,
+    entropy=entropy,
+    mesh=mesh,
+    kept_mass=kept_mass,
+    sum_sq=sum_sq,
+    extra_ids=extra_ids,
+  )
   # mis_jax.token_logprobs: (log-probs, [entropy], [kept log-mass], [Σπ²], [extra ids' log-probs]) in that order
   out = list(out) if isinstance(out, tuple) else [out]
-  heads = Heads(out.pop(0), entropy=out.pop(0) if entropy else None, kept_mass=out.pop(0) if kept_mass else None,
-                sum_sq=out.pop(0) if sum_sq else None, topk_logprobs=out.pop(0) if topk else None)
+  heads = Heads(
+    out.pop(0),
+    entropy=out.pop(0) if entropy else None,
+    kept_mass=out.pop(0) if kept_mass else None,
+    sum_sq=out.pop(0) if sum_sq else None,
+    topk_logprobs=out.pop(0) if topk else None,
+  )
   if not routing_out:
     return heads
   if routing is None:
@@ -169,25 +209,37 @@ def model_logprobs(graphdef, params, inputs: ModelInputs, segment_ids, *, temper
   return heads._replace(routing=routing.native, router_aux_loss=routing.aux_loss)
 
 
-def _head_logprobs(model, hidden, inputs: ModelInputs, *, temperature, chunk_size, entropy, mesh, kept_mass,
-                   sum_sq=False, extra_ids=None):
+def _head_logprobs(
+  model, hidden, inputs: ModelInputs, *, temperature, chunk_size, entropy, mesh, kept_mass, sum_sq=False, extra_ids=None
+):
   head, layout = model.head()
   head = head.astype(hidden.dtype)
   with_support, with_extra = inputs.support is not None, extra_ids is not None
 
   def fn(h, w, y, *ids):
     support, extra = (ids[0] if with_support else None), (ids[-1] if with_extra else None)
-    return mis_jax.token_logprobs(h, w, y, temperature=temperature, chunk_size=chunk_size, return_entropy=entropy,
-                                  lm_head_layout=layout, support_ids=support, return_kept_mass=kept_mass,
-                                  return_sum_pi_squared=sum_sq, extra_ids=extra)
+    return mis_jax.token_logprobs(
+      h,
+      w,
+      y,
+      temperature=temperature,
+      chunk_size=chunk_size,
+      return_entropy=entropy,
+      lm_head_layout=layout,
+      support_ids=support,
+      return_kept_mass=kept_mass,
+      return_sum_pi_squared=sum_sq,
+      extra_ids=extra,
+    )
 
   args = (inputs.targets,) + ((inputs.support,) if with_support else ()) + ((extra_ids,) if with_extra else ())
   if mesh is None or mesh.size == 1:
     return fn(hidden, head, *args)
   # The head enters in its own shards (in the compute dtype) and is all-gathered inside, so
   # its gradient leaves reduce-scattered (the transpose of all_gather), never replicated.
-  head_spec = parallel.param_spec(("embed_tokens", "embedding") if layout == "vd" else ("lm_head", "kernel"),
-                                  head.shape, mesh, model.config.family)
+  head_spec = parallel.param_spec(
+    ("embed_tokens", "embedding") if layout == "vd" else ("lm_head", "kernel"), head.shape, mesh, model.config.family
+  )
 
   def local(h, w, *rest):
     for axis, names in enumerate(head_spec):
@@ -201,16 +253,19 @@ def _head_logprobs(model, hidden, inputs: ModelInputs, *, temperature, chunk_siz
   num_out = 1 + entropy + kept_mass + sum_sq
   out_specs = (spec,) * num_out + ((per_id,) if with_extra else ())
   out_specs = out_specs if len(out_specs) > 1 else spec
-  in_specs = ((P(parallel.BATCH_AXES, tokens, None), head_spec, spec) + ((per_id,) if with_support else ())
-              + ((per_id,) if with_extra else ()))
-  return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(hidden, head,
-                                                                                                 *args)
+  in_specs = (
+    (P(parallel.BATCH_AXES, tokens, None), head_spec, spec)
+    + ((per_id,) if with_support else ())
+    + ((per_id,) if with_extra else ())
+  )
+  return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)(hidden, head, *args)
 
 
 class ExactPass(NamedTuple):
   """Exact mode's old-log-prob pass (`rollout.placement.exact`): the engine's `served_dtype` and the
   `weight_dtype` the handover casts the parameters to first, and the batch-invariant decoder's
   graph in the served dtype."""
+
   served_dtype: str
   weight_dtype: str
   graphdef: object
@@ -227,6 +282,7 @@ class ExactPass(NamedTuple):
         return x
       y = invariant.round_to(x.astype(jnp.float32), DTYPES[self.weight_dtype])
       return invariant.round_to(y, served).astype(served)
+
     return jax.tree.map(cast, params)
 
 
@@ -240,11 +296,13 @@ def exact_logprobs(model, hidden, targets, support, temperature, *, chunk_size: 
   n = b * t
   size = min(chunk_size, n)
   pad = -n % size
-  flat = lambda x, fill: jnp.pad(x.reshape((n,) + x.shape[2:]), ((0, pad),) + ((0, 0),) * (x.ndim - 2),
-                                 constant_values=fill)
+  flat = lambda x, fill: jnp.pad(
+    x.reshape((n,) + x.shape[2:]), ((0, pad),) + ((0, 0),) * (x.ndim - 2), constant_values=fill
+  )
   chunks = lambda x: x.reshape(((n + pad) // size, size) + x.shape[1:])
-  xs = (chunks(flat(hidden, 0.0)), chunks(flat(targets, 0))) + ((chunks(flat(support, -1)),) if support is not None
-                                                                  else ())
+  xs = (chunks(flat(hidden, 0.0)), chunks(flat(targets, 0))) + (
+    (chunks(flat(support, -1)),) if support is not None else ()
+  )
 
   def one(args):
     h, y = args[:2]
@@ -265,6 +323,7 @@ def exact_pass(setup: "StepSetup", heads: Forward, served_params, inputs, segmen
   """Exact mode's teacher-forced pass over the micro-batches (`served_params`: `ExactPass.served`'s;
   `temperature`: a float32 scalar, divided as the sampler divides): `Heads` of `[micro_batches, ...]`,
   the native routing with `heads.routing`."""
+
   def one(xs):
     mb, seg = xs
     model = nnx.merge(setup.exact.graphdef, served_params)
@@ -275,6 +334,7 @@ def exact_pass(setup: "StepSetup", heads: Forward, served_params, inputs, segmen
       hidden = model.hidden_states(mb.input_ids, mb.positions, seg, routing=mb.routing)
     logp = exact_logprobs(model, hidden, mb.targets, mb.support, temperature, chunk_size=setup.chunk_size)
     return Heads(logp, routing=None if routing is None else routing.native)
+
   return jax.lax.map(one, (inputs, segment_ids))
 
 
@@ -335,6 +395,7 @@ class StepSetup(NamedTuple):
   model's graph, the optimiser, the loss, the sampling temperature the log-probs use, the
   log-prob chunk, the mesh, the parameters' shardings, the MoE load-balancing coefficient and,
   in exact mode, the exact old-log-prob pass."""
+
   graphdef: object
   optimizer: optax.GradientTransformation
   loss_cfg: mis_jax.LossConfig
@@ -348,15 +409,25 @@ class StepSetup(NamedTuple):
 
 def policy_heads(setup: StepSetup, params, inputs: ModelInputs, segment_ids, **heads) -> Heads:
   """`model_logprobs` of `setup`'s model at its temperature, chunk and mesh."""
-  return model_logprobs(setup.graphdef, params, inputs, segment_ids, temperature=setup.temperature,
-                        chunk_size=setup.chunk_size, mesh=setup.mesh, **heads)
+  return model_logprobs(
+    setup.graphdef,
+    params,
+    inputs,
+    segment_ids,
+    temperature=setup.temperature,
+    chunk_size=setup.chunk_size,
+    mesh=setup.mesh,
+    **heads,
+  )
 
 
 def forward_pass(setup: StepSetup, heads: Forward, params, inputs, segment_ids) -> Heads:
   """A teacher-forced pass yielding `heads` over the micro-batches: `Heads` of `[micro_batches, ...]`."""
+
   def one(xs):
     out = policy_heads(setup, params, xs[0], xs[1], entropy=False, sum_sq=heads.sum_sq, routing_out=heads.routing)
     return out._replace(router_aux_loss=None)  # the training forward's, not a head of this pass
+
   return jax.lax.map(one, (inputs, segment_ids))
 
 
@@ -367,12 +438,21 @@ def micro_batch_loss(setup: StepSetup, p, mb_inputs, mb_batch, correction_of, nu
   nothing); the aux is (metrics, kept mask, kept)."""
   loss_cfg, aux_coef = setup.loss_cfg, float(setup.router_aux_loss_coef)
   replay = mb_inputs.support is not None
-  heads = policy_heads(setup, p, mb_inputs, mb_batch.segment_ids, entropy=True, kept_mass=replay,
-                       routing_out=aux_coef > 0, topk=loss_cfg.score_centering)
+  heads = policy_heads(
+    setup,
+    p,
+    mb_inputs,
+    mb_batch.segment_ids,
+    entropy=True,
+    kept_mass=replay,
+    routing_out=aux_coef > 0,
+    topk=loss_cfg.score_centering,
+  )
   logp = heads.logprobs
   mb_batch, mb_correction, kept = correction_of(jax.lax.stop_gradient(logp), mb_batch)
-  loss, metrics = mis_jax.policy_loss(logp, mb_batch, loss_cfg, entropy=heads.entropy, correction=mb_correction,
-                                      topk_logprobs=heads.topk_logprobs)
+  loss, metrics = mis_jax.policy_loss(
+    logp, mb_batch, loss_cfg, entropy=heads.entropy, correction=mb_correction, topk_logprobs=heads.topk_logprobs
+  )
   if aux_coef > 0:  # HF's load-balancing loss per micro-batch, token-weighted over the step
     aux = heads.router_aux_loss
     share = jnp.sum((mb_batch.segment_ids >= 0).astype(jnp.float32)) / num_tokens
@@ -380,10 +460,17 @@ def micro_batch_loss(setup: StepSetup, p, mb_inputs, mb_batch, correction_of, nu
     metrics["loss"] = metrics["loss"] + jax.lax.stop_gradient(aux_coef * aux * share)  # what is optimised
     metrics["router_aux_loss"] = jax.lax.stop_gradient(aux)
   if replay:  # kept mass and the ratio with / without renormalisation (first epoch: o = lp)
-    metrics.update(mis_jax.sampling_metrics(
-        jax.lax.stop_gradient(logp), jax.lax.stop_gradient(heads.kept_mass), mb_batch.rollout_logprobs,
-        mb_batch.loss_mask, mb_batch.segment_ids, num_segments=mb_batch.num_segments,
-        metric_reduction=loss_cfg.metric_mode))
+    metrics.update(
+      mis_jax.sampling_metrics(
+        jax.lax.stop_gradient(logp),
+        jax.lax.stop_gradient(heads.kept_mass),
+        mb_batch.rollout_logprobs,
+        mb_batch.loss_mask,
+        mb_batch.segment_ids,
+        num_segments=mb_batch.num_segments,
+        metric_reduction=loss_cfg.metric_mode,
+      )
+    )
   return loss, (metrics, mb_correction.kept_mask, kept)
 
 
@@ -398,13 +485,16 @@ def update(setup: StepSetup, params, opt_state, inputs, batch, per_micro_batch, 
     mb_inputs, mb_batch, mb_own = xs
     of = functools.partial(correction_of, mb_own)
     (_, (metrics, kept_mask, kept)), g = jax.value_and_grad(
-        lambda p: micro_batch_loss(setup, p, mb_inputs, mb_batch, of, num_tokens), has_aux=True)(params)
-    acc = jax.tree.map(lambda a, x, s: jax.lax.with_sharding_constraint(a + x.astype(jnp.float32), s),
-                       acc, g, setup.param_shardings)
+      lambda p: micro_batch_loss(setup, p, mb_inputs, mb_batch, of, num_tokens), has_aux=True
+    )(params)
+    acc = jax.tree.map(
+      lambda a, x, s: jax.lax.with_sharding_constraint(a + x.astype(jnp.float32), s), acc, g, setup.param_shardings
+    )
     return acc, (metrics, _micro_batch_weights(mb_batch, kept_mask, setup.loss_cfg.metric_mode), kept)
 
-  zeros = jax.tree.map(lambda x, s: jax.lax.with_sharding_constraint(jnp.zeros(x.shape, jnp.float32), s),
-                       params, setup.param_shardings)
+  zeros = jax.tree.map(
+    lambda x, s: jax.lax.with_sharding_constraint(jnp.zeros(x.shape, jnp.float32), s), params, setup.param_shardings
+  )
   grads, (mb_metrics, weights, kept) = jax.lax.scan(body, zeros, (inputs, batch, per_micro_batch))
   metrics = combine_metrics(mb_metrics, weights, setup.loss_cfg)
   metrics["grad_norm"] = optax.tree.norm(grads)
@@ -419,6 +509,7 @@ def update(setup: StepSetup, params, opt_state, inputs, batch, per_micro_batch, 
 def train(setup: StepSetup, params, opt_state, inputs, batch, correction):
   """The update with the step's correction prepared before it (`prepare`): its per-token arrays
   scanned with the batch, its denominators the step's, whole in every micro-batch."""
+
   def given(mb_correction, logprobs, mb_batch):
     return mb_batch, mb_correction.replace(denominators=correction.denominators), None
 
@@ -436,8 +527,10 @@ def train_fused(setup: StepSetup, params, opt_state, inputs, batch, key):
   the old log-probs are the training forward's own, stop-gradient, and `prepare` runs on them
   inside the differentiated function. Returns a `FusedStep`."""
   if inputs.input_ids.shape[0] != 1:
-    raise ValueError(f"train_fused takes a step of one micro-batch, got {inputs.input_ids.shape[0]} "
-                     "(a step of several takes the old-log-prob pass, then train)")
+    raise ValueError(
+      f"train_fused takes a step of one micro-batch, got {inputs.input_ids.shape[0]} "
+      "(a step of several takes the old-log-prob pass, then train)"
+    )
 
   def own(_, logprobs, mb_batch):  # o = sg(lp): the parameters being updated are the old policy
     mb_batch = mb_batch.replace(old_logprobs=logprobs)
@@ -461,30 +554,46 @@ class StepFunctions:
 
   def __init__(self, setup: StepSetup, *, opt_shardings, abstract_params=None):
     self.setup = setup
-    self.mesh, self.loss_cfg, self.graphdef, self.abstract_params = (setup.mesh, setup.loss_cfg, setup.graphdef,
-                                                                     abstract_params)
+    self.mesh, self.loss_cfg, self.graphdef, self.abstract_params = (
+      setup.mesh,
+      setup.loss_cfg,
+      setup.graphdef,
+      abstract_params,
+    )
     self.optimizer, self.param_shardings, self.opt_shardings = setup.optimizer, setup.param_shardings, opt_shardings
     replicated, batch_sh = NamedSharding(setup.mesh, P()), parallel.batch_sharding(setup.mesh)
     self._passes = {  # compiled when first called
-        heads: _jit(_bound(forward_pass, setup, heads, name=heads.name),
-                    out_shardings=Heads(batch_sh, sum_sq=batch_sh if heads.sum_sq else None,
-                                        routing=parallel.batch_sharding(setup.mesh, 5) if heads.routing else None))
-        for heads in (LOGPROBS, SUM_SQ, ROUTING)}
+      heads: _jit(
+        _bound(forward_pass, setup, heads, name=heads.name),
+        out_shardings=Heads(
+          batch_sh,
+          sum_sq=batch_sh if heads.sum_sq else None,
+          routing=parallel.batch_sharding(setup.mesh, 5) if heads.routing else None,
+        ),
+      )
+      for heads in (LOGPROBS, SUM_SQ, ROUTING)
+    }
     if setup.exact is not None:  # the cast to the engine's copy, then its arithmetic (its compile options)
       served = _jit(setup.exact.served, out_shardings=setup.param_shardings)
       temperature = jnp.float32(setup.temperature)
       for heads in (EXACT, EXACT_ROUTING):
-        run = _jit(_bound(exact_pass, setup, heads, name=heads.name), compiler_options=invariant.COMPILER_OPTIONS,
-                   out_shardings=Heads(batch_sh, routing=parallel.batch_sharding(setup.mesh, 5) if heads.routing
-                                       else None))
+        run = _jit(
+          _bound(exact_pass, setup, heads, name=heads.name),
+          compiler_options=invariant.COMPILER_OPTIONS,
+          out_shardings=Heads(batch_sh, routing=parallel.batch_sharding(setup.mesh, 5) if heads.routing else None),
+        )
         self._passes[heads] = functools.partial(
-            lambda run, params, inputs, segment_ids: run(served(params), inputs, segment_ids, temperature), run)
+          lambda run, params, inputs, segment_ids: run(served(params), inputs, segment_ids, temperature), run
+        )
     self.logprobs = self._passes[LOGPROBS]
     self.prepare = _jit(_bound(prepare, setup))
     train_options = {"donate_argnums": (0, 1), "out_shardings": (setup.param_shardings, opt_shardings, replicated)}
     self.train = _jit(_bound(train, setup), **train_options)
-    self.train_fused = _jit(_bound(train_fused, setup), donate_argnums=(0, 1),
-                            out_shardings=FusedStep(setup.param_shardings, opt_shardings, replicated, batch_sh))
+    self.train_fused = _jit(
+      _bound(train_fused, setup),
+      donate_argnums=(0, 1),
+      out_shardings=FusedStep(setup.param_shardings, opt_shardings, replicated, batch_sh),
+    )
     # The memory probe (`trainers.learner.memory_plan`): the step lowered for abstract arguments,
     # apart from the run's jitted functions (their caches and trace counts are the run's own).
     self.lower_train = lambda *args: jax.jit(_bound(train, setup), **train_options).lower(*args)
@@ -496,9 +605,17 @@ class StepFunctions:
     return self._passes[heads]
 
 
-def build_step_functions(model_cfg, mesh, loss_cfg: mis_jax.LossConfig, train_cfg, *, temperature: float = 1.0,
-                         logprob_chunk: int = 1024, exact: tuple[str, str] | None = None,
-                         **model_kwargs) -> StepFunctions:
+def build_step_functions(
+  model_cfg,
+  mesh,
+  loss_cfg: mis_jax.LossConfig,
+  train_cfg,
+  *,
+  temperature: float = 1.0,
+  logprob_chunk: int = 1024,
+  exact: tuple[str, str] | None = None,
+  **model_kwargs,
+) -> StepFunctions:
   """`StepFunctions` for the registered architecture of `model_cfg` (`model_kwargs`: `dtype`, `param_dtype`,
   `attention`, `remat`) on `mesh`: the parameter shardings from the partition rules, the
   optimiser state's from them, and the residual stream constrained to the batch split. `exact`:
@@ -508,15 +625,29 @@ def build_step_functions(model_cfg, mesh, loss_cfg: mis_jax.LossConfig, train_cf
   graphdef, abstract = nnx.split(abstract_model(model_cfg, **model_kwargs))
   optimizer = make_optimizer(train_cfg)
   param_shardings = parallel.param_shardings(abstract, mesh, model_cfg.family)
-  opt_shardings = parallel.state_shardings(jax.eval_shape(optimizer.init, abstract), abstract, param_shardings,
-                                           mesh)
+  opt_shardings = parallel.state_shardings(jax.eval_shape(optimizer.init, abstract), abstract, param_shardings, mesh)
   exact_pass_ = None
   if exact is not None:
     served_dtype, weight_dtype = exact
-    exact_graph, _ = nnx.split(abstract_model(model_cfg, dtype=DTYPES[served_dtype], param_dtype=DTYPES[served_dtype],
-                                              arithmetic="batch_invariant",
-                                              layer_loop=model_kwargs.get("layer_loop", "scan")))
+    exact_graph, _ = nnx.split(
+      abstract_model(
+        model_cfg,
+        dtype=DTYPES[served_dtype],
+        param_dtype=DTYPES[served_dtype],
+        arithmetic="batch_invariant",
+        layer_loop=model_kwargs.get("layer_loop", "scan"),
+      )
+    )
     exact_pass_ = ExactPass(served_dtype, weight_dtype, exact_graph)
-  setup = StepSetup(graphdef, optimizer, loss_cfg, temperature, logprob_chunk, mesh, param_shardings,
-                    getattr(train_cfg, "router_aux_loss_coef", 0.0) if model_cfg.is_moe else 0.0, exact_pass_)
+  setup = StepSetup(
+    graphdef,
+    optimizer,
+    loss_cfg,
+    temperature,
+    logprob_chunk,
+    mesh,
+    param_shardings,
+    getattr(train_cfg, "router_aux_loss_coef", 0.0) if model_cfg.is_moe else 0.0,
+    exact_pass_,
+  )
   return StepFunctions(setup, opt_shardings=opt_shardings, abstract_params=abstract)

@@ -45,7 +45,7 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -
   kv = k.shape[2]
   q = q.reshape(b, t, kv, h // kv, d)
   scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-  scores = scores * d ** -0.5
+  scores = scores * d**-0.5
   scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
   probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v).reshape(b, t, h, d)
@@ -68,8 +68,7 @@ def _run_starts(segment_ids: jax.Array) -> jax.Array:
   within `[start(i), i]` (contiguous segments). A cummax of run-start indices: no positions."""
   b, t = segment_ids.shape
   idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
-  new_run = jnp.concatenate(
-      [jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  new_run = jnp.concatenate([jnp.ones((b, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
   return lax.cummax(jnp.where(new_run, idx, 0), axis=1)
 
 
@@ -131,7 +130,7 @@ def _flash_forward(q, k, v, seg_q, seg_k, lo, hi, block_q, block_k):
   b, tq, h, d = q.shape
   kvh = k.shape[2]
   g = h // kvh
-  scale = d ** -0.5
+  scale = d**-0.5
   qb = _blocks(q.reshape(b, tq, kvh, g, d), block_q)
   kb, vb = _blocks(k, block_k), _blocks(v, block_k)
   sqb, skb = _blocks(seg_q, block_q), _blocks(seg_k, block_k)
@@ -152,13 +151,14 @@ def _flash_forward(q, k, v, seg_q, seg_k, lo, hi, block_q, block_k):
       p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
       corr = jnp.exp(m - m_new)
       denom = denom * corr + p.sum(axis=-1)
-      pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), v_blk,
-                      preferred_element_type=jnp.float32)
+      pv = jnp.einsum("bkgqs,bskd->bkgqd", p.astype(v.dtype), v_blk, preferred_element_type=jnp.float32)
       return m_new, denom, acc * corr[..., None] + pv
 
-    init = (jnp.full((b, kvh, g, block_q), _MASKED, jnp.float32),
-            jnp.zeros((b, kvh, g, block_q), jnp.float32),
-            jnp.zeros((b, kvh, g, block_q, d), jnp.float32))
+    init = (
+      jnp.full((b, kvh, g, block_q), _MASKED, jnp.float32),
+      jnp.zeros((b, kvh, g, block_q), jnp.float32),
+      jnp.zeros((b, kvh, g, block_q, d), jnp.float32),
+    )
     m, denom, acc = lax.fori_loop(lo_i, hi_i + 1, step, init)
     # denom == 0 only for rows that see nothing (internal query padding): keep them finite.
     seen = denom > 0
@@ -168,8 +168,7 @@ def _flash_forward(q, k, v, seg_q, seg_k, lo, hi, block_q, block_k):
     return jnp.transpose(out, (0, 3, 1, 2, 4)), lse
 
   # Sequential over query blocks (lax.map = scan): per-block traced bounds keep the skipping.
-  out, lse = lax.map(one_query_block,
-                     (jnp.arange(n_q, dtype=jnp.int32), qb, sqb, lo, hi))
+  out, lse = lax.map(one_query_block, (jnp.arange(n_q, dtype=jnp.int32), qb, sqb, lo, hi))
   return _unblocks(out).reshape(b, tq, h, d), lse
 
 
@@ -192,7 +191,7 @@ def _flash_bwd(block_q, block_k, res, d_out):
   b, tq, h, d = q.shape
   kvh = k.shape[2]
   g = h // kvh
-  scale = d ** -0.5
+  scale = d**-0.5
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
   # [nQ, B, KV, G, bq], the layout of lse.
   delta_b = jnp.transpose(_blocks(delta.reshape(b, tq, kvh, g), block_q), (0, 1, 3, 4, 2))
@@ -214,10 +213,8 @@ def _flash_bwd(block_q, block_k, res, d_out):
 
     def step(kj, dq):
       k_blk = index(kb, kj)
-      _, ds = pair(qi, kj, q_blk, do_blk, sq, lse_blk, delta_blk, k_blk, index(vb, kj),
-                   index(skb, kj))
-      return dq + jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(k.dtype), k_blk,
-                             preferred_element_type=jnp.float32)
+      _, ds = pair(qi, kj, q_blk, do_blk, sq, lse_blk, delta_blk, k_blk, index(vb, kj), index(skb, kj))
+      return dq + jnp.einsum("bkgqs,bskd->bqkgd", ds.astype(k.dtype), k_blk, preferred_element_type=jnp.float32)
 
     dq = lax.fori_loop(lo_i, hi_i + 1, step, jnp.zeros((b, block_q, kvh, g, d), jnp.float32))
     return dq * scale
@@ -232,12 +229,9 @@ def _flash_bwd(block_q, block_k, res, d_out):
     def step(qi, carry):
       dk, dv = carry
       q_blk, do_blk = index(qb, qi), index(dob, qi)
-      p, ds = pair(qi, kj, q_blk, do_blk, index(sqb, qi), index(lse, qi), index(delta_b, qi),
-                   k_blk, v_blk, sk)
-      dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p.astype(d_out.dtype), do_blk,
-                           preferred_element_type=jnp.float32)
-      dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(q.dtype), q_blk,
-                           preferred_element_type=jnp.float32)
+      p, ds = pair(qi, kj, q_blk, do_blk, index(sqb, qi), index(lse, qi), index(delta_b, qi), k_blk, v_blk, sk)
+      dv = dv + jnp.einsum("bkgqs,bqkgd->bskd", p.astype(d_out.dtype), do_blk, preferred_element_type=jnp.float32)
+      dk = dk + jnp.einsum("bkgqs,bqkgd->bskd", ds.astype(q.dtype), q_blk, preferred_element_type=jnp.float32)
       return dk, dv
 
     zeros = jnp.zeros((b, block_k, kvh, d), jnp.float32)
@@ -247,8 +241,7 @@ def _flash_bwd(block_q, block_k, res, d_out):
   dk, dv = lax.map(dkv_block, (jnp.arange(n_k, dtype=jnp.int32), kb, vb, skb, qlo, qhi))
   dq = _unblocks(dq).reshape(b, tq, h, d)
   # Integer inputs (segment ids, block ranges) get no cotangent.
-  return (dq.astype(q.dtype), _unblocks(dk).astype(k.dtype), _unblocks(dv).astype(v.dtype),
-          None, None, None, None)
+  return (dq.astype(q.dtype), _unblocks(dk).astype(k.dtype), _unblocks(dv).astype(v.dtype), None, None, None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -257,8 +250,7 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 def _check_shapes(q, k, v, segment_ids):
   b, t, h, d = q.shape
   if k.shape != v.shape or k.shape[0] != b or k.shape[1] != t or k.shape[3] != d:
-    raise ValueError(f"self-attention needs k, v: [B, T, KV, D] matching q {q.shape}, "
-                     f"got k {k.shape}, v {v.shape}")
+    raise ValueError(f"self-attention needs k, v: [B, T, KV, D] matching q {q.shape}, got k {k.shape}, v {v.shape}")
   if h % k.shape[2]:
     raise ValueError(f"query heads {h} not a multiple of kv heads {k.shape[2]}")
   if segment_ids.shape != (b, t):
@@ -271,8 +263,9 @@ def _clamp_blocks(t: int, block_q: int, block_k: int) -> tuple[int, int]:
   return min(block_q, t), min(block_k, t)
 
 
-def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                      block_q: int = 512, block_k: int = 512) -> jax.Array:
+def blocked_attention(
+  q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, block_q: int = 512, block_k: int = 512
+) -> jax.Array:
   """Segment-causal self-attention over packed rows, flash-attention style, in pure JAX.
 
   Same result as `dense_attention(q, k, v, segment_mask(segment_ids))` at real tokens:
@@ -298,8 +291,7 @@ def blocked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
   seg_q = jnp.concatenate([seg, jnp.full((b, pad_q), floor - 2, jnp.int32)], axis=1)
   seg_k = jnp.concatenate([seg, jnp.full((b, pad_k), floor - 1, jnp.int32)], axis=1)
   pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n), (0, 0), (0, 0)))
-  out = _flash(pad(q, pad_q), pad(k, pad_k), pad(v, pad_k), seg_q, seg_k, lo, hi,
-               block_q, block_k)
+  out = _flash(pad(q, pad_q), pad(k, pad_k), pad(v, pad_k), seg_q, seg_k, lo, hi, block_q, block_k)
   return out[:, :t]
 
 
@@ -370,23 +362,38 @@ def _fused_attention(q, k, v, segment_ids, platform: str) -> jax.Array:
   k, v = (jnp.pad(jnp.repeat(x, g, axis=2), widths) for x in (k, v))
   if platform == "tpu":
     from jax.experimental.pallas.ops.tpu import flash_attention as tpu_fa
+
     if d % 128:
       raise NotImplementedError(f"head_dim {d} is not a multiple of 128")
     heads_first = lambda x: jnp.transpose(x, (0, 2, 1, 3))
-    out = tpu_fa.flash_attention(heads_first(q), heads_first(k), heads_first(v),
-                                 segment_ids=tpu_fa.SegmentIds(seg, seg), causal=True,
-                                 sm_scale=d ** -0.5)
+    out = tpu_fa.flash_attention(
+      heads_first(q),
+      heads_first(k),
+      heads_first(v),
+      segment_ids=tpu_fa.SegmentIds(seg, seg),
+      causal=True,
+      sm_scale=d**-0.5,
+    )
     out = heads_first(out)
   else:
     from jax.experimental.pallas.ops.gpu import attention as gpu_attention
+
     if d < 16 or d > 256:
       raise NotImplementedError(f"head_dim {d} outside the Triton kernel's 16..256")
-    out = gpu_attention.mha(q, k, v, seg, sm_scale=d ** -0.5, causal=True)
+    out = gpu_attention.mha(q, k, v, seg, sm_scale=d**-0.5, causal=True)
   return out[:, :t].astype(q.dtype)
 
 
-def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                     backend: str, block_q: int = 512, block_k: int = 512) -> jax.Array:
+def packed_attention(
+  q: jax.Array,
+  k: jax.Array,
+  v: jax.Array,
+  segment_ids: jax.Array,
+  *,
+  backend: str,
+  block_q: int = 512,
+  block_k: int = 512,
+) -> jax.Array:
   """Segment-causal self-attention over packed rows with the named backend (one of
   `ATTENTION_BACKENDS`); all give `dense_attention(q, k, v, segment_mask(segment_ids))` at
   real tokens. "fused" falls back to "blocked" (with one logged warning per reason) where no
@@ -401,6 +408,5 @@ def packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.
     try:
       return _fused_attention(q, k, v, segment_ids, _platform(q))
     except (ValueError, NotImplementedError, TypeError) as e:
-      _warn_once(f"attention backend 'fused' -> 'blocked': kernel rejected q {q.shape} "
-                 f"{q.dtype}, k {k.shape}: {e}")
+      _warn_once(f"attention backend 'fused' -> 'blocked': kernel rejected q {q.shape} {q.dtype}, k {k.shape}: {e}")
   return blocked_attention(q, k, v, segment_ids, block_q=block_q, block_k=block_k)

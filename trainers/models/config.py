@@ -72,14 +72,25 @@ class ModelConfig:
 
   def __post_init__(self):
     from trainers.models import registry
+
     registry.family(self.model_type)  # raises for an unregistered model_type
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                 "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings"):
+    for name in (
+      "vocab_size",
+      "hidden_size",
+      "intermediate_size",
+      "num_hidden_layers",
+      "num_attention_heads",
+      "num_key_value_heads",
+      "head_dim",
+      "max_position_embeddings",
+    ):
       if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
         raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
     if self.num_attention_heads % self.num_key_value_heads:
-      raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                       f"num_key_value_heads ({self.num_key_value_heads})")
+      raise ValueError(
+        f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+        f"num_key_value_heads ({self.num_key_value_heads})"
+      )
     if self.head_dim % 2:
       raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
     if self.num_experts:
@@ -92,6 +103,7 @@ class ModelConfig:
   @property
   def family(self):
     from trainers.models import registry
+
     return registry.family(self.model_type)
 
   @property
@@ -103,6 +115,7 @@ class ModelConfig:
     """From a HF `config.json` dict, by the architecture registered for its `model_type` (or
     its `architectures` entry)."""
     from trainers.models import registry
+
     return registry.family_of_hf_dict(d).from_hf_dict(d)
 
   def to_hf_dict(self, *, dtype: str = "float32") -> dict[str, Any]:
@@ -125,13 +138,22 @@ def common_from_hf(d: dict[str, Any]) -> dict[str, Any]:
   eos = d.get("eos_token_id")
   eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
   return dict(
-      model_type=d["model_type"], vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-      intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-      num_attention_heads=heads, num_key_value_heads=d.get("num_key_value_heads") or heads,
-      head_dim=d.get("head_dim") or d["hidden_size"] // heads, max_position_embeddings=d["max_position_embeddings"],
-      rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)), rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
-      tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-      initializer_range=float(d.get("initializer_range", 0.02)), bos_token_id=d.get("bos_token_id"), eos_token_id=eos)
+    model_type=d["model_type"],
+    vocab_size=d["vocab_size"],
+    hidden_size=d["hidden_size"],
+    intermediate_size=d["intermediate_size"],
+    num_hidden_layers=d["num_hidden_layers"],
+    num_attention_heads=heads,
+    num_key_value_heads=d.get("num_key_value_heads") or heads,
+    head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+    max_position_embeddings=d["max_position_embeddings"],
+    rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+    rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+    tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+    initializer_range=float(d.get("initializer_range", 0.02)),
+    bos_token_id=d.get("bos_token_id"),
+    eos_token_id=eos,
+  )
 
 
 def model_type_of(d: dict[str, Any], architectures: dict[str, str]) -> str:
@@ -150,29 +172,30 @@ def rope_type(d: dict[str, Any]) -> str:
 def common_to_hf(cfg: ModelConfig, architecture: str, dtype: str) -> dict[str, Any]:
   """The `config.json` keys every decoder architecture shares."""
   return {
-      "architectures": [architecture],
-      "model_type": cfg.model_type,
-      "vocab_size": cfg.vocab_size,
-      "hidden_size": cfg.hidden_size,
-      "intermediate_size": cfg.intermediate_size,
-      "num_hidden_layers": cfg.num_hidden_layers,
-      "num_attention_heads": cfg.num_attention_heads,
-      "num_key_value_heads": cfg.num_key_value_heads,
-      "head_dim": cfg.head_dim,
-      "hidden_act": "silu",
-      "max_position_embeddings": cfg.max_position_embeddings,
-      "rms_norm_eps": cfg.rms_norm_eps,
-      # Both spellings: transformers 4.x and SGLang read `rope_theta`, transformers 5.x
-      # reads `rope_parameters`.
-      "rope_theta": cfg.rope_theta,
-      "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-      "tie_word_embeddings": cfg.tie_word_embeddings,
-      "attention_dropout": 0.0,
-      "initializer_range": cfg.initializer_range,
-      "use_cache": True,
-      "torch_dtype": dtype,
-      "dtype": dtype,
-      "bos_token_id": cfg.bos_token_id,
-      "eos_token_id": (list(cfg.eos_token_id) if len(cfg.eos_token_id) != 1
-                       else cfg.eos_token_id[0]) if cfg.eos_token_id else None,
+    "architectures": [architecture],
+    "model_type": cfg.model_type,
+    "vocab_size": cfg.vocab_size,
+    "hidden_size": cfg.hidden_size,
+    "intermediate_size": cfg.intermediate_size,
+    "num_hidden_layers": cfg.num_hidden_layers,
+    "num_attention_heads": cfg.num_attention_heads,
+    "num_key_value_heads": cfg.num_key_value_heads,
+    "head_dim": cfg.head_dim,
+    "hidden_act": "silu",
+    "max_position_embeddings": cfg.max_position_embeddings,
+    "rms_norm_eps": cfg.rms_norm_eps,
+    # Both spellings: transformers 4.x and SGLang read `rope_theta`, transformers 5.x
+    # reads `rope_parameters`.
+    "rope_theta": cfg.rope_theta,
+    "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+    "tie_word_embeddings": cfg.tie_word_embeddings,
+    "attention_dropout": 0.0,
+    "initializer_range": cfg.initializer_range,
+    "use_cache": True,
+    "torch_dtype": dtype,
+    "dtype": dtype,
+    "bos_token_id": cfg.bos_token_id,
+    "eos_token_id": (list(cfg.eos_token_id) if len(cfg.eos_token_id) != 1 else cfg.eos_token_id[0])
+    if cfg.eos_token_id
+    else None,
   }

@@ -80,21 +80,23 @@ def _unrolled(body, carry, xs):
 
 # Activation checkpointing of the layer scan body: what the backward pass may keep.
 REMAT_POLICIES = {
-    "none": None,                                                      # keep everything
-    "full": jax.checkpoint_policies.nothing_saveable,                  # keep only layer inputs
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projections' outputs
+  "none": None,  # keep everything
+  "full": jax.checkpoint_policies.nothing_saveable,  # keep only layer inputs
+  "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep projections' outputs
 }
 
 
 class Routing(NamedTuple):
   """A mixture-of-experts forward's routing: `native [B, T, num_layers, k]` int32 (each layer's
   router top-k, whatever was replayed) and HF's load-balancing `aux_loss` (float32 scalar)."""
+
   native: jax.Array
   aux_loss: jax.Array
 
 
 class LayerCache(NamedTuple):
   """Keys and values of every layer, `[num_layers, batch, cache_len, num_key_value_heads, head_dim]`."""
+
   k: jax.Array
   v: jax.Array
 
@@ -103,6 +105,7 @@ class CacheSlots(NamedTuple):
   """One decoding layer's view of the stacked cache (`k, v` `[L, B, S, KV, D]`): its new keys
   and values go to slots `slot ..` of layer `layer` (one slot for all rows: an aligned layout),
   and it attends over the first `window` slots (static)."""
+
   k: jax.Array
   v: jax.Array
   layer: jax.Array
@@ -150,12 +153,14 @@ DECODE_VOCAB_CHUNK = 8192
 
 def weight_bits(state):
   """`state` (arrays or `jax.ShapeDtypeStruct`s) with its bfloat16 leaves as their bits (`WEIGHT_BITS`)."""
+
   def bits(a):
     if a.dtype != jnp.bfloat16:
       return a
     if isinstance(a, jax.ShapeDtypeStruct):
       return jax.ShapeDtypeStruct(a.shape, WEIGHT_BITS, sharding=a.sharding)
     return jax.lax.bitcast_convert_type(a, WEIGHT_BITS)
+
   return jax.tree.map(bits, state)
 
 
@@ -197,8 +202,9 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   interpolated with `s = (original / wavelength - low) / (high - low)`: `(1 - s) θ / factor + s θ`.
   """
   d = cfg.head_dim
-  inv_freq = (1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32)
-                                                      / np.float32(d)))).astype(np.float32)
+  inv_freq = (
+    1.0 / (np.float32(cfg.rope_theta) ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / np.float32(d)))
+  ).astype(np.float32)
   scaling = cfg.rope_scaling
   if scaling is None:
     return inv_freq
@@ -209,8 +215,9 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   high_wavelen = old / scaling.high_freq_factor
   wavelen = (2 * math.pi / inv_freq).astype(np.float32)
   scaled = np.where(wavelen > low_wavelen, inv_freq / np.float32(scaling.factor), inv_freq).astype(np.float32)
-  smooth = ((old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-            ).astype(np.float32)
+  smooth = ((old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)).astype(
+    np.float32
+  )
   smoothed = ((1 - smooth) * scaled / np.float32(scaling.factor) + smooth * scaled).astype(np.float32)
   medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
   return np.where(medium, smoothed, scaled).astype(np.float32)
@@ -232,11 +239,11 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray | None, theta:
 
 
 class Attention(nnx.Module):
-
   def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, arithmetic: str = "default", rngs: nnx.Rngs):
     init = nnx.initializers.normal(cfg.initializer_range)
-    dense = lambda i, o, bias: nnx.Linear(i, o, use_bias=bias, kernel_init=init, dtype=dtype,
-                                          param_dtype=param_dtype, rngs=rngs)
+    dense = lambda i, o, bias: nnx.Linear(
+      i, o, use_bias=bias, kernel_init=init, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+    )
     h, kv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     features = cfg.features
     self.q_proj = dense(cfg.hidden_size, h * d, features.qkv_bias)
@@ -296,12 +303,12 @@ def _linear(layer: nnx.Linear, x: jax.Array, dtype) -> jax.Array:
 
 
 class MLP(nnx.Module):
-
   def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, arithmetic: str = "default", rngs: nnx.Rngs):
     init = nnx.initializers.normal(cfg.initializer_range)
     bias = cfg.features.mlp_bias
-    dense = lambda i, o: nnx.Linear(i, o, use_bias=bias, kernel_init=init, dtype=dtype,
-                                    param_dtype=param_dtype, rngs=rngs)
+    dense = lambda i, o: nnx.Linear(
+      i, o, use_bias=bias, kernel_init=init, dtype=dtype, param_dtype=param_dtype, rngs=rngs
+    )
     self.gate_proj = dense(cfg.hidden_size, cfg.intermediate_size)
     self.up_proj = dense(cfg.hidden_size, cfg.intermediate_size)
     self.down_proj = dense(cfg.intermediate_size, cfg.hidden_size)
@@ -317,8 +324,10 @@ class MLP(nnx.Module):
     arithmetic never fuses them (the same sums either way)."""
     if self.arithmetic == "batch_invariant":
       dtype = self.dtype
-      h = invariant.round_to(invariant.round_to(invariant.silu(_linear(self.gate_proj, x, dtype)), dtype)
-                             * _linear(self.up_proj, x, dtype), dtype)
+      h = invariant.round_to(
+        invariant.round_to(invariant.silu(_linear(self.gate_proj, x, dtype)), dtype) * _linear(self.up_proj, x, dtype),
+        dtype,
+      )
       return _linear(self.down_proj, h, dtype)
     if not fused:
       return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -327,10 +336,12 @@ class MLP(nnx.Module):
     def product(x, w_gate, w_up):
       kernel = jnp.concatenate([w_gate, w_up], axis=-1).astype(gate.dtype)
       return checkpoint_name(jnp.dot(x.astype(gate.dtype), kernel), "fused_gate_up")
+
     # The backward pass concatenates the kernels again rather than keep the forward's copy (every
     # layer's, stacked: 0.7 GB at Qwen3-0.6B in float32, more than a short batch's activations).
     h = jax.checkpoint(product, policy=jax.checkpoint_policies.save_only_these_names("fused_gate_up"))(
-        x, gate.kernel[...], up.kernel[...])
+      x, gate.kernel[...], up.kernel[...]
+    )
     if gate.bias is not None:
       h = h + _expand(jnp.concatenate([gate.bias[...], up.bias[...]]).astype(gate.dtype), h.ndim)
     g, u = jnp.split(h, 2, axis=-1)
@@ -338,18 +349,34 @@ class MLP(nnx.Module):
 
 
 class DecoderLayer(nnx.Module):
-
-  def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, moe_dispatch: str = "grouped",
-               activation_sharding=None, arithmetic: str = "default", rngs: nnx.Rngs):
-    norm = lambda: RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype,
-                           arithmetic=arithmetic)
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    *,
+    dtype,
+    param_dtype,
+    moe_dispatch: str = "grouped",
+    activation_sharding=None,
+    arithmetic: str = "default",
+    rngs: nnx.Rngs,
+  ):
+    norm = lambda: RMSNorm(
+      cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype, arithmetic=arithmetic
+    )
     self.input_layernorm = norm()
     self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, arithmetic=arithmetic, rngs=rngs)
     self.post_attention_layernorm = norm()
     self.is_moe = cfg.features.moe
     if self.is_moe:
-      self.mlp = SparseMoeBlock(cfg, dtype=dtype, param_dtype=param_dtype, dispatch=moe_dispatch,
-                                activation_sharding=activation_sharding, arithmetic=arithmetic, rngs=rngs)
+      self.mlp = SparseMoeBlock(
+        cfg,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        dispatch=moe_dispatch,
+        activation_sharding=activation_sharding,
+        arithmetic=arithmetic,
+        rngs=rngs,
+      )
     else:
       self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, arithmetic=arithmetic, rngs=rngs)
     self.dtype = dtype
@@ -397,10 +424,20 @@ class CausalLM(nnx.Module):
       `invariant.COMPILER_OPTIONS`).
   """
 
-  def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
-               attention: str = "dense", remat: str = "none", activation_sharding=None,
-               moe_dispatch: str = "grouped", layer_loop: str = "scan", arithmetic: str = "default",
-               rngs: nnx.Rngs):
+  def __init__(
+    self,
+    cfg: ModelConfig,
+    *,
+    dtype=jnp.float32,
+    param_dtype=jnp.float32,
+    attention: str = "dense",
+    remat: str = "none",
+    activation_sharding=None,
+    moe_dispatch: str = "grouped",
+    layer_loop: str = "scan",
+    arithmetic: str = "default",
+    rngs: nnx.Rngs,
+  ):
     if attention not in ATTENTION_BACKENDS:
       raise ValueError(f"attention={attention!r}; allowed: {', '.join(ATTENTION_BACKENDS)}")
     if remat not in REMAT_POLICIES:
@@ -414,24 +451,42 @@ class CausalLM(nnx.Module):
     self.attention = attention
     self.remat = remat
     self.activation_sharding = activation_sharding
-    self.embed_tokens = nnx.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype,
-                                  param_dtype=param_dtype,
-                                  embedding_init=nnx.initializers.normal(cfg.initializer_range),
-                                  rngs=rngs)
+    self.embed_tokens = nnx.Embed(
+      cfg.vocab_size,
+      cfg.hidden_size,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      embedding_init=nnx.initializers.normal(cfg.initializer_range),
+      rngs=rngs,
+    )
 
     @nnx.split_rngs(splits=cfg.num_hidden_layers)
     @nnx.vmap(in_axes=(0,), out_axes=0)
     def stacked(rngs):
-      return DecoderLayer(cfg, dtype=dtype, param_dtype=param_dtype, moe_dispatch=moe_dispatch,
-                          activation_sharding=activation_sharding, arithmetic=arithmetic, rngs=rngs)
+      return DecoderLayer(
+        cfg,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        moe_dispatch=moe_dispatch,
+        activation_sharding=activation_sharding,
+        arithmetic=arithmetic,
+        rngs=rngs,
+      )
 
     self.layers = stacked(rngs)
-    self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype,
-                        arithmetic=arithmetic)
+    self.norm = RMSNorm(
+      cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype, arithmetic=arithmetic
+    )
     if not cfg.tie_word_embeddings:
-      self.lm_head = nnx.Linear(cfg.hidden_size, cfg.vocab_size, use_bias=False,
-                                kernel_init=nnx.initializers.normal(cfg.initializer_range),
-                                dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+      self.lm_head = nnx.Linear(
+        cfg.hidden_size,
+        cfg.vocab_size,
+        use_bias=False,
+        kernel_init=nnx.initializers.normal(cfg.initializer_range),
+        dtype=dtype,
+        param_dtype=param_dtype,
+        rngs=rngs,
+      )
 
   @property
   def invariant(self) -> bool:
@@ -464,17 +519,20 @@ class CausalLM(nnx.Module):
 
     def body(x, xs, layer_cache=None):
       layer_state, layer_replay = xs
-      x, layer_cache, routing = nnx.merge(graphdef, layer_state)(x, positions, attend, layer_cache, layer_replay,
-                                                                 valid, fuse_mlp)
+      x, layer_cache, routing = nnx.merge(graphdef, layer_state)(
+        x, positions, attend, layer_cache, layer_replay, valid, fuse_mlp
+      )
       return self._constrain(x), (layer_cache, routing)
 
     if cache is not None:  # decoding: the stacked cache is carried; each layer writes its new slots in place
+
       def cached(carry, xs):
         x, k, v = carry
         layer, layer_state, layer_replay = xs
         layer_state = jax.tree.map(from_weight_bits, layer_state)  # this layer's only (`WEIGHT_BITS`)
         x, (slots, routing) = body(x, (layer_state, layer_replay), cache._replace(k=k, v=v, layer=layer))
         return (x, slots.k, slots.v), routing
+
       layers = jnp.arange(cache.k.shape[0], dtype=jnp.int32)
       (x, k, v), routing = scan(cached, (self._constrain(x), cache.k, cache.v), (layers, state, replay))
       return x, LayerCache(k, v), routing
@@ -485,8 +543,7 @@ class CausalLM(nnx.Module):
 
   def _routing(self, routing, valid) -> Routing:
     num_tokens = jnp.sum(valid.astype(jnp.float32))
-    return Routing(jnp.moveaxis(routing.native, 0, 2),
-                   load_balancing_loss(routing.counts, routing.probs, num_tokens))
+    return Routing(jnp.moveaxis(routing.native, 0, 2), load_balancing_loss(routing.counts, routing.probs, num_tokens))
 
   def _replay(self, routing: jax.Array | None, shape) -> jax.Array | None:
     """Replayed experts `[B, T, num_layers, k]` → the scan's `[num_layers, B, T, k]`."""
@@ -497,8 +554,10 @@ class CausalLM(nnx.Module):
       raise ValueError("routing replay needs a mixture-of-experts model; this one is dense")
     want = tuple(shape) + (cfg.num_hidden_layers, cfg.num_experts_per_tok)
     if tuple(routing.shape) != want:
-      raise ValueError(f"routing has shape {tuple(routing.shape)}, expected [batch, length, num_hidden_layers, "
-                       f"num_experts_per_tok] = {list(want)}")
+      raise ValueError(
+        f"routing has shape {tuple(routing.shape)}, expected [batch, length, num_hidden_layers, "
+        f"num_experts_per_tok] = {list(want)}"
+      )
     if not jnp.issubdtype(routing.dtype, jnp.integer):
       raise ValueError(f"routing must hold integer expert ids, got {routing.dtype}")
     return jnp.moveaxis(routing.astype(jnp.int32), 2, 0)
@@ -510,8 +569,15 @@ class CausalLM(nnx.Module):
       return self.embed_tokens.embedding[...], "vd"
     return self.lm_head.kernel[...], "dv"
 
-  def hidden_states(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array, *,
-                    routing: jax.Array | None = None, return_routing: bool = False):
+  def hidden_states(
+    self,
+    input_ids: jax.Array,
+    positions: jax.Array,
+    segment_ids: jax.Array,
+    *,
+    routing: jax.Array | None = None,
+    return_routing: bool = False,
+  ):
     """Packed forward up to the final norm: `[B, T, hidden]` in the compute dtype.
 
     Token `j` is visible to token `i` iff `segment_ids[i] == segment_ids[j]` and `j <= i`
@@ -524,9 +590,15 @@ class CausalLM(nnx.Module):
     """
     _check_ids(input_ids, positions, segment_ids)
     valid = segment_ids >= 0
-    x, _, layer_routing = self._layers(self._embed(input_ids), positions, self._packed_attend(segment_ids),
-                                       None, remat=self.remat, replay=self._replay(routing, input_ids.shape),
-                                       valid=valid)
+    x, _, layer_routing = self._layers(
+      self._embed(input_ids),
+      positions,
+      self._packed_attend(segment_ids),
+      None,
+      remat=self.remat,
+      replay=self._replay(routing, input_ids.shape),
+      valid=valid,
+    )
     hidden = self.norm(x)
     if not return_routing:
       return hidden
@@ -551,8 +623,9 @@ class CausalLM(nnx.Module):
     mesh, rows = sharding.mesh, sharding.spec[0]
     heads = "tensor" if "tensor" in mesh.axis_names and mesh.shape["tensor"] > 1 else None
     spec = P(rows, None, heads, None)
-    attend = jax.shard_map(local, mesh=mesh, in_specs=(spec, spec, spec, P(rows, None)), out_specs=spec,
-                           check_vma=False)
+    attend = jax.shard_map(
+      local, mesh=mesh, in_specs=(spec, spec, spec, P(rows, None)), out_specs=spec, check_vma=False
+    )
     return lambda q, k, v: attend(q, k, v, segment_ids)
 
   def logits(self, hidden: jax.Array) -> jax.Array:
@@ -563,8 +636,9 @@ class CausalLM(nnx.Module):
     if self.invariant:
       head, layout = self.head()
       head = from_weight_bits(head)
-      return invariant.round_to(invariant.matmul(x, invariant.carried(head.T if layout == "vd" else head, self.dtype)),
-                                self.dtype)
+      return invariant.round_to(
+        invariant.matmul(x, invariant.carried(head.T if layout == "vd" else head, self.dtype)), self.dtype
+      )
     logits = self.embed_tokens.attend(x) if self.config.tie_word_embeddings else self.lm_head(x)
     return logits.astype(jnp.float32)
 
@@ -591,11 +665,12 @@ class CausalLM(nnx.Module):
 
     full, parts = vocab // chunk, []
     if full:
-      _, ys = jax.lax.scan(lambda _, i: (None, block(jax.lax.dynamic_slice_in_dim(w, i * chunk, chunk))), None,
-                           jnp.arange(full))  # [full, B, T, chunk]
+      _, ys = jax.lax.scan(
+        lambda _, i: (None, block(jax.lax.dynamic_slice_in_dim(w, i * chunk, chunk))), None, jnp.arange(full)
+      )  # [full, B, T, chunk]
       parts.append(jnp.moveaxis(ys, 0, 2).reshape(x.shape[:2] + (full * chunk,)))
     if vocab % chunk:
-      parts.append(block(w[full * chunk:]))
+      parts.append(block(w[full * chunk :]))
     return jnp.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
 
   def __call__(self, input_ids: jax.Array, positions: jax.Array, segment_ids: jax.Array) -> jax.Array:
@@ -609,8 +684,17 @@ class CausalLM(nnx.Module):
     storage = _storage_dtype(self.dtype)
     return LayerCache(jnp.zeros(shape, storage), jnp.zeros(shape, storage))
 
-  def decode(self, input_ids: jax.Array, cache: LayerCache, *, slot: jax.Array, start: jax.Array,
-             window: int | None = None, return_routing: bool = False, logits_at: jax.Array | None = None):
+  def decode(
+    self,
+    input_ids: jax.Array,
+    cache: LayerCache,
+    *,
+    slot: jax.Array,
+    start: jax.Array,
+    window: int | None = None,
+    return_routing: bool = False,
+    logits_at: jax.Array | None = None,
+  ):
     """Cached forward of `input_ids: [B, T]`, the rows aligned in the cache: the tokens go to
     slots `slot .. slot + T - 1` (a scalar: one in-place write per layer for all rows), row `b`'s
     sequence starts at slot `start[b]` (its position 0; earlier slots are its left padding), so
@@ -657,9 +741,15 @@ def _check_ids(*arrays: jax.Array) -> None:
       raise ValueError(f"expected integer ids/positions, got {a.dtype}")
 
 
-def teacher_forced_logprobs(model: CausalLM, input_ids: jax.Array, positions: jax.Array,
-                            segment_ids: jax.Array, targets: jax.Array, *,
-                            temperature: float = 1.0) -> jax.Array:
+def teacher_forced_logprobs(
+  model: CausalLM,
+  input_ids: jax.Array,
+  positions: jax.Array,
+  segment_ids: jax.Array,
+  targets: jax.Array,
+  *,
+  temperature: float = 1.0,
+) -> jax.Array:
   """Per-token `log_softmax(logits_t / temperature)[targets_t]`, float32, shape `[B, T]`.
 
   `targets[b, t]` is the token that follows `input_ids[b, t]` in its segment (the caller shifts;
@@ -679,6 +769,7 @@ def teacher_forced_logprobs(model: CausalLM, input_ids: jax.Array, positions: ja
 
 # --- the parameter tree's HF names and partition rules (shared by every architecture) --------------
 
+
 def hf_name(path: tuple) -> tuple[str, bool]:
   """HF name of a parameter path (`{i}` in place of the layer index for stacked layer parameters)
   and whether its array is transposed in HF (flax Linear kernels are `[in, out]`, torch `[out, in]`)."""
@@ -697,11 +788,20 @@ def hf_name(path: tuple) -> tuple[str, bool]:
 # embedding and LM head the vocabulary. Everything else (norms, o/down biases) is replicated
 # over `tensor`.
 TENSOR_RULES = {
-    ("q_proj", "kernel"): -1, ("k_proj", "kernel"): -1, ("v_proj", "kernel"): -1,
-    ("q_proj", "bias"): -1, ("k_proj", "bias"): -1, ("v_proj", "bias"): -1,
-    ("gate_proj", "kernel"): -1, ("up_proj", "kernel"): -1, ("gate_proj", "bias"): -1, ("up_proj", "bias"): -1,
-    ("o_proj", "kernel"): -2, ("down_proj", "kernel"): -2,
-    ("embed_tokens", "embedding"): 0, ("lm_head", "kernel"): -1,
+  ("q_proj", "kernel"): -1,
+  ("k_proj", "kernel"): -1,
+  ("v_proj", "kernel"): -1,
+  ("q_proj", "bias"): -1,
+  ("k_proj", "bias"): -1,
+  ("v_proj", "bias"): -1,
+  ("gate_proj", "kernel"): -1,
+  ("up_proj", "kernel"): -1,
+  ("gate_proj", "bias"): -1,
+  ("up_proj", "bias"): -1,
+  ("o_proj", "kernel"): -2,
+  ("down_proj", "kernel"): -2,
+  ("embed_tokens", "embedding"): 0,
+  ("lm_head", "kernel"): -1,
 }
 # The embedding table is split over `fsdp` along its hidden dimension, not the (larger)
 # vocabulary: a lookup of batch-sharded ids in a vocab-sharded table makes XLA replicate the

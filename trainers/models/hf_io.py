@@ -78,6 +78,7 @@ def hf_arrays(path: tuple, x, config: ModelConfig | None = None) -> dict[str, ob
 class HFSlot(NamedTuple):
   """Where one HF tensor lives in a parameter state: the parameter's `path`, the `lead` index of its
   stacked axes (layer, expert), whether HF stores it transposed, and its HF `shape`."""
+
   path: tuple
   lead: tuple
   transpose: bool
@@ -91,7 +92,7 @@ def hf_slots(state, config: ModelConfig | None = None) -> dict[str, HFSlot]:
   for path, var in param_leaves(state):
     shape = tuple(var.get_value().shape)
     name, transpose = _name_map(config)(path)
-    block = shape[_lead(name):]
+    block = shape[_lead(name) :]
     for hf, idx in _stacked_names(name, shape):
       out[hf] = HFSlot(path, tuple(idx), transpose, tuple(block[::-1] if transpose else block))
   return out
@@ -137,16 +138,17 @@ def save_hf_checkpoint(model: CausalLM, path: str | os.PathLike, *, dtype: str =
     raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
   os.makedirs(path, exist_ok=True)
   tensors = hf_state_dict(model, dtype=dtype)
-  atomic_write(os.path.join(path, "model.safetensors"),
-                lambda f: save_file(tensors, f, metadata={"format": "pt"}))
+  atomic_write(os.path.join(path, "model.safetensors"), lambda f: save_file(tensors, f, metadata={"format": "pt"}))
   write_json(os.path.join(path, "config.json"), model.config.to_hf_dict(dtype=dtype))
 
 
 def write_json(dest: str, payload) -> None:
   """``payload`` as indented JSON at ``dest``, renamed into place whole."""
+
   def write(f):
     with open(f, "w") as fh:
       json.dump(payload, fh, indent=2)
+
   atomic_write(dest, write)
 
 
@@ -245,7 +247,7 @@ def _check_names(model_state, reader: _Reader, tie_word_embeddings: bool) -> Non
   for path, var in param_leaves(model_state):
     shape = tuple(var.get_value().shape)
     name, transpose = reader.hf_name(path)
-    per_layer = shape[_lead(name):]
+    per_layer = shape[_lead(name) :]
     want = per_layer[::-1] if transpose else per_layer
     for hf, _ in _stacked_names(name, shape):
       seen.add(hf)
@@ -255,9 +257,11 @@ def _check_names(model_state, reader: _Reader, tie_word_embeddings: bool) -> Non
         bad.append(f"{hf}: checkpoint {reader.shape(hf)} vs model {tuple(want)}")
   unexpected = [n for n in names if n not in seen and not skipped_on_load(n, tie_word_embeddings)]
   if missing or bad or unexpected:
-    parts = [f"{label}: {', '.join(sorted(items)[:8])}{' ...' if len(items) > 8 else ''}"
-             for label, items in (("missing", missing), ("shape mismatch", bad),
-                                  ("unexpected", unexpected)) if items]
+    parts = [
+      f"{label}: {', '.join(sorted(items)[:8])}{' ...' if len(items) > 8 else ''}"
+      for label, items in (("missing", missing), ("shape mismatch", bad), ("unexpected", unexpected))
+      if items
+    ]
     raise ValueError("checkpoint does not match the model; " + "; ".join(parts))
 
 
@@ -326,8 +330,9 @@ def abstract_model(cfg: ModelConfig, **model_kwargs) -> CausalLM:
   return nnx.eval_shape(lambda: registry.family(cfg.model_type).module(cfg, rngs=nnx.Rngs(0), **model_kwargs))
 
 
-def load_hf_params(path: str | os.PathLike, abstract_state: nnx.State, shardings=None,
-                   config: ModelConfig | None = None) -> nnx.State:
+def load_hf_params(
+  path: str | os.PathLike, abstract_state: nnx.State, shardings=None, config: ModelConfig | None = None
+) -> nnx.State:
   """The parameter state with the structure, shapes and dtypes of `abstract_state`, read from
   the `*.safetensors` files in `path`.
 
@@ -353,23 +358,33 @@ def load_hf_params(path: str | os.PathLike, abstract_state: nnx.State, shardings
     return _fill(abstract_state, reader, shardings)
 
 
-def load_hf_checkpoint(path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float32,
-                       shardings=None, **model_kwargs) -> CausalLM:
+def load_hf_checkpoint(
+  path: str | os.PathLike, *, dtype=jnp.float32, param_dtype=jnp.float32, shardings=None, **model_kwargs
+) -> CausalLM:
   """Builds the registered architecture of `path/config.json` and loads its safetensors weights
   (`load_hf_params`; `shardings` as there). `model_kwargs` go to its module (`attention`, `remat`,
   `activation_sharding`)."""
   cfg = ModelConfig.from_pretrained(path)
   graphdef, abstract = nnx.split(abstract_model(cfg, dtype=dtype, param_dtype=param_dtype, **model_kwargs))
-  return nnx.merge(graphdef, load_hf_params(path, abstract, shardings, config=cfg))  # every variable of the module is a Param
+  return nnx.merge(
+    graphdef, load_hf_params(path, abstract, shardings, config=cfg)
+  )  # every variable of the module is a Param
 
 
-def init_checkpoint(out: str | os.PathLike, *, preset: str = "tiny-qwen3", seed: int = 0,
-                    dtype: str = "float32", config: ModelConfig | None = None) -> ModelConfig:
+def init_checkpoint(
+  out: str | os.PathLike,
+  *,
+  preset: str = "tiny-qwen3",
+  seed: int = 0,
+  dtype: str = "float32",
+  config: ModelConfig | None = None,
+) -> ModelConfig:
   """Writes a randomly initialised HF checkpoint (a preset or an explicit `config`) to `out`.
 
   Initialisation is HF's: weights `N(0, initializer_range²)`, biases 0, norms 1.
   """
   from trainers.models.presets import PRESETS
+
   if config is None:
     if preset not in PRESETS:
       raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")

@@ -59,8 +59,12 @@ ARITHMETICS = ("default", "batch_invariant")
 # own (`exp(z - max z)` over `[3, 40, 64]` went to YNNPACK and differed in the last bit from the
 # same rows computed alone). At level 2 the tiny model's exact step ran 0.67x the default's speed,
 # at level 0 0.18x.
-COMPILER_OPTIONS = {"xla_backend_optimization_level": 2, "xla_cpu_experimental_ynn_fusion_type": "",
-                    "xla_cpu_experimental_xnn_fusion_type": "", "xla_cpu_experimental_onednn_fusion_type": ""}
+COMPILER_OPTIONS = {
+  "xla_backend_optimization_level": 2,
+  "xla_cpu_experimental_ynn_fusion_type": "",
+  "xla_cpu_experimental_xnn_fusion_type": "",
+  "xla_cpu_experimental_onednn_fusion_type": "",
+}
 
 # Terms of a left-to-right sum per iteration of its loop: the programs stay small and fast (the tiny
 # model's sampler compiled in 5 s and decoded 8 rows × 16 tokens in 6 ms with 2; 15 s and 14 ms with
@@ -211,7 +215,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, dtype) 
   g = h // kvh
   qs = jnp.transpose(q.reshape(b, t, kvh, g, d), (4, 0, 2, 3, 1))[..., None]  # [D, B, KV, G, T, 1]
   ks = jnp.transpose(k, (3, 0, 2, 1))[:, :, :, None, None, :]  # [D, B, KV, 1, 1, S]
-  scores = _rounded(ordered_contract(qs, ks) * np.float32(d ** -0.5))  # [B, KV, G, T, S]
+  scores = _rounded(ordered_contract(qs, ks) * np.float32(d**-0.5))  # [B, KV, G, T, S]
   scores = jnp.where(mask[:, None, None, :, :], scores, _MASKED)
   probs = round_to(softmax(scores), dtype)
   ps = jnp.moveaxis(probs, -1, 0)[..., None]  # [S, B, KV, G, T, 1]

@@ -56,6 +56,7 @@ MOE_DISPATCH = ("dense", "grouped", "ragged_dot")
 
 class LayerRouting(NamedTuple):
   """One layer's routing of `[B, T]` tokens."""
+
   native: jax.Array  # [B, T, k] int32: the router's own top-k (in top-k order)
   counts: jax.Array  # [E] float32: (token, slot) assignments per expert over real tokens (native top-k)
   probs: jax.Array  # [E] float32: Σ over real tokens of the router probabilities
@@ -69,7 +70,6 @@ class ExpertWeights(nnx.Module):
 
 
 class Experts(nnx.Module):
-
   def __init__(self, cfg, *, param_dtype, rngs: nnx.Rngs):
     init = nnx.initializers.normal(cfg.initializer_range)
     e, h, f = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
@@ -136,16 +136,18 @@ def grouped_dispatch(x, experts, weights, wg, wu, wd, *, block: int | None = Non
   num_blocks = -(-(pairs + num_experts * (b - 1)) // b)  # a static bound on the padded rows
   rows = jnp.zeros((num_blocks * b, hidden), x.dtype).at[dest].set(x[order // k], unique_indices=True)
   ends = jnp.cumsum(padded)
-  block_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(num_blocks) * b, side="right"),
-                             num_experts - 1).astype(jnp.int32)  # blocks past the data: zero rows
+  block_expert = jnp.minimum(jnp.searchsorted(ends, jnp.arange(num_blocks) * b, side="right"), num_experts - 1).astype(
+    jnp.int32
+  )  # blocks past the data: zero rows
 
   @jax.checkpoint  # the backward pass recomputes a block (never keeps every block's gathered weights)
   def ffn(args):
     xb, e = args
     return (jax.nn.silu(xb @ wg[e]) * (xb @ wu[e])) @ wd[e]
 
-  out = jax.lax.map(ffn, (rows.reshape(num_blocks, b, hidden), block_expert),
-                    batch_size=min(blocks_at_once, num_blocks))
+  out = jax.lax.map(
+    ffn, (rows.reshape(num_blocks, b, hidden), block_expert), batch_size=min(blocks_at_once, num_blocks)
+  )
   return _combine(out.reshape(num_blocks * b, hidden)[dest], order, weights)
 
 
@@ -161,13 +163,28 @@ def ragged_dot_dispatch(x, experts, weights, wg, wu, wd):
 class SparseMoeBlock(nnx.Module):
   """Router (`gate`, HF `mlp.gate.weight [E, H]`) and experts; see the module doc."""
 
-  def __init__(self, cfg, *, dtype, param_dtype, dispatch: str = "grouped", activation_sharding=None,
-               arithmetic: str = "default", rngs: nnx.Rngs):
+  def __init__(
+    self,
+    cfg,
+    *,
+    dtype,
+    param_dtype,
+    dispatch: str = "grouped",
+    activation_sharding=None,
+    arithmetic: str = "default",
+    rngs: nnx.Rngs,
+  ):
     if dispatch not in MOE_DISPATCH:
       raise ValueError(f"moe_dispatch={dispatch!r}; allowed: {', '.join(MOE_DISPATCH)}")
-    self.gate = nnx.Linear(cfg.hidden_size, cfg.num_experts, use_bias=False,
-                           kernel_init=nnx.initializers.normal(cfg.initializer_range), dtype=dtype,
-                           param_dtype=param_dtype, rngs=rngs)
+    self.gate = nnx.Linear(
+      cfg.hidden_size,
+      cfg.num_experts,
+      use_bias=False,
+      kernel_init=nnx.initializers.normal(cfg.initializer_range),
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
+    )
     self.experts = Experts(cfg, param_dtype=param_dtype, rngs=rngs)
     self.top_k = cfg.num_experts_per_tok
     self.norm_topk_prob = cfg.norm_topk_prob
@@ -185,21 +202,23 @@ class SparseMoeBlock(nnx.Module):
       y, probs, native = self._invariant(flat, None if replay is None else replay.reshape(b * t, -1))
     else:
       probs = jax.nn.softmax(self.gate(flat).astype(jnp.float32), axis=-1)
-      experts, weights, native = route(probs, self.top_k, self.norm_topk_prob,
-                                       None if replay is None else replay.reshape(b * t, -1), self.dtype)
-      kernels = [p.kernel[...].astype(self.dtype) for p in (self.experts.gate_proj, self.experts.up_proj,
-                                                              self.experts.down_proj)]
+      experts, weights, native = route(
+        probs, self.top_k, self.norm_topk_prob, None if replay is None else replay.reshape(b * t, -1), self.dtype
+      )
+      kernels = [
+        p.kernel[...].astype(self.dtype) for p in (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj)
+      ]
       fn = DISPATCH[self.dispatch]
       if self.activation_sharding is not None:
         fn = _on_mesh(fn, self.activation_sharding)
       y = fn(flat.astype(self.dtype), experts, weights, *kernels)
     real = (jnp.ones((b * t,), bool) if valid is None else valid.reshape(-1))[:, None]
     num_experts = probs.shape[-1]
-    counts = jnp.sum(jnp.where(real[..., None], jax.nn.one_hot(native, num_experts, dtype=jnp.float32), 0.0),
-                     axis=(0, 1))
+    counts = jnp.sum(
+      jnp.where(real[..., None], jax.nn.one_hot(native, num_experts, dtype=jnp.float32), 0.0), axis=(0, 1)
+    )
     prob_sums = jnp.sum(jnp.where(real, probs, 0.0), axis=0)
     return y.reshape(b, t, h), LayerRouting(native.reshape(b, t, -1), counts, prob_sums)
-
 
   def _invariant(self, x, replay):
     """The block in batch-invariant arithmetic (`invariant`) on float32 carriers `x [N, H]`: the
@@ -246,8 +265,13 @@ def _on_mesh(dispatch, sharding):
     return y if tp is None else jax.lax.psum(y, tp)
 
   tokens = P(rows, None)
-  return jax.shard_map(local, mesh=mesh, in_specs=(tokens, tokens, tokens, P(ep, None, tp), P(ep, None, tp),
-                                                   P(ep, tp, None)), out_specs=tokens, check_vma=False)
+  return jax.shard_map(
+    local,
+    mesh=mesh,
+    in_specs=(tokens, tokens, tokens, P(ep, None, tp), P(ep, None, tp), P(ep, tp, None)),
+    out_specs=tokens,
+    check_vma=False,
+  )
 
 
 def load_balancing_loss(counts: jax.Array, probs: jax.Array, num_tokens: jax.Array) -> jax.Array:

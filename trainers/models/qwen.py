@@ -11,8 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from trainers.models import decoder, registry
-from trainers.models.config import (DecoderFeatures, ModelConfig, common_from_hf, common_to_hf, model_type_of,
-                                    rope_type)
+from trainers.models.config import DecoderFeatures, ModelConfig, common_from_hf, common_to_hf, model_type_of, rope_type
 
 ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
@@ -22,8 +21,9 @@ def from_hf_dict(d: dict[str, Any]) -> ModelConfig:
   if d.get("use_sliding_window"):
     raise ValueError("sliding-window attention (use_sliding_window: true) is not supported")
   if rope_type(d) != "default":
-    raise ValueError(f"only default RoPE is supported for {model_type}, got "
-                     f"{d.get('rope_parameters') or d.get('rope_scaling')!r}")
+    raise ValueError(
+      f"only default RoPE is supported for {model_type}, got {d.get('rope_parameters') or d.get('rope_scaling')!r}"
+    )
   fields = common_from_hf({**d, "model_type": model_type})
   return ModelConfig(**fields, attention_bias=bool(d.get("attention_bias", False)) and model_type == "qwen3")
 
@@ -38,11 +38,19 @@ def to_hf_dict(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
 
 def features(cfg: ModelConfig) -> DecoderFeatures:
   qwen3 = cfg.model_type == "qwen3"
-  return DecoderFeatures(qkv_bias=not qwen3 or cfg.attention_bias, o_bias=qwen3 and cfg.attention_bias,
-                         qk_norm=qwen3)
+  return DecoderFeatures(qkv_bias=not qwen3 or cfg.attention_bias, o_bias=qwen3 and cfg.attention_bias, qk_norm=qwen3)
 
 
-FAMILY = registry.register(registry.Family(
-    name="qwen", architectures=ARCHITECTURES, from_hf_dict=from_hf_dict, to_hf_dict=to_hf_dict,
-    features=features, module=decoder.CausalLM, hf_name=decoder.hf_name, tensor_rules=decoder.TENSOR_RULES,
-    fsdp_rules=decoder.FSDP_RULES))
+FAMILY = registry.register(
+  registry.Family(
+    name="qwen",
+    architectures=ARCHITECTURES,
+    from_hf_dict=from_hf_dict,
+    to_hf_dict=to_hf_dict,
+    features=features,
+    module=decoder.CausalLM,
+    hf_name=decoder.hf_name,
+    tensor_rules=decoder.TENSOR_RULES,
+    fsdp_rules=decoder.FSDP_RULES,
+  )
+)

@@ -31,8 +31,9 @@ def from_hf_dict(d: dict[str, Any]) -> ModelConfig:
   if d.get("use_sliding_window"):
     raise ValueError("sliding-window attention (use_sliding_window: true) is not supported")
   if rope_type(d) != "default":
-    raise ValueError(f"only default RoPE is supported for qwen3_moe, got "
-                     f"{d.get('rope_parameters') or d.get('rope_scaling')!r}")
+    raise ValueError(
+      f"only default RoPE is supported for qwen3_moe, got {d.get('rope_parameters') or d.get('rope_scaling')!r}"
+    )
   experts = d.get("num_experts", d.get("num_local_experts"))
   if not isinstance(experts, int) or experts < 1:
     raise ValueError(f"qwen3_moe config needs num_experts (or num_local_experts) >= 1, got {experts!r}")
@@ -44,25 +45,40 @@ def from_hf_dict(d: dict[str, Any]) -> ModelConfig:
   if step != 1:
     dense = sorted(set(dense) | {i for i in range(d["num_hidden_layers"]) if (i + 1) % step})
   if dense:
-    raise ValueError(f"mixed dense/MoE layers are not supported (mlp_only_layers {d.get('mlp_only_layers')!r}, "
-                     f"decoder_sparse_step {step}: layers {dense[:8]} would be dense); every layer must be MoE "
-                     "(mlp_only_layers: [], decoder_sparse_step: 1)")
-  fields = common_from_hf({**d, "model_type": "qwen3_moe", "intermediate_size": d.get("intermediate_size")
-                           or d["moe_intermediate_size"]})
-  return ModelConfig(**fields, attention_bias=bool(d.get("attention_bias", False)), num_experts=experts,
-                     num_experts_per_tok=int(d["num_experts_per_tok"]),
-                     moe_intermediate_size=int(d["moe_intermediate_size"]),
-                     norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-                     router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.0)))
+    raise ValueError(
+      f"mixed dense/MoE layers are not supported (mlp_only_layers {d.get('mlp_only_layers')!r}, "
+      f"decoder_sparse_step {step}: layers {dense[:8]} would be dense); every layer must be MoE "
+      "(mlp_only_layers: [], decoder_sparse_step: 1)"
+    )
+  fields = common_from_hf(
+    {**d, "model_type": "qwen3_moe", "intermediate_size": d.get("intermediate_size") or d["moe_intermediate_size"]}
+  )
+  return ModelConfig(
+    **fields,
+    attention_bias=bool(d.get("attention_bias", False)),
+    num_experts=experts,
+    num_experts_per_tok=int(d["num_experts_per_tok"]),
+    moe_intermediate_size=int(d["moe_intermediate_size"]),
+    norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+    router_aux_loss_coef=float(d.get("router_aux_loss_coef", 0.0)),
+  )
 
 
 def to_hf_dict(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
   d = common_to_hf(cfg, ARCHITECTURES[cfg.model_type], dtype)
-  d.update(use_sliding_window=False, attention_bias=cfg.attention_bias, num_experts=cfg.num_experts,
-           num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.num_experts_per_tok,
-           moe_intermediate_size=cfg.moe_intermediate_size, norm_topk_prob=cfg.norm_topk_prob,
-           decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=cfg.router_aux_loss_coef,
-           output_router_logits=False)
+  d.update(
+    use_sliding_window=False,
+    attention_bias=cfg.attention_bias,
+    num_experts=cfg.num_experts,
+    num_local_experts=cfg.num_experts,
+    num_experts_per_tok=cfg.num_experts_per_tok,
+    moe_intermediate_size=cfg.moe_intermediate_size,
+    norm_topk_prob=cfg.norm_topk_prob,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    router_aux_loss_coef=cfg.router_aux_loss_coef,
+    output_router_logits=False,
+  )
   return d
 
 
@@ -73,6 +89,7 @@ def features(cfg: ModelConfig) -> DecoderFeatures:
 @dataclasses.dataclass(frozen=True)
 class _FusedView:
   """One expert's `[out, in]` block of a fused `[E, rows, in]` tensor, starting at row `row0`."""
+
   expert: int
   row0: int
   shape: tuple[int, int]
@@ -104,9 +121,17 @@ def hf_views(names, shape_of) -> dict:
   return views
 
 
-
-
-FAMILY = registry.register(registry.Family(
-    name="qwen3_moe", architectures=ARCHITECTURES, from_hf_dict=from_hf_dict, to_hf_dict=to_hf_dict,
-    features=features, module=decoder.CausalLM, hf_name=decoder.hf_name, tensor_rules=decoder.TENSOR_RULES,
-    fsdp_rules=decoder.FSDP_RULES, hf_views=hf_views))
+FAMILY = registry.register(
+  registry.Family(
+    name="qwen3_moe",
+    architectures=ARCHITECTURES,
+    from_hf_dict=from_hf_dict,
+    to_hf_dict=to_hf_dict,
+    features=features,
+    module=decoder.CausalLM,
+    hf_name=decoder.hf_name,
+    tensor_rules=decoder.TENSOR_RULES,
+    fsdp_rules=decoder.FSDP_RULES,
+    hf_views=hf_views,
+  )
+)

@@ -73,5 +73,6 @@ def family_of_hf_dict(d: dict[str, Any]) -> Family:
   for architecture in d.get("architectures") or ():
     if architecture in _BY_ARCHITECTURE:
       return _BY_ARCHITECTURE[architecture]
-  raise ValueError(f"unsupported model_type {model_type!r} (architectures {d.get('architectures')}); "
-                   f"supported: {model_types()}")
+  raise ValueError(
+    f"unsupported model_type {model_type!r} (architectures {d.get('architectures')}); supported: {model_types()}"
+  )

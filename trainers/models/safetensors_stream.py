@@ -20,10 +20,21 @@ from typing import Callable, Iterable, Iterator, Sequence
 import ml_dtypes
 import numpy as np
 
-DTYPES = {"BF16": np.dtype(ml_dtypes.bfloat16), "F16": np.dtype(np.float16), "F32": np.dtype(np.float32),
-          "F64": np.dtype(np.float64), "I8": np.dtype(np.int8), "U8": np.dtype(np.uint8), "I16": np.dtype(np.int16),
-          "U16": np.dtype(np.uint16), "I32": np.dtype(np.int32), "U32": np.dtype(np.uint32),
-          "I64": np.dtype(np.int64), "U64": np.dtype(np.uint64), "BOOL": np.dtype(np.bool_)}
+DTYPES = {
+  "BF16": np.dtype(ml_dtypes.bfloat16),
+  "F16": np.dtype(np.float16),
+  "F32": np.dtype(np.float32),
+  "F64": np.dtype(np.float64),
+  "I8": np.dtype(np.int8),
+  "U8": np.dtype(np.uint8),
+  "I16": np.dtype(np.int16),
+  "U16": np.dtype(np.uint16),
+  "I32": np.dtype(np.int32),
+  "U32": np.dtype(np.uint32),
+  "I64": np.dtype(np.int64),
+  "U64": np.dtype(np.uint64),
+  "BOOL": np.dtype(np.bool_),
+}
 _NAMES = {v: k for k, v in DTYPES.items()}
 MAX_HEADER_BYTES = 100 << 20  # the safetensors library's own limit
 
@@ -80,7 +91,7 @@ def aligned_empty(shape, dtype, align: int = 64) -> np.ndarray:
   nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
   raw = np.empty(nbytes + align, np.uint8)
   start = -raw.ctypes.data % align
-  return raw[start:start + nbytes].view(dtype).reshape(shape)
+  return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 class Reader:
@@ -96,8 +107,9 @@ class Reader:
   is malformed or ends early raises `ValueError` naming what is wrong.
   """
 
-  def __init__(self, destination: Callable[[str, np.dtype, tuple], np.ndarray | None],
-               done: Callable[[str, np.ndarray], None]):
+  def __init__(
+    self, destination: Callable[[str, np.dtype, tuple], np.ndarray | None], done: Callable[[str, np.ndarray], None]
+  ):
     self.destination, self.done = destination, done
     self.metadata: dict[str, str] = {}
     self.names: list[str] = []
@@ -149,9 +161,11 @@ class Reader:
       if buf is None:
         buf = np.empty(shape, dtype)
       elif buf.dtype != dtype or tuple(buf.shape) != shape or not buf.flags.c_contiguous or not buf.flags.writeable:
-        raise ValueError(f"tensor {name!r}: destination {buf.dtype}{list(buf.shape)} does not take {dtype}{list(shape)}")
+        raise ValueError(
+          f"tensor {name!r}: destination {buf.dtype}{list(buf.shape)} does not take {dtype}{list(shape)}"
+        )
       self._buf = buf
-    return memoryview(self._buf.reshape(-1).view(np.uint8))[self._at - begin:]
+    return memoryview(self._buf.reshape(-1).view(np.uint8))[self._at - begin :]
 
   def _filled(self, n: int) -> None:
     self._at += n
@@ -179,8 +193,9 @@ class Reader:
         if self._header_len is None and len(self._head) == 8:
           (self._header_len,) = struct.unpack("<Q", self._head)
           if self._header_len > MAX_HEADER_BYTES:
-            raise ValueError(f"safetensors header of {self._header_len} bytes (more than {MAX_HEADER_BYTES}): "
-                             f"not a safetensors stream")
+            raise ValueError(
+              f"safetensors header of {self._header_len} bytes (more than {MAX_HEADER_BYTES}): not a safetensors stream"
+            )
         if self._header_len is not None and len(self._head) == 8 + self._header_len:
           self._parse_header(bytes(self._head[8:]))
           self._skip_empty()
@@ -199,18 +214,22 @@ class Reader:
     if self._header_len is None or len(self._head) < 8 + self._header_len:
       raise ValueError(f"the safetensors stream ended in its header ({len(self._head)} bytes)")
     if self._k < len(self._plan):
-      raise ValueError(f"the safetensors stream ended after {self._at} of {self.data_bytes} data bytes "
-                       f"(in tensor {self._plan[self._k][0]!r})")
+      raise ValueError(
+        f"the safetensors stream ended after {self._at} of {self.data_bytes} data bytes "
+        f"(in tensor {self._plan[self._k][0]!r})"
+      )
 
   def read_from(self, f) -> None:
     """Reads the whole stream from the binary file object `f`, each tensor's bytes straight into
     its destination (`readinto`)."""
+
     def exactly(view: memoryview) -> None:
       while view.nbytes:
         n = f.readinto(view)
         if not n:
           raise ValueError("the safetensors file ended early")
         view = view[n:]
+
     head = bytearray(8)
     exactly(memoryview(head))
     self.feed(head)

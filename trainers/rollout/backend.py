@@ -43,12 +43,22 @@ WEIGHT_SYNCS = {"disk": DiskSync, "http": HttpSync}  # servers over HTTP, by rol
 class Rollouts(NamedTuple):
   """What the loop generates from: the servers' side (`NoServers` when the rollouts are replayed
   from records) and the rollout source."""
+
   servers: Servers | NoServers
   source: RolloutSource
 
 
-def build_rollout(cfg, *, urls: list[str], start_dir: str, model_config, sampling: Sampling, mesh,
-                  prompts: Callable[[int], list], episodes=None) -> Rollouts:
+def build_rollout(
+  cfg,
+  *,
+  urls: list[str],
+  start_dir: str,
+  model_config,
+  sampling: Sampling,
+  mesh,
+  prompts: Callable[[int], list],
+  episodes=None,
+) -> Rollouts:
   """The backend of `cfg.rollout` (see the module doc). `urls`: the SGLang servers (none for
   records or colocated rollouts); `prompts(batch)`: the prompts of a rollout batch; `episodes`: an
   agent task's `(Episodes, make_env)` (its prompts start multi-turn trajectories), or None."""
@@ -57,33 +67,62 @@ def build_rollout(cfg, *, urls: list[str], start_dir: str, model_config, samplin
     return Rollouts(NoServers(r.records.load_dir), RecordedRollouts(r.records.load_dir, sampling.extras))
   if r.placement.mode == "colocated":
     if urls or r.transport.router:
-      raise mis_jax.ConfigError(f"rollout.placement.mode colocated generates in the trainer: no server URL is used, "
-                                f"got {', '.join(urls or [r.transport.router])}")
+      raise mis_jax.ConfigError(
+        f"rollout.placement.mode colocated generates in the trainer: no server URL is used, "
+        f"got {', '.join(urls or [r.transport.router])}"
+      )
     engine = LOCAL_ENGINES[r.placement.engine].start(cfg, start_dir=start_dir, model_config=model_config, mesh=mesh)
     # No HTTP body to bound: the step's prompts go in one call, so the engine batches all of their
     # rows (up to its `max_batch_size` per compiled call) instead of running racing requests apart.
-    client = SGLangClient([engine], max_concurrency=r.transport.max_concurrency,
-                          prompts_per_request=r.prompts_per_step, cache_salt=r.sync.cache_salt)
+    client = SGLangClient(
+      [engine],
+      max_concurrency=r.transport.max_concurrency,
+      prompts_per_request=r.prompts_per_step,
+      cache_salt=r.sync.cache_salt,
+    )
     weight_sync = MemorySync(client, engine, r)
   else:
     t = r.transport
     if t.router and urls:
-      raise mis_jax.ConfigError(f"rollout.transport.router {t.router}: the workers are the router's own list; "
-                                f"give no server URL beside it (got {', '.join(urls)})")
-    make = (functools.partial(router_client, t.router, poll_s=t.router_poll_s) if t.router
-            else functools.partial(http_client, urls))
-    client = (make(timeout_s=t.timeout_s, max_retries=t.max_retries, backoff_s=t.backoff_s,
-                          max_concurrency=t.max_concurrency, prompts_per_request=t.prompts_per_request,
-                          cache_salt=r.sync.cache_salt)
-              if distributed.is_primary() else None)  # only process 0 talks to the servers
+      raise mis_jax.ConfigError(
+        f"rollout.transport.router {t.router}: the workers are the router's own list; "
+        f"give no server URL beside it (got {', '.join(urls)})"
+      )
+    make = (
+      functools.partial(router_client, t.router, poll_s=t.router_poll_s)
+      if t.router
+      else functools.partial(http_client, urls)
+    )
+    client = (
+      make(
+        timeout_s=t.timeout_s,
+        max_retries=t.max_retries,
+        backoff_s=t.backoff_s,
+        max_concurrency=t.max_concurrency,
+        prompts_per_request=t.prompts_per_request,
+        cache_salt=r.sync.cache_salt,
+      )
+      if distributed.is_primary()
+      else None
+    )  # only process 0 talks to the servers
     weight_sync = WEIGHT_SYNCS[r.sync.via].build(cfg, client, model_config)
     if t.router and client is not None and isinstance(weight_sync, DiskSync):
       client.admission_check = weight_sync.sees_weights  # a worker joining mid-run is probed as the fleet before step 1
-  servers = Servers(cfg, client=client, weight_sync=weight_sync, start_dir=start_dir, model_config=model_config,
-                    sampling=sampling, episodes=episodes)
+  servers = Servers(
+    cfg,
+    client=client,
+    weight_sync=weight_sync,
+    start_dir=start_dir,
+    model_config=model_config,
+    sampling=sampling,
+    episodes=episodes,
+  )
   rejected = r.transport.max_rejected_fraction
-  source = (AsyncServerRollouts(servers, prompts, rejected, r.sync.max_staleness, r.transport.timeout_s)
-            if r.sync.max_staleness > 0 else ServerRollouts(servers, prompts, rejected))
+  source = (
+    AsyncServerRollouts(servers, prompts, rejected, r.sync.max_staleness, r.transport.timeout_s)
+    if r.sync.max_staleness > 0
+    else ServerRollouts(servers, prompts, rejected)
+  )
   return Rollouts(servers, source)
 
 
@@ -93,17 +132,27 @@ def start_server(cfg, weights_dir: str, *, is_moe: bool):
   r = cfg.rollout.placement
   if r.engine == "sglang-jax":
     try:
-      server = sglang_jax.SGLangJaxServer(weights_dir, dtype=r.server_dtype, weight_version="0",
-                                          enable_return_routed_experts=is_moe,
-                                          extra=("--random-seed", str(cfg.seed)))
+      server = sglang_jax.SGLangJaxServer(
+        weights_dir,
+        dtype=r.server_dtype,
+        weight_version="0",
+        enable_return_routed_experts=is_moe,
+        extra=("--random-seed", str(cfg.seed)),
+      )
     except sglang_jax.EngineUnavailable as e:
       raise mis_jax.ConfigError(f"rollout.placement.engine sglang-jax: {e}") from None
     except (RuntimeError, TimeoutError) as e:
       raise ServerError(f"sglang-jax did not start: {e}") from None
     print(f"sglang-jax {sglang_jax.VERSION} server on {server.url} ({r.server_dtype})")
     return server
-  server = EmbeddedServer(weights_dir, dtype=r.server_dtype, seed=cfg.seed, quantize=r.server_quantize,
-                          layer_loop=cfg.model.layer_loop, arithmetic=arithmetic(cfg),
-                          extra_args=("--enable-return-routed-experts", "--weight-version", "0"))
+  server = EmbeddedServer(
+    weights_dir,
+    dtype=r.server_dtype,
+    seed=cfg.seed,
+    quantize=r.server_quantize,
+    layer_loop=cfg.model.layer_loop,
+    arithmetic=arithmetic(cfg),
+    extra_args=("--enable-return-routed-experts", "--weight-version", "0"),
+  )
   print(f"embedded SGLang-protocol server on {server.url} ({r.server_dtype}{', exact' if r.exact else ''})")
   return server

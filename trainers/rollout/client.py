@@ -19,8 +19,14 @@ from typing import Any, Callable, Sequence
 
 from trainers.serving import protocol
 from trainers.rollout.engines import Engine, HttpEngine, HttpTransport
-from trainers.rollout.samples import (RolloutResult, Sample, ServerError, ServerUnavailable, sample_seeds,
-                                       validate_sample)
+from trainers.rollout.samples import (
+  RolloutResult,
+  Sample,
+  ServerError,
+  ServerUnavailable,
+  sample_seeds,
+  validate_sample,
+)
 
 
 class SGLangClient:
@@ -36,8 +42,15 @@ class SGLangClient:
       other weights for them.
   """
 
-  def __init__(self, engines: Sequence[Engine], *, max_concurrency: int = 4, prompts_per_request: int = 8,
-               cache_salt: bool = True, log=print):
+  def __init__(
+    self,
+    engines: Sequence[Engine],
+    *,
+    max_concurrency: int = 4,
+    prompts_per_request: int = 8,
+    cache_salt: bool = True,
+    log=print,
+  ):
     if not engines:
       raise ValueError("at least one engine is needed")
     self.log = log  # what happens to the engines (one goes down, one joins): the servers' side stamps the step
@@ -132,8 +145,9 @@ class SGLangClient:
     before any step."""
     for extra in extras:
       for url in self.urls:
-        reply = self._probe(url, protocol.generate_body([[0]], extra.probe_params(sampling_params),
-                                                        extra_fields=extra.request))
+        reply = self._probe(
+          url, protocol.generate_body([[0]], extra.probe_params(sampling_params), extra_fields=extra.request)
+        )
         try:
           error, _ = validate_sample(reply, extras=(extra,), prompt_len=1)
         except extra.missing as e:
@@ -142,8 +156,16 @@ class SGLangClient:
           raise extra.missing(f"{url}/generate: malformed reply to a {extra.what} probe: {error}")
 
   # --- generation ----------------------------------------------------------------------
-  def generate(self, prompts: Sequence[Sequence[int]], sampling_params: dict, *, n: int = 1,
-               seed: int | None = None, extras=(), rows_per_request: int | None = None) -> RolloutResult:
+  def generate(
+    self,
+    prompts: Sequence[Sequence[int]],
+    sampling_params: dict,
+    *,
+    n: int = 1,
+    seed: int | None = None,
+    extras=(),
+    rows_per_request: int | None = None,
+  ) -> RolloutResult:
     """``n`` samples for every prompt; results come back prompt-major (contract §11). With
     ``seed``, sample ``k`` (prompt-major) is sent with ``sampling_seed = sample_seeds(seed)[k]``.
     Each of the run's per-token ``extras`` (``trainers.rollout.extras``: e.g. sampling masks,
@@ -160,8 +182,9 @@ class SGLangClient:
 
     def call(idx):
       seeds = None if seed is None else sample_seeds(seed, len(idx), n, offset=idx[0] * n)
-      body = protocol.generate_body([prompts[i] for i in idx], sampling_params, n=n, seeds=seeds,
-                                    extra_fields=request, extra_key=self.cache_salt)
+      body = protocol.generate_body(
+        [prompts[i] for i in idx], sampling_params, n=n, seeds=seeds, extra_fields=request, extra_key=self.cache_salt
+      )
       return (idx, *self._send(body))
 
     result = RolloutResult(samples=[], num_requested=len(prompts) * n)
@@ -186,10 +209,19 @@ class SGLangClient:
           result.num_aborted += 1
           result.lost.append((p, "aborted"))
         else:
-          result.samples.append(Sample(prompt_index=p, prompt_ids=tuple(prompts[p]), response_ids=parsed["ids"],
-                                       rollout_logprobs=parsed["logprobs"], finish_reason=parsed["finish"],
-                                       text=parsed["text"], weight_version=parsed["weight_version"],
-                                       weight_versions=parsed["weight_versions"], extras=parsed["extras"]))
+          result.samples.append(
+            Sample(
+              prompt_index=p,
+              prompt_ids=tuple(prompts[p]),
+              response_ids=parsed["ids"],
+              rollout_logprobs=parsed["logprobs"],
+              finish_reason=parsed["finish"],
+              text=parsed["text"],
+              weight_version=parsed["weight_version"],
+              weight_versions=parsed["weight_versions"],
+              extras=parsed["extras"],
+            )
+          )
     return result
 
   def _send(self, body: dict):
@@ -213,14 +245,30 @@ class SGLangClient:
   def refresh_workers(self) -> None:
     """Before a push: the engines are this client's own list (a router's fleet reads its list)."""
 
-  def update_weights_from_disk(self, model_path: str, weight_version: str, *, attempts: int = 3,
-                               pause_mode: str = "abort", urls: Sequence[str] | None = None) -> dict[str, float]:
+  def update_weights_from_disk(
+    self,
+    model_path: str,
+    weight_version: str,
+    *,
+    attempts: int = 3,
+    pause_mode: str = "abort",
+    urls: Sequence[str] | None = None,
+  ) -> dict[str, float]:
     """`update_weights` of the HF checkpoint at `model_path` (`/update_weights_from_disk`)."""
-    return self.update_weights(disk_load(model_path, weight_version), weight_version, attempts=attempts,
-                               pause_mode=pause_mode, urls=urls)
+    return self.update_weights(
+      disk_load(model_path, weight_version), weight_version, attempts=attempts, pause_mode=pause_mode, urls=urls
+    )
 
-  def update_weights(self, load: "Load", weight_version: str, *, attempts: int = 3, pause_mode: str = "abort",
-                     urls: Sequence[str] | None = None, served: "Load | None" = None) -> dict[str, float]:
+  def update_weights(
+    self,
+    load: "Load",
+    weight_version: str,
+    *,
+    attempts: int = 3,
+    pause_mode: str = "abort",
+    urls: Sequence[str] | None = None,
+    served: "Load | None" = None,
+  ) -> dict[str, float]:
     """contract §11 sequence on every engine, all engines concurrently: pause (``pause_mode``:
     ``abort`` ends in-flight requests, ``retract`` keeps them for after the update), flush,
     ``load(engine)`` (the update call: ``/update_weights_from_disk``, or the commit of weights
@@ -245,6 +293,7 @@ class SGLangClient:
         return e
       self.readmit(url)  # it holds the weights pushed to every live engine
       return loaded
+
     with ThreadPoolExecutor(max_workers=max(1, len(targets))) as pool:
       outcomes = list(pool.map(update, targets))
     times = [t for t in outcomes if not isinstance(t, ServerUnavailable)]
@@ -292,18 +341,32 @@ Load = Callable[[Engine], Any]
 
 def disk_load(model_path: str, weight_version: str) -> Load:
   """The load of the HF checkpoint at `model_path` as weights `weight_version`."""
-  return lambda engine: engine.update_weights_from_disk({"model_path": model_path, "weight_version": weight_version,
-                                                         "flush_cache": True})
+  return lambda engine: engine.update_weights_from_disk(
+    {"model_path": model_path, "weight_version": weight_version, "flush_cache": True}
+  )
 
 
-def http_client(urls: Sequence[str], *, timeout_s: float = 120.0, max_retries: int = 3, backoff_s: float = 0.5,
-                max_concurrency: int = 4, prompts_per_request: int = 8, cache_salt: bool = True) -> SGLangClient:
+def http_client(
+  urls: Sequence[str],
+  *,
+  timeout_s: float = 120.0,
+  max_retries: int = 3,
+  backoff_s: float = 0.5,
+  max_concurrency: int = 4,
+  prompts_per_request: int = 8,
+  cache_salt: bool = True,
+) -> SGLangClient:
   """A client of the SGLang servers (or routers) at `urls` (``http://host:port``) over HTTP: one
   shared connection pool, each request `timeout_s`, `max_retries` retries of a transient failure
   (connection error, timeout, 5xx) with backoff from `backoff_s`, doubling."""
   if not urls:
     raise ValueError("at least one SGLang URL is needed")
-  transport = HttpTransport(timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s,
-                            max_concurrency=max_concurrency)
-  return SGLangClient([HttpEngine(u, transport) for u in urls], max_concurrency=max_concurrency,
-                      prompts_per_request=prompts_per_request, cache_salt=cache_salt)
+  transport = HttpTransport(
+    timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s, max_concurrency=max_concurrency
+  )
+  return SGLangClient(
+    [HttpEngine(u, transport) for u in urls],
+    max_concurrency=max_concurrency,
+    prompts_per_request=prompts_per_request,
+    cache_salt=cache_salt,
+  )

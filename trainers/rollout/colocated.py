@@ -98,9 +98,18 @@ class EmbeddedLocal(LocalEngine):
   @classmethod
   def start(cls, cfg, *, start_dir: str, model_config, mesh=None) -> "EmbeddedLocal":
     r = cfg.rollout
-    engine = cls(GenerationEngine(start_dir, dtype=r.placement.server_dtype, seed=cfg.seed, quantize=r.placement.server_quantize,
-                                  weight_version="0", enable_return_routed_experts=True,
-                                  layer_loop=cfg.model.layer_loop, arithmetic=arithmetic(cfg)))
+    engine = cls(
+      GenerationEngine(
+        start_dir,
+        dtype=r.placement.server_dtype,
+        seed=cfg.seed,
+        quantize=r.placement.server_quantize,
+        weight_version="0",
+        enable_return_routed_experts=True,
+        layer_loop=cfg.model.layer_loop,
+        arithmetic=arithmetic(cfg),
+      )
+    )
     if r.placement.colocated_devices == "mesh":
       engine._spread(mesh, model_config)
     return engine
@@ -132,9 +141,13 @@ class SGLangJaxLocal(LocalEngine):
   def start(cls, cfg, *, start_dir: str, model_config, mesh=None) -> "SGLangJaxLocal":
     from trainers.serving.sglang_jax import launcher as sglang_jax
     from trainers.serving.sglang_jax.routes import InProcessEngine  # in sglang-jax's venv only (checks.py)
-    args = sglang_jax.engine_args(start_dir, dtype=cfg.rollout.placement.server_dtype,
-                                  enable_return_routed_experts=model_config.is_moe,
-                                  extra=("--random-seed", str(cfg.seed), "--device-indexes", "0"))
+
+    args = sglang_jax.engine_args(
+      start_dir,
+      dtype=cfg.rollout.placement.server_dtype,
+      enable_return_routed_experts=model_config.is_moe,
+      extra=("--random-seed", str(cfg.seed), "--device-indexes", "0"),
+    )
     return cls(InProcessEngine(args, weight_version="0", timeout_s=cfg.rollout.transport.timeout_s), model_config)
 
   def update_weights(self, params, version: str) -> tuple[bool, str]:

@@ -65,8 +65,7 @@ class Engine(Protocol):
   def discard_weights(self, body: dict) -> None:
     """`POST protocol.WEIGHTS_DISCARD_ROUTE`."""
 
-  def close(self) -> None:
-    ...
+  def close(self) -> None: ...
 
 
 class HttpTransport:
@@ -75,15 +74,17 @@ class HttpTransport:
   5xx, backoff from `backoff_s`, doubling; a 4xx is not retried and the server's message shown)."""
 
   def __init__(self, *, timeout_s: float, max_retries: int, backoff_s: float, max_concurrency: int):
-    self.http = httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_connections=max_concurrency,
-                                                                    max_keepalive_connections=max_concurrency))
+    self.http = httpx.Client(
+      timeout=timeout_s, limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
+    )
     self.timeout_s, self.max_retries, self.backoff_s = timeout_s, max_retries, backoff_s
 
   def sibling(self, max_concurrency: int) -> "HttpTransport":
     """A transport with this one's timeout and retry policy over its own connection pool (a
     control plane that requests held by a paused server cannot starve of connections)."""
-    return HttpTransport(timeout_s=self.timeout_s, max_retries=self.max_retries, backoff_s=self.backoff_s,
-                         max_concurrency=max_concurrency)
+    return HttpTransport(
+      timeout_s=self.timeout_s, max_retries=self.max_retries, backoff_s=self.backoff_s, max_concurrency=max_concurrency
+    )
 
   def request(self, method: str, url: str, path: str, body=None):
     delay, last = self.backoff_s, None
@@ -99,8 +100,9 @@ class HttpTransport:
           except ValueError:
             return resp.text
         if resp.status_code < 500:
-          raise ServerError(f"{url}{path} rejected the request (HTTP {resp.status_code}): {_message(resp)}",
-                            status=resp.status_code)
+          raise ServerError(
+            f"{url}{path} rejected the request (HTTP {resp.status_code}): {_message(resp)}", status=resp.status_code
+          )
         last = f"HTTP {resp.status_code}: {_message(resp)}"
       if attempt < self.max_retries:
         time.sleep(delay)
@@ -113,15 +115,20 @@ class HttpTransport:
     timeout (every read and write within `timeout_s`) is `ServerUnavailable` at once, a 4xx
     `ServerError` with the server's message."""
     try:
-      resp = self.http.post(url + path, params=params, content=chunks,
-                            headers={"content-type": "application/octet-stream", "content-length": str(nbytes)})
+      resp = self.http.post(
+        url + path,
+        params=params,
+        content=chunks,
+        headers={"content-type": "application/octet-stream", "content-length": str(nbytes)},
+      )
     except httpx.TransportError as e:
       raise ServerUnavailable(f"{url}{path}: {type(e).__name__}: {e}") from None
     if resp.status_code >= 500:
       raise ServerUnavailable(f"{url}{path}: HTTP {resp.status_code}: {_message(resp)}")
     if resp.status_code >= 400:
-      raise ServerError(f"{url}{path} rejected the request (HTTP {resp.status_code}): {_message(resp)}",
-                        status=resp.status_code)
+      raise ServerError(
+        f"{url}{path} rejected the request (HTTP {resp.status_code}): {_message(resp)}", status=resp.status_code
+      )
     return resp.json() if resp.content else None
 
   def close(self) -> None:

@@ -43,8 +43,22 @@ from trainers.rollout import settings
 from trainers.serving import protocol
 from trainers.rollout.samples import NoRoutedExperts, NoSamplingMask, Reply, RoutingSpec, ServerError
 
-__all__ = ["TokenExtra", "Reply", "register", "unregister", "registered", "active", "pack", "model_inputs", "trainable",
-           "SamplingSupport", "RoutedExperts", "SamplerTopLogprobs", "SamplerTopIds", "decode_sample_routing"]
+__all__ = [
+  "TokenExtra",
+  "Reply",
+  "register",
+  "unregister",
+  "registered",
+  "active",
+  "pack",
+  "model_inputs",
+  "trainable",
+  "SamplingSupport",
+  "RoutedExperts",
+  "SamplerTopLogprobs",
+  "SamplerTopIds",
+  "decode_sample_routing",
+]
 
 
 class TokenExtra:
@@ -135,7 +149,7 @@ def pack(extra: TokenExtra, samples, packing, shape: tuple[int, ...]) -> np.ndar
     value = np.asarray(s.extras[extra.name], extra.dtype)
     if extra.span == "response":
       rows = np.full((len(s.prompt_ids) + len(s.response_ids) - 1,) + value.shape[1:], extra.fill, extra.dtype)
-      rows[len(s.prompt_ids) - 1:] = value
+      rows[len(s.prompt_ids) - 1 :] = value
       value = rows
     per_seq.append(value)
   trailing = per_seq[0].shape[1:] if per_seq else ()
@@ -175,8 +189,9 @@ def model_inputs(extras: tuple[TokenExtra, ...], packed: Mapping[str, Any], plac
 
 
 def _bad_logprob(lp) -> bool:
-  return (lp is None or isinstance(lp, (bool, list)) or not isinstance(lp, (int, float)) or not math.isfinite(lp)
-          or lp > 1e-4)
+  return (
+    lp is None or isinstance(lp, (bool, list)) or not isinstance(lp, (int, float)) or not math.isfinite(lp) or lp > 1e-4
+  )
 
 
 # --- the extras ----------------------------------------------------------------------------------
@@ -205,26 +220,33 @@ class SamplingSupport(TokenExtra):
   @staticmethod
   def record_type():
     import pyarrow as pa
+
     return pa.list_(pa.list_(pa.int32()))
 
   def parse(self, reply: Reply):
     info, ids = reply.info, reply.ids
     masks = info.output_token_sampling_mask
     if masks is None:
-      raise NoSamplingMask("the reply has no meta_info.output_token_sampling_mask although return_sampling_mask "
-                           "was requested: the server does not return sampling masks (SGLang >= 0.5.23 does); "
-                           "set rollout.sampling.sampling_replay: off to train without them (the IS ratio is then "
-                           "biased by the kept mass)")
+      raise NoSamplingMask(
+        "the reply has no meta_info.output_token_sampling_mask although return_sampling_mask "
+        "was requested: the server does not return sampling masks (SGLang >= 0.5.23 does); "
+        "set rollout.sampling.sampling_replay: off to train without them (the IS ratio is then "
+        "biased by the kept mass)"
+      )
     sampled = info.output_token_sampling_logprobs
     if len(masks) != len(ids) or sampled is None or len(sampled) != len(ids):
-      return (f"length mismatch: {len(ids)} output_ids but {len(masks)} output_token_sampling_mask and "
-              f"{'no' if sampled is None else len(sampled)} output_token_sampling_logprobs")
+      return (
+        f"length mismatch: {len(ids)} output_ids but {len(masks)} output_token_sampling_mask and "
+        f"{'no' if sampled is None else len(sampled)} output_token_sampling_logprobs"
+      )
     for i, (mask, tok, lp) in enumerate(zip(masks, ids, sampled)):
       if tok not in mask:
         return f"response token {i} ({tok}) is not in its sampling mask"
       if len(mask) > self.width:
-        return (f"sampling mask of {len(mask)} tokens at response token {i} exceeds the support width "
-                f"{self.width} (rollout.sampling.top_k; ties at the cutoff can exceed it)")
+        return (
+          f"sampling mask of {len(mask)} tokens at response token {i} exceeds the support width "
+          f"{self.width} (rollout.sampling.top_k; ties at the cutoff can exceed it)"
+        )
       if _bad_logprob(lp):
         return f"invalid sampling log-prob {lp!r} at response token {i} (selected mode: one float per token)"
     return self.from_record(masks, reply.prompt_len, len(ids))
@@ -238,14 +260,17 @@ class SamplingSupport(TokenExtra):
   def from_record(self, value, prompt_len, response_len):
     out = np.full((len(value), self.width), -1, np.int32)
     for row, ids in zip(out, value):
-      row[:len(ids)] = ids
+      row[: len(ids)] = ids
     return out
 
   def describe(self):
     r = self.rollout
-    return (None if r is None else
-            f"sampling replay on (top_k {r.sampling.top_k}, top_p {r.sampling.top_p}, min_p {r.sampling.min_p}): behaviour log-probs from the "
-            "server's sampling masks; log-probs, entropy and KL over each token's support")
+    return (
+      None
+      if r is None
+      else f"sampling replay on (top_k {r.sampling.top_k}, top_p {r.sampling.top_p}, min_p {r.sampling.min_p}): behaviour log-probs from the "
+      "server's sampling masks; log-probs, entropy and KL over each token's support"
+    )
 
 
 @register
@@ -260,8 +285,9 @@ class RoutedExperts(TokenExtra):
   missing = NoRoutedExperts
   what = "routed-experts"
   span, fill, dtype = "sequence", -1, np.int32
-  missing_column = ("which routing replay r3 and record_routing need (set rollout.sampling.routing_replay: none, "
-                    "record_routing: null)")
+  missing_column = (
+    "which routing replay r3 and record_routing need (set rollout.sampling.routing_replay: none, record_routing: null)"
+  )
 
   def __init__(self, spec: RoutingSpec, replay: str = "r3"):
     self.spec, self.replay = spec, replay
@@ -275,6 +301,7 @@ class RoutedExperts(TokenExtra):
   @staticmethod
   def record_type():
     import pyarrow as pa
+
     return pa.list_(pa.int32())
 
   def probe_params(self, sampling_params):
@@ -293,14 +320,19 @@ class RoutedExperts(TokenExtra):
     spec = self.spec
     want = (prompt_len + response_len - 1) * spec.num_layers * spec.top_k
     if value is None or len(value) != want or (want and not 0 <= min(value) <= max(value) < spec.num_experts):
-      return (f"column 'routed_experts' has {0 if value is None else len(value)} ids, expected "
-              f"{want} in [0, {spec.num_experts}) (tokens - 1 rows x num_hidden_layers {spec.num_layers} x "
-              f"num_experts_per_tok {spec.top_k})")
+      return (
+        f"column 'routed_experts' has {0 if value is None else len(value)} ids, expected "
+        f"{want} in [0, {spec.num_experts}) (tokens - 1 rows x num_hidden_layers {spec.num_layers} x "
+        f"num_experts_per_tok {spec.top_k})"
+      )
     return None
 
   def describe(self):
-    what = {"r3": "replayed (R3) in the old-log-prob pass and every training forward", "r2": "compared with the "
-            "trainer's; the trainer's old-pass routing is replayed (R2)", "none": "compared with the trainer's"}
+    what = {
+      "r3": "replayed (R3) in the old-log-prob pass and every training forward",
+      "r2": "compared with the trainer's; the trainer's old-pass routing is replayed (R2)",
+      "none": "compared with the trainer's",
+    }
     return f"routed experts from the server: {what[self.replay]}"
 
 
@@ -326,14 +358,17 @@ class _SamplerTopK(TokenExtra):
   @classmethod
   def record_type(cls):
     import pyarrow as pa
+
     return pa.list_(pa.list_(pa.float32() if cls.part == 0 else pa.int32()))
 
   def parse(self, reply: Reply):
     rows, n = reply.info.output_top_logprobs, len(reply.ids)
     if rows is None:
-      raise ServerError("the reply has no meta_info.output_top_logprobs although top_logprobs_num was requested: "
-                        "the server does not return the sampler's top-k log-probs; set "
-                        "rollout.sampling.top_logprobs_num: 0 and loss.score_centering: false")
+      raise ServerError(
+        "the reply has no meta_info.output_top_logprobs although top_logprobs_num was requested: "
+        "the server does not return the sampler's top-k log-probs; set "
+        "rollout.sampling.top_logprobs_num: 0 and loss.score_centering: false"
+      )
     if len(rows) != n:
       return f"length mismatch: {n} output_ids but {len(rows)} output_top_logprobs"
     out = np.zeros((n, self.k), self.dtype)
@@ -341,8 +376,9 @@ class _SamplerTopK(TokenExtra):
       if not isinstance(row, list) or len(row) != self.k:
         return f"output_top_logprobs[{i}] has {len(row) if isinstance(row, list) else 'no'} entries, expected {self.k}"
       for j, entry in enumerate(row):
-        if not (isinstance(entry, list) and len(entry) >= 2 and isinstance(entry[1], int)
-                and 0 <= entry[1] < self.vocab_size):
+        if not (
+          isinstance(entry, list) and len(entry) >= 2 and isinstance(entry[1], int) and 0 <= entry[1] < self.vocab_size
+        ):
           return f"output_top_logprobs[{i}][{j}] is not [logprob, token_id in [0, {self.vocab_size}), ...]"
         if _bad_logprob(entry[0]):
           return f"invalid top log-prob {entry[0]!r} at output_top_logprobs[{i}][{j}]"
@@ -354,14 +390,17 @@ class _SamplerTopK(TokenExtra):
 
   def check_record(self, value, prompt_len, response_len):
     if value is None or len(value) != response_len or any(len(row) != self.k for row in value):
-      return (f"column '{self.name}' has {0 if value is None else len(value)} rows, expected {response_len} rows of "
-              f"{self.k} (rollout.sampling.top_logprobs_num)")
+      return (
+        f"column '{self.name}' has {0 if value is None else len(value)} rows, expected {response_len} rows of "
+        f"{self.k} (rollout.sampling.top_logprobs_num)"
+      )
     return None
 
 
 @register
 class SamplerTopLogprobs(_SamplerTopK):
   """The sampler's top-k log-probs, float32 `[response, k]`: `PackedBatch.rollout_topk_logprobs`."""
+
   name, part, dtype, fill = "top_logprobs", 0, np.float32, 0.0
   batch_field = "rollout_topk_logprobs"
 
@@ -373,6 +412,7 @@ class SamplerTopLogprobs(_SamplerTopK):
 class SamplerTopIds(_SamplerTopK):
   """The ids of the sampler's top-k, int32 `[response, k]`: `ModelInputs.extra["top_logprob_ids"]`,
   whose log-probs the training forward gathers in its chunked pass (`token_logprobs(extra_ids=)`)."""
+
   name, part, dtype, fill = "top_logprob_ids", 1, np.int32, 0
   model_input = "top_logprob_ids"
 
@@ -381,21 +421,29 @@ def decode_sample_routing(meta, num_tokens: int, routing: RoutingSpec) -> np.nda
   """A reply's `routed_experts` → `[num_tokens - 1, layers, k]` int32; raises
   :class:`NoRoutedExperts` when there are none or they do not fit the model."""
   if meta.routed_experts is None:
-    raise NoRoutedExperts("the reply has no meta_info.routed_experts although return_routed_experts was requested: "
-                          "start the SGLang server with --enable-return-routed-experts (mis-jax serve takes the same "
-                          "flag), or set rollout.sampling.routing_replay: none and rollout.sampling.record_routing: false")
+    raise NoRoutedExperts(
+      "the reply has no meta_info.routed_experts although return_routed_experts was requested: "
+      "start the SGLang server with --enable-return-routed-experts (mis-jax serve takes the same "
+      "flag), or set rollout.sampling.routing_replay: none and rollout.sampling.record_routing: false"
+    )
   try:
-    experts = protocol.decode_routed_experts(meta.routed_experts, routing.num_layers, routing.top_k,
-                                             meta.routed_experts_dtype)
+    experts = protocol.decode_routed_experts(
+      meta.routed_experts, routing.num_layers, routing.top_k, meta.routed_experts_dtype
+    )
   except protocol.ContractError as e:
-    raise NoRoutedExperts(f"routed experts do not fit the model (num_hidden_layers {routing.num_layers}, "
-                          f"num_experts_per_tok {routing.top_k}): {e}") from None
+    raise NoRoutedExperts(
+      f"routed experts do not fit the model (num_hidden_layers {routing.num_layers}, "
+      f"num_experts_per_tok {routing.top_k}): {e}"
+    ) from None
   if experts.shape[0] != num_tokens - 1:
-    raise NoRoutedExperts(f"routed experts have {experts.shape[0]} rows for a sequence of {num_tokens} tokens "
-                          f"(expected {num_tokens - 1} rows of [num_hidden_layers {routing.num_layers}, "
-                          f"num_experts_per_tok {routing.top_k}]): the server's model differs from the trainer's")
+    raise NoRoutedExperts(
+      f"routed experts have {experts.shape[0]} rows for a sequence of {num_tokens} tokens "
+      f"(expected {num_tokens - 1} rows of [num_hidden_layers {routing.num_layers}, "
+      f"num_experts_per_tok {routing.top_k}]): the server's model differs from the trainer's"
+    )
   if experts.size and (experts.min() < 0 or experts.max() >= routing.num_experts):
-    raise NoRoutedExperts(f"routed experts hold ids outside [0, {routing.num_experts}) (min {experts.min()}, max "
-                          f"{experts.max()}): the server's model differs from the trainer's")
+    raise NoRoutedExperts(
+      f"routed experts hold ids outside [0, {routing.num_experts}) (min {experts.min()}, max "
+      f"{experts.max()}): the server's model differs from the trainer's"
+    )
   return experts
-

@@ -47,10 +47,14 @@ def router_workers(router: HttpEngine) -> dict[str, dict]:
   reply = router.transport.request("GET", router.url, "/workers")
   workers = reply.get("workers") if isinstance(reply, dict) else None
   if not isinstance(workers, list):
-    raise ServerError(f"{router.url}/workers: expected {{'workers': [...]}} (sglang-router >= 0.3), got "
-                      f"{str(reply)[:200]!r}")
-  return {w["url"].rstrip("/"): w for w in workers
-          if isinstance(w, dict) and isinstance(w.get("url"), str) and w.get("worker_type", "regular") == "regular"}
+    raise ServerError(
+      f"{router.url}/workers: expected {{'workers': [...]}} (sglang-router >= 0.3), got {str(reply)[:200]!r}"
+    )
+  return {
+    w["url"].rstrip("/"): w
+    for w in workers
+    if isinstance(w, dict) and isinstance(w.get("url"), str) and w.get("worker_type", "regular") == "regular"
+  }
 
 
 class RouterClient(SGLangClient):
@@ -97,8 +101,11 @@ class RouterClient(SGLangClient):
         for url in new:
           self.engines[url] = HttpEngine(url, self.transport)
           self.urls.append(url)
-        failing = [u for u, w in listed.items() if w.get("is_healthy") is False and u in self.engines
-                   and u not in self._down and u not in new]
+        failing = [
+          u
+          for u, w in listed.items()
+          if w.get("is_healthy") is False and u in self.engines and u not in self._down and u not in new
+        ]
       self.dropped += gone
       for url in gone:
         self.log(f"router {self.router.url}: worker {url} left the fleet")
@@ -121,8 +128,9 @@ class RouterClient(SGLangClient):
       try:
         self._update_one(self.engines[url], load, version, 3, "abort")
       except (ServerError, ServerUnavailable) as e:  # readmitted with the served weights once it answers /health
-        self.mark_down(url, f"new worker of router {self.router.url}: it could not load the weights of step "
-                            f"{version}: {e}")
+        self.mark_down(
+          url, f"new worker of router {self.router.url}: it could not load the weights of step {version}: {e}"
+        )
         version = None
     else:  # before step 1: it serves what the first push (or its skip) decides
       try:
@@ -130,8 +138,10 @@ class RouterClient(SGLangClient):
       except (ServerError, ServerUnavailable) as e:
         self.mark_down(url, f"new worker of router {self.router.url}: /continue_generation failed: {e}")
     self.admitted.append((url, version))
-    self.log(f"router {self.router.url}: worker {url} joined the fleet"
-             + (f" (weights of step {version} loaded)" if version is not None else ""))
+    self.log(
+      f"router {self.router.url}: worker {url} joined the fleet"
+      + (f" (weights of step {version} loaded)" if version is not None else "")
+    )
 
   def _refuse(self, url: str, entry: dict, why: str) -> None:
     """`url` cannot serve the trainer's weights (`why`): out of the fleet and off the router's list,
@@ -158,6 +168,7 @@ class RouterClient(SGLangClient):
   def wait_until_healthy(self, *, attempts: int = 30, backoff_s: float = 0.5, max_backoff_s: float = 5.0):
     """The router's `/health`, then at least one worker in its list, then every worker's `/health`."""
     import time
+
     self.router.wait_until_healthy(attempts=attempts, backoff_s=backoff_s, max_backoff_s=max_backoff_s)
     delay = backoff_s
     for _ in range(attempts):
@@ -167,8 +178,10 @@ class RouterClient(SGLangClient):
       time.sleep(delay)
       delay = min(delay * 2, max_backoff_s)
     else:
-      raise ServerError(f"router {self.router.url} lists no worker after {attempts} attempts (GET /workers); "
-                        f"register one (POST /workers) or start the router with --worker-urls")
+      raise ServerError(
+        f"router {self.router.url} lists no worker after {attempts} attempts (GET /workers); "
+        f"register one (POST /workers) or start the router with --worker-urls"
+      )
     super().wait_until_healthy(attempts=attempts, backoff_s=backoff_s, max_backoff_s=max_backoff_s)
     if self._watcher is not None and not self._watcher.is_alive():
       self._watcher.start()
@@ -180,15 +193,19 @@ class RouterClient(SGLangClient):
     needs one stops here, before step 1, naming the router."""
     super().check_extras(extras, sampling_params)
     for extra in extras:
-      reply = self.router.generate(protocol.generate_body([[0]], extra.probe_params(sampling_params),
-                                                          extra_fields=extra.request))
+      reply = self.router.generate(
+        protocol.generate_body([[0]], extra.probe_params(sampling_params), extra_fields=extra.request)
+      )
       try:
-        error, _ = validate_sample(reply[0] if isinstance(reply, list) and reply else reply, extras=(extra,),
-                                   prompt_len=1)
+        error, _ = validate_sample(
+          reply[0] if isinstance(reply, list) and reply else reply, extras=(extra,), prompt_len=1
+        )
       except extra.missing as e:
-        raise extra.missing(f"router {self.router.url}/generate drops {', '.join(extra.request)}: the workers "
-                            f"return it when asked directly, but sglang-router forwards only the fields it knows; "
-                            f"sample from the workers without the router (--sglang-url), or: {e}") from None
+        raise extra.missing(
+          f"router {self.router.url}/generate drops {', '.join(extra.request)}: the workers "
+          f"return it when asked directly, but sglang-router forwards only the fields it knows; "
+          f"sample from the workers without the router (--sglang-url), or: {e}"
+        ) from None
       if error is not None:
         raise extra.missing(f"router {self.router.url}/generate: malformed reply to a {extra.what} probe: {error}")
 
@@ -237,8 +254,9 @@ class RouterClient(SGLangClient):
       out += reply
     return self.router.url, out
 
-  def update_weights(self, load, weight_version: str, *, attempts: int = 3, pause_mode: str = "abort", urls=None,
-                     served=None) -> dict[str, float]:
+  def update_weights(
+    self, load, weight_version: str, *, attempts: int = 3, pause_mode: str = "abort", urls=None, served=None
+  ) -> dict[str, float]:
     with self.push_lock:
       if urls is None:
         self.refresh_workers()  # a worker that joined since the last poll gets this push
@@ -268,11 +286,26 @@ class RouterClient(SGLangClient):
     self._control.close()
 
 
-def router_client(router_url: str, *, timeout_s: float = 120.0, max_retries: int = 3, backoff_s: float = 0.5,
-                  max_concurrency: int = 4, prompts_per_request: int = 8, cache_salt: bool = True,
-                  poll_s: float = 1.0) -> RouterClient:
+def router_client(
+  router_url: str,
+  *,
+  timeout_s: float = 120.0,
+  max_retries: int = 3,
+  backoff_s: float = 0.5,
+  max_concurrency: int = 4,
+  prompts_per_request: int = 8,
+  cache_salt: bool = True,
+  poll_s: float = 1.0,
+) -> RouterClient:
   """A `RouterClient` over HTTP (the transport as `sglang_client.http_client`'s)."""
-  transport = HttpTransport(timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s,
-                            max_concurrency=max_concurrency)
-  return RouterClient(router_url, transport, poll_s=poll_s, max_concurrency=max_concurrency,
-                      prompts_per_request=prompts_per_request, cache_salt=cache_salt)
+  transport = HttpTransport(
+    timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s, max_concurrency=max_concurrency
+  )
+  return RouterClient(
+    router_url,
+    transport,
+    poll_s=poll_s,
+    max_concurrency=max_concurrency,
+    prompts_per_request=prompts_per_request,
+    cache_salt=cache_salt,
+  )

@@ -44,8 +44,18 @@ from trainers.rollout import extras as extras_lib
 
 FORMAT_VERSION = 1
 METADATA_KEY = b"mis_jax"
-REQUIRED = ("step", "sample", "group", "prompt_ids", "response_ids", "rollout_logprobs", "reward", "advantage",
-            "finish_reason", "weight_version")
+REQUIRED = (
+  "step",
+  "sample",
+  "group",
+  "prompt_ids",
+  "response_ids",
+  "rollout_logprobs",
+  "reward",
+  "advantage",
+  "finish_reason",
+  "weight_version",
+)
 _NAME = re.compile(r"^step_(\d{6})\.parquet$")
 
 
@@ -60,14 +70,22 @@ def step_path(directory: str, step: int) -> str:
 def _schema():
   """Every column's type: the fixed ones, then each registered per-token extra's."""
   import pyarrow as pa
+
   return {
-      "step": pa.int64(), "sample": pa.int64(), "group": pa.int64(),
-      "prompt_ids": pa.list_(pa.int32()), "response_ids": pa.list_(pa.int32()),
-      "rollout_logprobs": pa.list_(pa.float32()), "reward": pa.float32(), "advantage": pa.float32(),
-      "finish_reason": pa.string(), "weight_version": pa.string(), "old_logprobs": pa.list_(pa.float32()),
-      "loss_mask": pa.list_(pa.bool_()),
-      "weight_versions": pa.list_(pa.struct([("version", pa.string()), ("start", pa.int32()), ("end", pa.int32())])),
-      **{name: kind.record_type() for name, kind in extras_lib.registered().items()},
+    "step": pa.int64(),
+    "sample": pa.int64(),
+    "group": pa.int64(),
+    "prompt_ids": pa.list_(pa.int32()),
+    "response_ids": pa.list_(pa.int32()),
+    "rollout_logprobs": pa.list_(pa.float32()),
+    "reward": pa.float32(),
+    "advantage": pa.float32(),
+    "finish_reason": pa.string(),
+    "weight_version": pa.string(),
+    "old_logprobs": pa.list_(pa.float32()),
+    "loss_mask": pa.list_(pa.bool_()),
+    "weight_versions": pa.list_(pa.struct([("version", pa.string()), ("start", pa.int32()), ("end", pa.int32())])),
+    **{name: kind.record_type() for name, kind in extras_lib.registered().items()},
   }
 
 
@@ -81,6 +99,7 @@ def write_step(directory: str, step: int, columns: dict, metadata: dict) -> str:
   """Writes one step's rows (`columns`: column name → list of per-sample values) atomically."""
   import pyarrow as pa
   import pyarrow.parquet as pq
+
   types = _schema()
   unknown = set(columns) - set(types)
   if unknown:
@@ -123,6 +142,7 @@ def read_step(path: str):
   present)."""
   import pyarrow as pa
   import pyarrow.parquet as pq
+
   try:
     table = pq.read_table(path)
   except (OSError, pa.ArrowException) as e:
@@ -131,7 +151,9 @@ def read_step(path: str):
   names = set(table.column_names)
   unknown = sorted(names - set(types))
   if unknown:
-    raise RecordError(f"{path}: unknown column {unknown[0]!r}; record columns are {', '.join(REQUIRED + optional_columns())}")
+    raise RecordError(
+      f"{path}: unknown column {unknown[0]!r}; record columns are {', '.join(REQUIRED + optional_columns())}"
+    )
   for name in REQUIRED:
     if name not in names:
       raise RecordError(f"{path}: missing column {name!r}")
@@ -140,8 +162,9 @@ def read_step(path: str):
       try:
         table = table.set_column(table.column_names.index(name), name, table.column(name).cast(types[name]))
       except (pa.ArrowException, ValueError):
-        raise RecordError(f"{path}: column {name!r} has type {table.schema.field(name).type}, expected "
-                          f"{types[name]}") from None
+        raise RecordError(
+          f"{path}: column {name!r} has type {table.schema.field(name).type}, expected {types[name]}"
+        ) from None
   cols = table.to_pydict()
   meta = {}
   raw = (table.schema.metadata or {}).get(METADATA_KEY)
@@ -154,16 +177,19 @@ def read_step(path: str):
     if not prompt or not resp:
       raise RecordError(f"{path} row {i}: column {'prompt_ids' if not prompt else 'response_ids'!r} is empty")
     if min(prompt) < 0 or min(resp) < 0:
-      raise RecordError(f"{path} row {i}: column {'prompt_ids' if min(prompt) < 0 else 'response_ids'!r} holds a "
-                        "negative token id")
+      raise RecordError(
+        f"{path} row {i}: column {'prompt_ids' if min(prompt) < 0 else 'response_ids'!r} holds a negative token id"
+      )
     if len(lps) != len(resp):
-      raise RecordError(f"{path} row {i}: column 'rollout_logprobs' has {len(lps)} values for {len(resp)} "
-                        "response tokens")
+      raise RecordError(
+        f"{path} row {i}: column 'rollout_logprobs' has {len(lps)} values for {len(resp)} response tokens"
+      )
     per_token = ("old_logprobs", *(n for n, kind in extras_lib.registered().items() if kind.span == "response"))
     for name in per_token:
       if name in cols and cols[name][i] is not None and len(cols[name][i]) != len(resp):
-        raise RecordError(f"{path} row {i}: column {name!r} has {len(cols[name][i])} entries for {len(resp)} "
-                          "response tokens")
+        raise RecordError(
+          f"{path} row {i}: column {name!r} has {len(cols[name][i])} entries for {len(resp)} response tokens"
+        )
   return cols, meta
 
 
@@ -175,14 +201,18 @@ def check_fits(path: str, cols: dict, *, vocab_size: int, row_len: int, max_samp
     top = max(max(prompt), max(resp))
     if top >= vocab_size:
       name = "prompt_ids" if max(prompt) >= vocab_size else "response_ids"
-      raise RecordError(f"{path} row {i}: column {name!r} holds token id {top}, outside the model's vocabulary "
-                        f"({vocab_size})")
+      raise RecordError(
+        f"{path} row {i}: column {name!r} holds token id {top}, outside the model's vocabulary ({vocab_size})"
+      )
     if len(prompt) + len(resp) - 1 > row_len:
-      raise RecordError(f"{path} row {i}: columns 'prompt_ids' + 'response_ids' ({len(prompt)} + {len(resp)} "
-                        f"tokens) do not fit train.row_len {row_len}")
+      raise RecordError(
+        f"{path} row {i}: columns 'prompt_ids' + 'response_ids' ({len(prompt)} + {len(resp)} "
+        f"tokens) do not fit train.row_len {row_len}"
+      )
     if not 0 <= group < max_groups:
-      raise RecordError(f"{path} row {i}: column 'group' is {group}, outside 0..{max_groups - 1} "
-                        "(rollout.prompts_per_step)")
+      raise RecordError(
+        f"{path} row {i}: column 'group' is {group}, outside 0..{max_groups - 1} (rollout.prompts_per_step)"
+      )
 
 
 class RecordWriter:
@@ -196,6 +226,7 @@ class RecordWriter:
 
   def start(self, step: int) -> None:
     from trainers.runtime import distributed
+
     if distributed.is_primary() and os.path.isdir(self.directory):
       for k, path in _step_files(self.directory).items():
         if k > step:
@@ -205,6 +236,7 @@ class RecordWriter:
     """Step `step`'s samples (`rollout`), their rewards and advantages (`sb`, the step batch)
     and, when the algorithm computed them, the old log-probs (a device array over `sb`'s rows)."""
     from trainers.runtime import distributed
+
     samples = rollout.result.samples
     old = None
     if old_logprobs is not None:
@@ -213,15 +245,19 @@ class RecordWriter:
     if not distributed.is_primary():
       return
     columns = {
-        "step": [step] * len(samples), "sample": list(range(len(samples))),
-        "group": [s.prompt_index for s in samples], "prompt_ids": [list(s.prompt_ids) for s in samples],
-        "response_ids": [list(s.response_ids) for s in samples],
-        "rollout_logprobs": [list(s.rollout_logprobs) for s in samples], "reward": sb.rewards.tolist(),
-        "advantage": sb.advantages.tolist(),
-        "finish_reason": [s.finish_reason for s in samples],
-        "weight_version": [str(s.weight_version) for s in samples],
-        "weight_versions": [[{"version": str(v), "start": a, "end": b} for v, a, b in s.weight_versions]
-                            for s in samples],
+      "step": [step] * len(samples),
+      "sample": list(range(len(samples))),
+      "group": [s.prompt_index for s in samples],
+      "prompt_ids": [list(s.prompt_ids) for s in samples],
+      "response_ids": [list(s.response_ids) for s in samples],
+      "rollout_logprobs": [list(s.rollout_logprobs) for s in samples],
+      "reward": sb.rewards.tolist(),
+      "advantage": sb.advantages.tolist(),
+      "finish_reason": [s.finish_reason for s in samples],
+      "weight_version": [str(s.weight_version) for s in samples],
+      "weight_versions": [
+        [{"version": str(v), "start": a, "end": b} for v, a, b in s.weight_versions] for s in samples
+      ],
     }
     if old is not None:
       columns["old_logprobs"] = old

@@ -29,6 +29,7 @@ class NoRoutedExperts(ServerError):
 @dataclasses.dataclass(frozen=True)
 class RoutingSpec:
   """What routed experts must look like: `[rows, num_layers, top_k]` ids in `[0, num_experts)`."""
+
   num_layers: int
   top_k: int
   num_experts: int
@@ -84,19 +85,43 @@ class RolloutResult:
 
   def to_json(self) -> dict:
     """A JSON-able copy (broadcast from process 0 to the other trainer processes)."""
-    return {"samples": [tuple(getattr(s, f.name) for f in dataclasses.fields(Sample) if f.name != "extras")
-                        + (_extras_json(s.extras),) for s in self.samples],
-            "num_requested": self.num_requested,
-            "num_aborted": self.num_aborted, "num_rejected": self.num_rejected,
-            "rejection_reasons": self.rejection_reasons[:20], "metrics": self.metrics}
+    return {
+      "samples": [
+        tuple(getattr(s, f.name) for f in dataclasses.fields(Sample) if f.name != "extras") + (_extras_json(s.extras),)
+        for s in self.samples
+      ],
+      "num_requested": self.num_requested,
+      "num_aborted": self.num_aborted,
+      "num_rejected": self.num_rejected,
+      "rejection_reasons": self.rejection_reasons[:20],
+      "metrics": self.metrics,
+    }
 
   @classmethod
   def from_json(cls, d: dict) -> "RolloutResult":
-    samples = [Sample(p, tuple(ids), tuple(resp), tuple(lps), fin, text, ver, tuple(tuple(x) for x in spans),
-                      _extras_from_json(extras), reward)
-               for p, ids, resp, lps, fin, text, ver, spans, reward, extras in d["samples"]]
-    return cls(samples, d["num_requested"], d["num_aborted"], d["num_rejected"], list(d["rejection_reasons"]),
-               metrics=dict(d.get("metrics", {})))
+    samples = [
+      Sample(
+        p,
+        tuple(ids),
+        tuple(resp),
+        tuple(lps),
+        fin,
+        text,
+        ver,
+        tuple(tuple(x) for x in spans),
+        _extras_from_json(extras),
+        reward,
+      )
+      for p, ids, resp, lps, fin, text, ver, spans, reward, extras in d["samples"]
+    ]
+    return cls(
+      samples,
+      d["num_requested"],
+      d["num_aborted"],
+      d["num_rejected"],
+      list(d["rejection_reasons"]),
+      metrics=dict(d.get("metrics", {})),
+    )
 
 
 def _extras_json(values: Mapping[str, np.ndarray]) -> dict:
@@ -164,11 +189,16 @@ def validate_sample(item: Any, *, extras: Sequence = (), prompt_len: int = 0) ->
   # The version that generated the last token (SGLang reports spans when weights changed
   # mid-sample); `weight_version` alone otherwise.
   version = meta.weight_versions[-1].version if meta.weight_versions else meta.weight_version
-  return None, {"aborted": False, "ids": tuple(ids), "logprobs": tuple(values), "finish": kind,
-                "text": result.text if isinstance(result.text, str) else "",
-                "weight_version": version,
-                "weight_versions": tuple((s.version, s.start, s.end) for s in meta.weight_versions),
-                "extras": parsed_extras}
+  return None, {
+    "aborted": False,
+    "ids": tuple(ids),
+    "logprobs": tuple(values),
+    "finish": kind,
+    "text": result.text if isinstance(result.text, str) else "",
+    "weight_version": version,
+    "weight_versions": tuple((s.version, s.start, s.end) for s in meta.weight_versions),
+    "extras": parsed_extras,
+  }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +206,7 @@ class Reply:
   """One `/generate` result as an extra's parser sees it (`trainers.rollout.extras.TokenExtra.parse`):
   the raw `meta_info` dict, the parsed one (`protocol.MetaInfo`), the response ids and the
   prompt's length."""
+
   meta: Mapping[str, Any]
   info: protocol.MetaInfo
   ids: tuple[int, ...]

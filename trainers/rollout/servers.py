@@ -37,6 +37,7 @@ NO_RESTARTS = {"rollout/server_restarts": 0, "rollout/unavailable_s": 0.0}  # a 
 class Sampling:
   """What every `/generate` of the run asks: the sampling params, `n` per prompt, the seed, and
   the run's per-token extras (`trainers.rollout.extras`: sampling masks, routed experts, ...)."""
+
   params: dict
   n: int
   seed: int
@@ -52,14 +53,26 @@ class Servers:
   HF directory they were loaded from (what a restarted server gets back).
   """
 
-  def __init__(self, cfg, *, client: SGLangClient | None, weight_sync: WeightSync, start_dir: str, model_config,
-               sampling: Sampling, episodes=None, log=print):
+  def __init__(
+    self,
+    cfg,
+    *,
+    client: SGLangClient | None,
+    weight_sync: WeightSync,
+    start_dir: str,
+    model_config,
+    sampling: Sampling,
+    episodes=None,
+    log=print,
+  ):
     r = self.rollout = cfg.rollout
     self.cfg, self.model_config, self.sampling, self.log = cfg, model_config, sampling, log
     self.start_dir = start_dir
     self.client, self.weight_sync = client, weight_sync
     self.episodes = episodes  # an agent task's multi-turn driver and environments (`Episodes`, make_env), or None
-    self.weight_dtype = r.sync.weight_dtype or r.placement.server_dtype  # refined from the servers' /server_info at start
+    self.weight_dtype = (
+      r.sync.weight_dtype or r.placement.server_dtype
+    )  # refined from the servers' /server_info at start
     self.server_dtype, self.server_quantized = r.placement.server_dtype, r.placement.server_quantize != "none"
     self.served_version, self.served_path = 0, start_dir
     self._warned_versions = False
@@ -76,7 +89,9 @@ class Servers:
     the trainer's weights (or, when the push is skipped, the very checkpoint it starts from). A
     push no server took waits for them as a step's does (`Preempted`: a stop was asked meanwhile)."""
     r, self.log, self.at = self.rollout, log, f"the weight push before step {step + 1}"
-    on_primary(lambda: self.client.wait_until_healthy(attempts=r.transport.health_attempts, backoff_s=r.transport.backoff_s))
+    on_primary(
+      lambda: self.client.wait_until_healthy(attempts=r.transport.health_attempts, backoff_s=r.transport.backoff_s)
+    )
     on_primary(lambda: self.weight_sync.check_reach(log=log))  # e.g. no shared filesystem: stop now, not at a push
     if self.sampling.extras:  # a server that cannot return an extra is found before any step
       on_primary(lambda: self.client.check_extras(self.sampling.extras, self.sampling.params))
@@ -84,8 +99,9 @@ class Servers:
       self._push_until_taken(params, step, preempted)
     else:  # a fleet that admits workers during the run gives them these
       self.weight_sync.start(params, step, self.weight_dtype)
-      on_primary(lambda: self.client.weights_served(self.weight_sync.served_load(self.served_path, str(step)),
-                                                    str(step)))
+      on_primary(
+        lambda: self.client.weights_served(self.weight_sync.served_load(self.served_path, str(step)), str(step))
+      )
     self.served_version = step
     self.step_done()  # (its waits are not step 1's)
 
@@ -107,13 +123,21 @@ class Servers:
       dtypes.add(sinfo.get("dtype"))
       quantized |= sinfo.get("quantization") not in (None, "none", "")
       if sinfo.get("arithmetic") != "batch_invariant":  # exact mode's engines (contract §13)
-        inexact.append(f"{url} ({sinfo.get('frontend') or 'an SGLang server'}, dtype {sinfo.get('dtype')}, arithmetic "
-                       f"{sinfo.get('arithmetic', 'not reported')})")
+        inexact.append(
+          f"{url} ({sinfo.get('frontend') or 'an SGLang server'}, dtype {sinfo.get('dtype')}, arithmetic "
+          f"{sinfo.get('arithmetic', 'not reported')})"
+        )
     missing = [url for url in self.client.urls if not self.client.has_weight_update_route(url)]
     served = sorted(map(str, dtypes))
     dtype = dtypes.pop() if len(dtypes) == 1 else None
-    return {"serves_start": serves_start, "dtype": dtype if dtype in DTYPES else None, "quantized": quantized,
-            "missing_update_route": missing, "dtypes": served, "inexact": inexact}
+    return {
+      "serves_start": serves_start,
+      "dtype": dtype if dtype in DTYPES else None,
+      "quantized": quantized,
+      "missing_update_route": missing,
+      "dtypes": served,
+      "inexact": inexact,
+    }
 
   def _first_push(self, step: int, *, log=print) -> bool:
     """Decides the first weight push (`rollout.sync.initial_sync`) and the pushed dtype, and checks
@@ -139,24 +163,32 @@ class Servers:
     first_sync = step + r.sync.sync_every - step % r.sync.sync_every  # the loop's first push
     will_sync = push or first_sync <= self.cfg.train.steps
     if facts["missing_update_route"] and will_sync:
-      when = "the resumed weights before step 1" if resumed else (
-          "the starting weights before step 1" if push else f"the weights after step {first_sync}")
+      when = (
+        "the resumed weights before step 1"
+        if resumed
+        else ("the starting weights before step 1" if push else f"the weights after step {first_sync}")
+      )
       raise TrainingError(
-          f"{', '.join(facts['missing_update_route'])} has no /update_weights_from_disk route (HTTP 404), so it "
-          f"cannot load {when}. Settings that need no weight push: start the server on model.path with "
-          f"rollout.sync.initial_sync: auto (or never) and rollout.sync.sync_every > train.steps (every step then trains on "
-          f"rollouts of the starting weights: decoupled PPO corrects the growing staleness), or train from records "
-          f"(rollout.records.load_dir)")
+        f"{', '.join(facts['missing_update_route'])} has no /update_weights_from_disk route (HTTP 404), so it "
+        f"cannot load {when}. Settings that need no weight push: start the server on model.path with "
+        f"rollout.sync.initial_sync: auto (or never) and rollout.sync.sync_every > train.steps (every step then trains on "
+        f"rollouts of the starting weights: decoupled PPO corrects the growing staleness), or train from records "
+        f"(rollout.records.load_dir)"
+      )
     if distributed.is_primary():
       warning = rounding_warning(self.cfg.model.dtype, self.weight_dtype)
       if warning:
         log(warning)
       if not push:
-        log(f"initial weight push skipped (rollout.sync.initial_sync {r.sync.initial_sync}): "
-            + ("every server already serves the starting weights" if facts["serves_start"] else "as configured"))
+        log(
+          f"initial weight push skipped (rollout.sync.initial_sync {r.sync.initial_sync}): "
+          + ("every server already serves the starting weights" if facts["serves_start"] else "as configured")
+        )
       if facts["missing_update_route"]:
-        log(f"{', '.join(facts['missing_update_route'])} cannot load new weights; none will be pushed in "
-            f"{self.cfg.train.steps} steps (rollout.sync.sync_every {r.sync.sync_every})")
+        log(
+          f"{', '.join(facts['missing_update_route'])} cannot load new weights; none will be pushed in "
+          f"{self.cfg.train.steps} steps (rollout.sync.sync_every {r.sync.sync_every})"
+        )
     return push
 
   def _check_exact(self, facts: dict) -> None:
@@ -165,15 +197,20 @@ class Servers:
     r = self.rollout
     if facts["inexact"]:
       raise mis_jax.ConfigError(
-          f"rollout.placement.exact: {', '.join(facts['inexact'])} does not report batch-invariant arithmetic, so its "
-          "log-probs cannot equal the trainer's exact pass; start `mis-jax serve --arithmetic batch_invariant` (or "
-          "give no --sglang-url: the trainer starts one), or set rollout.placement.exact: false")
+        f"rollout.placement.exact: {', '.join(facts['inexact'])} does not report batch-invariant arithmetic, so its "
+        "log-probs cannot equal the trainer's exact pass; start `mis-jax serve --arithmetic batch_invariant` (or "
+        "give no --sglang-url: the trainer starts one), or set rollout.placement.exact: false"
+      )
     if facts["dtypes"] != [r.placement.server_dtype]:
-      raise mis_jax.ConfigError(f"rollout.placement.exact: the servers serve {', '.join(facts['dtypes'])}, "
-                                f"rollout.placement.server_dtype is {r.placement.server_dtype}: the exact pass computes in "
-                                "the served dtype; set server_dtype to the servers'")
+      raise mis_jax.ConfigError(
+        f"rollout.placement.exact: the servers serve {', '.join(facts['dtypes'])}, "
+        f"rollout.placement.server_dtype is {r.placement.server_dtype}: the exact pass computes in "
+        "the served dtype; set server_dtype to the servers'"
+      )
     if facts["quantized"]:
-      raise mis_jax.ConfigError("rollout.placement.exact: a server serves quantised weights; exact mode needs unquantised ones")
+      raise mis_jax.ConfigError(
+        "rollout.placement.exact: a server serves quantised weights; exact mode needs unquantised ones"
+      )
 
   # --- rollouts ---------------------------------------------------------------------------------
   def generate(self, prompts: list, batch: int) -> RolloutResult:
@@ -187,8 +224,9 @@ class Servers:
       result = self.client.generate([p.ids for p in prompts], s.params, n=s.n, seed=seed, extras=s.extras)
     else:
       episodes, make_env = self.episodes
-      result = episodes.run(self.client.generate, prompts, make_env, sampling_params=s.params, n=s.n, seed=seed,
-                            extras=s.extras)
+      result = episodes.run(
+        self.client.generate, prompts, make_env, sampling_params=s.params, n=s.n, seed=seed, extras=s.extras
+      )
     result = self._own_versions(result, version)
     self.weight_sync.rollouts_done()
     return result
@@ -201,12 +239,17 @@ class Servers:
       return result
     if not self._warned_versions:
       self._warned_versions = True
-      warnings.warn(f"the server's replies carry no usable weight_version ({bad[0].weight_version!r}): using the "
-                    f"trainer's own bookkeeping (the version it last pushed)")
+      warnings.warn(
+        f"the server's replies carry no usable weight_version ({bad[0].weight_version!r}): using the "
+        f"trainer's own bookkeeping (the version it last pushed)"
+      )
     own = str(version)
-    samples = [dataclasses.replace(s, weight_version=own, weight_versions=tuple((own, a, b) for _, a, b in
-                                                                                 s.weight_versions))
-               if not str(s.weight_version).isdigit() else s for s in result.samples]
+    samples = [
+      dataclasses.replace(s, weight_version=own, weight_versions=tuple((own, a, b) for _, a, b in s.weight_versions))
+      if not str(s.weight_version).isdigit()
+      else s
+      for s in result.samples
+    ]
     return dataclasses.replace(result, samples=samples)
 
   # --- after each step --------------------------------------------------------------------------
@@ -239,11 +282,14 @@ class Servers:
   def mismatch_limits(self) -> tuple[float, float, str]:
     """`(max mean |Δ log p|, max mis_k3_kl, what)` for the sanity check, by dtype pair: float32
     on both sides (no quantisation) vs anything lower (`MISMATCH_LIMITS`)."""
-    exact = (self.server_dtype == "float32" and not self.server_quantized and self.weight_dtype == "float32"
-             and self.cfg.model.dtype == "float32")
+    exact = (
+      self.server_dtype == "float32"
+      and not self.server_quantized
+      and self.weight_dtype == "float32"
+      and self.cfg.model.dtype == "float32"
+    )
     key = "float32" if exact else "low"
-    pair = (f"server {self.server_dtype}{' quantised' if self.server_quantized else ''}, trainer "
-            f"{self.cfg.model.dtype}")
+    pair = f"server {self.server_dtype}{' quantised' if self.server_quantized else ''}, trainer {self.cfg.model.dtype}"
     return (*MISMATCH_LIMITS[key], pair)
 
   def check_mismatch(self, step: int, metrics: dict, result: RolloutResult) -> None:
@@ -257,17 +303,20 @@ class Servers:
     diff, k3 = metrics.get("train_rollout_logprob_abs_diff"), metrics.get("mis_k3_kl")
     if self.rollout.placement.exact and diff and not self._warned_exact:  # fresh samples: equal bit for bit
       self._warned_exact = True
-      warnings.warn(f"step {step + 1}: rollout.placement.exact, the engine held the trainer's weights, yet the old and "
-                    f"the rollout log-probs differ (mean |Δ log p| {diff:.3g}, mis_k3_kl {k3:.3g}): exactness is "
-                    "broken (contract §13 lists what breaks it, e.g. a pause in place across this step's update)")
+      warnings.warn(
+        f"step {step + 1}: rollout.placement.exact, the engine held the trainer's weights, yet the old and "
+        f"the rollout log-probs differ (mean |Δ log p| {diff:.3g}, mis_k3_kl {k3:.3g}): exactness is "
+        "broken (contract §13 lists what breaks it, e.g. a pause in place across this step's update)"
+      )
     if diff is None or k3 is None or (diff <= max_abs and k3 <= max_k3):
       return
     raise TrainingError(
-        f"step {step + 1}: the server and the trainer hold the same weights, yet their log-probs differ far "
-        f"beyond numerics: mean |Δ log p| {diff:.3g} (limit {max_abs:g}), mis_k3_kl {k3:.3g} (limit {max_k3:g}) for "
-        f"{pair}. Likely causes: the server runs another model or tokenizer than model.path, or an engine bug that "
-        f"garbles batches (e.g. sglang-jax's overlap scheduler: start it with --disable-overlap-schedule). Nothing "
-        f"of this step was saved or pushed; set rollout.sync.mismatch_check: false to train anyway")
+      f"step {step + 1}: the server and the trainer hold the same weights, yet their log-probs differ far "
+      f"beyond numerics: mean |Δ log p| {diff:.3g} (limit {max_abs:g}), mis_k3_kl {k3:.3g} (limit {max_k3:g}) for "
+      f"{pair}. Likely causes: the server runs another model or tokenizer than model.path, or an engine bug that "
+      f"garbles batches (e.g. sglang-jax's overlap scheduler: start it with --disable-overlap-schedule). Nothing "
+      f"of this step was saved or pushed; set rollout.sync.mismatch_check: false to train anyway"
+    )
 
   # --- servers that go away -----------------------------------------------------------------
   def readmit(self, step: int | None = None) -> None:
@@ -289,8 +338,12 @@ class Servers:
         continue
       try:
         version = str(self.served_version)  # a restarted server holds its starting weights, not the run's
-        self.client.update_weights(self.weight_sync.served_load(self.served_path, version), version, urls=[url],
-                                   pause_mode=self.rollout.sync.pause_mode)
+        self.client.update_weights(
+          self.weight_sync.served_load(self.served_path, version),
+          version,
+          urls=[url],
+          pause_mode=self.rollout.sync.pause_mode,
+        )
       except ServerError as e:  # (ServerUnavailable included) not ready after all, or the weights are not loadable
         why[url] = f"answers /health, but did not take the weights of step {self.served_version} ({e})"
         continue
@@ -306,12 +359,15 @@ class Servers:
     """No server could generate: waits until one that went away serves the served weights again
     (readmitted: it answers `/health` and took them), with backoff, up to the step's deadline
     (`_wait`). A stop asked meanwhile (`preempted()`) abandons the step (`Preempted`)."""
+
     def served() -> tuple[tuple[bool, int], str]:
       back, why = self._readmit_down()
       serving, reason = self.client.serving()
       return (serving, back), "; ".join([*(f"{url}: {w}" for url, w in why.items()), *([reason] if reason else [])])
-    back = self._wait(error, preempted, f"a server to serve the weights of step {self.served_version} "
-                                        f"({self.served_path})", served)
+
+    back = self._wait(
+      error, preempted, f"a server to serve the weights of step {self.served_version} ({self.served_path})", served
+    )
     self._count_back(back)
 
   def _answering(self) -> tuple[tuple[bool, int], str]:
@@ -334,8 +390,10 @@ class Servers:
       self._deadline = now + timeout
     deadline = self._deadline
     if distributed.is_primary():
-      self.log(f"{self.at}: servers unavailable ({error}); waiting up to {max(deadline - now, 0):.0f} s more for "
-               f"{what} (rollout.transport.server_restart_timeout_s {timeout:g})")
+      self.log(
+        f"{self.at}: servers unavailable ({error}); waiting up to {max(deadline - now, 0):.0f} s more for "
+        f"{what} (rollout.transport.server_restart_timeout_s {timeout:g})"
+      )
 
     def wait():
       delay, why, readmitted = self.rollout.transport.backoff_s or 0.5, "the step failed again after they came back", 0
@@ -343,14 +401,17 @@ class Servers:
         if preempted():
           raise Preempted(f"a stop was asked while waiting for {what}")
         if time.monotonic() >= deadline:
-          raise TrainingError(f"{self.at}: {error}; waited rollout.transport.server_restart_timeout_s "
-                              f"({timeout:g} s) for {what}, in vain: {why}")
+          raise TrainingError(
+            f"{self.at}: {error}; waited rollout.transport.server_restart_timeout_s "
+            f"({timeout:g} s) for {what}, in vain: {why}"
+          )
         (done, back), why = ready()
         readmitted += back
         if done:
           return readmitted
         time.sleep(max(0.0, min(delay, deadline - time.monotonic())))
         delay = min(delay * 2, 10.0)
+
     try:
       return on_primary(wait)
     finally:
@@ -373,11 +434,13 @@ def rounding_warning(compute_dtype: str, pushed_dtype: str) -> str | None:
   the old values while the trainer computes with the new ones (docs/guides/choosing.md)."""
   if compute_dtype != "float32" or pushed_dtype != "bfloat16":
     return None
-  return ("warning: the trainer computes in float32 (model.dtype) with float32 weights, the servers get them in "
-          "bfloat16: an update smaller than half a bfloat16 spacing leaves the servers' copy unchanged while the "
-          "trainer's moves, so the two drift apart from step 2 (Qwen3-0.6B at lr 1e-5: mis_k3_kl 0.03 against ~1e-6 "
-          "at step 1). Set model.dtype: bfloat16 (the master weights stay model.param_dtype): the trainer then "
-          "computes with the very bfloat16 weights it pushes (docs/guides/choosing.md)")
+  return (
+    "warning: the trainer computes in float32 (model.dtype) with float32 weights, the servers get them in "
+    "bfloat16: an update smaller than half a bfloat16 spacing leaves the servers' copy unchanged while the "
+    "trainer's moves, so the two drift apart from step 2 (Qwen3-0.6B at lr 1e-5: mis_k3_kl 0.03 against ~1e-6 "
+    "at step 1). Set model.dtype: bfloat16 (the master weights stay model.param_dtype): the trainer then "
+    "computes with the very bfloat16 weights it pushes (docs/guides/choosing.md)"
+  )
 
 
 class NoServers:

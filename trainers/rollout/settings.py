@@ -26,24 +26,31 @@ def sampling_replay_width(r) -> int:
   mode = s.sampling_replay
   if mode == "off" or (mode == "auto" and not truncated):
     if truncated:
-      warnings.warn("rollout.sampling.sampling_replay is off with truncated sampling (top_p < 1, top_k > 0 or "
-                    "min_p > 0): the server's log-probs are over the whole vocabulary while it samples from the truncated "
-                    "distribution, so the IS ratio is biased by the kept mass (contract §11)")
+      warnings.warn(
+        "rollout.sampling.sampling_replay is off with truncated sampling (top_p < 1, top_k > 0 or "
+        "min_p > 0): the server's log-probs are over the whole vocabulary while it samples from the truncated "
+        "distribution, so the IS ratio is biased by the kept mass (contract §11)"
+      )
     return 0
   if s.temperature == 0:
-    raise mis_jax.ConfigError("rollout.sampling.sampling_replay on with greedy sampling (rollout.sampling.temperature "
-                              "0): every renormalised log-prob is 0 and nothing is learned; use temperature > 0 or "
-                              "sampling_replay: off")
+    raise mis_jax.ConfigError(
+      "rollout.sampling.sampling_replay on with greedy sampling (rollout.sampling.temperature "
+      "0): every renormalised log-prob is 0 and nothing is learned; use temperature > 0 or "
+      "sampling_replay: off"
+    )
   if s.top_k < 1:
     what = "untruncated sampling" if not truncated else f"rollout.sampling.top_p {s.top_p}, min_p {s.min_p}"
     raise mis_jax.ConfigError(
-        f"rollout.sampling.sampling_replay {mode} ({what}) needs a finite rollout.sampling.top_k: SGLang returns "
-        f"sampling masks only for 1 < top_k <= --sampling-mask-max-tokens, and top_k bounds the replayed support; set e.g. "
-        f"rollout.sampling.top_k: 50, or rollout.sampling.sampling_replay: off")
+      f"rollout.sampling.sampling_replay {mode} ({what}) needs a finite rollout.sampling.top_k: SGLang returns "
+      f"sampling masks only for 1 < top_k <= --sampling-mask-max-tokens, and top_k bounds the replayed support; set e.g. "
+      f"rollout.sampling.top_k: 50, or rollout.sampling.sampling_replay: off"
+    )
   if s.top_k > s.sampling_mask_max_tokens:
-    raise mis_jax.ConfigError(f"rollout.sampling.top_k {s.top_k} exceeds rollout.sampling.sampling_mask_max_tokens "
-                              f"{s.sampling_mask_max_tokens}: the replayed support would not fit; lower top_k or "
-                              "raise sampling_mask_max_tokens (and the server's --sampling-mask-max-tokens)")
+    raise mis_jax.ConfigError(
+      f"rollout.sampling.top_k {s.top_k} exceeds rollout.sampling.sampling_mask_max_tokens "
+      f"{s.sampling_mask_max_tokens}: the replayed support would not fit; lower top_k or "
+      "raise sampling_mask_max_tokens (and the server's --sampling-mask-max-tokens)"
+    )
   return s.top_k
 
 
@@ -58,15 +65,23 @@ def routing_setup(r, model_cfg: ModelConfig) -> tuple[str, RoutingSpec | None]:
   `record_routing` for the routing-mismatch metrics — else None."""
   record = records_routing(r)
   if r.sampling.routing_replay == "r3" and not record:
-    raise mis_jax.ConfigError("rollout.sampling.routing_replay r3 replays the server's routed experts: "
-                              "rollout.sampling.record_routing cannot be false with it")
+    raise mis_jax.ConfigError(
+      "rollout.sampling.routing_replay r3 replays the server's routed experts: "
+      "rollout.sampling.record_routing cannot be false with it"
+    )
   if (r.sampling.routing_replay != "none" or record) and not model_cfg.is_moe:
-    what = (f"rollout.sampling.routing_replay {r.sampling.routing_replay}" if r.sampling.routing_replay != "none"
-            else "rollout.sampling.record_routing")
-    raise mis_jax.ConfigError(f"{what} needs a mixture-of-experts model; {model_cfg.model_type} is dense (set "
-                              "rollout.sampling.routing_replay: none, rollout.sampling.record_routing: null)")
-  spec = (RoutingSpec(model_cfg.num_hidden_layers, model_cfg.num_experts_per_tok, model_cfg.num_experts)
-          if record else None)
+    what = (
+      f"rollout.sampling.routing_replay {r.sampling.routing_replay}"
+      if r.sampling.routing_replay != "none"
+      else "rollout.sampling.record_routing"
+    )
+    raise mis_jax.ConfigError(
+      f"{what} needs a mixture-of-experts model; {model_cfg.model_type} is dense (set "
+      "rollout.sampling.routing_replay: none, rollout.sampling.record_routing: null)"
+    )
+  spec = (
+    RoutingSpec(model_cfg.num_hidden_layers, model_cfg.num_experts_per_tok, model_cfg.num_experts) if record else None
+  )
   return r.sampling.routing_replay, spec
 
 
@@ -80,6 +95,7 @@ class RolloutSettings:
   """The `rollout` section (`section`) and what it derives for a model: the support width of
   sampling-mask replay (0: off), the routing replay (`none`, `r2`, `r3`) and the routed experts'
   shape when the server is asked for them (None: not asked)."""
+
   section: object
   sampling_replay_width: int = 0
   routing_replay: str = "none"

@@ -30,6 +30,7 @@ SYNC_METRICS = {"rollout/staleness_mean": 0.0, "rollout/staleness_max": 0.0, "ro
 @dataclasses.dataclass
 class Rollout:
   """One step's rollouts: `prompts` are the task's (None for records, which carry their rewards)."""
+
   batch: int
   prompts: list | None
   result: RolloutResult
@@ -41,11 +42,14 @@ def checked(result: RolloutResult, step: int, max_rejected_fraction: float) -> R
   bad = result.num_rejected / max(result.num_requested, 1)
   if bad > max_rejected_fraction:
     reasons = "; ".join(sorted(set(result.rejection_reasons))[:5])
-    raise TrainingError(f"step {step}: {result.num_rejected} of {result.num_requested} samples were malformed "
-                        f"({bad:.0%} > max_rejected_fraction {max_rejected_fraction:.0%}): {reasons}")
+    raise TrainingError(
+      f"step {step}: {result.num_rejected} of {result.num_requested} samples were malformed "
+      f"({bad:.0%} > max_rejected_fraction {max_rejected_fraction:.0%}): {reasons}"
+    )
   if not result.samples:
-    raise TrainingError(f"step {step}: no usable samples ({result.num_aborted} aborted, "
-                        f"{result.num_rejected} rejected)")
+    raise TrainingError(
+      f"step {step}: no usable samples ({result.num_aborted} aborted, {result.num_rejected} rejected)"
+    )
   return result
 
 
@@ -81,6 +85,7 @@ class ServerRollouts(RolloutSource):
     def produce():
       result = self.servers.generate(prompts, batch)
       return checked(result, step, self.max_rejected_fraction).to_json()
+
     try:
       result = RolloutResult.from_json(on_primary(produce))
     except ServerUnavailable as e:
@@ -101,8 +106,9 @@ class AsyncServerRollouts(RolloutSource):
   def start(self, batch: int) -> None:
     super().start(batch)
     if distributed.is_primary():  # process 0 generates
-      self.producer = RolloutProducer(lambda j: self.servers.generate(self.prompts(j), j), batch,
-                                      self.k, self.timeout_s)
+      self.producer = RolloutProducer(
+        lambda j: self.servers.generate(self.prompts(j), j), batch, self.k, self.timeout_s
+      )
 
   def restart(self) -> None:
     self.close()
@@ -119,8 +125,11 @@ class AsyncServerRollouts(RolloutSource):
     staleness = [step - int(s.oldest_version) for s in result.samples]
     kept = [s for s, st in zip(result.samples, staleness) if st <= self.k]
     shown = [st for st in staleness if st <= self.k] or [0]
-    metrics = {"rollout/staleness_mean": float(np.mean(shown)), "rollout/staleness_max": float(max(shown)),
-               "rollout/dropped_stale": len(result.samples) - len(kept)}
+    metrics = {
+      "rollout/staleness_mean": float(np.mean(shown)),
+      "rollout/staleness_max": float(max(shown)),
+      "rollout/dropped_stale": len(result.samples) - len(kept),
+    }
     return dataclasses.replace(result, samples=kept), metrics
 
   def next(self, step: int) -> Rollout:
@@ -138,6 +147,7 @@ class AsyncServerRollouts(RolloutSource):
         batch += 1
         self.next_batch = batch  # (process 0: where a restart resumes)
       raise TrainingError(f"step {step}: 8 rollout batches in a row had no sample within max_staleness {self.k}")
+
     out = on_primary(produce)
     metrics = out["metrics"]
     batch = metrics.pop("batch")
@@ -218,16 +228,37 @@ class RecordedRollouts(RolloutSource):
   def next(self, step: int) -> Rollout:
     cols, _ = rollout_records.read_step(rollout_records.step_path(self.load_dir, step + 1))
     samples = []
-    for i, (g, p, r, q, f, v) in enumerate(zip(cols["group"], cols["prompt_ids"], cols["response_ids"],
-                                               cols["rollout_logprobs"], cols["finish_reason"],
-                                               cols["weight_version"])):
-      extras = {e.name: e.from_record(cols[e.name][i], len(p), len(r)) for e in self.extras
-                if cols.get(e.name) is not None and cols[e.name][i] is not None}
-      spans = tuple((s["version"], s["start"], s["end"]) for s in (cols.get("weight_versions") or [None] * (i + 1))[i]
-                    or ())
-      samples.append(Sample(prompt_index=int(g), prompt_ids=tuple(p), response_ids=tuple(r),
-                            rollout_logprobs=tuple(q), finish_reason=f, text="", weight_version=v,
-                            weight_versions=spans, extras=extras))
+    for i, (g, p, r, q, f, v) in enumerate(
+      zip(
+        cols["group"],
+        cols["prompt_ids"],
+        cols["response_ids"],
+        cols["rollout_logprobs"],
+        cols["finish_reason"],
+        cols["weight_version"],
+      )
+    ):
+      extras = {
+        e.name: e.from_record(cols[e.name][i], len(p), len(r))
+        for e in self.extras
+        if cols.get(e.name) is not None and cols[e.name][i] is not None
+      }
+      spans = tuple(
+        (s["version"], s["start"], s["end"]) for s in (cols.get("weight_versions") or [None] * (i + 1))[i] or ()
+      )
+      samples.append(
+        Sample(
+          prompt_index=int(g),
+          prompt_ids=tuple(p),
+          response_ids=tuple(r),
+          rollout_logprobs=tuple(q),
+          finish_reason=f,
+          text="",
+          weight_version=v,
+          weight_versions=spans,
+          extras=extras,
+        )
+      )
     batch, self.next_batch = self.next_batch, self.next_batch + 1
     result = RolloutResult(samples=samples, num_requested=len(samples), rewards=cols["reward"])
     return Rollout(batch, None, result, dict(SYNC_METRICS))

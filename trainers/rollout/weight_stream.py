@@ -57,8 +57,10 @@ def delta_entries(name: str, new: np.ndarray, old: np.ndarray | None) -> tuple[l
     return whole, changed.size
   if not changed.size:
     return [], 0
-  return [(name + protocol.DELTA_INDEX_SUFFIX, changed.astype(np.uint32)),
-          (name + protocol.DELTA_VALUES_SUFFIX, new.reshape(-1)[changed])], changed.size
+  return [
+    (name + protocol.DELTA_INDEX_SUFFIX, changed.astype(np.uint32)),
+    (name + protocol.DELTA_VALUES_SUFFIX, new.reshape(-1)[changed]),
+  ], changed.size
 
 
 class _Bucket:
@@ -126,8 +128,9 @@ class HttpSync:
   (None elsewhere); `bucket_bytes`: the size a bucket is closed at; `delta`: send engines that
   serve the last push only what changed."""
 
-  def __init__(self, client, model_config: ModelConfig, *, pause_mode: str, delta: bool = False,
-               bucket_bytes: int = 128 << 20):
+  def __init__(
+    self, client, model_config: ModelConfig, *, pause_mode: str, delta: bool = False, bucket_bytes: int = 128 << 20
+  ):
     self.client, self.model_config, self.pause_mode = client, model_config, pause_mode
     self.delta, self.bucket_bytes = delta, bucket_bytes
     self.lock = threading.RLock()  # the snapshot: one push or one engine's stream at a time
@@ -162,13 +165,21 @@ class HttpSync:
     push = f"{self._token}-{version}-{next(self._count)}"
     base = self.snapshot_push if self.delta else None
     by_delta = {u: base is not None and self.held.get(u) == base for u in targets}
-    senders = {u: _Sender(self.client.engines[u], {"push": push, "weight_version": version,
-                                                  **({"base": base} if by_delta[u] else {})}) for u in targets}
+    senders = {
+      u: _Sender(
+        self.client.engines[u], {"push": push, "weight_version": version, **({"base": base} if by_delta[u] else {})}
+      )
+      for u in targets
+    }
     for sender in senders.values():
       sender.start()
-    streams = {kind: _Buckets(self.bucket_bytes, lambda b, kind=kind: [s.queue.put(b) for u, s in senders.items()
-                                                                      if by_delta[u] == kind])
-               for kind in (False, True) if kind in by_delta.values()}
+    streams = {
+      kind: _Buckets(
+        self.bucket_bytes, lambda b, kind=kind: [s.queue.put(b) for u, s in senders.items() if by_delta[u] == kind]
+      )
+      for kind in (False, True)
+      if kind in by_delta.values()
+    }
     gather_s, changed, total = 0.0, 0, 0
     t = time.perf_counter()
     try:
@@ -209,23 +220,30 @@ class HttpSync:
         resent += sent
       except ServerError:
         self.client.mark_down(url)
-    metrics = {"gather_s": gather_s, "stream_s": time.perf_counter() - t0 - gather_s,
-               "sent_bytes": float(resent + sum(s.sent_bytes for s in senders.values())),
-               "delta_workers": float(sum(by_delta[u] for u in staged if u not in refused)),
-               "full_workers": float(sum(not by_delta[u] or u in refused for u in staged))}
+    metrics = {
+      "gather_s": gather_s,
+      "stream_s": time.perf_counter() - t0 - gather_s,
+      "sent_bytes": float(resent + sum(s.sent_bytes for s in senders.values())),
+      "delta_workers": float(sum(by_delta[u] for u in staged if u not in refused)),
+      "full_workers": float(sum(not by_delta[u] or u in refused for u in staged)),
+    }
     if True in streams and total:
       metrics["changed_fraction"] = changed / total
     if not staged:
       errors = "; ".join(f"{u}: {s.error}" for u, s in senders.items()) or "no server is listed"
-      raise NoServerUp(f"weight push of version {version}: no server took it ({errors})",
-                       ServerUnavailable(errors))
+      raise NoServerUp(f"weight push of version {version}: no server took it ({errors})", ServerUnavailable(errors))
 
     def commit(engine):
-      return engine.commit_weights({"push": push, "weight_version": version, "num_buckets": buckets[engine.url],
-                                    "flush_cache": True})
+      return engine.commit_weights(
+        {"push": push, "weight_version": version, "num_buckets": buckets[engine.url], "flush_cache": True}
+      )
+
     try:
-      metrics.update(self.client.update_weights(commit, version, urls=staged, pause_mode=self.pause_mode,
-                                                served=self.served_load(None, version)))
+      metrics.update(
+        self.client.update_weights(
+          commit, version, urls=staged, pause_mode=self.pause_mode, served=self.served_load(None, version)
+        )
+      )
     except ServerUnavailable as e:
       raise NoServerUp(f"weight sync at step {version}: {e}", e) from None
     except ServerError as e:
@@ -267,17 +285,22 @@ class HttpSync:
     """The snapshot of `version` streamed whole to the engine, then committed (while it is paused:
     the client's update sequence). A `ServerError` once a newer push replaced that snapshot: the
     engine gets the weights with the next push, or the next readmission."""
+
     def load(engine):
       with self.lock:
         if version != self.snapshot_version or self.snapshot_push is None:
-          raise ServerError(f"{engine.url}: the weights of version {version} are no longer held here (version "
-                            f"{self.snapshot_version} is)")
+          raise ServerError(
+            f"{engine.url}: the weights of version {version} are no longer held here (version "
+            f"{self.snapshot_version} is)"
+          )
         n, _ = self._stream_snapshot(engine)
-        reply = engine.commit_weights({"push": self.snapshot_push, "weight_version": version, "num_buckets": n,
-                                       "flush_cache": True})
+        reply = engine.commit_weights(
+          {"push": self.snapshot_push, "weight_version": version, "num_buckets": n, "flush_cache": True}
+        )
         if isinstance(reply, dict) and reply.get("success"):
           self.held[engine.url] = self.snapshot_push
         return reply
+
     return load
 
   def rollouts_done(self) -> None:
@@ -299,6 +322,7 @@ class HttpSync:
           raise TrainingError(f"{url}{protocol.WEIGHTS_DISCARD_ROUTE}: {e}") from None
     if missing:
       raise TrainingError(
-          f"{', '.join(missing)} has no {protocol.WEIGHTS_STAGE_ROUTE} route (HTTP 404): rollout.sync.via http streams "
-          f"the weights to mis-jax serve or the sglang-jax launcher; SGLang loads them from disk only "
-          f"(rollout.sync.via: disk, with a filesystem the servers share)")
+        f"{', '.join(missing)} has no {protocol.WEIGHTS_STAGE_ROUTE} route (HTTP 404): rollout.sync.via http streams "
+        f"the weights to mis-jax serve or the sglang-jax launcher; SGLang loads them from disk only "
+        f"(rollout.sync.via: disk, with a filesystem the servers share)"
+      )

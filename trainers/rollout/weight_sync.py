@@ -86,8 +86,14 @@ def shard_plan(sizes: dict[str, int], num_shards: int) -> dict[str, int]:
   return plan
 
 
-def save_hf_sharded(state: nnx.State, config: ModelConfig, path: str | os.PathLike, *,
-                    dtype: str = "bfloat16", num_shards: int | None = None) -> dict[str, float]:
+def save_hf_sharded(
+  state: nnx.State,
+  config: ModelConfig,
+  path: str | os.PathLike,
+  *,
+  dtype: str = "bfloat16",
+  num_shards: int | None = None,
+) -> dict[str, float]:
   """Writes `path` as a sharded HF checkpoint: `model-0000k-of-0000N.safetensors` (N =
   `num_shards`, default the number of processes; fewer if there are fewer parameters) +
   `model.safetensors.index.json` + `config.json`, the layout SGLang and `transformers` load.
@@ -186,8 +192,12 @@ class DiskSync:
 
   @classmethod
   def build(cls, cfg, client, model_config: ModelConfig) -> "DiskSync":
-    return cls(client, model_config, weights_root=os.path.join(os.path.abspath(cfg.run_dir), "weights"),
-               pause_mode=cfg.rollout.sync.pause_mode)
+    return cls(
+      client,
+      model_config,
+      weights_root=os.path.join(os.path.abspath(cfg.run_dir), "weights"),
+      pause_mode=cfg.rollout.sync.pause_mode,
+    )
 
   def push(self, params, step: int, weight_dtype: str) -> tuple[dict, str]:
     path = os.path.join(self.weights_root, f"step_{step}")
@@ -204,6 +214,7 @@ class DiskSync:
         raise NoServerUp(f"weight sync at step {step}: {e}", e) from None
       except ServerError as e:
         raise TrainingError(f"weight sync at step {step} failed: {e}") from None
+
     times.update(on_primary(update))
     self.served = path
     if distributed.is_primary():
@@ -236,8 +247,10 @@ class DiskSync:
     `/update_weights_from_disk` is the check."""
     blind, unchecked = self._probe(self.client.live_urls())
     if unchecked:
-      log(f"{', '.join(unchecked)}: no {protocol.READ_PROBE_ROUTE} route (SGLang, sglang-jax): whether it sees "
-          f"{self.weights_root} shows at its first weight load")
+      log(
+        f"{', '.join(unchecked)}: no {protocol.READ_PROBE_ROUTE} route (SGLang, sglang-jax): whether it sees "
+        f"{self.weights_root} shows at its first weight load"
+      )
     if blind:
       raise TrainingError(f"{'; '.join(f'{url} ({why})' for url, why in blind.items())} {self._blind_advice()}")
 
@@ -249,9 +262,11 @@ class DiskSync:
     return f"{blind[url]}: it {self._blind_advice()}" if blind else None
 
   def _blind_advice(self) -> str:
-    return (f"cannot read the trainer's weight directory {self.weights_root}: the weights reach every server "
-            f"through /update_weights_from_disk, so each must see that directory at the same path. Put run_dir on "
-            f"a filesystem the servers mount at the same path (docs/guides/fleet.md)")
+    return (
+      f"cannot read the trainer's weight directory {self.weights_root}: the weights reach every server "
+      f"through /update_weights_from_disk, so each must see that directory at the same path. Put run_dir on "
+      f"a filesystem the servers mount at the same path (docs/guides/fleet.md)"
+    )
 
   def _probe(self, urls) -> tuple[dict[str, str], list[str]]:
     """`({url: what it read instead}, [urls without the probe route])`: a probe file with a nonce
@@ -309,7 +324,9 @@ class MemorySync:
 
   def __init__(self, client, engine, rollout):
     self.client, self.engine, self.pause_mode = client, engine, rollout.sync.pause_mode
-    self.release_between_steps = engine.releases_weights and rollout.sync.sync_every == 1 and rollout.sync.max_staleness == 0
+    self.release_between_steps = (
+      engine.releases_weights and rollout.sync.sync_every == 1 and rollout.sync.max_staleness == 0
+    )
 
   def push(self, params, step: int, weight_dtype: str) -> tuple[dict, None]:
     t0 = time.perf_counter()
@@ -338,6 +355,7 @@ class MemorySync:
   def served_load(self, path: str | None, version: str) -> Load:
     def load(engine):  # never needed: the one engine is in this process and never goes away
       raise ServerError(f"{engine.url}: the colocated engine gets its weights in memory only")
+
     return load
 
   def check_reach(self, log=print) -> None:

@@ -17,8 +17,11 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-ENV = {"coordinator_address": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
-       "process_id": "JAX_PROCESS_ID"}
+ENV = {
+  "coordinator_address": "JAX_COORDINATOR_ADDRESS",
+  "num_processes": "JAX_NUM_PROCESSES",
+  "process_id": "JAX_PROCESS_ID",
+}
 
 
 def settings_from(args) -> dict | None:
@@ -33,13 +36,16 @@ def settings_from(args) -> dict | None:
     return None
   missing = [f"--{k.replace('_', '-')} (or {ENV[k]})" for k, v in values.items() if v is None]
   if missing:
-    raise ValueError(f"several processes need all of --coordinator-address, --num-processes, --process-id; "
-                     f"missing {', '.join(missing)}")
+    raise ValueError(
+      f"several processes need all of --coordinator-address, --num-processes, --process-id; "
+      f"missing {', '.join(missing)}"
+    )
   try:
     num, pid = int(values["num_processes"]), int(values["process_id"])
   except ValueError:
-    raise ValueError(f"--num-processes {values['num_processes']!r} and --process-id {values['process_id']!r} "
-                     "must be integers") from None
+    raise ValueError(
+      f"--num-processes {values['num_processes']!r} and --process-id {values['process_id']!r} must be integers"
+    ) from None
   if num < 1 or not 0 <= pid < num:
     raise ValueError(f"--process-id {pid} must be in [0, --num-processes {num})")
   host, _, port = str(values["coordinator_address"]).rpartition(":")
@@ -53,8 +59,9 @@ def initialize(settings: dict | None, *, heartbeat_timeout_s: int = 30, init_tim
   if settings is None or settings["num_processes"] == 1:
     return
   jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU devices: gloo over TCP
-  jax.distributed.initialize(**settings, initialization_timeout=init_timeout_s,
-                             heartbeat_timeout_seconds=heartbeat_timeout_s)
+  jax.distributed.initialize(
+    **settings, initialization_timeout=init_timeout_s, heartbeat_timeout_seconds=heartbeat_timeout_s
+  )
 
 
 def is_primary() -> bool:
@@ -66,6 +73,7 @@ def broadcast_json(value: Any) -> Any:
   if jax.process_count() == 1:
     return value
   from jax.experimental import multihost_utils
+
   data = json.dumps(value).encode() if is_primary() else b""
   size = int(multihost_utils.broadcast_one_to_all(np.int64(len(data))))
   buf = np.frombuffer(data, np.uint8) if is_primary() else np.zeros(size, np.uint8)
@@ -104,6 +112,7 @@ def any_process(flag: bool) -> bool:
   if jax.process_count() == 1:
     return flag
   from jax.experimental import multihost_utils
+
   return bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).any())
 
 
@@ -112,10 +121,12 @@ def to_host(x) -> np.ndarray:
   if getattr(x, "is_fully_addressable", True) or getattr(x, "is_fully_replicated", False):
     return np.asarray(x)
   from jax.experimental import multihost_utils
+
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def barrier(name: str) -> None:
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
+
     multihost_utils.sync_global_devices(name)

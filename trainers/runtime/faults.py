@@ -26,10 +26,10 @@ from mis_jax import ConfigError
 
 ENV = "MIS_JAX_FAULT"
 POINTS = {
-    "weights": "step k's weights written under weights/step_k; no server has loaded them",
-    "pushed": "every live server serves step k's weights; the older weight directories are pruned",
-    "metrics": "step k's row written to metrics.jsonl; its checkpoint not begun",
-    "checkpoint": "step k's checkpoint written by Orbax but not committed (its temporary directory not renamed)",
+  "weights": "step k's weights written under weights/step_k; no server has loaded them",
+  "pushed": "every live server serves step k's weights; the older weight directories are pruned",
+  "metrics": "step k's row written to metrics.jsonl; its checkpoint not begun",
+  "checkpoint": "step k's checkpoint written by Orbax but not committed (its temporary directory not renamed)",
 }
 ACTIONS = ("kill-group", "kill", "stop")
 
@@ -41,8 +41,10 @@ def _armed(value: str | None) -> tuple[str, int, str] | None:
   parts = value.split(":")
   point, step, action = (parts + ["kill-group"])[:3] if len(parts) in (2, 3) else (None, None, None)
   if point not in POINTS or not str(step).isdigit() or action not in ACTIONS or len(parts) > 3:
-    raise ConfigError(f"{ENV}={value!r}: expected POINT:STEP[:ACTION] with POINT one of {', '.join(POINTS)}, STEP a "
-                     f"step number and ACTION one of {', '.join(ACTIONS)}")
+    raise ConfigError(
+      f"{ENV}={value!r}: expected POINT:STEP[:ACTION] with POINT one of {', '.join(POINTS)}, STEP a "
+      f"step number and ACTION one of {', '.join(ACTIONS)}"
+    )
   return point, int(step), action
 
 

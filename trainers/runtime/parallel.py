@@ -52,8 +52,10 @@ def mesh_shape(section: ParallelSection, num_devices: int) -> tuple[int, int, in
   if free:
     sizes[free[0]] = num_devices // fixed
   elif fixed != num_devices:
-    raise ConfigError(f"parallel: data x fsdp x expert x tensor = {fixed} but there are {num_devices} devices "
-                      "(set one axis to -1 to take the rest)")
+    raise ConfigError(
+      f"parallel: data x fsdp x expert x tensor = {fixed} but there are {num_devices} devices "
+      "(set one axis to -1 to take the rest)"
+    )
   return sizes["data"], sizes["fsdp"], sizes["expert"], sizes["tensor"]
 
 
@@ -69,17 +71,23 @@ def check_model(mesh: jax.sharding.Mesh, model_cfg) -> None:
   tp, ep = mesh.shape["tensor"], mesh.shape["expert"]
   if ep > 1:
     if not model_cfg.is_moe:
-      raise ConfigError(f"parallel.expert={ep} needs a mixture-of-experts model; {model_cfg.model_type} is dense "
-                        "(use fsdp or data for the devices)")
+      raise ConfigError(
+        f"parallel.expert={ep} needs a mixture-of-experts model; {model_cfg.model_type} is dense "
+        "(use fsdp or data for the devices)"
+      )
     if model_cfg.num_experts % ep:
       raise ConfigError(f"parallel.expert={ep} does not divide the model's num_experts ({model_cfg.num_experts})")
-  names = ("num_attention_heads", "num_key_value_heads",
-           "moe_intermediate_size" if model_cfg.is_moe else "intermediate_size")
+  names = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "moe_intermediate_size" if model_cfg.is_moe else "intermediate_size",
+  )
   for name in names:
     n = getattr(model_cfg, name)
     if n % tp:
-      raise ConfigError(f"parallel.tensor={tp} does not divide the model's {name} ({n}); "
-                        f"choose a tensor size that divides {name}")
+      raise ConfigError(
+        f"parallel.tensor={tp} does not divide the model's {name} ({n}); choose a tensor size that divides {name}"
+      )
 
 
 def param_spec(path: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh, family=None) -> P:
@@ -128,8 +136,10 @@ def param_spec(path: tuple, shape: tuple[int, ...], mesh: jax.sharding.Mesh, fam
 def param_shardings(abstract_state: nnx.State, mesh: jax.sharding.Mesh, family=None) -> nnx.State:
   """An `nnx.State` of `NamedSharding`s with the structure of the parameter state (`family`:
   whose partition rules; default the shared decoder's)."""
-  flat = [(path, var.replace(NamedSharding(mesh, param_spec(path, tuple(var.get_value().shape), mesh, family))))
-          for path, var in nnx.to_flat_state(abstract_state)]
+  flat = [
+    (path, var.replace(NamedSharding(mesh, param_spec(path, tuple(var.get_value().shape), mesh, family))))
+    for path, var in nnx.to_flat_state(abstract_state)
+  ]
   return nnx.from_flat_state(flat)
 
 
@@ -143,8 +153,7 @@ def state_shardings(abstract_tree, params_abstract, params_shardings, mesh):
   def like_params(x):
     return jax.tree.structure(x) == params_def
 
-  return jax.tree.map(lambda x: params_shardings if like_params(x) else replicated, abstract_tree,
-                      is_leaf=like_params)
+  return jax.tree.map(lambda x: params_shardings if like_params(x) else replicated, abstract_tree, is_leaf=like_params)
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, ndim: int = 3) -> NamedSharding:

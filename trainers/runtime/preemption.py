@@ -44,12 +44,19 @@ class Preemption:
 
   def _handle(self, signum, frame) -> None:
     if self.signal is not None:  # the second: now, without cleaning up
-      print(f"mis-jax train: second {signal.Signals(signum).name}: exiting at once; the last whole checkpoint "
-            "stays", file=sys.stderr, flush=True)
+      print(
+        f"mis-jax train: second {signal.Signals(signum).name}: exiting at once; the last whole checkpoint stays",
+        file=sys.stderr,
+        flush=True,
+      )
       os._exit(128 + signum)
     self.signal = signum
-    print(f"mis-jax train: {signal.Signals(signum).name}: finishing the step in flight, then a checkpoint and "
-          "exit (send it again to exit at once)", file=sys.stderr, flush=True)
+    print(
+      f"mis-jax train: {signal.Signals(signum).name}: finishing the step in flight, then a checkpoint and "
+      "exit (send it again to exit at once)",
+      file=sys.stderr,
+      flush=True,
+    )
 
   def asked(self) -> bool:
     """Whether this process got a signal (no collective: safe anywhere)."""

@@ -52,6 +52,7 @@ class RequestError(ValueError):
 
 # ---- request models --------------------------------------------------------------------------
 
+
 class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
   """`sampling_params` of `/generate` (unknown keys rejected, as SGLang)."""
 
@@ -86,10 +87,21 @@ class SamplingParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
 
 
 # `null` means "SGLang's default" for these keys (the others keep `None`).
-_NULL_IS_DEFAULT = {"temperature": 1.0, "top_p": 1.0, "top_k": TOP_K_ALL, "min_p": 0.0,
-                    "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-                    "min_new_tokens": 0, "n": 1, "ignore_eos": False, "skip_special_tokens": True,
-                    "spaces_between_special_tokens": True, "no_stop_trim": False}
+_NULL_IS_DEFAULT = {
+  "temperature": 1.0,
+  "top_p": 1.0,
+  "top_k": TOP_K_ALL,
+  "min_p": 0.0,
+  "frequency_penalty": 0.0,
+  "presence_penalty": 0.0,
+  "repetition_penalty": 1.0,
+  "min_new_tokens": 0,
+  "n": 1,
+  "ignore_eos": False,
+  "skip_special_tokens": True,
+  "spaces_between_special_tokens": True,
+  "no_stop_trim": False,
+}
 
 
 class GenerateRequest(msgspec.Struct, kw_only=True):
@@ -183,6 +195,7 @@ def convert(value: Any, model: type, *, error: type[Exception] = ContractError):
 
 def _token_ids(value, name: str) -> list[int] | list[list[int]]:
   """A list of ints or a list of lists of ints (SGLang's `TokenIdsOrList`)."""
+
   def ints(seq, where):
     if not isinstance(seq, list):
       raise ContractError(f"Expected `array`, got `{type(seq).__name__}` - at `{where}`")
@@ -190,6 +203,7 @@ def _token_ids(value, name: str) -> list[int] | list[list[int]]:
       if not isinstance(t, int) or isinstance(t, bool):
         raise ContractError(f"Expected `int`, got `{type(t).__name__}` - at `{where}[{i}]`")
     return seq
+
   if not isinstance(value, list):
     raise ContractError(f"Expected `array`, got `{type(value).__name__}` - at `$.{name}`")
   if value and isinstance(value[0], list):
@@ -208,8 +222,7 @@ def decode_generate(body: Any) -> GenerateRequest:
     req.token_ids_logprob = _token_ids(req.token_ids_logprob, "token_ids_logprob")
   if req.sampling_params is not None:
     sp = req.sampling_params
-    req.sampling_params = ([_defaults_for_null(s) for s in sp] if isinstance(sp, list)
-                           else _defaults_for_null(sp))
+    req.sampling_params = [_defaults_for_null(s) for s in sp] if isinstance(sp, list) else _defaults_for_null(sp)
   return req
 
 
@@ -219,6 +232,7 @@ def _defaults_for_null(sp: SamplingParams) -> SamplingParams:
 
 
 # ---- normalisation (GenerateReqInput.normalize_batch_and_arguments) --------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class Item:
@@ -245,14 +259,24 @@ class NormalizedGenerate:
   stream: bool
 
 
-_UNSUPPORTED = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path",
-                "custom_logit_processor")
+_UNSUPPORTED = ("input_embeds", "image_data", "video_data", "audio_data", "lora_path", "custom_logit_processor")
 _UNSUPPORTED_SAMPLING = {  # key: its no-op value(s) here
-    "stop": (None, "", []), "stop_regex": (None, "", []), "json_schema": (None, ""),
-    "regex": (None, ""), "ebnf": (None, ""), "structural_tag": (None, ""),
-    "frequency_penalty": (0.0,), "presence_penalty": (0.0,), "repetition_penalty": (1.0,),
-    "min_new_tokens": (0,), "logit_bias": (None, {}), "beam_width": (None, 1),
-    "watermark": (None,), "choice": (None, []), "custom_params": (None, {})}
+  "stop": (None, "", []),
+  "stop_regex": (None, "", []),
+  "json_schema": (None, ""),
+  "regex": (None, ""),
+  "ebnf": (None, ""),
+  "structural_tag": (None, ""),
+  "frequency_penalty": (0.0,),
+  "presence_penalty": (0.0,),
+  "repetition_penalty": (1.0,),
+  "min_new_tokens": (0,),
+  "logit_bias": (None, {}),
+  "beam_width": (None, 1),
+  "watermark": (None,),
+  "choice": (None, []),
+  "custom_params": (None, {}),
+}
 
 
 def _per_prompt(value, default, name: str, batch: int, n: int) -> list:
@@ -275,12 +299,15 @@ def normalize_generate(req: GenerateRequest, *, encode=None) -> NormalizedGenera
   for key in _UNSUPPORTED:
     value = getattr(req, key)
     if value not in (None, [], ""):
-      raise RequestError(f"{key} is not supported by this server (mis-jax serve is text-only, "
-                         "without LoRA or custom logit processors)")
+      raise RequestError(
+        f"{key} is not supported by this server (mis-jax serve is text-only, without LoRA or custom logit processors)"
+      )
   if req.stream:
     raise RequestError("stream=true is not supported by this server; send stream=false")
+
   def values(v):
     return v if isinstance(v, list) else [v]
+
   if req.token_ids_logprob:
     raise RequestError("token_ids_logprob is not supported by this server")
   if any(values(req.return_hidden_states)):
@@ -290,8 +317,9 @@ def normalize_generate(req: GenerateRequest, *, encode=None) -> NormalizedGenera
     raise RequestError("Either text, input_ids or input_embeds should be provided.")
   if req.text is not None:  # SGLang prefers text when both are sent
     if encode is None:
-      raise RequestError("this server has no tokenizer (no tokenizer.json in the model directory); "
-                         "send input_ids instead of text")
+      raise RequestError(
+        "this server has no tokenizer (no tokenizer.json in the model directory); send input_ids instead of text"
+      )
     is_single = isinstance(req.text, str)
     prompts = [encode(req.text)] if is_single else [encode(t) for t in req.text]
   else:
@@ -329,15 +357,20 @@ def normalize_generate(req: GenerateRequest, *, encode=None) -> NormalizedGenera
     per_prompt_sp = [SamplingParams()] * batch
   elif isinstance(sp, list):
     if len(sp) != batch:
-      raise RequestError(f"The length of sampling_params ({len(sp)}) should be equal to the batch "
-                         f"size ({batch}).")
+      raise RequestError(f"The length of sampling_params ({len(sp)}) should be equal to the batch size ({batch}).")
     per_prompt_sp = sp
   else:
     per_prompt_sp = [sp] * batch
-  per_prompt = {name: _per_prompt(getattr(req, name), default, name, batch, n)
-                for name, default in (("return_logprob", False), ("logprob_start_len", -1),
-                                      ("return_sampling_mask", False), ("sampling_logprobs_mode", None),
-                                      ("top_logprobs_num", 0))}
+  per_prompt = {
+    name: _per_prompt(getattr(req, name), default, name, batch, n)
+    for name, default in (
+      ("return_logprob", False),
+      ("logprob_start_len", -1),
+      ("return_sampling_mask", False),
+      ("sampling_logprobs_mode", None),
+      ("top_logprobs_num", 0),
+    )
+  }
 
   rid = req.rid
   if is_single:
@@ -364,20 +397,28 @@ def normalize_generate(req: GenerateRequest, *, encode=None) -> NormalizedGenera
   for i, prompt in enumerate(prompts):
     s = per_prompt_sp[i]
     for j in range(n):
-      items.append(Item(rid=rids[i * n + j], prompt_index=i, input_ids=list(prompt), sampling=s,
-                        return_logprob=bool(per_prompt["return_logprob"][i]),
-                        logprob_start_len=int(per_prompt["logprob_start_len"][i]),
-                        return_text_in_logprobs=bool(req.return_text_in_logprobs),
-                        return_sampling_mask=bool(per_prompt["return_sampling_mask"][i]),
-                        sampling_logprobs_mode=per_prompt["sampling_logprobs_mode"][i],
-                        return_routed_experts=bool(req.return_routed_experts),
-                        top_logprobs_num=int(per_prompt["top_logprobs_num"][i] or 0),
-                        routed_experts_start_len=int(req.routed_experts_start_len)))
+      items.append(
+        Item(
+          rid=rids[i * n + j],
+          prompt_index=i,
+          input_ids=list(prompt),
+          sampling=s,
+          return_logprob=bool(per_prompt["return_logprob"][i]),
+          logprob_start_len=int(per_prompt["logprob_start_len"][i]),
+          return_text_in_logprobs=bool(req.return_text_in_logprobs),
+          return_sampling_mask=bool(per_prompt["return_sampling_mask"][i]),
+          sampling_logprobs_mode=per_prompt["sampling_logprobs_mode"][i],
+          return_routed_experts=bool(req.return_routed_experts),
+          top_logprobs_num=int(per_prompt["top_logprobs_num"][i] or 0),
+          routed_experts_start_len=int(req.routed_experts_start_len),
+        )
+      )
   return NormalizedGenerate(items=items, is_single=is_single, stream=bool(req.stream))
 
 
-def validate_item(item: Item, *, vocab_size: int, context_length: int,
-                  sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS) -> None:
+def validate_item(
+  item: Item, *, vocab_size: int, context_length: int, sampling_mask_max_tokens: int = SAMPLING_MASK_MAX_TOKENS
+) -> None:
   """SGLang's per-request checks (`_validate_one_request`, `SamplingParams.verify`, the
   scheduler's `logprob_start_len` and sampling-mask checks); raises `RequestError`."""
   s = item.sampling
@@ -388,26 +429,29 @@ def validate_item(item: Item, *, vocab_size: int, context_length: int,
     else:
       ok = value in allowed
     if not ok:
-      raise RequestError(f"sampling_params.{key}={value!r} is not supported by this server "
-                         "(mis-jax serve implements temperature, top_p, top_k, min_p, "
-                         "max_new_tokens, stop_token_ids, ignore_eos, n and sampling_seed)")
+      raise RequestError(
+        f"sampling_params.{key}={value!r} is not supported by this server "
+        "(mis-jax serve implements temperature, top_p, top_k, min_p, "
+        "max_new_tokens, stop_token_ids, ignore_eos, n and sampling_seed)"
+      )
   if not item.input_ids:
     raise RequestError(f"input_ids[{item.prompt_index}] cannot be empty.")
   bad = [t for t in item.input_ids if not 0 <= t < vocab_size]
   if bad:
-    raise RequestError(f"input_ids contains out-of-vocabulary token id {bad[0]}; valid range is "
-                       f"[0, {vocab_size}).")
+    raise RequestError(f"input_ids contains out-of-vocabulary token id {bad[0]}; valid range is [0, {vocab_size}).")
   num_input = len(item.input_ids)
   if num_input >= context_length:
-    raise RequestError(f"The input ({num_input} tokens) is longer than the model's context length "
-                       f"({context_length} tokens).")
+    raise RequestError(
+      f"The input ({num_input} tokens) is longer than the model's context length ({context_length} tokens)."
+    )
   if s.max_new_tokens is not None and s.max_new_tokens + num_input > context_length:
     total = s.max_new_tokens + num_input
     raise RequestError(
-        f"Requested token count exceeds the model's maximum context length of {context_length} "
-        f"tokens. You requested a total of {total} tokens: {num_input} tokens from the input "
-        f"messages and {s.max_new_tokens} tokens for the completion. Please reduce the number of "
-        "tokens in the input messages or the completion to fit within the limit.")
+      f"Requested token count exceeds the model's maximum context length of {context_length} "
+      f"tokens. You requested a total of {total} tokens: {num_input} tokens from the input "
+      f"messages and {s.max_new_tokens} tokens for the completion. Please reduce the number of "
+      "tokens in the input messages or the completion to fit within the limit."
+    )
   if not math.isfinite(s.temperature) or s.temperature < 0.0:
     raise RequestError(f"temperature must be a non-negative finite number, got {s.temperature}.")
   if not 0.0 < s.top_p <= 1.0:
@@ -422,34 +466,43 @@ def validate_item(item: Item, *, vocab_size: int, context_length: int,
     raise RequestError(f"sampling_seed must be in [-2**63, 2**63 - 1], got {s.sampling_seed}.")
   if item.return_logprob and item.logprob_start_len > num_input:
     raise RequestError(
-        f"req.logprob_start_len={item.logprob_start_len} is higher than the number of input tokens "
-        f"len(req.origin_input_ids)={num_input}. Please use a smaller logprob_start_len.")
+      f"req.logprob_start_len={item.logprob_start_len} is higher than the number of input tokens "
+      f"len(req.origin_input_ids)={num_input}. Please use a smaller logprob_start_len."
+    )
   if item.return_routed_experts:  # the scheduler's checks (SGLang aborts the request: HTTP 400)
     start = item.routed_experts_start_len
     if start < 0:
-      raise RequestError(f"recv_req.routed_experts_start_len={start} is lower than 0. Please use a non-negative "
-                         "routed_experts_start_len.")
+      raise RequestError(
+        f"recv_req.routed_experts_start_len={start} is lower than 0. Please use a non-negative "
+        "routed_experts_start_len."
+      )
     if start > num_input:
-      raise RequestError(f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
-                         f"len(req.origin_input_ids)={num_input}. Please use a smaller routed_experts_start_len.")
+      raise RequestError(
+        f"recv_req.routed_experts_start_len={start} is higher than the number of input tokens "
+        f"len(req.origin_input_ids)={num_input}. Please use a smaller routed_experts_start_len."
+      )
   if item.top_logprobs_num < 0:
     raise RequestError(f"top_logprobs_num must be >= 0, got {item.top_logprobs_num}.")
   if item.sampling_logprobs_mode is not None and not item.return_sampling_mask:
     raise RequestError("sampling_logprobs_mode can only be set when return_sampling_mask=true.")
   if item.sampling_logprobs_mode not in (None,) + SAMPLING_LOGPROBS_MODES:
-    raise RequestError(f"sampling_logprobs_mode must be one of {', '.join(SAMPLING_LOGPROBS_MODES)}, got "
-                       f"{item.sampling_logprobs_mode!r}.")
+    raise RequestError(
+      f"sampling_logprobs_mode must be one of {', '.join(SAMPLING_LOGPROBS_MODES)}, got "
+      f"{item.sampling_logprobs_mode!r}."
+    )
   if item.return_sampling_mask:
     # SGLang's SamplingParams: greedy runs as top_k = 1; top_k = -1 means TOP_K_ALL.
     top_k = 1 if s.temperature < SAMPLING_EPS else (TOP_K_ALL if s.top_k == -1 else s.top_k)
     if top_k != 1 and not 1 < top_k <= sampling_mask_max_tokens:
       raise RequestError(
-          f"return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= "
-          f"{sampling_mask_max_tokens}; got top_k={top_k}. Lower top_k or increase "
-          "--sampling-mask-max-tokens.")
+        f"return_sampling_mask requires top_k=1 for greedy sampling or finite 1 < top_k <= "
+        f"{sampling_mask_max_tokens}; got top_k={top_k}. Lower top_k or increase "
+        "--sampling-mask-max-tokens."
+      )
 
 
 # ---- responses -------------------------------------------------------------------------------
+
 
 def finish_stop(matched) -> dict:
   return {"type": "stop", "matched": matched}
@@ -459,8 +512,7 @@ def finish_length(length: int) -> dict:
   return {"type": "length", "length": length}
 
 
-def finish_abort(message: str = "Aborted", status_code: int | None = None,
-                 err_type: str | None = None) -> dict:
+def finish_abort(message: str = "Aborted", status_code: int | None = None, err_type: str | None = None) -> dict:
   """A running request aborted (`FINISH_ABORT.to_json`)."""
   return {"type": "abort", "message": message, "status_code": status_code, "err_type": err_type}
 
@@ -473,15 +525,25 @@ def finish_abort_waiting(message: str = "Abort in waiting queue") -> dict:
 def logprob_entries(values: Sequence[float | None], ids: Sequence[int], texts=None) -> list:
   """`[[logprob, token_id, text_or_null], ...]`; NaN / -inf log-probs become null (SGLang)."""
   texts = texts or [None] * len(ids)
-  return [[None if v is None or not math.isfinite(v) else float(v), int(t), s]
-          for v, t, s in zip(values, ids, texts)]
+  return [[None if v is None or not math.isfinite(v) else float(v), int(t), s] for v, t, s in zip(values, ids, texts)]
 
 
-def meta_info(*, rid: str, finish_reason: dict, prompt_tokens: int | None, weight_version: str,
-              completion_tokens: int, e2e_latency: float, sent_ts: float,
-              logprobs: tuple[list, list] | None = None, running: bool = True,
-              sampling_mask: tuple[list, list] | None = None, routed_experts: str | None = None,
-              spans: list[dict] | None = None, top_logprobs: tuple[list, list] | None = None) -> dict:
+def meta_info(
+  *,
+  rid: str,
+  finish_reason: dict,
+  prompt_tokens: int | None,
+  weight_version: str,
+  completion_tokens: int,
+  e2e_latency: float,
+  sent_ts: float,
+  logprobs: tuple[list, list] | None = None,
+  running: bool = True,
+  sampling_mask: tuple[list, list] | None = None,
+  routed_experts: str | None = None,
+  spans: list[dict] | None = None,
+  top_logprobs: tuple[list, list] | None = None,
+) -> dict:
   """`meta_info` with SGLang 0.5.23's keys in its order. `logprobs`: (input entries, output
   entries) when `return_logprob`. `sampling_mask`: (kept ids per output token, their
   `output_token_sampling_logprobs`) when `return_sampling_mask`. `running=False`: a request
@@ -493,25 +555,48 @@ def meta_info(*, rid: str, finish_reason: dict, prompt_tokens: int | None, weigh
   across weight updates (default: one span of `weight_version`)."""
   spans = spans or [{"version": weight_version, "start": 0, "end": completion_tokens}]
   if not running:
-    meta = {"id": rid, "finish_reason": finish_reason, "weight_version": weight_version,
-            "e2e_latency": e2e_latency, "weight_versions": spans}
+    meta = {
+      "id": rid,
+      "finish_reason": finish_reason,
+      "weight_version": weight_version,
+      "e2e_latency": e2e_latency,
+      "weight_versions": spans,
+    }
     if logprobs is not None:
-      meta.update(input_token_logprobs=logprobs[0], output_token_logprobs=logprobs[1],
-                  output_token_logprobs_length=len(logprobs[1]))
+      meta.update(
+        input_token_logprobs=logprobs[0],
+        output_token_logprobs=logprobs[1],
+        output_token_logprobs_length=len(logprobs[1]),
+      )
     meta.update(completion_tokens=completion_tokens, response_sent_to_client_ts=sent_ts)
     return meta
-  meta = {"id": rid, "finish_reason": finish_reason, "prompt_tokens": prompt_tokens,
-          "weight_version": weight_version, "num_retractions": 0}
+  meta = {
+    "id": rid,
+    "finish_reason": finish_reason,
+    "prompt_tokens": prompt_tokens,
+    "weight_version": weight_version,
+    "num_retractions": 0,
+  }
   if logprobs is not None:
-    meta.update(input_token_logprobs=logprobs[0], output_token_logprobs=logprobs[1],
-                output_token_logprobs_length=len(logprobs[1]))
+    meta.update(
+      input_token_logprobs=logprobs[0], output_token_logprobs=logprobs[1], output_token_logprobs_length=len(logprobs[1])
+    )
   if top_logprobs is not None:
     meta.update(input_top_logprobs=top_logprobs[0], output_top_logprobs=top_logprobs[1])
   if sampling_mask is not None:
-    meta.update(output_token_sampling_mask=sampling_mask[0], output_token_sampling_logprobs=sampling_mask[1],
-                output_token_sampling_mask_length=len(sampling_mask[0]))
-  meta.update(reasoning_tokens=0, completion_tokens=completion_tokens, cached_tokens=0,
-              weight_versions=spans, e2e_latency=e2e_latency, response_sent_to_client_ts=sent_ts)
+    meta.update(
+      output_token_sampling_mask=sampling_mask[0],
+      output_token_sampling_logprobs=sampling_mask[1],
+      output_token_sampling_mask_length=len(sampling_mask[0]),
+    )
+  meta.update(
+    reasoning_tokens=0,
+    completion_tokens=completion_tokens,
+    cached_tokens=0,
+    weight_versions=spans,
+    e2e_latency=e2e_latency,
+    response_sent_to_client_ts=sent_ts,
+  )
   if routed_experts is not None:
     meta["routed_experts"] = routed_experts
   return meta
@@ -539,8 +624,10 @@ def decode_routed_experts(value: str, num_layers: int, top_k: int, dtype: str | 
   flat = np.frombuffer(raw, dtype=ROUTED_EXPERTS_DTYPES[dtype or "int32"])
   per_row = num_layers * top_k
   if flat.size % per_row:
-    raise ContractError(f"routed_experts holds {flat.size} ids, not a multiple of num_hidden_layers x "
-                        f"num_experts_per_tok = {num_layers} x {top_k}")
+    raise ContractError(
+      f"routed_experts holds {flat.size} ids, not a multiple of num_hidden_layers x "
+      f"num_experts_per_tok = {num_layers} x {top_k}"
+    )
   return flat.astype(np.int32).reshape(-1, num_layers, top_k)
 
 
@@ -605,6 +692,7 @@ def http_error_body(status: int, message: str) -> dict:
 
 # ---- client side -----------------------------------------------------------------------------
 
+
 class FinishReason(msgspec.Struct, kw_only=True):
   type: str
   matched: int | str | list[int] | None = None
@@ -650,11 +738,19 @@ def parse_generate_result(item: Any) -> GenerateResult:
   return convert(item, GenerateResult)
 
 
-def generate_body(prompts: Sequence[Sequence[int]], sampling_params: dict, *, n: int = 1,
-                  seeds: Sequence[int] | None = None, return_logprob: bool = True,
-                  rid: str | None = None, return_sampling_mask: bool = False,
-                  return_routed_experts: bool = False, extra_key: str | None = None,
-                  extra_fields: dict | None = None) -> dict:
+def generate_body(
+  prompts: Sequence[Sequence[int]],
+  sampling_params: dict,
+  *,
+  n: int = 1,
+  seeds: Sequence[int] | None = None,
+  return_logprob: bool = True,
+  rid: str | None = None,
+  return_sampling_mask: bool = False,
+  return_routed_experts: bool = False,
+  extra_key: str | None = None,
+  extra_fields: dict | None = None,
+) -> dict:
   """A `/generate` body for `n` samples of every prompt, valid for SGLang's contract.
 
   With `seeds` (one per sample, prompt-major), each sample is sent as its own batch entry with

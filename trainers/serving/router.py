@@ -23,8 +23,14 @@ import httpx
 
 ROUTER_VERSION = "0.3.2"
 # Health checks often enough that a dead worker leaves the rotation within seconds (the default is 60 s).
-HEALTH_ARGS = ("--health-check-interval-secs", "2", "--health-failure-threshold", "2",
-               "--health-success-threshold", "1")
+HEALTH_ARGS = (
+  "--health-check-interval-secs",
+  "2",
+  "--health-failure-threshold",
+  "2",
+  "--health-success-threshold",
+  "1",
+)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -40,12 +46,32 @@ def die_with_parent():  # Linux: the router never outlives the process that star
     pass
 
 
-def router_command(*, host: str, port: int, worker_urls=(), policy: str = "cache_aware",
-                   prometheus_port: int | None = None, extra: tuple[str, ...] = ()) -> list[str]:
+def router_command(
+  *,
+  host: str,
+  port: int,
+  worker_urls=(),
+  policy: str = "cache_aware",
+  prometheus_port: int | None = None,
+  extra: tuple[str, ...] = (),
+) -> list[str]:
   """The command line of `python -m sglang_router.launch_router` (this interpreter); its metrics
   exporter on `prometheus_port` (None: the router's default, 29000, one router per machine)."""
-  cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", host, "--port", str(port),
-         "--policy", policy, "--log-level", "warn", *HEALTH_ARGS, *extra]
+  cmd = [
+    sys.executable,
+    "-m",
+    "sglang_router.launch_router",
+    "--host",
+    host,
+    "--port",
+    str(port),
+    "--policy",
+    policy,
+    "--log-level",
+    "warn",
+    *HEALTH_ARGS,
+    *extra,
+  ]
   if prometheus_port is not None:
     cmd += ["--prometheus-port", str(prometheus_port)]
   if worker_urls:
@@ -58,8 +84,16 @@ class RouterProcess:
   that ends with this one; its metrics on another free port (several routers on one machine).
   A context manager, or call `close()`."""
 
-  def __init__(self, worker_urls=(), *, host: str = "127.0.0.1", port: int = 0, policy: str = "cache_aware",
-               extra: tuple[str, ...] = (), timeout: float = 60.0):
+  def __init__(
+    self,
+    worker_urls=(),
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    policy: str = "cache_aware",
+    extra: tuple[str, ...] = (),
+    timeout: float = 60.0,
+  ):
     try:
       import sglang_router  # noqa: F401
     except ImportError:
@@ -67,10 +101,15 @@ class RouterProcess:
     port, metrics_port = port or free_port(host), free_port(host)
     self.url = f"http://{host}:{port}"
     self.metrics_url = f"http://{host}:{metrics_port}/metrics"
-    self.process = subprocess.Popen(router_command(host=host, port=port, worker_urls=worker_urls, policy=policy,
-                                                   prometheus_port=metrics_port, extra=extra),
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                    preexec_fn=die_with_parent)
+    self.process = subprocess.Popen(
+      router_command(
+        host=host, port=port, worker_urls=worker_urls, policy=policy, prometheus_port=metrics_port, extra=extra
+      ),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      preexec_fn=die_with_parent,
+    )
     self.log: collections.deque[str] = collections.deque(maxlen=200)
     threading.Thread(target=self._drain, daemon=True).start()
     try:

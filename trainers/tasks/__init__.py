@@ -30,15 +30,30 @@ def make_task(section, *, vocab_size: int, model_path: str | None = None) -> Tas
   if section.name == "copy_digits":
     return CopyDigitsTask(vocab_size=vocab_size, num_digits=section.num_digits or 3)
   if section.name == "lookup_digits":
-    return LookupDigitsTask(vocab_size=vocab_size, num_digits=section.num_digits or 3,
-                            tool=True if section.tool is None else section.tool)
+    return LookupDigitsTask(
+      vocab_size=vocab_size, num_digits=section.num_digits or 3, tool=True if section.tool is None else section.tool
+    )
   if section.name == "calculator":
     from trainers.tasks.calculator import CalculatorTask
-    return CalculatorTask(section.tokenizer, model_path=model_path, vocab_size=vocab_size,
-                          chat_template_kwargs=section.chat_template_kwargs,
-                          max_new_tokens=section.max_new_tokens or 512, stop_token_ids=section.stop_token_ids)
-  return DatasetTask(section.path, section.reward_fn, tokenizer=section.tokenizer, model_path=model_path,
-                     prompt_key=section.prompt_key, answer_key=section.answer_key,
-                     chat_template=section.chat_template, chat_template_kwargs=section.chat_template_kwargs,
-                     stop_token_ids=section.stop_token_ids, max_new_tokens=section.max_new_tokens,
-                     vocab_size=vocab_size)
+
+    return CalculatorTask(
+      section.tokenizer,
+      model_path=model_path,
+      vocab_size=vocab_size,
+      chat_template_kwargs=section.chat_template_kwargs,
+      max_new_tokens=section.max_new_tokens or 512,
+      stop_token_ids=section.stop_token_ids,
+    )
+  return DatasetTask(
+    section.path,
+    section.reward_fn,
+    tokenizer=section.tokenizer,
+    model_path=model_path,
+    prompt_key=section.prompt_key,
+    answer_key=section.answer_key,
+    chat_template=section.chat_template,
+    chat_template_kwargs=section.chat_template_kwargs,
+    stop_token_ids=section.stop_token_ids,
+    max_new_tokens=section.max_new_tokens,
+    vocab_size=vocab_size,
+  )

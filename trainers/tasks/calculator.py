@@ -47,21 +47,22 @@ from trainers.tasks.base import Prompt
 from trainers.tasks.rewards import last_boxed
 
 MAX_EXPRESSION_CHARS = 200
-MAX_ABS = 10 ** 15
+MAX_ABS = 10**15
 MAX_EXPONENT = 64
 
 CALCULATOR_SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "description": ("Evaluate an arithmetic expression: numbers, parentheses and + - * / // % ** "
-                        "(exact for integers)."),
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string", "description": "The expression, e.g. \"12*(3+4)\"."}},
-            "required": ["expression"],
-        },
+  "type": "function",
+  "function": {
+    "name": "calculator",
+    "description": (
+      "Evaluate an arithmetic expression: numbers, parentheses and + - * / // % ** (exact for integers)."
+    ),
+    "parameters": {
+      "type": "object",
+      "properties": {"expression": {"type": "string", "description": 'The expression, e.g. "12*(3+4)".'}},
+      "required": ["expression"],
     },
+  },
 }
 
 INSTRUCTION = "Use the calculator tool to compute it, then give the final answer as \\boxed{N}."
@@ -71,11 +72,26 @@ class CalculatorError(ValueError):
   """An expression the calculator does not evaluate (not arithmetic, out of bounds, division by zero)."""
 
 
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+_BINARY = {
+  ast.Add: operator.add,
+  ast.Sub: operator.sub,
+  ast.Mult: operator.mul,
+  ast.Div: operator.truediv,
+  ast.FloorDiv: operator.floordiv,
+  ast.Mod: operator.mod,
+  ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
-_SYMBOL = {ast.BitXor: "^ (write powers as **)", ast.BitAnd: "&", ast.BitOr: "|", ast.LShift: "<<", ast.RShift: ">>",
-           ast.MatMult: "@", ast.Invert: "~", ast.Not: "not"}
+_SYMBOL = {
+  ast.BitXor: "^ (write powers as **)",
+  ast.BitAnd: "&",
+  ast.BitOr: "|",
+  ast.LShift: "<<",
+  ast.RShift: ">>",
+  ast.MatMult: "@",
+  ast.Invert: "~",
+  ast.Not: "not",
+}
 
 
 def evaluate(expression: str) -> int | float:
@@ -202,8 +218,15 @@ class CalculatorEnvironment:
   its answer against ``answer``. ``encoder`` turns the tool responses into ids (shared by the task's
   environments); ``tools`` are the callable tools (by default the calculator)."""
 
-  def __init__(self, answer, *, encoder: qwen3.ToolResponseEncoder, tools: Sequence[Tool] | Mapping[str, Tool] = (),
-               timeout_s: float = 5.0, max_calls_per_turn: int = 8):
+  def __init__(
+    self,
+    answer,
+    *,
+    encoder: qwen3.ToolResponseEncoder,
+    tools: Sequence[Tool] | Mapping[str, Tool] = (),
+    timeout_s: float = 5.0,
+    max_calls_per_turn: int = 8,
+  ):
     self.answer, self.encoder, self.timeout_s, self.max_calls_per_turn = answer, encoder, timeout_s, max_calls_per_turn
     tools = tools or (Calculator(),)
     self.tools = dict(tools) if isinstance(tools, Mapping) else {t.name: t for t in tools}
@@ -247,11 +270,21 @@ class CalculatorTask:
   tokenizer or its template are a `ValueError` raised here, before any server starts.
   """
 
-  def __init__(self, tokenizer: Any = None, *, model_path: str | None = None, num_operands: int = 3,
-               max_digits: int = 3, max_new_tokens: int | None = 512,
-               chat_template_kwargs: Mapping[str, Any] | None = None, system_prompt: str | None = None,
-               timeout_s: float = 5.0, max_calls_per_turn: int = 8, stop_token_ids: Sequence[int] | None = None,
-               vocab_size: int | None = None):
+  def __init__(
+    self,
+    tokenizer: Any = None,
+    *,
+    model_path: str | None = None,
+    num_operands: int = 3,
+    max_digits: int = 3,
+    max_new_tokens: int | None = 512,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    system_prompt: str | None = None,
+    timeout_s: float = 5.0,
+    max_calls_per_turn: int = 8,
+    stop_token_ids: Sequence[int] | None = None,
+    vocab_size: int | None = None,
+  ):
     if num_operands < 2 or max_digits < 1:
       raise ValueError(f"calculator task: num_operands >= 2 and max_digits >= 1, got {num_operands}, {max_digits}")
     tokenizer = tokenizer if tokenizer is not None else model_path
@@ -261,8 +294,9 @@ class CalculatorTask:
     if not chat.has_chat_template(self.tokenizer):
       raise ValueError("calculator task: the tokenizer has no chat template")
     if vocab_size is not None and len(self.tokenizer) > vocab_size:
-      raise ValueError(f"calculator task: the tokenizer has {len(self.tokenizer)} tokens but the model's vocabulary "
-                       f"only {vocab_size}")
+      raise ValueError(
+        f"calculator task: the tokenizer has {len(self.tokenizer)} tokens but the model's vocabulary only {vocab_size}"
+      )
     self.template_kwargs = dict(chat_template_kwargs or {})
     chat.check_template_kwargs(self.tokenizer, self.template_kwargs)
     self.num_operands, self.max_digits, self.max_new_tokens = num_operands, max_digits, max_new_tokens
@@ -271,10 +305,12 @@ class CalculatorTask:
     self.tools = [CALCULATOR_SCHEMA]
 
     probe = self.messages("What is 1 + 1?")
-    with_tools = self.tokenizer.apply_chat_template(probe, tools=self.tools, add_generation_prompt=True,
-                                                    tokenize=False, **self.template_kwargs)
-    without = self.tokenizer.apply_chat_template(probe, add_generation_prompt=True, tokenize=False,
-                                                 **self.template_kwargs)
+    with_tools = self.tokenizer.apply_chat_template(
+      probe, tools=self.tools, add_generation_prompt=True, tokenize=False, **self.template_kwargs
+    )
+    without = self.tokenizer.apply_chat_template(
+      probe, add_generation_prompt=True, tokenize=False, **self.template_kwargs
+    )
     if with_tools == without:
       raise ValueError("calculator task: the tokenizer's chat template does not render tools")
     self.encoder = qwen3.ToolResponseEncoder(self.tokenizer, self.template_kwargs, tool_name=Calculator.name)
@@ -292,9 +328,11 @@ class CalculatorTask:
 
     widest = " * ".join(["9" * max_digits] * num_operands)  # the longest question: every operand of max_digits
     self.max_prompt_len = len(self.render(self.question(widest)))
-    self.summary = (f"calculator ({num_operands} operands of up to {max_digits} digits, tool calculator, "
-                    f"Qwen3 tool format{f' {self.template_kwargs}' if self.template_kwargs else ''}), "
-                    f"stop tokens {list(self.stop_token_ids)}")
+    self.summary = (
+      f"calculator ({num_operands} operands of up to {max_digits} digits, tool calculator, "
+      f"Qwen3 tool format{f' {self.template_kwargs}' if self.template_kwargs else ''}), "
+      f"stop tokens {list(self.stop_token_ids)}"
+    )
 
   @staticmethod
   def question(expression: str) -> str:
@@ -307,8 +345,14 @@ class CalculatorTask:
   def render(self, question: str) -> tuple[int, ...]:
     """A prompt's ids: the question rendered with the tools and the generation prompt."""
     with self.encoder.lock:
-      ids = self.tokenizer.apply_chat_template(self.messages(question), tools=self.tools, add_generation_prompt=True,
-                                               tokenize=True, return_dict=False, **self.template_kwargs)
+      ids = self.tokenizer.apply_chat_template(
+        self.messages(question),
+        tools=self.tools,
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+        **self.template_kwargs,
+      )
     return tuple(int(t) for t in ids)
 
   def problems(self, seed: int, step: int, count: int) -> list[tuple[str, int]]:
@@ -317,7 +361,7 @@ class CalculatorTask:
     out = []
     for _ in range(count):
       digits = rng.integers(1, self.max_digits + 1, self.num_operands)
-      operands = [int(rng.integers(2 if d == 1 else 10 ** (d - 1), 10 ** d)) for d in digits]
+      operands = [int(rng.integers(2 if d == 1 else 10 ** (d - 1), 10**d)) for d in digits]
       ops = rng.choice(["+", "-", "*"], self.num_operands - 1)
       expression = str(operands[0]) + "".join(f" {op} {x}" for op, x in zip(ops, operands[1:]))
       out.append((expression, int(evaluate(expression))))
@@ -327,10 +371,16 @@ class CalculatorTask:
     prompts = []
     for expression, value in self.problems(seed, step, count):
       q = self.question(expression)
-      prompts.append(Prompt(ids=self.render(q), answer=value,
-                            record={"question": q, "expression": expression, "answer": value}))
+      prompts.append(
+        Prompt(ids=self.render(q), answer=value, record={"question": q, "expression": expression, "answer": value})
+      )
     return prompts
 
   def environment(self, prompt: Prompt) -> CalculatorEnvironment:
-    return CalculatorEnvironment(prompt.answer, encoder=self.encoder, tools=(self.calculator,),
-                                 timeout_s=self.timeout_s, max_calls_per_turn=self.max_calls_per_turn)
+    return CalculatorEnvironment(
+      prompt.answer,
+      encoder=self.encoder,
+      tools=(self.calculator,),
+      timeout_s=self.timeout_s,
+      max_calls_per_turn=self.max_calls_per_turn,
+    )

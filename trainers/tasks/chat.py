@@ -18,14 +18,17 @@ def load_tokenizer(path: str):
   """``AutoTokenizer.from_pretrained(path, local_files_only=True)``; a `ValueError` naming the
   path when that fails (never a download)."""
   import os
+
   if not os.path.isdir(path):
     raise ValueError(f"tokenizer {path!r}: no such directory")
   from transformers import AutoTokenizer  # imported only when a task needs a tokenizer
+
   try:
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
   except Exception as e:  # noqa: BLE001 - transformers raises many types for a bad directory
-    raise ValueError(f"tokenizer {path!r}: not a loadable Hugging Face tokenizer directory "
-                     f"({type(e).__name__}: {e})") from None
+    raise ValueError(
+      f"tokenizer {path!r}: not a loadable Hugging Face tokenizer directory ({type(e).__name__}: {e})"
+    ) from None
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -39,6 +42,7 @@ def template_variables(tokenizer) -> set[str] | None:
     return None
   import jinja2
   from jinja2 import meta
+
   try:
     env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])  # the extension transformers enables
     return set(meta.find_undeclared_variables(env.parse(template)))
@@ -57,8 +61,10 @@ def check_template_kwargs(tokenizer, kwargs: dict) -> None:
     return
   unused = sorted(set(kwargs) - used)
   if unused:
-    raise ValueError(f"task.chat_template_kwargs: the tokenizer's chat template never reads {', '.join(unused)} "
-                     f"(it reads: {', '.join(sorted(used))})")
+    raise ValueError(
+      f"task.chat_template_kwargs: the tokenizer's chat template never reads {', '.join(unused)} "
+      f"(it reads: {', '.join(sorted(used))})"
+    )
 
 
 def check_messages(messages: Any) -> str | None:
@@ -73,8 +79,9 @@ def check_messages(messages: Any) -> str | None:
 
 def render_chat(tokenizer, messages: Sequence[dict], template_kwargs: dict | None = None) -> list[int]:
   """Token ids of ``messages`` + the assistant generation prompt, by the tokenizer's template."""
-  ids = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False,
-                                      **(template_kwargs or {}))
+  ids = tokenizer.apply_chat_template(
+    list(messages), add_generation_prompt=True, tokenize=True, return_dict=False, **(template_kwargs or {})
+  )
   return [int(t) for t in ids]
 
 
@@ -91,7 +98,7 @@ def end_of_turn_id(tokenizer, template_kwargs: dict | None = None) -> int | None
   at = text.rfind(_PROBE)
   if at < 0:
     return None
-  rest = text[at + len(_PROBE):].lstrip()
+  rest = text[at + len(_PROBE) :].lstrip()
   special = {t.content: i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
   matches = [s for s in special if rest.startswith(s)]
   return special[max(matches, key=len)] if matches else None

@@ -19,8 +19,9 @@ class CopyDigitsTask:
   model learns it from random initialisation in a few hundred steps on a CPU.
   """
 
-  def __init__(self, *, num_digits: int = 3, bos: int = 1, eos: int = 2, sep: int = 13,
-               digit_offset: int = 3, vocab_size: int = 64):
+  def __init__(
+    self, *, num_digits: int = 3, bos: int = 1, eos: int = 2, sep: int = 13, digit_offset: int = 3, vocab_size: int = 64
+  ):
     if digit_offset + 10 > vocab_size or sep >= vocab_size:
       raise ValueError(f"vocab_size={vocab_size} too small for digits at {digit_offset}..{digit_offset + 9}")
     self.num_digits, self.bos, self.eos, self.sep, self.offset = num_digits, bos, eos, sep, digit_offset
@@ -32,8 +33,10 @@ class CopyDigitsTask:
   def prompts(self, seed: int, step: int, count: int) -> list[Prompt]:
     rng = np.random.default_rng([seed, step])
     digits = rng.integers(0, 10, (count, self.num_digits))
-    return [Prompt(ids=(self.bos, *[self.offset + int(d) for d in row], self.sep), answer=tuple(int(d) for d in row))
-            for row in digits]
+    return [
+      Prompt(ids=(self.bos, *[self.offset + int(d) for d in row], self.sep), answer=tuple(int(d) for d in row))
+      for row in digits
+    ]
 
   def reward(self, prompt: Prompt, response_ids: Sequence[int], text: str = "") -> float:
     k = self.num_digits

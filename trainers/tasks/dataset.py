@@ -21,7 +21,7 @@ from trainers.tasks import chat, dataset_files
 from trainers.tasks.base import Prompt
 from trainers.tasks.rewards import REWARDS, BuiltinReward, ground_truth_text
 
-PROMPT_KEYS = ("prompt_ids", "messages", "prompt")                        # task.prompt_key: null
+PROMPT_KEYS = ("prompt_ids", "messages", "prompt")  # task.prompt_key: null
 ANSWER_KEYS = ("reward_model.ground_truth", "answer", "solution", "ground_truth")  # task.answer_key: null
 
 
@@ -52,10 +52,21 @@ class DatasetTask:
   tokenizer is a `ValueError` / `FileNotFoundError` raised here, before any server starts.
   """
 
-  def __init__(self, path: str, reward_fn: str | Callable, *, tokenizer: Any = None, model_path: str | None = None,
-               prompt_key: str | None = None, answer_key: str | None = None, chat_template: bool | None = None,
-               chat_template_kwargs: dict | None = None, stop_token_ids: Sequence[int] | None = None,
-               max_new_tokens: int | None = None, vocab_size: int | None = None):
+  def __init__(
+    self,
+    path: str,
+    reward_fn: str | Callable,
+    *,
+    tokenizer: Any = None,
+    model_path: str | None = None,
+    prompt_key: str | None = None,
+    answer_key: str | None = None,
+    chat_template: bool | None = None,
+    chat_template_kwargs: dict | None = None,
+    stop_token_ids: Sequence[int] | None = None,
+    max_new_tokens: int | None = None,
+    vocab_size: int | None = None,
+  ):
     files = dataset_files.dataset_files(path)  # the files exist, then the reward imports, then the records
     self.builtin, self.reward_fn, reward_name = _resolve_reward(reward_fn)
     self.max_new_tokens = max_new_tokens
@@ -67,8 +78,9 @@ class DatasetTask:
     self.prompt_key = prompt_key or _first_present(first, PROMPT_KEYS, "task.prompt_key", "prompt")
     needs_answer = self.builtin is not None and self.builtin.needs_ground_truth
     self.answer_key = answer_key
-    if answer_key is None and (needs_answer or any(dataset_files.lookup(first.values, k) is not dataset_files.MISSING
-                                                   for k in ANSWER_KEYS)):
+    if answer_key is None and (
+      needs_answer or any(dataset_files.lookup(first.values, k) is not dataset_files.MISSING for k in ANSWER_KEYS)
+    ):
       self.answer_key = _first_present(first, ANSWER_KEYS, "task.answer_key", "ground-truth")
     self.check_answers = needs_answer or answer_key is not None
     for row in rows:
@@ -77,8 +89,12 @@ class DatasetTask:
 
     # The tokenizer: `tokenizer` (a directory or an object) when given; else `model_path`'s when
     # anything needs one (text or chat prompts, decoding for a built-in reward, default stop tokens).
-    needs_tokenizer = (self.builtin is not None or stop_token_ids is None or tokenizer is not None
-                       or any(not _is_token_ids(dataset_files.lookup(r.values, self.prompt_key)) for r in rows))
+    needs_tokenizer = (
+      self.builtin is not None
+      or stop_token_ids is None
+      or tokenizer is not None
+      or any(not _is_token_ids(dataset_files.lookup(r.values, self.prompt_key)) for r in rows)
+    )
     self.tokenizer = None
     if needs_tokenizer:
       tokenizer = tokenizer if tokenizer is not None else model_path
@@ -86,14 +102,17 @@ class DatasetTask:
         raise ValueError(_why_tokenizer(rows, self.prompt_key, self.builtin, stop_token_ids))
       self.tokenizer = chat.load_tokenizer(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) else tokenizer
       if vocab_size is not None and len(self.tokenizer) > vocab_size:
-        raise ValueError(f"task.tokenizer: the tokenizer has {len(self.tokenizer)} tokens but the model's vocabulary "
-                         f"only {vocab_size}")
+        raise ValueError(
+          f"task.tokenizer: the tokenizer has {len(self.tokenizer)} tokens but the model's vocabulary only {vocab_size}"
+        )
       chat.check_template_kwargs(self.tokenizer, self.template_kwargs)
       if chat_template and not chat.has_chat_template(self.tokenizer):
         raise ValueError("task.chat_template is true but the tokenizer has no chat template")
     elif self.template_kwargs or chat_template:
-      raise ValueError("task.chat_template / chat_template_kwargs apply to text or chat prompts; this dataset "
-                       f"holds token ids ('{self.prompt_key}')")
+      raise ValueError(
+        "task.chat_template / chat_template_kwargs apply to text or chat prompts; this dataset "
+        f"holds token ids ('{self.prompt_key}')"
+      )
     if self.tokenizer is None:
       self.use_chat = False
     else:
@@ -106,16 +125,20 @@ class DatasetTask:
     else:
       self.stop_token_ids = chat.default_stop_token_ids(self.tokenizer, self.template_kwargs)
       if not self.stop_token_ids:
-        raise ValueError("task.stop_token_ids: the tokenizer has no EOS token and no chat template end-of-turn; "
-                         "set task.stop_token_ids (or [] to always generate max_new_tokens)")
+        raise ValueError(
+          "task.stop_token_ids: the tokenizer has no EOS token and no chat template end-of-turn; "
+          "set task.stop_token_ids (or [] to always generate max_new_tokens)"
+        )
     for t in self.stop_token_ids:
       if vocab_size is not None and not 0 <= t < vocab_size:
         raise ValueError(f"task.stop_token_ids: {t} is not a token id of the model's vocabulary (0..{vocab_size - 1})")
     kinds = sorted({_kind(dataset_files.lookup(r.values, self.prompt_key)) for r in rows[:1000]})
-    self.summary = (f"dataset {path}: {len(self.records)} records, prompt '{self.prompt_key}' ({', '.join(kinds)}"
-                    f"{', chat template' if self.use_chat and 'token ids' not in kinds else ''}"
-                    f"{f' {self.template_kwargs}' if self.template_kwargs else ''}), answer "
-                    f"'{self.answer_key}', reward {reward_name}, stop tokens {list(self.stop_token_ids)}")
+    self.summary = (
+      f"dataset {path}: {len(self.records)} records, prompt '{self.prompt_key}' ({', '.join(kinds)}"
+      f"{', chat template' if self.use_chat and 'token ids' not in kinds else ''}"
+      f"{f' {self.template_kwargs}' if self.template_kwargs else ''}), answer "
+      f"'{self.answer_key}', reward {reward_name}, stop tokens {list(self.stop_token_ids)}"
+    )
 
   def _prompt(self, row: dataset_files.Record, vocab_size: int | None) -> Prompt:
     value = dataset_files.lookup(row.values, self.prompt_key)
@@ -126,16 +149,26 @@ class DatasetTask:
       if problem:
         raise ValueError(f"{row.where}: column '{self.prompt_key}': {problem}")
       if not self.use_chat:
-        raise ValueError(f"{row.where}: column '{self.prompt_key}' holds chat messages but "
-                         + ("task.chat_template is false" if chat.has_chat_template(self.tokenizer)
-                            else "the tokenizer has no chat template"))
+        raise ValueError(
+          f"{row.where}: column '{self.prompt_key}' holds chat messages but "
+          + (
+            "task.chat_template is false"
+            if chat.has_chat_template(self.tokenizer)
+            else "the tokenizer has no chat template"
+          )
+        )
       ids = chat.render_chat(self.tokenizer, value, self.template_kwargs)
     elif isinstance(value, str) and value:
-      ids = (chat.render_chat(self.tokenizer, [{"role": "user", "content": value}], self.template_kwargs)
-             if self.use_chat else list(self.tokenizer.encode(value)))
+      ids = (
+        chat.render_chat(self.tokenizer, [{"role": "user", "content": value}], self.template_kwargs)
+        if self.use_chat
+        else list(self.tokenizer.encode(value))
+      )
     else:
-      raise ValueError(f"{row.where}: column '{self.prompt_key}' must be a non-empty list of token ids, a list of "
-                       f"chat messages or a string; got {type(value).__name__} {_short(value)}")
+      raise ValueError(
+        f"{row.where}: column '{self.prompt_key}' must be a non-empty list of token ids, a list of "
+        f"chat messages or a string; got {type(value).__name__} {_short(value)}"
+      )
     if not ids:
       raise ValueError(f"{row.where}: column '{self.prompt_key}' gives an empty prompt")
     if vocab_size is not None and not all(0 <= t < vocab_size for t in ids):
@@ -150,8 +183,10 @@ class DatasetTask:
       else:
         answer = ground_truth_text(raw)
         if answer is None and self.check_answers:
-          raise ValueError(f"{row.where}: column '{self.answer_key}' must be a string or a number, got "
-                           f"{type(raw).__name__} {_short(raw)}")
+          raise ValueError(
+            f"{row.where}: column '{self.answer_key}' must be a string or a number, got "
+            f"{type(raw).__name__} {_short(raw)}"
+          )
         problem = self.builtin and self.builtin.ground_truth_problem and self.builtin.ground_truth_problem(answer)
         if problem:
           raise ValueError(f"{row.where}: column '{self.answer_key}': {problem}")
@@ -187,8 +222,10 @@ def _resolve_reward(reward_fn) -> tuple[BuiltinReward | None, Callable | None, s
   if isinstance(reward_fn, str) and reward_fn in REWARDS:
     return REWARDS[reward_fn], None, reward_fn
   if isinstance(reward_fn, str) and not any(c in reward_fn for c in ".:"):
-    raise ValueError(f"task.reward_fn: unknown reward {reward_fn!r}; built-in rewards: {', '.join(REWARDS)}, "
-                     "or an import path pkg.module:function")
+    raise ValueError(
+      f"task.reward_fn: unknown reward {reward_fn!r}; built-in rewards: {', '.join(REWARDS)}, "
+      "or an import path pkg.module:function"
+    )
   try:
     fn = resolve_correction_fn(reward_fn)
   except ConfigError as e:
@@ -197,8 +234,11 @@ def _resolve_reward(reward_fn) -> tuple[BuiltinReward | None, Callable | None, s
 
 
 def _is_token_ids(value) -> bool:
-  return (isinstance(value, list) and bool(value)
-          and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in value))
+  return (
+    isinstance(value, list)
+    and bool(value)
+    and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in value)
+  )
 
 
 def _kind(value) -> str:
@@ -211,13 +251,16 @@ def _first_present(row: dataset_files.Record, keys, setting: str, what: str) -> 
   for k in keys:
     if dataset_files.lookup(row.values, k) is not dataset_files.MISSING:
       return k
-  raise ValueError(f"{row.where}: no {what} column ({' / '.join(keys)}); set {setting} to one of the record's "
-                   f"columns: {', '.join(dataset_files.columns(row.values))}")
+  raise ValueError(
+    f"{row.where}: no {what} column ({' / '.join(keys)}); set {setting} to one of the record's "
+    f"columns: {', '.join(dataset_files.columns(row.values))}"
+  )
 
 
 def _missing(row: dataset_files.Record, key: str, setting: str) -> str:
-  return (f"{row.where}: no column '{key}' ({setting}); the record's columns: "
-          f"{', '.join(dataset_files.columns(row.values))}")
+  return (
+    f"{row.where}: no column '{key}' ({setting}); the record's columns: {', '.join(dataset_files.columns(row.values))}"
+  )
 
 
 def _why_tokenizer(rows, prompt_key, builtin, stop_token_ids) -> str:

@@ -24,7 +24,7 @@ MISSING = object()
 @dataclasses.dataclass(frozen=True)
 class Record:
   values: dict
-  where: str    # "file:LINE" or "file row N"
+  where: str  # "file:LINE" or "file row N"
 
 
 def dataset_files(path: str) -> list[str]:
@@ -34,8 +34,11 @@ def dataset_files(path: str) -> list[str]:
     if not files:
       raise FileNotFoundError(f"task.path {path!r}: no file matches this pattern")
   elif os.path.isdir(path):
-    files = sorted(os.path.join(path, f) for f in os.listdir(path)
-                   if os.path.splitext(f)[1] in FORMATS and os.path.isfile(os.path.join(path, f)))
+    files = sorted(
+      os.path.join(path, f)
+      for f in os.listdir(path)
+      if os.path.splitext(f)[1] in FORMATS and os.path.isfile(os.path.join(path, f))
+    )
     if not files:
       raise FileNotFoundError(f"task.path {path!r}: the directory holds no .jsonl or .parquet file")
   elif os.path.isfile(path):
@@ -76,6 +79,7 @@ def _jsonl(file: str) -> Iterator[Record]:
 def _parquet(file: str) -> Iterator[Record]:
   import pyarrow as pa
   import pyarrow.parquet as pq
+
   try:
     reader = pq.ParquetFile(file)
     batches = reader.iter_batches(batch_size=1024)

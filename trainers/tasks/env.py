@@ -27,6 +27,7 @@ class Turn:
   """The model's turn as the environment sees it: the ids the engine sampled (stop token
   included), the engine's own text of them (for parsing only), why it ended (`stop` / `length`)
   and its index (1 = the first turn)."""
+
   ids: tuple[int, ...]
   text: str
   finish_reason: str
@@ -39,6 +40,7 @@ class Observation:
   the template's tool role, boundaries included, then the next generation prompt), the step's
   reward, whether the trajectory is done, and counters for the run's metrics (`tool_calls`,
   `tool_errors`, `malformed_calls`: summed over the batch as `agent/<name>`)."""
+
   ids: tuple[int, ...] = ()
   reward: float = 0.0
   done: bool = False
@@ -48,31 +50,29 @@ class Observation:
 class Environment(Protocol):
   """One trajectory's environment (made by `AgentTask.environment`): `step` on each model turn."""
 
-  def step(self, turn: Turn) -> Observation:
-    ...
+  def step(self, turn: Turn) -> Observation: ...
 
 
 class Tool(Protocol):
   """A tool: `name`, and a call from keyword arguments to its output text (it may raise)."""
+
   name: str
 
-  def __call__(self, **arguments: Any) -> str:
-    ...
+  def __call__(self, **arguments: Any) -> str: ...
 
 
 class AgentTask(Protocol):
   """A task whose prompts start trajectories (`trainers.tasks.base.Task` plus `environment`):
   the trajectory's reward is the sum of its observations' rewards."""
+
   stop_token_ids: tuple[int, ...]
   max_new_tokens: int | None
   max_prompt_len: int
   summary: str
 
-  def prompts(self, seed: int, step: int, count: int) -> list[Prompt]:
-    ...
+  def prompts(self, seed: int, step: int, count: int) -> list[Prompt]: ...
 
-  def environment(self, prompt: Prompt) -> Environment:
-    ...
+  def environment(self, prompt: Prompt) -> Environment: ...
 
 
 def is_agent_task(task) -> bool:
@@ -87,8 +87,9 @@ class ToolError(RuntimeError):
 _TOOL_POOL = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="tool")
 
 
-def call_tool(tools: Mapping[str, Tool] | Sequence[Tool], name: str, arguments: Mapping[str, Any] | None, *,
-              timeout_s: float = 10.0) -> str:
+def call_tool(
+  tools: Mapping[str, Tool] | Sequence[Tool], name: str, arguments: Mapping[str, Any] | None, *, timeout_s: float = 10.0
+) -> str:
   """`tools[name](**arguments)` within `timeout_s`; raises `ToolError` naming the tool and what went
   wrong (unknown tool, arguments not a mapping, the tool's exception, the time limit). A call
   past its limit keeps running in its thread, but its result is never used."""

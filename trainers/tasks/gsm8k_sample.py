@@ -24,12 +24,13 @@ INSTRUCTION = 'Let\'s think step by step and output the final answer after "####
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>")
 CHARS = "abcdefghijklmnopqrstuvwxyz0123456789 \n.,?!'\"#$%:-+*/=()<>{}\\"
 CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}")
+  "{%- for message in messages %}"
+  "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+  "{%- endfor %}"
+  "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+  "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+  "{%- endif %}"
+)
 
 NAMES = (("Ann", "she"), ("Ben", "he"), ("Maya", "she"), ("Omar", "he"), ("Lena", "she"), ("Raj", "he"))
 ITEMS = ("apples", "pens", "books", "stickers", "marbles", "cards")
@@ -67,25 +68,35 @@ def problems(count: int = 32, seed: int = 0) -> list[tuple[str, str, int]]:
 
 def verl_rows(split: str = "train", **kwargs) -> list[dict]:
   """The problems as verl's GSM8K preprocessing writes them."""
-  return [{"data_source": "openai/gsm8k",
-           "prompt": [{"role": "user", "content": f"{q} {INSTRUCTION}"}],
-           "ability": "math",
-           "reward_model": {"style": "rule", "ground_truth": str(c)},
-           "extra_info": {"split": split, "index": i, "answer": answer, "question": q}}
-          for i, (q, answer, c) in enumerate(problems(**kwargs))]
+  return [
+    {
+      "data_source": "openai/gsm8k",
+      "prompt": [{"role": "user", "content": f"{q} {INSTRUCTION}"}],
+      "ability": "math",
+      "reward_model": {"style": "rule", "ground_truth": str(c)},
+      "extra_info": {"split": split, "index": i, "answer": answer, "question": q},
+    }
+    for i, (q, answer, c) in enumerate(problems(**kwargs))
+  ]
 
 
 def build_tokenizer():
   """The sample's character-level tokenizer (a `transformers` fast tokenizer, built in-process)."""
   from tokenizers import Tokenizer, decoders, models, normalizers
   from transformers import PreTrainedTokenizerFast
+
   vocab = {t: i for i, t in enumerate(SPECIAL + tuple(CHARS))}
   # BPE with no merges over a character vocabulary: every character is one token.
   core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
   core.normalizer = normalizers.Lowercase()
   core.decoder = decoders.Fuse()
-  tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
-                                      unk_token="<unk>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+  tokenizer = PreTrainedTokenizerFast(
+    tokenizer_object=core,
+    eos_token="<|endoftext|>",
+    pad_token="<|endoftext|>",
+    unk_token="<unk>",
+    additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+  )
   tokenizer.chat_template = CHAT_TEMPLATE
   return tokenizer
 
@@ -93,6 +104,7 @@ def build_tokenizer():
 def write_sample(out: str) -> None:
   import pyarrow as pa
   import pyarrow.parquet as pq
+
   os.makedirs(out, exist_ok=True)
   pq.write_table(pa.Table.from_pylist(verl_rows()), os.path.join(out, "train.parquet"))
   build_tokenizer().save_pretrained(os.path.join(out, "tokenizer"))

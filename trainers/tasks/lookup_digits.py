@@ -30,8 +30,17 @@ class LookupDigitsTask:
 
   bos, eos, sep, lookup, result, error, digit_offset, key_offset = 1, 2, 13, 14, 15, 16, 3, 20
 
-  def __init__(self, *, num_digits: int = 3, tool: bool = True, tool_bonus: float = 0.2, vocab_size: int = 64,
-               num_keys: int = 16, num_values: int = 10, digit_credit: float = 0.0):
+  def __init__(
+    self,
+    *,
+    num_digits: int = 3,
+    tool: bool = True,
+    tool_bonus: float = 0.2,
+    vocab_size: int = 64,
+    num_keys: int = 16,
+    num_values: int = 10,
+    digit_credit: float = 0.0,
+  ):
     if self.key_offset + num_keys > vocab_size:
       raise ValueError(f"vocab_size={vocab_size} too small for {num_keys} keys at {self.key_offset}")
     if not 1 <= num_values <= 10:
@@ -47,8 +56,10 @@ class LookupDigitsTask:
     rng = np.random.default_rng([seed, step, 7])
     keys = rng.integers(0, self.num_keys, count)
     digits = rng.integers(0, self.num_values, (count, self.num_digits))
-    return [Prompt(ids=(self.bos, self.key_offset + int(k), self.sep), answer=tuple(int(d) for d in row))
-            for k, row in zip(keys, digits)]
+    return [
+      Prompt(ids=(self.bos, self.key_offset + int(k), self.sep), answer=tuple(int(d) for d in row))
+      for k, row in zip(keys, digits)
+    ]
 
   def environment(self, prompt: Prompt) -> "LookupEnvironment":
     return LookupEnvironment(self, prompt.answer)
@@ -83,8 +94,9 @@ class LookupEnvironment:
         return Observation(ids=(t.error, t.sep), counts={"tool_calls": 1, "tool_errors": 1})
       bonus = 0.0 if self.called else t.tool_bonus
       self.called = True
-      return Observation(ids=(t.result, *[t.digit_offset + d for d in self.digits], t.sep), reward=bonus,
-                         counts={"tool_calls": 1})
+      return Observation(
+        ids=(t.result, *[t.digit_offset + d for d in self.digits], t.sep), reward=bonus, counts={"tool_calls": 1}
+      )
     if t.lookup in ids:
       return Observation(ids=(t.error, t.sep), counts={"malformed_calls": 1})
     return Observation(reward=t.score(self.digits, ids), done=True)

@@ -139,6 +139,7 @@ class ToolCall:
   """One ``<tool_call>`` block of a model turn: its ``name`` and ``arguments`` when it parsed
   (``error`` None), else ``error`` says what is wrong with it (``name`` may then be None).
   ``raw`` is the block's text between the tags."""
+
   name: str | None
   arguments: Mapping[str, Any]
   raw: str
@@ -229,22 +230,28 @@ class ToolResponseEncoder:
     self.tool_name = tool_name
     self.lock = threading.Lock()  # also held by a task rendering prompts with the same tokenizer
     self.base = [
-        {"role": "user", "content": "base"},
-        {"role": "assistant", "content": "", "reasoning_content": "base",
-         "tool_calls": [{"type": "function", "function": {"name": tool_name, "arguments": {}}}]},
+      {"role": "user", "content": "base"},
+      {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "base",
+        "tool_calls": [{"type": "function", "function": {"name": tool_name, "arguments": {}}}],
+      },
     ]
     self.base_ids = self._render(self.base, add_generation_prompt=False)
     self.end_id = end_of_turn_id(tokenizer)
     ends = [i for i, t in enumerate(self.base_ids) if t == self.end_id]
     if not ends:
-      raise TemplateNotPrefixError(f"the chat template writes no end-of-turn token ({self.end_id}) after an "
-                                   "assistant turn")
+      raise TemplateNotPrefixError(
+        f"the chat template writes no end-of-turn token ({self.end_id}) after an assistant turn"
+      )
     self.cut = ends[-1] + 1  # the base's ids through the assistant turn's end-of-turn token
 
   def _render(self, messages, *, add_generation_prompt: bool) -> list[int]:
     with self.lock:
-      ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                               return_dict=False, **self.template_kwargs)
+      ids = self.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **self.template_kwargs
+      )
     return [int(t) for t in ids]
 
   def __call__(self, contents: Sequence[str]) -> tuple[int, ...]:
@@ -254,19 +261,21 @@ class ToolResponseEncoder:
       raise ValueError("an observation needs at least one tool response")
     tools = [{"role": "tool", "name": self.tool_name, "content": str(c)} for c in contents]
     full = self._render(self.base + tools, add_generation_prompt=True)
-    if full[:len(self.base_ids)] != self.base_ids:
+    if full[: len(self.base_ids)] != self.base_ids:
       at = next((i for i, (a, b) in enumerate(zip(full, self.base_ids)) if a != b), min(len(full), len(self.base_ids)))
       raise TemplateNotPrefixError(
-          f"the chat template is not append-only for tool messages: the base conversation's ids differ from its "
-          f"rendering with tool messages at position {at} (base {self.tokenizer.decode(self.base_ids[at:at + 8])!r}, "
-          f"with tools {self.tokenizer.decode(full[at:at + 8])!r})")
-    return tuple(full[self.cut:])
+        f"the chat template is not append-only for tool messages: the base conversation's ids differ from its "
+        f"rendering with tool messages at position {at} (base {self.tokenizer.decode(self.base_ids[at : at + 8])!r}, "
+        f"with tools {self.tokenizer.decode(full[at : at + 8])!r})"
+      )
+    return tuple(full[self.cut :])
 
 
 def end_of_turn_id(tokenizer) -> int:
   """Qwen3's ``<|im_end|>`` when the tokenizer has it, else the template's end of turn
   (`trainers.tasks.chat.end_of_turn_id`); a `ValueError` when there is none."""
   from trainers.tasks import chat
+
   vocab = tokenizer.get_vocab()
   if END_OF_TURN in vocab:
     return int(vocab[END_OF_TURN])
@@ -276,7 +285,8 @@ def end_of_turn_id(tokenizer) -> int:
   return int(found)
 
 
-def tool_response_ids(tokenizer, contents: Sequence[str],
-                      template_kwargs: Mapping[str, Any] | None = None) -> tuple[int, ...]:
+def tool_response_ids(
+  tokenizer, contents: Sequence[str], template_kwargs: Mapping[str, Any] | None = None
+) -> tuple[int, ...]:
   """`ToolResponseEncoder` for one call (an environment keeps one encoder: its base is rendered once)."""
   return ToolResponseEncoder(tokenizer, template_kwargs)(contents)

@@ -40,7 +40,7 @@ def last_boxed(text: str) -> str | None:
       for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
-          return text[i + 1:j]
+          return text[i + 1 : j]
     start = text.rfind("\\boxed", 0, start)
   return None
 
@@ -53,7 +53,7 @@ def final_answer(text: str) -> tuple[str, str] | None:
     return (boxed.strip(), "boxed") if boxed.strip() else None
   at = text.rfind("####")
   if at >= 0:
-    answer = text[at + 4:].split("\n", 1)[0].strip()
+    answer = text[at + 4 :].split("\n", 1)[0].strip()
     return (answer, "####") if answer else None
   return None
 
@@ -70,6 +70,7 @@ def _timeout() -> int | None:
 
 def _parse(answer: str, form: str):
   from math_verify import parse  # imported only when the math reward is used
+
   # A #### line (GSM8K: "1,234", "18 dollars") and a number ("-3", "3/4", "12.") are plain text;
   # anything with a letter, a backslash or a brace is LaTeX ("x/2", "\\frac{1}{2}"), parsed in
   # math mode. Plain text also parses about 5x faster (every ground truth is parsed at load).
@@ -91,6 +92,7 @@ def math_reward(response: str, ground_truth: str) -> float:
   if not gold or not answer:
     return 0.0
   from math_verify import verify
+
   return float(verify(gold, answer, timeout_seconds=_timeout()))
 
 
@@ -119,9 +121,9 @@ class BuiltinReward:
 
 
 REWARDS: dict[str, BuiltinReward] = {
-    "math": BuiltinReward(math_reward, True, math_ground_truth_problem),
-    "exact_match": BuiltinReward(exact_match_reward, True),
-    "format": BuiltinReward(format_reward, False),
+  "math": BuiltinReward(math_reward, True, math_ground_truth_problem),
+  "exact_match": BuiltinReward(exact_match_reward, True),
+  "format": BuiltinReward(format_reward, False),
 }
 
 

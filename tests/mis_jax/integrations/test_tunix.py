@@ -42,8 +42,18 @@ pytestmark = pytest.mark.integration  # starts servers, subprocesses or another 
 LR = 0.05
 TEMPERATURE = 0.7
 PROMPTS = np.array(["1+2=", "3+4="])
-MODEL = qwen3.ModelConfig(num_layers=2, vocab_size=34, embed_dim=32, hidden_dim=64, num_heads=2, head_dim=16,
-                          num_kv_heads=1, rope_theta=1_000_000, norm_eps=1e-6, use_tied_embedding=False)
+MODEL = qwen3.ModelConfig(
+  num_layers=2,
+  vocab_size=34,
+  embed_dim=32,
+  hidden_dim=64,
+  num_heads=2,
+  head_dim=16,
+  num_kv_heads=1,
+  rope_theta=1_000_000,
+  norm_eps=1e-6,
+  use_tied_embedding=False,
+)
 MIS = mis_jax.MISConfig(tis_level="sequence", use_rs=True, tis_upper_bound=2.0)
 
 
@@ -61,6 +71,7 @@ def tunix_numpy_rules():
 def _load_example():
   """examples/tunix_grpo_mis.py as a module (`make example-tunix` runs it; its tokenizer serves here)."""
   import importlib.util
+
   spec = importlib.util.spec_from_file_location("tunix_grpo_mis", EXAMPLE)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -81,15 +92,22 @@ def make_cluster(*, with_reference=False, model=MODEL):
   with jax.set_mesh(mesh):
     actor = qwen3.Qwen3(model, rngs=nnx.Rngs(0))
     reference = qwen3.Qwen3(model, rngs=nnx.Rngs(1)) if with_reference else actor
-  rollout = base_rollout.RolloutConfig(max_tokens_to_generate=6, max_prompt_length=8, temperature=TEMPERATURE,
-                                       top_p=1.0, kv_cache_size=32)
+  rollout = base_rollout.RolloutConfig(
+    max_tokens_to_generate=6, max_prompt_length=8, temperature=TEMPERATURE, top_p=1.0, kv_cache_size=32
+  )
   config = rl_cluster_lib.ClusterConfig(
-      role_to_mesh={rl_cluster_lib.Role.ACTOR: mesh, rl_cluster_lib.Role.REFERENCE: mesh,
-                    rl_cluster_lib.Role.ROLLOUT: mesh},
-      rollout_engine="vanilla", offload_to_cpu=False,
-      training_config=rl_cluster_lib.RLTrainingConfig(actor_optimizer=optax.sgd(LR), eval_every_n_steps=1000,
-                                                      max_steps=1),
-      rollout_config=rollout)
+    role_to_mesh={
+      rl_cluster_lib.Role.ACTOR: mesh,
+      rl_cluster_lib.Role.REFERENCE: mesh,
+      rl_cluster_lib.Role.ROLLOUT: mesh,
+    },
+    rollout_engine="vanilla",
+    offload_to_cpu=False,
+    training_config=rl_cluster_lib.RLTrainingConfig(
+      actor_optimizer=optax.sgd(LR), eval_every_n_steps=1000, max_steps=1
+    ),
+    rollout_config=rollout,
+  )
   return rl_cluster_lib.RLCluster(actor=actor, reference=reference, tokenizer=CharTokenizer(), cluster_config=config)
 
 
@@ -113,25 +131,32 @@ def record_examples(learner):
   return examples
 
 
-
-
 def train_one_step(learner):
   learner.train([{"prompts": PROMPTS}])
 
 
 def packed_direct_loss(model, example, loss_cfg):
   """mis_jax called directly: the completions packed end to end into one flat row of tokens."""
-  lp = common.compute_per_token_logps(*nnx.split(model), prompt_tokens=example.prompt_ids,
-                                      completion_tokens=example.completion_ids, pad_id=0, eos_id=2,
-                                      stop_gradient=False, temperature=TEMPERATURE)
+  lp = common.compute_per_token_logps(
+    *nnx.split(model),
+    prompt_tokens=example.prompt_ids,
+    completion_tokens=example.completion_ids,
+    pad_id=0,
+    eos_id=2,
+    stop_gradient=False,
+    temperature=TEMPERATURE,
+  )
   mask = np.asarray(example.completion_mask).astype(bool)
   rows, cols = np.nonzero(mask)
   take = lambda x: jnp.asarray(x)[rows, cols]
   batch = mis_jax.PackedBatch(
-      segment_ids=jnp.asarray(rows, jnp.int32), loss_mask=jnp.ones(len(rows), bool),
-      advantages=jnp.asarray(np.asarray(example.advantages)[rows], jnp.float32),
-      rollout_logprobs=take(example.rollout_per_token_logps), old_logprobs=take(example.old_per_token_logps),
-      num_segments=mask.shape[0])
+    segment_ids=jnp.asarray(rows, jnp.int32),
+    loss_mask=jnp.ones(len(rows), bool),
+    advantages=jnp.asarray(np.asarray(example.advantages)[rows], jnp.float32),
+    rollout_logprobs=take(example.rollout_per_token_logps),
+    old_logprobs=take(example.old_per_token_logps),
+    num_segments=mask.shape[0],
+  )
   entropy = jnp.zeros(len(rows), jnp.float32)
   return mis_jax.policy_loss(take(lp), batch, loss_cfg, entropy=entropy)
 
@@ -142,12 +167,21 @@ def test_on_policy_equals_stock_grpo():
   stock_cluster, ours_cluster = make_cluster(with_reference=True), make_cluster(with_reference=True)
   by_name_cluster = make_cluster(with_reference=True)
   before = params(stock_cluster)
-  stock = grpo_learner.GRPOLearner(stock_cluster, grpo_learner.GRPOConfig(num_generations=2, beta=0.04,
-                                                                          kl_loss_mode="low_var_kl"), [reward])
-  ours = mis_tunix.MISGRPOLearner(ours_cluster, mis_tunix.MISGRPOConfig(
-      num_generations=2, beta=0.04, kl_loss_mode="low_var_kl", use_tis=True, mis=MIS), [reward])
-  by_name = grpo_learner.GRPOLearner(by_name_cluster, grpo_learner.GRPOConfig(
-      num_generations=2, beta=0.04, kl_loss_mode="low_var_kl", policy_loss_fn=mis_tunix.LOSS_NAME), [reward])
+  stock = grpo_learner.GRPOLearner(
+    stock_cluster, grpo_learner.GRPOConfig(num_generations=2, beta=0.04, kl_loss_mode="low_var_kl"), [reward]
+  )
+  ours = mis_tunix.MISGRPOLearner(
+    ours_cluster,
+    mis_tunix.MISGRPOConfig(num_generations=2, beta=0.04, kl_loss_mode="low_var_kl", use_tis=True, mis=MIS),
+    [reward],
+  )
+  by_name = grpo_learner.GRPOLearner(
+    by_name_cluster,
+    grpo_learner.GRPOConfig(
+      num_generations=2, beta=0.04, kl_loss_mode="low_var_kl", policy_loss_fn=mis_tunix.LOSS_NAME
+    ),
+    [reward],
+  )
   stock_examples, our_examples = record_examples(stock), record_examples(ours)
   train_one_step(stock)
   train_one_step(ours)
@@ -163,20 +197,28 @@ def test_on_policy_equals_stock_grpo():
   grads = lambda c: jax.tree.map(lambda a, b: (a - b) / LR, before, params(c))
   stock_grads, our_grads = grads(stock_cluster), grads(ours_cluster)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-6), stock_grads, our_grads)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-6), stock_grads,
-               grads(by_name_cluster))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=2e-3, atol=2e-6), stock_grads, grads(by_name_cluster))
   assert max(float(np.max(np.abs(g))) for g in jax.tree.leaves(our_grads)) > 1e-3
-  np.testing.assert_allclose(logged(ours_cluster, "loss"), stock_cluster.actor_trainer.metrics_logger
-                             .get_metric_history("actor", "loss", "train"), rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(
+    logged(ours_cluster, "loss"),
+    stock_cluster.actor_trainer.metrics_logger.get_metric_history("actor", "loss", "train"),
+    rtol=1e-5,
+    atol=1e-7,
+  )
   np.testing.assert_allclose(logged(ours_cluster, "kl"), logged(stock_cluster, "kl"), rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("settings", [
+@pytest.mark.parametrize(
+  "settings",
+  [
     pytest.param(dict(use_tis=True, mis=MIS), id="decoupled_ppo-mis"),
     pytest.param(dict(use_tis=True, tis_clip=1.5), id="token_tis"),
-    pytest.param(dict(use_tis=True, mis=mis_jax.MISConfig(tis_mode="truncate", tis_upper_bound="auto",
-                                                          target_ess_ratio=0.95)), id="decoupled_ppo-auto"),
-])
+    pytest.param(
+      dict(use_tis=True, mis=mis_jax.MISConfig(tis_mode="truncate", tis_upper_bound="auto", target_ess_ratio=0.95)),
+      id="decoupled_ppo-auto",
+    ),
+  ],
+)
 def test_injected_mismatch_equals_mis_jax_directly(settings):
   cluster = make_cluster()
   before = nnx.clone(cluster.actor_trainer.model)
@@ -188,7 +230,8 @@ def test_injected_mismatch_equals_mis_jax_directly(settings):
   train_one_step(learner)
   example = examples[0]
   (loss, metrics), grads = nnx.value_and_grad(
-      lambda m: packed_direct_loss(m, example, config.loss_config), has_aux=True)(before)
+    lambda m: packed_direct_loss(m, example, config.loss_config), has_aux=True
+  )(before)
   # The mismatch is real and the correction acts.
   assert metrics["mis_k3_kl"] > 1e-3
   if config.loss_config.mis is not None:
@@ -197,8 +240,9 @@ def test_injected_mismatch_equals_mis_jax_directly(settings):
     assert float(metrics["tis_clipfrac"]) > 0
   if "mis_auto_tis_upper_bound" in metrics:  # the threshold controller, on tunix's batch
     assert float(metrics["mis_auto_target_met"]) == 1.0 and float(metrics["mis_auto_ess_ratio"]) >= np.float32(0.95)
-  expected = jax.tree.map(lambda p, g: np.asarray(p) - LR * np.asarray(g),
-                          nnx.state(before, nnx.Param).to_pure_dict(), grads.to_pure_dict())
+  expected = jax.tree.map(
+    lambda p, g: np.asarray(p) - LR * np.asarray(g), nnx.state(before, nnx.Param).to_pure_dict(), grads.to_pure_dict()
+  )
   jax.tree.map(lambda e, a: np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6), expected, params(cluster))
   np.testing.assert_allclose(logged(cluster, "loss")[0], float(loss), rtol=1e-5, atol=1e-7)
   for name, value in metrics.items():
@@ -213,8 +257,9 @@ def test_temperature_old_logprobs_match_the_sampler(num_iterations):
   """With num_iterations 2 tunix itself asks the cluster for old log-probs (the learner's
   temperature-aware replacement answers); with 1 the learner computes them."""
   cluster = make_cluster()
-  learner = mis_tunix.MISGRPOLearner(cluster, mis_tunix.MISGRPOConfig(
-      num_generations=2, beta=0.0, num_iterations=num_iterations), [reward])
+  learner = mis_tunix.MISGRPOLearner(
+    cluster, mis_tunix.MISGRPOConfig(num_generations=2, beta=0.0, num_iterations=num_iterations), [reward]
+  )
   learner._rollout_micro_batch_size = learner._compute_logps_micro_batch_size = len(PROMPTS)  # set by train()
   example = learner._generate_and_compute_advantage({"prompts": list(np.repeat(PROMPTS, 2))})
   mask = np.asarray(example.completion_mask).astype(bool)
@@ -229,8 +274,9 @@ def test_temperature_old_logprobs_match_the_sampler(num_iterations):
 def test_an_engine_without_logprobs_stops_before_any_update():
   cluster = make_cluster()
   before = params(cluster)
-  learner = mis_tunix.MISGRPOLearner(cluster, mis_tunix.MISGRPOConfig(num_generations=2, beta=0.0,
-                                                                      use_tis=True), [reward])
+  learner = mis_tunix.MISGRPOLearner(
+    cluster, mis_tunix.MISGRPOConfig(num_generations=2, beta=0.0, use_tis=True), [reward]
+  )
   assert cluster.cluster_config.rollout_config.return_logprobs  # the learner asked for them
   generate = cluster.rollout.generate
 
@@ -250,14 +296,21 @@ def test_which_tunix_models_ignore_rope_theta(family):
   """ROPE_THETA_IGNORED is tunix's behaviour: its Qwen3 and Llama3 give the same logits at theta
   1e4 and 1e6 (both 1e6), its Qwen2 does not."""
   import importlib
+
   module = importlib.import_module(f"tunix.models.{family}.model")
   cls = {"qwen3": "Qwen3", "llama3": "Llama3", "qwen2": "Qwen2"}[family]
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:1])
   tokens, logits = jnp.arange(1, 9)[None], []
   for theta in (10_000, 1_000_000):
-    config = module.ModelConfig(**{f.name: getattr(MODEL, f.name) for f in dataclasses.fields(MODEL) if f.name in (
-        "num_layers", "vocab_size", "embed_dim", "hidden_dim", "num_heads", "head_dim", "num_kv_heads", "norm_eps")},
-                                rope_theta=theta)
+    config = module.ModelConfig(
+      **{
+        f.name: getattr(MODEL, f.name)
+        for f in dataclasses.fields(MODEL)
+        if f.name
+        in ("num_layers", "vocab_size", "embed_dim", "hidden_dim", "num_heads", "head_dim", "num_kv_heads", "norm_eps")
+      },
+      rope_theta=theta,
+    )
     with jax.set_mesh(mesh):
       model = getattr(module, cls)(config, rngs=nnx.Rngs(0))
       logits.append(np.asarray(model(tokens, jnp.arange(8)[None], None, jnp.tril(jnp.ones((8, 8), bool))[None])[0]))
@@ -278,10 +331,14 @@ def test_the_learner_refuses_a_rope_theta_tunix_ignores():
 
 
 def test_untrainable_completions():
-  ids = np.array([[7, 0, 18, 0, 0],   # a sampled pad, then a token: untrainable
-                  [7, 18, 0, 0, 0],   # padding (or a pad == eos stop) at the end only
-                  [7, 1, 18, 2, 0],   # bos and eos sampled: trainable as they are
-                  [0, 0, 0, 0, 0]])
+  ids = np.array(
+    [
+      [7, 0, 18, 0, 0],  # a sampled pad, then a token: untrainable
+      [7, 18, 0, 0, 0],  # padding (or a pad == eos stop) at the end only
+      [7, 1, 18, 2, 0],  # bos and eos sampled: trainable as they are
+      [0, 0, 0, 0, 0],
+    ]
+  )
   np.testing.assert_array_equal(mis_tunix.untrainable_completions(ids, 0), [True, False, False, False])
 
 
@@ -289,8 +346,9 @@ def test_a_sampled_pad_mid_completion_is_out_of_the_loss_and_counted():
   """tunix masks `tokens != pad` and rebuilds positions from it: a completion with a pad id the
   engine sampled before other tokens cannot be trained as sampled, so it leaves the loss."""
   cluster = make_cluster()
-  learner = mis_tunix.MISGRPOLearner(cluster, mis_tunix.MISGRPOConfig(num_generations=2, beta=0.0, use_tis=True,
-                                                                      mis=MIS), [reward])
+  learner = mis_tunix.MISGRPOLearner(
+    cluster, mis_tunix.MISGRPOConfig(num_generations=2, beta=0.0, use_tis=True, mis=MIS), [reward]
+  )
   generate = cluster.rollout.generate
   broken = []
 
@@ -327,8 +385,9 @@ def test_the_stock_learner_cannot_feed_the_correction():
 
 
 def test_sglang_jax_hint_and_misalignment_errors():
-  out = base_rollout.RolloutOutput(text=["a"], logits=None, tokens=[np.array([3, 4])],
-                                   left_padded_prompt_tokens=np.zeros((1, 2), int), logprobs=None)
+  out = base_rollout.RolloutOutput(
+    text=["a"], logits=None, tokens=[np.array([3, 4])], left_padded_prompt_tokens=np.zeros((1, 2), int), logprobs=None
+  )
   with pytest.raises(mis_tunix.MissingRolloutLogprobs, match="sglang_jax rollout never returns them"):
     mis_tunix.rollout_logprobs(out, np.zeros((1, 4), int), engine="sglang_jax")
   out.logprobs = [np.array([-1.0])]
@@ -341,7 +400,9 @@ def test_sglang_jax_hint_and_misalignment_errors():
   np.testing.assert_array_equal(mis_tunix.rollout_logprobs(out, np.zeros((1, 4), int)), [[-1.0, -2.0, 0.0, 0.0]])
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     (dict(loss_agg_mode="sequence-mean-token-scale"), "loss_agg_mode='sequence-mean-token-scale'"),
     (dict(loss_algo="gspo-token"), "loss_algo='gspo-token'"),
     (dict(kl_loss_mode="kl", kl_clamp_value=10.0), "kl_clamp_value=10.0"),
@@ -350,7 +411,8 @@ def test_sglang_jax_hint_and_misalignment_errors():
     (dict(policy_loss_fn="grpo"), "policy_loss_fn must be 'mis_jax'"),
     (dict(mis={"tis_levle": "token"}), "tis_levle"),
     (dict(use_tis=False, mis={"use_tis": True}), "contradicts"),
-])
+  ],
+)
 def test_config_errors_name_the_key(kwargs, match):
   with pytest.raises(mis_jax.ConfigError, match=match):
     mis_tunix.MISGRPOConfig(num_generations=2, **kwargs)
@@ -359,12 +421,25 @@ def test_config_errors_name_the_key(kwargs, match):
 def test_config_maps_tunix_settings_and_reads_a_mis_yaml(tmp_path):
   path = tmp_path / "mis.yaml"
   path.write_text("use_tis: true\ntis_level: sequence\nuse_rs: true\ntis_upper_bound: 3.0\n")
-  config = mis_tunix.MISGRPOConfig(num_generations=2, epsilon=0.1, epsilon_high=0.3, beta=0.01,
-                                   kl_loss_mode="mse_kl", loss_agg_mode="token-mean", mis=str(path),
-                                   use_rollout_logprobs=True)
+  config = mis_tunix.MISGRPOConfig(
+    num_generations=2,
+    epsilon=0.1,
+    epsilon_high=0.3,
+    beta=0.01,
+    kl_loss_mode="mse_kl",
+    loss_agg_mode="token-mean",
+    mis=str(path),
+    use_rollout_logprobs=True,
+  )
   cfg = config.loss_config
   assert (cfg.algorithm, cfg.eps_clip, cfg.clip_high, cfg.kl_coef, cfg.kl_type, cfg.loss_agg_mode) == (
-      "reinforce_is", 0.1, 0.3, 0.01, "k2", "token-mean")
+    "reinforce_is",
+    0.1,
+    0.3,
+    0.01,
+    "k2",
+    "token-mean",
+  )
   assert cfg.mis.tis_upper_bound == 3.0 and cfg.mis.source == str(path)
   with pytest.raises(mis_jax.ConfigError, match="max_seq_token_per_tpu"):
     cluster = make_cluster()
@@ -392,6 +467,7 @@ def test_tunix_grpo_with_sglang_jax_trains_what_the_engine_sampled(tmp_path):
   import subprocess
 
   from trainers.serving.sglang_jax import launcher as sglang_jax
+
   try:
     python = sglang_jax.venv_python(extra=(sglang_jax.TUNIX,))
   except sglang_jax.EngineUnavailable as e:
@@ -400,8 +476,14 @@ def test_tunix_grpo_with_sglang_jax_trains_what_the_engine_sampled(tmp_path):
     pytest.skip(str(e))
   out = tmp_path / "result.json"
   env = {**sglang_jax.engine_env(), "PYTHONPATH": str(EXAMPLE.parents[1])}
-  done = subprocess.run([python, str(pathlib.Path(__file__).with_name("tunix_sglang_jax_driver.py")), str(tmp_path),
-                         str(out)], env=env, capture_output=True, text=True, timeout=900, cwd=EXAMPLE.parents[1])
+  done = subprocess.run(
+    [python, str(pathlib.Path(__file__).with_name("tunix_sglang_jax_driver.py")), str(tmp_path), str(out)],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=900,
+    cwd=EXAMPLE.parents[1],
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   result = json.loads(out.read_text())
   history = result["example_history"]

@@ -68,8 +68,9 @@ class CharTokenizer:
     return ([1] if add_special_tokens else []) + [3 + self.chars.index(c if c in self.chars else "?") for c in text]
 
   def decode(self, ids, **kw):
-    return "".join(self.chars[i - 3] if i - 3 < len(self.chars) else "?"
-                   for i in np.asarray(ids).reshape(-1).tolist() if i >= 3)
+    return "".join(
+      self.chars[i - 3] if i - 3 < len(self.chars) else "?" for i in np.asarray(ids).reshape(-1).tolist() if i >= 3
+    )
 
   def bos_id(self):
     return 1
@@ -117,8 +118,18 @@ def reward(prompts, completions, **kw):
   return [float(sum((i + 1) * ord(c) for i, c in enumerate(text)) % 13) for text in completions]
 
 
-MODEL = qwen3.ModelConfig(num_layers=2, vocab_size=VOCAB, embed_dim=32, hidden_dim=64, num_heads=2, head_dim=16,
-                          num_kv_heads=1, rope_theta=1_000_000, norm_eps=1e-6, use_tied_embedding=False)
+MODEL = qwen3.ModelConfig(
+  num_layers=2,
+  vocab_size=VOCAB,
+  embed_dim=32,
+  hidden_dim=64,
+  num_heads=2,
+  head_dim=16,
+  num_kv_heads=1,
+  rope_theta=1_000_000,
+  norm_eps=1e-6,
+  use_tied_embedding=False,
+)
 DATA = [{"prompts": ["1+2=", "3+4="]}, {"prompts": ["5+6=", "7+8="]}]
 
 
@@ -137,23 +148,35 @@ def make_cluster(steps, mini_batch_size=None):
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:1])
   with jax.set_mesh(mesh):
     actor = qwen3.Qwen3(MODEL, rngs=nnx.Rngs(0))
-  rollout = base_rollout.RolloutConfig(max_tokens_to_generate=MAX_RESPONSE, max_prompt_length=48,
-                                       temperature=TEMPERATURE, top_p=1.0, kv_cache_size=96, eos_tokens=STOPS)
+  rollout = base_rollout.RolloutConfig(
+    max_tokens_to_generate=MAX_RESPONSE,
+    max_prompt_length=48,
+    temperature=TEMPERATURE,
+    top_p=1.0,
+    kv_cache_size=96,
+    eos_tokens=STOPS,
+  )
   config = rl_cluster_lib.ClusterConfig(
-      role_to_mesh={role: mesh for role in (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE,
-                                            rl_cluster_lib.Role.ROLLOUT)},
-      rollout_engine="vanilla", offload_to_cpu=False,
-      training_config=rl_cluster_lib.RLTrainingConfig(actor_optimizer=optax.sgd(LR), eval_every_n_steps=1000,
-                                                      max_steps=steps, mini_batch_size=mini_batch_size),
-      rollout_config=rollout)
+    role_to_mesh={
+      role: mesh for role in (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT)
+    },
+    rollout_engine="vanilla",
+    offload_to_cpu=False,
+    training_config=rl_cluster_lib.RLTrainingConfig(
+      actor_optimizer=optax.sgd(LR), eval_every_n_steps=1000, max_steps=steps, mini_batch_size=mini_batch_size
+    ),
+    rollout_config=rollout,
+  )
   return rl_cluster_lib.RLCluster(actor=actor, reference=actor, tokenizer=CharTokenizer(), cluster_config=config)
 
 
 def make_learner(cluster, **settings):
-  config = mis_agentic.MISAgenticGRPOConfig(num_generations=2, beta=0.0, max_response_length=MAX_RESPONSE,
-                                            system_prompt="be brief", epsilon=EPS, **settings)
-  return mis_agentic.MISAgenticGRPOLearner(cluster, config, reward, chat_parser=AppendOnlyParser(cluster.tokenizer),
-                                           env_class=TwoTurnEnv)
+  config = mis_agentic.MISAgenticGRPOConfig(
+    num_generations=2, beta=0.0, max_response_length=MAX_RESPONSE, system_prompt="be brief", epsilon=EPS, **settings
+  )
+  return mis_agentic.MISAgenticGRPOLearner(
+    cluster, config, reward, chat_parser=AppendOnlyParser(cluster.tokenizer), env_class=TwoTurnEnv
+  )
 
 
 def params(model):
@@ -177,12 +200,16 @@ def record_updates(cluster):
   return updates
 
 
-
-
 def current_logps(model, example):
-  return common.compute_per_token_logps(*nnx.split(model), prompt_tokens=example.prompt_ids,
-                                        completion_tokens=example.completion_ids, pad_id=0, eos_id=2,
-                                        stop_gradient=False, temperature=TEMPERATURE).astype(jnp.float32)
+  return common.compute_per_token_logps(
+    *nnx.split(model),
+    prompt_tokens=example.prompt_ids,
+    completion_tokens=example.completion_ids,
+    pad_id=0,
+    eos_id=2,
+    stop_gradient=False,
+    temperature=TEMPERATURE,
+  ).astype(jnp.float32)
 
 
 def packed_direct_loss(model, example, loss_cfg):
@@ -192,10 +219,13 @@ def packed_direct_loss(model, example, loss_cfg):
   rows, cols = np.nonzero(mask)
   take = lambda x: jnp.asarray(x)[rows, cols]
   batch = mis_jax.PackedBatch(
-      segment_ids=jnp.asarray(rows, jnp.int32), loss_mask=jnp.ones(len(rows), bool),
-      advantages=jnp.asarray(np.asarray(example.advantages)[rows], jnp.float32),
-      rollout_logprobs=take(example.rollout_per_token_logps), old_logprobs=take(example.old_per_token_logps),
-      num_segments=mask.shape[0])
+    segment_ids=jnp.asarray(rows, jnp.int32),
+    loss_mask=jnp.ones(len(rows), bool),
+    advantages=jnp.asarray(np.asarray(example.advantages)[rows], jnp.float32),
+    rollout_logprobs=take(example.rollout_per_token_logps),
+    old_logprobs=take(example.old_per_token_logps),
+    num_segments=mask.shape[0],
+  )
   return mis_jax.policy_loss(take(lp), batch, loss_cfg, entropy=jnp.zeros(len(rows), jnp.float32))
 
 
@@ -221,10 +251,10 @@ def check_multi_turn(example):
   env = CharTokenizer().encode("<u>" + OBSERVATION + "<a>", add_special_tokens=False)
   found = 0
   for row_ids, row in zip(ids, mask):
-    starts = [i for i in range(len(row_ids) - len(env) + 1) if list(row_ids[i:i + len(env)]) == env]
+    starts = [i for i in range(len(row_ids) - len(env) + 1) if list(row_ids[i : i + len(env)]) == env]
     for i in starts:
-      assert not row[i:i + len(env)].any()  # the environment's tokens are out of the loss
-      found += bool(row[:i].any() and row[i + len(env):].any())
+      assert not row[i : i + len(env)].any()  # the environment's tokens are out of the loss
+      found += bool(row[:i].any() and row[i + len(env) :].any())
   return found
 
 
@@ -251,12 +281,14 @@ def test_each_step_equals_mis_jax_over_the_model_tokens(token_tis_run):
     (loss, metrics), grads = nnx.value_and_grad(lambda m: packed_direct_loss(m, example, cfg), has_aux=True)(before)
     assert metrics["mis_k3_kl"] > 1e-3  # the injected mismatch is there...
     assert float(metrics["tis_clipfrac"]) > 0  # ...and the clip acts
-    expected = jax.tree.map(lambda p, g: np.asarray(p) - LR * np.asarray(g),
-                            nnx.state(before, nnx.Param).to_pure_dict(), grads.to_pure_dict())
+    expected = jax.tree.map(
+      lambda p, g: np.asarray(p) - LR * np.asarray(g), nnx.state(before, nnx.Param).to_pure_dict(), grads.to_pure_dict()
+    )
     jax.tree.map(lambda e, a: np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6), expected, after)
     np.testing.assert_allclose(logged(cluster, "loss")[step], float(loss), rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(float(loss), numpy_token_tis_loss(current_logps(before, example), example),
-                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+      float(loss), numpy_token_tis_loss(current_logps(before, example), example), rtol=1e-5, atol=1e-7
+    )
     for name, value in metrics.items():
       if name not in ("loss", "entropy_loss"):  # the direct call passed no entropy
         np.testing.assert_allclose(logged(cluster, name)[step], float(value), rtol=1e-5, atol=1e-6, err_msg=name)
@@ -282,9 +314,11 @@ def test_environment_logprobs_cannot_move_the_loss(token_tis_run):
     x = np.asarray(x, np.float32)
     return jnp.asarray(np.where(env, rng.normal(0.0, 50.0, x.shape).astype(np.float32), x))
 
-  perturbed = example.replace(rollout_per_token_logps=junk(example.rollout_per_token_logps),
-                              old_per_token_logps=junk(example.old_per_token_logps),
-                              ref_per_token_logps=junk(np.zeros(env.shape, np.float32)))
+  perturbed = example.replace(
+    rollout_per_token_logps=junk(example.rollout_per_token_logps),
+    old_per_token_logps=junk(example.old_per_token_logps),
+    ref_per_token_logps=junk(np.zeros(env.shape, np.float32)),
+  )
   loss_fn = lambda ex: lambda m: mis_tunix.mis_policy_loss_fn(m, ex, config, pad_id=0, eos_id=2)
   (loss, aux), grads = nnx.value_and_grad(loss_fn(example), has_aux=True)(before)
   (loss_p, aux_p), grads_p = nnx.value_and_grad(loss_fn(perturbed), has_aux=True)(before)
@@ -300,7 +334,7 @@ def test_on_policy_sequence_mis_keeps_every_turn_and_equals_mis_jax():
   learner = make_learner(cluster, use_tis=True, mis=MIS)
   updates = record_updates(cluster)
   learner.train(DATA[:1])
-  (before, (example,), after), = updates
+  ((before, (example,), after),) = updates
   assert check_multi_turn(example) > 0
   mask = np.asarray(example.completion_mask).astype(bool)
   q, o = np.asarray(example.rollout_per_token_logps), np.asarray(example.old_per_token_logps)
@@ -309,8 +343,9 @@ def test_on_policy_sequence_mis_keeps_every_turn_and_equals_mis_jax():
   assert logged(cluster, "mis_kept_seq_fraction")[0] == 1.0
   cfg = learner.algo_config.loss_config
   (loss, _), grads = nnx.value_and_grad(lambda m: packed_direct_loss(m, example, cfg), has_aux=True)(before)
-  expected = jax.tree.map(lambda p, g: np.asarray(p) - LR * np.asarray(g),
-                          nnx.state(before, nnx.Param).to_pure_dict(), grads.to_pure_dict())
+  expected = jax.tree.map(
+    lambda p, g: np.asarray(p) - LR * np.asarray(g), nnx.state(before, nnx.Param).to_pure_dict(), grads.to_pure_dict()
+  )
   jax.tree.map(lambda e, a: np.testing.assert_allclose(a, e, rtol=1e-4, atol=1e-6), expected, after)
   np.testing.assert_allclose(logged(cluster, "loss")[0], float(loss), rtol=1e-5, atol=1e-7)
 
@@ -392,22 +427,32 @@ def test_the_constructor_is_tunix_agentic_one():
     mis_agentic.MISAgenticGRPOLearner(None, agentic_grpo_learner.GRPOConfig(), reward)
 
 
-@pytest.mark.parametrize("kwargs, match", [
+@pytest.mark.parametrize(
+  "kwargs, match",
+  [
     (dict(sampler_is="token"), "sampler_is='token'"),
     (dict(use_rollout_logps=False), "use_rollout_logps=False"),
     (dict(policy_loss_fn="grpo"), "policy_loss_fn must be 'mis_jax'"),
     (dict(loss_agg_mode="sequence-mean-token-scale"), "loss_agg_mode='sequence-mean-token-scale'"),
     (dict(mis={"tis_levle": "token"}), "tis_levle"),
-])
+  ],
+)
 def test_config_errors_name_the_key(kwargs, match):
   with pytest.raises(mis_jax.ConfigError, match=match):
     mis_agentic.MISAgenticGRPOConfig(num_generations=2, **kwargs)
 
 
 def test_config_maps_tunix_settings():
-  config = mis_agentic.MISAgenticGRPOConfig(num_generations=2, epsilon=0.1, epsilon_high=0.3, beta=0.01,
-                                            kl_loss_mode="low_var_kl", mis=MIS, use_tis=True)
+  config = mis_agentic.MISAgenticGRPOConfig(
+    num_generations=2, epsilon=0.1, epsilon_high=0.3, beta=0.01, kl_loss_mode="low_var_kl", mis=MIS, use_tis=True
+  )
   cfg = config.loss_config
   assert (cfg.algorithm, cfg.eps_clip, cfg.clip_high, cfg.kl_coef, cfg.kl_type, cfg.loss_agg_mode) == (
-      "decoupled_ppo", 0.1, 0.3, 0.01, "k3", "seq-mean-token-mean")
+    "decoupled_ppo",
+    0.1,
+    0.3,
+    0.01,
+    "k3",
+    "seq-mean-token-mean",
+  )
   assert cfg.mis.tis_level == "sequence"

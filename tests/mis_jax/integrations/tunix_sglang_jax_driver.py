@@ -57,15 +57,19 @@ def reply(ids, entries, completion_tokens=None):
 
 def check_completion_logprobs():
   sampled = [(-0.5, 7), (-1.0, 0), (-1.5, 18), (-2.0, 1), (-2.5, 2)]
-  np.testing.assert_array_equal(completion_logprobs(reply([7, 0, 18, 1, 2], sampled, 5)),
-                                np.float32([-0.5, -1.0, -1.5, -2.0, -2.5]))
+  np.testing.assert_array_equal(
+    completion_logprobs(reply([7, 0, 18, 1, 2], sampled, 5)), np.float32([-0.5, -1.0, -1.5, -2.0, -2.5])
+  )
   # sglang-jax resends a long completion's entries from the start: the last completion_tokens count.
-  np.testing.assert_array_equal(completion_logprobs(reply([7, 0, 18, 1, 2], sampled[:2] + sampled, 5)),
-                                np.float32([-0.5, -1.0, -1.5, -2.0, -2.5]))
+  np.testing.assert_array_equal(
+    completion_logprobs(reply([7, 0, 18, 1, 2], sampled[:2] + sampled, 5)), np.float32([-0.5, -1.0, -1.5, -2.0, -2.5])
+  )
   # Special ids skipped from output_ids (tunix's skip_special_tokens): never aligned by id.
-  for bad, match in [(reply([7, 18], sampled, 5), "2 output ids, 5 completion tokens"),
-                     (reply([7, 18, 1, 2, 0], sampled, 5), "output id 18 at position 1"),
-                     (reply([7, 0, 18, 1, 2], sampled[:4], 5), "4 log-prob entries")]:
+  for bad, match in [
+    (reply([7, 18], sampled, 5), "2 output ids, 5 completion tokens"),
+    (reply([7, 18, 1, 2, 0], sampled, 5), "output id 18 at position 1"),
+    (reply([7, 0, 18, 1, 2], sampled[:4], 5), "4 log-prob entries"),
+  ]:
     try:
       completion_logprobs(bad)
     except ValueError as e:
@@ -80,9 +84,11 @@ def check_engine_rope_theta(ex, workdir):
   import dataclasses
 
   from mis_jax import ConfigError
+
   model_cfg = ex.model_config(sglang_jax=True)
-  rollout_cls, engine_config = ex.sglang_jax_rollout(dataclasses.replace(model_cfg, rope_theta=10_000),
-                                                     str(pathlib.Path(workdir) / "theta10000"))
+  rollout_cls, engine_config = ex.sglang_jax_rollout(
+    dataclasses.replace(model_cfg, rope_theta=10_000), str(pathlib.Path(workdir) / "theta10000")
+  )
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(AxisType.Auto,) * 2, devices=jax.devices()[:1])
   with jax.set_mesh(mesh):
     actor = qwen3.Qwen3(model_cfg, rngs=nnx.Rngs(0))
@@ -159,9 +165,19 @@ def run_example(ex, workdir):
   ex.mis_tunix.MISGRPOLearner = Recording
   try:
     history_path = pathlib.Path(workdir) / "history.json"
-    ex.main(["--sglang-jax", "--steps", "2", "--json", str(history_path),
-             "--workdir", str(pathlib.Path(workdir) / "ex"),
-             "--mis", str(ROOT / "configs" / "mis.yaml")])
+    ex.main(
+      [
+        "--sglang-jax",
+        "--steps",
+        "2",
+        "--json",
+        str(history_path),
+        "--workdir",
+        str(pathlib.Path(workdir) / "ex"),
+        "--mis",
+        str(ROOT / "configs" / "mis.yaml"),
+      ]
+    )
   finally:
     ex.mis_tunix.MISGRPOLearner = learner_cls
     recorded.get("restore", lambda: None)()
@@ -178,8 +194,12 @@ def run_example(ex, workdir):
   assert all(d <= TOL for d in history["train_rollout_logprob_abs_diff"]), history
   weights = recorded["weights"]  # before step 1, before step 2, after step 2: every update moved them
   assert len(weights) == 3 and all(moved(a, b) for a, b in zip(weights, weights[1:]))
-  return {"example_history": history, "example_trained_tokens": int(gaps.size),
-          "example_gap_mean": float(gaps.mean()), "example_gap_max": float(gaps.max())}
+  return {
+    "example_history": history,
+    "example_trained_tokens": int(gaps.size),
+    "example_gap_mean": float(gaps.mean()),
+    "example_gap_max": float(gaps.max()),
+  }
 
 
 def run_special_tokens(ex, workdir, steps=2):
@@ -190,29 +210,43 @@ def run_special_tokens(ex, workdir, steps=2):
   model_cfg = ex.model_config(sglang_jax=True)
   tokenizer = ex.CharTokenizer()
   pad, bos, eos = tokenizer.pad_id(), tokenizer.bos_id(), tokenizer.eos_id()
-  batches = [{"prompts": np.array([f"{a}+{b}=" for a, b in pairs])}
-             for pairs in np.random.default_rng(1).integers(0, 50, (steps, 4, 2))]
+  batches = [
+    {"prompts": np.array([f"{a}+{b}=" for a, b in pairs])}
+    for pairs in np.random.default_rng(1).integers(0, 50, (steps, 4, 2))
+  ]
   with jax.set_mesh(mesh):
     actor = qwen3.Qwen3(model_cfg, rngs=nnx.Rngs(0))
     tokens = jnp.asarray([tokenizer.encode(batches[0]["prompts"][0])])
-    logits, _ = actor(tokens, jnp.arange(tokens.shape[1])[None], None,
-                      jnp.tril(jnp.ones((tokens.shape[1],) * 2, bool))[None])
+    logits, _ = actor(
+      tokens, jnp.arange(tokens.shape[1])[None], None, jnp.tril(jnp.ones((tokens.shape[1],) * 2, bool))[None]
+    )
     column = actor.lm_head.w[...][:, int(jnp.argmax(jax.nn.softmax(logits[0], -1).mean(0)))]
-    actor.lm_head.w[...] = actor.lm_head.w[...].at[:, pad].set(1.3 * column).at[:, bos].set(1.8 * column).at[
-        :, eos].set(0.5 * column)
+    actor.lm_head.w[...] = (
+      actor.lm_head.w[...].at[:, pad].set(1.3 * column).at[:, bos].set(1.8 * column).at[:, eos].set(0.5 * column)
+    )
   engine, engine_config = ex.sglang_jax_rollout(model_cfg, str(pathlib.Path(workdir) / "special"))
   cluster = rl_cluster_lib.RLCluster(
-      actor=actor, reference=actor, tokenizer=tokenizer,
-      cluster_config=rl_cluster_lib.ClusterConfig(
-          role_to_mesh={role: mesh for role in (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE,
-                                                rl_cluster_lib.Role.ROLLOUT)},
-          rollout_engine=engine,
-          training_config=rl_cluster_lib.RLTrainingConfig(actor_optimizer=optax.sgd(0.0), eval_every_n_steps=10_000,
-                                                          max_steps=1),
-          rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=8, max_prompt_length=8, temperature=1.0,
-                                                    top_p=1.0, kv_cache_size=32, **engine_config)))
-  learner = mis_tunix.MISGRPOLearner(cluster, mis_tunix.MISGRPOConfig(
-      num_generations=4, beta=0.0, mis=str(ROOT / "configs" / "mis.yaml")), [ex.odd_digits])
+    actor=actor,
+    reference=actor,
+    tokenizer=tokenizer,
+    cluster_config=rl_cluster_lib.ClusterConfig(
+      role_to_mesh={
+        role: mesh for role in (rl_cluster_lib.Role.ACTOR, rl_cluster_lib.Role.REFERENCE, rl_cluster_lib.Role.ROLLOUT)
+      },
+      rollout_engine=engine,
+      training_config=rl_cluster_lib.RLTrainingConfig(
+        actor_optimizer=optax.sgd(0.0), eval_every_n_steps=10_000, max_steps=1
+      ),
+      rollout_config=base_rollout.RolloutConfig(
+        max_tokens_to_generate=8, max_prompt_length=8, temperature=1.0, top_p=1.0, kv_cache_size=32, **engine_config
+      ),
+    ),
+  )
+  learner = mis_tunix.MISGRPOLearner(
+    cluster,
+    mis_tunix.MISGRPOConfig(num_generations=4, beta=0.0, mis=str(ROOT / "configs" / "mis.yaml")),
+    [ex.odd_digits],
+  )
   # The rollout stage alone (the example's run trains): what tunix hands its training step.
   learner._rollout_micro_batch_size = learner._compute_logps_micro_batch_size = 4  # set by train()
   examples, outputs, restore, _ = record(learner, cluster)
@@ -228,11 +262,11 @@ def run_special_tokens(ex, workdir, steps=2):
     output, replies = recorded["output"], recorded["replies"]
     ids = np.asarray(example.completion_ids)
     for b, (r, toks, lps) in enumerate(zip(replies, output.tokens, output.logprobs)):
-      entries = r["meta_info"]["output_token_logprobs"][-len(toks):]
+      entries = r["meta_info"]["output_token_logprobs"][-len(toks) :]
       # The trainer's tokens are the engine's sampled ids, each log-prob its own token's.
       np.testing.assert_array_equal(toks, [e[1] for e in entries], err_msg=f"completion {b}")
       np.testing.assert_array_equal(lps, np.float32([e[0] for e in entries]), err_msg=f"completion {b}")
-      np.testing.assert_array_equal(ids[b, :len(toks)], toks)
+      np.testing.assert_array_equal(ids[b, : len(toks)], toks)
     untrainable = mis_tunix.untrainable_completions(ids, pad)
     mask = np.asarray(example.completion_mask).astype(bool)
     assert not mask[untrainable].any()
@@ -254,8 +288,11 @@ def run_special_tokens(ex, workdir, steps=2):
   # The model did sample them: pad ids mid-completion, bos ids in trained completions, eos ends.
   assert counts["untrainable"] and counts["bos_mid_trained"] and counts["eos_ended"], counts
   assert gap_max <= TOL, gap_max
-  return {"special_completions": 16 * steps, "special_gap_max": gap_max,
-          **{f"special_{k}": v for k, v in counts.items()}}
+  return {
+    "special_completions": 16 * steps,
+    "special_gap_max": gap_max,
+    **{f"special_{k}": v for k, v in counts.items()},
+  }
 
 
 def main(workdir, out):

@@ -24,6 +24,7 @@ from trainers.rollout.samples import RolloutResult, Sample
 
 class ResponseToy(extras_lib.TokenExtra):
   """A response-span extra (as sampling supports are): the token id times 10, per response token."""
+
   name, span, fill, dtype = "toy_response", "response", -1, np.int32
 
   def parse(self, reply):
@@ -33,6 +34,7 @@ class ResponseToy(extras_lib.TokenExtra):
 class SequenceToy(extras_lib.TokenExtra):
   """A sequence-span extra (as routed experts are): every input position's index, plus 1000 times the
   number of the call that computed it (so each row tells which turn's reply it came from)."""
+
   name, span, fill, dtype = "toy_sequence", "sequence", -1, np.int32
 
 
@@ -72,10 +74,19 @@ class ScriptedEngine:
           values[e.name] = np.arange(len(ctx) + len(ids) - 1, dtype=np.int32) + 1000 * len(self.calls)
         else:
           values[e.name] = np.ones(len(ids), np.int32)
-      result.samples.append(Sample(prompt_index=i, prompt_ids=tuple(ctx), response_ids=ids,
-                                   rollout_logprobs=tuple(-0.1 * (k + 1) for k in range(len(ids))),
-                                   finish_reason="stop", text=f"t{len(ctx)}", weight_version=self.version,
-                                   weight_versions=spans, extras=values))
+      result.samples.append(
+        Sample(
+          prompt_index=i,
+          prompt_ids=tuple(ctx),
+          response_ids=ids,
+          rollout_logprobs=tuple(-0.1 * (k + 1) for k in range(len(ids))),
+          finish_reason="stop",
+          text=f"t{len(ctx)}",
+          weight_version=self.version,
+          weight_versions=spans,
+          extras=values,
+        )
+      )
     return result
 
 
@@ -90,8 +101,7 @@ class EchoEnv:
     if turn.index == self.fail_at:
       raise RuntimeError("the environment broke")
     done = turn.index >= self.turns
-    return Observation(ids=(50, turn.index, 51), reward=0.25 + (turn.index == 1), done=done,
-                       counts={"tool_calls": 1})
+    return Observation(ids=(50, turn.index, 51), reward=0.25 + (turn.index == 1), done=done, counts={"tool_calls": 1})
 
 
 PROMPTS = [Prompt(ids=(1, 5, 13)), Prompt(ids=(1, 6, 7, 13))]
@@ -224,6 +234,7 @@ def test_tool_calls_that_raise_or_time_out_are_errors_not_crashes():
 
     def __call__(self, x):
       raise ZeroDivisionError("x / 0")
+
   tools = [Slow(), Broken()]
   with pytest.raises(ToolError, match="'slow' timed out after 0.1 s"):
     call_tool(tools, "slow", {}, timeout_s=0.1)
@@ -255,14 +266,24 @@ def test_the_lookup_task_needs_its_tool():
 
 # --- the environment's tokens cannot move the correction ------------------------------------------
 LOSS_CONFIGS = {
-    "decoupled_mis_seq": mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(
-        use_tis=True, use_rs=True, tis_mode="truncate", tis_level="sequence", rs_level="geometric",
-        tis_upper_bound=2.0, rs_lower_bound=0.5, rs_upper_bound=2.0, rs_veto_threshold=1e-4,
-        tis_batch_normalize=True)),
-    "reinforce_is": mis_jax.LossConfig(use_tis=True, use_rollout_logprobs=True, denominator="original"),
-    "bypass_gspo": mis_jax.LossConfig(use_rollout_logprobs=True, policy_loss="gspo",
-                                      loss_agg_mode="seq-mean-token-mean"),
-    "token_tis": mis_jax.LossConfig(use_tis=True, tis_clip=2.0),
+  "decoupled_mis_seq": mis_jax.LossConfig(
+    use_tis=True,
+    mis=mis_jax.MISConfig(
+      use_tis=True,
+      use_rs=True,
+      tis_mode="truncate",
+      tis_level="sequence",
+      rs_level="geometric",
+      tis_upper_bound=2.0,
+      rs_lower_bound=0.5,
+      rs_upper_bound=2.0,
+      rs_veto_threshold=1e-4,
+      tis_batch_normalize=True,
+    ),
+  ),
+  "reinforce_is": mis_jax.LossConfig(use_tis=True, use_rollout_logprobs=True, denominator="original"),
+  "bypass_gspo": mis_jax.LossConfig(use_rollout_logprobs=True, policy_loss="gspo", loss_agg_mode="seq-mean-token-mean"),
+  "token_tis": mis_jax.LossConfig(use_tis=True, tis_clip=2.0),
 }
 
 
@@ -282,9 +303,18 @@ def test_environment_tokens_cannot_move_the_correction(name):
         lps = np.where(env, rng.choice([-40.0, -1e4, 0.0], size=lps.shape), lps)
       out.append(dataclasses.replace(s, rollout_logprobs=tuple(lps)))
     trained = extras_lib.trainable(EXTRAS, out)
-    sb = build_step_batch(out, [1.0, 0.5, 0.2, 0.9], [0.5, -0.5, 0.8, -0.8], [0, 0, 1, 1], num_segments=4,
-                          row_len=32, tokens_per_micro_batch=128, batch_devices=1, extras=(TurnIndex(),),
-                          trained_tokens=trained)
+    sb = build_step_batch(
+      out,
+      [1.0, 0.5, 0.2, 0.9],
+      [0.5, -0.5, 0.8, -0.8],
+      [0, 0, 1, 1],
+      num_segments=4,
+      row_len=32,
+      tokens_per_micro_batch=128,
+      batch_devices=1,
+      extras=(TurnIndex(),),
+      trained_tokens=trained,
+    )
     return sb
 
   base, moved = batch(False), batch(True)
@@ -298,9 +328,14 @@ def test_environment_tokens_cannot_move_the_correction(name):
 
   def loss(b, lp, old_at_env):
     o = jnp.where(jnp.asarray(env_tokens.reshape(1, -1)), old_at_env, old)
-    pb = mis_jax.PackedBatch(segment_ids=flat(b.batch.segment_ids), loss_mask=flat(b.batch.loss_mask),
-                             advantages=flat(b.batch.advantages), rollout_logprobs=flat(b.batch.rollout_logprobs),
-                             old_logprobs=o, num_segments=4)
+    pb = mis_jax.PackedBatch(
+      segment_ids=flat(b.batch.segment_ids),
+      loss_mask=flat(b.batch.loss_mask),
+      advantages=flat(b.batch.advantages),
+      rollout_logprobs=flat(b.batch.rollout_logprobs),
+      old_logprobs=o,
+      num_segments=4,
+    )
     return mis_jax.policy_loss(lp, pb, cfg)
 
   (l0, m0), g0 = jax.value_and_grad(loss, argnums=1, has_aux=True)(base, lp, old)
@@ -315,17 +350,28 @@ def test_environment_tokens_cannot_move_the_correction(name):
 
 def test_the_mismatch_by_turn_index_is_k3_over_each_turns_tokens():
   from trainers.agents.episodes import turn_mismatch
+
   result = _run(ScriptedEngine(), n=2)
   trained = extras_lib.trainable(EXTRAS, result.samples)
-  sb = build_step_batch(result.samples, [1.0] * 4, [0.5] * 4, [0, 0, 1, 1], num_segments=4, row_len=32,
-                        tokens_per_micro_batch=128, batch_devices=1, extras=(TurnIndex(),), trained_tokens=trained)
+  sb = build_step_batch(
+    result.samples,
+    [1.0] * 4,
+    [0.5] * 4,
+    [0, 0, 1, 1],
+    num_segments=4,
+    row_len=32,
+    tokens_per_micro_batch=128,
+    batch_devices=1,
+    extras=(TurnIndex(),),
+    trained_tokens=trained,
+  )
   rng = np.random.default_rng(1)
   old = np.asarray(sb.batch.rollout_logprobs) + rng.normal(0, 0.2, sb.batch.loss_mask.shape)
   got = turn_mismatch(sb, old, max_turns=4)
   # A loop over the trajectories and their tokens.
   per_turn = {}
   for s, o in zip(result.samples, sb.per_sequence(old)):
-    o = o[len(s.prompt_ids) - 1:]
+    o = o[len(s.prompt_ids) - 1 :]
     for tok, (t, q, oo) in enumerate(zip(s.extras["turn"], s.rollout_logprobs, o)):
       if t > 0:
         r = oo - q
@@ -338,6 +384,7 @@ def test_the_mismatch_by_turn_index_is_k3_over_each_turns_tokens():
 def test_agent_settings_of_a_single_turn_task_are_an_error(tmp_path):
   from test_train import make_cfg
   from trainers.app.spec import resolve
+
   with pytest.raises(mis_jax.ConfigError, match="agent.max_turns is set but task 'copy_digits' is single-turn"):
     resolve(make_cfg(tmp_path, agent={"max_turns": 2})).task
   with pytest.raises(mis_jax.ConfigError, match="task.tool is not a key of task 'copy_digits'"):
@@ -364,8 +411,13 @@ def test_the_old_environment_module_is_a_deprecated_alias():
   import importlib
   import sys
   from trainers.tasks import env
+
   sys.modules.pop("trainers.agents.env", None)
   with pytest.warns(DeprecationWarning, match="trainers.agents.env moved to trainers.tasks.env"):
     old = importlib.import_module("trainers.agents.env")
-  assert (old.Observation, old.Turn, old.call_tool, old.ToolError) == (env.Observation, env.Turn, env.call_tool,
-                                                                        env.ToolError)
+  assert (old.Observation, old.Turn, old.call_tool, old.ToolError) == (
+    env.Observation,
+    env.Turn,
+    env.call_tool,
+    env.ToolError,
+  )

@@ -23,22 +23,29 @@ def _trajectory(prompt_index, prompt_len, turns):
     turn += [k] * model + [0] * env
     reward += [r] * model + [0.0] * env
   n = len(turn)
-  return Sample(prompt_index=prompt_index, prompt_ids=tuple(range(1, prompt_len + 1)), response_ids=tuple([7] * n),
-                rollout_logprobs=tuple([-0.5] * n), finish_reason="stop", text="", weight_version="0",
-                extras={"turn": np.array(turn, np.int32), "turn_reward": np.array(reward, np.float32)},
-                reward=float(sum(r for _, _, r in turns)))
+  return Sample(
+    prompt_index=prompt_index,
+    prompt_ids=tuple(range(1, prompt_len + 1)),
+    response_ids=tuple([7] * n),
+    rollout_logprobs=tuple([-0.5] * n),
+    finish_reason="stop",
+    text="",
+    weight_version="0",
+    extras={"turn": np.array(turn, np.int32), "turn_reward": np.array(reward, np.float32)},
+    reward=float(sum(r for _, _, r in turns)),
+  )
 
 
 # Three groups: four trajectories of one to three turns (a zero reward, a negative one), two of
 # equal return, and a group of one.
 BATCH = [
-    _trajectory(0, 3, [(2, 3, 0.2), (3, 2, 0.0), (1, 0, 1.25)]),
-    _trajectory(0, 3, [(4, 0, 1.0)]),
-    _trajectory(0, 3, [(1, 2, 0.2), (2, 0, -0.5)]),
-    _trajectory(0, 3, [(2, 1, 0.0), (2, 1, 0.7), (3, 0, 0.1)]),
-    _trajectory(1, 2, [(2, 2, 0.5), (1, 0, 0.5)]),
-    _trajectory(1, 2, [(3, 0, 1.0)]),
-    _trajectory(2, 4, [(1, 2, 0.3), (2, 0, 0.4)]),
+  _trajectory(0, 3, [(2, 3, 0.2), (3, 2, 0.0), (1, 0, 1.25)]),
+  _trajectory(0, 3, [(4, 0, 1.0)]),
+  _trajectory(0, 3, [(1, 2, 0.2), (2, 0, -0.5)]),
+  _trajectory(0, 3, [(2, 1, 0.0), (2, 1, 0.7), (3, 0, 0.1)]),
+  _trajectory(1, 2, [(2, 2, 0.5), (1, 0, 0.5)]),
+  _trajectory(1, 2, [(3, 0, 1.0)]),
+  _trajectory(2, 4, [(1, 2, 0.3), (2, 0, 0.4)]),
 ]
 
 
@@ -61,8 +68,11 @@ def test_each_tokens_advantage_is_its_turns_return_against_the_groups_baseline(e
 
 def test_turn_returns_are_the_rewards_still_to_come():
   s = BATCH[0]
-  np.testing.assert_allclose(turn_returns(s.extras["turn"], s.extras["turn_reward"]),
-                             [1.45] * 2 + [0] * 3 + [1.25] * 3 + [0] * 2 + [1.25], rtol=1e-6)
+  np.testing.assert_allclose(
+    turn_returns(s.extras["turn"], s.extras["turn_reward"]),
+    [1.45] * 2 + [0] * 3 + [1.25] * 3 + [0] * 2 + [1.25],
+    rtol=1e-6,
+  )
 
 
 def test_turn_rewards_that_do_not_add_up_are_an_error():
@@ -83,9 +93,18 @@ class _Engine:
     for i, ctx in enumerate(contexts):
       ids = (30, 31, 2)
       values = {e.name: e.parse(type("Reply", (), {"ids": ids})()) for e in extras}
-      result.samples.append(Sample(prompt_index=i, prompt_ids=tuple(ctx), response_ids=ids,
-                                   rollout_logprobs=(-0.1, -0.2, -0.3), finish_reason="stop", text="x",
-                                   weight_version="0", extras=values))
+      result.samples.append(
+        Sample(
+          prompt_index=i,
+          prompt_ids=tuple(ctx),
+          response_ids=ids,
+          rollout_logprobs=(-0.1, -0.2, -0.3),
+          finish_reason="stop",
+          text="x",
+          weight_version="0",
+          extras=values,
+        )
+      )
     return result
 
 
@@ -94,6 +113,7 @@ class _RewardEachTurn:
 
   def step(self, turn):
     from trainers.tasks.env import Observation
+
     return Observation(ids=(50, 51), reward=0.5 * turn.index, done=turn.index == 3)
 
 
@@ -101,8 +121,15 @@ def test_the_driver_puts_each_observations_reward_on_its_turns_tokens():
   extras = Episodes.declared_extras(per_turn_rewards=True)
   assert [e.name for e in extras] == [TurnIndex.name, TurnReward.name]
   assert Episodes.declared_extras() == Episodes.extras  # off: the default run's extras, unchanged
-  result = Episodes(max_turns=4).run(_Engine(), [Prompt(ids=(1, 5, 13))], lambda p: _RewardEachTurn(),
-                                     sampling_params={"max_new_tokens": 3}, n=2, seed=0, extras=extras)
+  result = Episodes(max_turns=4).run(
+    _Engine(),
+    [Prompt(ids=(1, 5, 13))],
+    lambda p: _RewardEachTurn(),
+    sampling_params={"max_new_tokens": 3},
+    n=2,
+    seed=0,
+    extras=extras,
+  )
   for s in result.samples:
     assert s.extras["turn"].tolist() == [1] * 3 + [0] * 2 + [2] * 3 + [0] * 2 + [3] * 3
     assert s.extras["turn_reward"].dtype == np.float32
@@ -112,9 +139,9 @@ def test_the_driver_puts_each_observations_reward_on_its_turns_tokens():
   for a, b in zip(result.samples, back.samples):
     np.testing.assert_array_equal(a.extras["turn_reward"], b.extras["turn_reward"])
   # A turn the budget cuts before its observation earned nothing.
-  cut = Episodes(max_turns=4, max_total_tokens=12).run(_Engine(), [Prompt(ids=(1, 5, 13))],
-                                                       lambda p: _RewardEachTurn(), sampling_params={},
-                                                       n=1, seed=0, extras=extras)
+  cut = Episodes(max_turns=4, max_total_tokens=12).run(
+    _Engine(), [Prompt(ids=(1, 5, 13))], lambda p: _RewardEachTurn(), sampling_params={}, n=1, seed=0, extras=extras
+  )
   (s,) = cut.samples
   assert s.extras["turn"].tolist() == [1] * 3 + [0] * 2 + [2] * 3 + [0] * 2 + [3] * 2
   assert s.extras["turn_reward"].tolist() == [0.5] * 3 + [0] * 2 + [1.0] * 3 + [0] * 2 + [0.0] * 2
@@ -124,11 +151,15 @@ def test_the_driver_puts_each_observations_reward_on_its_turns_tokens():
 def test_per_turn_rewards_refuse_what_they_are_not_defined_for(tmp_path):
   from test_train import make_cfg
   from trainers.app.spec import resolve
+
   agent = {"per_turn_rewards": True}
   task = {"name": "lookup_digits"}
   assert resolve(make_cfg(tmp_path, task=task, agent=agent)).task.summary.startswith("lookup_digits")
-  with pytest.raises(mis_jax.ConfigError, match="agent.per_turn_rewards needs a group-baseline advantage "
-                                                "estimator .grpo, dr_grpo, rloo.: train.advantage_estimator 'opo'"):
+  with pytest.raises(
+    mis_jax.ConfigError,
+    match="agent.per_turn_rewards needs a group-baseline advantage "
+    "estimator .grpo, dr_grpo, rloo.: train.advantage_estimator 'opo'",
+  ):
     resolve(make_cfg(tmp_path, task=task, agent=agent, train={"advantage_estimator": "opo"})).task
   with pytest.raises(mis_jax.ConfigError, match="exclude_rejected_from_baseline"):
     resolve(make_cfg(tmp_path, task=task, agent=agent, train={"exclude_rejected_from_baseline": True})).task

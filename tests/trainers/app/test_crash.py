@@ -49,8 +49,13 @@ RESTART = ("rollout/server_restarts",)
 def _serve(path, port):
   """The float32 `mis-jax serve` a trainer would start on `path` (`trainers.rollout.backend.start_server`),
   on `port`."""
-  return EmbeddedServer(str(path), dtype="float32", seed=0, port=port,
-                        extra_args=("--enable-return-routed-experts", "--weight-version", "0"))
+  return EmbeddedServer(
+    str(path),
+    dtype="float32",
+    seed=0,
+    port=port,
+    extra_args=("--enable-return-routed-experts", "--weight-version", "0"),
+  )
 
 
 @dataclasses.dataclass
@@ -66,13 +71,24 @@ class World:
     return f"http://127.0.0.1:{self.port}"
 
   def args(self, run_dir) -> list[str]:
-    return ["--config", self.config, "--run-dir", str(run_dir), "--no-progress",
-            "--set", f"rollout.records.save_dir={run_dir / 'records'}"]
+    return [
+      "--config",
+      self.config,
+      "--run-dir",
+      str(run_dir),
+      "--no-progress",
+      "--set",
+      f"rollout.records.save_dir={run_dir / 'records'}",
+    ]
 
   def cfg(self, run_dir) -> TrainConfig:
     cfg = TrainConfig.from_yaml(self.config)
-    return cfg.replace(run_dir=str(run_dir), rollout=dataclasses.replace(
-        cfg.rollout, records=dataclasses.replace(cfg.rollout.records, save_dir=str(run_dir / "records"))))
+    return cfg.replace(
+      run_dir=str(run_dir),
+      rollout=dataclasses.replace(
+        cfg.rollout, records=dataclasses.replace(cfg.rollout.records, save_dir=str(run_dir / "records"))
+      ),
+    )
 
   def run_here(self, run_dir, *, resume: bool):
     """The run in this process (the suite's 8 devices), through the shared server."""
@@ -86,14 +102,21 @@ def world(tmp_path_factory):
   6 steps, a checkpoint every 2, rollout records, a push after every step."""
   root = tmp_path_factory.mktemp("crash")
   init_checkpoint(root / "start", preset="tiny-qwen3", seed=3)
-  raw = merged(BASE, {"model": {"path": str(root / "start")},
-                      "rollout": {"sampling": {"max_new_tokens": 4}, "placement": {"server_dtype": "float32"},
-                                  "sync": {"initial_sync": "always"},
-                                  "transport": {"prompts_per_request": 4, "server_restart_timeout_s": 120,
-                                                "backoff_s": 0.05}},
-                      "train": {"steps": STEPS, "ppo_epochs": 1, "row_len": 16},
-                      "checkpoint": {"every": 2, "max_to_keep": 3},
-                      "loss": {"algorithm": "decoupled_ppo", "mis": {"use_rs": True, "tis_mode": "mask"}}})
+  raw = merged(
+    BASE,
+    {
+      "model": {"path": str(root / "start")},
+      "rollout": {
+        "sampling": {"max_new_tokens": 4},
+        "placement": {"server_dtype": "float32"},
+        "sync": {"initial_sync": "always"},
+        "transport": {"prompts_per_request": 4, "server_restart_timeout_s": 120, "backoff_s": 0.05},
+      },
+      "train": {"steps": STEPS, "ppo_epochs": 1, "row_len": 16},
+      "checkpoint": {"every": 2, "max_to_keep": 3},
+      "loss": {"algorithm": "decoupled_ppo", "mis": {"use_rs": True, "tis_mode": "mask"}},
+    },
+  )
   (root / "config.json").write_text(json.dumps(raw))
   port = free_port()
   box = World(root, str(root / "config.json"), port, _serve(root / "start", port), str(root / "reference"))
@@ -111,10 +134,18 @@ class Launched:
     env = {**cpu_process_env(DEVICES), "PYTHONUNBUFFERED": "1"}
     if fault:
       env[faults.ENV] = fault
-    argv = [sys.executable, "-m", "trainers.cli", "train", *world.args(run_dir), *(["--resume"] if resume else []),
-            *([] if own_server else ["--sglang-url", world.url])]
-    self.proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True, start_new_session=True)
+    argv = [
+      sys.executable,
+      "-m",
+      "trainers.cli",
+      "train",
+      *world.args(run_dir),
+      *(["--resume"] if resume else []),
+      *([] if own_server else ["--sglang-url", world.url]),
+    ]
+    self.proc = subprocess.Popen(
+      argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     self.lines: list[str] = []
     self._seen = threading.Condition()
     threading.Thread(target=self._read, daemon=True).start()
@@ -306,12 +337,15 @@ def test_killed_after_a_weights_write_and_in_the_resumed_push_then_the_server_re
 
 
 @pytest.mark.repeat
-@pytest.mark.parametrize("fault,own_server", [
+@pytest.mark.parametrize(
+  "fault,own_server",
+  [
     ("pushed:3:kill", True),  # the trainer alone: the server it started notices and stops itself
     ("metrics:1:kill-group", False),  # before any checkpoint: --resume starts from the beginning
     ("checkpoint:2:kill-group", False),  # inside the first checkpoint's write
     ("weights:5:kill", False),
-])
+  ],
+)
 def test_more_kill_points(world, tmp_path, fault, own_server):
   """The same guarantee at the other points and kinds of kill (make test-all)."""
   point, step, _ = fault.split(":")

@@ -25,17 +25,22 @@ from trainers.config import TrainConfig
 
 # --- the form: its config, its function, its registration ------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class ToyScaledConfig(PolicyLossConfig):
   """``toy_scaled_pg``'s keys."""
+
   scale: float = config_key(1.0, "toy_scaled_pg: the factor of the plain policy gradient -A·lp", gt=0, le=10)
 
 
 def toy_scaled_pg(x: FormInputs, cfg: ToyScaledConfig) -> FormLoss:
   """``-scale · A · lp`` (no ratio, no clip), times the correction's weights where the algorithm has them;
   its own metric row: the share of kept tokens with a positive advantage."""
-  return FormLoss(x.weighted(-cfg.scale * x.adv * x.lp), jnp.zeros_like(x.lp),
-                  {"toy_positive_fraction": (x.adv > 0).astype(jnp.float32)})
+  return FormLoss(
+    x.weighted(-cfg.scale * x.adv * x.lp),
+    jnp.zeros_like(x.lp),
+    {"toy_positive_fraction": (x.adv > 0).astype(jnp.float32)},
+  )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,8 +52,11 @@ def toy_form():
   POLICY_LOSSES.unregister("toy_scaled_pg")
 
 
-LOSS = {"algorithm": "bypass_ppo", "loss_agg_mode": "token-mean",
-        "policy_loss": {"name": "toy_scaled_pg", "scale": 0.5}}
+LOSS = {
+  "algorithm": "bypass_ppo",
+  "loss_agg_mode": "token-mean",
+  "policy_loss": {"name": "toy_scaled_pg", "scale": 0.5},
+}
 
 
 def _numpy_loss(batch, lp, scale):
@@ -61,8 +69,7 @@ def _numpy_loss(batch, lp, scale):
 
 @pytest.mark.integration  # a whole (tiny) training loop
 def test_the_trainer_trains_with_a_form_registered_here(tmp_path):
-  cfg = make_cfg(tmp_path, loss=LOSS, rollout={"sync": {"mismatch_check": False}},
-                 train={"steps": 3, "ppo_epochs": 1})
+  cfg = make_cfg(tmp_path, loss=LOSS, rollout={"sync": {"mismatch_check": False}}, train={"steps": 3, "ppo_epochs": 1})
   assert cfg.loss.policy_loss == ToyScaledConfig(scale=0.5) and cfg.loss.algorithm == "bypass_ppo"
   assert TrainConfig.from_dict(cfg.to_dict()) == cfg  # the YAML round trip keeps the form and its key
   assert cfg.to_dict()["loss"]["policy_loss"] == {"name": "toy_scaled_pg", "scale": 0.5}
@@ -76,8 +83,9 @@ def test_the_trainer_trains_with_a_form_registered_here(tmp_path):
       lp = trainer.fns.logprobs(params, inputs, batch.segment_ids).logprobs
       before = jax.tree.map(np.array, params)  # (the update donates them)
       out = train(params, opt_state, inputs, batch, correction)
-      moved = max(float(np.max(np.abs(a - np.asarray(b)))) for a, b in
-                  zip(jax.tree.leaves(before), jax.tree.leaves(out[0])))
+      moved = max(
+        float(np.max(np.abs(a - np.asarray(b)))) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(out[0]))
+      )
       metrics = {k: float(v) for k, v in jax.device_get(out[2]).items()}
       seen.append((jax.device_get(batch), np.asarray(jax.device_get(lp)), metrics, moved))
       return out
@@ -95,20 +103,27 @@ def test_the_trainer_trains_with_a_form_registered_here(tmp_path):
 
 def test_the_forms_key_is_checked_where_it_is_written(tmp_path, capsys):
   assert train_command.train_parser().parse_args(["--policy-loss", "toy_scaled_pg"]).policy_loss == "toy_scaled_pg"
-  bad = [({"name": "toy_scaled_pg", "scale": 0}, "key 'policy_loss.scale' must be > 0, got 0.0"),
-         ({"name": "toy_scaled_pg", "scale": 11}, "key 'policy_loss.scale' must be <= 10"),
-         ({"name": "toy_scaled_pg", "scale": "big"}, "key 'policy_loss.scale' must be a number, got the string 'big'"),
-         ({"name": "toy_scaled_pg", "scal": 2}, "unknown key 'loss.policy_loss.scal'. Did you mean 'scale'? "
-                                                "toy_scaled_pg's keys: scale, beside name"),
-         ({"name": "toy_scaled_pg", "tau_pos": 2}, "loss.policy_loss.tau_pos is a key of policy_loss sapo, not of "
-                                                   "toy_scaled_pg (toy_scaled_pg's keys: scale)"),
-         ({"name": "sapo", "scale": 2}, "loss.policy_loss.scale is a key of policy_loss toy_scaled_pg, not of sapo")]
+  bad = [
+    ({"name": "toy_scaled_pg", "scale": 0}, "key 'policy_loss.scale' must be > 0, got 0.0"),
+    ({"name": "toy_scaled_pg", "scale": 11}, "key 'policy_loss.scale' must be <= 10"),
+    ({"name": "toy_scaled_pg", "scale": "big"}, "key 'policy_loss.scale' must be a number, got the string 'big'"),
+    (
+      {"name": "toy_scaled_pg", "scal": 2},
+      "unknown key 'loss.policy_loss.scal'. Did you mean 'scale'? toy_scaled_pg's keys: scale, beside name",
+    ),
+    (
+      {"name": "toy_scaled_pg", "tau_pos": 2},
+      "loss.policy_loss.tau_pos is a key of policy_loss sapo, not of toy_scaled_pg (toy_scaled_pg's keys: scale)",
+    ),
+    ({"name": "sapo", "scale": 2}, "loss.policy_loss.scale is a key of policy_loss toy_scaled_pg, not of sapo"),
+  ]
   for section, message in bad:
     with pytest.raises(mis_jax.ConfigError) as e:
       make_cfg(tmp_path, loss=merged(LOSS, {"policy_loss": section}))
     assert message in str(e.value), (message, str(e.value))
-  code = cli.main(["train", "--run-dir", str(tmp_path / "run"), "--set",
-                   "loss.policy_loss={name: toy_scaled_pg, scale: -1}"])
+  code = cli.main(
+    ["train", "--run-dir", str(tmp_path / "run"), "--set", "loss.policy_loss={name: toy_scaled_pg, scale: -1}"]
+  )
   err = capsys.readouterr().err  # one line, naming the key (and the config the run started from)
   assert code == 2 and "key 'policy_loss.scale' must be > 0, got -1.0" in err and len(err.splitlines()) == 1, err
   assert not (tmp_path / "run").exists()

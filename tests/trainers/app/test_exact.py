@@ -23,17 +23,25 @@ from trainers.rollout import backend
 
 pytestmark = pytest.mark.integration
 
-MIS = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(tis_mode="mask", tis_lower_bound=0.5, tis_upper_bound=2.0,
-                                                             rs_veto_threshold=1e-4))
+MIS = mis_jax.LossConfig(
+  use_tis=True, mis=mis_jax.MISConfig(tis_mode="mask", tis_lower_bound=0.5, tis_upper_bound=2.0, rs_veto_threshold=1e-4)
+)
 
 
 def run(tmp_path, name, *, steps=2, exact=True, mode="colocated", dtype="bfloat16", **rollout):
   """A run of `steps` steps; its per-step metrics and, per step, the largest |old − rollout log-prob|
   over its tokens (from the records, an independent read of both columns)."""
   records = str(tmp_path / name / "records")
-  cfg = make_cfg(tmp_path, name, train={"steps": steps},
-                 rollout={"placement": {"mode": mode, "exact": exact, "server_dtype": dtype},
-                          "records": {"save_dir": records}, **rollout})
+  cfg = make_cfg(
+    tmp_path,
+    name,
+    train={"steps": steps},
+    rollout={
+      "placement": {"mode": mode, "exact": exact, "server_dtype": dtype},
+      "records": {"save_dir": records},
+      **rollout,
+    },
+  )
   with contextlib.ExitStack() as running:
     urls = []
     if mode == "server":  # as `mis-jax train` without --sglang-url: it starts `mis-jax serve` in exact mode
@@ -41,12 +49,19 @@ def run(tmp_path, name, *, steps=2, exact=True, mode="colocated", dtype="bfloat1
     trainer = train_lib.Trainer(cfg, MIS, urls=urls)
     before = jax.device_get(trainer.params)
     history = trainer.run(progress=False)
-  moved = any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(trainer.params))))
+  moved = any(
+    not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(jax.device_get(trainer.params)))
+  )
   gaps = []
   for path in sorted(glob.glob(f"{records}/*.parquet")):
     cols = pq.read_table(path).to_pydict()
-    gaps.append(max(float(np.max(np.abs(np.asarray(o, np.float64) - np.asarray(r, np.float64))))
-                    for o, r in zip(cols["old_logprobs"], cols["rollout_logprobs"]) if r))
+    gaps.append(
+      max(
+        float(np.max(np.abs(np.asarray(o, np.float64) - np.asarray(r, np.float64))))
+        for o, r in zip(cols["old_logprobs"], cols["rollout_logprobs"])
+        if r
+      )
+    )
   assert len(gaps) == len(history) == steps
   return history, gaps, moved
 
@@ -74,13 +89,17 @@ def test_a_server_without_batch_invariant_arithmetic_is_a_config_error(tmp_path)
   cfg = make_cfg(tmp_path, "fake", rollout={"placement": {"exact": True}})
   with FakeSGLang() as server:
     trainer = train_lib.Trainer(cfg, MIS, urls=[server.url])
-    with pytest.raises(mis_jax.ConfigError, match=rf"rollout.placement.exact: {server.url} .* does not report "
-                                                  r"batch-invariant arithmetic.*--arithmetic batch_invariant"):
+    with pytest.raises(
+      mis_jax.ConfigError,
+      match=rf"rollout.placement.exact: {server.url} .* does not report "
+      r"batch-invariant arithmetic.*--arithmetic batch_invariant",
+    ):
       trainer.run(progress=False)
 
 
 @pytest.mark.repeat
-@pytest.mark.parametrize("mode, dtype", [("colocated", "bfloat16"), ("colocated", "float32"), ("server", "bfloat16"),
-                                         ("server", "float32")])
+@pytest.mark.parametrize(
+  "mode, dtype", [("colocated", "bfloat16"), ("colocated", "float32"), ("server", "bfloat16"), ("server", "float32")]
+)
 def test_twenty_exact_steps(tmp_path, mode, dtype):
   assert_exact(*run(tmp_path, "long", steps=20, mode=mode, dtype=dtype))

@@ -45,8 +45,9 @@ def start(tmp_path_factory):
 
 
 def _cfg(tmp_path, name, path, steps=4, **sections):
-  rollout = merged({"sampling": {"max_new_tokens": 4}, "placement": {"server_dtype": "float32"}},
-                   sections.pop("rollout", {}))
+  rollout = merged(
+    {"sampling": {"max_new_tokens": 4}, "placement": {"server_dtype": "float32"}}, sections.pop("rollout", {})
+  )
   train = {"steps": steps, "row_len": 16, "ppo_epochs": 1, **sections.pop("train", {})}
   return make_cfg(tmp_path, name, model={"path": path}, rollout=rollout, train=train, **sections)
 
@@ -57,12 +58,14 @@ def _steps(run_dir):
 
 def _when_logged(run_dir, step, action, timeout=600):
   """Runs `action()` in a thread once `metrics.jsonl` holds `step`."""
+
   def watch():
     deadline = time.time() + timeout
     while time.time() < deadline:
       if (run_dir / "metrics.jsonl").exists() and step in _steps_safe(run_dir):
         return action()
       time.sleep(0.02)
+
   thread = threading.Thread(target=watch, daemon=True)
   thread.start()
   return thread
@@ -89,9 +92,14 @@ def test_a_server_killed_and_restarted_mid_run_is_waited_for(start, tmp_path):
     srv.process.wait()
     time.sleep(3)
     box["server"] = EmbeddedServer(path, dtype="float32", port=port, extra_args=("--weight-version", "0"))
-  cfg = _cfg(tmp_path, "restart", path, steps=5,
-             rollout={"transport": {"server_restart_timeout_s": 120, "backoff_s": 0.05},
-                      "sync": {"initial_sync": "always"}})
+
+  cfg = _cfg(
+    tmp_path,
+    "restart",
+    path,
+    steps=5,
+    rollout={"transport": {"server_restart_timeout_s": 120, "backoff_s": 0.05}, "sync": {"initial_sync": "always"}},
+  )
   trainer = train_lib.Trainer(cfg, DECOUPLED, urls=[srv.url])
   watcher = _when_logged(tmp_path / "restart", 2, restart)
   try:
@@ -119,12 +127,21 @@ def test_the_live_servers_carry_on_while_one_is_down(tmp_path):
       while 3 not in _steps_safe(tmp_path / "two"):
         time.sleep(0.02)
       back["fake"] = FakeSGLang(port=port)
+
     watcher = _when_logged(tmp_path / "two", 1, leave_then_return)
-    trainer = train_lib.Trainer(make_cfg(tmp_path, "two", train={"steps": 6, "ppo_epochs": 1},
-                                         rollout={"transport": {"prompts_per_request": 1,
-                                                                "server_restart_timeout_s": 60},
-                                                  "sync": {"mismatch_check": False}}),
-                                mis_jax.LossConfig(), urls=[keeps.url, leaves.url])
+    trainer = train_lib.Trainer(
+      make_cfg(
+        tmp_path,
+        "two",
+        train={"steps": 6, "ppo_epochs": 1},
+        rollout={
+          "transport": {"prompts_per_request": 1, "server_restart_timeout_s": 60},
+          "sync": {"mismatch_check": False},
+        },
+      ),
+      mis_jax.LossConfig(),
+      urls=[keeps.url, leaves.url],
+    )
     slow = trainer.train_on
     trainer.train_on = lambda sb: (time.sleep(0.2), slow(sb))[1]  # time for the watcher between steps
     history = trainer.run(progress=False)
@@ -142,8 +159,19 @@ def test_the_live_servers_carry_on_while_one_is_down(tmp_path):
 
 
 def _launch(config, run_dir, *extra, url=None):
-  cmd = [sys.executable, "-m", "trainers.cli", "train", "--config", str(config), "--run-dir", str(run_dir),
-         "--no-progress", *(["--sglang-url", url] if url else []), *extra]
+  cmd = [
+    sys.executable,
+    "-m",
+    "trainers.cli",
+    "train",
+    "--config",
+    str(config),
+    "--run-dir",
+    str(run_dir),
+    "--no-progress",
+    *(["--sglang-url", url] if url else []),
+    *extra,
+  ]
   return subprocess.Popen(cmd, env=cpu_process_env(1), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -220,8 +248,14 @@ def records(start, tmp_path_factory):
 
 def _replay(tmp_path, name, records, steps=6, every=5):
   path, load_dir = records
-  return _cfg(tmp_path, name, path, steps=steps, checkpoint={"every": every, "max_to_keep": 3},
-              rollout={"records": {"load_dir": load_dir, "save_dir": str(tmp_path / name / "records")}})
+  return _cfg(
+    tmp_path,
+    name,
+    path,
+    steps=steps,
+    checkpoint={"every": every, "max_to_keep": 3},
+    rollout={"records": {"load_dir": load_dir, "save_dir": str(tmp_path / name / "records")}},
+  )
 
 
 def test_resume_after_a_signal_is_exact_and_each_step_is_logged_and_recorded_once(records, tmp_path):
@@ -245,8 +279,10 @@ def test_resume_after_a_signal_is_exact_and_each_step_is_logged_and_recorded_onc
   resumed.run(resume=True, progress=False)
 
   assert _steps(tmp_path / "stopped") == [1, 2, 3, 4, 5, 6]
-  rows = {json.loads(line)["step"]: json.loads(line) for line in
-          (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()}
+  rows = {
+    json.loads(line)["step"]: json.loads(line)
+    for line in (tmp_path / "stopped" / "metrics.jsonl").read_text().splitlines()
+  }
   for h in whole_history:
     assert rows[h["step"]]["loss"] == h["loss"] and rows[h["step"]]["grad_norm"] == h["grad_norm"], h["step"]
   assert sorted(rollout_records.list_steps(str(tmp_path / "stopped" / "records"))) == [1, 2, 3, 4, 5, 6]
@@ -256,6 +292,7 @@ def test_resume_after_a_signal_is_exact_and_each_step_is_logged_and_recorded_onc
 
 def jax_leaves(tree):
   import jax
+
   return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
 
 
@@ -274,10 +311,14 @@ def test_a_checkpoint_that_cannot_be_written_stops_the_run_and_keeps_the_previou
     if trainer.step == 1:
       trainer.checkpoints.wait()
       resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, limits[1]))
+
   trainer.save_checkpoint = save_then_fill_the_disk
   try:
-    with pytest.raises(train_lib.TrainingError, match=r"the checkpoint of step 2 could not be written to "
-                       rf"{tmp_path / 'full' / 'checkpoints'}: .*File too large.*The last whole checkpoint is step 1"):
+    with pytest.raises(
+      train_lib.TrainingError,
+      match=r"the checkpoint of step 2 could not be written to "
+      rf"{tmp_path / 'full' / 'checkpoints'}: .*File too large.*The last whole checkpoint is step 1",
+    ):
       trainer.run(progress=False)
   finally:
     resource.setrlimit(resource.RLIMIT_FSIZE, limits)
@@ -296,11 +337,36 @@ def test_two_processes_stop_after_the_same_step_on_a_signal_to_one(start, tmp_pa
   port = free_port()
 
   def launch(*extra):
-    return [subprocess.Popen(
-        [sys.executable, "-m", "trainers.cli", "train", "--config", str(config), "--run-dir", str(tmp_path / "run"),
-         "--no-progress", "--sglang-url", srv.url, "--coordinator-address", f"127.0.0.1:{port}",
-         "--num-processes", "2", "--process-id", str(i), *extra],
-        env=cpu_process_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    return [
+      subprocess.Popen(
+        [
+          sys.executable,
+          "-m",
+          "trainers.cli",
+          "train",
+          "--config",
+          str(config),
+          "--run-dir",
+          str(tmp_path / "run"),
+          "--no-progress",
+          "--sglang-url",
+          srv.url,
+          "--coordinator-address",
+          f"127.0.0.1:{port}",
+          "--num-processes",
+          "2",
+          "--process-id",
+          str(i),
+          *extra,
+        ],
+        env=cpu_process_env(4),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+      )
+      for i in range(2)
+    ]
+
   procs = launch()
   _signal_after(procs[1], tmp_path / "run", 1, signal.SIGTERM)
   out = procs[0].communicate(timeout=300)[0]

@@ -19,8 +19,16 @@ from test_train import make_cfg
 def _run(tmp_path, cfg, steps=5, stream=None):
   logger = MetricLogger(str(tmp_path), cfg, total_steps=steps, stream=stream)
   for step in range(1, steps + 1):
-    logger.log(step, {"step": step, "reward_mean": 0.1 * step, "loss": 1.0 / step, "mis_k3_kl": 1e-3,
-                      "server_weight_version": str(step - 1)})
+    logger.log(
+      step,
+      {
+        "step": step,
+        "reward_mean": 0.1 * step,
+        "loss": 1.0 / step,
+        "mis_k3_kl": 1e-3,
+        "server_weight_version": str(step - 1),
+      },
+    )
   logger.close()
 
 
@@ -43,10 +51,11 @@ def test_jsonl_tensorboardx_and_non_tty_progress(tmp_path):
 def _events(path):
   """The `Event` records of a TensorBoard file (TFRecord framing: length, its CRC, data, its CRC)."""
   from tensorboardX.proto.event_pb2 import Event
+
   data, at, out = path.read_bytes(), 0, []
   while at < len(data):
-    n = int.from_bytes(data[at:at + 8], "little")
-    out.append(Event.FromString(data[at + 12:at + 12 + n]))
+    n = int.from_bytes(data[at : at + 8], "little")
+    out.append(Event.FromString(data[at + 12 : at + 12 + n]))
     at += 12 + n + 4
   return out
 
@@ -78,6 +87,7 @@ def test_wandb_when_asked(tmp_path, monkeypatch):
 def test_wandb_missing_is_a_config_error(tmp_path, monkeypatch):
   import importlib.util
   from trainers.app.spec import resolve
+
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
   with pytest.raises(mis_jax.ConfigError, match="logging.wandb is true but wandb is not installed"):
@@ -88,8 +98,11 @@ def test_wandb_missing_is_a_config_error(tmp_path, monkeypatch):
 def test_tensorboard_writer_needs_no_pytorch(tmp_path):
   """With PyTorch made unimportable, tensorboardX still writes events (it only uses torch when present)."""
   import subprocess
-  code = ("import sys; sys.modules['torch'] = None\n"
-          "from tensorboardX import SummaryWriter\n"
-          f"w = SummaryWriter({str(tmp_path)!r}); w.add_scalar('loss', 1.5, 1); w.close()\n")
+
+  code = (
+    "import sys; sys.modules['torch'] = None\n"
+    "from tensorboardX import SummaryWriter\n"
+    f"w = SummaryWriter({str(tmp_path)!r}); w.add_scalar('loss', 1.5, 1); w.close()\n"
+  )
   subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True)
   assert b"loss" in next(tmp_path.glob("events.out.tfevents.*")).read_bytes()

@@ -36,12 +36,18 @@ def _bits(a):
 def test_sharded_bf16_weights_load_bit_exact(tmp_path, preset):
   import torch
   import transformers
+
   model = CausalLM(PRESETS[preset], rngs=nnx.Rngs(3))
   times = save_hf_sharded(nnx.state(model, nnx.Param), model.config, tmp_path / "w", dtype="bfloat16", num_shards=3)
   assert set(times) == {"gather_s", "write_s"}
   files = sorted(os.listdir(tmp_path / "w"))
-  assert files == ["config.json", "model-00001-of-00003.safetensors", "model-00002-of-00003.safetensors",
-                   "model-00003-of-00003.safetensors", "model.safetensors.index.json"]
+  assert files == [
+    "config.json",
+    "model-00001-of-00003.safetensors",
+    "model-00002-of-00003.safetensors",
+    "model-00003-of-00003.safetensors",
+    "model.safetensors.index.json",
+  ]
   index = json.loads((tmp_path / "w" / "model.safetensors.index.json").read_text())
   want = hf_state_dict(model, dtype="bfloat16")
   assert set(index["weight_map"]) == set(want) and set(index["weight_map"].values()) == set(files[1:4])
@@ -75,15 +81,19 @@ def test_weight_sync_reaches_four_servers_concurrently():
 
 
 def _timed_trainer(tmp_path, name, url, train_delay_s, rollout=None):
-  cfg = make_cfg(tmp_path, name, rollout=merged({"transport": {"prompts_per_request": 16},
-                                                 "sync": {"mismatch_check": False}}, rollout or {}),
-                 train={"steps": 4})
+  cfg = make_cfg(
+    tmp_path,
+    name,
+    rollout=merged({"transport": {"prompts_per_request": 16}, "sync": {"mismatch_check": False}}, rollout or {}),
+    train={"steps": 4},
+  )
   trainer = train_lib.Trainer(cfg, DECOUPLED, urls=[url])
   train_on = trainer.train_on
 
   def slow_train_on(sb):
     time.sleep(train_delay_s)
     return train_on(sb)
+
   trainer.train_on = slow_train_on
   return trainer
 
@@ -96,8 +106,9 @@ def test_asynchronous_loop_overlaps_generation_and_training(tmp_path):
   with FakeSGLang(generate_delay_s=x) as fake:
     sync = _timed_trainer(tmp_path, "sync", fake.url, y).run(progress=False)
     fake.weight_version = "init"
-    asynchronous = _timed_trainer(tmp_path, "async", fake.url, y, {"sync": {"max_staleness": 1, "pause_mode": "retract"}}).run(
-        progress=False)
+    asynchronous = _timed_trainer(
+      tmp_path, "async", fake.url, y, {"sync": {"max_staleness": 1, "pause_mode": "retract"}}
+    ).run(progress=False)
   assert [h["server_weight_version"] for h in sync] == ["0", "1", "2", "3"]
   assert all(h["rollout/staleness_max"] == 0 for h in sync)
   # Batch k+1 is generated while step k trains (with the weights of step k-1 at most).
@@ -118,17 +129,21 @@ def test_asynchronous_loop_overlaps_generation_and_training(tmp_path):
 
 def test_samples_older_than_the_bound_are_dropped_and_counted(tmp_path):
   with FakeSGLang(fault="stale_versions") as fake:  # reports weights 2 versions behind
-    history = train_lib.Trainer(make_cfg(tmp_path, "k2", rollout={"sync": {"max_staleness": 2,
-                                                                           "mismatch_check": False}}, train={"steps": 4}),
-                                DECOUPLED, urls=[fake.url]).run(progress=False)
+    history = train_lib.Trainer(
+      make_cfg(tmp_path, "k2", rollout={"sync": {"max_staleness": 2, "mismatch_check": False}}, train={"steps": 4}),
+      DECOUPLED,
+      urls=[fake.url],
+    ).run(progress=False)
     # Generated ahead (asynchronously) by a lagging server: the older samples are dropped and
     # counted, the trained ones are exactly at the bound.
     assert [h["rollout/staleness_max"] for h in history] == [0, 1, 2, 2]  # 0, 1: versions 0, 0, ...
     assert all(h["rollout/staleness_mean"] <= 2 for h in history)
     fake.weight_version = "init"
-    trainer = train_lib.Trainer(make_cfg(tmp_path, "k1", rollout={"sync": {"max_staleness": 1,
-                                                                           "mismatch_check": False}}, train={"steps": 6}),
-                                DECOUPLED, urls=[fake.url])
+    trainer = train_lib.Trainer(
+      make_cfg(tmp_path, "k1", rollout={"sync": {"max_staleness": 1, "mismatch_check": False}}, train={"steps": 6}),
+      DECOUPLED,
+      urls=[fake.url],
+    )
     with pytest.raises(train_lib.TrainingError, match="no sample within max_staleness 1"):
       trainer.run(progress=False)
   rows = [json.loads(line) for line in (tmp_path / "k1" / "metrics.jsonl").read_text().splitlines()]
@@ -136,8 +151,9 @@ def test_samples_older_than_the_bound_are_dropped_and_counted(tmp_path):
 
 
 def test_asynchronous_faults_stop_cleanly_and_resume(tmp_path):
-  cfg = lambda name, steps: make_cfg(tmp_path, name, rollout={"sync": {"max_staleness": 1, "mismatch_check": False}},
-                                     train={"steps": steps})
+  cfg = lambda name, steps: make_cfg(
+    tmp_path, name, rollout={"sync": {"max_staleness": 1, "mismatch_check": False}}, train={"steps": steps}
+  )
   # A server dying mid-generation: the producer's error stops the run at that batch.
   with FakeSGLang(fault="die_after", after=3) as fake:
     trainer = train_lib.Trainer(cfg("dies", 6), DECOUPLED, urls=[fake.url])
@@ -161,21 +177,51 @@ def test_asynchronous_faults_stop_cleanly_and_resume(tmp_path):
 
 def trainer_thread_alive() -> bool:
   import threading
+
   return any(t.name == "rollout-producer" and t.is_alive() for t in threading.enumerate())
 
 
 # ---- several processes ----------------------------------------------------------------------
 
+
 def _launch(config, url, run_dir, nproc, *extra):
   port = free_port()
-  cmd = [sys.executable, "-m", "trainers.cli", "train", "--config", str(config), "--sglang-url", url,
-         "--run-dir", str(run_dir), "--no-progress", *extra]
+  cmd = [
+    sys.executable,
+    "-m",
+    "trainers.cli",
+    "train",
+    "--config",
+    str(config),
+    "--sglang-url",
+    url,
+    "--run-dir",
+    str(run_dir),
+    "--no-progress",
+    *extra,
+  ]
   if nproc == 1:
     return [subprocess.Popen(cmd, env=cpu_process_env(8), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
-  return [subprocess.Popen(cmd + ["--coordinator-address", f"127.0.0.1:{port}", "--num-processes", str(nproc),
-                                  "--process-id", str(i), "--heartbeat-timeout", "30"],
-                           env=cpu_process_env(8 // nproc), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-          for i in range(nproc)]
+  return [
+    subprocess.Popen(
+      cmd
+      + [
+        "--coordinator-address",
+        f"127.0.0.1:{port}",
+        "--num-processes",
+        str(nproc),
+        "--process-id",
+        str(i),
+        "--heartbeat-timeout",
+        "30",
+      ],
+      env=cpu_process_env(8 // nproc),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(nproc)
+  ]
 
 
 def _wait(procs, timeout=900):
@@ -206,6 +252,7 @@ def test_two_processes_equal_one_process_through_a_kill_and_resume(f32_server, t
   transformers."""
   import torch
   import transformers
+
   raw = json.loads(json.dumps(BASE))
   raw["train"].update(steps=3, adam_eps=1e-4)  # Adam eps: see test_step (rounding noise is not amplified)
   raw["rollout"]["placement"] = {"server_dtype": "float32"}
@@ -237,8 +284,11 @@ def test_two_processes_equal_one_process_through_a_kill_and_resume(f32_server, t
   w_one = read_hf_tensors(tmp_path / "one" / "weights" / "step_3")
   w_two = read_hf_tensors(tmp_path / "two" / "weights" / "step_3")
   assert sorted(os.listdir(tmp_path / "two" / "weights" / "step_3")) == [
-      "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-      "model.safetensors.index.json"]
+    "config.json",
+    "model-00001-of-00002.safetensors",
+    "model-00002-of-00002.safetensors",
+    "model.safetensors.index.json",
+  ]
   assert sorted(w_one) == sorted(w_two)
   for k in w_one:
     np.testing.assert_allclose(w_two[k], w_one[k], rtol=1e-4, atol=1e-5 * np.abs(w_one[k]).max(), err_msg=k)
@@ -252,27 +302,32 @@ def test_two_processes_equal_one_process_through_a_kill_and_resume(f32_server, t
 
 def f32_server_weights(server) -> str:
   import httpx
+
   return httpx.get(server.url + "/model_info").json()["model_path"]
 
 
-@pytest.mark.parametrize("flags,fragment", [
+@pytest.mark.parametrize(
+  "flags,fragment",
+  [
     (["--num-processes", "2"], "missing --coordinator-address (or JAX_COORDINATOR_ADDRESS), --process-id"),
     (["--coordinator-address", "h:1", "--num-processes", "2", "--process-id", "2"], "--process-id 2 must be in [0"),
     (["--coordinator-address", "nohost", "--num-processes", "2", "--process-id", "0"], "must be HOST:PORT"),
-])
+  ],
+)
 def test_bad_process_flags_are_one_line_errors(flags, fragment, capsys):
   from trainers import cli
+
   assert cli.main(["train", "--config", "configs/demo.yaml", *flags]) == 2
   assert fragment in capsys.readouterr().err
 
 
 def test_async_config_rules(tmp_path):
   with pytest.raises(mis_jax.ConfigError, match="rollout.sync.max_staleness 1 with rollout.sync.sync_every 2"):
-    resolve(make_cfg(tmp_path, rollout={"sync": {"max_staleness": 1, "sync_every": 2}},
-                                 checkpoint={"every": 2})).task
+    resolve(make_cfg(tmp_path, rollout={"sync": {"max_staleness": 1, "sync_every": 2}}, checkpoint={"every": 2})).task
   with pytest.warns(UserWarning, match="only decoupled PPO .* corrects for stale rollouts"):
     resolve(make_cfg(tmp_path, rollout={"sync": {"max_staleness": 1}})).task
   from trainers.config import TrainConfig
+
   cfg = TrainConfig.from_yaml("configs/async.yaml")
   assert (cfg.rollout.sync.max_staleness, cfg.rollout.sync.pause_mode) == (1, "retract")
   assert cfg.loss.algorithm == "decoupled_ppo"
@@ -286,6 +341,7 @@ def test_moe_routing_replay_two_processes_equal_one(tmp_path):
   broadcast, and metrics (routing mismatch included) and the pushed weights agree."""
   from trainers.models import init_checkpoint
   from trainers.serving.embedded.server import EmbeddedServer
+
   weights = tmp_path / "moe-init"
   init_checkpoint(weights, preset="tiny-qwen3-moe", seed=1)
   raw = json.loads(json.dumps(BASE))

@@ -22,22 +22,37 @@ from trainers.serving.embedded.server import EmbeddedServer
 pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
 
 BASE = {
-    "seed": 0,
-    "model": {"preset": "tiny-qwen3", "initializer_range": 0.1},
-    "task": {"name": "copy_digits", "num_digits": 3},
-    "rollout": {"prompts_per_step": 4, "n": 4,
-                "transport": {"max_retries": 1, "backoff_s": 0.01, "health_attempts": 2, "timeout_s": 60,
-                              "server_restart_timeout_s": 0}},  # fault tests: a dead server stops the run
-    "train": {"steps": 3, "tokens_per_micro_batch": 64, "row_len": 32, "ppo_epochs": 2, "learning_rate": 3e-3},
-    "checkpoint": {"every": 1, "max_to_keep": 2},
+  "seed": 0,
+  "model": {"preset": "tiny-qwen3", "initializer_range": 0.1},
+  "task": {"name": "copy_digits", "num_digits": 3},
+  "rollout": {
+    "prompts_per_step": 4,
+    "n": 4,
+    "transport": {
+      "max_retries": 1,
+      "backoff_s": 0.01,
+      "health_attempts": 2,
+      "timeout_s": 60,
+      "server_restart_timeout_s": 0,
+    },
+  },  # fault tests: a dead server stops the run
+  "train": {"steps": 3, "tokens_per_micro_batch": 64, "row_len": 32, "ppo_epochs": 2, "learning_rate": 3e-3},
+  "checkpoint": {"every": 1, "max_to_keep": 2},
 }
-MIS = {"use_tis": True, "use_rs": True, "tis_mode": "mask", "tis_lower_bound": 0.5, "tis_upper_bound": 2.0,
-       "rs_veto_threshold": 1e-4, "tis_batch_normalize": True}
+MIS = {
+  "use_tis": True,
+  "use_rs": True,
+  "tis_mode": "mask",
+  "tis_lower_bound": 0.5,
+  "tis_upper_bound": 2.0,
+  "rs_veto_threshold": 1e-4,
+  "tis_batch_normalize": True,
+}
 ALGORITHMS = {
-    "ppo": dict(),
-    "bypass_ppo": dict(use_rollout_logprobs=True),
-    "decoupled_ppo": dict(use_tis=True, mis=mis_jax.MISConfig(**MIS)),
-    "reinforce_is": dict(use_tis=True, use_rollout_logprobs=True, denominator="original"),
+  "ppo": dict(),
+  "bypass_ppo": dict(use_rollout_logprobs=True),
+  "decoupled_ppo": dict(use_tis=True, mis=mis_jax.MISConfig(**MIS)),
+  "reinforce_is": dict(use_tis=True, use_rollout_logprobs=True, denominator="original"),
 }
 
 
@@ -76,8 +91,12 @@ def server(tmp_path_factory):
     yield srv
 
 
-CENTRING_METRICS = ("score_centering_tv", "score_centering_tail_mass", "score_centering_drift",
-                    "score_centering_residual_bound")
+CENTRING_METRICS = (
+  "score_centering_tv",
+  "score_centering_tail_mass",
+  "score_centering_drift",
+  "score_centering_residual_bound",
+)
 
 
 @pytest.mark.parametrize("algo", ALGORITHMS)
@@ -90,6 +109,7 @@ def test_end_to_end_each_algorithm(algo, server, tmp_path, step_traces):
   forward (`train_fused`: no old-log-prob pass, no separate `prepare`; still counted and returned
   for the records; == the separate path: test_step). Every run moves the weights."""
   import jax
+
   centred, fused = algo == "reinforce_is", algo == "ppo"
   loss_cfg = mis_jax.LossConfig(**ALGORITHMS[algo], score_centering=centred)
   sections = {"rollout": {"sampling": {"top_logprobs_num": 4}}} if centred else {}
@@ -132,8 +152,9 @@ def test_end_to_end_each_algorithm(algo, server, tmp_path, step_traces):
   assert str(_model_info(server.url)["weight_version"]) == "3"
   if algo == "decoupled_ppo":
     assert {"mis_batch_norm_factor", "mis_rs_catastrophic_seq_fraction", "ois"} <= set(history[0])
-  moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.abs(np.asarray(b, np.float32) - a).max()), before,
-                                       trainer.params))
+  moved = jax.tree.leaves(
+    jax.tree.map(lambda a, b: float(np.abs(np.asarray(b, np.float32) - a).max()), before, trainer.params)
+  )
   assert max(moved) > 0
   if centred:
     for h in history:
@@ -147,6 +168,7 @@ def test_end_to_end_each_algorithm(algo, server, tmp_path, step_traces):
 
 def _model_info(url):
   import httpx
+
   return httpx.get(url + "/model_info").json()
 
 
@@ -179,11 +201,14 @@ def test_4xx_is_not_retried_and_shows_the_message(tmp_path):
     assert fake.generate_calls == 1
 
 
-@pytest.mark.parametrize("fault,reason", [
+@pytest.mark.parametrize(
+  "fault,reason",
+  [
     ("malformed_missing", "missing meta_info.output_token_logprobs"),
     ("malformed_length", "length mismatch: 4 output_ids but 3 output_token_logprobs"),
     ("malformed_null", "invalid log-prob None at response token 0"),
-])
+  ],
+)
 def test_malformed_samples_are_rejected_and_stop_the_run(tmp_path, fault, reason):
   with FakeSGLang(fault=fault) as fake:
     with pytest.raises(train_lib.TrainingError, match=rf"8 of 16 samples were malformed .*{reason}"):
@@ -200,8 +225,10 @@ def test_rejected_and_aborted_samples_are_never_trained_on(tmp_path):
   assert history[0]["num_aborted"] == 4 and history[0]["num_samples"] == 12
 
 
-@pytest.mark.parametrize("fault,pattern", [("sync_fail", "shapes mismatch"),
-                                           ("sync_version_stuck", "weight_version is 'init' after the update")])
+@pytest.mark.parametrize(
+  "fault,pattern",
+  [("sync_fail", "shapes mismatch"), ("sync_version_stuck", "weight_version is 'init' after the update")],
+)
 def test_weight_sync_failure_is_retried_then_stops(tmp_path, fault, pattern):
   with FakeSGLang(fault=fault) as fake:
     with pytest.raises(train_lib.TrainingError, match=rf"weight sync at step 0 failed: .*3 attempts: .*{pattern}"):
@@ -216,9 +243,18 @@ def test_server_dying_mid_run_keeps_the_last_checkpoint(tmp_path):
     trainer = _trainer(tmp_path, fake.url, train={"steps": 5})
     with pytest.raises(ServerError, match="HTTP 503"):
       trainer.run(progress=False)
-    assert {p for _, p in fake.requests} <= {"/health", "/generate", "/pause_generation", "/flush_cache",
-                                             "/update_weights_from_disk", "/model_info", "/continue_generation",
-                                             "/server_info", "/get_server_info", "/mis_jax/read_probe"}
+    assert {p for _, p in fake.requests} <= {
+      "/health",
+      "/generate",
+      "/pause_generation",
+      "/flush_cache",
+      "/update_weights_from_disk",
+      "/model_info",
+      "/continue_generation",
+      "/server_info",
+      "/get_server_info",
+      "/mis_jax/read_probe",
+    }
   resumed = _trainer(tmp_path, FakeSGLang().url, train={"steps": 3})
   assert resumed.restore_latest() and resumed.step == 2
   with pytest.raises(train_lib.TrainingError, match="already holds checkpoints"):
@@ -230,8 +266,11 @@ def test_rejected_sequences_leave_the_baseline(tmp_path):
   sequences' advantages are computed from the kept rewards only (checked against a loop)."""
   mis = mis_jax.MISConfig(tis_level="sequence", tis_mode="mask", tis_lower_bound=0.9, tis_upper_bound=1.1)
   with FakeSGLang() as fake:  # random log-probs: large mismatch, many rejections
-    trainer = train_lib.Trainer(make_cfg(tmp_path, train={"steps": 1, "exclude_rejected_from_baseline": True}),
-                                mis_jax.LossConfig(use_tis=True, mis=mis), urls=[fake.url])
+    trainer = train_lib.Trainer(
+      make_cfg(tmp_path, train={"steps": 1, "exclude_rejected_from_baseline": True}),
+      mis_jax.LossConfig(use_tis=True, mis=mis),
+      urls=[fake.url],
+    )
     trainer.servers.client.wait_until_healthy(attempts=2)
     trainer.source.start(0)
     rollout = trainer.source.next(0)
@@ -244,9 +283,19 @@ def test_rejected_sequences_leave_the_baseline(tmp_path):
     new_batch, _, stage_metrics = trainer.learner.stages[0].apply(StageInput(sb), batch, correction)
     excluded = stage_metrics["num_excluded_from_baseline"]
     trainer.servers.close()
-  kept = [k.any() for k in sb.per_sequence(
-      mis_jax.compute_mis_weights(batch.old_logprobs, batch.rollout_logprobs, batch.loss_mask, batch.segment_ids,
-                                  mis, num_segments=trainer.spec.num_segments)[1])]
+  kept = [
+    k.any()
+    for k in sb.per_sequence(
+      mis_jax.compute_mis_weights(
+        batch.old_logprobs,
+        batch.rollout_logprobs,
+        batch.loss_mask,
+        batch.segment_ids,
+        mis,
+        num_segments=trainer.spec.num_segments,
+      )[1]
+    )
+  ]
   assert 0 < excluded == len(kept) - sum(kept)
   adv = [a[0] for a in sb.per_sequence(new_batch.advantages)]
   for i, (g, ok) in enumerate(zip(sb.groups, kept)):
@@ -257,8 +306,11 @@ def test_rejected_sequences_leave_the_baseline(tmp_path):
     want = (sb.rewards[i] - mean) / (np.std(members, ddof=1) + 1e-6) if len(members) > 1 else sb.rewards[i] - mean
     np.testing.assert_allclose(adv[i], want, rtol=1e-5, atol=1e-6)
   with pytest.raises(mis_jax.ConfigError, match="exclude_rejected_from_baseline needs decoupled PPO"):
-    train_lib.Trainer(make_cfg(tmp_path, name="x", train={"exclude_rejected_from_baseline": True}),
-                      mis_jax.LossConfig(use_rollout_logprobs=True), urls=["http://127.0.0.1:9"])
+    train_lib.Trainer(
+      make_cfg(tmp_path, name="x", train={"exclude_rejected_from_baseline": True}),
+      mis_jax.LossConfig(use_rollout_logprobs=True),
+      urls=["http://127.0.0.1:9"],
+    )
 
 
 def test_policy_loss_and_optimal_token_baseline_end_to_end(server, tmp_path, step_traces, monkeypatch):
@@ -266,8 +318,10 @@ def test_policy_loss_and_optimal_token_baseline_end_to_end(server, tmp_path, ste
   optimal token baseline: the run trains, its per-token advantages are verl's (a loop over the
   step's π, Σπ² and squared IS weights), and every pass traces once per shape bucket."""
   from test_advantages import otb_oracle
-  loss_cfg = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(**MIS), policy_loss={"name": "kl_cov",
-                                                                                          "kl_cov_ratio": 0.1})
+
+  loss_cfg = mis_jax.LossConfig(
+    use_tis=True, mis=mis_jax.MISConfig(**MIS), policy_loss={"name": "kl_cov", "kl_cov_ratio": 0.1}
+  )
   seen = []
   token_baseline = plan_lib.token_baseline
 
@@ -275,9 +329,11 @@ def test_policy_loss_and_optimal_token_baseline_end_to_end(server, tmp_path, ste
     out, correction, metrics = token_baseline(step, batch, correction, **kwargs)
     seen.append((step.sb, batch, correction, step.policy.logprobs, step.policy.sum_sq, out.advantages))
     return out, correction, metrics
+
   monkeypatch.setattr(plan_lib, "token_baseline", spy)  # the stages are composed when the trainer is built
-  trainer = train_lib.Trainer(make_cfg(tmp_path, train={"steps": 2, "advantage_estimator": "optimal_token_baseline"}),
-                              loss_cfg, urls=[server.url])
+  trainer = train_lib.Trainer(
+    make_cfg(tmp_path, train={"steps": 2, "advantage_estimator": "optimal_token_baseline"}), loss_cfg, urls=[server.url]
+  )
   assert trainer.plan.policy_passes == (step_lib.SUM_SQ,) and trainer.plan.old_logprobs == step_lib.SUM_SQ
   assert trainer.plan.advantage_stages == ("token_baseline", "reselect_covariance")
   history = trainer.run(progress=False)
@@ -301,9 +357,13 @@ def test_steps_masked_whole_warn_then_stop_naming_the_setting(tmp_path):
   mis = mis_jax.MISConfig(tis_mode="mask", tis_lower_bound=0.999, tis_upper_bound=1.001)
   logs = []
   with FakeSGLang() as fake:
-    cfg = make_cfg(tmp_path, train={"steps": 5, "max_consecutive_masked_steps": 2}, rollout={"sync": {"mismatch_check": False}})
+    cfg = make_cfg(
+      tmp_path, train={"steps": 5, "max_consecutive_masked_steps": 2}, rollout={"sync": {"mismatch_check": False}}
+    )
     trainer = train_lib.Trainer(cfg, mis_jax.LossConfig(use_tis=True, mis=mis), urls=[fake.url])
-    with pytest.raises(train_lib.TrainingError, match=r"step 2: the correction kept no token .*2 steps in a row") as stop:
+    with pytest.raises(
+      train_lib.TrainingError, match=r"step 2: the correction kept no token .*2 steps in a row"
+    ) as stop:
       trainer.run(progress=False, log=logs.append)
   warnings = [line for line in logs if line.startswith("warning: step 1: the correction kept no token")]
   assert len(warnings) == 1 and "(1 in a row; the run stops at 2)" in warnings[0], logs
@@ -317,9 +377,13 @@ def test_steps_masked_whole_warn_then_stop_naming_the_setting(tmp_path):
 
 
 def test_config_errors(tmp_path):
-  with pytest.raises(mis_jax.ConfigError, match=r"unknown key 'rollout.temprature'.*Did you mean 'sampling.temperature'"):
+  with pytest.raises(
+    mis_jax.ConfigError, match=r"unknown key 'rollout.temprature'.*Did you mean 'sampling.temperature'"
+  ):
     TrainConfig.from_dict({"rollout": {"temprature": 1.0}})
-  with pytest.raises(mis_jax.ConfigError, match=r"checkpoint.every \(5\) must be a multiple of rollout.sync.sync_every \(2\)"):
+  with pytest.raises(
+    mis_jax.ConfigError, match=r"checkpoint.every \(5\) must be a multiple of rollout.sync.sync_every \(2\)"
+  ):
     TrainConfig.from_dict({"rollout": {"sync": {"sync_every": 2}}, "checkpoint": {"every": 5}})
   with pytest.raises(mis_jax.ConfigError, match=r"unknown key 'optim'"):
     TrainConfig.from_dict({"optim": {}})
@@ -355,19 +419,25 @@ def test_mesh_runs_match_one_device_and_resume_on_the_mesh(f32_server, tmp_path)
   sampled token can flip (it did, once the engine's layers were unrolled: loss 1.4e-4 vs
   -1.0e-4 at step 3); in float32 the samples move with the weights by rounding only."""
   import jax
+
   server = f32_server
   loss_cfg = mis_jax.LossConfig(**ALGORITHMS["decoupled_ppo"])
   runs = {}
   # (The fsdp-only mesh is checked step by step in test_step; here the two-axis one.)
-  for name, parallel_cfg, devices in (("one", {}, jax.devices()[:1]),
-                                      ("data2-fsdp4", {"data": 2, "fsdp": 4}, None)):
+  for name, parallel_cfg, devices in (("one", {}, jax.devices()[:1]), ("data2-fsdp4", {"data": 2, "fsdp": 4}, None)):
     # The plan pinned (not `auto`, which may pick dense attention on one device and blocked on the
     # mesh, or the reverse), so the runs differ only in their reductions' order.
-    trainer = train_lib.Trainer(make_cfg(tmp_path, name, parallel=parallel_cfg, model=PINNED_PLAN), loss_cfg,
-                                urls=[server.url], devices=devices)
+    trainer = train_lib.Trainer(
+      make_cfg(tmp_path, name, parallel=parallel_cfg, model=PINNED_PLAN), loss_cfg, urls=[server.url], devices=devices
+    )
     runs[name] = trainer.run(progress=False)
-    assert dict(trainer.mesh.shape) == {"one": {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1},
-                                        "data2-fsdp4": {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1}}[name]
+    assert (
+      dict(trainer.mesh.shape)
+      == {
+        "one": {"data": 1, "fsdp": 1, "expert": 1, "tensor": 1},
+        "data2-fsdp4": {"data": 2, "fsdp": 4, "expert": 1, "tensor": 1},
+      }[name]
+    )
   for name in ("data2-fsdp4",):
     for got, want in zip(runs[name], runs["one"]):
       assert got["reward_mean"] == want["reward_mean"], name
@@ -381,6 +451,7 @@ def test_mesh_runs_match_one_device_and_resume_on_the_mesh(f32_server, tmp_path)
   resumed = train_lib.Trainer(cfg.replace(train=dataclasses.replace(cfg.train, steps=3)), loss_cfg, urls=[server.url])
   assert resumed.restore_latest() and resumed.step == 2
   from trainers.runtime import parallel
+
   assert parallel.sharding_mismatches(resumed.params, resumed.fns.param_shardings) == []
   assert parallel.sharding_mismatches(resumed.opt_state, resumed.fns.opt_shardings) == []
   history = resumed.run(resume=True, progress=False)
@@ -394,14 +465,26 @@ def test_auto_bounds_hold_their_targets_at_every_step(tmp_path):
   another model's (a large mismatch): decoupled PPO over several micro-batches on 8 devices, the RS band set to
   mask at most 10% of the sequences and the truncation bound to an ESS ratio of 0.8 over what it
   keeps. Every step meets both, its bound is its own, and the ESS the loss sees is the one chosen."""
-  mis = mis_jax.MISConfig(tis_mode="truncate", tis_upper_bound="auto", target_ess_ratio=0.8, use_rs=True,
-                          rs_level="geometric", rs_upper_bound="auto", max_masked_fraction=0.1)
+  mis = mis_jax.MISConfig(
+    tis_mode="truncate",
+    tis_upper_bound="auto",
+    target_ess_ratio=0.8,
+    use_rs=True,
+    rs_level="geometric",
+    rs_upper_bound="auto",
+    max_masked_fraction=0.1,
+  )
   with FakeSGLang() as fake:
-    cfg = make_cfg(tmp_path, train={"steps": 3, "tokens_per_micro_batch": 16, "row_len": 16},
-                   rollout={"prompts_per_step": 8, "sync": {"mismatch_check": False}})
+    cfg = make_cfg(
+      tmp_path,
+      train={"steps": 3, "tokens_per_micro_batch": 16, "row_len": 16},
+      rollout={"prompts_per_step": 8, "sync": {"mismatch_check": False}},
+    )
     trainer = train_lib.Trainer(cfg, mis_jax.LossConfig(use_tis=True, mis=mis), urls=[fake.url])
     history = trainer.run(progress=False)
-  assert [h["step"] for h in history] == [1, 2, 3] and all(h["micro_batches"] > 1 for h in history), [h.get("micro_batches") for h in history]
+  assert [h["step"] for h in history] == [1, 2, 3] and all(h["micro_batches"] > 1 for h in history), [
+    h.get("micro_batches") for h in history
+  ]
   for h in history:
     assert h["mis_auto_target_met"] == 1.0 and h["mis_auto_ess_ratio"] >= np.float32(0.8), h
     assert h["mis_ess_ratio"] == pytest.approx(h["mis_auto_ess_ratio"], rel=1e-5)
@@ -416,11 +499,17 @@ def test_steps_left_without_a_fresh_token_warn_then_stop(tmp_path):
   second in a row stops the run, saying why, before its checkpoint."""
   logs = []
   with FakeSGLang(fault="stale_versions") as fake:
-    cfg = make_cfg(tmp_path, train={"steps": 5, "max_consecutive_masked_steps": 2},
-                   rollout={"sync": {"mismatch_check": False, "max_token_staleness": 0}})
+    cfg = make_cfg(
+      tmp_path,
+      train={"steps": 5, "max_consecutive_masked_steps": 2},
+      rollout={"sync": {"mismatch_check": False, "max_token_staleness": 0}},
+    )
     trainer = train_lib.Trainer(cfg, mis_jax.LossConfig(), urls=[fake.url])
-    with pytest.raises(train_lib.TrainingError, match=r"step 3: no response token was generated within "
-                       r"rollout.sync.max_token_staleness \(0\).*Raise rollout.sync.max_token_staleness"):
+    with pytest.raises(
+      train_lib.TrainingError,
+      match=r"step 3: no response token was generated within "
+      r"rollout.sync.max_token_staleness \(0\).*Raise rollout.sync.max_token_staleness",
+    ):
       trainer.run(progress=False, log=logs.append)
   assert any(line.startswith("warning: step 2: no response token") for line in logs), logs
   rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

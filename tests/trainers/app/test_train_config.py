@@ -17,17 +17,37 @@ from trainers.config import TrainConfig
 
 # Every former flat rollout key and where it lives now (the rollout section's keys before the split).
 FLAT_ROLLOUT = {
-    "temperature": "sampling", "top_p": "sampling", "top_k": "sampling", "min_p": "sampling",
-    "max_new_tokens": "sampling", "sampling_replay": "sampling", "sampling_mask_max_tokens": "sampling",
-    "routing_replay": "sampling", "record_routing": "sampling",
-    "max_concurrency": "transport", "prompts_per_request": "transport", "timeout_s": "transport",
-    "max_retries": "transport", "backoff_s": "transport", "health_attempts": "transport",
-    "server_restart_timeout_s": "transport", "max_rejected_fraction": "transport",
-    "colocated_devices": "placement", "engine": "placement", "server_dtype": "placement",
-    "server_quantize": "placement",
-    "sync_every": "sync", "max_staleness": "sync", "max_token_staleness": "sync", "pause_mode": "sync",
-    "weight_dtype": "sync", "initial_sync": "sync", "cache_salt": "sync", "mismatch_check": "sync",
-    "save_dir": "records", "load_dir": "records",
+  "temperature": "sampling",
+  "top_p": "sampling",
+  "top_k": "sampling",
+  "min_p": "sampling",
+  "max_new_tokens": "sampling",
+  "sampling_replay": "sampling",
+  "sampling_mask_max_tokens": "sampling",
+  "routing_replay": "sampling",
+  "record_routing": "sampling",
+  "max_concurrency": "transport",
+  "prompts_per_request": "transport",
+  "timeout_s": "transport",
+  "max_retries": "transport",
+  "backoff_s": "transport",
+  "health_attempts": "transport",
+  "server_restart_timeout_s": "transport",
+  "max_rejected_fraction": "transport",
+  "colocated_devices": "placement",
+  "engine": "placement",
+  "server_dtype": "placement",
+  "server_quantize": "placement",
+  "sync_every": "sync",
+  "max_staleness": "sync",
+  "max_token_staleness": "sync",
+  "pause_mode": "sync",
+  "weight_dtype": "sync",
+  "initial_sync": "sync",
+  "cache_salt": "sync",
+  "mismatch_check": "sync",
+  "save_dir": "records",
+  "load_dir": "records",
 }
 
 
@@ -38,13 +58,20 @@ def _error(d) -> str:
 
 
 def test_nested_rollout_sections_parse_into_typed_sections():
-  cfg = TrainConfig.from_dict({"rollout": {
-      "prompts_per_step": 4, "n": 2,
-      "sampling": {"temperature": 0.7, "top_k": 20, "routing_replay": "none"},
-      "transport": {"timeout_s": 30, "max_retries": 0},
-      "placement": {"mode": "colocated", "server_dtype": "float32"},
-      "sync": {"sync_every": 2, "pause_mode": "retract"},
-      "records": {"save_dir": "/tmp/records"}}, "checkpoint": {"every": 4}})
+  cfg = TrainConfig.from_dict(
+    {
+      "rollout": {
+        "prompts_per_step": 4,
+        "n": 2,
+        "sampling": {"temperature": 0.7, "top_k": 20, "routing_replay": "none"},
+        "transport": {"timeout_s": 30, "max_retries": 0},
+        "placement": {"mode": "colocated", "server_dtype": "float32"},
+        "sync": {"sync_every": 2, "pause_mode": "retract"},
+        "records": {"save_dir": "/tmp/records"},
+      },
+      "checkpoint": {"every": 4},
+    }
+  )
   r = cfg.rollout
   assert (r.prompts_per_step, r.n) == (4, 2)
   assert (r.sampling.temperature, r.sampling.top_k, r.sampling.top_p) == (0.7, 20, 1.0)
@@ -58,21 +85,27 @@ def test_nested_rollout_sections_parse_into_typed_sections():
   # Errors in a nested section name the whole path.
   assert "rollout.sampling.top_p must be <= 1" in _error({"rollout": {"sampling": {"top_p": 2}}})
   assert "unknown key 'rollout.sync.sync_evry'. Did you mean 'sync_every'?" in _error(
-      {"rollout": {"sync": {"sync_evry": 2}}})
+    {"rollout": {"sync": {"sync_evry": 2}}}
+  )
   assert "rollout.sync must be a mapping" in _error({"rollout": {"sync": 3}})
   assert "unknown key 'rollout.temprature'. Did you mean 'sampling.temperature'?" in _error(
-      {"rollout": {"temprature": 1.0}})
+    {"rollout": {"temprature": 1.0}}
+  )
   assert "unknown key 'rollout.nn'. Did you mean 'n'?" in _error({"rollout": {"nn": 1}})
   assert "checkpoint.every (5) must be a multiple of rollout.sync.sync_every (2)" in _error(
-      {"rollout": {"sync": {"sync_every": 2}}, "checkpoint": {"every": 5}})
+    {"rollout": {"sync": {"sync_every": 2}}, "checkpoint": {"every": 5}}
+  )
 
 
 def test_the_moved_keys_are_every_former_flat_key():
   assert {k.removeprefix("rollout.") for k in config_lib.MOVED} == set(FLAT_ROLLOUT) | {"placement"}
   # Every key of the rollout section, flat before, is in exactly one of its sections now.
   nested = {path for path, _, _ in config_lib.config_keys(config_lib.RolloutSection, "rollout")}
-  assert nested == ({f"rollout.{s}.{k}" for k, s in FLAT_ROLLOUT.items()}
-                    | {"rollout.prompts_per_step", "rollout.n", "rollout.placement.mode"} | config_lib.NEVER_FLAT)
+  assert nested == (
+    {f"rollout.{s}.{k}" for k, s in FLAT_ROLLOUT.items()}
+    | {"rollout.prompts_per_step", "rollout.n", "rollout.placement.mode"}
+    | config_lib.NEVER_FLAT
+  )
 
 
 @pytest.mark.parametrize("key,section", sorted(FLAT_ROLLOUT.items()))
@@ -97,7 +130,9 @@ def test_the_former_placement_string_names_placement_mode(tmp_path, capsys):
   assert cli.main(["train", "--run-dir", str(tmp_path / "run"), "--set", "rollout.placement=colocated"]) == 2
   err = capsys.readouterr().err
   assert "--set rollout.placement=colocated: rollout.placement moved to rollout.placement.mode" in err, err
-  cfg, _ = load.resolve_train_config(train_command.train_parser().parse_args(["--set", "rollout.placement.mode=colocated"]))
+  cfg, _ = load.resolve_train_config(
+    train_command.train_parser().parse_args(["--set", "rollout.placement.mode=colocated"])
+  )
   assert cfg.rollout.placement.mode == "colocated"
 
 
@@ -110,28 +145,39 @@ def test_algorithm_sets_the_two_booleans(algorithm, flags):
   assert (cfg.loss.use_rollout_logprobs, cfg.loss.use_tis) == flags
   assert cfg.loss.algorithm == algorithm
   # The same LossConfig as the library's flat constructor builds.
-  assert cfg.loss == mis_jax.LossConfig(use_rollout_logprobs=flags[0], use_tis=flags[1],
-                                        **({"denominator": "original"} if algorithm == "reinforce_is" else {}))
+  assert cfg.loss == mis_jax.LossConfig(
+    use_rollout_logprobs=flags[0],
+    use_tis=flags[1],
+    **({"denominator": "original"} if algorithm == "reinforce_is" else {}),
+  )
 
 
 def test_no_algorithm_leaves_use_tis_to_the_mis_config():
   assert TrainConfig.from_dict({}).loss.algorithm == "ppo"
   cfg = TrainConfig.from_dict({"loss": {"custom_config_path": "configs/mis.yaml"}})  # use_tis: true in the file
   assert cfg.loss.algorithm == "decoupled_ppo" and cfg.loss.mis is not None
-  with_algorithm = TrainConfig.from_dict({"loss": {"algorithm": "decoupled_ppo",
-                                                   "custom_config_path": "configs/mis.yaml"}})
+  with_algorithm = TrainConfig.from_dict(
+    {"loss": {"algorithm": "decoupled_ppo", "custom_config_path": "configs/mis.yaml"}}
+  )
   assert with_algorithm.loss == cfg.loss
   assert "loss.algorithm: ppo (use_tis false) contradicts use_tis: true in configs/mis.yaml" in _error(
-      {"loss": {"algorithm": "ppo", "custom_config_path": "configs/mis.yaml"}})
+    {"loss": {"algorithm": "ppo", "custom_config_path": "configs/mis.yaml"}}
+  )
   assert "loss.algorithm has invalid value 'decoupled'; allowed values: ppo, bypass_ppo" in _error(
-      {"loss": {"algorithm": "decoupled"}})
+    {"loss": {"algorithm": "decoupled"}}
+  )
 
 
-@pytest.mark.parametrize("flags,algorithm", [
-    ({"use_tis": True}, "decoupled_ppo"), ({"use_tis": False}, "ppo"),
+@pytest.mark.parametrize(
+  "flags,algorithm",
+  [
+    ({"use_tis": True}, "decoupled_ppo"),
+    ({"use_tis": False}, "ppo"),
     ({"use_rollout_logprobs": True, "use_tis": False}, "bypass_ppo"),
     ({"use_rollout_logprobs": True, "use_tis": True}, "reinforce_is"),
-    ({"use_rollout_logprobs": False}, "ppo")])
+    ({"use_rollout_logprobs": False}, "ppo"),
+  ],
+)
 def test_the_flat_booleans_name_the_algorithm_key(flags, algorithm):
   message = _error({"loss": flags})
   assert "moved to loss.algorithm (ppo | bypass_ppo | decoupled_ppo | reinforce_is)" in message, message
@@ -151,9 +197,16 @@ def test_policy_loss_is_a_tagged_section():
   assert "policy_loss 'dro' needs key 'dro_beta'" in _error({"loss": {"policy_loss": {"name": "dro"}}})
 
 
-@pytest.mark.parametrize("form,key,owners", [
-    ("gspo", "tau_pos", "sapo"), ("vanilla", "dro_beta", "dro"), ("sapo", "clip_cov_ratio", "clip_cov"),
-    ("clip_cov", "ppo_kl_coef", "kl_cov"), ("gspo", "eps_clip_c", "vanilla / dppo_tv / dppo_kl")])
+@pytest.mark.parametrize(
+  "form,key,owners",
+  [
+    ("gspo", "tau_pos", "sapo"),
+    ("vanilla", "dro_beta", "dro"),
+    ("sapo", "clip_cov_ratio", "clip_cov"),
+    ("clip_cov", "ppo_kl_coef", "kl_cov"),
+    ("gspo", "eps_clip_c", "vanilla / dppo_tv / dppo_kl"),
+  ],
+)
 def test_a_key_of_another_form_names_its_form(form, key, owners):
   message = _error({"loss": {"policy_loss": {"name": form, key: 1.5}}})
   assert f"loss.policy_loss.{key} is a key of policy_loss {owners}, not of {form}" in message, message
@@ -161,10 +214,12 @@ def test_a_key_of_another_form_names_its_form(form, key, owners):
 
 def test_the_flat_loss_form_names_the_tagged_one(tmp_path, capsys):
   assert "loss.policy_loss is a tagged section: write policy_loss: {name: gspo}" in _error(
-      {"loss": {"policy_loss": "gspo"}})
+    {"loss": {"policy_loss": "gspo"}}
+  )
   assert "loss.policy_loss needs name: one of vanilla" in _error({"loss": {"policy_loss": {"tau_pos": 1}}})
   assert "unknown key 'loss.policy_loss.tau'. Did you mean 'tau_pos'?" in _error(
-      {"loss": {"policy_loss": {"name": "sapo", "tau": 1}}})
+    {"loss": {"policy_loss": {"name": "sapo", "tau": 1}}}
+  )
   for key in sorted({k for keys in mis_jax.forms.POLICY_LOSS_KEYS.values() for k in keys}):
     message = _error({"loss": {key: 1.5}})
     assert f"loss.{key} moved to loss.policy_loss.{key}, a key of policy_loss" in message, message
@@ -184,8 +239,9 @@ def test_the_library_flags_still_apply_over_the_nested_section():
   assert load.resolve_train_config(args)[0].loss.algorithm == "decoupled_ppo"  # agreeing: fine
 
 
-TRAINER_CONFIGS = sorted(p for p in glob.glob("configs/*.yaml") + glob.glob("configs/train/*.yaml")
-                         if p != "configs/mis.yaml")  # the MIS file is the library's, not a trainer config
+TRAINER_CONFIGS = sorted(
+  p for p in glob.glob("configs/*.yaml") + glob.glob("configs/train/*.yaml") if p != "configs/mis.yaml"
+)  # the MIS file is the library's, not a trainer config
 
 
 @pytest.mark.parametrize("path", TRAINER_CONFIGS)
@@ -195,17 +251,29 @@ def test_to_dict_round_trips_every_config(path):
   assert TrainConfig.from_dict(d) == cfg.replace(source=None)
   assert TrainConfig.from_dict(yaml.safe_load(yaml.safe_dump(d))) == cfg.replace(source=None)  # as YAML too
   assert set(d["rollout"]) == {"prompts_per_step", "n", "sampling", "transport", "placement", "sync", "records"}
-  assert d["loss"]["algorithm"] == cfg.loss.algorithm and d["loss"]["policy_loss"] == {"name": "vanilla",
-                                                                                         "eps_clip_c": None}
+  assert d["loss"]["algorithm"] == cfg.loss.algorithm and d["loss"]["policy_loss"] == {
+    "name": "vanilla",
+    "eps_clip_c": None,
+  }
   assert not {"use_tis", "use_rollout_logprobs", "tau_pos"} & set(d["loss"])
 
 
 def test_to_dict_round_trips_forms_and_inline_mis():
-  for loss in ({"algorithm": "bypass_ppo", "policy_loss": {"name": "clip_cov", "clip_cov_ratio": 0.01}},
-               {"algorithm": "decoupled_ppo", "policy_loss": {"name": "sapo", "tau_neg": 2.0},
-                "mis": {"tis_mode": "mask", "use_rs": True, "rs_upper_bound": "auto", "max_masked_fraction": 0.1,
-                        "rs_criteria": [{"metric": "k3", "agg": "seq_mean", "upper": "auto"}]}},
-               {"algorithm": "reinforce_is", "denominator": "original", "policy_loss": {"name": "gpg"}}):
+  for loss in (
+    {"algorithm": "bypass_ppo", "policy_loss": {"name": "clip_cov", "clip_cov_ratio": 0.01}},
+    {
+      "algorithm": "decoupled_ppo",
+      "policy_loss": {"name": "sapo", "tau_neg": 2.0},
+      "mis": {
+        "tis_mode": "mask",
+        "use_rs": True,
+        "rs_upper_bound": "auto",
+        "max_masked_fraction": 0.1,
+        "rs_criteria": [{"metric": "k3", "agg": "seq_mean", "upper": "auto"}],
+      },
+    },
+    {"algorithm": "reinforce_is", "denominator": "original", "policy_loss": {"name": "gpg"}},
+  ):
     cfg = TrainConfig.from_dict({"loss": loss})
     d = cfg.to_dict()
     assert d["loss"]["policy_loss"]["name"] == loss["policy_loss"]["name"]
@@ -216,9 +284,16 @@ def test_reference_table_is_generated_and_current():
   table = config_lib.reference_table()
   page = open("docs/reference/config.md").read()
   assert table in page
-  for path in ("rollout.sampling.temperature", "rollout.placement.mode", "rollout.sync.sync_every",
-               "rollout.records.load_dir", "loss.algorithm", "loss.policy_loss.name", "loss.policy_loss.tau_pos",
-               "loss.custom_config_path"):
+  for path in (
+    "rollout.sampling.temperature",
+    "rollout.placement.mode",
+    "rollout.sync.sync_every",
+    "rollout.records.load_dir",
+    "loss.algorithm",
+    "loss.policy_loss.name",
+    "loss.policy_loss.tau_pos",
+    "loss.custom_config_path",
+  ):
     assert f"| `{path}` |" in table, path
   for flat in ("rollout.temperature", "loss.use_tis", "loss.tau_pos"):
     assert f"| `{flat}` |" not in table
@@ -232,19 +307,31 @@ def test_each_enum_is_the_owning_modules():
   from trainers.models.moe import MOE_DISPATCH
   from trainers.models.presets import PRESETS
   from trainers.tasks.rewards import REWARDS
+
   choices = lambda cls, name: config_lib.fields_of(cls)[name][0].metadata["choices"]
   assert choices(config_lib.ModelSection, "attention") == ATTENTION_BACKENDS + ("auto",)  # auto: memory_plan
   assert choices(config_lib.ModelSection, "moe_dispatch") is MOE_DISPATCH
   assert choices(config_lib.ModelSection, "remat") == tuple(REMAT_POLICIES) + ("auto",)
   assert choices(config_lib.ModelSection, "layer_loop") == LAYER_LOOPS + ("auto",)  # auto: by depth
   assert choices(config_lib.ModelSection, "preset") == tuple(sorted(PRESETS))
-  for cls, name in ((config_lib.ModelSection, "dtype"), (config_lib.PlacementSection, "server_dtype"),
-                    (config_lib.SyncSection, "weight_dtype")):
+  for cls, name in (
+    (config_lib.ModelSection, "dtype"),
+    (config_lib.PlacementSection, "server_dtype"),
+    (config_lib.SyncSection, "weight_dtype"),
+  ):
     assert choices(cls, name) == tuple(hf_io.DTYPES)
   assert config_lib.REWARDS == tuple(REWARDS)
   assert set(mis_jax.forms.POLICY_LOSS_KEYS) == set(mis_jax.forms.POLICY_LOSSES)
   assert not any(k in mis_jax.LossConfig.keys() for keys in mis_jax.forms.POLICY_LOSS_KEYS.values() for k in keys)
   # The config module's source holds no list of these names of its own.
   source = open(config_lib.__file__).read()
-  for literal in ('"fused"', '"ragged_dot"', '"unrolled"', '"tiny-qwen3-moe"', '"exact_match"', '"dots"', '("float32", "bfloat16")'):
+  for literal in (
+    '"fused"',
+    '"ragged_dot"',
+    '"unrolled"',
+    '"tiny-qwen3-moe"',
+    '"exact_match"',
+    '"dots"',
+    '("float32", "bfloat16")',
+  ):
     assert literal not in source, literal

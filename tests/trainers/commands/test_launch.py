@@ -54,9 +54,17 @@ def run_sbatch(tmp_path, nodes, **env) -> tuple[subprocess.CompletedProcess, lis
     (bin_dir / name).write_text(text)
     (bin_dir / name).chmod(stat.S_IRWXU)
   log = tmp_path / "srun.jsonl"
-  full = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SRUN_LOG": str(log), "FAKE_NODES": " ".join(nodes),
-          "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": ",".join(nodes), "SLURM_JOB_NUM_NODES": str(len(nodes)),
-          "MODEL": "/shared/model", "RUN_DIR": str(tmp_path / "run"), **env}
+  full = {
+    "PATH": f"{bin_dir}:{os.environ['PATH']}",
+    "SRUN_LOG": str(log),
+    "FAKE_NODES": " ".join(nodes),
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NODELIST": ",".join(nodes),
+    "SLURM_JOB_NUM_NODES": str(len(nodes)),
+    "MODEL": "/shared/model",
+    "RUN_DIR": str(tmp_path / "run"),
+    **env,
+  }
   result = subprocess.run(["bash", str(SBATCH)], env=full, capture_output=True, text=True, timeout=60)
   calls = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
   return result, calls
@@ -97,8 +105,8 @@ def test_slurm_recipe_starts_each_role_on_its_nodes(tmp_path):
 
   directives = sbatch_directives()
   assert int(directives["nodes"]) == len(nodes) and directives["ntasks-per-node"] == "1"
-  (router_opts, router, _), = steps["router"]
-  (trainer_opts, trainer, trainer_env), = steps["trainer"]
+  ((router_opts, router, _),) = steps["router"]
+  ((trainer_opts, trainer, trainer_env),) = steps["trainer"]
   # Trainer: one process per node on the first TRAINER_NODES (2) nodes; jax.distributed's process
   # count is the step's task count, its coordinator the step's first node at COORDINATOR_PORT.
   assert trainer_opts["nodelist"] == "node1,node2"
@@ -116,13 +124,13 @@ def test_slurm_recipe_starts_each_role_on_its_nodes(tmp_path):
     assert options["nodes"] == options["ntasks"] == "1"
     assert flag(command, "--router") == router_url and flag(command, "--host") == "0.0.0.0"
     assert flag(command, "--port") == "30000" and flag(command, "--model-path") == "/shared/model"
-    assert flag(command, "--engine") == "sglang" and command[command.index("--") + 1:] == ["--tp-size", "8"]
+    assert flag(command, "--engine") == "sglang" and command[command.index("--") + 1 :] == ["--tp-size", "8"]
   # The trainer waits for all of them and trains the model they serve.
   assert flag(trainer, "--wait-workers") == str(len(workers))
   assert "model.path=/shared/model" in trainer and flag(trainer, "--run-dir") == str(tmp_path / "run")
   # Every flag the recipe passes is one `mis-jax launch` knows.
   for _, command, _ in [*steps["router"], *steps["worker"], *steps["trainer"]]:
-    ours = command[2:command.index("--")] if "--" in command else command[2:]
+    ours = command[2 : command.index("--")] if "--" in command else command[2:]
     launch.parser().parse_args(ours)
 
 
@@ -157,8 +165,10 @@ def test_jobset_recipe():
     assert commands[name][:2] == ["mis-jax", "launch"] and role_of(commands[name]) == role
   # The router's Service selects the router's pods and serves its port; the others use it.
   router_port = int(flag(commands["router"], "--port"))
-  assert service["spec"]["selector"] == {"jobset.sigs.k8s.io/jobset-name": jobset["metadata"]["name"],
-                                         "jobset.sigs.k8s.io/replicatedjob-name": "router"}
+  assert service["spec"]["selector"] == {
+    "jobset.sigs.k8s.io/jobset-name": jobset["metadata"]["name"],
+    "jobset.sigs.k8s.io/replicatedjob-name": "router",
+  }
   (port,) = service["spec"]["ports"]
   assert port["port"] == port["targetPort"] == router_port
   assert _container(jobs["router"])["ports"] == [{"containerPort": router_port}]
@@ -166,7 +176,9 @@ def test_jobset_recipe():
   assert flag(commands["workers"], "--router") == flag(commands["trainer"], "--router") == router_url
   # Workers: sglang-jax on a 2x2 v5e host (4 chips: --tp-size 4), advertised by pod IP, one per replica.
   worker = _container(jobs["workers"])
-  assert flag(commands["workers"], "--engine") == "sglang-jax" and flag(commands["workers"], "--advertise") == "$(POD_IP)"
+  assert (
+    flag(commands["workers"], "--engine") == "sglang-jax" and flag(commands["workers"], "--advertise") == "$(POD_IP)"
+  )
   assert worker["ports"] == [{"containerPort": int(flag(commands["workers"], "--port"))}]
   assert flag(commands["workers"], "--tp-size") == str(worker["resources"]["limits"]["google.com/tpu"]) == "4"
   assert flag(commands["trainer"], "--wait-workers") == str(jobs["workers"]["replicas"])
@@ -185,9 +197,11 @@ def test_jobset_recipe():
     assert _container(jobs[name])["volumeMounts"] == [{"name": "shared", "mountPath": "/shared"}]
     assert pod["volumes"] == [{"name": "shared", "persistentVolumeClaim": {"claimName": "mis-jax-shared"}}]
   assert flag(commands["workers"], "--model-path") == "/shared/model"
-  assert "model.path=/shared/model" in commands["trainer"] and flag(commands["trainer"], "--run-dir").startswith("/shared/")
+  assert "model.path=/shared/model" in commands["trainer"] and flag(commands["trainer"], "--run-dir").startswith(
+    "/shared/"
+  )
   for command in commands.values():
-    launch.parser().parse_args(command[2:command.index("--")] if "--" in command else command[2:])
+    launch.parser().parse_args(command[2 : command.index("--")] if "--" in command else command[2:])
 
 
 def test_jobset_recipe_over_http_needs_no_shared_volume():
@@ -213,7 +227,8 @@ def test_jobset_recipe_over_http_needs_no_shared_volume():
   from mis_jax.config import load_yaml
   from trainers import config as config_lib
   from trainers.commands.train import train_parser
-  args = train_parser().parse_args(trainer[trainer.index("--") + 1:])
+
+  args = train_parser().parse_args(trainer[trainer.index("--") + 1 :])
   raw = load_yaml(str(ROOT / args.config), "trainer config")
   for assignment in args.set:
     config_lib.set_override(raw, assignment)
@@ -227,16 +242,29 @@ def test_jobset_recipe_over_http_needs_no_shared_volume():
   router_url = f"http://{service['metadata']['name']}:{int(flag(commands['router'], '--port'))}"
   assert flag(commands["workers"], "--router") == flag(trainer, "--router") == router_url
   for command in commands.values():
-    launch.parser().parse_args(command[2:command.index("--")] if "--" in command else command[2:])
+    launch.parser().parse_args(command[2 : command.index("--")] if "--" in command else command[2:])
 
 
-SLURM_STEP = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "gpu[017-018]", "SLURM_NTASKS": "2",
-              "SLURM_PROCID": "1", "SLURM_LOCALID": "0"}
+SLURM_STEP = {
+  "SLURM_JOB_ID": "4242",
+  "SLURM_STEP_NODELIST": "gpu[017-018]",
+  "SLURM_NTASKS": "2",
+  "SLURM_PROCID": "1",
+  "SLURM_LOCALID": "0",
+}
 
 
 def _scheduler_env(monkeypatch, **env):
-  for key in [*SLURM_STEP, "JAX_PROCESS_ID", "JAX_COORDINATOR_ADDRESS", "JAX_COORDINATOR_PORT",
-              "MIS_JAX_COORDINATOR", "MIS_JAX_NUM_PROCESSES", "JOB_COMPLETION_INDEX", "TPU_WORKER_HOSTNAMES"]:
+  for key in [
+    *SLURM_STEP,
+    "JAX_PROCESS_ID",
+    "JAX_COORDINATOR_ADDRESS",
+    "JAX_COORDINATOR_PORT",
+    "MIS_JAX_COORDINATOR",
+    "MIS_JAX_NUM_PROCESSES",
+    "JOB_COMPLETION_INDEX",
+    "TPU_WORKER_HOSTNAMES",
+  ]:
     monkeypatch.delenv(key, raising=False)
   for key, value in env.items():
     monkeypatch.setenv(key, value)
@@ -244,12 +272,16 @@ def _scheduler_env(monkeypatch, **env):
 
 def test_slurm_environment_gives_the_process_group(monkeypatch):
   from trainers.runtime import distributed
+
   _scheduler_env(monkeypatch, **SLURM_STEP, JAX_COORDINATOR_PORT="30090")
   group = launch.trainer_env()
   assert group == {"JAX_PROCESS_ID": "1", "JAX_NUM_PROCESSES": "2", "JAX_COORDINATOR_ADDRESS": "gpu017:30090"}
   monkeypatch.setattr(os, "environ", {**os.environ, **group})  # what `mis-jax train` then reads
-  assert distributed.settings_from(object()) == {"coordinator_address": "gpu017:30090", "num_processes": 2,
-                                                 "process_id": 1}
+  assert distributed.settings_from(object()) == {
+    "coordinator_address": "gpu017:30090",
+    "num_processes": 2,
+    "process_id": 1,
+  }
   _scheduler_env(monkeypatch, **SLURM_STEP)  # no port given: jax's, from the job id
   assert launch.trainer_env()["JAX_COORDINATOR_ADDRESS"] == f"gpu017:{4242 % 4096 + 65536 - 4096}"
   _scheduler_env(monkeypatch, **SLURM_STEP, MIS_JAX_COORDINATOR="login1:1234")  # given: it wins
@@ -264,14 +296,44 @@ def test_slurm_environment_gives_the_process_group(monkeypatch):
 
 
 def test_worker_command_and_address():
-  args = launch.parser().parse_args(["--role", "worker", "--engine", "sglang-jax", "--model-path", "/m", "--host",
-                                     "0.0.0.0", "--port", "31000", "--python", "/venv/bin/python", "--", "--device",
-                                     "tpu"])
+  args = launch.parser().parse_args(
+    [
+      "--role",
+      "worker",
+      "--engine",
+      "sglang-jax",
+      "--model-path",
+      "/m",
+      "--host",
+      "0.0.0.0",
+      "--port",
+      "31000",
+      "--python",
+      "/venv/bin/python",
+      "--",
+      "--device",
+      "tpu",
+    ]
+  )
   from trainers.serving.sglang_jax import launcher as sglang_jax  # its routes: the weight-update route sglang-jax lacks
-  assert launch.worker_command(args) == ["/venv/bin/python", "-P", sglang_jax.ROUTES, "--model-path", "/m",
-                                         "--host", "0.0.0.0", "--port", "31000", "--dtype", "bfloat16",
-                                         "--device", "tpu"]
+
+  assert launch.worker_command(args) == [
+    "/venv/bin/python",
+    "-P",
+    sglang_jax.ROUTES,
+    "--model-path",
+    "/m",
+    "--host",
+    "0.0.0.0",
+    "--port",
+    "31000",
+    "--dtype",
+    "bfloat16",
+    "--device",
+    "tpu",
+  ]
   import socket
+
   assert launch.advertised_url(args, "http://127.0.0.1:31000") == f"http://{socket.gethostname()}:31000"
   args.advertise = "10.0.0.7"
   assert launch.advertised_url(args, "http://127.0.0.1:31000") == "http://10.0.0.7:31000"
@@ -291,6 +353,7 @@ def test_launch_errors_before_anything_starts(capsys, monkeypatch):
 
 # ---- the recipe's trainer command, run as SLURM runs it ------------------------------------
 
+
 @pytest.mark.slow
 @pytest.mark.multihost
 def test_slurm_trainer_two_processes_equal_one(tmp_path):
@@ -300,6 +363,7 @@ def test_slurm_trainer_two_processes_equal_one(tmp_path):
   from trainers.models import init_checkpoint, read_hf_tensors
   from trainers.serving import router as router_lib
   from trainers.serving.embedded.server import EmbeddedServer
+
   model = tmp_path / "init"
   init_checkpoint(model, preset="tiny-qwen3", seed=1)
   raw = json.loads(json.dumps(BASE))
@@ -309,23 +373,45 @@ def test_slurm_trainer_two_processes_equal_one(tmp_path):
   raw["parallel"] = {"data": 2, "fsdp": 4}
   config = tmp_path / "cfg.yaml"
   config.write_text(json.dumps(raw))
-  with EmbeddedServer(str(model), dtype="float32", seed=0) as worker, \
-       router_lib.RouterProcess([worker.url], policy="round_robin") as router:
+  with (
+    EmbeddedServer(str(model), dtype="float32", seed=0) as worker,
+    router_lib.RouterProcess([worker.url], policy="round_robin") as router,
+  ):
     router_port = router.url.rsplit(":", 1)[1]
     runs = {}
     for name, tasks in (("two", 2), ("one", 1)):
-      _, calls = run_sbatch(tmp_path / name, ["127.0.0.1"] * 3, MIS_JAX=f"{sys.executable} -m trainers.cli",
-                            MODEL=str(model), CONFIG=str(config), GPUS_PER_NODE="1", ROUTER_PORT=router_port,
-                            COORDINATOR_PORT=str(free_port()), RUN_DIR=str(tmp_path / name / "run"))
-      (options, command, env), = [(*split_srun(c["argv"]), c["env"]) for c in calls
-                                   if "trainer" in c["argv"]]
+      _, calls = run_sbatch(
+        tmp_path / name,
+        ["127.0.0.1"] * 3,
+        MIS_JAX=f"{sys.executable} -m trainers.cli",
+        MODEL=str(model),
+        CONFIG=str(config),
+        GPUS_PER_NODE="1",
+        ROUTER_PORT=router_port,
+        COORDINATOR_PORT=str(free_port()),
+        RUN_DIR=str(tmp_path / name / "run"),
+      )
+      ((options, command, env),) = [(*split_srun(c["argv"]), c["env"]) for c in calls if "trainer" in c["argv"]]
       assert flag(command, "--router") == router.url
       procs = []
       for task in range(tasks):
-        slurm = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": options["nodelist"],
-                 "SLURM_NTASKS": str(tasks), "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)}
-        procs.append(subprocess.Popen(command, cwd=ROOT, env={**cpu_process_env(8 // tasks), **env, **slurm},
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        slurm = {
+          "SLURM_JOB_ID": "4242",
+          "SLURM_STEP_NODELIST": options["nodelist"],
+          "SLURM_NTASKS": str(tasks),
+          "SLURM_PROCID": str(task),
+          "SLURM_LOCALID": str(task),
+        }
+        procs.append(
+          subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env={**cpu_process_env(8 // tasks), **env, **slurm},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+          )
+        )
       logs = [p.communicate(timeout=900)[0] for p in procs]
       for p, log in zip(procs, logs):
         assert p.returncode == 0, log[-4000:]
@@ -334,5 +420,6 @@ def test_slurm_trainer_two_processes_equal_one(tmp_path):
   assert sorted(runs["one"]) == sorted(runs["two"])
   for k, want in runs["one"].items():
     np.testing.assert_allclose(runs["two"][k], want, rtol=1e-4, atol=1e-5 * np.abs(want).max(), err_msg=k)
-  assert not any(np.array_equal(runs["one"][k], a) for k, a in read_hf_tensors(model).items()
-                 if k in runs["one"] and a.size > 64)  # the 3 steps moved every large weight
+  assert not any(
+    np.array_equal(runs["one"][k], a) for k, a in read_hf_tensors(model).items() if k in runs["one"] and a.size > 64
+  )  # the 3 steps moved every large weight

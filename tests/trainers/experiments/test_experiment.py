@@ -30,10 +30,17 @@ def _synthetic():
   for arm, shift in (("standard PPO", 0.0), ("decoupled + MIS", 0.1)):
     for seed in range(4):
       rewards = (np.linspace(0, 1, 6) + shift + rng.normal(0, 0.05, 6)).tolist()
-      runs.append({"arm": arm, "setting": "fp8", "seed": seed, "reward_mean": rewards,
-                   "mis_k3_kl": [0.01] * 6, "train_rollout_logprob_abs_diff": [0.1] * 6})
-  return {"design": {"final_window": 2, "settings": ["fp8"], "arms": ["standard PPO", "decoupled + MIS"]},
-          "runs": runs}
+      runs.append(
+        {
+          "arm": arm,
+          "setting": "fp8",
+          "seed": seed,
+          "reward_mean": rewards,
+          "mis_k3_kl": [0.01] * 6,
+          "train_rollout_logprob_abs_diff": [0.1] * 6,
+        }
+      )
+  return {"design": {"final_window": 2, "settings": ["fp8"], "arms": ["standard PPO", "decoupled + MIS"]}, "runs": runs}
 
 
 def test_summary_is_means_and_paired_differences_over_seeds():
@@ -64,16 +71,23 @@ def test_centering_table_pairs_each_centred_arm_with_itself_uncentred():
   for arm, shift in zip(arms, (0.3, 0.0, 0.05)):
     for seed in range(3):
       centred = arm.endswith(mismatch.CENTERED)
-      runs.append({"arm": arm, "setting": "fp8", "seed": seed,
-                   "reward_mean": (np.linspace(0, 1, 6) + shift + rng.normal(0, 0.05, 6)).tolist(),
-                   "mis_k3_kl": [0.01] * 6, "train_rollout_logprob_abs_diff": [0.1] * 6,
-                   **{k: (rng.uniform(0, 1, 6).tolist() if centred else [None] * 6)
-                      for k in mismatch.CENTERING_METRICS}})
+      runs.append(
+        {
+          "arm": arm,
+          "setting": "fp8",
+          "seed": seed,
+          "reward_mean": (np.linspace(0, 1, 6) + shift + rng.normal(0, 0.05, 6)).tolist(),
+          "mis_k3_kl": [0.01] * 6,
+          "train_rollout_logprob_abs_diff": [0.1] * 6,
+          **{k: (rng.uniform(0, 1, 6).tolist() if centred else [None] * 6) for k in mismatch.CENTERING_METRICS},
+        }
+      )
   results = {"design": {"final_window": 2, "settings": ["fp8"], "arms": arms}, "runs": runs}
   table = mismatch.centering_table(results)
   by = {(r["arm"], r["seed"]): r for r in runs}
-  diff = [np.mean(by[(arms[2], s)]["reward_mean"][-2:]) - np.mean(by[(arms[1], s)]["reward_mean"][-2:])
-          for s in range(3)]
+  diff = [
+    np.mean(by[(arms[2], s)]["reward_mean"][-2:]) - np.mean(by[(arms[1], s)]["reward_mean"][-2:]) for s in range(3)
+  ]
   m, lo, hi = mismatch.t_interval(diff)
   row = next(line for line in table.splitlines() if line.startswith("| fp8 | decoupled + MIS + centering |"))
   assert [c.strip() for c in row.strip("|").split("|")][2].startswith(f"{m:+.3f} [{lo:+.3f}, {hi:+.3f}]")
@@ -81,8 +95,10 @@ def test_centering_table_pairs_each_centred_arm_with_itself_uncentred():
   metrics = mismatch.centering_metrics_table(results)
   drift = [by[(arms[2], s)]["score_centering_drift"] for s in range(3)]
   row = next(line for line in metrics.splitlines() if "`score_centering_drift`" in line)
-  want = [mismatch.t_interval(v) for v in ([d[0] for d in drift], [np.mean(d) for d in drift],
-                                           [np.mean(d[-2:]) for d in drift])]
+  want = [
+    mismatch.t_interval(v)
+    for v in ([d[0] for d in drift], [np.mean(d) for d in drift], [np.mean(d[-2:]) for d in drift])
+  ]
   assert [c.strip() for c in row.strip("|").split("|")][3:] == [f"{a:.2e} [{b:.2e}, {c:.2e}]" for a, b, c in want]
 
 
@@ -91,19 +107,33 @@ def test_exact_table_pairs_each_exact_setting_with_its_default():
   columns are each setting's mean."""
   rng = np.random.default_rng(2)
   runs = []
-  for setting, shift, k3 in (("bf16", 0.0, 4e-5), ("bf16, exact", 0.02, 0.0), ("bf16, sync 4", -0.1, 0.2),
-                             ("bf16, exact, sync 4", -0.1, 0.2)):
+  for setting, shift, k3 in (
+    ("bf16", 0.0, 4e-5),
+    ("bf16, exact", 0.02, 0.0),
+    ("bf16, sync 4", -0.1, 0.2),
+    ("bf16, exact, sync 4", -0.1, 0.2),
+  ):
     for seed in range(4):
-      runs.append({"arm": "standard PPO", "setting": setting, "seed": seed,
-                   "reward_mean": (np.linspace(0, 1, 6) + shift + rng.normal(0, 0.02, 6)).tolist(),
-                   "mis_k3_kl": [k3] * 6, "train_rollout_logprob_abs_diff": [10 * k3] * 6})
-  results = {"design": {"final_window": 2, "settings": list(mismatch.EXACT.settings), "arms": ["standard PPO"]},
-             "runs": runs}
+      runs.append(
+        {
+          "arm": "standard PPO",
+          "setting": setting,
+          "seed": seed,
+          "reward_mean": (np.linspace(0, 1, 6) + shift + rng.normal(0, 0.02, 6)).tolist(),
+          "mis_k3_kl": [k3] * 6,
+          "train_rollout_logprob_abs_diff": [10 * k3] * 6,
+        }
+      )
+  results = {
+    "design": {"final_window": 2, "settings": list(mismatch.EXACT.settings), "arms": ["standard PPO"]},
+    "runs": runs,
+  }
   results["summary"] = mismatch.summarize(results)
   table = mismatch.exact_table(results)
   by = {(r["setting"], r["seed"]): r for r in runs}
-  diff = [np.mean(by[("bf16, exact", s)]["reward_mean"][-2:]) - np.mean(by[("bf16", s)]["reward_mean"][-2:])
-          for s in range(4)]
+  diff = [
+    np.mean(by[("bf16, exact", s)]["reward_mean"][-2:]) - np.mean(by[("bf16", s)]["reward_mean"][-2:]) for s in range(4)
+  ]
   m, lo, hi = mismatch.t_interval(diff)
   row = next(line for line in table.splitlines() if "| bf16, exact vs bf16 |" in line)
   cells = [c.strip() for c in row.strip("|").split("|")]
@@ -131,10 +161,19 @@ def test_bad_design_names_the_field():
 COMMITTED = os.path.join(os.path.dirname(__file__), "..", "..", "..", "notebooks", "figures", "mismatch")
 
 
-@pytest.mark.parametrize("sub, design", [("", mismatch.FULL), ("stress", mismatch.STRESS), ("moe", mismatch.MOE),
-                                         ("forms", mismatch.FORMS), ("controller", mismatch.CONTROLLER),
-                                         ("proximal", mismatch.PROXIMAL), ("centering", mismatch.CENTERING),
-                                         ("exact", mismatch.EXACT)])
+@pytest.mark.parametrize(
+  "sub, design",
+  [
+    ("", mismatch.FULL),
+    ("stress", mismatch.STRESS),
+    ("moe", mismatch.MOE),
+    ("forms", mismatch.FORMS),
+    ("controller", mismatch.CONTROLLER),
+    ("proximal", mismatch.PROXIMAL),
+    ("centering", mismatch.CENTERING),
+    ("exact", mismatch.EXACT),
+  ],
+)
 def test_committed_results_are_the_full_design(sub, design):
   """notebooks/figures/mismatch (the grid) and its stress/ (the collapse search) hold complete
   runs of the current designs, and their summaries are what `summarize` computes from the runs."""
@@ -161,7 +200,9 @@ def test_committed_results_are_the_full_design(sub, design):
     for seed in design.seeds:
       a, b = (run[(arm + mismatch.LOGLINEAR, "fp8", seed)] for arm in ("decoupled + token TIS", "decoupled + MIS"))
       assert a["reward_mean"] == b["reward_mean"] and a["grad_norm"] == b["grad_norm"]
-      stale = (run[(arm + mismatch.LOGLINEAR, "fp8, sync 4", seed)] for arm in ("decoupled + token TIS", "decoupled + MIS"))
+      stale = (
+        run[(arm + mismatch.LOGLINEAR, "fp8, sync 4", seed)] for arm in ("decoupled + token TIS", "decoupled + MIS")
+      )
       assert next(stale)["grad_norm"] != next(stale)["grad_norm"]  # stale tokens: the corrections differ
   if design is mismatch.CENTERING:  # the centred runs asked for the top-k and logged the centring at every step
     for r in results["runs"]:
@@ -194,7 +235,8 @@ def test_quick_mode_end_to_end(tmp_path, capsys):
     results = json.load(f)
   design = mismatch.QUICK
   assert {(r["arm"], r["setting"], r["seed"]) for r in results["runs"]} == {
-      (a, s, seed) for a in design.arms for s in design.settings for seed in design.seeds}
+    (a, s, seed) for a in design.arms for s in design.settings for seed in design.seeds
+  }
   for r in results["runs"]:
     assert len(r["reward_mean"]) == len(r["step"]) == design.steps
     assert all(0 <= v <= 1.25 for v in r["reward_mean"])
@@ -208,12 +250,17 @@ def test_quick_mode_end_to_end(tmp_path, capsys):
     if centred:
       assert all(0 < v < 1 for v in r["score_centering_tail_mass"]) and max(r["score_centering_drift"]) > 0
   assert [row["arm"] for row in results["summary"]] == list(design.arms)
-  for name in ("curves_reward_mean.png", "curves_mis_k3_kl.png", "curves_grad_norm.png", "intervals.png",
-               "curves_score_centering_drift.png"):
+  for name in (
+    "curves_reward_mean.png",
+    "curves_mis_k3_kl.png",
+    "curves_grad_norm.png",
+    "intervals.png",
+    "curves_score_centering_drift.png",
+  ):
     assert os.path.getsize(os.path.join(out, name)) > 1000
   printed = capsys.readouterr().out
   assert "| fp8, sync 4 | decoupled + MIS |" in printed
-  centring = printed[printed.index("| Δ final vs uncentred |"):]  # the centring tables
+  centring = printed[printed.index("| Δ final vs uncentred |") :]  # the centring tables
   assert "| fp8, sync 4 | decoupled + MIS + centering |" in centring
   assert "| fp8, sync 4 | decoupled + MIS + centering | `score_centering_drift` |" in centring
   mismatch.main(["--quick", "--out", out, "--resume"])  # nothing left to run: no server starts

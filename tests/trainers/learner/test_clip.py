@@ -14,8 +14,10 @@ from trainers.learner.step import clip_by_global_norm
 
 def _grads(scale):
   rng = np.random.default_rng(0)
-  return {"a": jnp.asarray(rng.standard_normal((64, 32)) * scale, jnp.float32),
-          "b": [jnp.asarray(rng.standard_normal(7) * scale, jnp.float32)]}
+  return {
+    "a": jnp.asarray(rng.standard_normal((64, 32)) * scale, jnp.float32),
+    "b": [jnp.asarray(rng.standard_normal(7) * scale, jnp.float32)],
+  }
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -23,7 +25,11 @@ def test_unclipped_gradients_are_optaxs_bit_for_bit_and_clipped_ones_to_an_ulp(j
   ours, theirs = clip_by_global_norm(1.0), optax.clip_by_global_norm(1.0)
   for scale, exact in ((1e-3, True), (10.0, False)):
     g = _grads(scale)
-    run = (lambda t: jax.jit(lambda u: t.update(u, t.init(u))[0])) if jit else (lambda t: lambda u: t.update(u, t.init(u))[0])
+    run = (
+      (lambda t: jax.jit(lambda u: t.update(u, t.init(u))[0]))
+      if jit
+      else (lambda t: lambda u: t.update(u, t.init(u))[0])
+    )
     a, b = run(ours)(g), run(theirs)(g)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
       if exact:

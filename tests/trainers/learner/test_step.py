@@ -23,15 +23,22 @@ from trainers.models import PRESETS, CausalLM, init_checkpoint, load_hf_checkpoi
 from trainers.models.hf_io import abstract_model
 
 TINY = dataclasses.replace(PRESETS["tiny-qwen3"], initializer_range=0.3)
-MIS = mis_jax.MISConfig(use_rs=True, tis_mode="mask", tis_lower_bound=0.5, tis_upper_bound=2.0,
-                        rs_veto_threshold=1e-4, tis_batch_normalize=True)
+MIS = mis_jax.MISConfig(
+  use_rs=True,
+  tis_mode="mask",
+  tis_lower_bound=0.5,
+  tis_upper_bound=2.0,
+  rs_veto_threshold=1e-4,
+  tis_batch_normalize=True,
+)
 ALGORITHMS = {
-    "ppo": mis_jax.LossConfig(),
-    "decoupled_ppo": mis_jax.LossConfig(use_tis=True, mis=MIS),
-    "reinforce_is": mis_jax.LossConfig(use_tis=True, use_rollout_logprobs=True, denominator="original"),
-    # score centering (contract §6.6): the sampler's top-k ids' log-probs gathered in the sharded head's chunks
-    "reinforce_is_centred": mis_jax.LossConfig(use_tis=True, use_rollout_logprobs=True, denominator="original",
-                                               score_centering=True),
+  "ppo": mis_jax.LossConfig(),
+  "decoupled_ppo": mis_jax.LossConfig(use_tis=True, mis=MIS),
+  "reinforce_is": mis_jax.LossConfig(use_tis=True, use_rollout_logprobs=True, denominator="original"),
+  # score centering (contract §6.6): the sampler's top-k ids' log-probs gathered in the sharded head's chunks
+  "reinforce_is_centred": mis_jax.LossConfig(
+    use_tis=True, use_rollout_logprobs=True, denominator="original", score_centering=True
+  ),
 }
 TOP_K = 3
 TOP_K_EXTRAS = (extras_lib.SamplerTopLogprobs(TOP_K, TINY.vocab_size), extras_lib.SamplerTopIds(TOP_K, TINY.vocab_size))
@@ -52,12 +59,17 @@ def _samples(num=24, seed=0):
   for i in range(num):
     p, r = int(rng.integers(3, 7)), 1 if i == 0 else int(rng.integers(1, 15))
     head = np.sort(top.dirichlet(np.ones(TOP_K + 1), r)[:, :TOP_K], axis=-1)[:, ::-1]
-    out.append(types.SimpleNamespace(prompt_ids=rng.integers(3, 64, p).tolist(),
-                                     response_ids=rng.integers(3, 64, r).tolist(),
-                                     rollout_logprobs=(-rng.uniform(0.5, 5.0, r)).astype(np.float32),
-                                     extras={"top_logprobs": np.log(head).astype(np.float32),
-                                             "top_logprob_ids": np.stack([top.permutation(TINY.vocab_size)[:TOP_K]
-                                                                          for _ in range(r)]).astype(np.int32)}))
+    out.append(
+      types.SimpleNamespace(
+        prompt_ids=rng.integers(3, 64, p).tolist(),
+        response_ids=rng.integers(3, 64, r).tolist(),
+        rollout_logprobs=(-rng.uniform(0.5, 5.0, r)).astype(np.float32),
+        extras={
+          "top_logprobs": np.log(head).astype(np.float32),
+          "top_logprob_ids": np.stack([top.permutation(TINY.vocab_size)[:TOP_K] for _ in range(r)]).astype(np.int32),
+        },
+      )
+    )
   return out
 
 
@@ -67,14 +79,24 @@ def _step_batch(tokens_per_micro_batch, batch_devices, samples=None, extras=()):
   rewards = rng.uniform(0, 1, len(samples)).astype(np.float32)
   groups = np.arange(len(samples)) // 4
   adv = np.asarray(mis_jax.compute_advantages(rewards, groups, num_groups=int(groups.max()) + 1))
-  return build_step_batch(samples, rewards, adv, groups, num_segments=len(samples), row_len=ROW_LEN,
-                          tokens_per_micro_batch=tokens_per_micro_batch, batch_devices=batch_devices, extras=extras)
+  return build_step_batch(
+    samples,
+    rewards,
+    adv,
+    groups,
+    num_segments=len(samples),
+    row_len=ROW_LEN,
+    tokens_per_micro_batch=tokens_per_micro_batch,
+    batch_devices=batch_devices,
+    extras=extras,
+  )
 
 
 def _functions(mesh, loss_cfg, chunk=8):
   """The trainer's step functions (its default blocked attention and full remat)."""
-  return step_lib.build_step_functions(TINY, mesh, loss_cfg, OPTIM, temperature=0.9, logprob_chunk=chunk,
-                                       attention="blocked", remat="full")
+  return step_lib.build_step_functions(
+    TINY, mesh, loss_cfg, OPTIM, temperature=0.9, logprob_chunk=chunk, attention="blocked", remat="full"
+  )
 
 
 def _run(mesh, loss_cfg, sb, steps, fns=None, params=None):
@@ -102,9 +124,13 @@ def _place(mesh, sb):
   put = lambda x: jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x)))
   support = sb.extras.get("sampling_mask")  # the packed supports, with sampling replay
   top_ids = sb.extras.get("top_logprob_ids")  # the sampler's top-k ids, with score centering
-  inputs = step_lib.ModelInputs(put(sb.input_ids), put(sb.positions), put(sb.targets),
-                                support=None if support is None else put(support),
-                                extra=None if top_ids is None else {"top_logprob_ids": put(top_ids)})
+  inputs = step_lib.ModelInputs(
+    put(sb.input_ids),
+    put(sb.positions),
+    put(sb.targets),
+    support=None if support is None else put(support),
+    extra=None if top_ids is None else {"top_logprob_ids": put(top_ids)},
+  )
   return inputs, jax.tree.map(put, sb.batch)
 
 
@@ -115,8 +141,9 @@ def _assert_trees_close(got, want, what):
     # rtol 1e-5; an entry much smaller than its leaf is a sum of larger terms that cancel (Adam's
     # moments of gradients reduced over devices in another order), so its rounding is relative to
     # the leaf's scale: 1e-4 of it (f32's 1.2e-7 over thousands of summed tokens; seen at 2e-5).
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4 * scale + 1e-9,
-                               err_msg=f"{what} {jax.tree_util.keystr(path)}")
+    np.testing.assert_allclose(
+      a, b, rtol=1e-5, atol=1e-4 * scale + 1e-9, err_msg=f"{what} {jax.tree_util.keystr(path)}"
+    )
 
 
 def _assert_metrics_close(got, want):
@@ -128,7 +155,7 @@ def _assert_metrics_close(got, want):
 
 
 def _mesh(shape):
-  return parallel.make_mesh(parallel.ParallelSection(*shape), jax.devices()[:int(np.prod(shape))])
+  return parallel.make_mesh(parallel.ParallelSection(*shape), jax.devices()[: int(np.prod(shape))])
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +172,7 @@ def single_device_runs():
       sb = _step_batch(ROW_LEN, 8, samples, extras=TOP_K_EXTRAS if ALGORITHMS[name].score_centering else ())
       runs[name] = (sb, *_run(mesh, ALGORITHMS[name], sb, 3)[:2])
     return runs[name]
+
   return run
 
 
@@ -153,8 +181,12 @@ def single_device_runs():
 # the same program); the (2, 4) mesh runs REINFORCE + IS (its correction inside the loss) with score
 # centering (the sampler's top-k ids and log-probs sharded beside the tokens, their log-probs
 # gathered in the head's shard_map, the centring metrics among those compared).
-MESH_CASES = [("decoupled_ppo", "8"), ("decoupled_ppo", "2x2x2"), pytest.param("ppo", "2x2x2", marks=pytest.mark.repeat),
-              ("reinforce_is_centred", "2x4")]
+MESH_CASES = [
+  ("decoupled_ppo", "8"),
+  ("decoupled_ppo", "2x2x2"),
+  pytest.param("ppo", "2x2x2", marks=pytest.mark.repeat),
+  ("reinforce_is_centred", "2x4"),
+]
 
 
 @pytest.mark.slow
@@ -178,26 +210,32 @@ def test_mesh_step_equals_single_device(algo, mesh_name, single_device_runs):
 def test_partition_rules_on_a_3d_mesh():
   mesh = _mesh((2, 2, 2))
   abstract = nnx.state(abstract_model(dataclasses.replace(TINY, tie_word_embeddings=False)), nnx.Param)
-  specs = {"/".join(str(k) for k in path): s.get_value().spec
-           for path, s in nnx.to_flat_state(parallel.param_shardings(abstract, mesh))}
+  specs = {
+    "/".join(str(k) for k in path): s.get_value().spec
+    for path, s in nnx.to_flat_state(parallel.param_shardings(abstract, mesh))
+  }
   P = jax.sharding.PartitionSpec
-  assert specs["layers/self_attn/q_proj/kernel"] == P(None, "fsdp", "tensor")     # column parallel
+  assert specs["layers/self_attn/q_proj/kernel"] == P(None, "fsdp", "tensor")  # column parallel
   assert specs["layers/self_attn/k_proj/kernel"] == P(None, "fsdp", "tensor")
-  assert specs["layers/self_attn/o_proj/kernel"] == P(None, "tensor", "fsdp")     # row parallel
+  assert specs["layers/self_attn/o_proj/kernel"] == P(None, "tensor", "fsdp")  # row parallel
   assert specs["layers/mlp/up_proj/kernel"] == P(None, "fsdp", "tensor")
   assert specs["layers/mlp/down_proj/kernel"] == P(None, "tensor", "fsdp")
-  assert specs["embed_tokens/embedding"] == P("tensor", "fsdp")                  # vocab parallel
+  assert specs["embed_tokens/embedding"] == P("tensor", "fsdp")  # vocab parallel
   assert specs["lm_head/kernel"] == P("fsdp", "tensor")
-  assert specs["layers/input_layernorm/weight"] == P(None, None)                  # vectors replicated
+  assert specs["layers/input_layernorm/weight"] == P(None, None)  # vectors replicated
   # FSDP alone takes the largest dimension of each matrix.
-  specs8 = {"/".join(str(k) for k in path): s.get_value().spec
-            for path, s in nnx.to_flat_state(parallel.param_shardings(abstract, _mesh((1, 8, 1))))}
-  assert specs8["layers/mlp/up_proj/kernel"] == P(None, None, "fsdp")             # [L, 64, 128]
-  assert specs8["layers/mlp/down_proj/kernel"] == P(None, "fsdp", None)           # [L, 128, 64]
+  specs8 = {
+    "/".join(str(k) for k in path): s.get_value().spec
+    for path, s in nnx.to_flat_state(parallel.param_shardings(abstract, _mesh((1, 8, 1))))
+  }
+  assert specs8["layers/mlp/up_proj/kernel"] == P(None, None, "fsdp")  # [L, 64, 128]
+  assert specs8["layers/mlp/down_proj/kernel"] == P(None, "fsdp", None)  # [L, 128, 64]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("algo", ["decoupled_ppo", pytest.param("reinforce_is", marks=pytest.mark.repeat)])  # with and without old log-probs
+@pytest.mark.parametrize(
+  "algo", ["decoupled_ppo", pytest.param("reinforce_is", marks=pytest.mark.repeat)]
+)  # with and without old log-probs
 def test_one_micro_batch_equals_four(algo):
   mesh = _mesh((1, 1, 1))
   one, four = _step_batch(8 * ROW_LEN, 1), _step_batch(2 * ROW_LEN, 1)
@@ -216,13 +254,16 @@ def test_one_micro_batch_equals_four(algo):
 # The old log-probs from the update's own forward (`train_fused`) against the separate pass: decoupled
 # PPO with configs/mis.yaml's correction (token TIS truncated, token RS, veto, batch normalisation)
 # and plain token-level TIS (truncate at 2, nothing rejected).
-FUSED_LOSSES = {"mis_yaml": mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig.from_yaml("configs/mis.yaml")),
-                "token_tis": mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(tis_level="token"))}
+FUSED_LOSSES = {
+  "mis_yaml": mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig.from_yaml("configs/mis.yaml")),
+  "token_tis": mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(tis_level="token")),
+}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(name, marks=(pytest.mark.repeat,) if name == "token_tis" else ())
-                                  for name in FUSED_LOSSES])  # token TIS: `make test-all` (the same path again)
+@pytest.mark.parametrize(
+  "name", [pytest.param(name, marks=(pytest.mark.repeat,) if name == "token_tis" else ()) for name in FUSED_LOSSES]
+)  # token TIS: `make test-all` (the same path again)
 def test_fused_update_equals_the_separate_pass(name, step_traces):
   """One update of `train_fused` == the old-log-prob pass + `prepare` + `train` on the same batch
   of one micro-batch: parameters, optimiser state, every metric and the old log-probs; two updates
@@ -280,15 +321,27 @@ def test_fused_update_on_a_mesh_equals_one_device():
 
 
 def test_combine_metrics_reduces_each_metric_its_own_way():
-  stacked = {"loss": jnp.array([0.5, 0.25, 0.0]), "mis_is_ratio_max_final": jnp.array([2.0, 3.0, 9.0]),
-             "mis_is_ratio_min_final": jnp.array([0.5, 0.2, 0.0]), "mis_kl": jnp.array([1.0, 4.0, 7.0]),
-             "pg_clipfrac": jnp.array([0.5, 0.0, 3.0]), "mis_rs_catastrophic_seq_fraction": jnp.array([1.0, 0.0, 5.0])}
+  stacked = {
+    "loss": jnp.array([0.5, 0.25, 0.0]),
+    "mis_is_ratio_max_final": jnp.array([2.0, 3.0, 9.0]),
+    "mis_is_ratio_min_final": jnp.array([0.5, 0.2, 0.0]),
+    "mis_kl": jnp.array([1.0, 4.0, 7.0]),
+    "pg_clipfrac": jnp.array([0.5, 0.0, 3.0]),
+    "mis_rs_catastrophic_seq_fraction": jnp.array([1.0, 0.0, 5.0]),
+  }
   # The third micro-batch is empty (all padding): it must not count anywhere.
   weights = {"mask": jnp.array([1.0, 3.0, 0.0]), "kept": jnp.array([2.0, 2.0, 0.0]), "seqs": jnp.array([1.0, 1.0, 0.0])}
   out = {k: float(v) for k, v in step_lib.combine_metrics(stacked, weights).items()}
-  assert out == pytest.approx({"loss": 0.75, "mis_is_ratio_max_final": 3.0, "mis_is_ratio_min_final": 0.2,
-                               "mis_kl": (1 * 1 + 4 * 3) / 4, "pg_clipfrac": (0.5 * 2) / 4,
-                               "mis_rs_catastrophic_seq_fraction": 0.5})
+  assert out == pytest.approx(
+    {
+      "loss": 0.75,
+      "mis_is_ratio_max_final": 3.0,
+      "mis_is_ratio_min_final": 0.2,
+      "mis_kl": (1 * 1 + 4 * 3) / 4,
+      "pg_clipfrac": (0.5 * 2) / 4,
+      "mis_rs_catastrophic_seq_fraction": 0.5,
+    }
+  )
 
 
 def test_layout_is_sized_by_a_token_budget_per_device():
@@ -320,9 +373,11 @@ def test_chunked_logprobs_equal_full_logits(tied):
     return lp, -jnp.sum(jnp.exp(logp) * logp, axis=-1)
 
   mesh = _mesh((2, 2, 2))
+
   def chunked(p):
     heads = step_lib.model_logprobs(graphdef, p, inputs, seg, temperature=0.9, chunk_size=8, entropy=True, mesh=mesh)
     return heads.logprobs, heads.entropy
+
   loss = lambda f: lambda p: jnp.sum(jnp.where(seg >= 0, f(p)[0] * w + f(p)[1], 0.0))
   (lp0, ent0), (lp1, ent1) = jax.jit(full)(params), jax.jit(chunked)(params)
   valid = np.asarray(seg) >= 0
@@ -346,25 +401,43 @@ def test_bf16_compute_is_close_to_float32():
   out = {}
   for dtype in (jnp.float32, jnp.bfloat16):
     graphdef = nnx.graphdef(abstract_model(TINY, dtype=dtype, attention="blocked", remat="full"))
-    f = lambda p: step_lib.model_logprobs(graphdef, p, inputs, seg, temperature=1.0, chunk_size=16,
-                                          entropy=False).logprobs
+    f = lambda p: (
+      step_lib.model_logprobs(graphdef, p, inputs, seg, temperature=1.0, chunk_size=16, entropy=False).logprobs
+    )
     lp = jax.jit(f)(params)
     g = jax.jit(jax.grad(lambda p: jnp.sum(jnp.where(seg >= 0, f(p), 0.0))))(params)
-    out[dtype] = (np.asarray(lp)[valid], np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]),
-                  {x.dtype for x in jax.tree.leaves(g)})
+    out[dtype] = (
+      np.asarray(lp)[valid],
+      np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]),
+      {x.dtype for x in jax.tree.leaves(g)},
+    )
   (lp32, g32, _), (lp16, g16, dt16) = out[jnp.float32], out[jnp.bfloat16]
   assert dt16 == {np.dtype("float32")}
-  print("bf16 - f32 log-probs: max", np.max(np.abs(lp16 - lp32)), "mean", np.mean(np.abs(lp16 - lp32)),
-        "grad norm ratio", np.linalg.norm(g16) / np.linalg.norm(g32),
-        "cosine", g16 @ g32 / (np.linalg.norm(g16) * np.linalg.norm(g32)))
+  print(
+    "bf16 - f32 log-probs: max",
+    np.max(np.abs(lp16 - lp32)),
+    "mean",
+    np.mean(np.abs(lp16 - lp32)),
+    "grad norm ratio",
+    np.linalg.norm(g16) / np.linalg.norm(g32),
+    "cosine",
+    g16 @ g32 / (np.linalg.norm(g16) * np.linalg.norm(g32)),
+  )
   assert np.max(np.abs(lp16 - lp32)) < 0.2 and np.mean(np.abs(lp16 - lp32)) < 0.05
   assert abs(np.linalg.norm(g16) / np.linalg.norm(g32) - 1) < 0.05
   assert g16 @ g32 / (np.linalg.norm(g16) * np.linalg.norm(g32)) > 0.99
 
 
-@pytest.mark.parametrize("attention,remat,layer_loop", [
-    ("dense", "full", "scan"), ("blocked", "none", "scan"), ("blocked", "full", "scan"), ("blocked", "dots", "scan"),
-    ("blocked", "full", "unrolled")])  # unrolled: each layer checkpointed with prevent_cse
+@pytest.mark.parametrize(
+  "attention,remat,layer_loop",
+  [
+    ("dense", "full", "scan"),
+    ("blocked", "none", "scan"),
+    ("blocked", "full", "scan"),
+    ("blocked", "dots", "scan"),
+    ("blocked", "full", "unrolled"),
+  ],
+)  # unrolled: each layer checkpointed with prevent_cse
 @pytest.mark.slow
 def test_attention_backends_remat_and_layer_loop_give_the_same_gradients(attention, remat, layer_loop):
   sb = _step_batch(4 * ROW_LEN, 1)
@@ -374,12 +447,14 @@ def test_attention_backends_remat_and_layer_loop_give_the_same_gradients(attenti
 
   def grads(**kwargs):
     graphdef = nnx.graphdef(abstract_model(TINY, **kwargs))
-    f = lambda p: step_lib.model_logprobs(graphdef, p, inputs, seg, temperature=1.0, chunk_size=16,
-                                          entropy=False).logprobs
+    f = lambda p: (
+      step_lib.model_logprobs(graphdef, p, inputs, seg, temperature=1.0, chunk_size=16, entropy=False).logprobs
+    )
     return jax.jit(jax.grad(lambda p: jnp.sum(jnp.where(seg >= 0, f(p), 0.0))))(params)
 
-  _assert_trees_close(grads(attention=attention, remat=remat, layer_loop=layer_loop),
-                      grads(attention="dense", remat="none"), "grad")
+  _assert_trees_close(
+    grads(attention=attention, remat=remat, layer_loop=layer_loop), grads(attention="dense", remat="none"), "grad"
+  )
 
 
 def test_invalid_mesh_is_a_config_error():
@@ -393,7 +468,9 @@ def test_invalid_mesh_is_a_config_error():
     parallel.mesh_shape(parallel.ParallelSection(tensor=0), 8)
   assert parallel.mesh_shape(parallel.ParallelSection(), 8) == (1, 8, 1, 1)
   assert parallel.mesh_shape(parallel.ParallelSection(data=2, tensor=2), 8) == (2, 2, 1, 2)
-  with pytest.raises(mis_jax.ConfigError, match=r"parallel.tensor=8 does not divide the model's num_attention_heads \(4\)"):
+  with pytest.raises(
+    mis_jax.ConfigError, match=r"parallel.tensor=8 does not divide the model's num_attention_heads \(4\)"
+  ):
     parallel.check_model(_mesh((1, 1, 8)), TINY)
   with pytest.raises(mis_jax.ConfigError, match=r"num_key_value_heads \(2\)"):
     parallel.check_model(_mesh((1, 2, 4)), TINY)
@@ -401,8 +478,10 @@ def test_invalid_mesh_is_a_config_error():
 
 def test_cli_rejects_a_bad_mesh_before_starting_anything(tmp_path, capsys):
   from trainers import cli
-  code = cli.main(["train", "--config", "configs/demo.yaml", "--run-dir", str(tmp_path / "r"),
-                   "--set", "parallel.tensor=8"])
+
+  code = cli.main(
+    ["train", "--config", "configs/demo.yaml", "--run-dir", str(tmp_path / "r"), "--set", "parallel.tensor=8"]
+  )
   assert code == 2
   assert "parallel.tensor=8 does not divide the model's num_attention_heads (4)" in capsys.readouterr().err
   assert not (tmp_path / "r").exists()  # nothing was started or written

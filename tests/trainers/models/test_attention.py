@@ -10,9 +10,15 @@ import numpy as np
 import pytest
 
 from trainers.models import attention
-from trainers.models.attention import (ATTENTION_BACKENDS, attention_block_pairs,
-                                       blocked_attention, dense_attention, packed_attention,
-                                       resolve_attention_backend, segment_mask)
+from trainers.models.attention import (
+  ATTENTION_BACKENDS,
+  attention_block_pairs,
+  blocked_attention,
+  dense_attention,
+  packed_attention,
+  resolve_attention_backend,
+  segment_mask,
+)
 
 H, KV, D = 4, 2, 16
 
@@ -25,16 +31,20 @@ def _row(lengths, t):
 
 # name -> (T, segment lengths of row 0, of row 1); rows are padded with -1 to T.
 LAYOUTS = {
-    "several-segments-padding": (45, [10, 1, 29], [3, 17, 20, 2]),
-    "length-one-segments": (40, [1] * 12 + [20], [1, 1, 2, 1, 30]),
-    "one-long-segment": (48, [48], [47]),
-    "short-segments": (96, [5] * 19, [3, 7] * 9),
+  "several-segments-padding": (45, [10, 1, 29], [3, 17, 20, 2]),
+  "length-one-segments": (40, [1] * 12 + [20], [1, 1, 2, 1, 30]),
+  "one-long-segment": (48, [48], [47]),
+  "short-segments": (96, [5] * 19, [3, 7] * 9),
 }
 # Each layout with block shapes that cross its segment edges differently; (64, 64) clamps to T.
 CASES = [
-    ("several-segments-padding", 8, 16), ("several-segments-padding", 16, 8),
-    ("length-one-segments", 16, 16), ("length-one-segments", 8, 16),
-    ("one-long-segment", 16, 8), ("one-long-segment", 64, 64), ("short-segments", 16, 8),
+  ("several-segments-padding", 8, 16),
+  ("several-segments-padding", 16, 8),
+  ("length-one-segments", 16, 16),
+  ("length-one-segments", 8, 16),
+  ("one-long-segment", 16, 8),
+  ("one-long-segment", 64, 64),
+  ("short-segments", 16, 8),
 ]
 
 
@@ -64,8 +74,7 @@ def _grads(fn, seg, ct):
   return jax.grad(_loss(fn, seg, ct), argnums=(0, 1, 2))
 
 
-@pytest.mark.parametrize("layout,block_q,block_k", CASES,
-                         ids=[f"{c[0]}-q{c[1]}k{c[2]}" for c in CASES])
+@pytest.mark.parametrize("layout,block_q,block_k", CASES, ids=[f"{c[0]}-q{c[1]}k{c[2]}" for c in CASES])
 @pytest.mark.slow
 def test_blocked_matches_dense_values_and_grads(layout, block_q, block_k):
   seg = _segments(layout)
@@ -89,8 +98,7 @@ def test_jit_matches_eager():
   seg = _segments("several-segments-padding")
   q, k, v, ct = _inputs(seg.shape[1])
   fn = lambda q, k, v, seg: blocked_attention(q, k, v, seg, block_q=8, block_k=16)
-  np.testing.assert_allclose(np.asarray(jax.jit(fn)(q, k, v, seg)), np.asarray(fn(q, k, v, seg)),
-                             rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(jax.jit(fn)(q, k, v, seg)), np.asarray(fn(q, k, v, seg)), rtol=1e-6, atol=1e-6)
   grad = lambda q, k, v, seg: _grads(lambda *a: fn(*a, seg), seg, ct)(q, k, v)
   for a, b in zip(jax.jit(grad)(q, k, v, seg), grad(q, k, v, seg)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
@@ -185,8 +193,7 @@ def test_backends_dispatch_and_fused_falls_back_on_cpu(caplog, monkeypatch):
 def test_fused_kernel_rejection_falls_back(caplog, monkeypatch):
   """Where a kernel exists but rejects the shapes, the blocked result comes back with a warning."""
   monkeypatch.setattr(attention, "_WARNED", set())
-  monkeypatch.setattr(attention, "resolve_attention_backend",
-                      lambda backend, platform=None: ("fused", None))
+  monkeypatch.setattr(attention, "resolve_attention_backend", lambda backend, platform=None: ("fused", None))
 
   def reject(*args):
     raise NotImplementedError("head_dim 16 unsupported")
@@ -196,8 +203,7 @@ def test_fused_kernel_rejection_falls_back(caplog, monkeypatch):
   q, k, v, _ = _inputs(seg.shape[1])
   with caplog.at_level(logging.WARNING, logger=attention.__name__):
     out = packed_attention(q, k, v, seg, backend="fused", block_q=16, block_k=16)
-  np.testing.assert_array_equal(np.asarray(out),
-                                np.asarray(blocked_attention(q, k, v, seg, block_q=16, block_k=16)))
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(blocked_attention(q, k, v, seg, block_q=16, block_k=16)))
   assert any("head_dim 16 unsupported" in r.getMessage() for r in caplog.records)
 
 

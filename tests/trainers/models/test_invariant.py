@@ -62,24 +62,35 @@ def test_the_sum_fused_with_exp_is_not_contracted():
 
 def test_round_to_is_a_cast_to_bfloat16():
   rng = np.random.default_rng(0)
-  x = np.concatenate([rng.standard_normal(1000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 1000),
-                      np.array([0.0, -0.0, np.inf, -np.inf, 1e-40, -3e-39, 3.4e38, 1.00390625, 1.01171875],
-                               np.float32)]).astype(np.float32)
+  x = np.concatenate(
+    [
+      rng.standard_normal(1000).astype(np.float32) * 10.0 ** rng.integers(-30, 30, 1000),
+      np.array([0.0, -0.0, np.inf, -np.inf, 1e-40, -3e-39, 3.4e38, 1.00390625, 1.01171875], np.float32),
+    ]
+  ).astype(np.float32)
   want = x.astype(ml_dtypes.bfloat16).astype(np.float32)
   np.testing.assert_array_equal(np.asarray(jit(lambda v: invariant.round_to(v, BF16))(x)), want)
   np.testing.assert_array_equal(np.asarray(jit(lambda v: invariant.round_to(v, F32))(x)), x)
 
 
-@pytest.mark.parametrize("weight_dtype, served_dtype", [("float32", "bfloat16"), ("bfloat16", "bfloat16"),
-                                                        ("bfloat16", "float32"), ("float32", "float32")])
+@pytest.mark.parametrize(
+  "weight_dtype, served_dtype",
+  [("float32", "bfloat16"), ("bfloat16", "bfloat16"), ("bfloat16", "float32"), ("float32", "float32")],
+)
 def test_exact_pass_holds_the_engines_copy_of_the_weights(weight_dtype, served_dtype):
   """`ExactPass.served` == the handover's casts (`MemorySync`: to the pushed dtype; the engine: to its
   served dtype), each a separate program, as the engine makes them."""
   rng = np.random.default_rng(1)
   params = {"w": jnp.asarray(rng.standard_normal((64, 33)).astype(np.float32) * 3e-3), "i": jnp.arange(4)}
   dt = {"float32": F32, "bfloat16": BF16}
-  engine = jax.tree.map(lambda a: jax.jit(lambda v: v.astype(dt[served_dtype]))(
-      jax.jit(lambda v: v.astype(dt[weight_dtype]))(a)) if a.dtype == F32 else a, params)
+  engine = jax.tree.map(
+    lambda a: (
+      jax.jit(lambda v: v.astype(dt[served_dtype]))(jax.jit(lambda v: v.astype(dt[weight_dtype]))(a))
+      if a.dtype == F32
+      else a
+    ),
+    params,
+  )
   served = jax.jit(ExactPass(served_dtype, weight_dtype, None).served)(params)
   assert served["w"].dtype == dt[served_dtype] and served["i"].dtype == params["i"].dtype
   np.testing.assert_array_equal(np.asarray(served["w"]).astype(np.float32), np.asarray(engine["w"]).astype(np.float32))
@@ -95,14 +106,19 @@ def test_a_rows_values_do_not_depend_on_the_batch(dtype, width):
   x = carry(rng.standard_normal((17, width)).astype(np.float32))
   w = carry(rng.standard_normal((width, 48)).astype(np.float32) * 0.2)
   norm = carry(rng.standard_normal(width).astype(np.float32) + 1)
-  fns = {"linear": lambda v: invariant.linear(v, w, None, dtype), "rms_norm": lambda v: invariant.rms_norm(v, norm, 1e-6, dtype),
-         "log_softmax": invariant.log_softmax, "softmax": invariant.softmax, "logsumexp": invariant.logsumexp,
-         "temperature_log_softmax": lambda v: invariant.temperature_log_softmax(v * 3, jnp.float32(0.7)),
-         "silu": invariant.silu}
+  fns = {
+    "linear": lambda v: invariant.linear(v, w, None, dtype),
+    "rms_norm": lambda v: invariant.rms_norm(v, norm, 1e-6, dtype),
+    "log_softmax": invariant.log_softmax,
+    "softmax": invariant.softmax,
+    "logsumexp": invariant.logsumexp,
+    "temperature_log_softmax": lambda v: invariant.temperature_log_softmax(v * 3, jnp.float32(0.7)),
+    "silu": invariant.silu,
+  }
   for name, fn in fns.items():
     batch = np.asarray(jit(fn)(x))
     for i in (0, 5, 16):
-      np.testing.assert_array_equal(np.asarray(jit(fn)(x[i:i + 1])), batch[i:i + 1], err_msg=name)
+      np.testing.assert_array_equal(np.asarray(jit(fn)(x[i : i + 1])), batch[i : i + 1], err_msg=name)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
@@ -116,16 +132,16 @@ def test_a_tokens_attention_is_the_same_in_a_cache_window_and_in_a_packed_row(dt
   q = carry(rng.standard_normal((1, row, 4, 16)))
   k, v = carry(rng.standard_normal((1, row, 2, 16))), carry(rng.standard_normal((1, row, 2, 16)))
   seg = np.full((1, row), -1, np.int32)
-  seg[0, :5], seg[0, 5:5 + length] = 0, 1
+  seg[0, :5], seg[0, 5 : 5 + length] = 0, 1
   packed = np.asarray(jit(lambda q, k, v, m: invariant.attention(q, k, v, m, dtype))(q, k, v, segment_mask(seg)))
   attend = jit(lambda q, k, v, m: invariant.attention(q, k, v, m, dtype))
   for t in (0, 4, length - 1):
     kw, vw = carry(rng.standard_normal((1, 32, 2, 16))), np.zeros((1, 32, 2, 16), np.float32)
-    kw[0, 9:9 + t + 1], vw[0, 9:9 + t + 1] = k[0, 5:5 + t + 1], v[0, 5:5 + t + 1]
+    kw[0, 9 : 9 + t + 1], vw[0, 9 : 9 + t + 1] = k[0, 5 : 5 + t + 1], v[0, 5 : 5 + t + 1]
     mask = np.zeros((1, 1, 32), bool)
-    mask[0, 0, 9:9 + t + 1] = True
-    alone = np.asarray(attend(q[:, 5 + t:5 + t + 1], kw, vw, mask))
-    np.testing.assert_array_equal(alone, packed[:, 5 + t:5 + t + 1])
+    mask[0, 0, 9 : 9 + t + 1] = True
+    alone = np.asarray(attend(q[:, 5 + t : 5 + t + 1], kw, vw, mask))
+    np.testing.assert_array_equal(alone, packed[:, 5 + t : 5 + t + 1])
 
 
 def test_unknown_arithmetic_is_an_error():

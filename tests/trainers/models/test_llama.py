@@ -21,22 +21,39 @@ transformers = pytest.importorskip("transformers")
 
 VOCAB = 96
 SEQ_LENS = (9, 14, 5)
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+LLAMA3_ROPE = {
+  "rope_type": "llama3",
+  "rope_theta": 500000.0,
+  "factor": 8.0,
+  "low_freq_factor": 1.0,
+  "high_freq_factor": 4.0,
+  "original_max_position_embeddings": 32,
+}
 CASES = {
-    "llama3-untied": dict(tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
-    "llama3.1-scaled-tied-biases": dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True,
-                                        rope_parameters=LLAMA3_ROPE),
+  "llama3-untied": dict(tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+  "llama3.1-scaled-tied-biases": dict(
+    tie_word_embeddings=True, attention_bias=True, mlp_bias=True, rope_parameters=LLAMA3_ROPE
+  ),
 }
 _tf = nnx.jit(teacher_forced_logprobs, static_argnames="temperature")
 
 
 def save_hf_llama(path, case: str):
   """A tiny random `LlamaForCausalLM` of `CASES[case]`, saved by transformers to `path`."""
-  config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                    max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-                                    **CASES[case])
+  config = transformers.LlamaConfig(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    **CASES[case],
+  )
   torch.manual_seed(0)
   hf = transformers.LlamaForCausalLM(config).eval()
   with torch.no_grad():  # HF inits norms to 1 and biases to 0: randomise them so they matter
@@ -68,6 +85,7 @@ def test_config_read_from_transformers(llama):
     assert cfg.rope_scaling is None and not cfg.tie_word_embeddings and not cfg.features.qkv_bias
   # The scaled inverse frequencies are transformers' own.
   from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
   hf_cfg = llama["hf"].config
   kind = hf_cfg.rope_parameters["rope_type"]
   if kind != "default":
@@ -85,12 +103,12 @@ def test_logprobs_match_transformers_packed_and_unpacked(llama):
   ids = np.zeros((len(seqs), width), np.int32)
   seg = np.full_like(ids, -1)
   for i, s in enumerate(seqs):
-    ids[i, :len(s)], seg[i, :len(s)] = s, 0
+    ids[i, : len(s)], seg[i, : len(s)] = s, 0
   pos = np.broadcast_to(np.arange(width, dtype=np.int32), ids.shape)
   lp = np.asarray(_tf(model, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg), jnp.roll(jnp.asarray(ids), -1, 1)))
   for i, (s, ref) in enumerate(zip(seqs, refs)):
     assert np.std(ref) > 0.3
-    np.testing.assert_allclose(lp[i, :len(s) - 1], ref, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(lp[i, : len(s) - 1], ref, atol=1e-5, rtol=0)
   # All in one row, positions restarting per segment.
   row = 32
   ids, pos, seg, tgt = (np.zeros(row, np.int32) for _ in range(4))
@@ -98,13 +116,13 @@ def test_logprobs_match_transformers_packed_and_unpacked(llama):
   start = 0
   for i, s in enumerate(seqs):
     n = len(s)
-    ids[start:start + n], pos[start:start + n], seg[start:start + n] = s, np.arange(n), i
-    tgt[start:start + n - 1] = s[1:]
+    ids[start : start + n], pos[start : start + n], seg[start : start + n] = s, np.arange(n), i
+    tgt[start : start + n - 1] = s[1:]
     start += n
   lp = np.asarray(_tf(model, *(jnp.asarray(a)[None] for a in (ids, pos, seg, tgt))))[0]
   start = 0
   for s, ref in zip(seqs, refs):
-    np.testing.assert_allclose(lp[start:start + len(s) - 1], ref, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(lp[start : start + len(s) - 1], ref, atol=1e-5, rtol=0)
     start += len(s)
 
 
@@ -119,12 +137,13 @@ def test_greedy_generation_matches_transformers(llama):
       logp = torch.log_softmax(llama["hf"](torch.tensor([seq])).logits[0, -1].double(), -1)
       seq.append(int(logp.argmax()))
       hf_lps.append(float(logp[seq[-1]]))
-  assert c.output_ids == seq[len(prompt):]
+  assert c.output_ids == seq[len(prompt) :]
   np.testing.assert_allclose(c.logprobs, hf_lps, atol=2e-5)
 
 
 def test_our_llama_checkpoint_loads_in_transformers(tmp_path):
   from trainers.models import init_checkpoint
+
   init_checkpoint(tmp_path, config=PRESETS["tiny-llama3"], seed=4)
   saved = json.loads((tmp_path / "config.json").read_text())
   assert saved["architectures"] == ["LlamaForCausalLM"] and saved["rope_parameters"]["rope_type"] == "llama3"
@@ -133,6 +152,7 @@ def test_our_llama_checkpoint_loads_in_transformers(tmp_path):
   with torch.no_grad():
     ref = torch.log_softmax(hf(torch.tensor([seq])).logits[0].double(), -1).numpy()
   from conftest import sequence_logits
+
   ours = np.asarray(sequence_logits(load_hf_checkpoint(tmp_path), seq), np.float64)
   ours = ours - np.log(np.exp(ours - ours.max(-1, keepdims=True)).sum(-1, keepdims=True)) - ours.max(-1, keepdims=True)
   np.testing.assert_allclose(ours, ref, atol=1e-4)
@@ -144,9 +164,28 @@ def test_mis_jax_train_two_steps_on_a_transformers_llama(tmp_path, capsys):
   save_hf_llama(tmp_path / "llama", "llama3.1-scaled-tied-biases")
   llama = {"path": str(tmp_path / "llama")}
   run_dir = tmp_path / "run"
-  code = cli.main(["train", "--config", "configs/demo.yaml", "--run-dir", str(run_dir), "--steps", "2", "--no-progress",
-                   "--set", f"model.path={llama['path']}", "--set", "rollout.prompts_per_step=4",
-                   "--set", "rollout.n=4", "--set", "rollout.placement.server_dtype=float32", "--set", "train.row_len=16"])
+  code = cli.main(
+    [
+      "train",
+      "--config",
+      "configs/demo.yaml",
+      "--run-dir",
+      str(run_dir),
+      "--steps",
+      "2",
+      "--no-progress",
+      "--set",
+      f"model.path={llama['path']}",
+      "--set",
+      "rollout.prompts_per_step=4",
+      "--set",
+      "rollout.n=4",
+      "--set",
+      "rollout.placement.server_dtype=float32",
+      "--set",
+      "train.row_len=16",
+    ]
+  )
   out = capsys.readouterr()
   assert code == 0, out.err[-2000:]
   lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -11,9 +11,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trainers.models import (PRESETS, ModelConfig, CausalLM, hf_state_dict, init_checkpoint,
-                             load_hf_checkpoint, read_hf_tensors, save_hf_checkpoint,
-                             state_from_hf_tensors, teacher_forced_logprobs)
+from trainers.models import (
+  PRESETS,
+  ModelConfig,
+  CausalLM,
+  hf_state_dict,
+  init_checkpoint,
+  load_hf_checkpoint,
+  read_hf_tensors,
+  save_hf_checkpoint,
+  state_from_hf_tensors,
+  teacher_forced_logprobs,
+)
 from trainers.models.decoder import DecoderLayer, resolve_layer_loop
 
 from conftest import TINY, sequence_logits
@@ -26,9 +35,9 @@ VOCAB = 96
 _tf = nnx.jit(teacher_forced_logprobs, static_argnames="temperature")
 
 HF_CASES = {
-    "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True), 1e4),
-    "qwen3-untied": ("qwen3", dict(tie_word_embeddings=False), 1e6),
-    "qwen3-tied-bias": ("qwen3", dict(tie_word_embeddings=True, attention_bias=True), 5e5),
+  "qwen2-tied": ("qwen2", dict(tie_word_embeddings=True), 1e4),
+  "qwen3-untied": ("qwen3", dict(tie_word_embeddings=False), 1e6),
+  "qwen3-tied-bias": ("qwen3", dict(tie_word_embeddings=True, attention_bias=True), 5e5),
 }
 
 
@@ -38,10 +47,19 @@ def hf_case(request, tmp_path_factory):
   model_type, extra, theta = HF_CASES[request.param]
   config_cls = {"qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[model_type]
   lm_cls = {"qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[model_type]
-  config = config_cls(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      max_position_embeddings=128, rms_norm_eps=1e-6,
-                      rope_parameters={"rope_type": "default", "rope_theta": theta}, **extra)
+  config = config_cls(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=128,
+    rms_norm_eps=1e-6,
+    rope_parameters={"rope_type": "default", "rope_theta": theta},
+    **extra,
+  )
   torch.manual_seed(0)
   hf = lm_cls(config).eval()
   with torch.no_grad():  # HF inits norms to 1 and biases to 0: randomise them so they matter
@@ -56,14 +74,18 @@ def hf_case(request, tmp_path_factory):
     with torch.no_grad():
       logits = hf(torch.tensor([s])).logits[0].double()
     hf_lps.append(torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(s[1:])[:, None])[:, 0].numpy())
-  return dict(path=str(path), seqs=seqs, hf_lps=hf_lps, theta=theta, model_type=model_type,
-              tied=extra["tie_word_embeddings"])
+  return dict(
+    path=str(path), seqs=seqs, hf_lps=hf_lps, theta=theta, model_type=model_type, tied=extra["tie_word_embeddings"]
+  )
 
 
 def test_config_read_from_transformers(hf_case):
   cfg = ModelConfig.from_pretrained(hf_case["path"])
   assert (cfg.model_type, cfg.rope_theta, cfg.tie_word_embeddings) == (
-      hf_case["model_type"], hf_case["theta"], hf_case["tied"])
+    hf_case["model_type"],
+    hf_case["theta"],
+    hf_case["tied"],
+  )
   assert cfg.head_dim == 16 and cfg.num_key_value_heads == 2
 
 
@@ -73,13 +95,14 @@ def test_logprobs_match_transformers_unpacked(hf_case):
   ids = np.zeros((len(SEQ_LENS), width), np.int32)
   seg = np.full_like(ids, -1)
   for i, s in enumerate(hf_case["seqs"]):
-    ids[i, :len(s)], seg[i, :len(s)] = s, 0
+    ids[i, : len(s)], seg[i, : len(s)] = s, 0
   pos = np.broadcast_to(np.arange(width, dtype=np.int32), ids.shape)
-  lp = np.asarray(_tf(model, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg),
-                      jnp.roll(jnp.asarray(ids), -1, axis=1)))
+  lp = np.asarray(
+    _tf(model, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg), jnp.roll(jnp.asarray(ids), -1, axis=1))
+  )
   for i, (s, ref) in enumerate(zip(hf_case["seqs"], hf_case["hf_lps"])):
     assert np.std(ref) > 0.3  # a peaked distribution, not a near-uniform one
-    np.testing.assert_allclose(lp[i, :len(s) - 1], ref, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(lp[i, : len(s) - 1], ref, atol=1e-5, rtol=0)
 
 
 def test_logprobs_match_transformers_packed(hf_case):
@@ -91,13 +114,13 @@ def test_logprobs_match_transformers_packed(hf_case):
   start = 0
   for i, s in enumerate(hf_case["seqs"]):
     n = len(s)
-    ids[start:start + n], pos[start:start + n], seg[start:start + n] = s, np.arange(n), i
-    tgt[start:start + n - 1] = s[1:]
+    ids[start : start + n], pos[start : start + n], seg[start : start + n] = s, np.arange(n), i
+    tgt[start : start + n - 1] = s[1:]
     start += n
   lp = np.asarray(_tf(model, *(jnp.asarray(a)[None] for a in (ids, pos, seg, tgt))))[0]
   start = 0
   for s, ref in zip(hf_case["seqs"], hf_case["hf_lps"]):
-    np.testing.assert_allclose(lp[start:start + len(s) - 1], ref, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(lp[start : start + len(s) - 1], ref, atol=1e-5, rtol=0)
     start += len(s)
 
 
@@ -142,8 +165,12 @@ def test_save_load_round_trip_bfloat16_is_bit_exact(tmp_path, tiny_model):
 def test_hf_names(tiny_model):
   names = set(hf_state_dict(tiny_model))
   assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names  # tied
-  assert {"model.layers.1.self_attn.q_norm.weight", "model.layers.0.mlp.down_proj.weight",
-          "model.layers.0.post_attention_layernorm.weight", "model.norm.weight"} <= names
+  assert {
+    "model.layers.1.self_attn.q_norm.weight",
+    "model.layers.0.mlp.down_proj.weight",
+    "model.layers.0.post_attention_layernorm.weight",
+    "model.norm.weight",
+  } <= names
   q = hf_state_dict(tiny_model)["model.layers.0.self_attn.q_proj.weight"]
   assert q.shape == (TINY.num_attention_heads * TINY.head_dim, TINY.hidden_size)  # torch [out, in]
 
@@ -178,8 +205,9 @@ def test_padding_and_neighbours_do_not_leak(tiny_model):
   a, b = [1, 4, 8, 15, 16], [1, 23, 42]
   forward = nnx.jit(lambda m, *args: m(*(jnp.asarray([x], jnp.int32) for x in args)))
   alone = np.asarray(forward(tiny_model, a + [0] * 5, list(range(10)), [0] * 5 + [-1] * 5))
-  packed = np.asarray(forward(tiny_model, b + a + [0, 0], [0, 1, 2, 0, 1, 2, 3, 4, 0, 1],
-                              [0, 0, 0, 1, 1, 1, 1, 1, -1, -1]))
+  packed = np.asarray(
+    forward(tiny_model, b + a + [0, 0], [0, 1, 2, 0, 1, 2, 3, 4, 0, 1], [0, 0, 0, 1, 1, 1, 1, 1, -1, -1])
+  )
   np.testing.assert_allclose(packed[0, 3:8], alone[0, :5], atol=1e-5, rtol=0)
 
 
@@ -200,6 +228,7 @@ def test_unrolled_layers_equal_the_layer_scan(tiny_model):
     first, cache = m.decode(ids, cache, slot=jnp.int32(0), start=jnp.zeros((1,), jnp.int32), window=8)
     step, cache = m.decode(ids[:, :1], cache, slot=jnp.int32(8), start=jnp.zeros((1,), jnp.int32), window=16)
     return first, step, cache.k
+
   for a, b in zip(decoded(unrolled), decoded(tiny_model)):
     np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5, rtol=0)
   with pytest.raises(ValueError, match="layer_loop='loop'; allowed: auto, scan, unrolled"):
@@ -215,7 +244,8 @@ def test_the_fused_gate_up_product_equals_two_products(mlp_bias):
   graphdef, params = nnx.split(DecoderLayer(cfg, dtype=jnp.float32, param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
   if mlp_bias:  # nonzero biases, so their concatenation is checked too
     params = jax.tree_util.tree_map_with_path(
-        lambda path, a: a + 0.1 if "bias" in jax.tree_util.keystr(path) else a, params)
+      lambda path, a: a + 0.1 if "bias" in jax.tree_util.keystr(path) else a, params
+    )
   x = jax.random.normal(jax.random.key(1), (2, 5, cfg.hidden_size))
   run = lambda p, fused: jnp.sum(jnp.sin(nnx.merge(graphdef, p).mlp(x, fused=fused)))
   (value, grads), (want_value, want_grads) = (jax.value_and_grad(run)(params, f) for f in (True, False))
@@ -224,10 +254,16 @@ def test_the_fused_gate_up_product_equals_two_products(mlp_bias):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("setting, layers, want", [
-    ("auto", 4, ("unrolled", "4 layers <= 8")), ("auto", 8, ("unrolled", "8 layers <= 8")),
-    ("auto", 28, ("scan", "28 layers > 8: one compiled layer body")), ("scan", 2, ("scan", "configured")),
-    ("unrolled", 28, ("unrolled", "configured"))])
+@pytest.mark.parametrize(
+  "setting, layers, want",
+  [
+    ("auto", 4, ("unrolled", "4 layers <= 8")),
+    ("auto", 8, ("unrolled", "8 layers <= 8")),
+    ("auto", 28, ("scan", "28 layers > 8: one compiled layer body")),
+    ("scan", 2, ("scan", "configured")),
+    ("unrolled", 28, ("unrolled", "configured")),
+  ],
+)
 def test_the_layer_loop_is_resolved_by_depth(setting, layers, want):
   assert resolve_layer_loop(setting, layers) == want
 

@@ -16,8 +16,16 @@ import pytest
 from flax import nnx
 
 import mis_jax
-from trainers.models import (PRESETS, CausalLM, ModelConfig, hf_state_dict, load_hf_checkpoint, moe,
-                             read_hf_tensors, save_hf_checkpoint)
+from trainers.models import (
+  PRESETS,
+  CausalLM,
+  ModelConfig,
+  hf_state_dict,
+  load_hf_checkpoint,
+  moe,
+  read_hf_tensors,
+  save_hf_checkpoint,
+)
 from trainers.serving.embedded.sampler import Sampler, SamplingOptions
 from trainers.runtime import parallel
 from trainers.learner import step as step_lib
@@ -31,9 +39,21 @@ SEQS = [[1, 5, 9, 33, 2, 7, 7, 8, 40, 41, 3], [1, 60, 12, 12, 4, 18, 22]]
 
 def _hf_config(norm, tied):
   return transformers.Qwen3MoeConfig(
-      vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-      num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
-      norm_topk_prob=norm, tie_word_embeddings=tied, initializer_range=0.2, max_position_embeddings=128)
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=norm,
+    tie_word_embeddings=tied,
+    initializer_range=0.2,
+    max_position_embeddings=128,
+  )
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +75,7 @@ def _hf_forward(model, seq):
     out = model(torch.tensor([seq]), output_router_logits=True)
   k = model.config.num_experts_per_tok
   top = [torch.topk(torch.softmax(r.float(), -1), k, -1).indices.numpy() for r in out.router_logits]
-  return (torch.log_softmax(out.logits[0].float(), -1).numpy(), np.stack(top, axis=1),
-          float(out.aux_loss))
+  return (torch.log_softmax(out.logits[0].float(), -1).numpy(), np.stack(top, axis=1), float(out.aux_loss))
 
 
 @pytest.mark.slow
@@ -74,13 +93,17 @@ def test_packed_forward_and_routing_equal_transformers(norm, tied, hf_checkpoint
   start = 0
   for s in SEQS:
     want_lp, want_top, _ = _hf_forward(hf, s)
-    np.testing.assert_allclose(logp[start:start + len(s)], want_lp, atol=2e-4)
-    np.testing.assert_array_equal(np.asarray(routing.native)[0, start:start + len(s)], want_top)
+    np.testing.assert_allclose(logp[start : start + len(s)], want_lp, atol=2e-4)
+    np.testing.assert_array_equal(np.asarray(routing.native)[0, start : start + len(s)], want_top)
     start += len(s)
   # The load-balancing loss of one unpacked sequence is HF's `aux_loss` (before its coefficient).
   s = SEQS[0]
-  _, r1 = model.hidden_states(jnp.asarray([s], jnp.int32), jnp.arange(len(s), dtype=jnp.int32)[None],
-                              jnp.zeros((1, len(s)), jnp.int32), return_routing=True)
+  _, r1 = model.hidden_states(
+    jnp.asarray([s], jnp.int32),
+    jnp.arange(len(s), dtype=jnp.int32)[None],
+    jnp.zeros((1, len(s)), jnp.int32),
+    return_routing=True,
+  )
   np.testing.assert_allclose(float(r1.aux_loss), _hf_forward(hf, s)[2], rtol=1e-5)
 
 
@@ -97,10 +120,11 @@ def test_greedy_decoding_with_routed_experts_equals_transformers(norm, tied, hf_
     seq = prompt + c.output_ids
     want_lp, want_top, _ = _hf_forward(hf, seq)
     assert c.output_ids == [int(np.argmax(want_lp[i])) for i in range(len(prompt) - 1, len(seq) - 1)]
-    np.testing.assert_allclose(c.logprobs, [want_lp[i, seq[i + 1]] for i in range(len(prompt) - 1, len(seq) - 1)],
-                               atol=2e-4)
+    np.testing.assert_allclose(
+      c.logprobs, [want_lp[i, seq[i + 1]] for i in range(len(prompt) - 1, len(seq) - 1)], atol=2e-4
+    )
     assert c.routed_experts.shape == (len(seq) - 1, 2, 2) and c.routed_experts.dtype == np.int32
-    np.testing.assert_array_equal(c.routed_experts, want_top[:len(seq) - 1])
+    np.testing.assert_array_equal(c.routed_experts, want_top[: len(seq) - 1])
 
 
 def test_save_load_is_bit_exact_and_fused_experts_load(hf_checkpoints, tmp_path):
@@ -115,6 +139,7 @@ def test_save_load_is_bit_exact_and_fused_experts_load(hf_checkpoints, tmp_path)
   np.testing.assert_array_equal(_hf_forward(reloaded, SEQS[0])[1], _hf_forward(hf, SEQS[0])[1])
   # transformers' in-memory fused layout (experts.gate_up_proj [E, 2F, H], experts.down_proj [E, H, F]).
   from safetensors.torch import save_file
+
   fused = tmp_path / "fused"
   fused.mkdir()
   shutil.copy(os.path.join(path, "config.json"), fused)
@@ -143,6 +168,7 @@ def test_config_mapping_and_mixed_layouts_are_refused(hf_checkpoints):
 
 # ---- the block against a NumPy loop; replay; dispatch ---------------------------------------------
 
+
 def _numpy_moe(x, wr, wg, wu, wd, k, norm, replay=None):
   """Per token: router softmax (float64), its top-k or the replayed experts, gate weights at
   them (renormalised when `norm`), the weighted sum of the experts' SwiGLU FFNs."""
@@ -168,14 +194,26 @@ def test_moe_block_equals_a_numpy_loop_native_and_replayed(norm):
   replay[0, 1] = -1  # no record: native routing
   for dispatch in moe.MOE_DISPATCH:
     block = moe.SparseMoeBlock(cfg, dtype=jnp.float32, param_dtype=jnp.float32, dispatch=dispatch, rngs=nnx.Rngs(1))
-    ws = [np.asarray(w, np.float64) for w in (block.gate.kernel[...], block.experts.gate_proj.kernel[...],
-                                              block.experts.up_proj.kernel[...], block.experts.down_proj.kernel[...])]
+    ws = [
+      np.asarray(w, np.float64)
+      for w in (
+        block.gate.kernel[...],
+        block.experts.gate_proj.kernel[...],
+        block.experts.up_proj.kernel[...],
+        block.experts.down_proj.kernel[...],
+      )
+    ]
     flat = np.asarray(x, np.float64).reshape(10, -1)
     y, routing = block(x)
     np.testing.assert_allclose(np.asarray(y).reshape(10, -1), _numpy_moe(flat, *ws, 2, norm), rtol=1e-4, atol=1e-5)
     y, routing_r = block(x, jnp.asarray(replay, jnp.int32))
-    np.testing.assert_allclose(np.asarray(y).reshape(10, -1), _numpy_moe(flat, *ws, 2, norm, replay.reshape(10, 2)),
-                               rtol=1e-4, atol=1e-5, err_msg=dispatch)
+    np.testing.assert_allclose(
+      np.asarray(y).reshape(10, -1),
+      _numpy_moe(flat, *ws, 2, norm, replay.reshape(10, 2)),
+      rtol=1e-4,
+      atol=1e-5,
+      err_msg=dispatch,
+    )
     np.testing.assert_array_equal(routing_r.native, routing.native)  # the native top-k is reported either way
 
 
@@ -209,8 +247,9 @@ def _value_and_grad(model, ids, pos, seg, routing=None):
   graphdef, params = nnx.split(model)
   key = (graphdef, routing is None)
   if key not in _GRAD:
-    _GRAD[key] = jax.jit(jax.value_and_grad(
-        lambda p, ids, pos, seg, r: _objective(nnx.merge(graphdef, p), ids, pos, seg, r)))
+    _GRAD[key] = jax.jit(
+      jax.value_and_grad(lambda p, ids, pos, seg, r: _objective(nnx.merge(graphdef, p), ids, pos, seg, r))
+    )
   return _GRAD[key](params, ids, pos, seg, routing)
 
 
@@ -233,8 +272,11 @@ def test_replaying_the_native_routing_changes_nothing_and_other_experts_train_th
   # A -1 row routes natively: a record everywhere but one position equals the native there.
   partial = routing.native.at[0, 3].set(-1)
   assert float(_objective(model, ids, pos, seg, partial)) == pytest.approx(float(value), rel=1e-6)
-  with pytest.raises(ValueError, match=r"routing has shape \(2, 24, 2\), expected \[batch, length, "
-                                       r"num_hidden_layers, num_experts_per_tok\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"routing has shape \(2, 24, 2\), expected \[batch, length, "
+    r"num_hidden_layers, num_experts_per_tok\]",
+  ):
     model.hidden_states(ids, pos, seg, routing=routing.native[:, :, 0])
   with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
     CausalLM(PRESETS["tiny-qwen3"], rngs=nnx.Rngs(0)).hidden_states(ids, pos, seg, routing=routing.native)
@@ -267,15 +309,18 @@ def test_grouped_blocks_cover_every_pair_whatever_the_imbalance():
     experts = jnp.asarray(experts, jnp.int32)
     want = moe.dense_dispatch(x, experts, weights, *ws)
     for block in (8, 16, None):
-      np.testing.assert_allclose(moe.grouped_dispatch(x, experts, weights, *ws, block=block), want, rtol=1e-5,
-                                 atol=1e-5)
+      np.testing.assert_allclose(
+        moe.grouped_dispatch(x, experts, weights, *ws, block=block), want, rtol=1e-5, atol=1e-5
+      )
 
 
 # ---- the step on a mesh with an expert axis ---------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def moe_step_setup():
   import test_step as ts
+
   samples = ts._samples(40)
   rng = np.random.default_rng(3)
   for s in samples:  # a recorded routing for every position but the first (native there)
@@ -286,25 +331,44 @@ def moe_step_setup():
   from trainers.learner.batch import build_step_batch
   from trainers.rollout.extras import RoutedExperts
   from trainers.rollout.samples import RoutingSpec
+
   rewards = rng.uniform(0, 1, len(samples)).astype(np.float32)
   groups = np.arange(len(samples)) // 4
   adv = np.asarray(mis_jax.compute_advantages(rewards, groups, num_groups=int(groups.max()) + 1))
-  sb = build_step_batch(samples, rewards, adv, groups, num_segments=len(samples), row_len=ts.ROW_LEN,
-                        tokens_per_micro_batch=ts.ROW_LEN, batch_devices=8,
-                        extras=(RoutedExperts(RoutingSpec(2, 2, 8)),))
+  sb = build_step_batch(
+    samples,
+    rewards,
+    adv,
+    groups,
+    num_segments=len(samples),
+    row_len=ts.ROW_LEN,
+    tokens_per_micro_batch=ts.ROW_LEN,
+    batch_devices=8,
+    extras=(RoutedExperts(RoutingSpec(2, 2, 8)),),
+  )
   return ts, sb
 
 
 def _moe_run(ts, sb, section, steps=2):
-  mesh = parallel.make_mesh(section, jax.devices()[:section.data * section.fsdp * section.expert * section.tensor])
+  mesh = parallel.make_mesh(section, jax.devices()[: section.data * section.fsdp * section.expert * section.tensor])
   loss_cfg = ts.ALGORITHMS["decoupled_ppo"]
-  fns = step_lib.build_step_functions(MOE, mesh, loss_cfg, ts.OPTIM, temperature=0.9, logprob_chunk=8,
-                                      attention="blocked", remat="full", moe_dispatch="grouped")
+  fns = step_lib.build_step_functions(
+    MOE,
+    mesh,
+    loss_cfg,
+    ts.OPTIM,
+    temperature=0.9,
+    logprob_chunk=8,
+    attention="blocked",
+    remat="full",
+    moe_dispatch="grouped",
+  )
   params = jax.device_put(nnx.state(CausalLM(MOE, rngs=nnx.Rngs(0)), nnx.Param), fns.param_shardings)
   opt_state = fns.init_opt_state(params)
   put = lambda x: jax.device_put(x, parallel.batch_sharding(mesh, np.ndim(x)))
-  inputs = step_lib.ModelInputs(put(sb.input_ids), put(sb.positions), put(sb.targets),
-                                routing=put(sb.extras["routed_experts"]))
+  inputs = step_lib.ModelInputs(
+    put(sb.input_ids), put(sb.positions), put(sb.targets), routing=put(sb.extras["routed_experts"])
+  )
   batch = jax.tree.map(put, sb.batch)
   out = []
   for _ in range(steps):
@@ -314,8 +378,13 @@ def _moe_run(ts, sb, section, steps=2):
     b = batch.replace(old_logprobs=old)
     correction, step_metrics = fns.prepare(b)
     params, opt_state, metrics = fns.train(params, opt_state, inputs, b, correction)
-    out.append((jax.tree.map(np.array, (params, opt_state)), {k: float(v) for k, v in {**metrics, **step_metrics}.items()},
-                np.asarray(native)))
+    out.append(
+      (
+        jax.tree.map(np.array, (params, opt_state)),
+        {k: float(v) for k, v in {**metrics, **step_metrics}.items()},
+        np.asarray(native),
+      )
+    )
   assert parallel.sharding_mismatches(params, fns.param_shardings) == []
   return out, fns
 
@@ -329,8 +398,10 @@ def test_expert_axis_mesh_step_equals_one_device(moe_step_setup):
   ts, sb = moe_step_setup
   assert sb.layout.micro_batches == 2 and sb.extras["routed_experts"].shape == sb.input_ids.shape + (2, 2)
   one, _ = _moe_run(ts, sb, parallel.ParallelSection(data=1, fsdp=1, tensor=1, expert=1))
-  for section in (parallel.ParallelSection(data=1, fsdp=2, tensor=1, expert=4),
-                  parallel.ParallelSection(data=1, fsdp=1, tensor=2, expert=4)):
+  for section in (
+    parallel.ParallelSection(data=1, fsdp=2, tensor=1, expert=4),
+    parallel.ParallelSection(data=1, fsdp=1, tensor=2, expert=4),
+  ):
     got, fns = _moe_run(ts, sb, section)
     spec = fns.param_shardings["layers"]["mlp"]["experts"]["gate_proj"]["kernel"].get_value().spec
     assert spec[1] == "expert"  # [L, E, H, F]: the experts split over the expert axis
@@ -354,8 +425,11 @@ def test_expert_axis_config_errors():
   with pytest.raises(mis_jax.ConfigError, match=r"parallel.expert=8 does not divide the model's num_experts \(4\)"):
     parallel.check_model(wide, dataclasses.replace(MOE, num_experts=4))
   # Non-expert parameters are split over fsdp x expert, the experts' expert axis over expert.
-  spec = parallel.param_spec(("layers", "self_attn", "q_proj", "kernel"), (2, 64, 64),
-                             parallel.make_mesh(parallel.ParallelSection(fsdp=2, expert=4), jax.devices()))
+  spec = parallel.param_spec(
+    ("layers", "self_attn", "q_proj", "kernel"),
+    (2, 64, 64),
+    parallel.make_mesh(parallel.ParallelSection(fsdp=2, expert=4), jax.devices()),
+  )
   assert spec == jax.sharding.PartitionSpec(None, ("fsdp", "expert"), None)
 
 
@@ -370,8 +444,17 @@ def test_the_load_balancing_loss_joins_the_step_when_asked(moe_step_setup):
   out = {}
   for coef in (0.0, 0.5):
     optim = dataclasses.replace(ts.OPTIM, router_aux_loss_coef=coef)
-    fns = step_lib.build_step_functions(MOE, mesh, loss_cfg, optim, temperature=0.9, logprob_chunk=8,
-                                        attention="blocked", remat="full", moe_dispatch="grouped")
+    fns = step_lib.build_step_functions(
+      MOE,
+      mesh,
+      loss_cfg,
+      optim,
+      temperature=0.9,
+      logprob_chunk=8,
+      attention="blocked",
+      remat="full",
+      moe_dispatch="grouped",
+    )
     params = jax.device_put(jax.tree.map(jnp.copy, params0), fns.param_shardings)  # the step donates them
     inputs = step_lib.ModelInputs(*(jnp.asarray(x) for x in (sb.input_ids, sb.positions, sb.targets)))
     batch = jax.tree.map(jnp.asarray, sb.batch)
@@ -383,8 +466,14 @@ def test_the_load_balancing_loss_joins_the_step_when_asked(moe_step_setup):
   model = CausalLM(MOE, rngs=nnx.Rngs(0))
   seg = np.asarray(sb.batch.segment_ids)
   tokens = [(seg[m] >= 0).sum() for m in range(seg.shape[0])]
-  aux = [float(model.hidden_states(jnp.asarray(sb.input_ids[m]), jnp.asarray(sb.positions[m]), jnp.asarray(seg[m]),
-                                   return_routing=True)[1].aux_loss) for m in range(seg.shape[0])]
+  aux = [
+    float(
+      model.hidden_states(
+        jnp.asarray(sb.input_ids[m]), jnp.asarray(sb.positions[m]), jnp.asarray(seg[m]), return_routing=True
+      )[1].aux_loss
+    )
+    for m in range(seg.shape[0])
+  ]
   want = sum(a * t for a, t in zip(aux, tokens)) / sum(tokens)
   np.testing.assert_allclose(out[0.5]["loss"] - out[0.0]["loss"], 0.5 * want, rtol=1e-4)
   assert out[0.5]["grad_norm"] != out[0.0]["grad_norm"]

@@ -89,8 +89,7 @@ def test_quantized_engine_logprobs_are_teacher_forced_quantized_weights(tiny_che
       gaps = []
       for c in outs:
         prompt = PROMPTS[c.prompt_index]
-        np.testing.assert_allclose(c.logprobs, sequence_logprobs(quantized, prompt, c.output_ids),
-                                   atol=5e-5, rtol=0)
+        np.testing.assert_allclose(c.logprobs, sequence_logprobs(quantized, prompt, c.output_ids), atol=5e-5, rtol=0)
         gaps.append(np.abs(np.array(c.logprobs) - sequence_logprobs(plain, prompt, c.output_ids)).max())
       assert max(gaps) > 1e-3  # ... and the unquantised weights give other log-probs
   finally:
@@ -111,8 +110,12 @@ def test_mismatch_grows_with_coarser_weights_on_a_fixed_batch(tiny_checkpoint):
   trainer = load_hf_checkpoint(tiny_checkpoint)
   o = np.concatenate([sequence_logprobs(trainer, s[:1], s[1:]) for s in seqs])
   k3 = {}
-  for name, dtype, quantize in (("fp32", "float32", "none"), ("bf16", "bfloat16", "none"),
-                                ("int8", "bfloat16", "int8"), ("fp8", "bfloat16", "fp8")):
+  for name, dtype, quantize in (
+    ("fp32", "float32", "none"),
+    ("bf16", "bfloat16", "none"),
+    ("int8", "bfloat16", "int8"),
+    ("fp8", "bfloat16", "fp8"),
+  ):
     engine = GenerationEngine(tiny_checkpoint, dtype=dtype, quantize=quantize)
     engine.close()
     served = engine.sampler.served_model()
@@ -135,6 +138,10 @@ def test_bad_quantize_is_refused_before_anything_starts(tiny_checkpoint):
 def test_trainer_config_key():
   from trainers.config import TrainConfig
   import mis_jax
-  assert TrainConfig.from_dict({"rollout": {"placement": {"server_quantize": "fp8"}}}).rollout.placement.server_quantize == "fp8"
+
+  assert (
+    TrainConfig.from_dict({"rollout": {"placement": {"server_quantize": "fp8"}}}).rollout.placement.server_quantize
+    == "fp8"
+  )
   with pytest.raises(mis_jax.ConfigError, match="rollout.placement.server_quantize has invalid value 'int4'"):
     TrainConfig.from_dict({"rollout": {"placement": {"server_quantize": "int4"}}})

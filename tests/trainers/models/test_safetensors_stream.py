@@ -12,11 +12,13 @@ from trainers.models import safetensors_stream as sts
 
 def _tensors(seed=0):
   rng = np.random.default_rng(seed)
-  return [("model.embed_tokens.weight", rng.standard_normal((7, 5)).astype(ml_dtypes.bfloat16)),
-          ("model.norm.weight", rng.standard_normal(5).astype(np.float32)),
-          ("empty", np.zeros((0, 3), np.float32)),
-          ("index", rng.integers(0, 2**32, 9, dtype=np.uint32)),
-          ("scalar", np.array(3.5, np.float32))]
+  return [
+    ("model.embed_tokens.weight", rng.standard_normal((7, 5)).astype(ml_dtypes.bfloat16)),
+    ("model.norm.weight", rng.standard_normal(5).astype(np.float32)),
+    ("empty", np.zeros((0, 3), np.float32)),
+    ("index", rng.integers(0, 2**32, 9, dtype=np.uint32)),
+    ("scalar", np.array(3.5, np.float32)),
+  ]
 
 
 def _same(a: dict, b: dict):
@@ -45,7 +47,7 @@ def test_any_chunking_reads_the_same(cuts):
   reader = sts.Reader(lambda *_: None, out.__setitem__)
   while at < len(raw):
     n = cuts[k % len(cuts)]
-    reader.feed(raw[at:at + n])
+    reader.feed(raw[at : at + n])
     at, k = at + n, k + 1
   reader.close()
   _same(out, dict(tensors))
@@ -57,8 +59,10 @@ def test_destination_buffers_are_filled_in_place():
   tensors = _tensors(2)
   big = np.zeros((3, 7, 5), ml_dtypes.bfloat16)
   seen = []
-  reader = sts.Reader(lambda name, dtype, shape: big[1] if name == "model.embed_tokens.weight" else None,
-                      lambda name, a: seen.append((name, a)))
+  reader = sts.Reader(
+    lambda name, dtype, shape: big[1] if name == "model.embed_tokens.weight" else None,
+    lambda name, a: seen.append((name, a)),
+  )
   reader.feed(sts.concat(sts.chunks(tensors)))
   reader.close()
   np.testing.assert_array_equal(big[1].view(np.uint16), tensors[0][1].view(np.uint16))

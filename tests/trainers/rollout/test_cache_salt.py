@@ -33,6 +33,7 @@ def test_every_request_carries_the_namespace_of_the_weights_it_starts_under():
       def spy(mode):  # the salt in force when the pause is sent
         salts_at_pause.append(client.cache_salt)
         return pause(mode)
+
       engine.pause = spy
       client.update_weights_from_disk("/nowhere", "3")
       assert salts_at_pause == [client.cache_salt] and client.cache_salt != first[0]
@@ -58,10 +59,16 @@ def test_the_trainer_salts_its_rollouts_unless_told_not_to(tmp_path):
   loss = mis_jax.LossConfig(use_tis=True)
   for salt in (True, False):
     with FakeSGLang() as fake:
-      cfg = make_cfg(tmp_path, f"salt-{salt}", rollout={"sampling": {"max_new_tokens": 3},
-                                                        "sync": {"cache_salt": salt, "sync_every": 1,
-                                                                 "mismatch_check": False, "initial_sync": "always"}},
-                     train={"steps": 2, "ppo_epochs": 1, "row_len": 16}, checkpoint={"every": 2})
+      cfg = make_cfg(
+        tmp_path,
+        f"salt-{salt}",
+        rollout={
+          "sampling": {"max_new_tokens": 3},
+          "sync": {"cache_salt": salt, "sync_every": 1, "mismatch_check": False, "initial_sync": "always"},
+        },
+        train={"steps": 2, "ppo_epochs": 1, "row_len": 16},
+        checkpoint={"every": 2},
+      )
       train_lib.Trainer(cfg, loss, urls=[fake.url]).run(progress=False)
       keys = _generate_keys(fake)
       if salt:  # step 1 after the initial push (version 0), step 2 after the push of step 1

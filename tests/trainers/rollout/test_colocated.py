@@ -19,8 +19,9 @@ from trainers.config import TrainConfig
 
 pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
 
-MIS = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(tis_mode="mask", tis_lower_bound=0.5, tis_upper_bound=2.0,
-                                                             rs_veto_threshold=1e-4))
+MIS = mis_jax.LossConfig(
+  use_tis=True, mis=mis_jax.MISConfig(tis_mode="mask", tis_lower_bound=0.5, tis_upper_bound=2.0, rs_veto_threshold=1e-4)
+)
 
 
 def _run(cfg, urls, loss_cfg=MIS, trainer=None):
@@ -39,7 +40,9 @@ def _assert_same_runs(a, b):
   for step, (x, y) in enumerate(zip(ra, rb)):
     sx, sy = x.result.samples, y.result.samples
     assert [s.response_ids for s in sx] == [s.response_ids for s in sy], f"step {step + 1}: samples differ"
-    np.testing.assert_array_equal([v for s in sx for v in s.rollout_logprobs], [v for s in sy for v in s.rollout_logprobs])
+    np.testing.assert_array_equal(
+      [v for s in sx for v in s.rollout_logprobs], [v for s in sy for v in s.rollout_logprobs]
+    )
     assert [s.weight_versions for s in sx] == [s.weight_versions for s in sy]
     assert [s.sampling_mask for s in sx] == [s.sampling_mask for s in sy]
     for u, v in zip(sx, sy):
@@ -63,10 +66,17 @@ def test_colocated_equals_server_mode(tmp_path, case):
   if case != "dense":
     rollout.update(sampling={"routing_replay": "r3", "top_k": 8})
   runs = {}
-  with EmbeddedServer(init, dtype="bfloat16", seed=0, extra_args=("--enable-return-routed-experts", "--weight-version", "0")) as server:
+  with EmbeddedServer(
+    init, dtype="bfloat16", seed=0, extra_args=("--enable-return-routed-experts", "--weight-version", "0")
+  ) as server:
     for placement in ("server", "colocated"):
-      cfg = make_cfg(tmp_path, placement, model={"path": init}, train={"steps": 3},
-                     rollout={**rollout, "placement": {"mode": placement}})
+      cfg = make_cfg(
+        tmp_path,
+        placement,
+        model={"path": init},
+        train={"steps": 3},
+        rollout={**rollout, "placement": {"mode": placement}},
+      )
       runs[placement] = _run(cfg, [server.url] if placement == "server" else [])
   _assert_same_runs(runs["server"], runs["colocated"])
   trainer, rollouts, history, _ = runs["colocated"]
@@ -84,19 +94,29 @@ def test_float32_engine_holds_the_trainers_current_weights(tmp_path):
   trained. The engine's copy is freed while the step trains (nothing else generates then). A
   step's prompts reach the engine in one call, whatever `prompts_per_request` says (no HTTP body
   to bound): one batch of all 16 rows, not requests racing into batches of their own."""
-  cfg = make_cfg(tmp_path, model={"dtype": "float32"}, train={"steps": 3},
-                 rollout={"prompts_per_step": 4, "n": 4, "transport": {"prompts_per_request": 1},
-                          "placement": {"mode": "colocated", "server_dtype": "float32"}})
+  cfg = make_cfg(
+    tmp_path,
+    model={"dtype": "float32"},
+    train={"steps": 3},
+    rollout={
+      "prompts_per_step": 4,
+      "n": 4,
+      "transport": {"prompts_per_request": 1},
+      "placement": {"mode": "colocated", "server_dtype": "float32"},
+    },
+  )
   trainer = train_lib.Trainer(cfg, MIS, urls=[])
   engine, train = trainer.servers.weight_sync.engine.inner, trainer.fns.train
   seen, batches, generate = [], [], engine.sampler.generate
-  engine.sampler.generate = lambda prompts, *args, **kwargs: batches.append(len(prompts)) or generate(
-      prompts, *args, **kwargs)
+  engine.sampler.generate = lambda prompts, *args, **kwargs: (
+    batches.append(len(prompts)) or generate(prompts, *args, **kwargs)
+  )
 
   def train_step(params, *args):
     leaves = jax.tree.leaves(engine.sampler.params)
     seen.append(engine.released and not any(isinstance(x, jax.Array) for x in leaves))
     return train(params, *args)
+
   trainer.fns.train = train_step
   history = trainer.run(progress=False)
   assert all(h["mis_k3_kl"] < 1e-6 for h in history), [h["mis_k3_kl"] for h in history]
@@ -113,39 +133,54 @@ def test_engine_over_the_mesh_equals_the_engine_on_one_device(tmp_path):
   the engine reproduces the trainer's (`mis_k3_kl` < 1e-6)."""
   runs = {}
   for devices in ("first", "mesh"):
-    cfg = make_cfg(tmp_path, devices, model={"dtype": "float32"}, train={"steps": 2},
-                   rollout={"placement": {"mode": "colocated", "server_dtype": "float32",
-                                          "colocated_devices": devices}})
+    cfg = make_cfg(
+      tmp_path,
+      devices,
+      model={"dtype": "float32"},
+      train={"steps": 2},
+      rollout={"placement": {"mode": "colocated", "server_dtype": "float32", "colocated_devices": devices}},
+    )
     trainer = train_lib.Trainer(cfg, MIS, urls=[])
     sampler = trainer.servers.weight_sync.engine.inner.sampler
     rows, prefill = [], sampler._prefill
-    sampler._prefill = lambda params, ids, *a, **k: rows.append(getattr(ids, "sharding", None)) or prefill(
-        params, ids, *a, **k)
+    sampler._prefill = lambda params, ids, *a, **k: (
+      rows.append(getattr(ids, "sharding", None)) or prefill(params, ids, *a, **k)
+    )
     runs[devices] = _run(cfg, [], trainer=trainer) + (rows,)
   (_, ra, ha, _, rows_first), (trainer, rb, hb, _, rows_mesh) = runs["first"], runs["mesh"]
   for x, y in zip(ra, rb):
     sx, sy = x.result.samples, y.result.samples
     assert [s.response_ids for s in sx] == [s.response_ids for s in sy]
-    np.testing.assert_allclose(np.concatenate([s.rollout_logprobs for s in sx]),
-                               np.concatenate([s.rollout_logprobs for s in sy]), atol=2e-5)
+    np.testing.assert_allclose(
+      np.concatenate([s.rollout_logprobs for s in sx]), np.concatenate([s.rollout_logprobs for s in sy]), atol=2e-5
+    )
   assert all(h["mis_k3_kl"] < 1e-6 for h in ha + hb), [h["mis_k3_kl"] for h in ha + hb]
   served = nnx.to_flat_state(trainer.servers.weight_sync.engine.inner.sampler.params)
   trained = dict(nnx.to_flat_state(trainer.fns.param_shardings))
   assert all(var.get_value().sharding == trained[path].get_value() for path, var in served)
-  assert any(len(var.get_value().sharding.device_set) == 8 and not var.get_value().sharding.is_fully_replicated
-             for _, var in served)
+  assert any(
+    len(var.get_value().sharding.device_set) == 8 and not var.get_value().sharding.is_fully_replicated
+    for _, var in served
+  )
   assert rows_first and rows_first == [None] * len(rows_first)
-  assert rows_mesh and all(r is not None and r.num_devices == 8 and r.spec[0] == ("data", "fsdp", "expert")
-                           for r in rows_mesh)
+  assert rows_mesh and all(
+    r is not None and r.num_devices == 8 and r.spec[0] == ("data", "fsdp", "expert") for r in rows_mesh
+  )
 
 
 def test_colocated_asynchronous_rollouts(tmp_path):
   """The producer thread generates on the engine while the trainer trains and pushes (paused in
   place): every trained sample is within `max_staleness` and the engine keeps its weights."""
-  cfg = make_cfg(tmp_path, train={"steps": 4, "ppo_epochs": 1},
-                 rollout={"prompts_per_step": 4, "n": 4,
-                          "placement": {"mode": "colocated"},
-                          "sync": {"max_staleness": 1, "pause_mode": "in_place", "mismatch_check": False}})
+  cfg = make_cfg(
+    tmp_path,
+    train={"steps": 4, "ppo_epochs": 1},
+    rollout={
+      "prompts_per_step": 4,
+      "n": 4,
+      "placement": {"mode": "colocated"},
+      "sync": {"max_staleness": 1, "pause_mode": "in_place", "mismatch_check": False},
+    },
+  )
   trainer = train_lib.Trainer(cfg, MIS, urls=[])
   history = trainer.run(progress=False)
   assert [h["step"] for h in history] == [1, 2, 3, 4]
@@ -156,7 +191,9 @@ def test_colocated_asynchronous_rollouts(tmp_path):
 
 def test_colocated_config_errors(tmp_path):
   with pytest.raises(mis_jax.ConfigError, match="colocated generates in the trainer: no server URL"):
-    train_lib.Trainer(make_cfg(tmp_path, rollout={"placement": {"mode": "colocated"}}), MIS, urls=["http://127.0.0.1:9"])
+    train_lib.Trainer(
+      make_cfg(tmp_path, rollout={"placement": {"mode": "colocated"}}), MIS, urls=["http://127.0.0.1:9"]
+    )
   with pytest.raises(mis_jax.ConfigError, match="placement"):
     make_cfg(tmp_path, rollout={"placement": {"mode": "remote"}})
   # sglang-jax colocated (the shipped configs/sglang_jax.yaml) runs its Engine in this process: here
@@ -166,7 +203,14 @@ def test_colocated_config_errors(tmp_path):
   with pytest.raises(mis_jax.ConfigError, match=r"no sglang-jax .*run the trainer in its venv.*--prepare --trainer"):
     train_lib.Trainer(cfg, MIS, urls=[])
   with pytest.raises(mis_jax.ConfigError, match="colocated_devices mesh lays out the embedded engine"):
-    train_lib.Trainer(make_cfg(tmp_path, rollout={"placement": {"mode": "colocated", "engine": "sglang-jax",
-                                                                "colocated_devices": "mesh"}}), MIS, urls=[])
+    train_lib.Trainer(
+      make_cfg(
+        tmp_path, rollout={"placement": {"mode": "colocated", "engine": "sglang-jax", "colocated_devices": "mesh"}}
+      ),
+      MIS,
+      urls=[],
+    )
   with pytest.raises(mis_jax.ConfigError, match="server_quantize 'int8' is the embedded engine's"):
-    train_lib.Trainer(make_cfg(tmp_path, rollout={"placement": {"engine": "sglang-jax", "server_quantize": "int8"}}), MIS, urls=[])
+    train_lib.Trainer(
+      make_cfg(tmp_path, rollout={"placement": {"engine": "sglang-jax", "server_quantize": "int8"}}), MIS, urls=[]
+    )

@@ -39,6 +39,7 @@ class NoToyScore(ServerError):
 class ToyScore(extras_lib.TokenExtra):
   """A per-token float the engine returns as `meta_info.toy_score` when asked `return_toy_score`,
   recorded as `toy_score` and fed to the model as `ModelInputs.extra["toy_score"]`."""
+
   name = "toy_score"
   request = {"return_toy_score": True}
   missing = NoToyScore
@@ -52,6 +53,7 @@ class ToyScore(extras_lib.TokenExtra):
   @staticmethod
   def record_type():
     import pyarrow as pa
+
     return pa.list_(pa.float32())
 
   def parse(self, reply):
@@ -96,40 +98,74 @@ def test_the_toy_extra_is_one_file():
   # the episode driver that makes it, their per-turn rewards in the module that turns them into
   # advantages.
   from trainers.agents import episodes, rewards
+
   kinds = {name: inspect.getsourcefile(k) for name, k in extras_lib.registered().items() if name != "toy_score"}
-  assert kinds == {"sampling_mask": extras_lib.__file__, "routed_experts": extras_lib.__file__,
-                   "top_logprobs": extras_lib.__file__, "top_logprob_ids": extras_lib.__file__,
-                   "turn": episodes.__file__, "turn_reward": rewards.__file__}
+  assert kinds == {
+    "sampling_mask": extras_lib.__file__,
+    "routed_experts": extras_lib.__file__,
+    "top_logprobs": extras_lib.__file__,
+    "top_logprob_ids": extras_lib.__file__,
+    "turn": episodes.__file__,
+    "turn_reward": rewards.__file__,
+  }
 
 
 def test_reply_to_model_input_and_back_out_of_the_records(toy, tmp_path):
   """validate_sample → Sample → records written and read → build_step_batch → ModelInputs."""
-  active = extras_lib.active(settings.derive(make_cfg(tmp_path).rollout, PRESETS["tiny-qwen3"]), PRESETS["tiny-qwen3"])  # as the Trainer decides
+  active = extras_lib.active(
+    settings.derive(make_cfg(tmp_path).rollout, PRESETS["tiny-qwen3"]), PRESETS["tiny-qwen3"]
+  )  # as the Trainer decides
   assert [e.name for e in active] == ["toy_score"]
   prompts = [(1, 2, 3), (4, 5)]
   responses = [(7, 8, 9, 10), (11, 12)]
   samples = []
   for k, (prompt, ids) in enumerate(zip(prompts, responses)):
-    item = {"text": "", "output_ids": list(ids), "meta_info": {
-        "finish_reason": {"type": "length", "length": len(ids)}, "weight_version": "0",
-        "output_token_logprobs": [[-0.5, t, None] for t in ids], "toy_score": toy_scores(ids)}}
+    item = {
+      "text": "",
+      "output_ids": list(ids),
+      "meta_info": {
+        "finish_reason": {"type": "length", "length": len(ids)},
+        "weight_version": "0",
+        "output_token_logprobs": [[-0.5, t, None] for t in ids],
+        "toy_score": toy_scores(ids),
+      },
+    }
     error, parsed = validate_sample(item, extras=active, prompt_len=len(prompt))
     assert error is None
-    samples.append(Sample(prompt_index=k, prompt_ids=prompt, response_ids=parsed["ids"],
-                          rollout_logprobs=parsed["logprobs"], finish_reason=parsed["finish"], text="",
-                          weight_version=parsed["weight_version"], extras=parsed["extras"]))
+    samples.append(
+      Sample(
+        prompt_index=k,
+        prompt_ids=prompt,
+        response_ids=parsed["ids"],
+        rollout_logprobs=parsed["logprobs"],
+        finish_reason=parsed["finish"],
+        text="",
+        weight_version=parsed["weight_version"],
+        extras=parsed["extras"],
+      )
+    )
   assert samples[0].extras["toy_score"].tolist() == toy_scores(responses[0])
   # A reply without it: the extra's own error; a malformed one: the sample is rejected.
   with pytest.raises(NoToyScore):
-    validate_sample({**item, "meta_info": {k: v for k, v in item["meta_info"].items() if k != "toy_score"}},
-                    extras=(toy,))
+    validate_sample(
+      {**item, "meta_info": {k: v for k, v in item["meta_info"].items() if k != "toy_score"}}, extras=(toy,)
+    )
   bad = {**item, "meta_info": {**item["meta_info"], "toy_score": [1.0]}}
   assert validate_sample(bad, extras=(toy,))[0] == "length mismatch: 2 output_ids but 1 toy_score"
   # Its request field joins every /generate body.
   assert protocol.generate_body([[1]], {"max_new_tokens": 2}, extra_fields=toy.request)["return_toy_score"] is True
 
-  sb = build_step_batch(samples, np.ones(2, np.float32), np.ones(2, np.float32), np.arange(2), num_segments=2,
-                        row_len=16, tokens_per_micro_batch=16, batch_devices=1, extras=(toy,))
+  sb = build_step_batch(
+    samples,
+    np.ones(2, np.float32),
+    np.ones(2, np.float32),
+    np.arange(2),
+    num_segments=2,
+    row_len=16,
+    tokens_per_micro_batch=16,
+    batch_devices=1,
+    extras=(toy,),
+  )
   packed = sb.extras["toy_score"]
   assert packed.shape == sb.input_ids.shape and packed.dtype == np.float32
   mask = np.asarray(sb.batch.loss_mask)
@@ -155,7 +191,9 @@ def test_the_trainer_carries_a_toy_extra(toy, tmp_path):
   model: a run against a server that returns it, then a replay of its records."""
   records = tmp_path / "records"
   with ToyServer() as fake:
-    cfg = make_cfg(tmp_path, rollout={"sync": {"mismatch_check": False}, "records": {"save_dir": str(records)}}, train={"steps": 2})
+    cfg = make_cfg(
+      tmp_path, rollout={"sync": {"mismatch_check": False}, "records": {"save_dir": str(records)}}, train={"steps": 2}
+    )
     trainer = train_lib.Trainer(cfg, urls=[fake.url])  # (the fake's log-probs are random)
     assert [e.name for e in trainer.extras] == ["toy_score"]
     history = trainer.run(progress=False)
@@ -165,13 +203,14 @@ def test_the_trainer_carries_a_toy_extra(toy, tmp_path):
   cols, _ = rollout_records.read_step(rollout_records.step_path(str(records), 1))
   assert cols["toy_score"] == [toy_scores(ids) for ids in cols["response_ids"]]
 
-  replay = train_lib.Trainer(make_cfg(tmp_path, "replay", rollout={"records": {"load_dir": str(records)}}, train={"steps": 1}),
-                             urls=[])
+  replay = train_lib.Trainer(
+    make_cfg(tmp_path, "replay", rollout={"records": {"load_dir": str(records)}}, train={"steps": 1}), urls=[]
+  )
   rollout = replay.source.next(0)
   sb = replay.build_batch(rollout.prompts, rollout.result)
   inputs, _ = replay.learner.device_batch(sb)
   got = np.asarray(inputs.extra["toy_score"])
   for seq, ids in zip(sb.per_sequence(got), cols["response_ids"]):  # each response's scores, at its tokens
-    assert seq[-len(ids):].tolist() == toy_scores(ids) and not seq[:-len(ids)].any()
+    assert seq[-len(ids) :].tolist() == toy_scores(ids) and not seq[: -len(ids)].any()
   assert np.array_equal(got, sb.extras["toy_score"])
   assert replay.run(progress=False)[0]["step"] == 1  # and the step trains with it among the inputs

@@ -35,10 +35,20 @@ except ImportError:  # CI installs it (the test extra): there a missing router f
     raise
   pytest.skip("sglang-router is not installed (pip install sglang-router==0.3.2)", allow_module_level=True)
 
-FLOAT32 = {"model": {"dtype": "float32", "param_dtype": "float32"},
-           "rollout": {"placement": {"server_dtype": "float32"}, "sync": {"weight_dtype": "float32"},
-                       "transport": {"max_retries": 1, "backoff_s": 0.05, "health_attempts": 20,
-                                     "server_restart_timeout_s": 60, "router_poll_s": 0.5}}}
+FLOAT32 = {
+  "model": {"dtype": "float32", "param_dtype": "float32"},
+  "rollout": {
+    "placement": {"server_dtype": "float32"},
+    "sync": {"weight_dtype": "float32"},
+    "transport": {
+      "max_retries": 1,
+      "backoff_s": 0.05,
+      "health_attempts": 20,
+      "server_restart_timeout_s": 60,
+      "router_poll_s": 0.5,
+    },
+  },
+}
 
 
 def _worker(path):
@@ -72,8 +82,9 @@ def fleet(checkpoint):
 
 
 def _trainer(tmp_path, router, name, steps, sync=None):
-  sections = merged(FLOAT32, {"rollout": {"transport": {"router": router.url}, "sync": sync or {}},
-                              "train": {"steps": steps}})
+  sections = merged(
+    FLOAT32, {"rollout": {"transport": {"router": router.url}, "sync": sync or {}}, "train": {"steps": steps}}
+  )
   cfg = make_cfg(tmp_path, name, **sections)
   trainer = train_lib.Trainer(cfg, mis_jax.LossConfig(), urls=[])
   versions = {}  # step -> the weight versions of every sample it trained on
@@ -83,6 +94,7 @@ def _trainer(tmp_path, router, name, steps, sync=None):
     result = generate(prompts, batch)
     versions[batch + 1] = {s.weight_version for s in result.samples}
     return result
+
   trainer.servers.generate = recording
   return trainer, versions
 
@@ -99,6 +111,7 @@ def test_ten_float32_steps_through_the_router(fleet, tmp_path):
     out = push(params, step)
     pushed.append((step, [_version(w.url) for w in workers]))
     return out
+
   trainer.servers.push = checked_push
   history = trainer.run(progress=False)
   assert sorted(trainer.servers.client.urls) == sorted(w.url for w in workers)  # read from the router
@@ -138,6 +151,7 @@ def test_a_worker_dies_and_another_joins(fleet, checkpoint, tmp_path, via):
         joined["calls"] = _generate_calls(c)
         router_lib.register(router.url, c.url)
       return out
+
     trainer.servers.sync = churn
     history = trainer.run(progress=False, log=logs.append)
     assert [h["step"] for h in history] == list(range(1, 6))  # no step failed
@@ -181,10 +195,12 @@ def test_a_worker_joining_mid_run_that_cannot_read_the_weights_is_refused(fleet,
           router_lib.register(router.url, blind, wait=False)
           deadline = time.monotonic() + 60
           while blind not in trainer.servers.client.refused and blind not in [
-              w["url"] for w in router_lib.workers(router.url)]:
+            w["url"] for w in router_lib.workers(router.url)
+          ]:
             assert time.monotonic() < deadline, f"{router.url} neither lists nor refused {blind}"
             time.sleep(0.05)
         return out
+
       trainer.servers.sync = join
       history = trainer.run(progress=False, log=logs.append)
       assert [h["step"] for h in history] == [1, 2, 3] and versions == {k: {str(k - 1)} for k in (1, 2, 3)}
@@ -210,8 +226,9 @@ def test_the_router_gone_stops_the_run_at_its_timeout_and_loses_nothing(fleet, t
   port = free_port()
   router = router_lib.RouterProcess([a.url], policy="round_robin", port=port)
   try:
-    sections = merged(FLOAT32, {"rollout": {"transport": {"router": router.url, "server_restart_timeout_s": 3}},
-                                "train": {"steps": 4}})
+    sections = merged(
+      FLOAT32, {"rollout": {"transport": {"router": router.url, "server_restart_timeout_s": 3}}, "train": {"steps": 4}}
+    )
     cfg = make_cfg(tmp_path, "gone", **sections)
     trainer = train_lib.Trainer(cfg, mis_jax.LossConfig(), urls=[])
     sync = trainer.servers.sync
@@ -222,6 +239,7 @@ def test_the_router_gone_stops_the_run_at_its_timeout_and_loses_nothing(fleet, t
         router.process.kill()
         router.process.wait()
       return out
+
     trainer.servers.sync = kill_router
     with pytest.raises(TrainingError) as stop:
       trainer.run(progress=False)
@@ -257,10 +275,18 @@ def test_fields_the_router_drops_stop_the_run_before_step_1(fleet, tmp_path):
   `return_sampling_mask` (and `return_routed_experts`). Sampling-mask replay through it stops
   before step 1, naming the router, although each worker returns masks when asked directly."""
   from trainers.rollout.samples import NoSamplingMask
+
   router, _ = fleet
-  sections = merged(FLOAT32, {"rollout": {"transport": {"router": router.url},
-                                          "sampling": {"temperature": 1.0, "top_k": 5, "sampling_replay": "on"}},
-                              "train": {"steps": 1}})
+  sections = merged(
+    FLOAT32,
+    {
+      "rollout": {
+        "transport": {"router": router.url},
+        "sampling": {"temperature": 1.0, "top_k": 5, "sampling_replay": "on"},
+      },
+      "train": {"steps": 1},
+    },
+  )
   cfg = make_cfg(tmp_path, "masks", **sections)
   with pytest.raises(NoSamplingMask, match=f"router {router.url}/generate drops return_sampling_mask"):
     train_lib.Trainer(cfg, mis_jax.LossConfig(), urls=[]).run(progress=False)
@@ -275,6 +301,7 @@ class _Recorder:
     import json
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
     bodies = self.bodies = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -297,6 +324,7 @@ class _Recorder:
         if self.path == "/generate":
           bodies.append(body)
         self._reply([{"meta_info": {}}])
+
     self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
     threading.Thread(target=self.server.serve_forever, daemon=True).start()
@@ -307,13 +335,17 @@ def test_what_the_router_forwards_to_a_worker():
   row, as the router client splits them) reach the worker unchanged; the two per-token extras'
   request fields are dropped (docs/guides/fleet.md; the trainer stops before step 1 for them)."""
   from trainers.serving import protocol
+
   worker = _Recorder()
   try:
     with router_lib.RouterProcess([worker.url]) as router:
-      body = protocol.generate_body([[1, 5, 9]], {"temperature": 1.0, "top_k": 5, "top_p": 0.9, "max_new_tokens": 3,
-                                                   "ignore_eos": True, "stop_token_ids": [2]}, seeds=[11],
-                                    extra_key="salt", extra_fields={"top_logprobs_num": 4, "return_sampling_mask": True,
-                                                                    "return_routed_experts": True})
+      body = protocol.generate_body(
+        [[1, 5, 9]],
+        {"temperature": 1.0, "top_k": 5, "top_p": 0.9, "max_new_tokens": 3, "ignore_eos": True, "stop_token_ids": [2]},
+        seeds=[11],
+        extra_key="salt",
+        extra_fields={"top_logprobs_num": 4, "return_sampling_mask": True, "return_routed_experts": True},
+      )
       body["sampling_params"] = body["sampling_params"][0]  # one seeded row, as the router client sends it
       httpx.post(router.url + "/generate", json=body, timeout=30).raise_for_status()
     (got,) = worker.bodies

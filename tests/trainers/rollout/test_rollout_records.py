@@ -27,8 +27,17 @@ from trainers.rollout import records as rollout_records
 pytestmark = pytest.mark.integration  # starts servers, subprocesses or another venv: make test, not make test-fast
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-SMALL = ["--set", "rollout.prompts_per_step=4", "--set", "rollout.n=4", "--set", "train.row_len=32",
-         "--set", "checkpoint.every=1", "--no-progress"]
+SMALL = [
+  "--set",
+  "rollout.prompts_per_step=4",
+  "--set",
+  "rollout.n=4",
+  "--set",
+  "train.row_len=32",
+  "--set",
+  "checkpoint.every=1",
+  "--no-progress",
+]
 TIMING = ("rollout_s", "train_s", "sync_s", "step_s", "tokens_per_s")
 
 
@@ -55,11 +64,28 @@ def _metrics_by_step(path):
 
 def test_save_kill_resume_then_replay_reproduces_the_metrics(server, tmp_path, capsys):
   run, records = tmp_path / "run", tmp_path / "records"
-  argv = ["train", "--config", "configs/demo.yaml", "--steps", "3", "--run-dir", str(run),
-          "--save-rollouts", str(records), "--sglang-url", server.url, *SMALL]
+  argv = [
+    "train",
+    "--config",
+    "configs/demo.yaml",
+    "--steps",
+    "3",
+    "--run-dir",
+    str(run),
+    "--save-rollouts",
+    str(records),
+    "--sglang-url",
+    server.url,
+    *SMALL,
+  ]
   # The same 8 CPU devices as this process (the suite's), so the replay below runs the same programs.
-  proc = subprocess.Popen([sys.executable, "-m", "trainers.cli", *argv], cwd=ROOT, env=cpu_process_env(8),
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  proc = subprocess.Popen(
+    [sys.executable, "-m", "trainers.cli", *argv],
+    cwd=ROOT,
+    env=cpu_process_env(8),
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
   deadline = time.monotonic() + 300
   while time.monotonic() < deadline and proc.poll() is None:
     if (run / "metrics.jsonl").exists() and len((run / "metrics.jsonl").read_text().splitlines()) >= 2:
@@ -81,8 +107,23 @@ def test_save_kill_resume_then_replay_reproduces_the_metrics(server, tmp_path, c
   # Replay with no server: the same steps in the same order, the same metrics.
   replay = tmp_path / "replay"
   capsys.readouterr()
-  assert cli.main(["train", "--config", "configs/demo.yaml", "--steps", "3", "--run-dir", str(replay),
-                   "--load-rollouts", str(records), *SMALL]) == 0
+  assert (
+    cli.main(
+      [
+        "train",
+        "--config",
+        "configs/demo.yaml",
+        "--steps",
+        "3",
+        "--run-dir",
+        str(replay),
+        "--load-rollouts",
+        str(records),
+        *SMALL,
+      ]
+    )
+    == 0
+  )
   # model.remat / model.attention auto: the tiny step fits, so no remat and dense attention, said at start-up
   assert "model: float32 compute, float32 weights, remat none, attention dense (auto: " in capsys.readouterr().out
   replayed = _metrics_by_step(replay / "metrics.jsonl")
@@ -93,8 +134,14 @@ def test_save_kill_resume_then_replay_reproduces_the_metrics(server, tmp_path, c
 
 
 def _oracle_sequences(rows):
-  return [{"o": np.asarray(r["old_logprobs"], np.float64), "q": np.asarray(r["rollout_logprobs"], np.float64),
-           "m": np.ones(len(r["response_ids"]), bool)} for r in rows]
+  return [
+    {
+      "o": np.asarray(r["old_logprobs"], np.float64),
+      "q": np.asarray(r["rollout_logprobs"], np.float64),
+      "m": np.ones(len(r["response_ids"]), bool),
+    }
+    for r in rows
+  ]
 
 
 def test_analysis_equals_a_numpy_loop_on_the_committed_example(tmp_path):
@@ -114,8 +161,11 @@ def test_analysis_equals_a_numpy_loop_on_the_committed_example(tmp_path):
   for level, tis_mode, bound in (("token", "truncate", 1.5), ("sequence", "mask", 2.0), ("geometric", "mask", 5.0)):
     _, _, m = oracle.mis(seqs, {"tis_level": level, "tis_mode": tis_mode, "tis_upper_bound": bound}, mode)
     got = rows_by_setting[f"{level} {tis_mode} C={bound:g}"]
-    affected = (m["mis_tis_truncate_fraction"] if tis_mode == "truncate"
-                else m["mis_tis_mask_fraction_low"] + m["mis_tis_mask_fraction_high"])
+    affected = (
+      m["mis_tis_truncate_fraction"]
+      if tis_mode == "truncate"
+      else m["mis_tis_mask_fraction_low"] + m["mis_tis_mask_fraction_high"]
+    )
     np.testing.assert_allclose(got["affected_token_fraction"], affected, atol=1e-6)
     np.testing.assert_allclose(got["kept_seq_fraction"], m["mis_kept_seq_fraction"], atol=1e-6)
     np.testing.assert_allclose(got["ess_ratio"], m["mis_ess_ratio"], rtol=1e-4)
@@ -141,8 +191,11 @@ def test_analysis_equals_a_numpy_loop_on_the_committed_example(tmp_path):
       group = [x["reward"] for x in rows if x["step"] == row["step"] and x["group"] == row["group"]]
       others = list(group)
       others.remove(row["reward"])
-      adv.append((row["reward"] - np.mean(group)) / (np.std(group, ddof=1) + 1e-6) if estimator == "grpo"
-                 else row["reward"] - np.mean(others))
+      adv.append(
+        (row["reward"] - np.mean(group)) / (np.std(group, ddof=1) + 1e-6)
+        if estimator == "grpo"
+        else row["reward"] - np.mean(others)
+      )
     np.testing.assert_allclose(by_estimator[estimator]["mean_abs"], np.mean(np.abs(adv)), rtol=1e-4)
     np.testing.assert_allclose(by_estimator[estimator]["zero_fraction"], np.mean(np.abs(adv) < 1e-6))
   assert report["run_estimator"] == "grpo" and by_estimator["grpo"]["max_abs_diff_to_recorded"] < 1e-5
@@ -168,17 +221,24 @@ def _copy_records(tmp_path, edit=None, name="bad"):
 
 
 BAD = {
-    "unknown column": (lambda t: t.append_column("score", pa.array([0.0] * t.num_rows)), "unknown column 'score'"),
-    "missing column": (lambda t: t.drop(["reward"]), "missing column 'reward'"),
-    "log-probs of the wrong length": (
-        lambda t: t.set_column(t.column_names.index("rollout_logprobs"), "rollout_logprobs",
-                               pa.array([[-1.0]] * t.num_rows, pa.list_(pa.float32()))),
-        "column 'rollout_logprobs' has 1 values for"),
-    "token outside the vocabulary": (
-        lambda t: t.set_column(t.column_names.index("response_ids"), "response_ids",
-                               pa.array([[99] * len(x) for x in t.column("response_ids").to_pylist()],
-                                        pa.list_(pa.int32()))),
-        "column 'response_ids' holds token id 99, outside the model's vocabulary (64)"),
+  "unknown column": (lambda t: t.append_column("score", pa.array([0.0] * t.num_rows)), "unknown column 'score'"),
+  "missing column": (lambda t: t.drop(["reward"]), "missing column 'reward'"),
+  "log-probs of the wrong length": (
+    lambda t: t.set_column(
+      t.column_names.index("rollout_logprobs"),
+      "rollout_logprobs",
+      pa.array([[-1.0]] * t.num_rows, pa.list_(pa.float32())),
+    ),
+    "column 'rollout_logprobs' has 1 values for",
+  ),
+  "token outside the vocabulary": (
+    lambda t: t.set_column(
+      t.column_names.index("response_ids"),
+      "response_ids",
+      pa.array([[99] * len(x) for x in t.column("response_ids").to_pylist()], pa.list_(pa.int32())),
+    ),
+    "column 'response_ids' holds token id 99, outside the model's vocabulary (64)",
+  ),
 }
 
 
@@ -187,8 +247,9 @@ def test_bad_records_are_one_line_errors(case, tmp_path, capsys):
   edit, needle = BAD[case]
   records = _copy_records(tmp_path, edit)
   run = tmp_path / "run"
-  code = cli.main(["train", "--config", "configs/demo.yaml", "--steps", "2", "--run-dir", str(run),
-                   "--load-rollouts", str(records)])
+  code = cli.main(
+    ["train", "--config", "configs/demo.yaml", "--steps", "2", "--run-dir", str(run), "--load-rollouts", str(records)]
+  )
   err = capsys.readouterr().err.strip().splitlines()
   assert code == 2 and len(err) == 1 and "Traceback" not in err[0], err
   assert needle in err[0] and "step_000002.parquet" in err[0], err[0]
@@ -197,11 +258,31 @@ def test_bad_records_are_one_line_errors(case, tmp_path, capsys):
 
 def test_missing_steps_and_missing_directory(tmp_path, capsys):
   records = _copy_records(tmp_path)
-  code = cli.main(["train", "--config", "configs/demo.yaml", "--steps", "3", "--run-dir", str(tmp_path / "r"),
-                   "--load-rollouts", str(records)])
+  code = cli.main(
+    [
+      "train",
+      "--config",
+      "configs/demo.yaml",
+      "--steps",
+      "3",
+      "--run-dir",
+      str(tmp_path / "r"),
+      "--load-rollouts",
+      str(records),
+    ]
+  )
   assert code == 2 and "have no step_000003.parquet (they cover steps 1..2)" in capsys.readouterr().err
-  code = cli.main(["train", "--config", "configs/demo.yaml", "--run-dir", str(tmp_path / "r"),
-                   "--load-rollouts", str(tmp_path / "nowhere")])
+  code = cli.main(
+    [
+      "train",
+      "--config",
+      "configs/demo.yaml",
+      "--run-dir",
+      str(tmp_path / "r"),
+      "--load-rollouts",
+      str(tmp_path / "nowhere"),
+    ]
+  )
   assert code == 2 and "no such directory" in capsys.readouterr().err
   assert cli.main(["analyze", str(tmp_path / "nowhere")]) == 2
 
@@ -211,6 +292,7 @@ def test_analyze_recomputes_trainer_logprobs_with_a_model(tmp_path):
   preset, initializer_range 0.1, init seed 0); recomputed from that checkpoint they match."""
   import dataclasses
   from trainers.models import PRESETS
+
   init_checkpoint(tmp_path / "init", config=dataclasses.replace(PRESETS["tiny-qwen3"], initializer_range=0.1), seed=0)
   rows, meta = analysis.load(os.path.join(ROOT, "data", "rollout_records_example"), steps=(1, 1))
   recorded = [r.pop("old_logprobs") for r in rows]

@@ -21,8 +21,17 @@ from trainers.rollout.extras import SamplingSupport
 from trainers.rollout.samples import ServerError
 from trainers.serving.embedded.server import EmbeddedServer
 
-from test_step import ALGORITHMS, ROW_LEN, TINY, _assert_metrics_close, _assert_trees_close, _functions, _mesh, _samples, \
-    _step_batch
+from test_step import (
+  ALGORITHMS,
+  ROW_LEN,
+  TINY,
+  _assert_metrics_close,
+  _assert_trees_close,
+  _functions,
+  _mesh,
+  _samples,
+  _step_batch,
+)
 from test_step import _run as run_steps
 from test_train import make_cfg
 
@@ -38,7 +47,7 @@ def _with_supports(samples, seed=0):
   for s in samples:
     masks = []
     for tok in s.response_ids:
-      others = [int(v) for v in rng.permutation(64) if v != tok][:int(rng.integers(0, K))]
+      others = [int(v) for v in rng.permutation(64) if v != tok][: int(rng.integers(0, K))]
       ids = others + [tok]
       masks.append(tuple(int(v) for v in rng.permutation(ids)))
     support = SamplingSupport(K).from_record(masks, len(s.prompt_ids), len(s.response_ids))
@@ -63,12 +72,21 @@ def _assert_metrics_match(got, want):
 def _support_batch(tokens_per_micro_batch, batch_devices, num=24):
   """test_step's step batch of `num` samples, with random supports packed (width K)."""
   from trainers.learner.batch import build_step_batch
+
   samples = _with_supports(_samples(num))
   ref = _step_batch(tokens_per_micro_batch, batch_devices, samples)
   adv = np.asarray(mis_jax.compute_advantages(ref.rewards, ref.groups, num_groups=int(ref.groups.max()) + 1))
-  return build_step_batch(samples, ref.rewards, adv, ref.groups, num_segments=num, row_len=ROW_LEN,
-                          tokens_per_micro_batch=tokens_per_micro_batch, batch_devices=batch_devices,
-                          extras=(SamplingSupport(K),))
+  return build_step_batch(
+    samples,
+    ref.rewards,
+    adv,
+    ref.groups,
+    num_segments=num,
+    row_len=ROW_LEN,
+    tokens_per_micro_batch=tokens_per_micro_batch,
+    batch_devices=batch_devices,
+    extras=(SamplingSupport(K),),
+  )
 
 
 def test_supports_are_packed_with_their_tokens():
@@ -92,8 +110,13 @@ def test_replay_step_on_a_mesh_and_micro_batches_equals_one_device(algo):
   assert (one.layout.micro_batches, four.layout.micro_batches) == (1, 4)
   s1, h1 = _run(one_mesh, loss_cfg, one, fns)
   s4, h4 = _run(one_mesh, loss_cfg, four, fns)
-  assert {"sampling_kept_mass_mean", "sampling_kept_mass_min", "sampling_ratio_mean_replay",
-          "sampling_ratio_outside_full", "sampling_k3_kl_full"} <= set(h1)
+  assert {
+    "sampling_kept_mass_mean",
+    "sampling_kept_mass_min",
+    "sampling_ratio_mean_replay",
+    "sampling_ratio_outside_full",
+    "sampling_k3_kl_full",
+  } <= set(h1)
   assert 0 < h1["sampling_kept_mass_min"] <= h1["sampling_kept_mass_mean"] < 1
   _assert_trees_close(s4, s1, "state, 4 micro-batches")
   h1.pop("mis_ess_ratio", None), h4.pop("mis_ess_ratio", None)
@@ -109,10 +132,10 @@ def test_replay_step_on_a_mesh_and_micro_batches_equals_one_device(algo):
 # ---- the trainer against a float32 engine on the trainer's own weights --------------------------
 
 SETTINGS = {  # name: (top_k, top_p, min_p); top_k = vocab (64) cuts nothing
-    "top_k 20": (20, 1.0, 0.0),
-    "top_p 0.8": (64, 0.8, 0.0),
-    "min_p 0.1": (64, 1.0, 0.1),
-    "top_k 20 + top_p 0.95 + min_p 0.05": (20, 0.95, 0.05),
+  "top_k 20": (20, 1.0, 0.0),
+  "top_p 0.8": (64, 0.8, 0.0),
+  "min_p 0.1": (64, 1.0, 0.1),
+  "top_k 20 + top_p 0.95 + min_p 0.05": (20, 0.95, 0.05),
 }
 
 
@@ -125,11 +148,23 @@ def f32_server(tmp_path_factory):
 
 
 def _replay_cfg(tmp_path, model_path, name, top_k, top_p, min_p, replay="auto"):
-  return make_cfg(tmp_path, name, model={"path": model_path},
-                  rollout={"sampling": {"temperature": 1.0, "top_k": top_k, "top_p": top_p, "min_p": min_p,
-                                        "sampling_replay": replay, "max_new_tokens": 6},
-                           "placement": {"server_dtype": "float32"}},
-                  train={"steps": 1, "ppo_epochs": 1, "row_len": 16})
+  return make_cfg(
+    tmp_path,
+    name,
+    model={"path": model_path},
+    rollout={
+      "sampling": {
+        "temperature": 1.0,
+        "top_k": top_k,
+        "top_p": top_p,
+        "min_p": min_p,
+        "sampling_replay": replay,
+        "max_new_tokens": 6,
+      },
+      "placement": {"server_dtype": "float32"},
+    },
+    train={"steps": 1, "ppo_epochs": 1, "row_len": 16},
+  )
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
@@ -165,17 +200,31 @@ def test_replay_off_keeps_full_vocabulary_logprobs_with_a_warning(f32_server, tm
 def test_a_server_without_sampling_masks_is_a_clear_error(tmp_path):
   with FakeSGLang() as fake:
     cfg = make_cfg(tmp_path, rollout={"sampling": {"top_k": 10, "top_p": 0.9}})
-    with pytest.raises(ServerError, match="/generate: the reply has no meta_info.output_token_sampling_mask .* "
-                                                      "rollout.sampling.sampling_replay: off"):
+    with pytest.raises(
+      ServerError,
+      match="/generate: the reply has no meta_info.output_token_sampling_mask .* rollout.sampling.sampling_replay: off",
+    ):
       train_lib.Trainer(cfg, mis_jax.LossConfig(), urls=[fake.url]).run(progress=False)
 
 
-@pytest.mark.parametrize("sets,needle", [
-    (["rollout.sampling.top_p=0.9"], "rollout.sampling.sampling_replay auto (rollout.sampling.top_p 0.9, min_p 0.0) needs a finite rollout.sampling.top_k"),
-    (["rollout.sampling.sampling_replay=on"], "rollout.sampling.sampling_replay on (untruncated sampling) needs a finite rollout.sampling.top_k"),
-    (["rollout.sampling.top_k=5000"], "rollout.sampling.top_k 5000 exceeds rollout.sampling.sampling_mask_max_tokens 4096"),
+@pytest.mark.parametrize(
+  "sets,needle",
+  [
+    (
+      ["rollout.sampling.top_p=0.9"],
+      "rollout.sampling.sampling_replay auto (rollout.sampling.top_p 0.9, min_p 0.0) needs a finite rollout.sampling.top_k",
+    ),
+    (
+      ["rollout.sampling.sampling_replay=on"],
+      "rollout.sampling.sampling_replay on (untruncated sampling) needs a finite rollout.sampling.top_k",
+    ),
+    (
+      ["rollout.sampling.top_k=5000"],
+      "rollout.sampling.top_k 5000 exceeds rollout.sampling.sampling_mask_max_tokens 4096",
+    ),
     (["rollout.sampling.temperature=0", "rollout.sampling.sampling_replay=on"], "greedy sampling"),
-])
+  ],
+)
 def test_configs_that_cannot_replay_are_errors(sets, needle, tmp_path, capsys):
   run_dir = tmp_path / "run"
   argv = ["train", "--config", "configs/demo.yaml", "--run-dir", str(run_dir)]
@@ -191,11 +240,17 @@ def test_replay_with_asynchronous_rollouts(f32_server, tmp_path, step_traces):
   """Async producer (max_staleness 1): samples one version old are trained with their own
   supports; the masks survive the JSON broadcast that feeds other trainer processes."""
   model_path, srv = f32_server
-  cfg = make_cfg(tmp_path, "async", model={"path": model_path},
-                 rollout={"sampling": {"top_k": 20, "top_p": 0.9, "max_new_tokens": 6},
-                          "placement": {"server_dtype": "float32"},
-                          "sync": {"max_staleness": 1}},
-                 train={"steps": 2, "ppo_epochs": 1, "row_len": 16})
+  cfg = make_cfg(
+    tmp_path,
+    "async",
+    model={"path": model_path},
+    rollout={
+      "sampling": {"top_k": 20, "top_p": 0.9, "max_new_tokens": 6},
+      "placement": {"server_dtype": "float32"},
+      "sync": {"max_staleness": 1},
+    },
+    train={"steps": 2, "ppo_epochs": 1, "row_len": 16},
+  )
   loss_cfg = mis_jax.LossConfig(use_tis=True, mis=mis_jax.MISConfig(use_rs=True, tis_mode="mask"))
   trainer = train_lib.Trainer(cfg, loss_cfg, urls=[srv.url])
   result = trainer.servers.generate(trainer.prompts(0), 0)
@@ -215,5 +270,6 @@ def test_replay_with_asynchronous_rollouts(f32_server, tmp_path, step_traces):
 
 def test_shipped_sampling_replay_config():
   from trainers.config import TrainConfig
+
   cfg = TrainConfig.from_yaml("configs/sampling_replay.yaml")
   assert cfg.rollout.sampling.sampling_replay == "on" and settings.sampling_replay_width(cfg.rollout) == 20

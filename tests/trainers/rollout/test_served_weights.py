@@ -26,8 +26,13 @@ pytestmark = pytest.mark.integration  # starts (in-thread) servers
 
 
 def _trainer(tmp_path, url, timeout_s=60.0):
-  cfg = make_cfg(tmp_path, rollout={"sync": {"mismatch_check": False},
-                                    "transport": {"server_restart_timeout_s": timeout_s, "backoff_s": 0.05}})
+  cfg = make_cfg(
+    tmp_path,
+    rollout={
+      "sync": {"mismatch_check": False},
+      "transport": {"server_restart_timeout_s": timeout_s, "backoff_s": 0.05},
+    },
+  )
   return train_lib.Trainer(cfg, mis_jax.LossConfig(), urls=[url])
 
 
@@ -36,8 +41,9 @@ def _steps(root) -> list[str]:
 
 
 def _update_paths(fake) -> list[str]:
-  return [body["model_path"] for route, body in fake.bodies if route == "/update_weights_from_disk"
-          and "model_path" in body]
+  return [
+    body["model_path"] for route, body in fake.bodies if route == "/update_weights_from_disk" and "model_path" in body
+  ]
 
 
 def test_a_push_keeps_what_the_servers_serve_and_removes_every_other_weight_directory(tmp_path, monkeypatch):
@@ -88,9 +94,11 @@ def test_a_server_back_without_the_served_weights_ends_the_wait_at_its_one_deadl
       servers.wait_for_restart(error)
     took = time.monotonic() - t0
     assert 1.5 <= took < 4.0, took
-    assert (f"step 5: rollout batch 4: every server is down; waited rollout.transport.server_restart_timeout_s "
-            f"(1.5 s) for a server to serve the weights of step 4 ({gone}), in vain: {fake.url}: answers /health, "
-            f"but did not take the weights of step 4 (") in str(stop.value)
+    assert (
+      f"step 5: rollout batch 4: every server is down; waited rollout.transport.server_restart_timeout_s "
+      f"(1.5 s) for a server to serve the weights of step 4 ({gone}), in vain: {fake.url}: answers /health, "
+      f"but did not take the weights of step 4 ("
+    ) in str(stop.value)
     assert f"{gone} does not exist" in str(stop.value)
     tries = len(_update_paths(fake))
     assert tries >= 2  # it kept trying while the deadline lasted
@@ -116,7 +124,9 @@ def test_a_push_no_server_takes_ends_at_the_deadline_naming_it(tmp_path):
   with pytest.raises(TrainingError) as stop:
     trainer.servers.sync(trainer.params, 3)
   assert 1.0 <= time.monotonic() - t0 < 4.0
-  assert ("the weight push after step 3: weight sync at step 3: " in str(stop.value)
-          and f"(1 s) for a server to load the weights of step 3, in vain: no answer to /health from {fake.url}"
-          in str(stop.value)), str(stop.value)
+  assert "the weight push after step 3: weight sync at step 3: " in str(
+    stop.value
+  ) and f"(1 s) for a server to load the weights of step 3, in vain: no answer to /health from {fake.url}" in str(
+    stop.value
+  ), str(stop.value)
   trainer.servers.close()

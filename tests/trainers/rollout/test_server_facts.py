@@ -4,7 +4,6 @@ routes or fields (`/model_info`, the weight-update route, `weight_version`), and
 sanity check — against a real `mis-jax serve` process, directly or behind a proxy that
 removes routes or garbles replies (`fake_sglang.FakeSGLang(upstream=...)`)."""
 
-
 import pytest
 
 import mis_jax
@@ -32,15 +31,20 @@ def start(tmp_path_factory):
 
 def _cfg(tmp_path, path, name, steps=2, sync=None):
   sync = sync or {}
-  return make_cfg(tmp_path, name, model={"path": path},
-                  rollout={"sampling": {"max_new_tokens": 4}, "placement": {"server_dtype": "float32"}, "sync": sync},
-                  train={"steps": steps, "row_len": 16, "ppo_epochs": 1},
-                  checkpoint={"every": sync.get("sync_every", 1)})
+  return make_cfg(
+    tmp_path,
+    name,
+    model={"path": path},
+    rollout={"sampling": {"max_new_tokens": 4}, "placement": {"server_dtype": "float32"}, "sync": sync},
+    train={"steps": steps, "row_len": 16, "ppo_epochs": 1},
+    checkpoint={"every": sync.get("sync_every", 1)},
+  )
 
 
 def _reset(srv, path):
   """The shared server back on the starting checkpoint, version "0" (as a fresh start)."""
   from trainers.rollout.client import http_client
+
   client = http_client([srv.url])
   client.update_weights_from_disk(path, "0")
   client.close()
@@ -54,21 +58,29 @@ def test_auto_skips_the_first_push_only_when_the_server_serves_the_starting_weig
   path, srv = start
   _reset(srv, path)
   with FakeSGLang(upstream=srv.url) as proxy:  # records what the trainer asks
-    trainer = train_lib.Trainer(_cfg(tmp_path, path, "auto", steps=1, sync={"sync_every": 5}), DECOUPLED, urls=[proxy.url])
+    trainer = train_lib.Trainer(
+      _cfg(tmp_path, path, "auto", steps=1, sync={"sync_every": 5}), DECOUPLED, urls=[proxy.url]
+    )
     (h,) = trainer.run(progress=False)
     assert _pushes(proxy) == ["/update_weights_from_disk"]  # the route probe only (an empty, rejected body)
     assert h["server_weight_version"] == "0" and h["mis_k3_kl"] < 1e-9  # the server's own load of model.path
     assert trainer.servers.weight_dtype == "float32"  # what the server reports in /server_info
     proxy.requests.clear()
-    train_lib.Trainer(_cfg(tmp_path, path, "always", steps=1, sync={"sync_every": 5, "initial_sync": "always"}), DECOUPLED,
-                      urls=[proxy.url]).run(progress=False)
+    train_lib.Trainer(
+      _cfg(tmp_path, path, "always", steps=1, sync={"sync_every": 5, "initial_sync": "always"}),
+      DECOUPLED,
+      urls=[proxy.url],
+    ).run(progress=False)
     assert len(_pushes(proxy)) == 2  # probe + the push
   # A server started elsewhere (the preset's directory differs from its model_path): pushed.
   with FakeSGLang(upstream=srv.url) as proxy:
-    other = make_cfg(tmp_path, "other", rollout={"sampling": {"max_new_tokens": 4},
-                                                 "placement": {"server_dtype": "float32"},
-                                                 "sync": {"sync_every": 5}},
-                     train={"steps": 1, "row_len": 16, "ppo_epochs": 1}, checkpoint={"every": 5})
+    other = make_cfg(
+      tmp_path,
+      "other",
+      rollout={"sampling": {"max_new_tokens": 4}, "placement": {"server_dtype": "float32"}, "sync": {"sync_every": 5}},
+      train={"steps": 1, "row_len": 16, "ppo_epochs": 1},
+      checkpoint={"every": 5},
+    )
     train_lib.Trainer(other, DECOUPLED, urls=[proxy.url]).run(progress=False)
     assert len(_pushes(proxy)) == 2
 
@@ -79,8 +91,11 @@ def test_a_resume_always_pushes(start, tmp_path):
   cfg = _cfg(tmp_path, path, "resume", steps=1, sync={"sync_every": 5, "initial_sync": "never"})
   train_lib.Trainer(cfg, DECOUPLED, urls=[srv.url]).run(progress=False)
   with FakeSGLang(upstream=srv.url) as proxy:
-    resumed = train_lib.Trainer(_cfg(tmp_path, path, "resume", steps=2, sync={"sync_every": 5, "initial_sync": "never"}),
-                                DECOUPLED, urls=[proxy.url])
+    resumed = train_lib.Trainer(
+      _cfg(tmp_path, path, "resume", steps=2, sync={"sync_every": 5, "initial_sync": "never"}),
+      DECOUPLED,
+      urls=[proxy.url],
+    )
     history = resumed.run(resume=True, progress=False)
     assert [h["step"] for h in history] == [2] and len(_pushes(proxy)) == 2  # probe + the restored weights
     assert history[0]["server_weight_version"] == "1" and history[0]["mis_k3_kl"] < 1e-9
@@ -97,8 +112,9 @@ def test_servers_without_model_info_or_weight_version(start, tmp_path):
     assert [h["server_weight_version"] for h in history] == ["0", "1"]
   with FakeSGLang(upstream=srv.url, fault="no_weight_version") as proxy:
     with pytest.warns(UserWarning, match="carry no usable weight_version .* trainer's own bookkeeping"):
-      history = train_lib.Trainer(_cfg(tmp_path, path, "nowv", steps=2), DECOUPLED,
-                                  urls=[proxy.url]).run(progress=False)
+      history = train_lib.Trainer(_cfg(tmp_path, path, "nowv", steps=2), DECOUPLED, urls=[proxy.url]).run(
+        progress=False
+      )
     assert [h["server_weight_version"] for h in history] == ["0", "1"]
     assert all(h["mis_k3_kl"] < 1e-9 for h in history)
 
@@ -108,18 +124,23 @@ def test_a_server_without_a_weight_update_route(start, tmp_path):
   _reset(srv, path)
   with FakeSGLang(upstream=srv.url, fault="no_update_route") as proxy:
     trainer = train_lib.Trainer(_cfg(tmp_path, path, "noroute", steps=2), DECOUPLED, urls=[proxy.url])
-    with pytest.raises(train_lib.TrainingError, match=r"has no /update_weights_from_disk route \(HTTP 404\), so it "
-                                                      r"cannot load the weights after step 1\. Settings that need no "
-                                                      r"weight push: .*rollout.sync.sync_every > train.steps"):
+    with pytest.raises(
+      train_lib.TrainingError,
+      match=r"has no /update_weights_from_disk route \(HTTP 404\), so it "
+      r"cannot load the weights after step 1\. Settings that need no "
+      r"weight push: .*rollout.sync.sync_every > train.steps",
+    ):
       trainer.run(progress=False)
     assert trainer.step == 0
     with pytest.raises(train_lib.TrainingError, match="cannot load the starting weights before step 1"):
-      train_lib.Trainer(_cfg(tmp_path, path, "noroute2", sync={"initial_sync": "always"}), DECOUPLED,
-                        urls=[proxy.url]).run(progress=False)
+      train_lib.Trainer(
+        _cfg(tmp_path, path, "noroute2", sync={"initial_sync": "always"}), DECOUPLED, urls=[proxy.url]
+      ).run(progress=False)
     # What needs no push trains: started on model.path, no sync within the run.
     proxy.requests.clear()
-    history = train_lib.Trainer(_cfg(tmp_path, path, "nosync", steps=2, sync={"sync_every": 3}), DECOUPLED,
-                                urls=[proxy.url]).run(progress=False)
+    history = train_lib.Trainer(
+      _cfg(tmp_path, path, "nosync", steps=2, sync={"sync_every": 3}), DECOUPLED, urls=[proxy.url]
+    ).run(progress=False)
     assert [h["server_weight_version"] for h in history] == ["0", "0"]
     assert _pushes(proxy) == ["/update_weights_from_disk"]  # the route probe only
 
@@ -130,16 +151,20 @@ def test_the_sanity_check_stops_a_server_that_shifts_log_probs_by_one_token(star
   with FakeSGLang(upstream=srv.url, fault="shift_logprobs") as proxy:
     cfg = _cfg(tmp_path, path, "shift", steps=2)
     trainer = train_lib.Trainer(cfg, DECOUPLED, urls=[proxy.url])
-    with pytest.raises(train_lib.TrainingError, match=r"step 1: the server and the trainer hold the same weights, yet "
-                                                      r"their log-probs differ far beyond numerics: mean \|Δ log p\| "
-                                                      r".* \(limit 0\.001\), .*for server float32, trainer float32. "
-                                                      r"Likely causes: the server runs another model or tokenizer"):
+    with pytest.raises(
+      train_lib.TrainingError,
+      match=r"step 1: the server and the trainer hold the same weights, yet "
+      r"their log-probs differ far beyond numerics: mean \|Δ log p\| "
+      r".* \(limit 0\.001\), .*for server float32, trainer float32. "
+      r"Likely causes: the server runs another model or tokenizer",
+    ):
       trainer.run(progress=False)
     run = tmp_path / "shift"
     assert not (run / "checkpoints" / "1").exists() and not (run / "weights" / "step_1").exists()
     assert not (run / "metrics.jsonl").exists() or not (run / "metrics.jsonl").read_text().strip()
-    history = train_lib.Trainer(_cfg(tmp_path, path, "shift-off", steps=1, sync={"mismatch_check": False}), DECOUPLED,
-                                urls=[proxy.url]).run(progress=False)
+    history = train_lib.Trainer(
+      _cfg(tmp_path, path, "shift-off", steps=1, sync={"mismatch_check": False}), DECOUPLED, urls=[proxy.url]
+    ).run(progress=False)
     assert history[0]["train_rollout_logprob_abs_diff"] > 0.05  # what the check saw
 
 

@@ -38,11 +38,28 @@ def test_probe_route_reads_only_probe_files(tmp_path):
 def server_in_own_view(model, hidden):
   """`mis-jax serve` of `model` that sees an empty tmpfs at `hidden` (its own mount namespace)."""
   port = free_port()
-  serve = [sys.executable, "-m", "trainers.cli", "serve", "--model-path", str(model), "--dtype", "float32",
-           "--port", str(port), "--exit-with-parent", "--verbose"]
+  serve = [
+    sys.executable,
+    "-m",
+    "trainers.cli",
+    "serve",
+    "--model-path",
+    str(model),
+    "--dtype",
+    "float32",
+    "--port",
+    str(port),
+    "--exit-with-parent",
+    "--verbose",
+  ]
   script = f"mount -t tmpfs none {hidden} && exec {' '.join(serve)}"
-  proc = subprocess.Popen(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
-                          env=cpu_process_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  proc = subprocess.Popen(
+    ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script],
+    env=cpu_process_env(),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
   url = f"http://127.0.0.1:{port}"
   deadline = time.monotonic() + 300
   while True:
@@ -66,8 +83,12 @@ def test_a_server_without_the_weight_directory_stops_the_run_before_step_1(tmp_p
   runs.mkdir()
   proc, url = server_in_own_view(model, runs)
   try:
-    cfg = make_cfg(runs, "run", model={"path": str(model)},
-                   rollout={"placement": {"server_dtype": "float32"}, "sync": {"initial_sync": "always"}})
+    cfg = make_cfg(
+      runs,
+      "run",
+      model={"path": str(model)},
+      rollout={"placement": {"server_dtype": "float32"}, "sync": {"initial_sync": "always"}},
+    )
     trainer = train_lib.Trainer(cfg, mis_jax.LossConfig(), urls=[url])
     weights = os.path.join(os.path.abspath(cfg.run_dir), "weights")
     with pytest.raises(train_lib.TrainingError) as e:

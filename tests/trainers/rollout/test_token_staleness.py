@@ -27,16 +27,23 @@ pytestmark = pytest.mark.integration  # starts servers, subprocesses or another 
 
 
 def _sample(n, spans, version, prompt=(1, 5, 9)):
-  return Sample(prompt_index=0, prompt_ids=prompt, response_ids=tuple(range(10, 10 + n)),
-                rollout_logprobs=tuple(-0.5 - 0.01 * i for i in range(n)), finish_reason="length", text="",
-                weight_version=version, weight_versions=spans)
+  return Sample(
+    prompt_index=0,
+    prompt_ids=prompt,
+    response_ids=tuple(range(10, 10 + n)),
+    rollout_logprobs=tuple(-0.5 - 0.01 * i for i in range(n)),
+    finish_reason="length",
+    text="",
+    weight_version=version,
+    weight_versions=spans,
+  )
 
 
 SAMPLES = [
-    _sample(6, (("3", 0, 2), ("4", 2, 5), ("5", 5, 6)), "5"),  # paused in place twice mid-response
-    _sample(4, (), "5"),                                          # no spans: one version
-    _sample(5, (("2", 0, 5),), "2"),                              # wholly stale
-    _sample(3, (("4", 0, 1), ("5", 1, 3)), "5"),
+  _sample(6, (("3", 0, 2), ("4", 2, 5), ("5", 5, 6)), "5"),  # paused in place twice mid-response
+  _sample(4, (), "5"),  # no spans: one version
+  _sample(5, (("2", 0, 5),), "2"),  # wholly stale
+  _sample(3, (("4", 0, 1), ("5", 1, 3)), "5"),
 ]
 
 
@@ -62,14 +69,31 @@ def test_stale_tokens_leave_the_loss_and_stay_as_context(k):
   assert metrics["rollout/token_staleness_mean"] == pytest.approx(staleness.mean())
   for q in range(4):
     assert metrics[f"rollout/token_staleness_q{q + 1}"] == pytest.approx(np.mean(quarters[q]))
-  sb = build_step_batch(SAMPLES, np.ones(4, np.float32), np.ones(4, np.float32), np.zeros(4, np.int32),
-                        num_segments=4, row_len=16, tokens_per_micro_batch=64, batch_devices=1, trained_tokens=fresh)
-  full = build_step_batch(SAMPLES, np.ones(4, np.float32), np.ones(4, np.float32), np.zeros(4, np.int32),
-                          num_segments=4, row_len=16, tokens_per_micro_batch=64, batch_devices=1)
+  sb = build_step_batch(
+    SAMPLES,
+    np.ones(4, np.float32),
+    np.ones(4, np.float32),
+    np.zeros(4, np.int32),
+    num_segments=4,
+    row_len=16,
+    tokens_per_micro_batch=64,
+    batch_devices=1,
+    trained_tokens=fresh,
+  )
+  full = build_step_batch(
+    SAMPLES,
+    np.ones(4, np.float32),
+    np.ones(4, np.float32),
+    np.zeros(4, np.int32),
+    num_segments=4,
+    row_len=16,
+    tokens_per_micro_batch=64,
+    batch_devices=1,
+  )
   masks = sb.per_sequence(sb.batch.loss_mask)
   for s, m, want, inputs in zip(SAMPLES, masks, fresh, sb.per_sequence(sb.input_ids)):
     n = len(s.response_ids)
-    assert not m[:len(s.prompt_ids) - 1].any()  # the prompt
+    assert not m[: len(s.prompt_ids) - 1].any()  # the prompt
     np.testing.assert_array_equal(m[-n:], want)  # the response: its fresh tokens only
     np.testing.assert_array_equal(inputs, (s.prompt_ids + s.response_ids)[:-1])  # every token stays as context
   # Nothing else moves: inputs, targets, rollout log-probs and packing are the unmasked batch's.
@@ -77,22 +101,28 @@ def test_stale_tokens_leave_the_loss_and_stay_as_context(k):
     np.testing.assert_array_equal(getattr(sb, name), getattr(full, name))
   np.testing.assert_array_equal(sb.batch.rollout_logprobs, full.batch.rollout_logprobs)
   if k == 0:
-    assert [m[-len(s.response_ids):].tolist() for s, m in zip(SAMPLES, masks)][0] == [False] * 5 + [True]
+    assert [m[-len(s.response_ids) :].tolist() for s, m in zip(SAMPLES, masks)][0] == [False] * 5 + [True]
 
 
 def check_straddling_response(url, start_path, other_path):
   """A 300-token response paused in place across an update from `start_path` (version 6) to
   `other_path` (version 7) on the server at `url`: two spans; at the step that trains version 7
   with `max_token_staleness` 0, the tokens before the switch leave the loss, those after stay."""
-  update = lambda path, version: httpx.post(url + "/update_weights_from_disk", timeout=120,
-                                            json={"model_path": path, "weight_version": version}).json()["success"]
+  update = lambda path, version: httpx.post(
+    url + "/update_weights_from_disk", timeout=120, json={"model_path": path, "weight_version": version}
+  ).json()["success"]
   client = http_client([url], max_retries=0)
   try:
     for attempt in range(4):  # the update must land while the response is being generated
       assert update(start_path, "6")
       out = {}
-      thread = threading.Thread(target=lambda: out.update(result=client.generate(
-          [[1, 5, 9]], {"temperature": 1.0, "max_new_tokens": 300, "ignore_eos": True}, n=1, seed=attempt)))
+      thread = threading.Thread(
+        target=lambda: out.update(
+          result=client.generate(
+            [[1, 5, 9]], {"temperature": 1.0, "max_new_tokens": 300, "ignore_eos": True}, n=1, seed=attempt
+          )
+        )
+      )
       thread.start()
       time.sleep(0.3 * (attempt + 1))
       assert httpx.post(url + "/pause_generation", json={"mode": "in_place"}, timeout=30).status_code == 200
@@ -108,11 +138,19 @@ def check_straddling_response(url, start_path, other_path):
     assert fresh[0].tolist() == [False] * b + [True] * (300 - b)
     assert metrics["rollout/stale_token_fraction"] == pytest.approx(b / 300)
     assert metrics["rollout/token_staleness_q1"] >= metrics["rollout/token_staleness_q4"] == 0  # early tokens are older
-    sb = build_step_batch([sample], np.ones(1, np.float32), np.ones(1, np.float32), np.zeros(1, np.int32),
-                          num_segments=1, row_len=512, tokens_per_micro_batch=512, batch_devices=1,
-                          trained_tokens=fresh)
+    sb = build_step_batch(
+      [sample],
+      np.ones(1, np.float32),
+      np.ones(1, np.float32),
+      np.zeros(1, np.int32),
+      num_segments=1,
+      row_len=512,
+      tokens_per_micro_batch=512,
+      batch_devices=1,
+      trained_tokens=fresh,
+    )
     mask = sb.per_sequence(sb.batch.loss_mask)[0]
-    assert mask.sum() == 300 - b and mask[-(300 - b):].all()
+    assert mask.sum() == 300 - b and mask[-(300 - b) :].all()
   finally:
     client.close()
 
@@ -128,9 +166,17 @@ def test_the_embedded_server_straddles_an_update_paused_in_place(tmp_path):
 def test_staleness_is_packed_per_response_token():
   """`loss.proximal: loglinear` reads each response token's staleness from the batch: the step
   minus the version of its span, 0 on the prompt and padding."""
-  sb = build_step_batch(SAMPLES, np.ones(4, np.float32), np.ones(4, np.float32), np.zeros(4, np.int32),
-                        num_segments=4, row_len=16, tokens_per_micro_batch=64, batch_devices=1,
-                        staleness=token_staleness(SAMPLES, 6))
+  sb = build_step_batch(
+    SAMPLES,
+    np.ones(4, np.float32),
+    np.ones(4, np.float32),
+    np.zeros(4, np.int32),
+    num_segments=4,
+    row_len=16,
+    tokens_per_micro_batch=64,
+    batch_devices=1,
+    staleness=token_staleness(SAMPLES, 6),
+  )
   for s, st in zip(SAMPLES, sb.per_sequence(sb.batch.rollout_staleness)):
     n = len(s.response_ids)
     assert st[-n:].tolist() == [6 - int(v) for v in token_versions(s)] and not st[:-n].any()
@@ -191,6 +237,7 @@ def test_loglinear_with_fresh_tokens_is_the_bypass_ppo_step(tmp_path):
 
 def test_loglinear_refuses_what_needs_the_weights_before_the_step(tmp_path):
   from trainers.app.spec import resolve
+
   loss = {"algorithm": "decoupled_ppo", "proximal": "loglinear", "mis": {"tis_upper_bound": 2.0}}
   with pytest.raises(mis_jax.ConfigError, match="optimal_token_baseline.*loss.proximal: recompute"):
     resolve(make_cfg(tmp_path, loss=loss, train={"advantage_estimator": "optimal_token_baseline"})).task

@@ -39,9 +39,11 @@ def _params(seed: int) -> nnx.State:
 
 def _nudged(params: nnx.State, step: int) -> nnx.State:
   """A small update: every 7th value scaled by 1 + 2e-3 (most bfloat16 values keep their bits)."""
+
   def nudge(x):
     picked = (jnp.arange(x.size).reshape(x.shape) % 7 == step % 7).astype(x.dtype)
     return x * (1 + 2e-3 * picked)
+
   return jax.tree.map(nudge, params)
 
 
@@ -94,8 +96,9 @@ class InProcess(EmbeddedLocal):
 
   def stage_weights(self, query, chunks, nbytes):
     try:
-      sink = self.inner.stage_bucket(push=query["push"], version=query.get("weight_version"),
-                                     bucket=int(query["bucket"]), base=query.get("base"))
+      sink = self.inner.stage_bucket(
+        push=query["push"], version=query.get("weight_version"), bucket=int(query["bucket"]), base=query.get("base")
+      )
     except StageConflict as e:
       raise ServerError(str(e), status=409) from None
     for chunk in chunks:
@@ -126,8 +129,11 @@ def test_whole_and_delta_pushes_serve_exactly_the_trainers_weights(start_dir, tm
     sent.append(metrics["sync/sent_bytes"])
     assert metrics["sync/delta_workers" if step > 1 else "sync/full_workers"] == 2, metrics
     for e in engines:
-      assert e.inner.weights_digest() == {"weight_version": str(step), "push": sync.snapshot_push,
-                                           "digest": _expected(params)}
+      assert e.inner.weights_digest() == {
+        "weight_version": str(step),
+        "push": sync.snapshot_push,
+        "digest": _expected(params),
+      }
   save_hf_sharded(params, CONFIG, tmp_path / "disk", dtype="bfloat16")
   loaded = GenerationEngine(str(tmp_path / "disk"), dtype="bfloat16")
   assert loaded.weights_digest()["digest"] == _expected(params)
@@ -140,17 +146,22 @@ def test_bad_buckets_leave_the_served_weights_as_they_were(start_dir):
   engine = GenerationEngine(start_dir, dtype="bfloat16")
   before = engine.weights_digest()
   good = InProcess(engine, "a")
-  tensors = [(name, np.zeros(slot.shape, jnp.bfloat16))
-             for name, slot in hf_io.hf_slots(engine.sampler.served_params(), engine.config).items()]
+  tensors = [
+    (name, np.zeros(slot.shape, jnp.bfloat16))
+    for name, slot in hf_io.hf_slots(engine.sampler.served_params(), engine.config).items()
+  ]
   meta = {"format": protocol.WEIGHTS_FORMAT}
   # A push that leaves a tensor out cannot be committed; nothing served changed.
   good.stage_weights({"push": "p1", "weight_version": "1", "bucket": 0}, sts.chunks(tensors[1:], meta), 0)
   ok, message = engine.commit_weights("p1", "1", 1)
   assert not ok and "1 tensors never arrived: " + tensors[0][0] in message
   # A tensor the model does not have, a wrong shape, a missing format, a truncated bucket.
-  for bad, match in (([("model.nope.weight", np.zeros(3, jnp.bfloat16))], "unexpected tensor 'model.nope.weight'"),
-                     ([(tensors[0][0], np.zeros(5, jnp.bfloat16))], "has shape \\[5\\]"),
-                     ("no format", "metadata format is None"), ("truncated", "ended after")):
+  for bad, match in (
+    ([("model.nope.weight", np.zeros(3, jnp.bfloat16))], "unexpected tensor 'model.nope.weight'"),
+    ([(tensors[0][0], np.zeros(5, jnp.bfloat16))], "has shape \\[5\\]"),
+    ("no format", "metadata format is None"),
+    ("truncated", "ended after"),
+  ):
     sink = engine.stage_bucket(push="p2", version="2", bucket=0)
     with pytest.raises(StageError if isinstance(bad, list) or bad == "no format" else ValueError, match=match):
       if bad == "no format":
@@ -210,9 +221,14 @@ def test_a_run_with_deltas_serves_exactly_the_trainers_weights_at_every_step(wor
   import mis_jax
   from test_train import make_cfg
   from trainers.app import trainer as train_lib
-  cfg = make_cfg(tmp_path, "http", model={"path": start_dir},
-                 rollout={"sync": {"via": "http", "delta": True, "initial_sync": "always"}},
-                 train={"steps": 5, "ppo_epochs": 1, "learning_rate": 1e-6})  # most bfloat16 values stay
+
+  cfg = make_cfg(
+    tmp_path,
+    "http",
+    model={"path": start_dir},
+    rollout={"sync": {"via": "http", "delta": True, "initial_sync": "always"}},
+    train={"steps": 5, "ppo_epochs": 1, "learning_rate": 1e-6},
+  )  # most bfloat16 values stay
   trainer = train_lib.Trainer(cfg, mis_jax.LossConfig(), urls=[w.url for w in workers])
   push, seen = trainer.servers.weight_sync.push, []
 
@@ -220,6 +236,7 @@ def test_a_run_with_deltas_serves_exactly_the_trainers_weights_at_every_step(wor
     out = push(params, step, dtype)
     seen.append((step, _expected(params), [_digest(w.url) for w in workers], out[0]))
     return out
+
   trainer.servers.weight_sync.push = checked
   history = trainer.run(progress=False)
   assert [h["step"] for h in history] == list(range(1, 6)) and [s[0] for s in seen] == list(range(6))
@@ -228,8 +245,9 @@ def test_a_run_with_deltas_serves_exactly_the_trainers_weights_at_every_step(wor
     assert metrics["sync/delta_workers" if step else "sync/full_workers"] == 2, metrics
   assert len({want for _, want, _, _ in seen}) == 6  # every step moved the weights
   whole = seen[0][3]["sync/sent_bytes"]
-  assert all(0 < m["sync/sent_bytes"] < whole / 2 and 0 < m["sync/changed_fraction"] < 0.5 for *_, m in seen[1:]), \
-      [(m["sync/sent_bytes"], m.get("sync/changed_fraction")) for *_, m in seen]
+  assert all(0 < m["sync/sent_bytes"] < whole / 2 and 0 < m["sync/changed_fraction"] < 0.5 for *_, m in seen[1:]), [
+    (m["sync/sent_bytes"], m.get("sync/changed_fraction")) for *_, m in seen
+  ]
   assert all(h["sync/sent_bytes"] == m["sync/sent_bytes"] for h, (*_, m) in zip(history, seen[1:]))
 
 
@@ -249,7 +267,9 @@ def _during_bucket(engine, k: int, act) -> list:
           act()
           ran.append(True)
         yield piece
+
     return stage(query, halfway(), nbytes)
+
   engine.stage_weights = wrapped
   return ran
 
@@ -322,6 +342,7 @@ def test_a_restarted_worker_refuses_a_delta_and_gets_the_weights_whole(workers, 
 
 def test_no_server_took_the_push():
   import socket
+
   ports = []
   for _ in range(2):  # nothing listens there
     with socket.socket() as sock:
@@ -339,6 +360,7 @@ def test_no_server_took_the_push():
 
 def test_transpose_into_against_numpy():
   from trainers.serving.embedded.staging import transpose_into
+
   rng = np.random.default_rng(0)
   for shape, tile in (((300, 257), 64), ((5, 3), 128), ((128, 128), 128), ((1, 1000), 7)):
     src = rng.standard_normal(shape).astype(jnp.bfloat16)

@@ -17,9 +17,19 @@ SUFFIXES = [[5, 9, 12], [7, 7, 3], [30, 4], [11, 20, 21, 22], [60]]
 
 
 def _body(salt: str | None, **extra) -> dict:
-  body = {"input_ids": [PREFIX + s for s in SUFFIXES], "return_logprob": True, "logprob_start_len": len(PREFIX),
-          "sampling_params": {"temperature": 0, "max_new_tokens": 6, "ignore_eos": True, "skip_special_tokens": False,
-                              "no_stop_trim": True}, **extra}
+  body = {
+    "input_ids": [PREFIX + s for s in SUFFIXES],
+    "return_logprob": True,
+    "logprob_start_len": len(PREFIX),
+    "sampling_params": {
+      "temperature": 0,
+      "max_new_tokens": 6,
+      "ignore_eos": True,
+      "skip_special_tokens": False,
+      "no_stop_trim": True,
+    },
+    **extra,
+  }
   if salt is not None:
     body["extra_key"] = salt
   return body
@@ -34,8 +44,11 @@ def _post(url: str, path: str, body: dict) -> httpx.Response:
 def _long_request(url: str, salt: str | None, out: dict) -> None:
   """A P-prefixed request long enough to be paused while it holds P's KV (400 tokens: ~2 s on
   sglang-jax's CPU decoding, past every pause `stale_kv_sequence` tries)."""
-  body = {"input_ids": PREFIX + [8], "return_logprob": True,
-          "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True}}
+  body = {
+    "input_ids": PREFIX + [8],
+    "return_logprob": True,
+    "sampling_params": {"temperature": 0, "max_new_tokens": 400, "ignore_eos": True},
+  }
   if salt is not None:
     body["extra_key"] = salt
   out["reply"] = httpx.post(url + "/generate", json=body, timeout=300).json()
@@ -59,7 +72,9 @@ def stale_kv_sequence(url: str, a_path: str, b_path: str, *, mode: str, salt: bo
   # The pause must find the long request running: later attempts wait longer (the first may
   # compile the long request's programs), all well inside the request's ~2 s.
   for attempt in range(4):
-    assert _post(url, "/update_weights_from_disk", {"model_path": a_path, "weight_version": f"{tag}-A"}).json()["success"]
+    assert _post(url, "/update_weights_from_disk", {"model_path": a_path, "weight_version": f"{tag}-A"}).json()[
+      "success"
+    ]
     _post(url, "/generate", _body(salt_a))  # P cached under A
     out = {}
     thread = threading.Thread(target=_long_request, args=(url, salt_a, out))
@@ -76,8 +91,9 @@ def stale_kv_sequence(url: str, a_path: str, b_path: str, *, mode: str, salt: bo
     finally:
       thread.join(300)
     meta = out["reply"]["meta_info"]
-    held = (len(meta.get("weight_versions") or ()) == 2 if mode == "in_place" else
-            meta["finish_reason"]["type"] == "abort")
+    held = (
+      len(meta.get("weight_versions") or ()) == 2 if mode == "in_place" else meta["finish_reason"]["type"] == "abort"
+    )
     if held:
       break
   else:

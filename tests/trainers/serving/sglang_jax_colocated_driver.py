@@ -25,10 +25,12 @@ from trainers.serving.sglang_jax import launcher as sglang_jax
 from trainers.app import trainer as train_lib
 from trainers.config import TrainConfig
 
+
 class ThreeTurns:
   """Prompts `[1, d, d, 13]`; the environment answers model turn t with `[13, 40 + t, 13]`, done after
   turn 3, rewarding the share of digit tokens (as test_agents_train.py's, which needs pytest: this
   runs in the engine's venv)."""
+
   stop_token_ids = (2,)
   max_new_tokens = 4
   max_prompt_len = 4
@@ -36,6 +38,7 @@ class ThreeTurns:
 
   def prompts(self, seed, step, count):
     from trainers.tasks.base import Prompt
+
     rng = np.random.default_rng([seed, step])
     return [Prompt(ids=(1, *(int(x) for x in rng.integers(3, 13, 2)), 13)) for _ in range(count)]
 
@@ -49,15 +52,20 @@ class _ThreeTurnsEnv:
 
   def step(self, turn):
     from trainers.tasks.env import Observation
+
     self.digits += sum(3 <= t < 13 for t in turn.ids)
     self.tokens += len(turn.ids)
     done = turn.index == 3
-    return Observation(ids=() if done else (13, 40 + turn.index, 13),
-                       reward=self.digits / self.tokens if done else 0.0, done=done)
+    return Observation(
+      ids=() if done else (13, 40 + turn.index, 13), reward=self.digits / self.tokens if done else 0.0, done=done
+    )
 
 
-GREEDY = {"input_ids": [[1, 5, 9, 12], [1, 7, 30]], "return_logprob": True,
-          "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}}
+GREEDY = {
+  "input_ids": [[1, 5, 9, 12], [1, 7, 30]],
+  "return_logprob": True,
+  "sampling_params": {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True},
+}
 
 
 def _run(raw: dict, out: str) -> None:
@@ -67,9 +75,15 @@ def _run(raw: dict, out: str) -> None:
   with contextlib.ExitStack() as stack:
     urls = []
     if r.placement.mode == "server":
-      server = stack.enter_context(sglang_jax.SGLangJaxServer(
-          cfg.model.path, dtype=r.placement.server_dtype, weight_version="0", extra=("--random-seed", str(cfg.seed)),
-          enable_return_routed_experts=ModelConfig.from_pretrained(cfg.model.path).is_moe))
+      server = stack.enter_context(
+        sglang_jax.SGLangJaxServer(
+          cfg.model.path,
+          dtype=r.placement.server_dtype,
+          weight_version="0",
+          extra=("--random-seed", str(cfg.seed)),
+          enable_return_routed_experts=ModelConfig.from_pretrained(cfg.model.path).is_moe,
+        )
+      )
       urls = [server.url]
     trainer = train_lib.Trainer(cfg, urls=urls, task=ThreeTurns() if three_turns else None)
     rollouts = []
@@ -78,12 +92,19 @@ def _run(raw: dict, out: str) -> None:
     history = trainer.run(progress=False)
     if errors:
       _refusals(trainer, out)
-  samples = [[{"response_ids": list(map(int, s.response_ids)),
-               "rollout_logprobs": [float(v) for v in s.rollout_logprobs],
-               "weight_versions": s.weight_versions,
-               "turn": None if "turn" not in s.extras else np.asarray(s.extras["turn"]).tolist(),
-               "routed_experts": None if s.routed_experts is None else np.asarray(s.routed_experts).tolist()}
-              for s in x.result.samples] for x in rollouts]
+  samples = [
+    [
+      {
+        "response_ids": list(map(int, s.response_ids)),
+        "rollout_logprobs": [float(v) for v in s.rollout_logprobs],
+        "weight_versions": s.weight_versions,
+        "turn": None if "turn" not in s.extras else np.asarray(s.extras["turn"]).tolist(),
+        "routed_experts": None if s.routed_experts is None else np.asarray(s.routed_experts).tolist(),
+      }
+      for s in x.result.samples
+    ]
+    for x in rollouts
+  ]
   with open(os.path.join(out, "run.json"), "w") as f:
     json.dump({"samples": samples, "history": history, "trainer_devices": trainer.mesh.size}, f, default=float)
   leaves = jax.tree_util.tree_flatten_with_path(jax.device_get(trainer.params))[0]
@@ -97,21 +118,28 @@ def _refusals(trainer, out: str) -> None:
   from trainers.models.hf_io import hf_named
 
   tensors = hf_named(trainer.params, trainer.spec.model_config)
-  engine = InProcessEngine(sglang_jax.engine_args(trainer.cfg.model.path, dtype="float32",
-                                                  extra=("--device-indexes", "0")), weight_version="0")
+  engine = InProcessEngine(
+    sglang_jax.engine_args(trainer.cfg.model.path, dtype="float32", extra=("--device-indexes", "0")), weight_version="0"
+  )
   try:
     before = engine.generate_body(dict(GREEDY))
-    bad = {"missing": {k: v for k, v in tensors.items() if k != "model.norm.weight"},
-           "extra": {**tensors, "model.layers.0.mlp.extra.weight": tensors["model.norm.weight"]},
-           "shape": {**tensors, "model.norm.weight": tensors["model.norm.weight"][:-1]}}
+    bad = {
+      "missing": {k: v for k, v in tensors.items() if k != "model.norm.weight"},
+      "extra": {**tensors, "model.layers.0.mlp.extra.weight": tensors["model.norm.weight"]},
+      "shape": {**tensors, "model.norm.weight": tensors["model.norm.weight"][:-1]},
+    }
     report = {}
     for name, given in bad.items():
       ok, message = engine.update_weights(given, "bad")
       after = engine.generate_body(dict(GREEDY))
-      report[name] = {"ok": ok, "message": message, "version": engine.model_info()["weight_version"],
-                      "same_reply": [a["output_ids"] for a in after] == [b["output_ids"] for b in before]
-                      and [a["meta_info"]["output_token_logprobs"] for a in after]
-                      == [b["meta_info"]["output_token_logprobs"] for b in before]}
+      report[name] = {
+        "ok": ok,
+        "message": message,
+        "version": engine.model_info()["weight_version"],
+        "same_reply": [a["output_ids"] for a in after] == [b["output_ids"] for b in before]
+        and [a["meta_info"]["output_token_logprobs"] for a in after]
+        == [b["meta_info"]["output_token_logprobs"] for b in before],
+      }
     ok, message = engine.update_weights(tensors, "final")
     report["good"] = {"ok": ok, "message": message, "version": engine.model_info()["weight_version"]}
   finally:

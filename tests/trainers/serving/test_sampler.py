@@ -31,8 +31,9 @@ def _check_against_oracle(model, prompts, outs, temperature, atol):
 
 
 def test_logprobs_equal_teacher_forced(sampler, tiny_model):
-  params = SamplingOptions(temperature=0.8, top_p=0.9, top_k=20, max_new_tokens=12, n=2,
-                          ignore_eos=True)  # no seed: every sample draws its own
+  params = SamplingOptions(
+    temperature=0.8, top_p=0.9, top_k=20, max_new_tokens=12, n=2, ignore_eos=True
+  )  # no seed: every sample draws its own
   outs = sampler.generate(PROMPTS, params)
   assert [(c.prompt_index, c.sample_index) for c in outs] == [(i, j) for i in range(3) for j in range(2)]
   for c in outs:
@@ -43,12 +44,14 @@ def test_logprobs_equal_teacher_forced(sampler, tiny_model):
 
 
 def test_greedy_is_argmax_with_temperature_one_logprobs(sampler, tiny_model):
-  outs = [sampler.generate(PROMPTS[:1], SamplingOptions(temperature=0.0, max_new_tokens=10,
-                                                       seed=s, ignore_eos=True))[0] for s in (1, 2)]
+  outs = [
+    sampler.generate(PROMPTS[:1], SamplingOptions(temperature=0.0, max_new_tokens=10, seed=s, ignore_eos=True))[0]
+    for s in (1, 2)
+  ]
   assert outs[0].output_ids == outs[1].output_ids
   seq = PROMPTS[0] + outs[0].output_ids
   logits = sequence_logits(tiny_model, seq)
-  assert outs[0].output_ids == logits[len(PROMPTS[0]) - 1:-1].argmax(-1).tolist()
+  assert outs[0].output_ids == logits[len(PROMPTS[0]) - 1 : -1].argmax(-1).tolist()
   _check_against_oracle(tiny_model, PROMPTS, outs[:1], 1.0, atol=5e-5)
 
 
@@ -76,10 +79,12 @@ def test_requests_larger_than_a_batch_run_in_chunks(sampler):
 
 
 def test_top_k_and_top_p_restrict_the_support(sampler, tiny_model):
-  for params in (SamplingOptions(temperature=1.5, top_k=3, max_new_tokens=16, n=4, ignore_eos=True),
-                 SamplingOptions(temperature=1.5, top_p=0.5, max_new_tokens=16, n=4, ignore_eos=True)):
+  for params in (
+    SamplingOptions(temperature=1.5, top_k=3, max_new_tokens=16, n=4, ignore_eos=True),
+    SamplingOptions(temperature=1.5, top_p=0.5, max_new_tokens=16, n=4, ignore_eos=True),
+  ):
     for c in sampler.generate(PROMPTS[:1], params):
-      logits = sequence_logits(tiny_model, PROMPTS[0] + c.output_ids)[len(PROMPTS[0]) - 1:-1] / 1.5
+      logits = sequence_logits(tiny_model, PROMPTS[0] + c.output_ids)[len(PROMPTS[0]) - 1 : -1] / 1.5
       probs = np.exp(logits - logits.max(-1, keepdims=True))
       probs /= probs.sum(-1, keepdims=True)
       for p_row, tok in zip(probs, c.output_ids):
@@ -95,8 +100,7 @@ def test_stop_token_ends_and_is_kept(sampler):
   greedy = SamplingOptions(temperature=0.0, max_new_tokens=16, ignore_eos=True)
   ref = sampler.generate(PROMPTS[:1], greedy)[0].output_ids
   stop = ref[3]
-  out = sampler.generate(PROMPTS[:1], dataclasses.replace(greedy, ignore_eos=False,
-                                                          stop_token_ids=(stop,)))[0]
+  out = sampler.generate(PROMPTS[:1], dataclasses.replace(greedy, ignore_eos=False, stop_token_ids=(stop,)))[0]
   cut = min(ref.index(t) for t in (stop, 2) if t in ref) + 1  # the config's eos is id 2
   assert out.output_ids == ref[:cut] and out.finish_reason == ("stop", ref[cut - 1])
   # As SGLang: ignore_eos ignores every stop token, stop_token_ids included.
@@ -109,8 +113,7 @@ def test_stop_token_ends_and_is_kept(sampler):
 def test_prompt_logprobs_are_teacher_forced(sampler, tiny_model):
   """`prompt_logprobs[t]` = log_softmax(z / T) of prompt token t + 1 from the prefill."""
   for temperature in (1.0, 0.7):
-    outs = sampler.generate(PROMPTS, SamplingOptions(temperature=temperature, max_new_tokens=1),
-                            prompt_logprobs=True)
+    outs = sampler.generate(PROMPTS, SamplingOptions(temperature=temperature, max_new_tokens=1), prompt_logprobs=True)
     for c in outs:
       prompt = PROMPTS[c.prompt_index]
       want = sequence_logprobs(tiny_model, prompt[:1], prompt[1:], temperature=temperature)
@@ -127,9 +130,10 @@ def test_no_recompilation_within_a_bucket(sampler):
   sampler.generate([[1, 2, 3]], SamplingOptions(max_new_tokens=5, seed=0))
   sampler.generate([[1, 2, 3]], SamplingOptions(max_new_tokens=5, seed=0, top_k=3))  # the filtering decoder
   before = sampler.num_compiled
-  for prompt, params in (([1] * 15, SamplingOptions(max_new_tokens=16, temperature=0.3, seed=1)),
-                         ([4, 5], SamplingOptions(max_new_tokens=2, top_p=0.5, top_k=4, seed=2,
-                                                 stop_token_ids=(3, 4)))):
+  for prompt, params in (
+    ([1] * 15, SamplingOptions(max_new_tokens=16, temperature=0.3, seed=1)),
+    ([4, 5], SamplingOptions(max_new_tokens=2, top_p=0.5, top_k=4, seed=2, stop_token_ids=(3, 4))),
+  ):
     sampler.generate([prompt], params)
   assert sampler.num_compiled == before
 
@@ -142,14 +146,17 @@ def test_prefill_and_decode_trace_once_per_bucket(tiny_model, monkeypatch):
   bucket too (the others draw without sorting the vocabulary)."""
   import chex
   from trainers.serving.embedded import sampler as sampler_mod
+
   monkeypatch.setattr(sampler_mod, "_prefill", chex.assert_max_traces(sampler_mod._prefill, n=2))
   monkeypatch.setattr(sampler_mod, "_decode", chex.assert_max_traces(sampler_mod._decode, n=4))
   fresh = Sampler(tiny_model, max_batch_size=4)
-  for prompt, params in (([1, 2, 3], SamplingOptions(max_new_tokens=5, seed=0)),
-                         ([1] * 15, SamplingOptions(max_new_tokens=16, temperature=0.3, seed=1)),
-                         ([4, 5], SamplingOptions(max_new_tokens=2, top_p=0.5, top_k=4, seed=2, stop_token_ids=(3, 4))),
-                         ([1] * 20, SamplingOptions(max_new_tokens=9, seed=3)),  # prompt bucket 32: the 2nd trace
-                         ([1] * 30, SamplingOptions(max_new_tokens=12, min_p=0.1, seed=4))):
+  for prompt, params in (
+    ([1, 2, 3], SamplingOptions(max_new_tokens=5, seed=0)),
+    ([1] * 15, SamplingOptions(max_new_tokens=16, temperature=0.3, seed=1)),
+    ([4, 5], SamplingOptions(max_new_tokens=2, top_p=0.5, top_k=4, seed=2, stop_token_ids=(3, 4))),
+    ([1] * 20, SamplingOptions(max_new_tokens=9, seed=3)),  # prompt bucket 32: the 2nd trace
+    ([1] * 30, SamplingOptions(max_new_tokens=12, min_p=0.1, seed=4)),
+  ):
     fresh.generate([prompt], params)
   fresh.set_params(nnx.state(CausalLM(TINY, rngs=nnx.Rngs(9))))
   fresh.generate([[7, 8]], SamplingOptions(max_new_tokens=3, seed=5))
@@ -164,13 +171,15 @@ def test_an_unfiltered_draw_equals_the_filtering_one(top_width):
   tokens, log-probs and top ids (ties in id order) as the sorting path with every id kept."""
   import jax
   from trainers.serving.embedded.sampler import _sample
+
   rng = np.random.default_rng(0)
   logits = jnp.asarray(np.round(rng.normal(size=(16, 64)), 1), jnp.float32)  # rounded: ties
   keys = jax.vmap(jax.random.key)(jnp.arange(16, dtype=jnp.uint32))
   temp, ones, zeros = jnp.full((16,), 0.7), jnp.ones((16,)), jnp.zeros((16,))
   top_k = jnp.full((16,), -1, jnp.int32)
   draw = lambda filters: jax.vmap(lambda *a: _sample(*a, top_width=top_width, filters=filters))(
-      logits, keys, temp, ones, top_k, zeros)
+    logits, keys, temp, ones, top_k, zeros
+  )
   fast, sorted_ = draw(False), draw(True)
   assert len(set(np.asarray(fast[0]).tolist())) > 4  # a real draw, not one token
   for a, b in zip(jax.tree.leaves(fast), jax.tree.leaves(sorted_)):
@@ -195,8 +204,9 @@ def test_bfloat16_sampler_measurably_differs_from_float32_trainer(tiny_checkpoin
   f32 = load_hf_checkpoint(tiny_checkpoint)
   bf16 = Sampler(load_hf_checkpoint(tiny_checkpoint, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
   outs = bf16.generate(PROMPTS, SamplingOptions(temperature=1.0, max_new_tokens=16, seed=0, ignore_eos=True))
-  diff = np.concatenate([np.asarray(c.logprobs) - sequence_logprobs(f32, PROMPTS[c.prompt_index], c.output_ids)
-                         for c in outs])
+  diff = np.concatenate(
+    [np.asarray(c.logprobs) - sequence_logprobs(f32, PROMPTS[c.prompt_index], c.output_ids) for c in outs]
+  )
   assert 1e-4 < np.abs(diff).mean() < 0.05  # real but small: the mismatch MIS corrects
 
 
@@ -208,6 +218,7 @@ def test_the_engine_unrolls_a_shallow_models_layers_and_decodes_the_same(tiny_ch
   rounding: a real but small mismatch with float32 teacher forcing, as the scan's (the bound of
   `test_bfloat16_sampler_measurably_differs_from_float32_trainer`)."""
   from trainers.serving.embedded.generation import GenerationEngine
+
   f32 = load_hf_checkpoint(tiny_checkpoint)
   with pytest.raises(ValueError, match="layer_loop='loop'"):
     GenerationEngine(tiny_checkpoint, layer_loop="loop")
@@ -218,9 +229,9 @@ def test_the_engine_unrolls_a_shallow_models_layers_and_decodes_the_same(tiny_ch
     engine.close()
     assert engine.layer_loop == (("unrolled", "2 layers <= 8") if loop == "auto" else ("scan", "configured"))
     out[dtype, loop] = engine.sampler.generate(PROMPTS, options)
-    diff[dtype, loop] = np.concatenate([np.asarray(c.logprobs) - sequence_logprobs(f32, PROMPTS[c.prompt_index],
-                                                                                   c.output_ids)
-                                        for c in out[dtype, loop]])
+    diff[dtype, loop] = np.concatenate(
+      [np.asarray(c.logprobs) - sequence_logprobs(f32, PROMPTS[c.prompt_index], c.output_ids) for c in out[dtype, loop]]
+    )
   for a, b in zip(out["float32", "auto"], out["float32", "scan"]):
     assert a.output_ids == b.output_ids and a.logprobs == b.logprobs
   assert np.abs(diff["float32", "auto"]).max() < 1e-5
@@ -234,20 +245,33 @@ def test_invalid_requests_raise(sampler):
     sampler.generate([[64]], SamplingOptions())
   with pytest.raises(ValueError, match="context length"):
     sampler.generate([[1, 2]], SamplingOptions(max_new_tokens=TINY.max_position_embeddings))
-  for bad in (dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=0), dict(min_p=1.5), dict(n=0),
-              dict(max_new_tokens=-1)):
+  for bad in (
+    dict(temperature=-1.0),
+    dict(top_p=0.0),
+    dict(top_k=0),
+    dict(min_p=1.5),
+    dict(n=0),
+    dict(max_new_tokens=-1),
+  ):
     with pytest.raises(ValueError, match=next(iter(bad))):
       SamplingOptions(**bad)
 
 
 @settings(max_examples=12, deadline=None)
-@given(temperature=st.sampled_from([0.0, 0.5, 1.0, 2.0]), top_p=st.sampled_from([1.0, 0.9, 0.3]),
-       top_k=st.sampled_from([-1, 1, 5]), min_p=st.sampled_from([0.0, 0.1]),
-       seed=st.integers(0, 2**32 - 1), prompt=st.lists(st.integers(0, 63), min_size=1, max_size=16))
-def test_property_logprobs_are_unrenormalised_teacher_forced(sampler, tiny_model, temperature, top_p,
-                                                            top_k, min_p, seed, prompt):
-  params = SamplingOptions(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                          max_new_tokens=6, seed=seed, ignore_eos=True)
+@given(
+  temperature=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+  top_p=st.sampled_from([1.0, 0.9, 0.3]),
+  top_k=st.sampled_from([-1, 1, 5]),
+  min_p=st.sampled_from([0.0, 0.1]),
+  seed=st.integers(0, 2**32 - 1),
+  prompt=st.lists(st.integers(0, 63), min_size=1, max_size=16),
+)
+def test_property_logprobs_are_unrenormalised_teacher_forced(
+  sampler, tiny_model, temperature, top_p, top_k, min_p, seed, prompt
+):
+  params = SamplingOptions(
+    temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, max_new_tokens=6, seed=seed, ignore_eos=True
+  )
   (c,) = sampler.generate([prompt], params)
   assert len(c.output_ids) == 6
   want = sequence_logprobs(tiny_model, prompt, c.output_ids, temperature=temperature or 1.0)
@@ -264,28 +288,42 @@ def numpy_support(logits, temperature, top_p, top_k, min_p):
   order = np.argsort(-p, kind="stable")
   ps = p[order]
   before = np.cumsum(ps) - ps
-  kept = [int(v) for r, (v, b, pv) in enumerate(zip(order, before, ps))
-          if (top_k < 0 or r < top_k) and b <= top_p and pv >= min_p * ps[0]]
+  kept = [
+    int(v)
+    for r, (v, b, pv) in enumerate(zip(order, before, ps))
+    if (top_k < 0 or r < top_k) and b <= top_p and pv >= min_p * ps[0]
+  ]
   return kept, p
 
 
-@pytest.mark.parametrize("top_p,top_k,min_p", [(1.0, 5, 0.0), (0.6, 30, 0.0), (1.0, 30, 0.2), (0.8, 7, 0.05),
-                                               (0.95, 20, 0.1)])
+@pytest.mark.parametrize(
+  "top_p,top_k,min_p", [(1.0, 5, 0.0), (0.6, 30, 0.0), (1.0, 30, 0.2), (0.8, 7, 0.05), (0.95, 20, 0.1)]
+)
 def test_sampling_masks_equal_the_support_from_the_logits(sampler, tiny_model, top_p, top_k, min_p):
   """The returned masks equal the support computed independently from the teacher-forced
   logits; the sampled token is inside; the behaviour log-prob is log(p_y / Σ_S p), the
   support's log-probs log(p_v / Σ_S p); the full-vocabulary log-probs are unchanged."""
-  params = SamplingOptions(temperature=1.3, top_p=top_p, top_k=top_k, min_p=min_p, max_new_tokens=10, n=2,
-                          seed=7, ignore_eos=True, sampling_mask=True)
+  params = SamplingOptions(
+    temperature=1.3,
+    top_p=top_p,
+    top_k=top_k,
+    min_p=min_p,
+    max_new_tokens=10,
+    n=2,
+    seed=7,
+    ignore_eos=True,
+    sampling_mask=True,
+  )
   plain = sampler.generate(PROMPTS[:2], dataclasses.replace(params, sampling_mask=False))
   outs = sampler.generate(PROMPTS[:2], params)
   assert [c.output_ids for c in outs] == [c.output_ids for c in plain]  # masks change no sample
   for c in outs:
     prompt = PROMPTS[c.prompt_index]
-    logits = sequence_logits(tiny_model, prompt + c.output_ids)[len(prompt) - 1:-1]
+    logits = sequence_logits(tiny_model, prompt + c.output_ids)[len(prompt) - 1 : -1]
     assert len(c.sampling_mask) == len(c.sampling_logprobs) == len(c.output_ids)
-    for row, tok, mask, lp, support_lp in zip(logits, c.output_ids, c.sampling_mask, c.sampling_logprobs,
-                                              c.sampling_mask_logprobs):
+    for row, tok, mask, lp, support_lp in zip(
+      logits, c.output_ids, c.sampling_mask, c.sampling_logprobs, c.sampling_mask_logprobs
+    ):
       want, p = numpy_support(row, 1.3, top_p, top_k, min_p)
       assert mask == want
       assert tok in mask and len(mask) <= top_k
@@ -301,13 +339,23 @@ def test_sampling_masks_when_top_k_reaches_the_vocabulary():
   a power of two). top_k 80 is past the largest bucket below 96 (64). Greedy, top-p, min-p and
   their mixes in one batch, each mask equal to the support from the logits."""
   model = CausalLM(dataclasses.replace(TINY, vocab_size=96), rngs=nnx.Rngs(3))
-  rows = [(1.2, 96, 1.0, 0.0), (1.2, 96, 0.9, 0.0), (1.2, 96, 1.0, 0.05), (1.2, 80, 0.95, 0.02),
-          (1.2, 500, 1.0, 0.0), (0.0, 96, 1.0, 0.0)]  # temperature, top_k, top_p, min_p
-  params = [SamplingOptions(temperature=t, top_k=k, top_p=p, min_p=m, max_new_tokens=4, seed=i, ignore_eos=True,
-                            sampling_mask=True) for i, (t, k, p, m) in enumerate(rows)]
+  rows = [
+    (1.2, 96, 1.0, 0.0),
+    (1.2, 96, 0.9, 0.0),
+    (1.2, 96, 1.0, 0.05),
+    (1.2, 80, 0.95, 0.02),
+    (1.2, 500, 1.0, 0.0),
+    (0.0, 96, 1.0, 0.0),
+  ]  # temperature, top_k, top_p, min_p
+  params = [
+    SamplingOptions(
+      temperature=t, top_k=k, top_p=p, min_p=m, max_new_tokens=4, seed=i, ignore_eos=True, sampling_mask=True
+    )
+    for i, (t, k, p, m) in enumerate(rows)
+  ]
   outs = Sampler(model, max_batch_size=8).generate([PROMPTS[0]] * len(rows), params)
   for c, (t, k, p, m) in zip(outs, rows):
-    logits = sequence_logits(model, PROMPTS[0] + c.output_ids)[len(PROMPTS[0]) - 1:-1]
+    logits = sequence_logits(model, PROMPTS[0] + c.output_ids)[len(PROMPTS[0]) - 1 : -1]
     for row, tok, mask, lp in zip(logits, c.output_ids, c.sampling_mask, c.sampling_logprobs):
       if t == 0.0:
         assert mask == [tok] and lp == 0.0
@@ -319,8 +367,9 @@ def test_sampling_masks_when_top_k_reaches_the_vocabulary():
 
 
 def test_greedy_mask_is_the_token_with_log_prob_zero(sampler):
-  (c,) = sampler.generate(PROMPTS[:1], SamplingOptions(temperature=0.0, max_new_tokens=5, ignore_eos=True,
-                                                      sampling_mask=True))
+  (c,) = sampler.generate(
+    PROMPTS[:1], SamplingOptions(temperature=0.0, max_new_tokens=5, ignore_eos=True, sampling_mask=True)
+  )
   assert c.sampling_mask == [[t] for t in c.output_ids] and c.sampling_logprobs == [0.0] * 5
   with pytest.raises(ValueError, match="finite top_k"):
     SamplingOptions(top_p=0.9, sampling_mask=True)
@@ -330,12 +379,14 @@ def test_decoding_in_segments_and_a_swap_between_them(sampler, monkeypatch):
   """A batch decoded in segments draws what one call draws (ids and log-probs, bitwise); weights
   swapped between segments change only what comes after, and each row records where it switched."""
   from trainers.serving.embedded import sampler as sampler_mod
+
   monkeypatch.setattr(sampler_mod, "SEGMENT_STEPS", 4)
   params = SamplingOptions(max_new_tokens=14, seed=3, ignore_eos=True, n=2)
   whole = sampler.generate(PROMPTS, params, version="a")
   segmented = sampler.generate(PROMPTS, params, version="a", between=lambda: None)
   assert [(c.output_ids, c.logprobs, c.versions) for c in whole] == [
-      (c.output_ids, c.logprobs, c.versions) for c in segmented]
+    (c.output_ids, c.logprobs, c.versions) for c in segmented
+  ]
   assert all(c.versions == [("a", 0)] for c in whole)
   other = nnx.state(CausalLM(TINY, rngs=nnx.Rngs(9)))
   calls = []
@@ -343,6 +394,7 @@ def test_decoding_in_segments_and_a_swap_between_them(sampler, monkeypatch):
   def swap():
     calls.append(1)
     return (other, "b") if len(calls) == 2 else None  # after the second segment: 8 tokens
+
   swapped = sampler.generate(PROMPTS, params, version="a", between=swap)
   for c, w in zip(swapped, whole):
     assert c.versions == [("a", 0), ("b", 8)]

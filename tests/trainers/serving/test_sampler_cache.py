@@ -32,13 +32,19 @@ def _cached_logits(model, prompts, fed, prompt_len):
   start = np.array([prompt_len - len(p) for p in prompts], np.int32)
   ids = np.zeros((rows, prompt_len), np.int32)
   for b, p in enumerate(prompts):
-    ids[b, start[b]:] = p
+    ids[b, start[b] :] = p
   cache = model.init_cache(rows, prompt_len + len(fed[0]))
   logits, cache = _decode(model, ids, cache, jnp.int32(0), start, window=prompt_len)
-  per_row = [np.asarray(logits[b, start[b]:]) for b in range(rows)]
+  per_row = [np.asarray(logits[b, start[b] :]) for b in range(rows)]
   for t in range(len(fed[0])):
-    step, cache = _decode(model, np.array([[f[t]] for f in fed], np.int32), cache, jnp.int32(prompt_len + t), start,
-                          window=prompt_len + len(fed[0]))
+    step, cache = _decode(
+      model,
+      np.array([[f[t]] for f in fed], np.int32),
+      cache,
+      jnp.int32(prompt_len + t),
+      start,
+      window=prompt_len + len(fed[0]),
+    )
     per_row = [np.concatenate([r, np.asarray(step[b])]) for b, r in enumerate(per_row)]
   return per_row
 
@@ -72,8 +78,13 @@ ROWS = [[1, 2 + i] for i in range(8)]
 def _spy(sampler, monkeypatch):
   """Records `(batch rows, window)` of each decoding call."""
   calls, decode = [], sampler._decode
-  monkeypatch.setattr(sampler, "_decode", lambda params, state, *a, **k: calls.append(
-      (state["logits"].shape[0], k["window"])) or decode(params, state, *a, **k))
+  monkeypatch.setattr(
+    sampler,
+    "_decode",
+    lambda params, state, *a, **k: (
+      calls.append((state["logits"].shape[0], k["window"])) or decode(params, state, *a, **k)
+    ),
+  )
   return calls
 
 
@@ -90,15 +101,30 @@ def test_the_decode_program_updates_the_cache_in_place(sampler, layer_loop):
   rows, prompt_len, num_steps = 8, 16, 64
   ones = np.ones((rows,), np.float32)
   max_new, start = np.full((rows,), num_steps, np.int32), np.zeros((rows,), np.int32)
-  state = sampler._prefill(sampler.params, np.ones((rows, prompt_len), np.int32), start, ones, max_new,
-                           num_steps=num_steps)
-  args = (sampler.params, state, start, np.zeros((rows,), np.uint32), ones, ones, np.full((rows,), -1, np.int32),
-          np.zeros((rows,), np.float32), max_new, np.full((rows, 4), -1, np.int32), np.int32(num_steps))
+  state = sampler._prefill(
+    sampler.params, np.ones((rows, prompt_len), np.int32), start, ones, max_new, num_steps=num_steps
+  )
+  args = (
+    sampler.params,
+    state,
+    start,
+    np.zeros((rows,), np.uint32),
+    ones,
+    ones,
+    np.full((rows,), -1, np.int32),
+    np.zeros((rows,), np.float32),
+    max_new,
+    np.full((rows, 4), -1, np.int32),
+    np.int32(num_steps),
+  )
   hlo = sampler._decode.lower(*args, window=32).compile().as_text()
   shape = ",".join(map(str, state["cache"].k.shape))
   ops = re.findall(r"= \w+\[" + shape + r"\]\{[^}]*\} ([\w-]+)\(", hlo)
-  assert "input_output_alias" in hlo and ops and set(ops) <= {"parameter", "get-tuple-element", "dynamic-update-slice",
-                                                                "fusion"}
+  assert (
+    "input_output_alias" in hlo
+    and ops
+    and set(ops) <= {"parameter", "get-tuple-element", "dynamic-update-slice", "fusion"}
+  )
   fused = re.findall(r"\w+\[" + shape + r"\]\{[^}]*\} (copy|convert|scatter|select)\(", hlo)
   assert fused == []
 
@@ -135,5 +161,5 @@ def test_rows_that_all_stop_early_end_the_decoding(sampler, monkeypatch):
   calls = _spy(sampler, monkeypatch)
   outs = sampler.generate(ROWS, stopping)
   assert calls == [(8, 32)]
-  assert [c.output_ids for c in outs] == [c.output_ids[:len(o.output_ids)] for c, o in zip(probe, outs)]
+  assert [c.output_ids for c in outs] == [c.output_ids[: len(o.output_ids)] for c, o in zip(probe, outs)]
   assert all(c.finish_reason == ("stop", c.output_ids[-1]) and len(c.output_ids) <= 2 for c in outs)

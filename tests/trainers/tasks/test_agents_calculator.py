@@ -28,19 +28,27 @@ def build_tokenizer(template=qwen3.QWEN3_CHAT_TEMPLATE):
   ``<|im_end|>``, pad ``<|endoftext|>`` (Qwen3's instruct tokenizer_config)."""
   from tokenizers import AddedToken, Tokenizer, decoders, models
   from transformers import PreTrainedTokenizerFast
+
   vocab = {t: i for i, t in enumerate(SPECIAL + ADDED + ("<unk>",) + CHARS)}
   core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
   core.decoder = decoders.Fuse()
-  tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                unk_token="<unk>", additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+  tok = PreTrainedTokenizerFast(
+    tokenizer_object=core,
+    eos_token="<|im_end|>",
+    pad_token="<|endoftext|>",
+    unk_token="<unk>",
+    additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+  )
   tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
   tok.chat_template = template
   return tok
 
 
 # Qwen2/Qwen3's pre-tokenizer split (tokenizer.json), before byte-level BPE: digits one by one.
-QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
-              r"|\s+(?!\S)|\s+")
+QWEN_SPLIT = (
+  r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+  r"|\s+(?!\S)|\s+"
+)
 
 
 def build_bytelevel_tokenizer():
@@ -48,16 +56,29 @@ def build_bytelevel_tokenizer():
   words): merges across newlines and punctuation, so token boundaries are not characters."""
   from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
   from transformers import PreTrainedTokenizerFast
+
   core = Tokenizer(models.BPE(unk_token=None))
-  core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
-                                                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+  core.pre_tokenizer = pre_tokenizers.Sequence(
+    [
+      pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ]
+  )
   core.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=list(SPECIAL + ADDED), show_progress=False,
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  trainer = trainers.BpeTrainer(
+    vocab_size=600,
+    special_tokens=list(SPECIAL + ADDED),
+    show_progress=False,
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+  )
   words = "What is 12 * 34 + 5? user assistant system calculator expression arguments name " + calc.INSTRUCTION
   core.train_from_iterator([qwen3.QWEN3_CHAT_TEMPLATE, words] * 20, trainer)
-  tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                additional_special_tokens=["<|im_start|>", "<|im_end|>"])
+  tok = PreTrainedTokenizerFast(
+    tokenizer_object=core,
+    eos_token="<|im_end|>",
+    pad_token="<|endoftext|>",
+    additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+  )
   tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
   tok.chat_template = qwen3.QWEN3_CHAT_TEMPLATE
   return tok
@@ -80,6 +101,7 @@ def tok_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tok(tok_dir):
   from transformers import AutoTokenizer
+
   return AutoTokenizer.from_pretrained(tok_dir, local_files_only=True)
 
 
@@ -98,7 +120,7 @@ def _ids(tok, text):
 
 
 def _call(name, arguments):
-  return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+  return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 def _turn(tok, text, index=1, end="<|im_end|>", finish="stop"):
@@ -114,18 +136,27 @@ def _assistant(content, *calls):
 
 
 def _render(tok, messages, **kw):
-  return [int(t) for t in tok.apply_chat_template(messages, tools=[calc.CALCULATOR_SCHEMA], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False, **kw)]
+  return [
+    int(t)
+    for t in tok.apply_chat_template(
+      messages, tools=[calc.CALCULATOR_SCHEMA], add_generation_prompt=True, tokenize=True, return_dict=False, **kw
+    )
+  ]
 
 
 def _contains(seq, sub):
-  return any(seq[i:i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
+  return any(seq[i : i + len(sub)] == sub for i in range(len(seq) - len(sub) + 1))
 
 
 def test_template_is_qwen3s_verbatim():
   assert hashlib.sha256(qwen3.QWEN3_CHAT_TEMPLATE.encode()).hexdigest() == qwen3.QWEN3_CHAT_TEMPLATE_SHA256
-  for piece in ("<tool_response>", "multi_step_tool", "reasoning_content", "enable_thinking is false",
-                "'<|im_start|>user'"):
+  for piece in (
+    "<tool_response>",
+    "multi_step_tool",
+    "reasoning_content",
+    "enable_thinking is false",
+    "'<|im_start|>user'",
+  ):
     assert piece in qwen3.QWEN3_CHAT_TEMPLATE
 
 
@@ -133,6 +164,7 @@ def test_template_is_qwen3s_verbatim():
 @pytest.mark.parametrize("kind", ["chars", "bytelevel"])
 def test_observation_ids_equal_transformers_rendering(kind, request):
   from transformers import AutoTokenizer
+
   path = request.getfixturevalue("tok_dir" if kind == "chars" else "bytelevel_dir")
   tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
   task = calc.CalculatorTask(path)
@@ -144,8 +176,9 @@ def test_observation_ids_equal_transformers_rendering(kind, request):
   # Turn 1: one call, no reasoning. Turn 2: reasoning, then two calls (two tool messages merge into
   # one user turn). Turn 3: the answer.
   t1 = _turn(tok, _call("calculator", a), 1)
-  t2_text = ("<think>\nadd one\n</think>\n\n" + _call("calculator", b) + "\n"
-             + _call("calculator", {"expression": "2**3"}))
+  t2_text = (
+    "<think>\nadd one\n</think>\n\n" + _call("calculator", b) + "\n" + _call("calculator", {"expression": "2**3"})
+  )
   t2 = _turn(tok, t2_text, 2)
   env = task.environment(prompt)
   o1 = env.step(t1)
@@ -155,29 +188,37 @@ def test_observation_ids_equal_transformers_rendering(kind, request):
   trajectory = list(prompt.ids) + list(t1.ids) + list(o1.ids) + list(t2.ids) + list(o2.ids)
 
   conversation = messages + [
-      _assistant("", ("calculator", a)), {"role": "tool", "content": "408"},
-      _assistant("<think>\nadd one\n</think>\n\n", ("calculator", b), ("calculator", {"expression": "2**3"})),
-      {"role": "tool", "content": "409"}, {"role": "tool", "content": "8"}]
+    _assistant("", ("calculator", a)),
+    {"role": "tool", "content": "408"},
+    _assistant("<think>\nadd one\n</think>\n\n", ("calculator", b), ("calculator", {"expression": "2**3"})),
+    {"role": "tool", "content": "409"},
+    {"role": "tool", "content": "8"},
+  ]
   assert trajectory == _render(tok, conversation)
   assert list(prompt.ids) + list(t1.ids) + list(o1.ids) == _render(tok, conversation[:3])
   text = tok.decode(o2.ids)
-  assert text == ("\n<|im_start|>user\n<tool_response>\n409\n</tool_response>\n<tool_response>\n8\n</tool_response>"
-                  "<|im_end|>\n<|im_start|>assistant\n")
+  assert text == (
+    "\n<|im_start|>user\n<tool_response>\n409\n</tool_response>\n<tool_response>\n8\n</tool_response>"
+    "<|im_end|>\n<|im_start|>assistant\n"
+  )
   o3 = env.step(_turn(tok, f"<think>\ndone\n</think>\n\n\\boxed{{{prompt.answer}}}", 3))
   assert o3.done and o3.reward == 1.0 and not o3.ids
 
   # enable_thinking: false: the generation prompt after the tool responses carries the empty think block.
   o = task_nothink.encoder(["7"])
-  assert tok.decode(o) == ("\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n"
-                           "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+  assert tok.decode(o) == (
+    "\n<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+  )
   assert o == qwen3.tool_response_ids(tok, ["7"], {"enable_thinking": False})
 
 
 def test_encoder_raises_when_the_base_is_not_a_prefix():
   # A template that numbers every message from the end: nothing rendered is stable under appending.
-  template = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + (messages|length - loop.index0)|string + '\\n'"
-              " + (m['content'] or '') + '<|im_end|>\\n' }}{%- endfor %}"
-              "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+  template = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m['role'] + (messages|length - loop.index0)|string + '\\n'"
+    " + (m['content'] or '') + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+  )
   with pytest.raises(qwen3.TemplateNotPrefixError, match="not append-only"):
     qwen3.ToolResponseEncoder(build_tokenizer(template))(["1"])
 
@@ -188,15 +229,17 @@ def test_rerendering_drops_thinking_but_the_trajectory_keeps_sampled_ids(tok, ta
   first = [{"role": "user", "content": "What is 2+2?"}]
   prompt = _render(tok, first)
   sampled = _ids(tok, "<think>\nfour, surely\n</think>\n\n\\boxed{4}<|im_end|>")
-  follow = first + [_assistant("<think>\nfour, surely\n</think>\n\n\\boxed{4}"),
-                    {"role": "user", "content": "And 3+3?"}]
+  follow = first + [
+    _assistant("<think>\nfour, surely\n</think>\n\n\\boxed{4}"),
+    {"role": "user", "content": "And 3+3?"},
+  ]
   rerendered = _render(tok, follow)
   think = _ids(tok, "<think>\nfour, surely\n</think>")
-  assert rerendered[:len(prompt)] == prompt
+  assert rerendered[: len(prompt)] == prompt
   assert not _contains(rerendered, sampled) and not _contains(rerendered, think)
-  assert tok.decode(rerendered[len(prompt):]).startswith("\\boxed{4}<|im_end|>")  # the reasoning is gone
+  assert tok.decode(rerendered[len(prompt) :]).startswith("\\boxed{4}<|im_end|>")  # the reasoning is gone
   trajectory = prompt + sampled
-  assert trajectory[len(prompt):] == sampled and _contains(trajectory, think)
+  assert trajectory[len(prompt) :] == sampled and _contains(trajectory, think)
 
   # (b) enable_thinking: false — the prompt ends with an empty think block the model continued
   # after; re-rendering the conversation omits it for that (now earlier) assistant turn.
@@ -206,34 +249,67 @@ def test_rerendering_drops_thinking_but_the_trajectory_keeps_sampled_ids(tok, ta
   t1 = _turn(tok, _call("calculator", call))
   o1 = task_nothink.environment(p).step(t1)
   tito = list(p.ids) + list(t1.ids) + list(o1.ids)
-  conversation = task_nothink.messages(p.record["question"]) + [_assistant("", ("calculator", call)),
-                                                                 {"role": "tool", "content": "25"}]
+  conversation = task_nothink.messages(p.record["question"]) + [
+    _assistant("", ("calculator", call)),
+    {"role": "tool", "content": "25"},
+  ]
   rerendered = _render(tok, conversation, enable_thinking=False)
   assert rerendered != tito
   empty_think = _ids(tok, "<think>\n\n</think>\n\n")
-  assert tito[len(p.ids) - len(empty_think):len(p.ids)] == empty_think
+  assert tito[len(p.ids) - len(empty_think) : len(p.ids)] == empty_think
   assert rerendered.count(_ids(tok, "<think>")[0]) == 1  # only the new generation prompt's
   assert tito.count(_ids(tok, "<think>")[0]) == 2
-  assert tito[len(p.ids):len(p.ids) + len(t1.ids)] == list(t1.ids)  # the sampled ids, byte for byte
-  assert rerendered[-len(o1.ids):] == list(o1.ids)  # the observation is still the template's own tail
+  assert tito[len(p.ids) : len(p.ids) + len(t1.ids)] == list(t1.ids)  # the sampled ids, byte for byte
+  assert rerendered[-len(o1.ids) :] == list(o1.ids)  # the observation is still the template's own tail
 
 
 # (3) The calculator: arithmetic only, bounded; tools that raise or hang become error observations.
-@pytest.mark.parametrize("expression, want", [
-    ("2+3*4", "14"), ("(2+3)*4", "20"), ("7/2", "3.5"), ("8/2", "4"), ("7//2", "3"), ("-7 % 3", "2"),
-    ("2**10", "1024"), ("1.5*2", "3"), ("-(3-5)", "2"), ("2**-2", "0.25"), ("1/3", "0.333333333333"),
-    (" 999999*999999 ", "999998000001")])
+@pytest.mark.parametrize(
+  "expression, want",
+  [
+    ("2+3*4", "14"),
+    ("(2+3)*4", "20"),
+    ("7/2", "3.5"),
+    ("8/2", "4"),
+    ("7//2", "3"),
+    ("-7 % 3", "2"),
+    ("2**10", "1024"),
+    ("1.5*2", "3"),
+    ("-(3-5)", "2"),
+    ("2**-2", "0.25"),
+    ("1/3", "0.333333333333"),
+    (" 999999*999999 ", "999998000001"),
+  ],
+)
 def test_calculator_evaluates(expression, want):
   assert calc.Calculator()(expression=expression) == want
 
 
-@pytest.mark.parametrize("expression, match", [
-    ("__import__('os').system('true')", "function call"), ("x + 1", "name 'x'"), ("abs(-1)", "function call"),
-    ("'a' * 3", "only numbers"), ("True + 1", "only numbers"), ("[1, 2]", "List"), ("2 ^ 3", r"\*\*"),
-    ("1/0", "division by zero"), ("5 % 0", "division by zero"), ("0 ** -1", "division by zero"),
-    ("2**1000", "exponent"), ("10**20", "larger"), ("99999999**2", "larger"), ("1e300", "larger"),
-    ("(-8) ** 0.5", "negative"), ("", "empty"), ("1+" * 150 + "1", "longer"), ("1 +", "not an arithmetic"),
-    ("(1).real", "Attribute"), ("lambda: 1", "Lambda")])
+@pytest.mark.parametrize(
+  "expression, match",
+  [
+    ("__import__('os').system('true')", "function call"),
+    ("x + 1", "name 'x'"),
+    ("abs(-1)", "function call"),
+    ("'a' * 3", "only numbers"),
+    ("True + 1", "only numbers"),
+    ("[1, 2]", "List"),
+    ("2 ^ 3", r"\*\*"),
+    ("1/0", "division by zero"),
+    ("5 % 0", "division by zero"),
+    ("0 ** -1", "division by zero"),
+    ("2**1000", "exponent"),
+    ("10**20", "larger"),
+    ("99999999**2", "larger"),
+    ("1e300", "larger"),
+    ("(-8) ** 0.5", "negative"),
+    ("", "empty"),
+    ("1+" * 150 + "1", "longer"),
+    ("1 +", "not an arithmetic"),
+    ("(1).real", "Attribute"),
+    ("lambda: 1", "Lambda"),
+  ],
+)
 def test_calculator_refuses(expression, match):
   with pytest.raises(calc.CalculatorError, match=match):
     calc.evaluate(expression)
@@ -264,10 +340,16 @@ class Sleepy:
 
 
 def test_tool_errors_and_timeouts_are_observations(tok, task):
-  env = calc.CalculatorEnvironment(7, encoder=task.encoder, tools=[calc.Calculator(), Boom(), Sleepy()],
-                                   timeout_s=0.2)
-  text = "\n".join([_call("boom", {}), _call("sleepy", {}), _call("calculator", {"expression": "1/0"}),
-                    _call("calculator", {"expr": "1"}), _call("calculator", {"expression": "3+4"})])
+  env = calc.CalculatorEnvironment(7, encoder=task.encoder, tools=[calc.Calculator(), Boom(), Sleepy()], timeout_s=0.2)
+  text = "\n".join(
+    [
+      _call("boom", {}),
+      _call("sleepy", {}),
+      _call("calculator", {"expression": "1/0"}),
+      _call("calculator", {"expr": "1"}),
+      _call("calculator", {"expression": "3+4"}),
+    ]
+  )
   start = time.monotonic()
   obs = env.step(_turn(tok, text))
   assert time.monotonic() - start < 0.9  # the sleeper's time limit, not its sleep
@@ -294,14 +376,14 @@ def test_parse_tool_calls():
   no_args = qwen3.parse_tool_calls('<tool_call>{"name": "a"}</tool_call><|im_end|>')
   assert no_args[0].ok and no_args[0].arguments == {}
   cases = {
-      '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1"}\n</tool_call>': "not valid JSON",
-      '<tool_call>{"arguments": {}}</tool_call>': 'no "name"',
-      '<tool_call>{"name": 3}</tool_call>': 'no "name"',
-      '<tool_call>["calculator"]</tool_call>': "JSON object",
-      '<tool_call>{"name": "a", "arguments": [1]}</tool_call>': '"arguments" must be a JSON object',
-      '<tool_call>{"name": "a", "arguments": "1 +"}</tool_call>': "not a JSON object",
-      '<tool_call></tool_call>': "empty",
-      '<tool_call>{"name": "a", "arguments": {}}': "without </tool_call>",
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1"}\n</tool_call>': "not valid JSON",
+    '<tool_call>{"arguments": {}}</tool_call>': 'no "name"',
+    '<tool_call>{"name": 3}</tool_call>': 'no "name"',
+    '<tool_call>["calculator"]</tool_call>': "JSON object",
+    '<tool_call>{"name": "a", "arguments": [1]}</tool_call>': '"arguments" must be a JSON object',
+    '<tool_call>{"name": "a", "arguments": "1 +"}</tool_call>': "not a JSON object",
+    "<tool_call></tool_call>": "empty",
+    '<tool_call>{"name": "a", "arguments": {}}': "without </tool_call>",
   }
   for text, why in cases.items():
     (call,) = qwen3.parse_tool_calls(text)
@@ -310,8 +392,13 @@ def test_parse_tool_calls():
 
 def test_malformed_calls_are_error_observations(tok, task):
   env = task.environment(Prompt(ids=(), answer=4))
-  text = "\n".join(['<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"\n</tool_call>',
-                    _call("search", {"query": "2+2"}), _call("calculator", {"expression": "2+2"})])
+  text = "\n".join(
+    [
+      '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"\n</tool_call>',
+      _call("search", {"query": "2+2"}),
+      _call("calculator", {"expression": "2+2"}),
+    ]
+  )
   obs = env.step(_turn(tok, text))
   assert not obs.done and obs.counts == {"tool_calls": 3, "tool_errors": 0, "malformed_calls": 2}
   shown = tok.decode(obs.ids)
@@ -333,10 +420,17 @@ def test_malformed_calls_are_error_observations(tok, task):
 # (5) The answer turn.
 def test_answer_turn_reward_and_done(tok, task):
   env = task.environment(Prompt(ids=(), answer=408))
-  for text, reward in [("<think>\n12*34 = 408\n</think>\n\nThe answer is \\boxed{408}.", 1.0),
-                       ("\\boxed{408.0}", 1.0), ("\\boxed{$408$}", 1.0), ("\\boxed{409}", 0.0),
-                       ("It is 400 + 8 = 408", 1.0), ("408, or maybe 407", 0.0), ("\\boxed{about 408}", 0.0),
-                       ("<think>\nthe answer is 408\n</think>\n\nno idea", 0.0), ("", 0.0)]:
+  for text, reward in [
+    ("<think>\n12*34 = 408\n</think>\n\nThe answer is \\boxed{408}.", 1.0),
+    ("\\boxed{408.0}", 1.0),
+    ("\\boxed{$408$}", 1.0),
+    ("\\boxed{409}", 0.0),
+    ("It is 400 + 8 = 408", 1.0),
+    ("408, or maybe 407", 0.0),
+    ("\\boxed{about 408}", 0.0),
+    ("<think>\nthe answer is 408\n</think>\n\nno idea", 0.0),
+    ("", 0.0),
+  ]:
     obs = env.step(_turn(tok, text, index=2))
     assert obs.done and obs.reward == reward and not obs.ids, text
   assert calc.score_answer("\\boxed{1,234}", 1234) == 1.0 and calc.score_answer("so x = -5", -5) == 1.0
@@ -371,6 +465,7 @@ def test_task_prompts(tok, tok_dir, task):
 
 def test_environments_step_concurrently(tok, task):
   from concurrent.futures import ThreadPoolExecutor
+
   prompts = task.prompts(0, 1, 32)
   turns = [_turn(tok, _call("calculator", {"expression": p.record["expression"]})) for p in prompts]
   alone = [task.environment(p).step(t) for p, t in zip(prompts, turns)]

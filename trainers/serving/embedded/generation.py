@@ -76,10 +76,20 @@ class GenerationEngine:
   decoder in the same arithmetic on the same weights bit for bit; unquantised weights only.
   """
 
-  def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0,
-               max_batch_size: int = 64, weight_version: str = "default", quantize: str = "none",
-               sampling_mask_max_tokens: int = protocol.SAMPLING_MASK_MAX_TOKENS,
-               enable_return_routed_experts: bool = False, layer_loop: str = "auto", arithmetic: str = "default"):
+  def __init__(
+    self,
+    model_path: str,
+    *,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    max_batch_size: int = 64,
+    weight_version: str = "default",
+    quantize: str = "none",
+    sampling_mask_max_tokens: int = protocol.SAMPLING_MASK_MAX_TOKENS,
+    enable_return_routed_experts: bool = False,
+    layer_loop: str = "auto",
+    arithmetic: str = "default",
+  ):
     if dtype not in DTYPES:
       raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     if quantize not in QUANTIZATIONS:
@@ -96,8 +106,9 @@ class GenerationEngine:
     self.dtype = dtype
     self.quantize = quantize
     self.config = ModelConfig.from_pretrained(model_path)
-    model = abstract_model(self.config, dtype=DTYPES[dtype], param_dtype=DTYPES[dtype], layer_loop=layer_loop,
-                           arithmetic=arithmetic)
+    model = abstract_model(
+      self.config, dtype=DTYPES[dtype], param_dtype=DTYPES[dtype], layer_loop=layer_loop, arithmetic=arithmetic
+    )
     self.arithmetic = model.arithmetic
     self.layer_loop = (model.layer_loop, model.layer_loop_reason)
     graphdef, logical = nnx.split(model)  # every variable of the module is a parameter
@@ -135,9 +146,12 @@ class GenerationEngine:
   def submit(self, request: protocol.NormalizedGenerate) -> _Job:
     """Validates and queues a request; raises `protocol.RequestError` as SGLang would."""
     for item in request.items:
-      protocol.validate_item(item, vocab_size=self.config.vocab_size,
-                             context_length=self.config.max_position_embeddings,
-                             sampling_mask_max_tokens=self.sampling_mask_max_tokens)
+      protocol.validate_item(
+        item,
+        vocab_size=self.config.vocab_size,
+        context_length=self.config.max_position_embeddings,
+        sampling_mask_max_tokens=self.sampling_mask_max_tokens,
+      )
     job = _Job(request, time.perf_counter(), [False] * len(request.items))
     with self._cv:
       job.held = self._paused
@@ -201,18 +215,21 @@ class GenerationEngine:
     try:
       with self._weights:
         if self.released:
-          raise RuntimeError("the served weights were released (colocated, during a training step) and no update "
-                             "has brought new ones")
+          raise RuntimeError(
+            "the served weights were released (colocated, during a training step) and no update has brought new ones"
+          )
         version = self.weight_version
         completions = []
         if work:
           items = [jobs[k].request.items[i] for k, i in work]
           routed = self.enable_return_routed_experts and self.config.is_moe
           completions = self.sampler.generate(
-              [it.input_ids for it in items], [_engine_params(it, self.config.max_position_embeddings, routed)
-                                               for it in items],
-              prompt_logprobs=any(it.return_logprob and it.logprob_start_len >= 0 for it in items),
-              version=version, between=self._between_segments)
+            [it.input_ids for it in items],
+            [_engine_params(it, self.config.max_position_embeddings, routed) for it in items],
+            prompt_logprobs=any(it.return_logprob and it.logprob_start_len >= 0 for it in items),
+            version=version,
+            between=self._between_segments,
+          )
       done = dict(zip(work, completions))
       for k, job in enumerate(jobs):
         self._finish(job, [done.get((k, i)) for i in range(len(job.aborted))], version)
@@ -250,19 +267,30 @@ class GenerationEngine:
     self._release(job)
     latency = time.perf_counter() - job.start
     now = time.time()
-    out = [self._response(item, c, job.aborted[i], c.versions[-1][0] if c else version, latency, now)
-           for i, (item, c) in enumerate(zip(job.request.items, completions))]
+    out = [
+      self._response(item, c, job.aborted[i], c.versions[-1][0] if c else version, latency, now)
+      for i, (item, c) in enumerate(zip(job.request.items, completions))
+    ]
     job.result = out[0] if job.request.is_single else out
     job.done.set()
 
-  def _response(self, item: protocol.Item, c: Completion | None, aborted: bool, version: str,
-                latency: float, now: float) -> dict:
+  def _response(
+    self, item: protocol.Item, c: Completion | None, aborted: bool, version: str, latency: float, now: float
+  ) -> dict:
     texts = self._decode_each if item.return_text_in_logprobs and self.tokenizer else None
     if c is None:  # aborted before it ran
       logprobs = ([], []) if item.return_logprob else None
-      meta = protocol.meta_info(rid=item.rid, finish_reason=protocol.finish_abort_waiting(),
-                                prompt_tokens=None, weight_version=version, completion_tokens=0,
-                                e2e_latency=latency, sent_ts=now, logprobs=logprobs, running=False)
+      meta = protocol.meta_info(
+        rid=item.rid,
+        finish_reason=protocol.finish_abort_waiting(),
+        prompt_tokens=None,
+        weight_version=version,
+        completion_tokens=0,
+        e2e_latency=latency,
+        sent_ts=now,
+        logprobs=logprobs,
+        running=False,
+      )
       return {"text": "", "output_ids": [], "meta_info": meta}
     kind, value = c.finish_reason
     if aborted:
@@ -280,33 +308,49 @@ class GenerationEngine:
       else:
         ids = prompt[start:]
         values = [None] + [c.prompt_logprobs[start + k - 1] for k in range(1, len(ids))]
-        inputs = protocol.logprob_entries(values, ids, texts(ids) if texts else None)[:len(ids)]
-      outputs = protocol.logprob_entries(c.logprobs, c.output_ids,
-                                         texts(c.output_ids) if texts else None)
+        inputs = protocol.logprob_entries(values, ids, texts(ids) if texts else None)[: len(ids)]
+      outputs = protocol.logprob_entries(c.logprobs, c.output_ids, texts(c.output_ids) if texts else None)
       logprobs = (inputs, outputs)
     top = None
     if item.return_logprob and item.top_logprobs_num > 0:  # SGLang's: the prompt's are not computed here
-      top = ([None] * len(logprobs[0]), [protocol.logprob_entries([v for v, _ in row], [t for _, t in row])
-                                          for row in c.top_logprobs])
+      top = (
+        [None] * len(logprobs[0]),
+        [protocol.logprob_entries([v for v, _ in row], [t for _, t in row]) for row in c.top_logprobs],
+      )
     mask = None
     if item.return_sampling_mask:  # top_k <= the cap was checked, so no support overflows it
-      mask = (c.sampling_mask, c.sampling_mask_logprobs if item.sampling_logprobs_mode == "support"
-              else c.sampling_logprobs)
+      mask = (
+        c.sampling_mask,
+        c.sampling_mask_logprobs if item.sampling_logprobs_mode == "support" else c.sampling_logprobs,
+      )
     routed = None
     if c.routed_experts is not None:
-      routed = protocol.encode_routed_experts(c.routed_experts[item.routed_experts_start_len:])
+      routed = protocol.encode_routed_experts(c.routed_experts[item.routed_experts_start_len :])
     shown = c.output_ids
     if kind == "stop" and not aborted and not item.sampling.no_stop_trim and shown:
       shown = shown[:-1]  # SGLang trims the matched stop token from the text (not output_ids)
     n = len(c.output_ids)
     ends = [k for _, k in c.versions[1:]] + [n]
     spans = [{"version": v, "start": k, "end": end} for (v, k), end in zip(c.versions, ends)]
-    meta = protocol.meta_info(rid=item.rid, finish_reason=finish, prompt_tokens=c.prompt_tokens,
-                              weight_version=version, completion_tokens=n,
-                              e2e_latency=latency, sent_ts=now, logprobs=logprobs, sampling_mask=mask,
-                              routed_experts=routed, spans=spans, top_logprobs=top)
-    return {"text": self._decode(shown, item.sampling.skip_special_tokens),
-            "output_ids": c.output_ids, "meta_info": meta}
+    meta = protocol.meta_info(
+      rid=item.rid,
+      finish_reason=finish,
+      prompt_tokens=c.prompt_tokens,
+      weight_version=version,
+      completion_tokens=n,
+      e2e_latency=latency,
+      sent_ts=now,
+      logprobs=logprobs,
+      sampling_mask=mask,
+      routed_experts=routed,
+      spans=spans,
+      top_logprobs=top,
+    )
+    return {
+      "text": self._decode(shown, item.sampling.skip_special_tokens),
+      "output_ids": c.output_ids,
+      "meta_info": meta,
+    }
 
   def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
     if not self.tokenizer:
@@ -355,12 +399,17 @@ class GenerationEngine:
     with self._cv:
       running = sum(1 for job, _ in self._rids.values() if job.running)
       held = sum(1 for job, _ in self._rids.values() if job.held)
-      return {"paused": self._paused, "num_running_reqs": running,
-              "num_waiting_reqs": len(self._rids) - running - held, "num_paused_reqs": held}
+      return {
+        "paused": self._paused,
+        "num_running_reqs": running,
+        "num_waiting_reqs": len(self._rids) - running - held,
+        "num_paused_reqs": held,
+      }
 
   # ---- weights ------------------------------------------------------------------------------
-  def _stage(self, *, served=None, logical=None, graphdef=None, path: str | None = None, version=None, push=None,
-             base=None) -> WeightStage:
+  def _stage(
+    self, *, served=None, logical=None, graphdef=None, path: str | None = None, version=None, push=None, base=None
+  ) -> WeightStage:
     """An empty stage for the next weights (`staging.WeightStage`), in the served layout unless the
     engine quantises (its scales come from the tensors as given) or the files at `path` store
     tensors under other names (fused experts, read through the architecture's views)."""
@@ -387,8 +436,11 @@ class GenerationEngine:
     try:
       new_config = ModelConfig.from_pretrained(path)
       ignore = ("initializer_range", "bos_token_id", "eos_token_id")
-      diff = [f.name for f in dataclasses.fields(ModelConfig) if f.name not in ignore
-              and getattr(new_config, f.name) != getattr(self.config, f.name)]
+      diff = [
+        f.name
+        for f in dataclasses.fields(ModelConfig)
+        if f.name not in ignore and getattr(new_config, f.name) != getattr(self.config, f.name)
+      ]
       if diff:
         raise ValueError(f"config.json differs from the served model in {', '.join(diff)}")
       stage = self._stage(path=path, version=weight_version)
@@ -417,13 +469,18 @@ class GenerationEngine:
       stage = self._staging
       if stage is None or stage.push != push:
         if base is not None and (base != self.served_push or self.quantize != "none"):
-          why = (f"it serves {'push ' + repr(self.served_push) if self.served_push else 'weights not pushed here'}"
-                 if self.quantize == "none" else "it quantises, from whole tensors")
+          why = (
+            f"it serves {'push ' + repr(self.served_push) if self.served_push else 'weights not pushed here'}"
+            if self.quantize == "none"
+            else "it quantises, from whole tensors"
+          )
           raise StageConflict(f"a delta relative to push {base!r} cannot be applied: {why}; send the weights whole")
         stage = self._staging = self._stage(version=version, push=push, base=base)
       elif (stage.version, stage.base) != (version, base):
-        raise StageError(f"push {push!r} is staging weight_version {stage.version!r} with base {stage.base!r}, "
-                         f"not {version!r} with {base!r}")
+        raise StageError(
+          f"push {push!r} is staging weight_version {stage.version!r} with base {stage.base!r}, "
+          f"not {version!r} with {base!r}"
+        )
       return BucketSink(self, stage, bucket)
 
   def commit_weights(self, push: str, weight_version: str | None, num_buckets: int) -> tuple[bool, str]:
@@ -437,8 +494,10 @@ class GenerationEngine:
       missing = sorted(set(range(num_buckets)) - stage.buckets)
       extra = sorted(stage.buckets - set(range(num_buckets)))
       if missing or extra or stage.version != weight_version:
-        return False, (f"push {push!r} cannot be committed as weight_version {weight_version!r} of {num_buckets} "
-                       f"buckets: staged version {stage.version!r}, buckets missing {missing[:8]}, unexpected {extra[:8]}")
+        return False, (
+          f"push {push!r} cannot be committed as weight_version {weight_version!r} of {num_buckets} "
+          f"buckets: staged version {stage.version!r}, buckets missing {missing[:8]}, unexpected {extra[:8]}"
+        )
       try:
         state = self._staged(stage)
       except ValueError as e:
@@ -449,8 +508,10 @@ class GenerationEngine:
       except ValueError as e:
         return False, f"Failed to update weights from push {push!r}: {e}"
       self.released, self.served_push = False, push
-      message = self._set_version(weight_version, f"Succeeded to update model weights ({stage.nbytes} bytes "
-                                                  f"received{', a delta' if stage.base else ''}).")
+      message = self._set_version(
+        weight_version,
+        f"Succeeded to update model weights ({stage.nbytes} bytes received{', a delta' if stage.base else ''}).",
+      )
     del state, stage
     _free_replaced()
     return True, message
@@ -460,8 +521,11 @@ class GenerationEngine:
     with self._weights:
       if self.released:
         raise RuntimeError("the served weights were released")
-      return {"weight_version": self.weight_version, "push": self.served_push,
-              "digest": weights_digest(self.sampler.params)}
+      return {
+        "weight_version": self.weight_version,
+        "push": self.served_push,
+        "digest": weights_digest(self.sampler.params),
+      }
 
   def discard_weights(self, push: str | None = None) -> bool:
     """Drops what push `push` (any, None) staged; whether anything was."""
@@ -490,8 +554,9 @@ class GenerationEngine:
   def _quantized(self, params: nnx.State) -> nnx.State:
     if self.quantize == "none":
       return params
-    f32 = nnx.from_flat_state([(path, var.replace(jnp.asarray(var.get_value(), jnp.float32)))
-                               for path, var in nnx.to_flat_state(params)])
+    f32 = nnx.from_flat_state(
+      [(path, var.replace(jnp.asarray(var.get_value(), jnp.float32))) for path, var in nnx.to_flat_state(params)]
+    )
     return quantize_params(f32, self.quantize, dtype=DTYPES[self.dtype])
 
   def _placed(self, params: nnx.State) -> nnx.State:
@@ -503,20 +568,23 @@ class GenerationEngine:
     if missing or len(given) != len(served):
       extra = sorted(set(given) - {path for path, _ in served})
       raise ValueError(f"parameters differ from the served model's: missing {missing[:3]}, unexpected {extra[:3]}")
+
     def put(var, value):
       target = var.get_value()  # (a bfloat16 weight: held as its bits by the sampler, which converts it)
       cast = jnp.asarray(value).astype(target.dtype)
       # Never an alias of the caller's buffers (the trainer donates its parameters to the next
       # step): a cast is a buffer of its own already; only a value taken as it is gets copied.
       return var.replace(jax.device_put(cast, target.sharding, may_alias=False if cast is value else None))
+
     return nnx.from_flat_state([(path, put(var, given[path].get_value())) for path, var in served])
 
   def release_weights(self) -> None:
     """Frees the served weights' device memory (colocated: while the trainer trains on the same
     devices); the next `update_weights` brings weights back, and until then a request fails."""
     with self._weights:
-      self.sampler.params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-                                         self.sampler.params)  # the engine's only references: freed with them
+      self.sampler.params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.sampler.params
+      )  # the engine's only references: freed with them
       self.released = True
 
   def _set_version(self, weight_version: str | None, message: str) -> str:
@@ -530,8 +598,7 @@ class GenerationEngine:
     quantised (`quantize`) and then cast, so the scales come from the checkpoint's values."""
     if self.quantize == "none":
       return state_from_hf_tensors(model, tensors)
-    f32 = nnx.state(abstract_model(self.config, dtype=DTYPES[self.dtype], param_dtype=jnp.float32),
-                    nnx.Param)
+    f32 = nnx.state(abstract_model(self.config, dtype=DTYPES[self.dtype], param_dtype=jnp.float32), nnx.Param)
     return quantize_params(state_from_hf_tensors(f32, tensors), self.quantize, dtype=DTYPES[self.dtype])
 
   def health_generate(self) -> None:
@@ -547,32 +614,58 @@ class GenerationEngine:
   # ---- info -------------------------------------------------------------------------------
   def model_info(self) -> dict:
     """`/model_info`, SGLang 0.5.23's keys."""
-    return {"model_path": self.model_path, "served_model_name": self.model_path,
-            "tokenizer_path": self.model_path, "is_generation": True,
-            "preferred_sampling_params": None, "weight_version": self.weight_version,
-            "load_format": "auto", "reasoning_parser": None, "tool_call_parser": None,
-            "disaggregation_mode": "null", "has_image_understanding": False,
-            "has_audio_understanding": False, "model_type": self.config.model_type,
-            "architectures": self.config.to_hf_dict()["architectures"]}
+    return {
+      "model_path": self.model_path,
+      "served_model_name": self.model_path,
+      "tokenizer_path": self.model_path,
+      "is_generation": True,
+      "preferred_sampling_params": None,
+      "weight_version": self.weight_version,
+      "load_format": "auto",
+      "reasoning_parser": None,
+      "tool_call_parser": None,
+      "disaggregation_mode": "null",
+      "has_image_understanding": False,
+      "has_audio_understanding": False,
+      "model_type": self.config.model_type,
+      "architectures": self.config.to_hf_dict()["architectures"],
+    }
 
   def server_info(self, host: str, port: int) -> dict:
     """`/server_info`: SGLang's contract fields and the server arguments clients compare."""
     context = self.config.max_position_embeddings
     return {
-        "model_path": self.model_path, "served_model_name": self.model_path,
-        "tokenizer_path": self.model_path, "max_context_length": context, "context_length": context,
-        "max_total_num_tokens": self.sampler.max_batch_size * context,
-        "max_running_requests": self.sampler.max_batch_size, "host": host, "port": port,
-        "dtype": self.dtype, "quantization": None if self.quantize == "none" else self.quantize,
-        "random_seed": self.seed, "load_format": "auto",
-        "weight_version": self.weight_version, "tp_size": 1, "dp_size": 1, "pp_size": 1,
-        "ep_size": 1, "nnodes": 1, "node_rank": 0, "skip_tokenizer_init": self.tokenizer is None,
-        "enable_deterministic_inference": True, "incremental_streaming_output": False,
-        "disaggregation_mode": "null", "internal_states": [self.internal_state()],
-        "sampling_mask_max_tokens": self.sampling_mask_max_tokens,
-        "enable_return_routed_experts": self.enable_return_routed_experts,
-        "arithmetic": self.arithmetic,  # `batch_invariant`: exact mode (contract §13); not an SGLang field
-        "version": protocol.PROTOCOL_VERSION, "frontend": "mis-jax"}
+      "model_path": self.model_path,
+      "served_model_name": self.model_path,
+      "tokenizer_path": self.model_path,
+      "max_context_length": context,
+      "context_length": context,
+      "max_total_num_tokens": self.sampler.max_batch_size * context,
+      "max_running_requests": self.sampler.max_batch_size,
+      "host": host,
+      "port": port,
+      "dtype": self.dtype,
+      "quantization": None if self.quantize == "none" else self.quantize,
+      "random_seed": self.seed,
+      "load_format": "auto",
+      "weight_version": self.weight_version,
+      "tp_size": 1,
+      "dp_size": 1,
+      "pp_size": 1,
+      "ep_size": 1,
+      "nnodes": 1,
+      "node_rank": 0,
+      "skip_tokenizer_init": self.tokenizer is None,
+      "enable_deterministic_inference": True,
+      "incremental_streaming_output": False,
+      "disaggregation_mode": "null",
+      "internal_states": [self.internal_state()],
+      "sampling_mask_max_tokens": self.sampling_mask_max_tokens,
+      "enable_return_routed_experts": self.enable_return_routed_experts,
+      "arithmetic": self.arithmetic,  # `batch_invariant`: exact mode (contract §13); not an SGLang field
+      "version": protocol.PROTOCOL_VERSION,
+      "frontend": "mis-jax",
+    }
 
 
 def _free_replaced() -> None:
@@ -606,9 +699,9 @@ class BucketSink:
   def _done(self, name: str, array: np.ndarray) -> None:
     self.tensors += 1
     if name.endswith(protocol.DELTA_INDEX_SUFFIX):
-      self._index = (name[:-len(protocol.DELTA_INDEX_SUFFIX)], array)
+      self._index = (name[: -len(protocol.DELTA_INDEX_SUFFIX)], array)
     elif name.endswith(protocol.DELTA_VALUES_SUFFIX):
-      target = name[:-len(protocol.DELTA_VALUES_SUFFIX)]
+      target = name[: -len(protocol.DELTA_VALUES_SUFFIX)]
       if self._index is None or self._index[0] != target:
         raise StageError(f"delta values of {target!r} without its indices just before them")
       self.stage.put_delta(target, self._index[1].astype(np.int64, copy=False), array)
@@ -638,6 +731,7 @@ class BucketSink:
       if fmt != protocol.WEIGHTS_FORMAT:
         raise StageError(f"bucket metadata format is {fmt!r}, expected {protocol.WEIGHTS_FORMAT!r}")
       self.stage.buckets.add(self.bucket)
+
     self._guarded(finish)
 
   def abandon(self) -> None:
@@ -650,12 +744,20 @@ def _engine_params(item: protocol.Item, context: int, routed_experts: bool = Fal
   s, prompt_len = item.sampling, len(item.input_ids)
   top_k = -1 if s.top_k is None or s.top_k >= protocol.TOP_K_ALL else s.top_k
   max_new = context - prompt_len if s.max_new_tokens is None else s.max_new_tokens
-  return SamplingOptions(temperature=float(s.temperature), top_p=float(s.top_p), top_k=top_k,
-                        min_p=float(s.min_p), max_new_tokens=max_new,
-                        stop_token_ids=tuple(s.stop_token_ids or ()), ignore_eos=bool(s.ignore_eos),
-                        n=1, seed=s.sampling_seed, sampling_mask=item.return_sampling_mask,
-                        routed_experts=routed_experts and item.return_routed_experts,
-                        top_logprobs_num=item.top_logprobs_num if item.return_logprob else 0)
+  return SamplingOptions(
+    temperature=float(s.temperature),
+    top_p=float(s.top_p),
+    top_k=top_k,
+    min_p=float(s.min_p),
+    max_new_tokens=max_new,
+    stop_token_ids=tuple(s.stop_token_ids or ()),
+    ignore_eos=bool(s.ignore_eos),
+    n=1,
+    seed=s.sampling_seed,
+    sampling_mask=item.return_sampling_mask,
+    routed_experts=routed_experts and item.return_routed_experts,
+    top_logprobs_num=item.top_logprobs_num if item.return_logprob else 0,
+  )
 
 
 def _load_tokenizer(path: str):
@@ -668,4 +770,3 @@ def _load_tokenizer(path: str):
   except ImportError:
     return None
   return Tokenizer.from_file(file)
-

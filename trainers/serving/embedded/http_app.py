@@ -22,8 +22,10 @@ from trainers.serving.embedded.generation import GenerationEngine, StageConflict
 # A bucket's bytes are handed to the stage (in a worker thread) in pieces of about this size.
 STAGE_FEED_BYTES = 8 << 20
 
-FLUSH_MESSAGE = ("Cache flushed.\nPlease check backend logs for more details. (When there are "
-                 "running or waiting requests, the operation will not be performed.)\n")
+FLUSH_MESSAGE = (
+  "Cache flushed.\nPlease check backend logs for more details. (When there are "
+  "running or waiting requests, the operation will not be performed.)\n"
+)
 
 
 class _BadBody(Exception):
@@ -69,8 +71,14 @@ async def _bug(request, exc):  # a bug costs one request, not the server
 
 
 # SGLang's status codes and error bodies, by exception.
-ERROR_HANDLERS = ((_BadBody, _bad_body), (RequestValidationError, _bad_body), (protocol.ContractError, _contract),
-                  (protocol.RequestError, _request_error), (StarletteHTTPException, _http), (Exception, _bug))
+ERROR_HANDLERS = (
+  (_BadBody, _bad_body),
+  (RequestValidationError, _bad_body),
+  (protocol.ContractError, _contract),
+  (protocol.RequestError, _request_error),
+  (StarletteHTTPException, _http),
+  (Exception, _bug),
+)
 
 
 class Routes:
@@ -83,8 +91,7 @@ class Routes:
   async def generate(self, request: Request):
     body = await _json_body(request, empty_ok=False)
     if not isinstance(body, dict):
-      raise _BadBody(f"Input should be a valid dictionary or object to extract fields from, "
-                     f"got {type(body).__name__}")
+      raise _BadBody(f"Input should be a valid dictionary or object to extract fields from, got {type(body).__name__}")
     job = self.engine.submit_body(body)
     return JSONResponse(await run_in_threadpool(self.engine.wait, job))
 
@@ -93,8 +100,7 @@ class Routes:
     if obj.abort_all_requests:
       self.engine.abort(abort_all=True)
     ok, message = await run_in_threadpool(self.engine.update_weights_from_disk, obj.model_path, obj.weight_version)
-    return JSONResponse({"success": ok, "message": message, "num_paused_requests": 0},
-                        status_code=200 if ok else 400)
+    return JSONResponse({"success": ok, "message": message, "num_paused_requests": 0}, status_code=200 if ok else 400)
 
   async def stage_weights(self, request: Request):
     """`protocol.WEIGHTS_STAGE_ROUTE`: one bucket, staged as its bytes arrive."""
@@ -103,8 +109,9 @@ class Routes:
     if not push or not bucket.isdigit():
       raise _BadBody(f"query needs push (a name) and bucket (an index), got push={push!r} bucket={bucket!r}")
     try:
-      sink = await run_in_threadpool(self.engine.stage_bucket, push=push, version=q.get("weight_version"),
-                                     bucket=int(bucket), base=q.get("base"))
+      sink = await run_in_threadpool(
+        self.engine.stage_bucket, push=push, version=q.get("weight_version"), bucket=int(bucket), base=q.get("base")
+      )
     except StageConflict as e:
       return JSONResponse(protocol.request_error_body(str(e)), status_code=409)
     except StageError as e:
@@ -114,6 +121,7 @@ class Routes:
     def feed(pieces):
       for piece in pieces:
         sink.feed(piece)
+
     try:
       async for chunk in request.stream():
         pending.append(chunk)
@@ -134,7 +142,11 @@ class Routes:
     """`protocol.WEIGHTS_COMMIT_ROUTE`: the staged push in place of the served weights (SGLang's
     update reply)."""
     body = await _json_body(request, empty_ok=False)
-    if not isinstance(body, dict) or not isinstance(body.get("push"), str) or not isinstance(body.get("num_buckets"), int):
+    if (
+      not isinstance(body, dict)
+      or not isinstance(body.get("push"), str)
+      or not isinstance(body.get("num_buckets"), int)
+    ):
       raise _BadBody("commit needs push (a string) and num_buckets (an integer)")
     version = body.get("weight_version")
     if version is not None and not isinstance(version, str):
@@ -197,28 +209,31 @@ class Routes:
 
 # (paths, methods, `Routes` method): SGLang 0.5.23's routes, their aliases, the read probe and
 # the streamed weights' routes.
-ROUTES = ((("/generate",), ("POST", "PUT"), "generate"),
-          (("/update_weights_from_disk",), ("POST",), "update_weights_from_disk"),
-          (("/get_model_info", "/model_info"), ("GET",), "model_info"),
-          (("/get_server_info", "/server_info"), ("GET",), "server_info"),
-          (("/weight_version", "/get_weight_version"), ("GET",), "weight_version"),
-          (("/flush_cache",), ("GET", "POST"), "flush_cache"),
-          (("/pause_generation",), ("POST",), "pause_generation"),
-          (("/continue_generation",), ("POST",), "continue_generation"),
-          (("/abort_request",), ("POST",), "abort_request"),
-          ((protocol.READ_PROBE_ROUTE,), ("POST",), "read_probe"),
-          ((protocol.WEIGHTS_STAGE_ROUTE,), ("POST",), "stage_weights"),
-          ((protocol.WEIGHTS_COMMIT_ROUTE,), ("POST",), "commit_weights"),
-          ((protocol.WEIGHTS_DISCARD_ROUTE,), ("POST",), "discard_weights"),
-          ((protocol.WEIGHTS_DIGEST_ROUTE,), ("GET",), "weights_digest"),
-          (("/health",), ("GET",), "health"),
-          (("/health_generate",), ("GET",), "health_generate"))
+ROUTES = (
+  (("/generate",), ("POST", "PUT"), "generate"),
+  (("/update_weights_from_disk",), ("POST",), "update_weights_from_disk"),
+  (("/get_model_info", "/model_info"), ("GET",), "model_info"),
+  (("/get_server_info", "/server_info"), ("GET",), "server_info"),
+  (("/weight_version", "/get_weight_version"), ("GET",), "weight_version"),
+  (("/flush_cache",), ("GET", "POST"), "flush_cache"),
+  (("/pause_generation",), ("POST",), "pause_generation"),
+  (("/continue_generation",), ("POST",), "continue_generation"),
+  (("/abort_request",), ("POST",), "abort_request"),
+  ((protocol.READ_PROBE_ROUTE,), ("POST",), "read_probe"),
+  ((protocol.WEIGHTS_STAGE_ROUTE,), ("POST",), "stage_weights"),
+  ((protocol.WEIGHTS_COMMIT_ROUTE,), ("POST",), "commit_weights"),
+  ((protocol.WEIGHTS_DISCARD_ROUTE,), ("POST",), "discard_weights"),
+  ((protocol.WEIGHTS_DIGEST_ROUTE,), ("GET",), "weights_digest"),
+  (("/health",), ("GET",), "health"),
+  (("/health_generate",), ("GET",), "health_generate"),
+)
 
 
 def create_app(engine: GenerationEngine, *, host: str = "127.0.0.1", port: int = 0) -> FastAPI:
   """The FastAPI app of `engine`: `ROUTES` over a `Routes`, SGLang's error bodies (`ERROR_HANDLERS`)."""
-  app = FastAPI(title="mis-jax serve", version=protocol.PROTOCOL_VERSION,
-                docs_url=None, redoc_url=None, openapi_url=None)
+  app = FastAPI(
+    title="mis-jax serve", version=protocol.PROTOCOL_VERSION, docs_url=None, redoc_url=None, openapi_url=None
+  )
   app.state.address = (host, port)
   for exc, handler in ERROR_HANDLERS:
     app.add_exception_handler(exc, handler)

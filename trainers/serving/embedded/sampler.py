@@ -96,8 +96,7 @@ class SamplingOptions:
     if not (isinstance(self.top_logprobs_num, int) and self.top_logprobs_num >= 0):
       raise ValueError(f"top_logprobs_num must be an int >= 0, got {self.top_logprobs_num!r}")
     if self.sampling_mask and self.top_k == -1 and self.temperature >= _GREEDY_BELOW:
-      raise ValueError("sampling_mask needs a finite top_k (or greedy sampling): the support "
-                       "width must be bounded")
+      raise ValueError("sampling_mask needs a finite top_k (or greedy sampling): the support width must be bounded")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +138,19 @@ def _log_probs(logits, temperature, invariant_sums: bool):
   return jax.nn.log_softmax(logits / temperature)
 
 
-def _sample(logits, key, temperature, top_p, top_k, min_p, *, mask_width: int = 0, top_width: int = 0,
-            filters: bool = True, invariant_sums: bool = False):
+def _sample(
+  logits,
+  key,
+  temperature,
+  top_p,
+  top_k,
+  min_p,
+  *,
+  mask_width: int = 0,
+  top_width: int = 0,
+  filters: bool = True,
+  invariant_sums: bool = False,
+):
   """`_filter_and_sample`, or with `filters` False (no row of the batch has top-p < 1, top-k, min-p,
   greedy decoding or a sampling mask: the support is the whole vocabulary) the same draw without
   sorting the vocabulary: `categorical(key, log_softmax(logits / T))`, and the `top_width` most
@@ -148,8 +158,17 @@ def _sample(logits, key, temperature, top_p, top_k, min_p, *, mask_width: int = 
   are those of `_filter_and_sample` (an all-kept support masks nothing). `invariant_sums`: the
   log-probs' sums in batch-invariant order (a model in `batch_invariant` arithmetic)."""
   if filters:
-    return _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, mask_width=mask_width,
-                              top_width=top_width, invariant_sums=invariant_sums)
+    return _filter_and_sample(
+      logits,
+      key,
+      temperature,
+      top_p,
+      top_k,
+      min_p,
+      mask_width=mask_width,
+      top_width=top_width,
+      invariant_sums=invariant_sums,
+    )
   logp = _log_probs(logits, temperature, invariant_sums)
   token = jax.random.categorical(key, logp)
   top = None
@@ -159,8 +178,18 @@ def _sample(logits, key, temperature, top_p, top_k, min_p, *, mask_width: int = 
   return token, logp[token], None, top
 
 
-def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, *, mask_width: int = 0, top_width: int = 0,
-                       invariant_sums: bool = False):
+def _filter_and_sample(
+  logits,
+  key,
+  temperature,
+  top_p,
+  top_k,
+  min_p,
+  *,
+  mask_width: int = 0,
+  top_width: int = 0,
+  invariant_sums: bool = False,
+):
   """One row: `logits [V]` float32 → `(token, log_softmax(logits / T)[token], support, top)`, with
   `support` `{ids [W], logprobs [W], size}` when `mask_width` > 0, else None, and `top`
   `{ids [k], logprobs [k]}` (the `top_width` most likely, full vocabulary) when `top_width` > 0.
@@ -180,9 +209,11 @@ def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, *, mask_wi
   sorted_logp = logp[order]
   sorted_p = jnp.exp(sorted_logp)
   rank = jnp.arange(vocab)
-  kept = ((jnp.cumsum(sorted_p) - sorted_p <= top_p)
-          & (rank < jnp.where(top_k > 0, top_k, vocab))
-          & (sorted_p >= min_p * sorted_p[0]))
+  kept = (
+    (jnp.cumsum(sorted_p) - sorted_p <= top_p)
+    & (rank < jnp.where(top_k > 0, top_k, vocab))
+    & (sorted_p >= min_p * sorted_p[0])
+  )
   size = jnp.sum(kept)  # each rule keeps a prefix, so the support is the first `size` ranks
   in_support = jnp.zeros((vocab,), bool).at[order].set(rank < size)
   masked = jnp.where(in_support, logp, -jnp.inf)
@@ -192,9 +223,11 @@ def _filter_and_sample(logits, key, temperature, top_p, top_k, min_p, *, mask_wi
     return token, logp[token], None, top
   first = rank[:mask_width] < size
   logsumexp = invariant.logsumexp if invariant_sums else jax.nn.logsumexp
-  support = {"ids": jnp.where(first, order[:mask_width], -1).astype(jnp.int32),
-             "logprobs": jnp.where(first, sorted_logp[:mask_width] - logsumexp(masked), 0.0),
-             "size": size.astype(jnp.int32)}
+  support = {
+    "ids": jnp.where(first, order[:mask_width], -1).astype(jnp.int32),
+    "logprobs": jnp.where(first, sorted_logp[:mask_width] - logsumexp(masked), 0.0),
+    "size": size.astype(jnp.int32),
+  }
   return token, logp[token], support, top
 
 
@@ -205,8 +238,20 @@ def _aligned_rows(x: jax.Array, start: jax.Array) -> jax.Array:
   return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def _prefill(graphdef, params, prompt_ids, start, temperature, max_new, *, num_steps: int,
-             prompt_logprobs: bool = False, mask_width: int = 0, routed_experts: bool = False, top_width: int = 0):
+def _prefill(
+  graphdef,
+  params,
+  prompt_ids,
+  start,
+  temperature,
+  max_new,
+  *,
+  num_steps: int,
+  prompt_logprobs: bool = False,
+  mask_width: int = 0,
+  routed_experts: bool = False,
+  top_width: int = 0,
+):
   """Rows `[B]`; `prompt_ids [B, P]` left-padded (row `b`'s prompt in slots `start[b]..P-1`, so
   every row's next token goes to slot `P`). One forward over the prompts into a cache of
   `P + num_steps` slots; returns the decoding state (`_decode` continues it) with empty outputs:
@@ -222,8 +267,9 @@ def _prefill(graphdef, params, prompt_ids, start, temperature, max_new, *, num_s
   routing = {"return_routing": True} if routed_experts else {}
   # Without prompt log-probs only the last slot's logits are needed (every row's last prompt token).
   last = None if prompt_logprobs else jnp.full((batch,), prompt_len - 1, jnp.int32)
-  all_logits, cache, *prompt_routes = model.decode(prompt_ids, cache, slot=jnp.int32(0), start=start,
-                                                   window=prompt_len, logits_at=last, **routing)
+  all_logits, cache, *prompt_routes = model.decode(
+    prompt_ids, cache, slot=jnp.int32(0), start=start, window=prompt_len, logits_at=last, **routing
+  )
   if prompt_logprobs and model.invariant:
     lp = invariant.temperature_log_softmax(all_logits.astype(jnp.float32), temperature)
   elif prompt_logprobs:
@@ -232,27 +278,54 @@ def _prefill(graphdef, params, prompt_ids, start, temperature, max_new, *, num_s
     prompt_lp = _aligned_rows(jnp.take_along_axis(lp, nxt[..., None], axis=-1)[..., 0], start)
   else:
     prompt_lp = jnp.zeros(prompt_ids.shape, jnp.float32)
-  out = {"output_ids": jnp.zeros((batch, num_steps), jnp.int32),
-         "logprobs": jnp.zeros((batch, num_steps), jnp.float32)}
+  out = {"output_ids": jnp.zeros((batch, num_steps), jnp.int32), "logprobs": jnp.zeros((batch, num_steps), jnp.float32)}
   if mask_width:
-    out.update(support=jnp.full((batch, num_steps, mask_width), -1, jnp.int32),
-               support_lp=jnp.zeros((batch, num_steps, mask_width), jnp.float32),
-               support_size=jnp.zeros((batch, num_steps), jnp.int32))
+    out.update(
+      support=jnp.full((batch, num_steps, mask_width), -1, jnp.int32),
+      support_lp=jnp.zeros((batch, num_steps, mask_width), jnp.float32),
+      support_size=jnp.zeros((batch, num_steps), jnp.int32),
+    )
   if top_width:
-    out.update(top_ids=jnp.zeros((batch, num_steps, top_width), jnp.int32),
-               top_lp=jnp.zeros((batch, num_steps, top_width), jnp.float32))
+    out.update(
+      top_ids=jnp.zeros((batch, num_steps, top_width), jnp.int32),
+      top_lp=jnp.zeros((batch, num_steps, top_width), jnp.float32),
+    )
   if routed_experts:
     cfg = model.config
     out["routes"] = jnp.zeros((batch, num_steps, cfg.num_hidden_layers, cfg.num_experts_per_tok), jnp.int32)
     out["prompt_routes"] = _aligned_rows(prompt_routes[0], start)
-  return {"step": jnp.int32(0), "logits": all_logits[:, -1], "cache": cache, "out": out,
-          "lengths": jnp.zeros((batch,), jnp.int32), "done": max_new <= 0, "stopped": jnp.zeros((batch,), bool),
-          "prompt_lp": prompt_lp}
+  return {
+    "step": jnp.int32(0),
+    "logits": all_logits[:, -1],
+    "cache": cache,
+    "out": out,
+    "lengths": jnp.zeros((batch,), jnp.int32),
+    "done": max_new <= 0,
+    "stopped": jnp.zeros((batch,), bool),
+    "prompt_lp": prompt_lp,
+  }
 
 
-def _decode(graphdef, params, state, start, row_seeds, temperature, top_p, top_k, min_p, max_new, stop_ids,
-            until, *, window: int, mask_width: int = 0, routed_experts: bool = False, top_width: int = 0,
-            filters: bool = True):
+def _decode(
+  graphdef,
+  params,
+  state,
+  start,
+  row_seeds,
+  temperature,
+  top_p,
+  top_k,
+  min_p,
+  max_new,
+  stop_ids,
+  until,
+  *,
+  window: int,
+  mask_width: int = 0,
+  routed_experts: bool = False,
+  top_width: int = 0,
+  filters: bool = True,
+):
   """Decodes from `state` (`_prefill`'s, or an earlier `_decode`'s) until every row has finished,
   the output is full, step `until` is reached or the next token would fall outside the cache's
   first `window` slots (static: attention reads only those); `row_seeds [B]` uint32. One
@@ -265,8 +338,11 @@ def _decode(graphdef, params, state, start, row_seeds, temperature, top_p, top_k
   last = min(num_steps, window - prompt_len)  # steps this window holds
   routing = {"return_routing": True} if routed_experts else {}
   keys = jax.vmap(jax.random.key)(row_seeds)
-  sample = jax.vmap(functools.partial(_sample, mask_width=mask_width, top_width=top_width, filters=filters,
-                                      invariant_sums=model.invariant))
+  sample = jax.vmap(
+    functools.partial(
+      _sample, mask_width=mask_width, top_width=top_width, filters=filters, invariant_sums=model.invariant
+    )
+  )
 
   def cond(st):
     return (st["step"] < jnp.minimum(until, last)) & ~jnp.all(st["done"])
@@ -278,22 +354,28 @@ def _decode(graphdef, params, state, start, row_seeds, temperature, top_p, top_k
     active = ~done
     new = {"output_ids": jnp.where(active, token, 0), "logprobs": jnp.where(active, lp, 0.0)}
     if mask_width:
-      new.update(support=jnp.where(active[:, None], support["ids"], -1),
-                 support_lp=jnp.where(active[:, None], support["logprobs"], 0.0),
-                 support_size=jnp.where(active, support["size"], 0))
+      new.update(
+        support=jnp.where(active[:, None], support["ids"], -1),
+        support_lp=jnp.where(active[:, None], support["logprobs"], 0.0),
+        support_size=jnp.where(active, support["size"], 0),
+      )
     if top_width:
-      new.update(top_ids=jnp.where(active[:, None], top["ids"], 0), top_lp=jnp.where(active[:, None], top["logprobs"], 0.0))
+      new.update(
+        top_ids=jnp.where(active[:, None], top["ids"], 0), top_lp=jnp.where(active[:, None], top["logprobs"], 0.0)
+      )
     out = dict(out, **{k: out[k].at[:, step].set(v) for k, v in new.items()})
     lengths = lengths + active.astype(jnp.int32)
     hit = active & jnp.any(token[:, None] == stop_ids, axis=-1)
     stopped = st["stopped"] | hit
     done = done | hit | (lengths >= max_new)
-    next_logits, cache, *routes = model.decode(token[:, None].astype(jnp.int32), st["cache"], slot=prompt_len + step,
-                                               start=start, window=window, **routing)
+    next_logits, cache, *routes = model.decode(
+      token[:, None].astype(jnp.int32), st["cache"], slot=prompt_len + step, start=start, window=window, **routing
+    )
     if routed_experts:
       out = dict(out, routes=out["routes"].at[:, step].set(routes[0][:, 0]))
-    return dict(st, step=step + 1, logits=next_logits[:, 0], cache=cache, out=out, lengths=lengths, done=done,
-                stopped=stopped)
+    return dict(
+      st, step=step + 1, logits=next_logits[:, 0], cache=cache, out=out, lengths=lengths, done=done, stopped=stopped
+    )
 
   return jax.lax.while_loop(cond, body, state)
 
@@ -306,8 +388,11 @@ def _take_rows(state, index):
   """The decoding state of rows `index [B']` only (continuous batching: finished rows leave)."""
   rows = lambda x: jnp.take(x, index, axis=0)
   cache = LayerCache(*(jnp.take(c, index, axis=1) for c in state["cache"]))  # [L, B, S, KV, D]
-  return {**jax.tree.map(rows, {k: v for k, v in state.items() if k not in ("step", "cache")}),
-          "step": state["step"], "cache": cache}
+  return {
+    **jax.tree.map(rows, {k: v for k, v in state.items() if k not in ("step", "cache")}),
+    "step": state["step"],
+    "cache": cache,
+  }
 
 
 def _window(filled: int, cache_len: int) -> int:
@@ -333,8 +418,9 @@ class Sampler:
     seed: seeds the generator that draws a seed for requests that bring none.
   """
 
-  def __init__(self, model: CausalLM, *, eos_token_ids: Sequence[int] | None = None,
-               max_batch_size: int = 64, seed: int = 0):
+  def __init__(
+    self, model: CausalLM, *, eos_token_ids: Sequence[int] | None = None, max_batch_size: int = 64, seed: int = 0
+  ):
     self.config = model.config
     self.graphdef, params = nnx.split(model)
     self.params = weight_bits(params)  # bfloat16 weights as their bits (`decoder.WEIGHT_BITS`: no float32 copy)
@@ -347,20 +433,27 @@ class Sampler:
     self._row_split = 1
     # A batch-invariant model's programs compile as its arithmetic requires (`invariant.COMPILER_OPTIONS`).
     options = {"compiler_options": invariant.COMPILER_OPTIONS} if model.invariant else {}
-    self._prefill = jax.jit(functools.partial(self._counted(_prefill), self.graphdef),
-                            static_argnames=("num_steps", "prompt_logprobs", "mask_width", "routed_experts",
-                                             "top_width"), **options)
+    self._prefill = jax.jit(
+      functools.partial(self._counted(_prefill), self.graphdef),
+      static_argnames=("num_steps", "prompt_logprobs", "mask_width", "routed_experts", "top_width"),
+      **options,
+    )
     # The state is donated: XLA updates the carried cache in place, with no copy even on entry.
-    self._decode = jax.jit(functools.partial(self._counted(_decode), self.graphdef),
-                           static_argnames=("window", "mask_width", "routed_experts", "top_width", "filters"),
-                           donate_argnums=(1,), **options)
+    self._decode = jax.jit(
+      functools.partial(self._counted(_decode), self.graphdef),
+      static_argnames=("window", "mask_width", "routed_experts", "top_width", "filters"),
+      donate_argnums=(1,),
+      **options,
+    )
     self._take_rows = jax.jit(self._counted(_take_rows), **options)
 
   def _counted(self, fn):
     """`fn`, counting its traces (each one a program built: `num_compiled`)."""
+
     def traced(*args, **kwargs):
       self._traces += 1
       return fn(*args, **kwargs)
+
     return traced
 
   def set_params(self, params: nnx.State) -> None:
@@ -395,8 +488,7 @@ class Sampler:
     if self.rows is None or arrays[0].shape[0] % self._row_split:
       return arrays
     spec = self.rows.spec
-    return tuple(jax.device_put(a, self.rows.update(spec=P(*spec, *([None] * (a.ndim - len(spec))))))
-                 for a in arrays)
+    return tuple(jax.device_put(a, self.rows.update(spec=P(*spec, *([None] * (a.ndim - len(spec)))))) for a in arrays)
 
   @property
   def num_compiled(self) -> int:
@@ -405,9 +497,15 @@ class Sampler:
     not depend on which cache serves a compiled program."""
     return self._traces
 
-  def generate(self, prompts: Sequence[Sequence[int]],
-               params: SamplingOptions | Sequence[SamplingOptions], *,
-               prompt_logprobs: bool = False, version: str = "", between=None) -> list[Completion]:
+  def generate(
+    self,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingOptions | Sequence[SamplingOptions],
+    *,
+    prompt_logprobs: bool = False,
+    version: str = "",
+    between=None,
+  ) -> list[Completion]:
     """Samples `params.n` completions per prompt; returns them prompt-major.
 
     A sample with seed `s` draws from key `fold_in(key(s), step)`, so a seeded request is
@@ -434,15 +532,17 @@ class Sampler:
       if min(prompt) < 0 or max(prompt) >= vocab:
         raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
       if len(prompt) + p.max_new_tokens > context:
-        raise ValueError(f"prompt {i}: {len(prompt)} prompt tokens + max_new_tokens "
-                         f"{p.max_new_tokens} exceed the context length {context}")
+        raise ValueError(
+          f"prompt {i}: {len(prompt)} prompt tokens + max_new_tokens "
+          f"{p.max_new_tokens} exceed the context length {context}"
+        )
       stop = () if p.ignore_eos else tuple(p.stop_token_ids) + self.eos_token_ids
       for j in range(p.n):
         seed = p.seed if p.seed is not None else int(self._rng.integers(0, 2**32))
         rows.append((i, j, prompt, p, seed % 2**32, stop))
     out, current = [], [self.params, version]  # weights and version, as `between` swaps them
     for start in range(0, len(rows), self.max_batch_size):
-      out += self._run(rows[start:start + self.max_batch_size], prompt_logprobs, current, between)
+      out += self._run(rows[start : start + self.max_batch_size], prompt_logprobs, current, between)
     return out
 
   def _run(self, rows, prompt_logprobs: bool, current: list, between) -> list[Completion]:
@@ -461,13 +561,13 @@ class Sampler:
     stop = np.full((batch, num_stop), -1, np.int32)
     for b, (i, j, prompt, p, seed, stop_ids) in enumerate(rows):
       start[b] = prompt_len - len(prompt)  # left-padded: every row's next token goes to slot prompt_len
-      ids[b, start[b]:] = prompt
+      ids[b, start[b] :] = prompt
       seeds[b] = seed
       greedy = p.temperature < _GREEDY_BELOW
       temp[b] = 1.0 if greedy else p.temperature
       top_k[b] = 1 if greedy else p.top_k
       top_p[b], min_p[b], max_new[b] = p.top_p, p.min_p, p.max_new_tokens
-      stop[b, :len(stop_ids)] = stop_ids
+      stop[b, : len(stop_ids)] = stop_ids
     masked = [b for b, r in enumerate(rows) if r[3].sampling_mask]
     # Greedy rows (top_k 1) and finite top-k bound the support; the width is bucketed, and never
     # past the vocabulary (top_k >= vocab is "every token", as in SGLang).
@@ -476,15 +576,27 @@ class Sampler:
     # Whether any row restricts its support (top-p, top-k, min-p, greedy, a sampling mask): else
     # the draw needs no sort of the vocabulary (`_sample`).
     filters = bool(mask_width or np.any(top_p < 1) or np.any(top_k > 0) or np.any(min_p > 0))
-    top_width = min(_bucket(max(r[3].top_logprobs_num for r in rows), 1), self.config.vocab_size) if any(
-        r[3].top_logprobs_num for r in rows) else 0
+    top_width = (
+      min(_bucket(max(r[3].top_logprobs_num for r in rows), 1), self.config.vocab_size)
+      if any(r[3].top_logprobs_num for r in rows)
+      else 0
+    )
     if routed and not self.config.is_moe:
       raise ValueError("routed experts were asked of a dense model")
     per_row = [start, seeds, temp, top_p, min_p, top_k, max_new, stop]
     ids, *placed = self._placed_rows(ids, *per_row)
-    state = self._prefill(current[0], ids, placed[0], placed[2], placed[6], num_steps=num_steps,
-                          prompt_logprobs=prompt_logprobs, mask_width=mask_width, routed_experts=routed,
-                          top_width=top_width)
+    state = self._prefill(
+      current[0],
+      ids,
+      placed[0],
+      placed[2],
+      placed[6],
+      num_steps=num_steps,
+      prompt_logprobs=prompt_logprobs,
+      mask_width=mask_width,
+      routed_experts=routed,
+      top_width=top_width,
+    )
     starts = [[(current[1], 0)] for _ in rows]  # per row: (version, first output token it generated)
     at = np.arange(batch)  # at[b]: the request row decoded in batch row b (continuous batching reorders)
     finished = {}  # request row -> its outputs, once it has left the batch
@@ -495,9 +607,24 @@ class Sampler:
       if between is not None:
         until = min(until, step + SEGMENT_STEPS - step % SEGMENT_STEPS)
       start_, seeds_, temp_, top_p_, min_p_, top_k_, max_new_, stop_ = placed
-      state = self._decode(current[0], state, start_, seeds_, temp_, top_p_, top_k_, min_p_, max_new_, stop_,
-                           np.int32(until), window=window, mask_width=mask_width, routed_experts=routed,
-                           top_width=top_width, filters=filters)
+      state = self._decode(
+        current[0],
+        state,
+        start_,
+        seeds_,
+        temp_,
+        top_p_,
+        top_k_,
+        min_p_,
+        max_new_,
+        stop_,
+        np.int32(until),
+        window=window,
+        mask_width=mask_width,
+        routed_experts=routed,
+        top_width=top_width,
+        filters=filters,
+      )
       step = until
       if step >= num_steps:
         break
@@ -537,24 +664,39 @@ class Sampler:
         sizes = row["support_size"][:n]
         masks = [row["support"][t, :k].tolist() for t, k in enumerate(sizes)]
         support_lps = [row["support_lp"][t, :k].tolist() for t, k in enumerate(sizes)]
-        extra = dict(sampling_mask=masks, sampling_mask_logprobs=support_lps,  # the token's is its behaviour log-prob
-                     sampling_logprobs=[lps[m.index(tok)] for tok, m, lps in zip(out_ids.tolist(), masks, support_lps)])
+        extra = dict(
+          sampling_mask=masks,
+          sampling_mask_logprobs=support_lps,  # the token's is its behaviour log-prob
+          sampling_logprobs=[lps[m.index(tok)] for tok, m, lps in zip(out_ids.tolist(), masks, support_lps)],
+        )
       if p.top_logprobs_num:
         k = min(p.top_logprobs_num, self.config.vocab_size)
-        extra["top_logprobs"] = [list(zip(lps[:k].tolist(), ids[:k].tolist()))
-                                 for lps, ids in zip(row["top_lp"][:n], row["top_ids"][:n])]
+        extra["top_logprobs"] = [
+          list(zip(lps[:k].tolist(), ids[:k].tolist())) for lps, ids in zip(row["top_lp"][:n], row["top_ids"][:n])
+        ]
       if p.routed_experts:  # positions 0 .. len(prompt) + n - 2: the prompt's, then the fed tokens'
-        seq = np.concatenate([row["prompt_routes"][:len(prompt)], row["routes"][:n]])
-        extra["routed_experts"] = seq[:len(prompt) + n - 1]
+        seq = np.concatenate([row["prompt_routes"][: len(prompt)], row["routes"][:n]])
+        extra["routed_experts"] = seq[: len(prompt) + n - 1]
       versions = [(v, k) for v, k in starts[b] if k < n] or starts[b][:1]  # switches after its last token: none
-      completions.append(Completion(
-          i, j, len(prompt), out_ids.tolist(), row["logprobs"][:n].tolist(), finish,
-          row["prompt_lp"][:len(prompt) - 1].tolist() if prompt_logprobs else None, versions=versions, **extra))
+      completions.append(
+        Completion(
+          i,
+          j,
+          len(prompt),
+          out_ids.tolist(),
+          row["logprobs"][:n].tolist(),
+          finish,
+          row["prompt_lp"][: len(prompt) - 1].tolist() if prompt_logprobs else None,
+          versions=versions,
+          **extra,
+        )
+      )
     return completions
 
   @staticmethod
   def _outputs(state, at: np.ndarray, rows: np.ndarray) -> dict[int, dict[str, np.ndarray]]:
     """The outputs of batch rows `rows` (a mask) on the host, by request row (`at`)."""
-    host = jax.device_get({**state["out"], "lengths": state["lengths"], "stopped": state["stopped"],
-                           "prompt_lp": state["prompt_lp"]})
+    host = jax.device_get(
+      {**state["out"], "lengths": state["lengths"], "stopped": state["stopped"], "prompt_lp": state["prompt_lp"]}
+    )
     return {int(r): {k: v[b] for k, v in host.items()} for b, r in enumerate(at) if rows[b]}

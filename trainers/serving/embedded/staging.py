@@ -44,7 +44,7 @@ def transpose_into(dst: np.ndarray, src: np.ndarray, tile: int = TRANSPOSE_TILE)
   rows, cols = src.shape
   for i in range(0, rows, tile):
     for j in range(0, cols, tile):
-      dst[j:j + tile, i:i + tile] = src[i:i + tile, j:j + tile].T
+      dst[j : j + tile, i : i + tile] = src[i : i + tile, j : j + tile].T
 
 
 class StageError(ValueError):
@@ -60,8 +60,17 @@ class WeightStage:
   delta is relative to (None: every tensor comes whole).
   """
 
-  def __init__(self, served: nnx.State, logical: nnx.State, config: ModelConfig, *, version: str | None = None,
-               push: str | None = None, base: str | None = None, raw: bool = False):
+  def __init__(
+    self,
+    served: nnx.State,
+    logical: nnx.State,
+    config: ModelConfig,
+    *,
+    version: str | None = None,
+    push: str | None = None,
+    base: str | None = None,
+    raw: bool = False,
+  ):
     self.version, self.push, self.base, self.raw = version, push, base, raw
     self.logical, self.graphdef = logical, None  # (the engine's graph, for a raw stage's conversion)
     self.slots = hf_io.hf_slots(logical, config)
@@ -164,7 +173,9 @@ class WeightStage:
     self._scratch.clear()
     missing = self.missing()
     if missing:
-      raise StageError(f"{len(missing)} tensors never arrived: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+      raise StageError(
+        f"{len(missing)} tensors never arrived: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+      )
     out = []
     for path, var in self._served.items():
       served = var.get_value()

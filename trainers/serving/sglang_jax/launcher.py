@@ -40,12 +40,21 @@ ROUTES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "routes.py")
 # --enable-deterministic-sampling; precompilation and warm-up compile shapes a CPU run never
 # uses; the native attention backend is the one that runs on CPU.
 CPU_DEFAULTS = {
-    "--device": "cpu", "--attention-backend": "native", "--grammar-backend": "none", "--random-seed": "0",
-    "--max-total-tokens": "4096", "--max-running-requests": "64", "--mem-fraction-static": "0.05",
-    "--watchdog-timeout": "3600",  # its default 300 s: a CPU's first compile of a 28-layer model takes longer
+  "--device": "cpu",
+  "--attention-backend": "native",
+  "--grammar-backend": "none",
+  "--random-seed": "0",
+  "--max-total-tokens": "4096",
+  "--max-running-requests": "64",
+  "--mem-fraction-static": "0.05",
+  "--watchdog-timeout": "3600",  # its default 300 s: a CPU's first compile of a 28-layer model takes longer
 }
-CPU_SWITCHES = ("--disable-precompile", "--skip-server-warmup", "--disable-overlap-schedule",
-                "--enable-deterministic-sampling")
+CPU_SWITCHES = (
+  "--disable-precompile",
+  "--skip-server-warmup",
+  "--disable-overlap-schedule",
+  "--enable-deterministic-sampling",
+)
 
 
 class EngineUnavailable(RuntimeError):
@@ -62,8 +71,12 @@ def venv_dir() -> str:
 
 def _runs(python: str) -> bool:
   try:
-    return subprocess.run([python, "-c", "import sys; assert sys.version_info >= (3, 12)"],
-                          capture_output=True, timeout=60).returncode == 0
+    return (
+      subprocess.run(
+        [python, "-c", "import sys; assert sys.version_info >= (3, 12)"], capture_output=True, timeout=60
+      ).returncode
+      == 0
+    )
   except (OSError, subprocess.TimeoutExpired):
     return False
 
@@ -98,22 +111,28 @@ def venv_python(*, install: bool = True, extra: tuple[str, ...] = ()) -> str:
   modules = ["sgl_jax"] + [_module_of(r) for r in extra]
 
   def ok():
-    return os.path.exists(python) and subprocess.run(
-        [python, "-c", "import " + ", ".join(modules)], capture_output=True).returncode == 0
+    return (
+      os.path.exists(python)
+      and subprocess.run([python, "-c", "import " + ", ".join(modules)], capture_output=True).returncode == 0
+    )
+
   os.makedirs(cache_dir(), exist_ok=True)
   with open(os.path.join(cache_dir(), ".sglang-jax.lock"), "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if ok():
       return python
     if not install:
-      raise EngineUnavailable(f"no sglang-jax venv at {venv} (run `mis-jax serve --engine sglang-jax` once to "
-                              f"create it, or set MIS_JAX_SGLANG_JAX_VENV)")
+      raise EngineUnavailable(
+        f"no sglang-jax venv at {venv} (run `mis-jax serve --engine sglang-jax` once to "
+        f"create it, or set MIS_JAX_SGLANG_JAX_VENV)"
+      )
     steps = [[python, "-m", "pip", "install", "-q", PIN, *extra]]
     if not os.path.exists(python):
       base, tried = find_python312()
       if base is None:
-        raise EngineUnavailable(f"sglang-jax needs Python >= 3.12; none runs here (tried {tried or 'nothing'}; "
-                                "set MIS_JAX_PYTHON312 to one)")
+        raise EngineUnavailable(
+          f"sglang-jax needs Python >= 3.12; none runs here (tried {tried or 'nothing'}; set MIS_JAX_PYTHON312 to one)"
+        )
       steps[:0] = [[base, "-m", "venv", venv], [python, "-m", "pip", "install", "-q", "--upgrade", "pip"]]
     for cmd in steps:
       print(f"mis-jax serve: {' '.join(cmd)}", file=sys.stderr, flush=True)
@@ -128,16 +147,20 @@ def venv_python(*, install: bool = True, extra: tuple[str, ...] = ()) -> str:
 def _module_of(requirement: str) -> str:
   name = requirement.split("[")[0].split("=")[0].split("<")[0].split(">")[0].strip()
   return {"google-tunix": "tunix", "orbax-checkpoint": "orbax.checkpoint", "pyyaml": "yaml"}.get(
-      name, name.replace("-", "_"))
+    name, name.replace("-", "_")
+  )
 
 
 def has_tokenizer(model_path: str) -> bool:
-  return any(os.path.isfile(os.path.join(model_path, f)) for f in ("tokenizer.json", "tokenizer_config.json",
-                                                                    "tokenizer.model", "vocab.json"))
+  return any(
+    os.path.isfile(os.path.join(model_path, f))
+    for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+  )
 
 
-def engine_args(model_path: str, *, dtype: str = "float32", enable_return_routed_experts: bool = False,
-                extra: tuple[str, ...] = ()) -> list[str]:
+def engine_args(
+  model_path: str, *, dtype: str = "float32", enable_return_routed_experts: bool = False, extra: tuple[str, ...] = ()
+) -> list[str]:
   """sglang-jax's flags: the CPU defaults unless `extra` sets the flag itself;
   `--skip-tokenizer-init` for a checkpoint without a tokenizer (then `input_ids` only)."""
   given = {a.split("=")[0] for a in extra if a.startswith("--")}
@@ -153,12 +176,29 @@ def engine_args(model_path: str, *, dtype: str = "float32", enable_return_routed
   return [*args, *extra]
 
 
-def command(python: str, model_path: str, *, port: int, dtype: str = "float32", weight_version: str = "default",
-            enable_return_routed_experts: bool = False, extra: tuple[str, ...] = ()) -> list[str]:
+def command(
+  python: str,
+  model_path: str,
+  *,
+  port: int,
+  dtype: str = "float32",
+  weight_version: str = "default",
+  enable_return_routed_experts: bool = False,
+  extra: tuple[str, ...] = (),
+) -> list[str]:
   """The command line of sglang-jax's HTTP server with our routes (`engine_args`' flags)."""
-  return [python, "-P", ROUTES, "--weight-version", weight_version, "--host", "127.0.0.1", "--port", str(port),
-          *engine_args(model_path, dtype=dtype, enable_return_routed_experts=enable_return_routed_experts,
-                       extra=extra)]
+  return [
+    python,
+    "-P",
+    ROUTES,
+    "--weight-version",
+    weight_version,
+    "--host",
+    "127.0.0.1",
+    "--port",
+    str(port),
+    *engine_args(model_path, dtype=dtype, enable_return_routed_experts=enable_return_routed_experts, extra=extra),
+  ]
 
 
 def engine_env() -> dict:
@@ -182,20 +222,43 @@ class SGLangJaxServer:
   `log_path`: where its output goes (else kept in memory, the last lines shown on failure).
   """
 
-  def __init__(self, model_path: str, *, port: int = 0, dtype: str = "float32", weight_version: str = "default",
-               enable_return_routed_experts: bool = False, extra: tuple[str, ...] = (), timeout: float = 300.0,
-               log_path: str | None = None, python: str | None = None, echo: bool = False):
+  def __init__(
+    self,
+    model_path: str,
+    *,
+    port: int = 0,
+    dtype: str = "float32",
+    weight_version: str = "default",
+    enable_return_routed_experts: bool = False,
+    extra: tuple[str, ...] = (),
+    timeout: float = 300.0,
+    log_path: str | None = None,
+    python: str | None = None,
+    echo: bool = False,
+  ):
     python = python or venv_python()
     self.port = port or free_port()
     self.url = f"http://127.0.0.1:{self.port}"
-    self.command = command(python, os.path.abspath(model_path), port=self.port, dtype=dtype,
-                           weight_version=weight_version,
-                           enable_return_routed_experts=enable_return_routed_experts, extra=extra)
+    self.command = command(
+      python,
+      os.path.abspath(model_path),
+      port=self.port,
+      dtype=dtype,
+      weight_version=weight_version,
+      enable_return_routed_experts=enable_return_routed_experts,
+      extra=extra,
+    )
     self.log: collections.deque[str] = collections.deque(maxlen=200)
     self._echo = echo
     self._log_file = open(log_path, "w") if log_path else None  # noqa: SIM115 - closed in close()
-    self.process = subprocess.Popen(self.command, env=engine_env(), stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    self.process = subprocess.Popen(
+      self.command,
+      env=engine_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      start_new_session=True,
+    )
     threading.Thread(target=self._drain, daemon=True).start()
     try:
       self._wait_healthy(timeout)
@@ -263,9 +326,15 @@ def serve(args, extra: tuple[str, ...]) -> int:
         print(f"mis-jax serve: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
         return 2
   try:
-    server = SGLangJaxServer(args.model_path, port=args.port, dtype=args.dtype, weight_version=args.weight_version,
-                             enable_return_routed_experts=args.enable_return_routed_experts, extra=extra,
-                             echo=args.verbose)
+    server = SGLangJaxServer(
+      args.model_path,
+      port=args.port,
+      dtype=args.dtype,
+      weight_version=args.weight_version,
+      enable_return_routed_experts=args.enable_return_routed_experts,
+      extra=extra,
+      echo=args.verbose,
+    )
   except EngineUnavailable as e:
     print(f"mis-jax serve: --engine sglang-jax: {e}", file=sys.stderr)
     return 2
@@ -273,12 +342,16 @@ def serve(args, extra: tuple[str, ...]) -> int:
     print(f"mis-jax serve: --engine sglang-jax did not start: {e}", file=sys.stderr)
     return 1
   with server:
-    print(f"mis-jax serve: sglang-jax {VERSION} serving {os.path.abspath(args.model_path)} ({args.dtype}, "
-          f"single process, weight version {args.weight_version!r}) on {server.url}", flush=True)
+    print(
+      f"mis-jax serve: sglang-jax {VERSION} serving {os.path.abspath(args.model_path)} ({args.dtype}, "
+      f"single process, weight version {args.weight_version!r}) on {server.url}",
+      flush=True,
+    )
     while not stop.wait(0.5):
       if server.process.poll() is not None:
-        print(f"mis-jax serve: sglang-jax exited with {server.process.returncode}:\n" + "".join(server.log),
-              file=sys.stderr)
+        print(
+          f"mis-jax serve: sglang-jax exited with {server.process.returncode}:\n" + "".join(server.log), file=sys.stderr
+        )
         return 1
   return 0
 
@@ -290,11 +363,13 @@ def trainer_requirements() -> tuple[str, ...]:
   """What `mis-jax train` needs beside sglang-jax (colocated rollouts run the trainer in its venv):
   this package's own requirements and its `train` extra, as installed here."""
   import importlib.metadata
+
   try:
     requires = importlib.metadata.requires("mis_jax") or []
   except importlib.metadata.PackageNotFoundError as e:
-    raise EngineUnavailable("mis_jax is not installed here (`make venv`): its requirements are read from its "
-                            "metadata") from e
+    raise EngineUnavailable(
+      "mis_jax is not installed here (`make venv`): its requirements are read from its metadata"
+    ) from e
   return tuple(r.split(";")[0].strip() for r in requires if ";" not in r or 'extra == "train"' in r)
 
 
@@ -303,11 +378,15 @@ def main(argv: list[str] | None = None) -> int:
   venv when missing (with tunix 0.1.7, and with the trainer's requirements, when asked), prints its
   interpreter; `make test` runs it first."""
   import argparse
+
   parser = argparse.ArgumentParser(prog="python -m trainers.serving.sglang_jax", description=main.__doc__)
   parser.add_argument("--prepare", action="store_true", required=True)
   parser.add_argument("--tunix", action="store_true", help=f"also {TUNIX} (the tunix + sglang-jax path)")
-  parser.add_argument("--trainer", action="store_true",
-                      help="also what `mis-jax train` needs (rollout.placement.mode colocated with rollout.placement.engine sglang-jax)")
+  parser.add_argument(
+    "--trainer",
+    action="store_true",
+    help="also what `mis-jax train` needs (rollout.placement.mode colocated with rollout.placement.engine sglang-jax)",
+  )
   args = parser.parse_args(argv)
   try:
     print(venv_python(extra=((TUNIX,) if args.tunix else ()) + (trainer_requirements() if args.trainer else ())))

@@ -54,16 +54,28 @@ import time
 logger = logging.getLogger("mis_jax.sglang_jax.routes")
 
 # config.json keys whose change would make a checkpoint another model than the one served.
-_SAME_MODEL_KEYS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "tie_word_embeddings",
-                    "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+_SAME_MODEL_KEYS = (
+  "model_type",
+  "hidden_size",
+  "num_hidden_layers",
+  "num_attention_heads",
+  "num_key_value_heads",
+  "head_dim",
+  "intermediate_size",
+  "vocab_size",
+  "tie_word_embeddings",
+  "num_experts",
+  "num_experts_per_tok",
+  "moe_intermediate_size",
+)
 
 
 RETRACT_REFUSED = (
-    "pause_generation mode 'retract' is refused here: sglang-jax 0.1.0rc0 drops the requests of a prefill batch "
-    "that has run but is not yet merged into its running batch (Scheduler.pause_generation resets last_batch), so "
-    "those requests never finish. Use mode 'in_place' (requests keep running across a weight update, their "
-    "weight_versions spans record the switch) or 'abort' (rollout.sync.pause_mode in the trainer)")
+  "pause_generation mode 'retract' is refused here: sglang-jax 0.1.0rc0 drops the requests of a prefill batch "
+  "that has run but is not yet merged into its running batch (Scheduler.pause_generation resets last_batch), so "
+  "those requests never finish. Use mode 'in_place' (requests keep running across a weight update, their "
+  "weight_versions spans record the switch) or 'abort' (rollout.sync.pause_mode in the trainer)"
+)
 
 
 # Appended to every request's prefix-cache key (SGLang's `extra_key`): the weights' epoch.
@@ -82,19 +94,26 @@ def _read_bucket(raw: bytes) -> tuple[dict, dict]:
   import ml_dtypes
   import numpy as np
 
-  dtypes = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64,
-            "U32": np.uint32, "I32": np.int32, "I64": np.int64}
+  dtypes = {
+    "BF16": ml_dtypes.bfloat16,
+    "F16": np.float16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "U32": np.uint32,
+    "I32": np.int32,
+    "I64": np.int64,
+  }
   if len(raw) < 8:
     raise ValueError(f"{len(raw)} bytes: not a safetensors stream")
   n = int.from_bytes(raw[:8], "little")
   if n > len(raw) - 8:
     raise ValueError(f"a header of {n} bytes in a body of {len(raw)}")
   try:
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise ValueError(f"safetensors header is not JSON: {e}") from None
   meta = header.pop("__metadata__", None) or {}
-  data, tensors, end = memoryview(raw)[8 + n:], {}, 0
+  data, tensors, end = memoryview(raw)[8 + n :], {}, 0
   for name, e in header.items():
     try:
       dtype = dtypes[e["dtype"]]
@@ -117,8 +136,13 @@ def _check_extra_key(obj) -> None:
   if not isinstance(key, list) or not all(isinstance(k, str) for k in key):
     raise ValueError(f"extra_key: a string or a list of strings, got {type(key).__name__}")
   ids, text = obj.input_ids, obj.text
-  batch = (len(ids) if isinstance(ids, list) and ids and isinstance(ids[0], list) else
-           len(text) if isinstance(text, list) else 1)
+  batch = (
+    len(ids)
+    if isinstance(ids, list) and ids and isinstance(ids[0], list)
+    else len(text)
+    if isinstance(text, list)
+    else 1
+  )
   if len(key) != batch:
     raise ValueError(f"extra_key has {len(key)} entries for a batch of {batch} prompts")
 
@@ -127,6 +151,7 @@ def _carry_extra_key() -> None:
   """sglang-jax 0.1.0rc0's `GenerateReqInput.__getitem__` (how a batch becomes requests) drops
   `extra_key`: each request gets its own (a list indexed by prompt, a string shared)."""
   from sgl_jax.srt.managers.io_struct import GenerateReqInput
+
   split = GenerateReqInput.__getitem__
   if getattr(split, "carries_extra_key", False):
     return
@@ -135,6 +160,7 @@ def _carry_extra_key() -> None:
     item, key = split(self, i), self.extra_key
     item.extra_key = key[i % len(key)] if isinstance(key, list) else key  # n > 1: prompts repeat n times
     return item
+
   getitem.carries_extra_key = True
   GenerateReqInput.__getitem__ = getitem
 
@@ -150,7 +176,7 @@ def _trim_logprobs(item: dict, meta: dict) -> None:
   ids, lps = item.get("output_ids"), meta.get("output_token_logprobs")
   if not isinstance(ids, list) or not isinstance(lps, list) or len(lps) <= len(ids) or not ids:
     return
-  tail = lps[-len(ids):]
+  tail = lps[-len(ids) :]
   if all(isinstance(e, (list, tuple)) and len(e) > 1 and e[1] == t for e, t in zip(tail, ids)):
     meta["output_token_logprobs"] = tail
 
@@ -186,8 +212,13 @@ def _assign(loader, mappings: dict, tensors: dict) -> None:
       if mapping.repeat is not None:
         w = jnp.repeat(w, mapping.repeat[1], axis=mapping.repeat[0])
       param = loader._get_param(params, mapping.target_path[0])  # noqa: SLF001 - its loader's own lookup
-      param.value = loader._shard_weight(w, mapping.sharding, _expert_mesh(loader)  # noqa: SLF001
-                                         if "expert" in mapping.sharding else None).astype(param.value.dtype)
+      param.value = loader._shard_weight(
+        w,
+        mapping.sharding,
+        _expert_mesh(loader)  # noqa: SLF001
+        if "expert" in mapping.sharding
+        else None,
+      ).astype(param.value.dtype)
       used.update(names)
     elif key in tensors:
       loader._process_and_assign_weight(params, key, jnp.asarray(tensors[key]), mapping)  # noqa: SLF001
@@ -204,6 +235,7 @@ def _assign(loader, mappings: dict, tensors: dict) -> None:
 def _placeholder(leaf) -> bool:
   """A served state leaf that holds no weights (sglang-jax keeps some as shapes or empty arrays)."""
   import jax
+
   return isinstance(leaf, jax.ShapeDtypeStruct) or leaf.shape == (0,)
 
 
@@ -211,11 +243,13 @@ def _expert_mesh(loader):
   """The (expert, tensor) mesh sglang-jax's loader places stacked experts on: the served mesh's
   devices, `ep_size` experts groups."""
   import jax
+
   mesh = loader.mesh
   ep = getattr(loader.model_config.hf_config, "ep_size", 1)
   tp = mesh.shape.get("data", 1) * mesh.shape.get("tensor", 1) // ep
-  return jax.sharding.Mesh(mesh.devices.flatten().reshape(ep, tp), ("expert", "tensor"),
-                           axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  return jax.sharding.Mesh(
+    mesh.devices.flatten().reshape(ep, tp), ("expert", "tensor"), axis_types=(jax.sharding.AxisType.Explicit,) * 2
+  )
 
 
 class _Gate:
@@ -298,6 +332,7 @@ class WeightUpdates:
           for item in out if isinstance(out, list) else [out]:
             self._stamp(item)
           yield out
+
     tokenizer_manager.generate_request = generate_request
 
   def _wrap_scheduler(self, scheduler) -> None:
@@ -324,6 +359,7 @@ class WeightUpdates:
       for job in later:
         self._jobs.put(job)
       return out
+
     scheduler.process_input_requests = process_input_requests  # read by the loop every iteration
 
   @property
@@ -367,8 +403,7 @@ class WeightUpdates:
     for d in (new, served):
       if "num_local_experts" in d and "num_experts" not in d:
         d["num_experts"] = d["num_local_experts"]
-    diff = [f"{k} {new.get(k)!r} (served: {served.get(k)!r})" for k in _SAME_MODEL_KEYS
-            if new.get(k) != served.get(k)]
+    diff = [f"{k} {new.get(k)!r} (served: {served.get(k)!r})" for k in _SAME_MODEL_KEYS if new.get(k) != served.get(k)]
     if new.get("architectures") != served.get("architectures"):
       diff.insert(0, f"architectures {new.get('architectures')!r} (served: {served.get('architectures')!r})")
     if diff:
@@ -385,8 +420,10 @@ class WeightUpdates:
     model_config.model_path = path
     with self._loading:
       leaves = self._checked(runner.model_loader.load_model(model_config=model_config), repr(path))
-    out = [old if new is None else new if new.sharding == old.sharding else jax.device_put(new, old.sharding)
-           for new, old in zip(leaves, runner.model_state_leaves)]
+    out = [
+      old if new is None else new if new.sharding == old.sharding else jax.device_put(new, old.sharding)
+      for new, old in zip(leaves, runner.model_state_leaves)
+    ]
     return jax.block_until_ready(out)
 
   def _load_tensors(self, tensors: dict) -> list:
@@ -402,8 +439,10 @@ class WeightUpdates:
 
     runner = self.model_runner
     if getattr(runner.model_config, "quantization_config", None) is not None:
-      raise ValueError("the served model is quantised: weights are taken in memory only for an unquantised model "
-                       "(use /update_weights_from_disk)")
+      raise ValueError(
+        "the served model is quantised: weights are taken in memory only for an unquantised model "
+        "(use /update_weights_from_disk)"
+      )
     served = runner.model_state_leaves
     if self._transfer is None:
       placed = [i for i, old in enumerate(served) if not _placeholder(old)]
@@ -443,6 +482,7 @@ class WeightUpdates:
         loader_class.load_weights_from_safetensors = read_files
       leaves = self._checked(model, "the given tensors")
       return [jnp.copy(leaves[i]) for i in placed]
+
     return transfer
 
   def _abstract_model(self):
@@ -507,6 +547,7 @@ class WeightUpdates:
       cache = scheduler.tree_cache
       if cache is not None and not getattr(cache, "disable", False):
         from sgl_jax.srt.mem_cache.base_prefix_cache import EvictParams
+
         cache.evict(EvictParams(num_tokens=1 << 62, dp_rank=0))
       return f" {running} requests paused in place keep their cache; the rest of the prefix cache was evicted."
     # Requests retracted by pause_generation hold no KV (they are prefilled again): set them
@@ -568,6 +609,7 @@ class WeightUpdates:
         except BaseException as e:  # noqa: BLE001 - reported to the request
           done.set_exception(e)
         return True
+
       self._jobs.put(job)
       note = await asyncio.wrap_future(done)
     if tensors is None:
@@ -586,8 +628,10 @@ class WeightUpdates:
     if not push or not bucket.isdigit():
       return 400, _error_body(f"query needs push (a name) and bucket (an index), got {push!r}, {bucket!r}")
     if query.get("base") is not None:
-      return 409, _error_body(f"a delta relative to push {query['base']!r} cannot be applied: the sglang-jax launcher "
-                              f"keeps no copy of the pushed tensors; send the weights whole")
+      return 409, _error_body(
+        f"a delta relative to push {query['base']!r} cannot be applied: the sglang-jax launcher "
+        f"keeps no copy of the pushed tensors; send the weights whole"
+      )
     staging = self._staging
     if staging is None or staging["push"] != push:
       staging = self._staging = {"push": push, "version": query.get("weight_version"), "tensors": {}, "buckets": set()}
@@ -611,11 +655,18 @@ class WeightUpdates:
     if staging is None or staging["push"] != push:
       return False, f"no weights staged for push {push!r}"
     if staging["buckets"] != set(range(count if isinstance(count, int) else -1)) or staging["version"] != version:
-      return False, (f"push {push!r} cannot be committed as weight_version {version!r} of {count} buckets: staged "
-                     f"{staging['version']!r}, buckets {sorted(staging['buckets'])[:8]}")
-    ok, message, _ = await self.update({"weight_version": version, "flush_cache": body.get("flush_cache", True),
-                                        "abort_all_requests": body.get("abort_all_requests", False)},
-                                       tensors=staging["tensors"])
+      return False, (
+        f"push {push!r} cannot be committed as weight_version {version!r} of {count} buckets: staged "
+        f"{staging['version']!r}, buckets {sorted(staging['buckets'])[:8]}"
+      )
+    ok, message, _ = await self.update(
+      {
+        "weight_version": version,
+        "flush_cache": body.get("flush_cache", True),
+        "abort_all_requests": body.get("abort_all_requests", False),
+      },
+      tensors=staging["tensors"],
+    )
     return ok, message
 
   def model_info(self) -> dict:
@@ -623,18 +674,26 @@ class WeightUpdates:
     tm = self.tokenizer_manager
     args = tm.server_args
     hf = self.model_runner.model_config.hf_config
-    return {"model_path": tm.model_path, "tokenizer_path": args.tokenizer_path,
-            "served_model_name": getattr(args, "served_model_name", None) or tm.model_path,
-            "is_generation": tm.is_generation, "preferred_sampling_params": args.preferred_sampling_params,
-            "weight_version": self.weight_version, "load_format": args.load_format,
-            "has_image_understanding": False, "has_audio_understanding": False,
-            "model_type": getattr(hf, "model_type", None), "architectures": getattr(hf, "architectures", None)}
+    return {
+      "model_path": tm.model_path,
+      "tokenizer_path": args.tokenizer_path,
+      "served_model_name": getattr(args, "served_model_name", None) or tm.model_path,
+      "is_generation": tm.is_generation,
+      "preferred_sampling_params": args.preferred_sampling_params,
+      "weight_version": self.weight_version,
+      "load_format": args.load_format,
+      "has_image_understanding": False,
+      "has_audio_understanding": False,
+      "model_type": getattr(hf, "model_type", None),
+      "architectures": getattr(hf, "architectures", None),
+    }
 
   async def pause(self, mode: str) -> None:
     """`/pause_generation` as sglang-jax's own, minus the mode that loses requests (ValueError)."""
     if mode == "retract":
       raise ValueError(RETRACT_REFUSED)
     from sgl_jax.srt.managers.io_struct import PauseGenerationReqInput
+
     await self.tokenizer_manager.pause_generation(PauseGenerationReqInput(mode=mode))
 
   # ---- routes -------------------------------------------------------------------------------------
@@ -657,8 +716,9 @@ class WeightUpdates:
       if body.get("weight_version") is not None and not isinstance(body["weight_version"], str):
         return _bad_request("weight_version: Input should be a valid string")
       success, message, paused = await self.update(body)
-      return ORJSONResponse({"success": success, "message": message, "num_paused_requests": paused},
-                            status_code=200 if success else 400)
+      return ORJSONResponse(
+        {"success": success, "message": message, "num_paused_requests": paused}, status_code=200 if success else 400
+      )
 
     async def pause_generation(request: Request):
       body = await _json_object(request)
@@ -667,6 +727,7 @@ class WeightUpdates:
       except ValueError as e:
         return _bad_request(str(e))
       return ORJSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
     # Ahead of sglang-jax's own /pause_generation: the same call, minus the mode that loses requests.
     app.router.add_api_route("/pause_generation", pause_generation, methods=["POST"])
     app.router.routes.insert(0, app.router.routes.pop())
@@ -698,8 +759,9 @@ class WeightUpdates:
       if not isinstance(body.get("push"), str):
         return _bad_request("push: Field required (a string)")
       success, message = await self.commit(body)
-      return ORJSONResponse({"success": success, "message": message, "num_paused_requests": 0},
-                            status_code=200 if success else 400)
+      return ORJSONResponse(
+        {"success": success, "message": message, "num_paused_requests": 0}, status_code=200 if success else 400
+      )
 
     @app.post(WEIGHTS_DISCARD_ROUTE)
     async def discard_weights(request: Request):
@@ -727,6 +789,7 @@ def _error_body(message: str) -> dict:
 def _bad_request(message: str):
   """SGLang's 400 error body."""
   from fastapi.responses import ORJSONResponse
+
   return ORJSONResponse(_error_body(message), status_code=400)
 
 
@@ -740,8 +803,13 @@ class InProcessEngine:
   as its HTTP server ignores them), its reply as the HTTP server's (`weight_version` stamped);
   `update_weights(tensors, version)` swaps in `{HF name: array}` without files."""
 
-  def __init__(self, argv: list[str], weight_version: str = "default", timeout_s: float | None = None,
-               isolate_versions: bool = True):
+  def __init__(
+    self,
+    argv: list[str],
+    weight_version: str = "default",
+    timeout_s: float | None = None,
+    isolate_versions: bool = True,
+  ):
     from sgl_jax.srt.entrypoints.engine import Engine
     from sgl_jax.srt.server_args import ServerArgs
 
@@ -773,6 +841,7 @@ class InProcessEngine:
 
     async def first():
       return await self.updates.tokenizer_manager.generate_request(obj, None).__anext__()
+
     return self._run(first(), self.timeout_s)
 
   def pause(self, mode: str) -> None:
@@ -780,6 +849,7 @@ class InProcessEngine:
 
   def resume(self) -> None:
     from sgl_jax.srt.managers.io_struct import ContinueGenerationReqInput
+
     self._run(self.updates.tokenizer_manager.continue_generation(ContinueGenerationReqInput()))
 
   def update_weights(self, tensors: dict, weight_version: str | None) -> tuple[bool, str]:
@@ -792,8 +862,13 @@ class InProcessEngine:
   def server_info(self, host: str, port: int) -> dict:
     """`/get_server_info`: its server arguments (`dtype` among them), `host`/`port` the caller's."""
     import dataclasses
-    return {**dataclasses.asdict(self.engine.server_args), "host": host, "port": port,
-            "weight_version": self.updates.weight_version}
+
+    return {
+      **dataclasses.asdict(self.engine.server_args),
+      "host": host,
+      "port": port,
+      "weight_version": self.updates.weight_version,
+    }
 
   def close(self) -> None:
     self.engine.shutdown()
@@ -808,6 +883,7 @@ def _stop_with_parent(kill_process_tree) -> None:
     while os.getppid() == parent:
       time.sleep(1.0)
     kill_process_tree(os.getpid(), include_parent=True)
+
   threading.Thread(target=watch, daemon=True, name="mis-jax-parent-watch").start()
 
 
@@ -833,6 +909,7 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer_manager, template_manager, info = launch(server_args, port_args)
     updates.attach(tokenizer_manager, info["scheduler"])
     return tokenizer_manager, template_manager, info
+
   http_server._launch_subprocesses_or_threads = launch_and_attach  # noqa: SLF001
   updates.add_routes(http_server.app)
   try:
