@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DEMO_STAMP := $(VENV)/.installed-demo
 
-.PHONY: venv engine browser test test-all test-fast demo fleet-demo demo-agent demo-sglang-jax docs docs-check example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-exact bench-engines bench-colocated bench-colocated-sglang-jax bench-agents bench-fleet bench-sync bench-real bench-gpu clean
+.PHONY: venv engine browser lint test test-all test-fast demo fleet-demo demo-agent demo-sglang-jax docs docs-check example-tunix example-tunix-sglang-jax bench bench-memory bench-replay bench-exact bench-engines bench-colocated bench-colocated-sglang-jax bench-agents bench-fleet bench-sync bench-real bench-gpu clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,13 +33,17 @@ browser:
 	command -v chromium >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
 # Two workers (the CI machine has 2 cores); whole files per worker keep module fixtures (servers) shared.
-test: $(STAMP) engine
+lint: $(STAMP)  ## ruff: the format and the lint (pyproject.toml), before any test
+	$(PY) -m ruff format --check .
+	$(PY) -m ruff check .
+
+test: $(STAMP) engine lint
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25 -m "not multihost and not repeat and not browser" tests
 
 test-all: $(STAMP) engine browser  ## everything: the 2-process trainer runs and the repeats (marker repeat) included
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
-test-fast: $(STAMP)  ## the library and the trainer's unit parts: no server, subprocess, venv or long invariant (~3 min)
+test-fast: $(STAMP) lint  ## the library and the trainer's unit parts: no server, subprocess, venv or long invariant (~3 min)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not repeat and not integration and not browser" tests
 
 demo: $(DEMO_STAMP)  ## the trainer on the embedded server (toy task); a fresh run dir each time

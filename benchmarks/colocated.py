@@ -19,7 +19,8 @@ The run first measures this machine's limits (`benchmarks.roofline`: dense-matmu
 float32 and bfloat16, memory bandwidth), and after each contender's steps times its phases apart
 on the programs it ran (ours: the trainer's own compiled old-log-prob pass and update on the last
 step's batch, the bfloat16 sampler's prefill and decode on the same shape; tunix: its
-`RLCluster` methods and our integration's old-log-prob pass, wrapped with timers, per step) and reports each one's achieved FLOP/s
+`RLCluster` methods and our integration's old-log-prob pass, wrapped with timers, per step) and reports each one's
+achieved FLOP/s
 as a fraction of the matmul FLOP/s of the dtype it computes in (the update and old-log-prob
 pass float32, the sampler bfloat16). The model FLOPs, from `benchmarks.roofline`: update
 `6 N` per token + attention, old log-probs and prefill `2 N` per token + attention, decode `2 N`

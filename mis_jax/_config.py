@@ -22,7 +22,7 @@ from mis_jax._keys import ConfigError, _closest, _where, key, load_yaml, validat
 from mis_jax._registry import ChoiceConfig, Registry
 from mis_jax._vocabulary import (
   AGGREGATIONS,
-  ALGORITHMS,
+  ALGORITHMS,  # noqa: F401  (re-exported)
   AUTO,
   AUTO_KEYS,
   DENOMINATORS,

@@ -447,7 +447,8 @@ def policy_loss(
 
   The per-token loss is aggregated over the kept mask ``m'`` by ``loss_agg_mode`` with the
   ``denominator`` of contract §7; ``loss = pg_loss - entropy_coef·entropy_loss + kl_coef·kl_loss``
-  ``+ sq_kl_coef·sq_kl_loss`` (contract §6.4) where the extra terms are aggregated the same way and never weighted by IS. Other forms
+  ``+ sq_kl_coef·sq_kl_loss`` (contract §6.4) where the extra terms are aggregated the same way and never weighted by
+  IS. Other forms
   replace ``ppo(·)`` by theirs against the same anchor; REINFORCE + IS takes only the
   ratio-free forms (``vanilla``, ``gpg``).
 

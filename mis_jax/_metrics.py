@@ -37,7 +37,8 @@ def mismatch_token_values(r) -> dict:
   """Per-token rows of contract §8.1, each averaged over ``m`` by ``R_m``.
 
   ``mis_k3_kl``: ``exp(r) - r - 1``, computed as ``max(expm1(r) - r, 0)`` (never
-  negative: ``exp(r) - r - 1`` in float32 goes below 0 for ``|r|`` under ~1e-4); ``mis_chi2_token``: ``exp(r)² - 1`` (so its mean is
+  negative: ``exp(r) - r - 1`` in float32 goes below 0 for ``|r|`` under ~1e-4); ``mis_chi2_token``: ``exp(r)² - 1`` (so
+  its mean is
   ``mean_m(exp(r)²) - 1``); ``train_rollout_logprob_abs_diff``: ``|o - q|``; ``r`` is clipped
   to ±B where it is exponentiated (contract §12.10), raw in ``|o - q|``.
   """

@@ -34,7 +34,8 @@ _REPORT_JS = """async () => {
       .map(c => c.querySelector('mjx-assistive-mml')?.textContent || c.outerHTML.slice(0, 80));
   const fonts = [...document.fonts].filter(f => f.family.startsWith('MJXTEX') && f.status === 'loaded').length;
   const errors = [...document.querySelectorAll('mjx-merror')].map(e =>
-      (e.getAttribute('data-mjx-error') || '') + ' in ' + (e.closest('mjx-container')?.getAttribute('aria-label') || e.textContent));
+      (e.getAttribute('data-mjx-error') || '') + ' in ' +
+      (e.closest('mjx-container')?.getAttribute('aria-label') || e.textContent));
   const leftover = [];
   const walker = document.createTreeWalker(document.querySelector('article') || document.body, NodeFilter.SHOW_TEXT);
   for (let n = walker.nextNode(); n; n = walker.nextNode()) {

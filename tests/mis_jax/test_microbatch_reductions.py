@@ -60,7 +60,8 @@ def _emitted_metrics() -> frozenset:
   """Every metric name the library emits (names depend on the config only: each config is
   evaluated abstractly), over the config forms: the four algorithms, every policy-loss form,
   vanilla TIS and MIS configs covering every bound mode, RS, the veto, batch normalisation, every
-  divergence criterion, OPSM, M2PO, DPPO-Binary-TV and KPop, the squared log-ratio KL, score centering, the threshold controller's targets, mismatch monitoring
+  divergence criterion, OPSM, M2PO, DPPO-Binary-TV and KPop, the squared log-ratio KL, score centering, the threshold
+  controller's targets, mismatch monitoring
   alone, `proximal: loglinear`, with prepare_step and without, and the sampling-replay metrics."""
   import itertools
   import jax

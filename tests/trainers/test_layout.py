@@ -1,7 +1,8 @@
 """The layers the layout shows, bottom to top, each importing only from the layers below it
 (`LAYERS`; docs/development.md opens with the same table, checked here): the library, then
 models / tasks / serving, the config schema, the runtime, rollouts, agents, the learner, the
-composition root, the commands (and `mis-jax` itself, `trainers.cli`), the experiments. A function-level import is an import; no import cycle anywhere.
+composition root, the commands (and `mis-jax` itself, `trainers.cli`), the experiments. A function-level import is an
+import; no import cycle anywhere.
 Within rollouts, only the colocated engines and the backend that composes them reach the serving
 engines beyond their wire schema (`trainers.serving.protocol`)."""
 

@@ -41,7 +41,8 @@ def check_sglang_jax(cfg) -> None:
     )
   if r.placement.mode == "colocated" and importlib.util.find_spec("sgl_jax") is None:
     raise mis_jax.ConfigError(
-      "rollout.placement.mode colocated with rollout.placement.engine sglang-jax runs sglang-jax's Engine in the trainer's "
+      "rollout.placement.mode colocated with rollout.placement.engine sglang-jax runs sglang-jax's Engine in the "
+      "trainer's "
       f"process, but this Python ({sys.version.split()[0]}) has no sglang-jax (it needs Python >= 3.12 and pins "
       "its own jax/flax): run the trainer in its venv, e.g. `PYTHONPATH=. $(python -m trainers.serving.sglang_jax "
       "--prepare --trainer) -m trainers.cli train ...` (docs/guides/trainer.md, colocated rollouts)"
@@ -226,7 +227,8 @@ def check_records(cfg: TrainConfig, model_cfg: ModelConfig, rollout: RolloutSett
     missing = [k for k in range(1, cfg.train.steps + 1) if k not in steps]
     if missing:
       raise rollout_records.RecordError(
-        f"rollout records {r.records.load_dir!r} have no {os.path.basename(rollout_records.step_path(r.records.load_dir, missing[0]))} "
+        f"rollout records {r.records.load_dir!r} have no "
+        f"{os.path.basename(rollout_records.step_path(r.records.load_dir, missing[0]))} "
         f"(they cover steps {min(steps)}..{max(steps)}); lower train.steps to {missing[0] - 1} or less"
       )
     active = extras_lib.active(rollout, model_cfg)

@@ -398,7 +398,8 @@ class DecoderLayer(nnx.Module):
 
 
 class CausalLM(nnx.Module):
-  """The decoder-only causal LM of every registered architecture. Parameters are stored in `param_dtype`, computed in `dtype`;
+  """The decoder-only causal LM of every registered architecture. Parameters are stored in `param_dtype`, computed in
+  `dtype`;
   logits are always returned in float32.
 
   Attribute names mirror HF's module tree (`model.embed_tokens`, `model.layers.{i}.self_attn.q_proj`,

@@ -7,7 +7,8 @@ is `[num_layers, in, out]`): layer `i` of it is HF's `model.layers.{i}.mlp.up_pr
 mixture-of-experts kernel `layers.mlp.experts.up_proj.kernel` is `[num_layers, num_experts, in,
 out]`, its `[i, e]` block HF's `model.layers.{i}.mlp.experts.{e}.up_proj.weight` (fused
 checkpoints are read through `Family.hf_views`).
-Loading reads each device's block of each tensor straight from the files (`safe_open` slices). Save followed by load is bit-exact in the saved
+Loading reads each device's block of each tensor straight from the files (`safe_open` slices). Save followed by load is
+bit-exact in the saved
 dtype.
 """
 

@@ -274,7 +274,8 @@ class SGLangClient:
     ``load(engine)`` (the update call: ``/update_weights_from_disk``, or the commit of weights
     streamed to it beforehand), verify, continue.
 
-    ``urls``: those engines only (default: every live one, or every one when none is up). Retries the update a bounded number
+    ``urls``: those engines only (default: every live one, or every one when none is up). Retries the update a bounded
+    number
     of times; raises :class:`ServerError` if an engine keeps answering ``success: false`` or its
     ``weight_version`` does not change, so training never goes on against unknown weights. An
     engine that fails past its retries is marked down (it gets the weights when readmitted);

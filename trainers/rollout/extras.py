@@ -268,7 +268,8 @@ class SamplingSupport(TokenExtra):
     return (
       None
       if r is None
-      else f"sampling replay on (top_k {r.sampling.top_k}, top_p {r.sampling.top_p}, min_p {r.sampling.min_p}): behaviour log-probs from the "
+      else f"sampling replay on (top_k {r.sampling.top_k}, top_p {r.sampling.top_p}, min_p {r.sampling.min_p}): "
+      "behaviour log-probs from the "
       "server's sampling masks; log-probs, entropy and KL over each token's support"
     )
 

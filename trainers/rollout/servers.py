@@ -171,7 +171,8 @@ class Servers:
       raise TrainingError(
         f"{', '.join(facts['missing_update_route'])} has no /update_weights_from_disk route (HTTP 404), so it "
         f"cannot load {when}. Settings that need no weight push: start the server on model.path with "
-        f"rollout.sync.initial_sync: auto (or never) and rollout.sync.sync_every > train.steps (every step then trains on "
+        f"rollout.sync.initial_sync: auto (or never) and rollout.sync.sync_every > train.steps (every step then "
+        f"trains on "
         f"rollouts of the starting weights: decoupled PPO corrects the growing staleness), or train from records "
         f"(rollout.records.load_dir)"
       )

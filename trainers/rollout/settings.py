@@ -42,7 +42,8 @@ def sampling_replay_width(r) -> int:
     what = "untruncated sampling" if not truncated else f"rollout.sampling.top_p {s.top_p}, min_p {s.min_p}"
     raise mis_jax.ConfigError(
       f"rollout.sampling.sampling_replay {mode} ({what}) needs a finite rollout.sampling.top_k: SGLang returns "
-      f"sampling masks only for 1 < top_k <= --sampling-mask-max-tokens, and top_k bounds the replayed support; set e.g. "
+      f"sampling masks only for 1 < top_k <= --sampling-mask-max-tokens, and top_k bounds the replayed support; "
+      f"set e.g. "
       f"rollout.sampling.top_k: 50, or rollout.sampling.sampling_replay: off"
     )
   if s.top_k > s.sampling_mask_max_tokens:

@@ -1,6 +1,7 @@
 """The training step at scale: on meshes (8), (2, 4) and (2, 2, 2) of simulated CPU devices the
 whole step (parameters, optimiser state and every metric after 1 and 3 updates) equals the
-single-device step (on (2, 4) with score centering); declared shardings hold; 1 micro-batch == 4 micro-batches; the chunked
+single-device step (on (2, 4) with score centering); declared shardings hold; 1 micro-batch == 4 micro-batches; the
+chunked
 log-prob path equals full logits; bf16 compute stays close to float32; the mesh config is
 validated; the model's HF weights load straight into their shards."""
 

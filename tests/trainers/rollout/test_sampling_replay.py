@@ -212,7 +212,8 @@ def test_a_server_without_sampling_masks_is_a_clear_error(tmp_path):
   [
     (
       ["rollout.sampling.top_p=0.9"],
-      "rollout.sampling.sampling_replay auto (rollout.sampling.top_p 0.9, min_p 0.0) needs a finite rollout.sampling.top_k",
+      "rollout.sampling.sampling_replay auto (rollout.sampling.top_p 0.9, min_p 0.0) needs a finite "
+      "rollout.sampling.top_k",
     ),
     (
       ["rollout.sampling.sampling_replay=on"],

@@ -10,7 +10,8 @@ The reported log-prob is `logp[token]`, *not* renormalised over the kept set, ex
 SGLang's `output_token_logprobs`. With `sampling_mask` (SGLang's `return_sampling_mask`) a row
 also returns, per output token, the kept set ("support", ids by descending probability), the
 behaviour log-prob `logp[token] - logsumexp(logp[support])` and the support's renormalised
-log-probs (SGLang's `output_token_sampling_mask` / `output_token_sampling_logprobs`). Temperature 0 (below 1e-6) is greedy and, as in SGLang, is
+log-probs (SGLang's `output_token_sampling_mask` / `output_token_sampling_logprobs`). Temperature 0 (below 1e-6) is
+greedy and, as in SGLang, is
 run as `T = 1, top_k = 1`, so its log-probs are those of `log_softmax(z)`. With
 `prompt_logprobs`, the prefill also returns the teacher-forced `log_softmax(z / T)` of every
 prompt token after the first (SGLang's `input_token_logprobs`).
