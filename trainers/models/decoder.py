@@ -397,6 +397,17 @@ class DecoderLayer(nnx.Module):
     return add(x, self.mlp(self.post_attention_layernorm(x), fused=fuse_mlp)), cache, None
 
 
+def _stacked_layers(cfg: ModelConfig, rngs: nnx.Rngs, **layer_kwargs) -> "DecoderLayer":
+  """`cfg.num_hidden_layers` decoder layers as one module with a leading layer axis (scanned or unrolled)."""
+
+  @nnx.split_rngs(splits=cfg.num_hidden_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def stacked(rngs):
+    return DecoderLayer(cfg, rngs=rngs, **layer_kwargs)
+
+  return stacked(rngs)
+
+
 class CausalLM(nnx.Module):
   """The decoder-only causal LM of every registered architecture. Parameters are stored in `param_dtype`, computed in
   `dtype`;
@@ -439,12 +450,13 @@ class CausalLM(nnx.Module):
     arithmetic: str = "default",
     rngs: nnx.Rngs,
   ):
-    if attention not in ATTENTION_BACKENDS:
-      raise ValueError(f"attention={attention!r}; allowed: {', '.join(ATTENTION_BACKENDS)}")
-    if remat not in REMAT_POLICIES:
-      raise ValueError(f"remat={remat!r}; allowed: {', '.join(REMAT_POLICIES)}")
-    if moe_dispatch not in MOE_DISPATCH:
-      raise ValueError(f"moe_dispatch={moe_dispatch!r}; allowed: {', '.join(MOE_DISPATCH)}")
+    for name, value, allowed in (
+      ("attention", attention, ATTENTION_BACKENDS),
+      ("remat", remat, REMAT_POLICIES),
+      ("moe_dispatch", moe_dispatch, MOE_DISPATCH),
+    ):
+      if value not in allowed:
+        raise ValueError(f"{name}={value!r}; allowed: {', '.join(allowed)}")
     self.arithmetic = invariant.check_arithmetic(arithmetic)
     self.config = cfg
     self.layer_loop, self.layer_loop_reason = resolve_layer_loop(layer_loop, cfg.num_hidden_layers)
@@ -460,21 +472,15 @@ class CausalLM(nnx.Module):
       embedding_init=nnx.initializers.normal(cfg.initializer_range),
       rngs=rngs,
     )
-
-    @nnx.split_rngs(splits=cfg.num_hidden_layers)
-    @nnx.vmap(in_axes=(0,), out_axes=0)
-    def stacked(rngs):
-      return DecoderLayer(
-        cfg,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        moe_dispatch=moe_dispatch,
-        activation_sharding=activation_sharding,
-        arithmetic=arithmetic,
-        rngs=rngs,
-      )
-
-    self.layers = stacked(rngs)
+    self.layers = _stacked_layers(
+      cfg,
+      rngs,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      moe_dispatch=moe_dispatch,
+      activation_sharding=activation_sharding,
+      arithmetic=arithmetic,
+    )
     self.norm = RMSNorm(
       cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype, param_dtype=param_dtype, arithmetic=arithmetic
     )
