@@ -111,10 +111,15 @@ def _flat(params):
 def test_trajectories_train_on_exactly_the_sampled_and_observed_ids(server32, tmp_path, monkeypatch):
   spy = Spy(monkeypatch)
   records = str(tmp_path / "records")
-  trainer = _trainer(tmp_path, server32.url, rollout={"records": {"save_dir": records}, "prompts_per_step": 2, "n": 4})
+  trainer = _trainer(
+    tmp_path,
+    server32.url,
+    train={"steps": 4},  # every property below is per step
+    rollout={"records": {"save_dir": records}, "prompts_per_step": 2, "n": 4},
+  )
   before = _flat(trainer.params)
   history = trainer.run(progress=False)
-  assert [h["step"] for h in history] == list(range(1, 11))
+  assert [h["step"] for h in history] == list(range(1, 5))
   assert not np.array_equal(before, _flat(trainer.params))
   for h in history:
     # float32 engine and trainer, the weights pushed every step: the same policy on the model's tokens.
@@ -124,7 +129,7 @@ def test_trajectories_train_on_exactly_the_sampled_and_observed_ids(server32, tm
     assert h["agent/env_tokens"] == 8 * 6 and h["agent/model_tokens"] > 0
     assert h["reward_std"] > 0
     assert all(h[f"agent/k3_turn_{t}"] < 1e-6 for t in (1, 2, 3)) and "agent/k3_turn_4" not in h
-  for step in range(1, 11):
+  for step in range(1, 5):
     cols, _ = rollout_records.read_step(rollout_records.step_path(records, step))
     for prompt, response, turn, lps, spans in zip(
       cols["prompt_ids"], cols["response_ids"], cols["turn"], cols["rollout_logprobs"], cols["weight_versions"]

@@ -202,10 +202,14 @@ def command(
 
 
 def engine_env() -> dict:
-  """The engine's environment: the CPU platform, no XLA flags of ours (simulated devices), a
-  persistent compilation cache of its own."""
+  """The engine's environment: the CPU platform, no XLA flags of ours (simulated devices) but the
+  LLVM optimisation level (the test suite compiles everything at 0), a persistent compilation cache
+  of its own."""
   env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_"))}
   env.update(JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=os.path.join(cache_dir(), "jax-cache-sglang-jax"))
+  level = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith("--xla_backend_optimization_level")]
+  if level:
+    env["XLA_FLAGS"] = level[-1]
   return env
 
 
