@@ -205,6 +205,7 @@ def test_optimal_token_baseline_matches_loop(with_is):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_jit_equals_eager_and_otb_packed_equals_padded():
   """Every estimator gives the same advantages jitted and eager; OTB's per-token advantages do
   not depend on the layout (rows of 8 shared by sequences == one padded row per sequence)."""

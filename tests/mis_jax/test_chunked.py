@@ -112,6 +112,7 @@ def test_chunking_plan():
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("cfg", range(len(MIS_CONFIGS)))
+@pytest.mark.slow
 def test_weights_chunked_equal_one_pass(cfg, mode):
   want = weights(MIS_CONFIGS[cfg], mode, chunks(None))
   for n in (8, 30):

@@ -105,6 +105,7 @@ def _masked(x, lower, u):
     ("geometric", 0.6, 0.05),
   ],
 )
+@pytest.mark.slow
 def test_masking_bound_is_the_tightest_that_masks_at_most_f(level, lower, fraction):
   for seed in SEEDS:
     batch = _batch(seed)
@@ -183,6 +184,7 @@ def _ess_oracle(x, k, mode, lower, target):
     ("geometric", "clip", 0.3, 0.9),
   ],
 )
+@pytest.mark.slow
 def test_ess_bound_is_the_loosest_that_meets_the_target(level, mode, lower, target):
   for seed in SEEDS:
     batch = _batch(seed)

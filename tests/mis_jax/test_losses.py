@@ -166,6 +166,7 @@ MICRO_CASES = [
 
 @pytest.mark.parametrize("algo,correction,den", MICRO_CASES)
 @pytest.mark.parametrize("mode", mis_jax.config.LOSS_AGG_MODES)
+@pytest.mark.slow
 def test_microbatches_sum_to_full_batch(algo, correction, den, mode):
   cfg = loss_cfg(
     algo,

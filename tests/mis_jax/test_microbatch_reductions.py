@@ -181,6 +181,7 @@ def _combine(values, weights, how):
   return float(np.sum(np.asarray(values, np.float64) * w) / max(np.sum(w), 1.0))
 
 
+@pytest.mark.slow
 def test_opsm_share_of_sequences_combines_over_microbatches_as_one_batch():
   """`mis_opsm_masked_seq_fraction` is a share of live sequences (contract §4.2), so it combines
   weighted by each micro-batch's live sequences ("seqs"): k micro-batches (the correction run in

@@ -90,6 +90,7 @@ def single_device():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.slow
 def test_sharded_equals_single_device(layout, single_device):
   shape, names, data_axis, seq_axis = LAYOUTS[layout]
   mesh = jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names))

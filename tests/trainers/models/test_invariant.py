@@ -15,6 +15,8 @@ from trainers.learner.step import ExactPass
 from trainers.models import invariant
 from trainers.models.attention import segment_mask
 
+pytestmark = pytest.mark.slow  # batch-invariant programs compile at LLVM level 2: make test, not make test-fast
+
 jit = lambda f: jax.jit(f, compiler_options=invariant.COMPILER_OPTIONS)
 F32, BF16 = jnp.float32, jnp.bfloat16
 
