@@ -43,7 +43,7 @@ test: $(STAMP) engine lint
 test-all: $(STAMP) engine browser  ## everything: the 2-process trainer runs and the repeats (marker repeat) included
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
-test-fast: $(STAMP) lint  ## the library and the trainer's unit parts: no server, subprocess, venv or long invariant (~3 min)
+test-fast: $(STAMP) lint  ## the library and the trainer's unit parts: no server, subprocess, venv or long invariant (3–4 min on 2 cores)
 	$(PY) -m pytest -q -n 2 --dist loadfile -m "not slow and not repeat and not integration and not browser" tests
 
 demo: $(DEMO_STAMP)  ## the trainer on the embedded server (toy task); a fresh run dir each time
