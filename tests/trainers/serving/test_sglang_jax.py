@@ -503,11 +503,11 @@ def _in_engine_venv(configs: dict, root, devices: int) -> dict:
   all) on `devices` CPU devices; what each run took and trained: `{name: (run.json, params)}`."""
   path = root / "configs.json"
   path.write_text(json.dumps(configs))
-  env = {
-    **sglang_jax.engine_env(),
-    "PYTHONPATH": os.pathsep.join([os.getcwd(), os.path.dirname(DRIVER)]),
-    "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {sglang_jax.engine_env().get('XLA_FLAGS', '')}",
-  }
+  env = sglang_jax.engine_env()
+  env.update(
+    PYTHONPATH=os.pathsep.join([os.getcwd(), os.path.dirname(DRIVER)]),
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {env.get('XLA_FLAGS', '')}".strip(),
+  )
   done = subprocess.run(
     [engine_python(), DRIVER, str(path), str(root / "out")], env=env, capture_output=True, text=True, timeout=900
   )
@@ -670,7 +670,7 @@ def test_routing_replay_r3_colocated(engine_venv_runs):
   assert [h["server_weight_version"] for h in run["history"]] == ["0", "1", "2"]
   assert all(s["routed_experts"] is not None for step in run["samples"] for s in step)
   for h in run["history"]:
-    assert h["routing_positions"] > 0 and h["routing_mismatch_frac"] == 0, h
+    assert h["routing_positions"] > 0 and h["routing_mismatch_frac"] == 0 and h["grad_norm"] > 0, h
     assert h["mis_k3_kl"] < 1e-6 and h["train_rollout_logprob_abs_diff"] < 1e-4, h
 
 
